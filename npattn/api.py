@@ -1,0 +1,114 @@
+"""The public functions: validate once, pick a backend, run it, hand back the user's layout."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import backends as _backends
+from ._arrays import array_kind
+from .problem import to_user_layout
+from .validation import build_problem, check_cotangent
+
+
+def attention(q, k, v, *, causal=False, window=None, sinks=0, sink_logits=None, mask=None,
+              bias=None, alibi_slopes=None, q_lengths=None, kv_lengths=None, scale=None,
+              softcap=None, dropout_p=0.0, seed=None, layout="bhsd", return_lse=False,
+              return_weights=False, backend="auto"):
+    """Scaled dot-product attention with every option fused.
+
+    Shapes in layout "bhsd" (torch SDPA): q (B, H, Sq, D), k (B, Hkv, Sk, D),
+    v (B, Hkv, Sk, Dv); in "bshd" (FlashAttention, JAX): q (B, Sq, H, D), k and v
+    likewise. ``H % Hkv == 0``; query head h reads kv head ``h // (H // Hkv)``
+    (Hkv == H: MHA, Hkv == 1: MQA, between: GQA).
+
+    Query row i sits at position ``p_i = i + Sk - Sq`` (bottom-right alignment);
+    key j is visible to it when ``j <= p_i`` (causal), ``p_i - left <= j <= p_i + right``
+    or ``j < sinks`` (window), ``mask[b, h, i, j]`` (True = may attend),
+    ``j < kv_lengths[b]`` and ``i < q_lengths[b]``.
+
+    Scores: ``s = scale * q.k`` (scale defaults to 1/sqrt(D)); softcap
+    ``s -> softcap * tanh(s / softcap)``; ``+ bias - alibi_slopes[b, h] * |p_i - j|``;
+    invisible keys removed; softmax over keys, with ``sink_logits[h]`` as one extra
+    value-less column; dropout with probability ``dropout_p`` (mask a pure function of
+    ``(seed, b, h, i, j)``, see :mod:`npattn.dropout`; inverted scaling); then ``@ v``.
+
+    Args:
+        window: None, int w (-> (w, w), or (w, 0) when causal) or (left, right) with
+            None for an unbounded side.
+        mask: bool, broadcastable to (B, H, Sq, Sk). bias: float, likewise.
+        alibi_slopes: (H,) or (B, H). sink_logits: (H,).
+        q_lengths, kv_lengths: int (B,); padding rows output zeros.
+        softcap: None or 0 for none, else positive.
+        seed: int, or None for a fresh random seed (remembered by attention_vjp).
+        backend: "auto" (cpu for NumPy, gpu for CuPy, else reference), "reference",
+            "cpu" or "gpu".
+
+    Returns:
+        ``out`` in q's dtype and layout: (B, H, Sq, Dv) or (B, Sq, H, Dv). With
+        ``return_lse`` / ``return_weights``, the tuple ``(out, lse?, weights?)``:
+        lse (B, H, Sq) in float32 (float64 for float64 inputs), including the sink
+        logit, -inf for rows with no visible key; weights (B, H, Sq, Sk) in q's dtype,
+        the probabilities after masking and before dropout.
+
+    A row with no visible key outputs zeros, never NaN. Raises ValueError or
+    TypeError naming the argument before any kernel runs. Inputs are never modified.
+    """
+    problem = build_problem(q, k, v, causal=causal, window=window, sinks=sinks,
+                            sink_logits=sink_logits, mask=mask, bias=bias,
+                            alibi_slopes=alibi_slopes, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                            scale=scale, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                            layout=layout, return_lse=return_lse, return_weights=return_weights)
+    implementation = _backends.resolve(backend, array_kind(problem.q))
+    return _public_outputs(problem, implementation.forward(problem))
+
+
+def attention_vjp(q, k, v, **options):
+    """``(outputs, vjp)``: :func:`attention`'s outputs and a function of ``dout``.
+
+    ``outputs`` is exactly what ``attention(q, k, v, **options)`` returns. ``vjp(dout)``
+    takes the gradient of ``out`` (out's shape and layout) and returns
+    ``(dq, dk, dv)``, followed by ``dbias`` when ``bias`` was given and by
+    ``dsink_logits`` (H,) when ``sink_logits`` was given. Each gradient has the shape,
+    layout and dtype of its input: dk and dv have the kv head count (summed over the
+    query heads of a group), dbias is summed over the dimensions it was broadcast along.
+    The dropout mask of the forward is reused, also when ``seed`` was None. lse and
+    weights are outputs only: no gradient flows back through them.
+    """
+    backend = options.pop("backend", "auto")
+    problem = build_problem(q, k, v, **options)
+    implementation = _backends.resolve(backend, array_kind(problem.q))
+    result = implementation.forward(problem)
+    outputs = _public_outputs(problem, result)
+    out_shape = (outputs[0] if isinstance(outputs, tuple) else outputs).shape
+
+    def vjp(dout):
+        dout = check_cotangent("dout", dout, problem.q, out_shape)
+        if problem.layout == "bshd":
+            dout = dout.transpose(0, 2, 1, 3)
+        grads = implementation.backward(problem, result.saved, dout)
+        public = [_user_array(problem, grads.dq, problem.q.dtype),
+                  _user_array(problem, grads.dk, problem.k.dtype),
+                  _user_array(problem, grads.dv, problem.v.dtype)]
+        if problem.bias is not None:
+            public.append(grads.dbias.astype(problem.bias.dtype, copy=False))
+        if problem.sink_logits is not None:
+            public.append(grads.dsink_logits.astype(problem.sink_logits.dtype, copy=False))
+        return tuple(public)
+
+    return outputs, vjp
+
+
+def _public_outputs(problem, result):
+    out = _user_array(problem, result.out, problem.dtype)
+    extras = []
+    if problem.return_lse:
+        extras.append(result.lse.astype(problem.accumulate_dtype, copy=False))
+    if problem.return_weights:
+        extras.append(result.weights.astype(problem.dtype, copy=False))
+    return (out, *extras) if extras else out
+
+
+def _user_array(problem, array_bhsd, dtype):
+    """A bhsd-ordered result as a C-contiguous array in the user's layout and ``dtype``
+    (no copy when a kernel already wrote it that way)."""
+    array = to_user_layout(array_bhsd.astype(dtype, copy=False), problem.layout)
+    return problem.xp.ascontiguousarray(array)

@@ -1,0 +1,96 @@
+"""One description of which keys a query row may see, shared by every backend.
+
+Positions are bottom-right aligned (FlashAttention's convention): query row ``i``
+of ``q_len`` rows sits at position ``p_i = i + kv_len - q_len``, so the last
+query row is level with the last key. That is what KV-cache decoding and
+chunked prefill need; with ``q_len == kv_len`` it is the ordinary alignment.
+
+Key ``j`` is visible to row ``i`` when all of these hold:
+
+- causal: ``j <= p_i``;
+- window ``(left, right)``: ``p_i - left <= j <= p_i + right``, or ``j < sinks``
+  (either bound may be ``None``: unbounded on that side);
+- the user's boolean mask, ``kv_lengths`` and ``q_lengths`` (applied by the backends).
+
+The structural part (causal, window, sinks) is described by :class:`Visibility`.
+Its :meth:`Visibility.key_range` gives, per row, the contiguous band of keys
+that causal and window allow; kernels use it to skip whole tiles, which is why
+the band is an interval and the sinks a separate prefix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Causal, window and sink structure of the score matrix.
+
+    ``window_left`` / ``window_right`` are ``None`` when unbounded; with ``causal``
+    the right bound is folded to 0 (a causal row never sees past itself).
+    """
+
+    causal: bool = False
+    window_left: int | None = None
+    window_right: int | None = None
+    sinks: int = 0
+
+    @classmethod
+    def from_options(cls, causal: bool, window, sinks: int) -> "Visibility":
+        """Normalize API options. ``window`` is None, an int ``w`` (``(w, w)``, or
+        ``(w, 0)`` when causal) or a ``(left, right)`` pair whose entries may be None.
+        Validation of types and signs happens in :mod:`npattn.validation`."""
+        if window is None:
+            left = right = None
+        elif isinstance(window, tuple):
+            left, right = window
+        else:
+            left, right = window, (0 if causal else window)
+        if causal:
+            right = 0 if right is None else min(right, 0)
+        return cls(bool(causal), left, right, int(sinks))
+
+    @property
+    def is_full(self) -> bool:
+        """True when causal and window rule out nothing (sinks are then irrelevant)."""
+        return not self.causal and self.window_left is None and self.window_right is None
+
+    @property
+    def has_window(self) -> bool:
+        return self.window_left is not None or self.window_right is not None
+
+    def key_range(self, row: int, q_len: int, kv_len: int) -> tuple[int, int]:
+        """Half-open band ``[lo, hi)`` of keys that causal and window allow row ``row``
+        to see, clipped to ``[0, kv_len)``; empty when ``lo >= hi``. Keys ``j < sinks``
+        are visible in addition whenever a window is set (see :meth:`sink_end`)."""
+        position = row + kv_len - q_len
+        lo = 0 if self.window_left is None else max(0, position - self.window_left)
+        hi = kv_len if self.window_right is None else min(kv_len, position + self.window_right + 1)
+        if self.causal:
+            hi = min(hi, position + 1)
+        return lo, max(lo, hi)
+
+    def sink_end(self, row: int, q_len: int, kv_len: int) -> int:
+        """Keys ``[0, sink_end)`` are visible to ``row`` through the sinks: the first
+        ``sinks`` keys, but never past what causality allows."""
+        if not self.has_window:
+            return 0
+        end = min(self.sinks, kv_len)
+        if self.causal:
+            end = min(end, max(0, row + kv_len - q_len + 1))
+        return end
+
+    def matrix(self, xp, q_len: int, kv_len: int):
+        """Boolean (q_len, kv_len) array of module ``xp``: True where causal/window/sinks allow."""
+        position = xp.arange(q_len)[:, None] + (kv_len - q_len)
+        key = xp.arange(kv_len)[None, :]
+        allowed = xp.ones((q_len, kv_len), dtype=bool)
+        if self.window_left is not None:
+            allowed &= key >= position - self.window_left
+        if self.window_right is not None:
+            allowed &= key <= position + self.window_right
+        if self.has_window and self.sinks:
+            allowed |= key < self.sinks
+        if self.causal:
+            allowed &= key <= position
+        return allowed

@@ -1,0 +1,108 @@
+"""The validated, normalized description of one attention call that every backend consumes.
+
+:func:`npattn.validation.build_problem` turns user arguments into an
+:class:`AttentionProblem`; backends never look at raw keywords. Arrays keep the
+user's dtype and memory: ``q``, ``k`` and ``v`` are bhsd-ordered *views* (a
+bshd input is transposed, never copied), ``mask`` and ``bias`` are 4-D views
+that broadcast to (B, H, Sq, Sk) without being expanded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .dropout import keep_threshold
+from .masks import Visibility
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """Shapes, in bhsd order: q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv).
+
+    Optional arrays: ``mask`` bool and ``bias`` float, both 4-D and broadcastable to
+    (B, H, Sq, Sk); ``sink_logits`` (H,); ``alibi_slopes`` (B, H) (a broadcast view
+    of a (H,) input); ``q_lengths`` / ``kv_lengths`` int64 (B,).
+    """
+
+    xp: Any
+    q: Any
+    k: Any
+    v: Any
+    layout: str
+    scale: float
+    visibility: Visibility
+    sink_logits: Any = None
+    mask: Any = None
+    bias: Any = None
+    bias_shape: tuple | None = None
+    alibi_slopes: Any = None
+    q_lengths: Any = None
+    kv_lengths: Any = None
+    softcap: float | None = None
+    dropout_p: float = 0.0
+    seed: int = 0
+    return_lse: bool = False
+    return_weights: bool = False
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head: query head h reads kv head h // group_size."""
+        return self.heads // self.kv_heads
+
+    @property
+    def q_len(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def kv_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+    @property
+    def accumulate_dtype(self):
+        """float64 for float64 inputs, float32 for float32/float16/bfloat16."""
+        return np.dtype(np.float64) if self.q.dtype == np.float64 else np.dtype(np.float32)
+
+    @property
+    def dropout_threshold(self) -> int:
+        """The integer keep threshold of :mod:`npattn.dropout`."""
+        return keep_threshold(self.dropout_p)
+
+    def empty_output(self, dtype=None):
+        """An uninitialized output buffer laid out as the user's layout, returned as its
+        bhsd view (B, H, Sq, Dv), so a kernel writes the user's layout with no copy."""
+        dtype = self.q.dtype if dtype is None else dtype
+        b, h, s, dv = self.batch, self.heads, self.q_len, self.value_dim
+        if self.layout == "bshd":
+            return self.xp.empty((b, s, h, dv), dtype=dtype).transpose(0, 2, 1, 3)
+        return self.xp.empty((b, h, s, dv), dtype=dtype)
+
+
+def to_user_layout(array_bhsd, layout: str):
+    """The inverse of the bhsd view taken on input: a (B, H, S, X) array as the user's layout."""
+    return array_bhsd.transpose(0, 2, 1, 3) if layout == "bshd" else array_bhsd

@@ -1,0 +1,195 @@
+"""The oracle: attention as textbook float64 math, every option materialized.
+
+Everything else in npattn is tested against this module, so it favours being
+obviously right over being fast: it builds the full (B, H, Sq, Sk) score
+matrix in float64 and applies each option as one readable step, in the order
+the API fixes:
+
+1. ``s = scale * q @ k^T``                        (query head h reads kv head h // group)
+2. ``s = softcap * tanh(s / softcap)``            if softcap
+3. ``s = s + bias - alibi_slope * |p_i - j|``     if bias / alibi_slopes
+4. ``s = -inf`` where the key is not visible      (:mod:`npattn.masks`, mask, lengths)
+5. ``P = softmax(s)`` over keys, with ``sink_logit[h]`` as an extra value-less column
+6. ``P~ = P * keep / (1 - p)``                    dropout (:mod:`npattn.dropout`)
+7. ``out = P~ @ v``
+
+A row with no visible key (or whose visible scores are all -inf) outputs zeros,
+has lse = -inf and passes no gradient. The backward is the analytic derivative
+of these steps (with ``delta = rowsum(dout * out)``), not finite differences.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .dropout import keep_mask
+from .results import ForwardResult, Gradients
+
+NAME = "reference"
+
+
+def unavailable_reason(array_kind: str = "numpy") -> str | None:
+    """Always available: plain NumPy (or CuPy) array math."""
+    return None
+
+
+def forward(problem) -> ForwardResult:
+    """float64 ``out`` (B, H, Sq, Dv), ``lse`` (B, H, Sq) and, when asked, ``weights``
+    (B, H, Sq, Sk), the probabilities after masking and before dropout."""
+    state = _forward_state(problem)
+    return ForwardResult(out=state.out, lse=state.lse,
+                         weights=state.probs if problem.return_weights else None)
+
+
+def backward(problem, saved, dout) -> Gradients:
+    """Gradients of ``sum(out * dout)``; ``dout`` is (B, H, Sq, Dv) in bhsd order.
+
+    The reference keeps nothing from the forward (``saved`` is unused) and recomputes
+    it in float64. dk/dv are summed over the query heads that share a kv head; dbias is
+    summed over the dimensions the bias was broadcast along.
+    """
+    xp = problem.xp
+    state = _forward_state(problem)
+    dout = dout.astype(np.float64)
+    group = problem.group_size
+
+    dv_per_query_head = _transpose_keys(state.dropped_probs) @ dout
+    dprobs_dropped = dout @ _transpose_keys(state.v)
+    dprobs = dprobs_dropped if state.keep_scale is None else dprobs_dropped * state.keep_scale
+    # softmax backward: dS = P * (dP - delta), where delta = sum_j P_j dP_j = rowsum(dout * out);
+    # the sink column has no value, so dP_sink = 0 and it adds nothing to delta.
+    delta = xp.sum(dout * state.out, axis=-1, keepdims=True)
+    dscores = state.probs * (dprobs - delta)
+
+    dbias = None if problem.bias is None else _sum_to_shape(xp, dscores, problem.bias_shape)
+    dsink_logits = None
+    if problem.sink_logits is not None:
+        dsink_logits = -xp.sum(state.sink_probs * delta[..., 0], axis=(0, 2))
+    if problem.softcap is not None:
+        dscores = dscores * (1.0 - state.softcapped_tanh ** 2)
+    dscores = dscores * problem.scale
+    dq = dscores @ state.k
+    dk_per_query_head = _transpose_keys(dscores) @ state.q
+    return Gradients(dq=dq, dk=_sum_groups(dk_per_query_head, group),
+                     dv=_sum_groups(dv_per_query_head, group), dbias=dbias,
+                     dsink_logits=dsink_logits)
+
+
+@dataclass
+class _ForwardState:
+    """The materialized forward, everything in float64 and bhsd order."""
+
+    q: Any                # (B, H, Sq, D)
+    k: Any                # (B, H, Sk, D), kv heads repeated per query head
+    v: Any                # (B, H, Sk, Dv), likewise
+    softcapped_tanh: Any  # tanh(s / softcap) of step 2, or None
+    probs: Any            # (B, H, Sq, Sk) softmax over keys, 0 where invisible
+    sink_probs: Any       # (B, H, Sq) probability of the sink column, or None
+    keep_scale: Any       # (B, H, Sq, Sk) keep / (1 - p), or None without dropout
+    dropped_probs: Any    # probs * keep_scale
+    out: Any              # (B, H, Sq, Dv)
+    lse: Any              # (B, H, Sq)
+
+
+def _forward_state(problem) -> _ForwardState:
+    xp = problem.xp
+    q = problem.q.astype(np.float64)
+    k = _repeat_kv_heads(xp, problem.k.astype(np.float64), problem.group_size)
+    v = _repeat_kv_heads(xp, problem.v.astype(np.float64), problem.group_size)
+
+    scores = problem.scale * (q @ _transpose_keys(k))
+    softcapped_tanh = None
+    if problem.softcap is not None:
+        softcapped_tanh = xp.tanh(scores / problem.softcap)
+        scores = problem.softcap * softcapped_tanh
+    if problem.bias is not None:
+        scores = scores + problem.bias.astype(np.float64)
+    if problem.alibi_slopes is not None:
+        scores = scores - _alibi(xp, problem)
+
+    sink = None
+    if problem.sink_logits is not None:
+        sink = xp.broadcast_to(problem.sink_logits.astype(np.float64)[None, :, None], scores.shape[:3])
+    probs, sink_probs, lse = _masked_softmax(xp, xp.where(visible_keys(problem), scores, -np.inf), sink)
+
+    keep_scale = None
+    dropped_probs = probs
+    if problem.dropout_p > 0:
+        keep = keep_mask(xp, problem.seed, problem.dropout_p, *probs.shape)
+        keep_scale = keep / (1.0 - problem.dropout_p)
+        dropped_probs = probs * keep_scale
+    return _ForwardState(q=q, k=k, v=v, softcapped_tanh=softcapped_tanh, probs=probs,
+                         sink_probs=sink_probs, keep_scale=keep_scale, dropped_probs=dropped_probs,
+                         out=dropped_probs @ v, lse=lse)
+
+
+def visible_keys(problem):
+    """Boolean (B, H, Sq, Sk): causal, window and sinks, the mask, and both lengths."""
+    xp = problem.xp
+    shape = (problem.batch, problem.heads, problem.q_len, problem.kv_len)
+    visible = problem.visibility.matrix(xp, problem.q_len, problem.kv_len)[None, None]
+    if problem.mask is not None:
+        visible = visible & problem.mask
+    if problem.kv_lengths is not None:
+        visible = visible & (xp.arange(problem.kv_len)[None, None, None, :]
+                             < problem.kv_lengths[:, None, None, None])
+    if problem.q_lengths is not None:
+        visible = visible & (xp.arange(problem.q_len)[None, None, :, None]
+                             < problem.q_lengths[:, None, None, None])
+    return xp.broadcast_to(visible, shape)
+
+
+def _masked_softmax(xp, scores, sink):
+    """Softmax over the last axis of ``scores`` (-inf = invisible), with ``sink`` (B, H, Sq)
+    as an extra column when given. Returns (probs, sink_probs, lse); empty rows give
+    probs 0, sink_probs 0 and lse -inf."""
+    row_has_key = xp.any(scores > -np.inf, axis=-1)
+    if scores.shape[-1]:
+        row_max = xp.max(scores, axis=-1)
+    else:  # no keys at all (Sk = 0): every row is empty
+        row_max = xp.full(scores.shape[:-1], -np.inf)
+    if sink is not None:
+        row_max = xp.maximum(row_max, sink)
+    row_max = xp.where(row_has_key, row_max, 0.0)
+    exps = xp.exp(scores - row_max[..., None])
+    total = xp.sum(exps, axis=-1)
+    sink_exps = None
+    if sink is not None:
+        sink_exps = xp.exp(sink - row_max)
+        total = total + sink_exps
+    total = xp.where(row_has_key, total, 1.0)
+    probs = xp.where(row_has_key[..., None], exps / total[..., None], 0.0)
+    sink_probs = None if sink is None else xp.where(row_has_key, sink_exps / total, 0.0)
+    lse = xp.where(row_has_key, row_max + xp.log(total), -np.inf)
+    return probs, sink_probs, lse
+
+
+def _alibi(xp, problem):
+    """``slope[b, h] * |p_i - j|`` as (B, H, Sq, Sk), with ``p_i = i + Sk - Sq``."""
+    positions = xp.arange(problem.q_len, dtype=np.float64) + (problem.kv_len - problem.q_len)
+    distance = xp.abs(positions[:, None] - xp.arange(problem.kv_len, dtype=np.float64)[None, :])
+    return problem.alibi_slopes.astype(np.float64)[:, :, None, None] * distance
+
+
+def _repeat_kv_heads(xp, x, group):
+    """(B, Hkv, S, X) -> (B, Hkv * group, S, X): query head h reads kv head h // group."""
+    return xp.repeat(x, group, axis=1) if group > 1 else x
+
+
+def _sum_groups(x, group):
+    """(B, H, S, X) -> (B, H // group, S, X): the adjoint of :func:`_repeat_kv_heads`."""
+    b, h, s, d = x.shape
+    return x.reshape(b, h // group, group, s, d).sum(axis=2)
+
+
+def _sum_to_shape(xp, x, shape):
+    """Sum a (B, H, Sq, Sk) array down to a shape that broadcasts to it (the adjoint of broadcasting)."""
+    padded = (1,) * (4 - len(shape)) + tuple(shape)
+    axes = tuple(axis for axis, size in enumerate(padded) if size == 1 and x.shape[axis] != 1)
+    return xp.sum(x, axis=axes, keepdims=True).reshape(shape)
+
+
+def _transpose_keys(x):
+    return x.swapaxes(-1, -2)
