@@ -1,0 +1,161 @@
+"""Hypothesis strategies for attention problems: dimensions drawn once, then matching arrays.
+
+Values come from a NumPy generator seeded by hypothesis (bounded and finite), while
+shapes and options are drawn by hypothesis itself, so failures shrink to small
+shapes and few options. Every option of the API can be switched on or off per test.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from hypothesis import strategies as st
+
+import npattn
+
+ALL_OPTIONS = ("causal", "window", "sinks", "sink_logits", "mask", "bias", "alibi_slopes",
+               "q_lengths", "kv_lengths", "scale", "softcap", "dropout")
+# Options that tie a key to its index; without them, keys may be permuted freely.
+POSITIONAL_OPTIONS = ("causal", "window", "sinks", "alibi_slopes", "kv_lengths", "dropout")
+VALUE_RANGE = 2.0
+
+
+@dataclass(frozen=True)
+class Dims:
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    value_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def scores_shape(self):
+        return (self.batch, self.heads, self.q_len, self.kv_len)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention call: q, k, v in bhsd order plus keyword options."""
+
+    dims: Dims
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    options: dict = field(default_factory=dict)
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+    def run(self, backend="reference", layout="bhsd", **overrides):
+        """Call npattn.attention with this case in ``layout`` (bhsd arrays transposed as views)."""
+        q, k, v = (to_layout(a, layout) for a in (self.q, self.k, self.v))
+        return npattn.attention(q, k, v, **{**self.options, **overrides}, layout=layout, backend=backend)
+
+    def vjp(self, backend="reference", layout="bhsd", **overrides):
+        q, k, v = (to_layout(a, layout) for a in (self.q, self.k, self.v))
+        return npattn.attention_vjp(q, k, v, **{**self.options, **overrides}, layout=layout,
+                                    backend=backend)
+
+    def with_options(self, **options):
+        return replace(self, options={**self.options, **options})
+
+    def without(self, *names):
+        return replace(self, options={k: v for k, v in self.options.items() if k not in names})
+
+
+def to_layout(array_bhsd, layout):
+    return array_bhsd.transpose(0, 2, 1, 3) if layout == "bshd" else array_bhsd
+
+
+@st.composite
+def dims(draw, max_batch=2, max_kv_heads=2, max_group=3, min_len=1, max_len=9, max_dim=8):
+    kv_heads = draw(st.integers(1, max_kv_heads))
+    return Dims(batch=draw(st.integers(1, max_batch)),
+                heads=kv_heads * draw(st.integers(1, max_group)),
+                kv_heads=kv_heads,
+                q_len=draw(st.integers(min_len, max_len)),
+                kv_len=draw(st.integers(min_len, max_len)),
+                head_dim=draw(st.integers(1, max_dim)),
+                value_dim=draw(st.integers(1, max_dim)))
+
+
+@st.composite
+def cases(draw, options=ALL_OPTIONS, dtypes=("float64",), dims_strategy=None):
+    """A :class:`Case` whose options are a random subset of ``options``."""
+    d = draw(dims_strategy if dims_strategy is not None else dims())
+    dtype = np.dtype(draw(st.sampled_from(dtypes)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+    def uniform(*shape):
+        return rng.uniform(-VALUE_RANGE, VALUE_RANGE, size=shape).astype(dtype)
+
+    q = uniform(d.batch, d.heads, d.q_len, d.head_dim)
+    k = uniform(d.batch, d.kv_heads, d.kv_len, d.head_dim)
+    v = uniform(d.batch, d.kv_heads, d.kv_len, d.value_dim)
+    chosen = {}
+    for name in options:
+        if draw(st.booleans()):
+            chosen.update(_OPTION_DRAWERS[name](draw, rng, d, dtype))
+    return Case(d, q, k, v, chosen)
+
+
+def broadcast_shape(draw, full_shape):
+    """A shape that broadcasts to ``full_shape``: some axes 1, maybe fewer leading axes."""
+    rank = draw(st.integers(2, 4))
+    shape = tuple(size if draw(st.booleans()) else 1 for size in full_shape)
+    return shape[4 - rank:] if all(s == 1 for s in shape[:4 - rank]) else shape
+
+
+def _draw_window(draw, rng, d, dtype):
+    bound = st.integers(0, max(d.q_len, d.kv_len))
+    return {"window": draw(st.one_of(bound, st.tuples(st.none() | bound, st.none() | bound)))}
+
+
+def _draw_mask(draw, rng, d, dtype):
+    mask = rng.random(broadcast_shape(draw, d.scores_shape)) < draw(st.sampled_from([0.3, 0.7, 1.0]))
+    if mask.shape[-2] > 1 and draw(st.booleans()):
+        mask[..., rng.integers(mask.shape[-2]), :] = False  # a fully masked row
+    return {"mask": mask}
+
+
+def _draw_bias(draw, rng, d, dtype):
+    bias_dtype = np.dtype(draw(st.sampled_from(sorted({dtype.name, "float64"}))))
+    bias = rng.normal(0.0, 1.0, broadcast_shape(draw, d.scores_shape)).astype(bias_dtype)
+    if draw(st.booleans()):
+        bias[rng.random(bias.shape) < 0.2] = -np.inf  # an additive float mask
+    return {"bias": bias}
+
+
+def _draw_alibi(draw, rng, d, dtype):
+    shape = draw(st.sampled_from([(d.heads,), (d.batch, d.heads)]))
+    return {"alibi_slopes": rng.uniform(0.0, 1.0, shape)}
+
+
+def _draw_lengths(name, size_attr):
+    def draw_lengths(draw, rng, d, dtype):
+        return {name: rng.integers(0, getattr(d, size_attr) + 1, size=d.batch)}
+    return draw_lengths
+
+
+_OPTION_DRAWERS = {
+    "causal": lambda draw, rng, d, dtype: {"causal": True},
+    "window": _draw_window,
+    "sinks": lambda draw, rng, d, dtype: {"sinks": draw(st.integers(0, 3))},
+    "sink_logits": lambda draw, rng, d, dtype: {"sink_logits": rng.normal(0.0, 2.0, d.heads)},
+    "mask": _draw_mask,
+    "bias": _draw_bias,
+    "alibi_slopes": _draw_alibi,
+    "q_lengths": _draw_lengths("q_lengths", "q_len"),
+    "kv_lengths": _draw_lengths("kv_lengths", "kv_len"),
+    "scale": lambda draw, rng, d, dtype: {"scale": float(rng.uniform(0.05, 1.0))},
+    "softcap": lambda draw, rng, d, dtype: {"softcap": float(rng.uniform(0.5, 5.0))},
+    "dropout": lambda draw, rng, d, dtype: {"dropout_p": draw(st.sampled_from([0.1, 0.5, 0.8])),
+                                             "seed": draw(st.integers(-2**70, 2**70))},
+}

@@ -1,0 +1,129 @@
+"""Every bad input of API.md's "Errors" list: the exception type, a message naming the
+argument (and what was expected), raised before any kernel runs."""
+import re
+
+import numpy as np
+import pytest
+
+import npattn
+import npattn.reference
+
+B, H, HKV, SQ, SK, D = 2, 8, 2, 5, 7, 4
+
+
+def arrays(dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return dict(q=rng.normal(size=(B, H, SQ, D)).astype(dtype),
+                k=rng.normal(size=(B, HKV, SK, D)).astype(dtype),
+                v=rng.normal(size=(B, HKV, SK, 3)).astype(dtype))
+
+
+class FakeCupyArray:
+    """Quacks like a CuPy array for the kind check, which must reject it before touching it."""
+
+    __module__ = "cupy._core.core"
+    dtype = np.dtype(np.float32)
+    shape = (B, HKV, SK, D)
+    ndim = 4
+
+
+def replace(**changes):
+    return lambda base: {**base, **changes}
+
+
+BAD_INPUTS = [
+    # (id, change to the valid arguments, exception, words the message must contain)
+    ("int q", lambda a: {**a, "q": a["q"].astype(np.int32)}, TypeError, ["q", "floating", "int32"]),
+    ("int k", lambda a: {**a, "k": a["k"].astype(np.int64)}, TypeError, ["k", "int64"]),
+    ("dtype mix", lambda a: {**a, "k": a["k"].astype(np.float64)}, TypeError, ["k", "float64", "float32"]),
+    ("rank 3 q", lambda a: {**a, "q": a["q"][0]}, ValueError, ["q", "4-D", "3-D"]),
+    ("rank 5 v", lambda a: {**a, "v": a["v"][None]}, ValueError, ["v", "4-D", "5-D"]),
+    ("batch", lambda a: {**a, "k": a["k"][:1], "v": a["v"][:1]}, ValueError, ["k", "batch", "1", "2"]),
+    ("heads", lambda a: {**a, "k": np.zeros((B, 3, SK, D), np.float32), "v": np.zeros((B, 3, SK, 3), np.float32)},
+     ValueError, ["k has 3 heads, which does not divide q's 8 heads"]),
+    ("v heads", lambda a: {**a, "v": np.zeros((B, 4, SK, 3), np.float32)}, ValueError, ["v", "4", "2"]),
+    ("v keys", lambda a: {**a, "v": np.zeros((B, HKV, SK + 1, 3), np.float32)}, ValueError, ["v", "Sk"]),
+    ("head dim", lambda a: {**a, "k": np.zeros((B, HKV, SK, D + 1), np.float32)}, ValueError, ["k", "head dim"]),
+    ("mixed kinds", lambda a: {**a, "k": FakeCupyArray()}, TypeError, ["k", "cupy", "numpy"]),
+    ("mask shape", replace(mask=np.ones((3, SK), bool)), ValueError, ["mask", "(3, 7)", "broadcast"]),
+    ("mask rank", replace(mask=np.ones((1, 1, 1, SQ, SK), bool)), ValueError, ["mask", "broadcast"]),
+    ("mask dtype", replace(mask=np.ones((SQ, SK), np.float32)), TypeError, ["mask", "bool", "float32"]),
+    ("bias shape", replace(bias=np.zeros((B, H, SQ, SK + 1))), ValueError, ["bias", "broadcast"]),
+    ("bias dtype", replace(bias=np.zeros((SQ, SK), np.int64)), TypeError, ["bias", "int64"]),
+    ("negative window", replace(window=-1), ValueError, ["window", "non-negative", "-1"]),
+    ("negative window pair", replace(window=(2, -3)), ValueError, ["window", "non-negative"]),
+    ("window triple", replace(window=(1, 2, 3)), ValueError, ["window", "(left, right)"]),
+    ("float window", replace(window=2.5), TypeError, ["window", "2.5"]),
+    ("negative sinks", replace(sinks=-2), ValueError, ["sinks", "-2"]),
+    ("float sinks", replace(sinks=1.0), TypeError, ["sinks"]),
+    ("sink_logits shape", replace(sink_logits=np.zeros(HKV)), ValueError, ["sink_logits", "(H,)", "(2,)"]),
+    ("alibi shape", replace(alibi_slopes=np.zeros((H, B))), ValueError, ["alibi_slopes", "(8, 2)"]),
+    ("alibi dtype", replace(alibi_slopes=np.zeros(H, np.int32)), TypeError, ["alibi_slopes", "int32"]),
+    ("q_lengths dtype", replace(q_lengths=np.array([1.0, 2.0])), TypeError, ["q_lengths", "integer"]),
+    ("q_lengths shape", replace(q_lengths=np.array([1, 2, 3])), ValueError, ["q_lengths", "(B,)", "(3,)"]),
+    ("kv_lengths range", replace(kv_lengths=np.array([3, SK + 1])), ValueError, ["kv_lengths", "[0, 7]", "8"]),
+    ("negative q_lengths", replace(q_lengths=np.array([-1, 2])), ValueError, ["q_lengths", "-1"]),
+    ("dropout_p one", replace(dropout_p=1.0), ValueError, ["dropout_p", "[0, 1)", "1.0"]),
+    ("dropout_p negative", replace(dropout_p=-0.1), ValueError, ["dropout_p", "-0.1"]),
+    ("dropout_p nan", replace(dropout_p=float("nan")), ValueError, ["dropout_p", "nan"]),
+    ("dropout_p string", replace(dropout_p="0.1"), TypeError, ["dropout_p"]),
+    ("seed float", replace(dropout_p=0.1, seed=1.5), TypeError, ["seed", "1.5"]),
+    ("scale inf", replace(scale=float("inf")), ValueError, ["scale", "inf"]),
+    ("scale string", replace(scale="0.5"), TypeError, ["scale"]),
+    ("softcap negative", replace(softcap=-1.0), ValueError, ["softcap", "-1.0"]),
+    ("causal string", replace(causal="yes"), TypeError, ["causal", "bool"]),
+    ("return_lse int", replace(return_lse=1), TypeError, ["return_lse", "bool"]),
+    ("layout", replace(layout="bsdh"), ValueError, ["layout", "bhsd", "bshd", "bsdh"]),
+    ("unknown backend", replace(backend="tpu"), ValueError, ["backend", "tpu", "reference"]),
+    ("gpu backend on NumPy arrays", replace(backend="gpu"), ValueError, ["backend", "gpu", "CuPy"]),
+]
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """Fail loudly if any backend starts computing: errors must come first."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a kernel ran before the input was rejected")
+    monkeypatch.setattr(npattn.reference, "forward", forbidden)
+
+
+@pytest.mark.parametrize("change, error, words", [p[1:] for p in BAD_INPUTS], ids=[p[0] for p in BAD_INPUTS])
+@pytest.mark.parametrize("entry", ["attention", "attention_vjp"])
+def test_bad_input_is_rejected_naming_the_argument(no_kernel, entry, change, error, words):
+    with pytest.raises(error) as raised:
+        getattr(npattn, entry)(**change(arrays()))
+    message = str(raised.value)
+    for word in words:
+        assert word in message, f"{word!r} missing from {message!r}"
+
+
+def test_bad_cotangent_is_rejected():
+    out, vjp = npattn.attention_vjp(**arrays(), backend="reference")
+    with pytest.raises(ValueError, match=re.escape("dout must have the output's shape (2, 8, 5, 3)")):
+        vjp(out[:, :, :2])
+    with pytest.raises(TypeError, match="dout"):
+        vjp(np.ones(out.shape, np.int32))
+
+
+def test_empty_sequences_are_valid():
+    a = arrays(np.float64)
+    out, lse = npattn.attention(a["q"], a["k"][:, :, :0], a["v"][:, :, :0], return_lse=True)
+    assert out.shape == (B, H, SQ, 3) and (out == 0).all() and np.isneginf(lse).all()
+    out = npattn.attention(a["q"][:, :, :0], a["k"], a["v"])
+    assert out.shape == (B, H, 0, 3)
+
+
+def test_softcap_zero_means_none_and_array_likes_are_accepted():
+    a = arrays(np.float64)
+    np.testing.assert_array_equal(npattn.attention(**a, softcap=0.0), npattn.attention(**a))
+    listed = {name: x.tolist() for name, x in a.items()}
+    np.testing.assert_array_equal(npattn.attention(**listed), npattn.attention(**a))
+
+
+def test_backends_report_availability_with_reasons():
+    statuses = npattn.backends()
+    assert set(statuses) == {"reference", "cpu", "gpu"}
+    assert statuses["reference"] and statuses["reference"].reason is None
+    for name, status in statuses.items():
+        assert isinstance(status.available, bool)
+        assert status.available or status.reason, name

@@ -1,0 +1,39 @@
+"""Error bounds derived from the dtypes' precision, never magic constants.
+
+A backend result of dtype ``out_dtype`` computed with ``accumulate`` precision
+may differ from the float64 reference by the rounding of the result itself
+(half an ulp of ``out_dtype`` relative to the values' magnitude) plus the
+accumulated rounding of a dot product or sum of ``length`` terms, bounded by
+``length * eps(accumulate)`` relative to the terms' magnitude (the standard
+worst-case bound for recursive summation, gamma_n ~ n * eps). ``SAFETY``
+covers the few extra roundings per term (the exp, the rescale of the online
+softmax) that the bound does not count.
+"""
+import numpy as np
+
+SAFETY = 4
+
+
+def accumulate_dtype(dtype):
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def bound(dtype, length, magnitude=1.0):
+    """Absolute error bound for a result of ``dtype`` summing ``length`` terms of size ``magnitude``."""
+    dtype = np.dtype(dtype)
+    rounding = 0.5 * np.finfo(dtype).eps
+    accumulation = max(length, 1) * np.finfo(accumulate_dtype(dtype)).eps
+    return SAFETY * magnitude * (rounding + accumulation)
+
+
+def assert_close(actual, expected, dtype, length, magnitude=1.0, what="result"):
+    """Compare with :func:`bound`; -inf must sit in the same places in both."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert not np.isnan(actual).any(), f"{what} has NaN"
+    np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected), err_msg=f"{what}: -inf positions")
+    finite = np.isfinite(expected)
+    tolerance = bound(dtype, length, magnitude)
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=0, atol=tolerance,
+                               err_msg=f"{what} (dtype {np.dtype(dtype)}, tolerance {tolerance:.3g})")
