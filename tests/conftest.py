@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, settings
 import npattn
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=40, derandomize=True, print_blob=True, **_COMMON)
-settings.register_profile("dev", max_examples=400, **_COMMON)
+settings.register_profile("ci", max_examples=100, derandomize=True, print_blob=True, **_COMMON)
+settings.register_profile("dev", max_examples=1000, **_COMMON)
 settings.load_profile(os.environ.get("NPATTN_HYPOTHESIS_PROFILE", "ci"))
 
 _STATUS = npattn.backends()

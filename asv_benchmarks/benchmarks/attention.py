@@ -1,0 +1,90 @@
+"""asv benchmarks for npattn.attention, in scipy's benchmark style.
+
+Grids run over backend x dtype x sequence length x head dim x causal. Setup builds the
+arrays and runs one warm-up call (Numba JIT / NVRTC compilation is not timed); a backend
+that cannot run here raises NotImplementedError so asv skips it. GPU timings synchronize
+the device inside the timed call.
+"""
+import numpy as np
+
+import npattn
+from npattn.variants import VARIANTS, Size
+
+# The float64 reference materializes (B, H, S, S) twice over; keep it to small sizes.
+REFERENCE_MAX_SEQ_LEN = 1024
+
+
+def require(backend, seq_len=0):
+    status = npattn.backends()[backend]
+    if not status:
+        raise NotImplementedError(f"{backend}: {status.reason}")
+    if backend == "reference" and seq_len > REFERENCE_MAX_SEQ_LEN:
+        raise NotImplementedError("the reference materializes S x S; too large")
+
+
+def to_device(backend, arrays):
+    if backend != "gpu":
+        return arrays
+    import cupy
+
+    return [cupy.asarray(a) for a in arrays]
+
+
+def synchronize(backend):
+    if backend == "gpu":
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
+class Attention:
+    params = (["reference", "cpu", "gpu"], ["float32", "float64"], [256, 1024, 2048], [64, 128],
+              [False, True])
+    param_names = ["backend", "dtype", "seq_len", "head_dim", "causal"]
+    timeout = 300
+
+    def setup(self, backend, dtype, seq_len, head_dim, causal):
+        require(backend, seq_len)
+        rng = np.random.default_rng(0)
+        shape = (1, 8, seq_len, head_dim)
+        self.q, self.k, self.v, self.dout = to_device(
+            backend, [rng.standard_normal(shape).astype(dtype) for _ in range(4)])
+        self.options = dict(causal=causal, backend=backend)
+        self.time_forward(backend, dtype, seq_len, head_dim, causal)  # compile outside the timing
+
+    def time_forward(self, backend, *params):
+        npattn.attention(self.q, self.k, self.v, **self.options)
+        synchronize(backend)
+
+    def time_forward_backward(self, backend, *params):
+        _, vjp = npattn.attention_vjp(self.q, self.k, self.v, **self.options)
+        vjp(self.dout)
+        synchronize(backend)
+
+    def peakmem_forward(self, backend, *params):
+        npattn.attention(self.q, self.k, self.v, **self.options)
+
+
+class Variants:
+    """Every variant of npattn.variants at one size: what each option costs on top of plain MHA."""
+
+    params = (["reference", "cpu", "gpu"], list(VARIANTS))
+    param_names = ["backend", "variant"]
+    timeout = 300
+
+    def setup(self, backend, variant):
+        require(backend)
+        q, k, v, self.options = VARIANTS[variant].build(Size(batch=2, heads=8, seq_len=512, head_dim=64),
+                                                        np.random.default_rng(0), np.float32)
+        self.q, self.k, self.v = to_device(backend, [q, k, v])
+        self.options = {**self.options, **to_device_options(backend, self.options), "backend": backend}
+        self.time_forward(backend, variant)
+
+    def time_forward(self, backend, variant):
+        npattn.attention(self.q, self.k, self.v, **self.options)
+        synchronize(backend)
+
+
+def to_device_options(backend, options):
+    arrays = {name: value for name, value in options.items() if isinstance(value, np.ndarray)}
+    return dict(zip(arrays, to_device(backend, list(arrays.values()))))

@@ -1,0 +1,117 @@
+"""``python -m npattn info | demo``: what is installed, and every variant through every backend."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+import npattn
+from .variants import VARIANTS, Size
+
+_THREAD_VARIABLES = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def info() -> str:
+    """Versions, backends, threads and device, one fact a line."""
+    lines = [f"npattn     {npattn.__version__}", f"python     {platform.python_version()}",
+             f"platform   {platform.platform()}"]
+    for module in ("numpy", "numba", "scipy", "cupy"):
+        lines.append(f"{module:<10} {_version(module)}")
+    lines.append("backends:")
+    for name, status in npattn.backends().items():
+        lines.append(f"  {name:<10} {'available' if status else 'unavailable: ' + status.reason}")
+    lines.append(f"cpu cores  {os.cpu_count()}")
+    for variable in _THREAD_VARIABLES:
+        lines.append(f"  {variable}={os.environ.get(variable, '(unset)')}")
+    lines.append(f"device     {_device()}")
+    return "\n".join(lines)
+
+
+def demo(size: Size = Size(), dtype=np.float32, repeats: int = 3, out=sys.stdout) -> list[dict]:
+    """Run every variant forward and backward through every available backend; print the max
+    error against the float64 reference and the median time. Returns the table's rows."""
+    backends = [name for name, status in npattn.backends().items() if status and name != "gpu"]
+    header = (f"{'variant':<16} {'backend':<10} {'max |out err|':>14} {'max |grad err|':>15} "
+              f"{'fwd ms':>8} {'fwd+bwd ms':>11}")
+    print(f"npattn {npattn.__version__} demo: (B, H, S, D) = "
+          f"({size.batch}, {size.heads}, {size.seq_len}, {size.head_dim}), {np.dtype(dtype).name}, "
+          f"errors against the float64 reference", file=out)
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    rows = []
+    for variant in VARIANTS.values():
+        q, k, v, options = variant.build(size, np.random.default_rng(0), dtype)
+        dout = np.random.default_rng(1).standard_normal(
+            npattn.attention(q, k, v, **options, backend="reference").shape)
+        exact_out, exact_vjp = npattn.attention_vjp(*(x.astype(np.float64) for x in (q, k, v)),
+                                                    **options, backend="reference")
+        exact_grads = exact_vjp(dout)
+        for backend in backends:
+            forward_ms = _median_ms(lambda: npattn.attention(q, k, v, **options, backend=backend), repeats)
+            result, vjp = npattn.attention_vjp(q, k, v, **options, backend=backend)
+            grads = vjp(dout.astype(dtype))
+            both_ms = _median_ms(lambda: npattn.attention_vjp(q, k, v, **options, backend=backend)[1](dout),
+                                 repeats)
+            row = dict(variant=variant.name, backend=backend,
+                       out_error=_max_error(result, exact_out),
+                       grad_error=max(_max_error(g, e) for g, e in zip(grads, exact_grads)),
+                       forward_ms=forward_ms, forward_backward_ms=both_ms)
+            rows.append(row)
+            print(f"{row['variant']:<16} {backend:<10} {row['out_error']:>14.2e} {row['grad_error']:>15.2e} "
+                  f"{forward_ms:>8.2f} {both_ms:>11.2f}", file=out)
+    unavailable = {n: s.reason for n, s in npattn.backends().items() if not s}
+    for name, reason in unavailable.items():
+        print(f"({name} backend not run: {reason})", file=out)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m npattn", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="versions, backends, threads and device")
+    demo_parser = commands.add_parser("demo", help="every variant through every available backend")
+    demo_parser.add_argument("--seq-len", type=int, default=Size.seq_len)
+    demo_parser.add_argument("--head-dim", type=int, default=Size.head_dim)
+    demo_parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        print(info())
+    else:
+        demo(Size(seq_len=args.seq_len, head_dim=args.head_dim), dtype=np.dtype(args.dtype))
+    return 0
+
+
+def _version(module: str) -> str:
+    try:
+        return importlib.import_module(module).__version__
+    except Exception as error:  # an optional dependency missing or broken: say which
+        return f"not available ({type(error).__name__}: {error})".splitlines()[0]
+
+
+def _device() -> str:
+    try:
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        return f"{props['name'].decode()} (compute capability {props['major']}.{props['minor']})"
+    except Exception as error:
+        return f"no CUDA device ({type(error).__name__})"
+
+
+def _median_ms(run, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def _max_error(actual, expected) -> float:
+    difference = np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64))
+    return float(difference.max(initial=0.0))

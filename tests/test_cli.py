@@ -1,0 +1,35 @@
+"""``python -m npattn info`` and ``demo`` run and report what they claim."""
+import io
+import subprocess
+import sys
+
+import numpy as np
+
+from npattn import cli
+from npattn.variants import VARIANTS, Size
+from tolerances import bound
+
+
+def test_info_lists_versions_and_every_backend():
+    text = subprocess.run([sys.executable, "-m", "npattn", "info"], capture_output=True, text=True,
+                          check=True).stdout
+    for word in ("npattn", "numpy", "reference", "cpu", "gpu", "NUMBA_NUM_THREADS", "device"):
+        assert word in text
+
+
+def test_demo_runs_every_variant_within_float32_rounding():
+    size = Size(batch=1, heads=2, seq_len=24, head_dim=8)
+    printed = io.StringIO()
+    rows = cli.demo(size, dtype=np.float32, repeats=1, out=printed)
+    assert {row["variant"] for row in rows} == set(VARIANTS)
+    for row in rows:
+        # values are standard normal: outputs and gradients are of order a few units
+        assert row["out_error"] <= bound(np.float32, 1, magnitude=8), row
+        assert row["grad_error"] <= bound(np.float32, 1, magnitude=64), row
+    assert "mha" in printed.getvalue() and "max |out err|" in printed.getvalue()
+
+
+def test_demo_command_line():
+    result = subprocess.run([sys.executable, "-m", "npattn", "demo", "--seq-len", "16", "--head-dim", "8"],
+                            capture_output=True, text=True, check=True)
+    assert "window+sinks" in result.stdout
