@@ -93,15 +93,6 @@ class AttentionProblem:
         """The integer keep threshold of :mod:`npattn.dropout`."""
         return keep_threshold(self.dropout_p)
 
-    def empty_output(self, dtype=None):
-        """An uninitialized output buffer laid out as the user's layout, returned as its
-        bhsd view (B, H, Sq, Dv), so a kernel writes the user's layout with no copy."""
-        dtype = self.q.dtype if dtype is None else dtype
-        b, h, s, dv = self.batch, self.heads, self.q_len, self.value_dim
-        if self.layout == "bshd":
-            return self.xp.empty((b, s, h, dv), dtype=dtype).transpose(0, 2, 1, 3)
-        return self.xp.empty((b, h, s, dv), dtype=dtype)
-
 
 def to_user_layout(array_bhsd, layout: str):
     """The inverse of the bhsd view taken on input: a (B, H, S, X) array as the user's layout."""

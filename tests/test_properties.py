@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from conftest import NUMPY_BACKENDS
 from strategies import ALL_OPTIONS, POSITIONAL_OPTIONS, cases, dims
-from tolerances import assert_close
+from tolerances import assert_close, bound
 import npattn
 from npattn.dropout import keep_mask
 
@@ -307,3 +307,30 @@ def gradient_magnitude(case, dout):
     """Size of the terms summed into a gradient: |dout| |v| and |q| |k| scaled products."""
     return float(np.abs(dout).max(initial=1) * np.abs(case.v).max(initial=1) *
                  (1 + np.abs(case.q).max(initial=1) * np.abs(case.k).max(initial=1)))
+
+
+@given(case=cases(options=[o for o in ALL_OPTIONS if o != "softcap"], dtypes=DTYPES),
+       softcap=st.floats(0.25, 8.0))
+def test_softcap_equals_its_explicit_additive_correction(backend, case, softcap):
+    """softcap replaces s by c * tanh(s / c) before bias: the same as adding c * tanh(s / c) - s."""
+    d = case.dims
+    scale = case.options.get("scale", 1 / np.sqrt(d.head_dim))
+    keys = np.repeat(case.k.astype(np.float64), d.group, axis=1)
+    scores = scale * case.q.astype(np.float64) @ keys.swapaxes(-1, -2)
+    correction = softcap * np.tanh(scores / softcap) - scores
+    explicit = case.run(backend, bias=case.options.get("bias", 0.0) + correction)
+    magnitude = output_magnitude(case) * (1 + scale * VALUE_SCORE_BOUND * d.head_dim)
+    assert_close(case.run(backend, softcap=softcap), explicit, case.dtype, d.kv_len, magnitude)
+
+
+@given(case=cases(options=[o for o in ALL_OPTIONS if o != "dropout"], dtypes=DTYPES,
+                  dims_strategy=dims(max_group=1)))
+def test_vjp_reuses_the_forward_dropout_mask_when_seed_is_none(backend, case):
+    """out is linear in v, so <dv, v> == <out, dout> exactly when the backward's mask is the forward's."""
+    out, vjp = case.vjp(backend, dropout_p=0.5, seed=None)
+    dout = np.random.default_rng(3).normal(size=out.shape)
+    dv = vjp(dout.astype(case.dtype))[2]
+    inner_out = float(np.sum(out.astype(np.float64) * dout))
+    inner_v = float(np.sum(dv.astype(np.float64) * case.v))
+    magnitude = float(np.abs(out).sum() * np.abs(dout).max(initial=0) + 1)
+    assert abs(inner_out - inner_v) <= 2 * bound(case.dtype, case.dims.kv_len * out.size, magnitude)

@@ -73,6 +73,7 @@ BAD_INPUTS = [
     ("softcap negative", replace(softcap=-1.0), ValueError, ["softcap", "-1.0"]),
     ("causal string", replace(causal="yes"), TypeError, ["causal", "bool"]),
     ("return_lse int", replace(return_lse=1), TypeError, ["return_lse", "bool"]),
+    ("return_weights None", replace(return_weights=None), TypeError, ["return_weights", "bool"]),
     ("layout", replace(layout="bsdh"), ValueError, ["layout", "bhsd", "bshd", "bsdh"]),
     ("unknown backend", replace(backend="tpu"), ValueError, ["backend", "tpu", "reference"]),
     ("gpu backend on NumPy arrays", replace(backend="gpu"), ValueError, ["backend", "gpu", "CuPy"]),
