@@ -35,5 +35,6 @@ def assert_close(actual, expected, dtype, length, magnitude=1.0, what="result"):
     np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected), err_msg=f"{what}: -inf positions")
     finite = np.isfinite(expected)
     tolerance = bound(dtype, length, magnitude)
+    assert np.isfinite(tolerance), f"{what}: the tolerance must be finite, got {tolerance} (magnitude {magnitude})"
     np.testing.assert_allclose(actual[finite], expected[finite], rtol=0, atol=tolerance,
                                err_msg=f"{what} (dtype {np.dtype(dtype)}, tolerance {tolerance:.3g})")
