@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from conftest import NUMPY_BACKENDS
 from strategies import ALL_OPTIONS, POSITIONAL_OPTIONS, cases, dims
-from tolerances import assert_close, bound
+from tolerances import assert_close, bound, gradient_magnitude, output_magnitude
 import npattn
 from npattn.dropout import keep_mask
 
@@ -23,10 +23,6 @@ pytestmark = pytest.mark.parametrize("backend", NUMPY_BACKENDS)
 def positions(q_len, kv_len):
     """p_i = i + Sk - Sq as a column, key indices as a row."""
     return np.arange(q_len)[:, None] + kv_len - q_len, np.arange(kv_len)[None, :]
-
-
-def output_magnitude(case):
-    return float(np.abs(case.v).max(initial=1.0))
 
 
 @given(case=cases(dtypes=DTYPES))
@@ -302,12 +298,6 @@ def explicit_visibility(case):
     if "bias" in o:
         visible &= ~np.isneginf(o["bias"])
     return visible
-
-
-def gradient_magnitude(case, dout):
-    """Size of the terms summed into a gradient: |dout| |v| and |q| |k| scaled products."""
-    return float(np.abs(dout).max(initial=1) * np.abs(case.v).max(initial=1) *
-                 (1 + np.abs(case.q).max(initial=1) * np.abs(case.k).max(initial=1)))
 
 
 @given(case=cases(options=[o for o in ALL_OPTIONS if o != "softcap"], dtypes=DTYPES),

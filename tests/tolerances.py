@@ -38,3 +38,20 @@ def assert_close(actual, expected, dtype, length, magnitude=1.0, what="result"):
     assert np.isfinite(tolerance), f"{what}: the tolerance must be finite, got {tolerance} (magnitude {magnitude})"
     np.testing.assert_allclose(actual[finite], expected[finite], rtol=0, atol=tolerance,
                                err_msg=f"{what} (dtype {np.dtype(dtype)}, tolerance {tolerance:.3g})")
+
+
+def score_magnitude(case):
+    """A bound on |scale * q.k|: a score's rounding error, and so the relative error of its
+    probability, grows with it."""
+    scale = case.options.get("scale", 1 / np.sqrt(case.dims.head_dim))
+    return float(scale * case.dims.head_dim * np.abs(case.q).max(initial=1) * np.abs(case.k).max(initial=1))
+
+
+def output_magnitude(case):
+    """Size of the values a row of the output averages."""
+    return float(np.abs(case.v).max(initial=1.0))
+
+
+def gradient_magnitude(case, dout):
+    """Size of the terms summed into a gradient: |dout| |v| and scaled |q| |k| products."""
+    return float(np.abs(dout).max(initial=1) * np.abs(case.v).max(initial=1) * (1 + score_magnitude(case)))

@@ -1,0 +1,49 @@
+"""Kernel backends against the float64 reference: every option, dtype and layout, forward and backward.
+
+The reference runs on the same values upcast to float64, so the difference is the kernel's
+own rounding, bounded as in :mod:`tolerances` with the magnitudes the scores reach.
+"""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import KERNEL_BACKENDS
+from strategies import cases
+from tolerances import assert_close, gradient_magnitude, output_magnitude, score_magnitude
+
+pytestmark = pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+layouts = st.sampled_from(["bhsd", "bshd"])
+
+
+def upcast(case):
+    return type(case)(case.dims, *(x.astype(np.float64) for x in (case.q, case.k, case.v)), case.options)
+
+
+@given(case=cases(dtypes=("float32", "float64")), layout=layouts)
+def test_forward_matches_the_reference(backend, case, layout):
+    out, lse, weights = case.run(backend, layout=layout, return_lse=True, return_weights=True)
+    exact_out, exact_lse, exact_weights = upcast(case).run("reference", layout=layout, return_lse=True,
+                                                           return_weights=True)
+    d, amplification = case.dims, 1 + score_magnitude(case)
+    assert out.dtype == case.dtype and weights.dtype == case.dtype
+    assert_close(out, exact_out, case.dtype, d.kv_len + d.head_dim,
+                 output_magnitude(case) * amplification / (1 - case.options.get("dropout_p", 0)), "out")
+    assert_close(lse, exact_lse, case.dtype, d.kv_len + d.head_dim, amplification + np.abs(
+        exact_lse[np.isfinite(exact_lse)]).max(initial=0), "lse")
+    assert_close(weights, exact_weights, case.dtype, d.kv_len + d.head_dim, amplification, "weights")
+
+
+@given(case=cases(dtypes=("float32", "float64")), layout=layouts)
+def test_backward_matches_the_reference(backend, case, layout):
+    out, vjp = case.vjp(backend, layout=layout)
+    dout = np.random.default_rng(0).normal(size=out.shape).astype(case.dtype)
+    grads = vjp(dout)
+    exact = upcast(case).vjp("reference", layout=layout)[1](dout.astype(np.float64))
+    d = case.dims
+    length = d.q_len * d.group + d.kv_len + d.head_dim + d.value_dim
+    magnitude = gradient_magnitude(case, dout) / (1 - case.options.get("dropout_p", 0))
+    names = ["dq", "dk", "dv"] + ["d" + n for n in ("bias", "sink_logits") if n in case.options]
+    assert len(grads) == len(exact) == len(names)
+    for name, grad, expected in zip(names, grads, exact):
+        assert_close(grad, expected, case.dtype, length, magnitude * max(1, d.q_len), name)

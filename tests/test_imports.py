@@ -1,0 +1,10 @@
+"""``import npattn`` needs only NumPy: Numba, SciPy and CuPy load when a backend asks for them."""
+import subprocess
+import sys
+
+
+def test_import_loads_no_optional_dependency():
+    code = ("import sys, npattn; npattn.attention; npattn.backends(); "
+            "print(sorted(m for m in ('numba', 'scipy', 'cupy', 'torch') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
