@@ -30,6 +30,8 @@ handed to every backend as an integer, so no backend compares floats.
 """
 from __future__ import annotations
 
+import contextlib
+
 MIX_INCREMENT = 0x9E3779B9
 MIX_MULTIPLIER_1 = 0x85EBCA6B
 MIX_MULTIPLIER_2 = 0xC2B2AE35
@@ -78,16 +80,7 @@ def keep_mask(xp, seed: int, dropout_p: float, batch: int, heads: int, q_len: in
     return (state >> xp.uint32(8)) >= keep_threshold(dropout_p)
 
 
-class _wrapping_uint32:
+
+def _wrapping_uint32(xp):
     """Silence NumPy's overflow warnings: uint32 wrap-around is the specified arithmetic."""
-
-    def __init__(self, xp):
-        self._errstate = xp.errstate(over="ignore") if hasattr(xp, "errstate") else None
-
-    def __enter__(self):
-        if self._errstate is not None:
-            self._errstate.__enter__()
-
-    def __exit__(self, *exc):
-        if self._errstate is not None:
-            self._errstate.__exit__(*exc)
+    return xp.errstate(over="ignore") if hasattr(xp, "errstate") else contextlib.nullcontext()
