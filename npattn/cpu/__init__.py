@@ -1,15 +1,35 @@
-"""CPU backend: Numba-jitted, tiled (FlashAttention-style online softmax) kernels.
+"""CPU backend: Numba-jitted, tiled (FlashAttention-2 style) kernels, forward and backward.
 
-The kernels are not built yet, so this backend reports itself unavailable and
-``backend="auto"`` runs NumPy arrays on the float64 reference meanwhile.
-A backend module provides ``NAME``, ``unavailable_reason(array_kind)``,
-``forward(problem) -> ForwardResult`` and ``backward(problem, saved, dout) -> Gradients``
-(see :mod:`npattn.reference`, the model implementation).
+Modules: :mod:`.operands` (a problem as flat arrays and strides), :mod:`.blas`
+(BLAS products on row blocks in place), :mod:`.rowmath` (a vectorized exp),
+:mod:`.tiles` (visibility, dropout hash, one tile of scores), :mod:`.forward_kernel`
+and :mod:`.backward_kernel`. Importing this package needs neither Numba nor SciPy;
+the kernels are imported (and compiled, or loaded from Numba's on-disk cache) on
+first use.
 """
+from __future__ import annotations
+
+import importlib.util
+
 NAME = "cpu"
+_REQUIRED = ("numba", "scipy")
 
 
 def unavailable_reason(array_kind: str = "numpy") -> str | None:
     if array_kind != "numpy":
         return f"the cpu backend takes NumPy arrays, got {array_kind} arrays"
-    return "the Numba CPU kernels are not implemented yet"
+    missing = [name for name in _REQUIRED if importlib.util.find_spec(name) is None]
+    if missing:
+        return (f"needs {' and '.join(missing)} (pip install numba scipy); "
+                f"{'it is' if len(missing) == 1 else 'they are'} not installed")
+    return None
+
+
+def forward(problem):
+    from .driver import forward as run
+    return run(problem)
+
+
+def backward(problem, saved, dout):
+    from .driver import backward as run
+    return run(problem, saved, dout)

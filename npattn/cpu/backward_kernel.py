@@ -1,0 +1,191 @@
+"""The tiled backward (FlashAttention-2), deterministic: every output element has one owner.
+
+Probabilities are recomputed tile by tile from the forward's lse, never stored:
+``P = exp(s - lse)``, ``dP = dO V^T`` (times the dropout keep mask and 1/(1-p)),
+``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O)``, then
+``dV += P~^T dO``, ``dK += scale dS^T Q`` and ``dQ += scale dS K``, all through BLAS.
+
+Work items are (batch, kv head, key chunk). An item owns dK and dV of its keys
+(summed over the query heads of its group, so GQA needs no reduction) and adds
+into dQ of every row; with one chunk per kv head it owns those dQ rows too.
+When a problem has too few kv heads to fill the cores, keys are split into
+chunks whose dQ contributions go to separate buffers, summed afterwards in
+chunk order. The chunk count depends only on the shapes, so the bits are the
+same on every run and every machine.
+
+:func:`dbias_kernel` gives the bias gradient: ``dS`` summed over the axes the
+bias was broadcast along, each bias element owned by one item.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .blas import gemm
+from .operands import Int, Real
+from .rowmath import FASTMATH, exp_shifted
+from .tiles import apply_dropout, key_segments, score_tile
+
+_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
+
+
+@njit(**_JIT)
+def tile_is_live(ints, kv_lengths, b, i0, i1, j0, j1):
+    """True when some row of ``[i0, i1)`` may see some key of ``[j0, j1)``."""
+    sink_end, start, stop = key_segments(ints, kv_lengths, b, i0, i1)
+    return j0 < sink_end or (j0 < stop and start < j1)
+
+
+@njit(**_JIT)
+def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout, dout_strides,
+                        lse, delta, p, dropped, ds, tanh, b, h, i0, rows, j0, cols):
+    """For one tile: ``p`` = probabilities, ``dropped`` = p after dropout (``p`` itself when
+    there is none), ``ds`` = gradient of the scores after softcap, bias and ALiBi (what
+    dbias needs; the caller applies softcap's derivative and the scale)."""
+    block_k = ints[Int.BLOCK_K]
+    heads = ints[Int.HEADS]
+    score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, p, block_k, tanh, b, h, i0, rows, j0, cols)
+    row_offset = (b * heads + h) * ints[Int.Q_LEN] + i0
+    for r in range(rows):
+        row = p[r * block_k:r * block_k + cols]
+        row_lse = lse[row_offset + r]
+        if row_lse > -np.inf:
+            exp_shifted(row, cols, row_lse)
+        else:  # an empty row: no probability, no gradient
+            row[:] = 0.0
+    kv_head = h // (heads // ints[Int.KV_HEADS])
+    v_offset = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + j0 * ints[Int.V_STRIDE_S]
+    o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
+    # column-major: dP^T (cols x rows) = V (cols x Dv) . dO^T (Dv x rows)
+    gemm(True, False, cols, rows, ints[Int.VALUE_DIM], 1.0, v[v_offset:], ints[Int.V_STRIDE_S],
+         dout[o_offset:], dout_strides[2], 0.0, ds, block_k)
+    if ints[Int.HAS_DROPOUT]:
+        keep_scale = reals[Real.KEEP_SCALE]
+        for r in range(rows):
+            dropped[r * block_k:r * block_k + cols] = p[r * block_k:r * block_k + cols]
+        apply_dropout(ints, dropped, block_k, b, h, i0, rows, j0, cols, keep_scale)
+        apply_dropout(ints, ds, block_k, b, h, i0, rows, j0, cols, keep_scale)
+    for r in range(rows):
+        row_delta = delta[row_offset + r]
+        p_row = p[r * block_k:r * block_k + cols]
+        ds_row = ds[r * block_k:r * block_k + cols]
+        for c in range(cols):
+            ds_row[c] = p_row[c] * (ds_row[c] - row_delta)
+
+
+def backward_items(ints, chunks):
+    return ints[Int.BATCH] * ints[Int.KV_HEADS] * chunks
+
+
+@njit(**_JIT)
+def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
+                    dout, dout_strides, lse, delta, dq, dk, dv, chunks, start, stop, step):
+    """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
+    all C-contiguous in the compute dtype and zero on entry."""
+    kv_heads, block_k = ints[Int.KV_HEADS], ints[Int.BLOCK_K]
+    key_tiles = (ints[Int.KV_LEN] + block_k - 1) // block_k
+    tiles_per_chunk = (key_tiles + chunks - 1) // chunks
+    for item in range(start, stop, step):
+        b = item // (kv_heads * chunks)
+        kv_head = (item // chunks) % kv_heads
+        chunk = item % chunks
+        first = chunk * tiles_per_chunk * block_k
+        last = min(ints[Int.KV_LEN], kv_lengths[b], first + tiles_per_chunk * block_k)
+        for j0 in range(first, last, block_k):
+            _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, reals,
+                               dout, dout_strides, lse, delta, dq, dk, dv, chunk, b, kv_head,
+                               j0, min(block_k, last - j0))
+
+
+@njit(**_JIT)
+def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, reals,
+                       dout, dout_strides, lse, delta, dq, dk, dv, chunk, b, kv_head, j0, cols):
+    block_q, block_k = ints[Int.BLOCK_Q], ints[Int.BLOCK_K]
+    heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
+    head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
+    group = heads // ints[Int.KV_HEADS]
+    dtype = q.dtype
+    scale = reals[Real.SCALE]
+    p = np.empty(block_q * block_k, dtype)
+    dropped = np.empty(block_q * block_k, dtype) if ints[Int.HAS_DROPOUT] else p
+    ds = np.empty(block_q * block_k, dtype)
+    tanh = np.empty(block_q * block_k if ints[Int.HAS_SOFTCAP] else 1, dtype)
+    dk_tile = np.zeros(cols * head_dim, dtype)
+    dv_tile = np.zeros(cols * value_dim, dtype)
+    k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
+    rows_valid = min(q_len, q_lengths[b])
+    for h in range(kv_head * group, (kv_head + 1) * group):
+        for i0 in range(0, rows_valid, block_q):
+            rows = min(block_q, rows_valid - i0)
+            if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
+                continue
+            score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout,
+                                dout_strides, lse, delta, p, dropped, ds, tanh, b, h, i0, rows, j0, cols)
+            o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
+            # dV (cols x Dv) += dropped^T dO: column-major dV^T = dO^T (Dv x rows) . dropped (rows x cols)
+            gemm(False, True, value_dim, cols, rows, 1.0, dout[o_offset:], dout_strides[2],
+                 dropped, block_k, 1.0, dv_tile, value_dim)
+            if ints[Int.HAS_SOFTCAP]:  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
+                for r in range(rows):
+                    ds_row = ds[r * block_k:r * block_k + cols]
+                    t_row = tanh[r * block_k:r * block_k + cols]
+                    for c in range(cols):
+                        ds_row[c] *= 1.0 - t_row[c] * t_row[c]
+            q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
+            # dK (cols x D) += scale dS^T Q
+            gemm(False, True, head_dim, cols, rows, scale, q[q_offset:], ints[Int.Q_STRIDE_S],
+                 ds, block_k, 1.0, dk_tile, head_dim)
+            # dQ (rows x D) += scale dS K: column-major dQ^T = K^T (D x cols) . dS^T (cols x rows)
+            dq_offset = (((chunk * ints[Int.BATCH] + b) * heads + h) * q_len + i0) * head_dim
+            gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
+                 ds, block_k, 1.0, dq[dq_offset:], head_dim)
+    row = (b * ints[Int.KV_HEADS] + kv_head) * kv_len + j0
+    dk[row * head_dim:(row + cols) * head_dim] = dk_tile
+    dv[row * value_dim:(row + cols) * value_dim] = dv_tile
+
+
+@njit(**_JIT)
+def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
+                 dout, dout_strides, lse, delta, dbias, dbias_shape, start, stop, step):
+    """dbias: flat C-contiguous ``dbias_shape`` (Bb, Hb, Sqb, Skb), each 1 or full, zero on
+    entry. Item = (bias batch, bias head, query tile or all rows, key tile or all keys);
+    it sums dS over the batches, heads, rows and keys that broadcast onto its elements."""
+    block_q, block_k = ints[Int.BLOCK_Q], ints[Int.BLOCK_K]
+    batch, heads, q_len, kv_len = ints[Int.BATCH], ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
+    bias_b, bias_h, bias_q, bias_k = dbias_shape[0], dbias_shape[1], dbias_shape[2], dbias_shape[3]
+    q_items = (q_len + block_q - 1) // block_q if bias_q > 1 else 1
+    k_items = (kv_len + block_k - 1) // block_k if bias_k > 1 else 1
+    dtype = q.dtype
+    p = np.empty(block_q * block_k, dtype)
+    dropped = np.empty(block_q * block_k, dtype) if ints[Int.HAS_DROPOUT] else p
+    ds = np.empty(block_q * block_k, dtype)
+    tanh = np.empty(block_q * block_k if ints[Int.HAS_SOFTCAP] else 1, dtype)
+    for item in range(start, stop, step):
+        k_item = item % k_items
+        q_item = (item // k_items) % q_items
+        hb = (item // (k_items * q_items)) % bias_h
+        bb = item // (k_items * q_items * bias_h)
+        i_first, i_last = (q_item * block_q, min(q_len, (q_item + 1) * block_q)) if bias_q > 1 else (0, q_len)
+        j_first, j_last = (k_item * block_k, min(kv_len, (k_item + 1) * block_k)) if bias_k > 1 else (0, kv_len)
+        for b in range(batch) if bias_b == 1 else range(bb, bb + 1):
+            rows_valid = min(i_last, q_lengths[b])
+            keys_valid = min(j_last, kv_lengths[b])
+            for h in range(heads) if bias_h == 1 else range(hb, hb + 1):
+                for i0 in range(i_first, rows_valid, block_q):
+                    rows = min(block_q, rows_valid - i0)
+                    for j0 in range(j_first, keys_valid, block_k):
+                        cols = min(block_k, keys_valid - j0)
+                        if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
+                            continue
+                        score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals,
+                                            dout, dout_strides, lse, delta, p, dropped, ds, tanh,
+                                            b, h, i0, rows, j0, cols)
+                        for r in range(rows):
+                            out_row = ((bb * bias_h + hb) * bias_q + (i0 + r if bias_q > 1 else 0)) * bias_k
+                            ds_row = ds[r * block_k:r * block_k + cols]
+                            if bias_k > 1:
+                                target = dbias[out_row + j0:out_row + j0 + cols]
+                                for c in range(cols):
+                                    target[c] += ds_row[c]
+                            else:
+                                dbias[out_row] += np.sum(ds_row)

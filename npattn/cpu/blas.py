@@ -1,0 +1,99 @@
+"""BLAS matrix products callable from Numba kernels, and a guard against oversubscription.
+
+:func:`gemm` is the Fortran ``?gemm`` of the BLAS that SciPy ships, reached
+through Numba's own ``numba_xxgemm`` helper (the symbol ``np.dot`` uses inside
+``@njit``). Calling it directly, rather than ``np.dot``, lets a kernel pass
+leading dimensions, so row blocks of q, k, v and out are multiplied where they
+lie, in either layout, with no copy, and lets it accumulate (``beta = 1``) into
+an output block with no temporary. Linking by symbol name keeps the kernels
+cacheable on disk (a ctypes function pointer would not be).
+
+BLAS is column-major; every matrix here is row-major. A row-major (rows x cols)
+block with row stride ``ld`` *is* the column-major (cols x rows) matrix with
+leading dimension ``ld``, so each product below is written for the transposes.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import os
+
+import numpy as np
+from numba import types
+from numba.core.errors import TypingError
+from numba.extending import overload
+from numba.np.linalg import _BLAS, get_blas_kind
+
+
+def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """Column-major ``C = alpha * op(A) @ op(B) + beta * C`` on the start of 1-D arrays
+    ``a``, ``b`` and ``c`` (pass a slice ``x[offset:]`` to start inside an array).
+    ``op(A)`` is (m x k), ``op(B)`` (k x n), ``C`` (m x n); ``trans_*`` is True to
+    transpose. Only callable from Numba-jitted code."""
+    raise NotImplementedError("gemm is only callable from Numba-jitted code")
+
+
+@overload(gemm, jit_options={"cache": True})
+def _gemm_overload(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    if not isinstance(a, types.Array) or a.dtype not in (types.float32, types.float64):
+        raise TypingError("gemm takes float32 or float64 arrays")
+    dtype = a.dtype
+    xxgemm = _BLAS().numba_xxgemm(dtype)
+    kind = ord(get_blas_kind(dtype))
+    np_dtype = np.float32 if dtype == types.float32 else np.float64
+    transposed, plain = ord("t"), ord("n")
+
+    def implementation(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        if m == 0 or n == 0:
+            return
+        scalars = np.empty(2, np_dtype)
+        scalars[0] = alpha
+        scalars[1] = beta
+        xxgemm(kind, transposed if trans_a else plain, transposed if trans_b else plain,
+               m, n, k, scalars[0:].ctypes, a.ctypes, max(lda, 1), b.ctypes, max(ldb, 1),
+               scalars[1:].ctypes, c.ctypes, max(ldc, 1))
+
+    return implementation
+
+
+def _scipy_openblas():
+    """SciPy's bundled OpenBLAS, or None (another BLAS build, or none found)."""
+    import scipy
+
+    root = os.path.dirname(os.path.dirname(scipy.__file__))
+    for path in sorted(glob.glob(os.path.join(root, "scipy.libs", "libscipy_openblas*.so*"))):
+        try:
+            library = ctypes.CDLL(path)  # already loaded by scipy.linalg: the same handle
+            get, set_ = library.scipy_openblas_get_num_threads, library.scipy_openblas_set_num_threads
+        except (OSError, AttributeError):
+            continue
+        get.restype = ctypes.c_int
+        set_.argtypes = [ctypes.c_int]
+        return get, set_
+    return None
+
+
+_OPENBLAS = None
+_LOOKED_UP = False
+
+
+@contextlib.contextmanager
+def single_threaded_blas():
+    """Run the block with SciPy's BLAS on one thread, restoring its setting after.
+
+    The kernels already run one Numba thread per core; a multi-threaded BLAS call
+    from each of them would put several threads on every core."""
+    global _OPENBLAS, _LOOKED_UP
+    if not _LOOKED_UP:
+        _OPENBLAS, _LOOKED_UP = _scipy_openblas(), True
+    if _OPENBLAS is None:
+        yield
+        return
+    get, set_ = _OPENBLAS
+    previous = get()
+    set_(1)
+    try:
+        yield
+    finally:
+        set_(previous)

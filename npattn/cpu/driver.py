@@ -1,0 +1,84 @@
+"""The CPU backend's entry points: allocate outputs, run the kernels, package results."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..results import ForwardResult, Gradients
+from .backward_kernel import backward_items, backward_kernel, dbias_kernel
+from .blas import single_threaded_blas
+from .forward_kernel import forward_items, forward_kernel, weights_kernel
+from .threads import run_items
+from .operands import Int, build_operands, compute_dtype, row_strides
+
+
+def forward(problem) -> ForwardResult:
+    """out (B, H, Sq, Dv) as a bhsd view of an array in the user's layout, lse (B, H, Sq),
+    and weights when asked; ``saved`` keeps (out, lse) for the backward."""
+    ops = build_operands(problem)
+    dtype = compute_dtype(problem)
+    batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
+    if problem.layout == "bshd":
+        out = np.zeros((batch, q_len, heads, value_dim), dtype).transpose(0, 2, 1, 3)
+    else:
+        out = np.zeros((batch, heads, q_len, value_dim), dtype)
+    lse = np.full((batch, heads, q_len), -np.inf, dtype)
+    out_strides = np.array([s // dtype.itemsize for s in out.strides[:3]], np.int64)
+    with single_threaded_blas():
+        items = forward_items(ops.ints)
+        run_items(forward_kernel, (*ops, _flat(out), out_strides, lse.reshape(-1)), items)
+        weights = None
+        if problem.return_weights:
+            weights = np.zeros((batch, heads, q_len, problem.kv_len), dtype)
+            run_items(weights_kernel, (*ops, lse.reshape(-1), weights.reshape(-1)), items)
+    return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
+
+
+def _flat(array):
+    """A writable 1-D view of the whole memory behind a (possibly transposed) contiguous array."""
+    base = array if array.flags.c_contiguous else array.transpose(0, 2, 1, 3)
+    return base.reshape(-1)
+
+
+# Enough (batch, kv head, key chunk) items to keep this many cores busy, fixed so that
+# the chunking, and so the summation order of dq, never depends on the machine.
+_BACKWARD_ITEMS = 8
+
+
+def backward(problem, saved, dout) -> Gradients:
+    """Gradients of ``sum(out * dout)`` from the saved (out, lse); ``dout`` is bhsd."""
+    out, lse = saved
+    ops = build_operands(problem)
+    dtype = compute_dtype(problem)
+    batch, heads, q_len, head_dim = problem.q.shape
+    kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim
+    dout_flat, dout_strides = row_strides(dout, dtype)
+    dout_strides = np.array(dout_strides, np.int64)
+    # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
+    delta = np.einsum("bhsd,bhsd->bhs", dout.astype(dtype, copy=False), out)
+    key_tiles = -(-kv_len // int(ops.ints[Int.BLOCK_K]))
+    chunks = max(1, min(key_tiles, -(-_BACKWARD_ITEMS // (batch * kv_heads))))
+    dq = np.zeros((chunks, batch, heads, q_len, head_dim), dtype)
+    dk = np.zeros((batch, kv_heads, kv_len, head_dim), dtype)
+    dv = np.zeros((batch, kv_heads, kv_len, value_dim), dtype)
+    common = (*ops, dout_flat, dout_strides, lse.reshape(-1), delta.reshape(-1))
+    with single_threaded_blas():
+        run_items(backward_kernel, (*common, dq.reshape(-1), dk.reshape(-1), dv.reshape(-1), chunks),
+                  backward_items(ops.ints, chunks))
+        dbias = None
+        if problem.bias is not None:
+            dbias_shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)
+            dbias = np.zeros(dbias_shape, dtype)
+            shape = np.array(dbias_shape, np.int64)
+            items = (shape[0] * shape[1] * (-(-q_len // int(ops.ints[Int.BLOCK_Q])) if shape[2] > 1 else 1)
+                     * (key_tiles if shape[3] > 1 else 1))
+            run_items(dbias_kernel, (*common, dbias.reshape(-1), shape), int(items))
+            dbias = dbias.reshape(problem.bias_shape)
+    dsink_logits = None
+    if problem.sink_logits is not None:
+        # d lse / d sink = P(sink) = exp(sink - lse); d out / d sink = -P(sink) * out
+        sink = problem.sink_logits.astype(dtype)[None, :, None]
+        seen = np.isfinite(lse)
+        sink_probability = np.exp(np.where(seen, sink - np.where(seen, lse, 0.0), -np.inf))
+        dsink_logits = -(sink_probability * delta).sum(axis=(0, 2))
+    return Gradients(dq=dq.sum(axis=0) if chunks > 1 else dq[0], dk=dk, dv=dv, dbias=dbias,
+                     dsink_logits=dsink_logits)

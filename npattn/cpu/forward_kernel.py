@@ -1,0 +1,154 @@
+"""The tiled forward (FlashAttention-2): out and lse with an online softmax, and the
+exact attention weights recomputed from lse.
+
+Work items are (batch, head, query tile); a kernel runs items ``start, start + step,
+... < stop`` and :mod:`npattn.cpu.threads` runs one such stripe per core. For
+each item the key tiles that masking leaves alive are visited in order; per tile:
+scores through BLAS, the running max ``m`` and sum ``l`` updated per row, the
+accumulated output rescaled by ``exp(m_old - m_new)``, then ``out += P @ V``
+through BLAS, straight into the output rows. Extra memory is one
+(block_q x block_k) score tile per item: no Sq x Sk array is ever formed.
+
+Every kernel takes the flat operands of :class:`~npattn.cpu.operands.Operands` first,
+in its order.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from .blas import gemm
+from .operands import Int, Real
+from .rowmath import FASTMATH, exp_shifted, row_max
+from .tiles import apply_dropout, key_segments, score_tile
+
+_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
+
+
+def forward_items(ints):
+    """The number of work items of :func:`forward_kernel` and :func:`weights_kernel`."""
+    return ints[Int.BATCH] * ints[Int.HEADS] * -(-ints[Int.Q_LEN] // ints[Int.BLOCK_Q])
+
+
+@njit(**_JIT)
+def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
+                   out, out_strides, lse, start, stop, step):
+    """Fill ``out`` (a flat view with bhsd element strides ``out_strides``, int64 (3,),
+    zero on entry) and ``lse`` (flat (B, H, Sq), -inf on entry). Rows past ``q_lengths``
+    stay as they are."""
+    heads, q_len, block_q = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.BLOCK_Q]
+    tiles = (q_len + block_q - 1) // block_q
+    for item in range(start, stop, step):
+        b = item // (heads * tiles)
+        h = (item // tiles) % heads
+        i0 = (item % tiles) * block_q
+        i1 = min(q_len, i0 + block_q, q_lengths[b])
+        if i1 > i0:
+            _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
+                          out, out_strides, lse, b, h, i0, i1)
+
+
+@njit(**_JIT)
+def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
+                  out, out_strides, lse, b, h, i0, i1):
+    rows, block_k, dv = i1 - i0, ints[Int.BLOCK_K], ints[Int.VALUE_DIM]
+    heads = ints[Int.HEADS]
+    dtype = q.dtype
+    s = np.empty(rows * block_k, dtype)
+    tanh = np.empty(rows * block_k if ints[Int.HAS_SOFTCAP] else 1, dtype)
+    # running max and sum; the sink logit enters as a first column of value 0
+    m = np.full(rows, -np.inf, dtype)
+    total = np.zeros(rows, dtype)
+    if ints[Int.HAS_SINK]:
+        m[:] = sink[h]
+        total[:] = 1.0
+    seen = np.zeros(rows, np.bool_)
+    partial = np.empty(16, dtype)
+    out_row_stride = out_strides[2]
+    out_offset = b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
+    kv_head = h // (heads // ints[Int.KV_HEADS])
+    v_base = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H]
+    v_row_stride = ints[Int.V_STRIDE_S]
+
+    sink_end, start, stop = key_segments(ints, kv_lengths, b, i0, i1)
+    for segment in range(2):
+        first, last = (0, sink_end) if segment == 0 else (start, stop)
+        for j0 in range(first, last, block_k):
+            cols = min(block_k, last - j0)
+            score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, block_k, tanh,
+                       b, h, i0, rows, j0, cols)
+            for r in range(rows):
+                row = s[r * block_k:r * block_k + cols]
+                tile_max = row_max(row, cols, partial)
+                new_max = max(m[r], tile_max)
+                if tile_max > -np.inf:
+                    seen[r] = True
+                # nothing visible yet: a shift of 0 keeps every exp at 0 (not NaN)
+                shift = new_max if new_max > -np.inf else 0.0
+                correction = math.exp(m[r] - new_max) if new_max > -np.inf else 1.0
+                m[r] = new_max
+                total[r] = total[r] * correction + exp_shifted(row, cols, shift)
+                if correction != 1.0:
+                    o = out_offset + r * out_row_stride
+                    out_row = out[o:o + dv]
+                    for d in range(dv):
+                        out_row[d] *= correction
+            if ints[Int.HAS_DROPOUT]:
+                apply_dropout(ints, s, block_k, b, h, i0, rows, j0, cols, 1.0)
+            # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
+            gemm(False, False, dv, rows, cols, 1.0, v[v_base + j0 * v_row_stride:], v_row_stride,
+                 s, block_k, 1.0, out[out_offset:], out_row_stride)
+
+    lse_offset = (b * heads + h) * ints[Int.Q_LEN] + i0
+    keep_scale = reals[Real.KEEP_SCALE]
+    for r in range(rows):
+        o = out_offset + r * out_row_stride
+        out_row = out[o:o + dv]
+        if seen[r]:
+            factor = keep_scale / total[r]
+            for d in range(dv):
+                out_row[d] *= factor
+            lse[lse_offset + r] = m[r] + math.log(total[r])
+        else:
+            out_row[:] = 0.0
+
+
+@njit(**_JIT)
+def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
+                   lse, weights, start, stop, step):
+    """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
+    ``exp(s - lse)``: the exact probabilities, after masking and before dropout."""
+    heads, q_len, block_q = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.BLOCK_Q]
+    tiles = (q_len + block_q - 1) // block_q
+    for item in range(start, stop, step):
+        b = item // (heads * tiles)
+        h = (item // tiles) % heads
+        i0 = (item % tiles) * block_q
+        i1 = min(q_len, i0 + block_q, q_lengths[b])
+        if i1 > i0:
+            _weights_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, lse, weights, b, h, i0, i1)
+
+
+@njit(**_JIT)
+def _weights_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, lse, weights, b, h, i0, i1):
+    rows, block_k = i1 - i0, ints[Int.BLOCK_K]
+    heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
+    s = np.empty(rows * block_k, q.dtype)
+    tanh = np.empty(rows * block_k if ints[Int.HAS_SOFTCAP] else 1, q.dtype)
+    row_offset = (b * heads + h) * q_len + i0
+    sink_end, start, stop = key_segments(ints, kv_lengths, b, i0, i1)
+    for segment in range(2):
+        first, last = (0, sink_end) if segment == 0 else (start, stop)
+        for j0 in range(first, last, block_k):
+            cols = min(block_k, last - j0)
+            score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, block_k, tanh,
+                       b, h, i0, rows, j0, cols)
+            for r in range(rows):
+                row_lse = lse[row_offset + r]
+                if row_lse > -np.inf:  # an empty row keeps its zeros
+                    row = s[r * block_k:r * block_k + cols]
+                    exp_shifted(row, cols, row_lse)
+                    w = (row_offset + r) * kv_len + j0
+                    weights[w:w + cols] = row

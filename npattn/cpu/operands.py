@@ -1,0 +1,198 @@
+"""An :class:`~npattn.problem.AttentionProblem` as the flat operands the Numba kernels take.
+
+Every array goes to the kernels as a 1-D view of the memory it already occupies plus
+its element strides, so one compiled kernel per dtype serves both layouts, any
+broadcast mask or bias (stride 0 along broadcast axes: a (1, 1, Sq, Sk) bias is
+read in place, never expanded), and any option set (options are runtime flags,
+absent arrays are 1-element placeholders). Nothing is copied except to change a
+dtype (float16 inputs, a bias of another float type) or to give BLAS a unit
+stride along the head dimension.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import NamedTuple
+
+import numpy as np
+
+from ..dropout import seed_words
+
+# Tile sizes (rows of queries x columns of keys). Module-level so tests can shrink them
+# to exercise many tiles on small problems; the kernels take them as runtime values.
+BLOCK_Q = 64
+BLOCK_K = 256
+
+
+class Int(IntEnum):
+    """Positions in the kernels' int64 parameter array (flat arrays of scalars compile
+    several times faster in Numba than a named tuple of them)."""
+
+    BATCH = 0
+    HEADS = 1
+    KV_HEADS = 2
+    Q_LEN = 3
+    KV_LEN = 4
+    HEAD_DIM = 5
+    VALUE_DIM = 6
+    Q_STRIDE_B = 7    # element strides of the bhsd views; the last axis is unit
+    Q_STRIDE_H = 8
+    Q_STRIDE_S = 9
+    K_STRIDE_B = 10
+    K_STRIDE_H = 11
+    K_STRIDE_S = 12
+    V_STRIDE_B = 13
+    V_STRIDE_H = 14
+    V_STRIDE_S = 15
+    BIAS_STRIDE_B = 16  # 0 along broadcast axes
+    BIAS_STRIDE_H = 17
+    BIAS_STRIDE_Q = 18
+    BIAS_STRIDE_K = 19
+    MASK_STRIDE_B = 20
+    MASK_STRIDE_H = 21
+    MASK_STRIDE_Q = 22
+    MASK_STRIDE_K = 23
+    HAS_BIAS = 24
+    HAS_MASK = 25
+    HAS_ALIBI = 26
+    HAS_SINK = 27
+    HAS_SOFTCAP = 28
+    HAS_DROPOUT = 29
+    CAUSAL = 30
+    WINDOW_LEFT = 31    # -1 = unbounded
+    WINDOW_RIGHT = 32
+    SINKS = 33
+    DROPOUT_THRESHOLD = 34
+    SEED_LO = 35
+    SEED_HI = 36
+    BLOCK_Q = 37
+    BLOCK_K = 38
+
+
+class Real(IntEnum):
+    """Positions in the kernels' parameter array of the compute dtype."""
+
+    SCALE = 0
+    SOFTCAP = 1       # 0 = off
+    KEEP_SCALE = 2    # 1 / (1 - dropout_p)
+
+
+class Operands(NamedTuple):
+    """What every kernel takes, in this order (``astuple`` spreads it into a call)."""
+
+    q: np.ndarray           # flat views; strides in ``ints``
+    k: np.ndarray
+    v: np.ndarray
+    bias: np.ndarray        # flat view in the compute dtype, or a 1-element placeholder
+    mask: np.ndarray        # flat uint8 view of the bool mask, or a placeholder
+    alibi: np.ndarray       # (B * H,) slopes, or a placeholder
+    sink: np.ndarray        # (H,) sink logits, or a placeholder
+    q_lengths: np.ndarray   # int64 (B,), Sq where not given
+    kv_lengths: np.ndarray  # int64 (B,), Sk where not given
+    ints: np.ndarray        # int64, indexed by :class:`Int`
+    reals: np.ndarray       # compute dtype, indexed by :class:`Real`
+
+
+def compute_dtype(problem):
+    """The dtype kernels compute in: float64 for float64 inputs, float32 otherwise."""
+    return np.dtype(problem.accumulate_dtype)
+
+
+def flat_view(array, dtype, unit_last_axis=False):
+    """``(flat, strides)``: a 1-D view spanning ``array``'s memory and its element strides.
+
+    Copies only when the dtype differs, a stride is negative or not a whole number of
+    elements, or (``unit_last_axis``) the last axis is not contiguous."""
+    array = np.asarray(array)
+    if array.dtype != dtype:
+        array = array.astype(dtype)
+    itemsize = array.itemsize
+    strides = array.strides
+    if (any(s < 0 or s % itemsize for s in strides)
+            or (unit_last_axis and array.shape[-1] > 1 and strides[-1] != itemsize)):
+        array = np.ascontiguousarray(array)
+        strides = array.strides
+    elements = tuple(0 if n == 1 else s // itemsize for n, s in zip(array.shape, strides))
+    if array.size == 0:
+        return np.zeros(1, dtype), elements
+    extent = 1 + sum((n - 1) * s for n, s in zip(array.shape, elements))
+    flat = np.lib.stride_tricks.as_strided(array, shape=(extent,), strides=(itemsize,), writeable=False)
+    return flat, elements
+
+
+def row_strides(array, dtype):
+    """``(flat, (batch, head, row))`` for a bhsd (B, H, S, X) array whose rows feed BLAS:
+    the row stride is at least X (BLAS's leading-dimension rule, moot for one row)."""
+    flat, (sb, sh, sr, _) = flat_view(array, dtype, unit_last_axis=True)
+    return flat, (sb, sh, max(sr, array.shape[-1], 1))
+
+
+def build_operands(problem, block_q=None, block_k=None) -> Operands:
+    dtype = compute_dtype(problem)
+    batch, heads, q_len, head_dim = problem.q.shape
+    q, q_strides = row_strides(problem.q, dtype)
+    k, k_strides = row_strides(problem.k, dtype)
+    v, v_strides = row_strides(problem.v, dtype)
+    placeholder = np.zeros(1, dtype)
+    no_strides = (0, 0, 0, 0)
+    if problem.bias is not None:
+        bias, bias_strides = flat_view(problem.bias, dtype)
+    else:
+        bias, bias_strides = placeholder, no_strides
+    if problem.mask is not None:
+        mask, mask_strides = flat_view(problem.mask.view(np.uint8), np.uint8)
+    else:
+        mask, mask_strides = np.ones(1, np.uint8), no_strides
+    alibi = (placeholder if problem.alibi_slopes is None
+             else np.ascontiguousarray(problem.alibi_slopes, dtype=dtype).reshape(-1))
+    sink = (placeholder if problem.sink_logits is None
+            else np.ascontiguousarray(problem.sink_logits, dtype=dtype))
+    visibility = problem.visibility
+    seed_lo, seed_hi = seed_words(problem.seed)
+
+    ints = np.zeros(len(Int), np.int64)
+    ints[[Int.BATCH, Int.HEADS, Int.KV_HEADS, Int.Q_LEN, Int.KV_LEN, Int.HEAD_DIM, Int.VALUE_DIM]] = (
+        batch, heads, problem.kv_heads, q_len, problem.kv_len, head_dim, problem.value_dim)
+    ints[Int.Q_STRIDE_B:Int.Q_STRIDE_S + 1] = q_strides
+    ints[Int.K_STRIDE_B:Int.K_STRIDE_S + 1] = k_strides
+    ints[Int.V_STRIDE_B:Int.V_STRIDE_S + 1] = v_strides
+    ints[Int.BIAS_STRIDE_B:Int.BIAS_STRIDE_K + 1] = bias_strides
+    ints[Int.MASK_STRIDE_B:Int.MASK_STRIDE_K + 1] = mask_strides
+    ints[Int.HAS_BIAS] = problem.bias is not None
+    ints[Int.HAS_MASK] = problem.mask is not None
+    ints[Int.HAS_ALIBI] = problem.alibi_slopes is not None
+    ints[Int.HAS_SINK] = problem.sink_logits is not None
+    ints[Int.HAS_SOFTCAP] = problem.softcap is not None
+    ints[Int.HAS_DROPOUT] = problem.dropout_p > 0
+    ints[Int.CAUSAL] = visibility.causal
+    ints[Int.WINDOW_LEFT] = -1 if visibility.window_left is None else visibility.window_left
+    ints[Int.WINDOW_RIGHT] = -1 if visibility.window_right is None else visibility.window_right
+    ints[Int.SINKS] = visibility.sinks
+    ints[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
+    ints[Int.SEED_LO] = seed_lo
+    ints[Int.SEED_HI] = seed_hi
+    ints[Int.BLOCK_Q] = block_q or BLOCK_Q
+    ints[Int.BLOCK_K] = block_k or BLOCK_K
+
+    reals = np.zeros(len(Real), dtype)
+    reals[Real.SCALE] = problem.scale
+    reals[Real.SOFTCAP] = problem.softcap or 0.0
+    reals[Real.KEEP_SCALE] = 1.0 / (1.0 - problem.dropout_p)
+    operands = Operands(q=q, k=k, v=v, bias=bias, mask=mask, alibi=alibi, sink=sink,
+                        q_lengths=_lengths(problem.q_lengths, batch, q_len),
+                        kv_lengths=_lengths(problem.kv_lengths, batch, problem.kv_len),
+                        ints=ints, reals=reals)
+    # Numba types read-only and writable arrays differently: make every operand read-only,
+    # so placeholders and real views share one compiled kernel.
+    return Operands(*(_read_only(array) for array in operands))
+
+
+def _read_only(array):
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def _lengths(lengths, batch, full):
+    if lengths is None:
+        return np.full(batch, full, np.int64)
+    return np.ascontiguousarray(lengths, dtype=np.int64)

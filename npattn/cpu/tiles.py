@@ -1,0 +1,160 @@
+"""The pieces every CPU kernel shares: which keys a row may see, the dropout hash, and
+one tile of fully optioned scores.
+
+All functions here are Numba-jitted; ``ints`` and ``reals`` are the parameter arrays
+of :mod:`npattn.cpu.operands` (indexed by ``Int`` and ``Real``), the other arrays are
+the flat operands of the same name. They mirror the reference's steps exactly (see
+:mod:`npattn.reference`), one (rows x cols) tile at a time.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from .blas import gemm
+from .operands import Int, Real
+from .rowmath import FASTMATH
+
+_JIT = dict(cache=True, fastmath=FASTMATH)
+_MASK32 = np.uint64(0xFFFFFFFF)
+_MIX_INCREMENT = np.uint64(0x9E3779B9)
+_MIX_MULTIPLIER_1 = np.uint64(0x85EBCA6B)
+_MIX_MULTIPLIER_2 = np.uint64(0xC2B2AE35)
+
+
+@njit(**_JIT)
+def key_band(ints, kv_lengths, b, i):
+    """``(lo, hi, sink_end)`` for query row ``i`` of batch ``b``: the row sees keys in
+    ``[lo, hi)`` and in ``[0, sink_end)`` (causal, window, sinks and kv_lengths; see
+    :meth:`npattn.masks.Visibility.key_range`). Each bound is nondecreasing in ``i``,
+    which is what lets a tile of rows be bounded by its first and last row."""
+    kv_valid = kv_lengths[b]
+    kv_len, left, right, causal = ints[Int.KV_LEN], ints[Int.WINDOW_LEFT], ints[Int.WINDOW_RIGHT], ints[Int.CAUSAL]
+    position = i + kv_len - ints[Int.Q_LEN]
+    lo = 0 if left < 0 else max(0, position - left)
+    hi = kv_len if right < 0 else min(kv_len, position + right + 1)
+    if causal:
+        hi = min(hi, position + 1)
+    hi = max(lo, min(hi, kv_valid))
+    sink_end = 0
+    if left >= 0 or right >= 0:
+        sink_end = min(ints[Int.SINKS], kv_valid)
+        if causal:
+            sink_end = min(sink_end, max(0, position + 1))
+    return lo, hi, sink_end
+
+
+@njit(**_JIT)
+def key_segments(ints, kv_lengths, b, i0, i1):
+    """The keys rows ``[i0, i1)`` may see, as two disjoint half-open segments
+    ``(0, sink_end)`` and ``(start, stop)`` (either may be empty): whole key tiles
+    outside them are never computed."""
+    lo_first, _, _ = key_band(ints, kv_lengths, b, i0)
+    _, hi_last, sink_last = key_band(ints, kv_lengths, b, i1 - 1)
+    start = max(lo_first, sink_last)
+    return sink_last, start, max(start, hi_last)
+
+
+@njit(**_JIT)
+def tile_fully_visible(ints, kv_lengths, b, i0, i1, j0, j1):
+    """True when every row of ``[i0, i1)`` sees every key of ``[j0, j1)`` through causal,
+    window, sinks and lengths (bounds are monotone, so the first and last rows decide)."""
+    lo_first, hi_first, sink_first = key_band(ints, kv_lengths, b, i0)
+    lo_last, _, _ = key_band(ints, kv_lengths, b, i1 - 1)
+    return j1 <= sink_first or (lo_last <= j0 and j1 <= hi_first)
+
+
+@njit(**_JIT)
+def fmix32(x):
+    """MurmurHash3's finalizer on a uint64 holding a 32-bit value (see :mod:`npattn.dropout`)."""
+    x ^= x >> np.uint64(16)
+    x = (x * _MIX_MULTIPLIER_1) & _MASK32
+    x ^= x >> np.uint64(13)
+    x = (x * _MIX_MULTIPLIER_2) & _MASK32
+    return x ^ (x >> np.uint64(16))
+
+
+@njit(**_JIT)
+def absorb(state, word):
+    return fmix32(((state ^ word) + _MIX_INCREMENT) & _MASK32)
+
+
+@njit(**_JIT)
+def dropout_row_state(ints, b, h, i):
+    """The hash state after absorbing (seed_lo, seed_hi, b, h, i): one per query row."""
+    state = absorb(np.uint64(0), np.uint64(ints[Int.SEED_LO]))
+    state = absorb(state, np.uint64(ints[Int.SEED_HI]))
+    state = absorb(state, np.uint64(b))
+    state = absorb(state, np.uint64(h))
+    return absorb(state, np.uint64(i))
+
+
+@njit(**_JIT)
+def apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
+    """Multiply each probability of the tile by ``keep_scale`` where the hash keeps it, 0 where
+    it drops it (``keep_scale`` is 1 / (1 - p) or 1)."""
+    threshold = np.uint64(ints[Int.DROPOUT_THRESHOLD])
+    for r in range(rows):
+        state = dropout_row_state(ints, b, h, i0 + r)
+        row = s[r * ld:r * ld + cols]
+        for c in range(cols):
+            kept = (absorb(state, np.uint64(j0 + c)) >> np.uint64(8)) >= threshold
+            row[c] = row[c] * keep_scale if kept else 0.0
+
+
+@njit(**_JIT)
+def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, b, h, i0, rows, j0, cols):
+    """Scores of rows ``[i0, i0 + rows)`` against keys ``[j0, j0 + cols)`` of head ``h``
+    into ``s[r * ld + c]``: ``scale * q.k``, softcap (its tanh kept in ``tanh`` for the
+    backward), bias, ALiBi, then -inf where the key is invisible. Returns nothing."""
+    heads = ints[Int.HEADS]
+    kv_head = h // (heads // ints[Int.KV_HEADS])
+    q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
+    k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
+    # column-major: S^T (cols x rows) = K (cols x D) . Q^T (D x rows)
+    gemm(True, False, cols, rows, ints[Int.HEAD_DIM], reals[Real.SCALE], k[k_offset:],
+         ints[Int.K_STRIDE_S], q[q_offset:], ints[Int.Q_STRIDE_S], 0.0, s, ld)
+    if ints[Int.HAS_SOFTCAP]:
+        softcap = reals[Real.SOFTCAP]
+        inverse = 1.0 / softcap
+        for r in range(rows):
+            row = s[r * ld:r * ld + cols]
+            row_tanh = tanh[r * ld:r * ld + cols]
+            for c in range(cols):
+                t = math.tanh(row[c] * inverse)
+                row_tanh[c] = t
+                row[c] = softcap * t
+    if ints[Int.HAS_BIAS]:
+        sb, sh, sq, sk = (ints[Int.BIAS_STRIDE_B], ints[Int.BIAS_STRIDE_H], ints[Int.BIAS_STRIDE_Q],
+                          ints[Int.BIAS_STRIDE_K])
+        for r in range(rows):
+            row = s[r * ld:r * ld + cols]
+            base = b * sb + h * sh + (i0 + r) * sq + j0 * sk
+            for c in range(cols):
+                row[c] += bias[base + c * sk]
+    if ints[Int.HAS_ALIBI]:
+        slope = alibi[b * heads + h]
+        for r in range(rows):
+            row = s[r * ld:r * ld + cols]
+            position = i0 + r + ints[Int.KV_LEN] - ints[Int.Q_LEN]
+            for c in range(cols):
+                row[c] -= slope * abs(position - (j0 + c))
+    if not tile_fully_visible(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
+        for r in range(rows):
+            row = s[r * ld:r * ld + cols]
+            lo, hi, sink_end = key_band(ints, kv_lengths, b, i0 + r)
+            for c in range(cols):
+                j = j0 + c
+                if not (j < sink_end or (lo <= j and j < hi)):
+                    row[c] = -np.inf
+    if ints[Int.HAS_MASK]:
+        sb, sh, sq, sk = (ints[Int.MASK_STRIDE_B], ints[Int.MASK_STRIDE_H], ints[Int.MASK_STRIDE_Q],
+                          ints[Int.MASK_STRIDE_K])
+        for r in range(rows):
+            row = s[r * ld:r * ld + cols]
+            base = b * sb + h * sh + (i0 + r) * sq + j0 * sk
+            for c in range(cols):
+                if mask[base + c * sk] == 0:
+                    row[c] = -np.inf
