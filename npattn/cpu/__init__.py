@@ -9,6 +9,7 @@ first use.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 NAME = "cpu"
@@ -33,3 +34,21 @@ def forward(problem):
 def backward(problem, saved, dout):
     from .driver import backward as run
     return run(problem, saved, dout)
+
+
+@contextlib.contextmanager
+def tile_sizes(block_q: int, block_k: int):
+    """Run the block with query tiles of ``block_q`` rows and key tiles of ``block_k`` keys
+    (defaults 64 and 256). Results agree to rounding for any sizes; the tests use tiny
+    tiles to cross many tile edges on small problems, and tuners can try others. Not
+    thread-safe: it sets module state."""
+    from . import operands
+
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"tile sizes must be positive, got block_q={block_q}, block_k={block_k}")
+    saved = operands.BLOCK_Q, operands.BLOCK_K
+    operands.BLOCK_Q, operands.BLOCK_K = int(block_q), int(block_k)
+    try:
+        yield
+    finally:
+        operands.BLOCK_Q, operands.BLOCK_K = saved

@@ -19,6 +19,8 @@ bias was broadcast along, each bias element owned by one item.
 from __future__ import annotations
 
 import numpy as np
+
+from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from numba import njit
 
 from .blas import gemm

@@ -20,6 +20,8 @@ import glob
 import os
 
 import numpy as np
+
+from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from numba import types
 from numba.core.errors import TypingError
 from numba.extending import overload

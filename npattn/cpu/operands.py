@@ -17,8 +17,9 @@ import numpy as np
 
 from ..dropout import seed_words
 
-# Tile sizes (rows of queries x columns of keys). Module-level so tests can shrink them
-# to exercise many tiles on small problems; the kernels take them as runtime values.
+# Tile sizes (rows of queries x columns of keys), runtime values of the kernels (no
+# recompilation); :func:`npattn.cpu.tile_sizes` changes them. Measured on the 2-core
+# AVX-512 machine at (1, 8, 2048, 64): 64 x 256 and 256 x 512 within 10% of each other.
 BLOCK_Q = 64
 BLOCK_K = 256
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload

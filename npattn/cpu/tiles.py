@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from numba import njit
 
 from .blas import gemm

@@ -1,0 +1,65 @@
+"""Keep Numba's on-disk cache of the CPU kernels honest across edits and upgrades.
+
+Numba stamps a cached function with the hash of *its own* source file only, so a
+kernel in ``forward_kernel.py`` would keep its stale machine code after a change to
+``tiles.py``, which it calls. This module registers a cache locator that, for files
+of this package, stamps with the hash of every module here (then defers to Numba's
+usual locations). Import it before any ``@njit(cache=True)`` of the package.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+
+from numba.core import caching
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _package_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(_HERE, "*.py"))):
+        with open(path, "rb") as source:
+            digest.update(source.read())
+    return digest.hexdigest()
+
+
+_DIGEST = _package_digest()
+
+
+class PackageStampedLocator(caching._CacheLocator):
+    """Numba's first applicable standard locator, with the whole package's hash in its stamp."""
+
+    _STANDARD = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator,
+                 caching.UserWideCacheLocator)
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def ensure_cache_path(self):
+        self._inner.ensure_cache_path()
+
+    def get_cache_path(self):
+        return self._inner.get_cache_path()
+
+    def get_source_stamp(self):
+        return (self._inner.get_source_stamp(), _DIGEST)
+
+    def get_disambiguator(self):
+        return self._inner.get_disambiguator()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if os.path.dirname(os.path.abspath(py_file)) != _HERE:
+            return None
+        for standard in cls._STANDARD:
+            inner = standard.from_function(py_func, py_file)
+            if inner is not None:
+                return cls(inner)
+        return None
+
+
+_LOCATORS = getattr(getattr(caching, "CacheImpl", None), "_locator_classes", None)
+if isinstance(_LOCATORS, list) and PackageStampedLocator not in _LOCATORS:
+    _LOCATORS.insert(0, PackageStampedLocator)

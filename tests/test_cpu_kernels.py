@@ -1,0 +1,106 @@
+"""The CPU kernels beyond the shared properties: many tiles, big shapes, determinism, no copies.
+
+The equivalence tests of ``test_backend_equivalence`` run at the default tile sizes, where
+most hypothesis problems fit in one tile; here tiny tiles make every tile edge, dead-tile
+skip and multi-tile online-softmax rescale happen on small problems.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import npattn
+from strategies import cases, dims
+from test_backend_equivalence import check_backward, check_forward
+
+pytestmark = pytest.mark.skipif(not npattn.backends()["cpu"], reason="the cpu backend is unavailable")
+cpu = pytest.importorskip("npattn.cpu")
+layouts = st.sampled_from(["bhsd", "bshd"])
+tiles = st.tuples(st.integers(1, 4), st.integers(1, 5))
+
+
+@given(case=cases(dtypes=("float32", "float64"), dims_strategy=dims(max_len=13)), layout=layouts, tile=tiles)
+def test_forward_matches_the_reference_across_many_tiles(case, layout, tile):
+    with cpu.tile_sizes(*tile):
+        check_forward("cpu", case, layout)
+
+
+@given(case=cases(dtypes=("float32", "float64"), dims_strategy=dims(max_len=13)), layout=layouts, tile=tiles)
+def test_backward_matches_the_reference_across_many_tiles(case, layout, tile):
+    with cpu.tile_sizes(*tile):
+        check_backward("cpu", case, layout)
+
+
+# Shapes past the default tiles (64 x 256), lengths that are not tile multiples, head dims
+# that are not powers of two, up to 256; few examples, each one large.
+large = dims(max_batch=1, max_kv_heads=2, max_group=2, min_len=1, max_len=300, max_dim=256)
+
+
+@settings(max_examples=12)
+@given(case=cases(dtypes=("float32",), dims_strategy=large), layout=layouts)
+def test_large_shapes_match_the_reference(case, layout):
+    check_forward("cpu", case, layout)
+    check_backward("cpu", case, layout)
+
+
+def _problem(rng, dtype=np.float32, batch=2, heads=4, kv_heads=2, q_len=70, kv_len=300, dim=24):
+    q = rng.normal(size=(batch, heads, q_len, dim)).astype(dtype)
+    k = rng.normal(size=(batch, kv_heads, kv_len, dim)).astype(dtype)
+    v = rng.normal(size=(batch, kv_heads, kv_len, dim)).astype(dtype)
+    return q, k, v
+
+
+OPTIONS = dict(causal=True, window=(90, None), sinks=3, dropout_p=0.2, seed=11,
+               kv_lengths=np.array([300, 211]))
+
+
+@pytest.mark.parametrize("bias_shape", [None, (1, 1, 70, 300), (4, 1, 1)])
+def test_backward_is_bitwise_deterministic_across_runs_and_thread_counts(monkeypatch, bias_shape):
+    rng = np.random.default_rng(0)
+    q, k, v = _problem(rng, batch=1, kv_heads=1)  # one kv head: keys split into dq chunks
+    options = dict(OPTIONS, kv_lengths=None)
+    if bias_shape is not None:
+        options["bias"] = rng.normal(size=bias_shape).astype(np.float32)
+    dout = rng.normal(size=q.shape).astype(np.float32)
+
+    def gradients():
+        out, vjp = npattn.attention_vjp(q, k, v, backend="cpu", **options)
+        return (out, *vjp(dout))
+
+    first = gradients()
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "1")
+    for again in (gradients(), gradients()):
+        for a, b in zip(first, again):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_kernels_read_inputs_in_place_in_both_layouts():
+    from npattn.cpu.operands import build_operands
+    from npattn.validation import build_problem
+
+    rng = np.random.default_rng(1)
+    q, k, v = _problem(rng)
+    bias = rng.normal(size=(1, 1, q.shape[2], k.shape[2])).astype(np.float32)
+    for layout in ("bhsd", "bshd"):
+        arrays = [a.transpose(0, 2, 1, 3).copy() if layout == "bshd" else a for a in (q, k, v)]
+        ops = build_operands(build_problem(*arrays, bias=bias, layout=layout))
+        for given_array, flat in zip(arrays, (ops.q, ops.k, ops.v)):
+            assert np.shares_memory(given_array, flat) and flat.size == given_array.size
+        assert np.shares_memory(bias, ops.bias) and ops.bias.size == bias.size  # never expanded to B, H
+
+
+def test_float16_inputs_run_in_float32_and_return_float16():
+    rng = np.random.default_rng(2)
+    q, k, v = _problem(rng, dtype=np.float16)
+    out, lse = npattn.attention(q, k, v, causal=True, return_lse=True, backend="cpu")
+    exact, exact_lse = npattn.attention(*(a.astype(np.float64) for a in (q, k, v)), causal=True,
+                                        return_lse=True, backend="reference")
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+    np.testing.assert_allclose(out, exact, atol=4 * np.finfo(np.float16).eps)
+    np.testing.assert_allclose(lse, exact_lse, atol=64 * np.finfo(np.float32).eps * np.abs(exact_lse).max())
+
+
+def test_tile_sizes_must_be_positive():
+    with pytest.raises(ValueError, match="block_q=0"):
+        with cpu.tile_sizes(0, 8):
+            pass
