@@ -1,4 +1,5 @@
-"""``python -m npattn info | demo``: what is installed, and every variant through every backend."""
+"""``python -m npattn info | demo | bench``: what is installed, every variant through every
+backend, and the CPU kernels timed against PyTorch and naive NumPy."""
 from __future__ import annotations
 
 import argparse
@@ -78,11 +79,26 @@ def main(argv=None) -> int:
     demo_parser.add_argument("--seq-len", type=int, default=Size.seq_len)
     demo_parser.add_argument("--head-dim", type=int, default=Size.head_dim)
     demo_parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    bench_parser = commands.add_parser("bench", help="CPU kernels against torch SDPA and naive NumPy")
+    bench_parser.add_argument("--shape", action="append", dest="shapes", metavar="B,H[,HKV],S,D",
+                              help="a shape to time (repeatable); default: the issue's three")
+    bench_parser.add_argument("--repeats", type=int, default=5)
+    bench_parser.add_argument("--forward-only", action="store_true")
+    bench_parser.add_argument("--memory", action="store_true",
+                              help="peak memory of one forward at (1, 8, 16384, 64) instead")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
-    else:
+    elif args.command == "demo":
         demo(Size(seq_len=args.seq_len, head_dim=args.head_dim), dtype=np.dtype(args.dtype))
+    else:
+        from . import bench
+
+        if args.memory:
+            bench.memory()
+        else:
+            shapes = [bench.Shape.parse(s) for s in args.shapes] if args.shapes else bench.DEFAULT_SHAPES
+            bench.compare(shapes, repeats=args.repeats, backward=not args.forward_only)
     return 0
 
 

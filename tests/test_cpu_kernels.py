@@ -104,3 +104,22 @@ def test_tile_sizes_must_be_positive():
     with pytest.raises(ValueError, match="block_q=0"):
         with cpu.tile_sizes(0, 8):
             pass
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_later_key_far_above_the_running_max_is_handled_exactly(dtype):
+    """The forward guesses each row's max from earlier key tiles; a later score more than the
+    kernel's headroom above it must send the tile back through a fresh max pass."""
+    rng = np.random.default_rng(3)
+    q, k, v = _problem(rng, dtype=dtype, q_len=9, kv_len=40, dim=8)
+    bias = np.zeros((1, 1, 9, 40), dtype)
+    bias[..., 5, 31] = 80.0    # one row jumps in a late tile
+    bias[..., 6, 20:] = 200.0  # another by more than float32's exp range
+    for options in ({"bias": bias}, {"bias": bias, "sink_logits": rng.normal(size=4) - 100}):
+        with cpu.tile_sizes(4, 8):
+            out, lse = npattn.attention(q, k, v, return_lse=True, backend="cpu", **options)
+        exact, exact_lse = npattn.attention(*(a.astype(np.float64) for a in (q, k, v)), return_lse=True,
+                                            backend="reference", **options)
+        eps = np.finfo(dtype).eps
+        np.testing.assert_allclose(out, exact, atol=64 * eps * np.abs(v).max())
+        np.testing.assert_allclose(lse, exact_lse, rtol=16 * eps)

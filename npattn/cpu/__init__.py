@@ -38,17 +38,17 @@ def backward(problem, saved, dout):
 
 @contextlib.contextmanager
 def tile_sizes(block_q: int, block_k: int):
-    """Run the block with query tiles of ``block_q`` rows and key tiles of ``block_k`` keys
-    (defaults 64 and 256). Results agree to rounding for any sizes; the tests use tiny
+    """Run the block with query tiles of ``block_q`` rows and key tiles of ``block_k`` keys in
+    both the forward and the backward (defaults: 256 x 512 and 64 x 128). Results agree to rounding for any sizes; the tests use tiny
     tiles to cross many tile edges on small problems, and tuners can try others. Not
     thread-safe: it sets module state."""
     from . import operands
 
     if block_q < 1 or block_k < 1:
         raise ValueError(f"tile sizes must be positive, got block_q={block_q}, block_k={block_k}")
-    saved = operands.BLOCK_Q, operands.BLOCK_K
-    operands.BLOCK_Q, operands.BLOCK_K = int(block_q), int(block_k)
+    saved = dict(operands.TILES)
+    operands.TILES.update(forward=(int(block_q), int(block_k)), backward=(int(block_q), int(block_k)))
     try:
         yield
     finally:
-        operands.BLOCK_Q, operands.BLOCK_K = saved
+        operands.TILES.update(saved)

@@ -68,6 +68,8 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
         total[:] = 1.0
     seen = np.zeros(rows, np.bool_)
     partial = np.empty(16, dtype)
+    sums = np.empty(rows, dtype)
+    maxima = np.empty(rows, dtype)
     out_row_stride = out_strides[2]
     out_offset = b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
     kv_head = h // (heads // ints[Int.KV_HEADS])
@@ -81,22 +83,15 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
             cols = min(block_k, last - j0)
             score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, block_k, tanh,
                        b, h, i0, rows, j0, cols)
-            for r in range(rows):
-                row = s[r * block_k:r * block_k + cols]
-                tile_max = row_max(row, cols, partial)
-                new_max = max(m[r], tile_max)
-                if tile_max > -np.inf:
-                    seen[r] = True
-                # nothing visible yet: a shift of 0 keeps every exp at 0 (not NaN)
-                shift = new_max if new_max > -np.inf else 0.0
-                correction = math.exp(m[r] - new_max) if new_max > -np.inf else 1.0
-                m[r] = new_max
-                total[r] = total[r] * correction + exp_shifted(row, cols, shift)
-                if correction != 1.0:
-                    o = out_offset + r * out_row_stride
-                    out_row = out[o:o + dv]
-                    for d in range(dv):
-                        out_row[d] *= correction
+            outcome = _exp_with_running_max(s, block_k, rows, cols, m, total, seen, sums, maxima)
+            if outcome != _DONE:
+                if outcome == _OVERWRITTEN:
+                    # a score rose more than _HEADROOM above its row's max (rare: the running
+                    # max is usually set by the first tile): recompute the scores
+                    score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, block_k, tanh,
+                               b, h, i0, rows, j0, cols)
+                _exp_with_new_max(s, block_k, rows, cols, m, total, seen, partial, out,
+                                  out_offset, out_row_stride, dv)
             if ints[Int.HAS_DROPOUT]:
                 apply_dropout(ints, s, block_k, b, h, i0, rows, j0, cols, 1.0)
             # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
@@ -115,6 +110,54 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
             lse[lse_offset + r] = m[r] + math.log(total[r])
         else:
             out_row[:] = 0.0
+
+
+# exp(s - m) may reach exp(_HEADROOM) when m lags the true max: far below float32's
+# overflow (exp(88)) even summed over a whole row, and exact all the same.
+_HEADROOM = 60.0
+_DONE, _UNTOUCHED, _OVERWRITTEN = 0, 1, 2
+
+
+@njit(**_JIT)
+def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, maxima):
+    """The common tile: exp against each row's running max ``m`` as it stands, with the
+    tile's max computed in the same pass, so no separate max pass and no rescale of the
+    output. Returns _DONE; or _UNTOUCHED when a row has no running max yet, and
+    _OVERWRITTEN (scores replaced) when a score exceeds its row's max by more than the
+    headroom: the caller then takes :func:`_exp_with_new_max`."""
+    for r in range(rows):
+        if m[r] == -np.inf:
+            return _UNTOUCHED
+    for r in range(rows):
+        sums[r], maxima[r] = exp_shifted(s[r * ld:r * ld + cols], cols, m[r])
+        if maxima[r] > m[r] + _HEADROOM:
+            return _OVERWRITTEN
+    for r in range(rows):
+        total[r] += sums[r]
+        seen[r] = seen[r] or maxima[r] > -np.inf
+    return _DONE
+
+
+@njit(**_JIT)
+def _exp_with_new_max(s, ld, rows, cols, m, total, seen, partial, out, out_offset, out_row_stride, dv):
+    """The textbook online-softmax step: a max pass, exp against the new max, and the
+    running sum and output rows rescaled by exp(m_old - m_new)."""
+    for r in range(rows):
+        row = s[r * ld:r * ld + cols]
+        tile_max = row_max(row, cols, partial)
+        new_max = max(m[r], tile_max)
+        if tile_max > -np.inf:
+            seen[r] = True
+        # nothing visible yet: a shift of 0 keeps every exp at 0 (not NaN)
+        shift = new_max if new_max > -np.inf else 0.0
+        correction = math.exp(m[r] - new_max) if new_max > -np.inf else 1.0
+        m[r] = new_max
+        total[r] = total[r] * correction + exp_shifted(row, cols, shift)[0]
+        if correction != 1.0:
+            o = out_offset + r * out_row_stride
+            out_row = out[o:o + dv]
+            for d in range(dv):
+                out_row[d] *= correction
 
 
 @njit(**_JIT)

@@ -59,12 +59,14 @@ def row_max(row, n, partial):
 
 
 def exp_shifted(row, n, shift):
-    """``row[c] = exp(row[c] - shift)`` for c < n, in place; returns the sum of the new
-    values (in the row's dtype). Jitted code only."""
+    """``row[c] = exp(row[c] - shift)`` for c < n, in place; returns ``(sum, max)``: the sum
+    of the new values and the max of the old ones (in the row's dtype), so a caller that
+    guessed ``shift`` can check the guess after the fact. Jitted code only."""
     raise NotImplementedError
 
 
-@overload(exp_shifted, jit_options={"cache": True, "fastmath": FASTMATH, "nogil": True})
+# "nnan" lets the max that rides along vectorize; -inf (a masked score) is still exact.
+@overload(exp_shifted, jit_options={"cache": True, "fastmath": _MAX_FASTMATH, "nogil": True})
 def _exp_shifted_overload(row, n, shift):
     if row.dtype == types.float32:
         c0, c1, c2, c3, c4, c5, c6, c7 = (np.float32(c) for c in _C)
@@ -72,7 +74,9 @@ def _exp_shifted_overload(row, n, shift):
 
         def polynomial(row, n, shift):
             total = np.float32(0.0)
+            best = np.float32(-np.inf)
             for c in range(n):
+                best = row[c] if row[c] > best else best
                 x = (row[c] - shift) * log2e
                 x = x if x > lowest else lowest  # not max(): its NaN branches stop vectorization
                 whole = np.floor(x + half)
@@ -87,14 +91,16 @@ def _exp_shifted_overload(row, n, shift):
                 value = p * _float32_from_bits((np.int32(whole) + np.int32(127)) << np.int32(23))
                 row[c] = value
                 total += value
-            return total
+            return total, best
         return polynomial
 
     def exact(row, n, shift):
         total = row.dtype.type(0.0)
+        best = row.dtype.type(-np.inf)
         for c in range(n):
+            best = row[c] if row[c] > best else best
             value = math.exp(row[c] - shift)
             row[c] = value
             total += value
-        return total
+        return total, best
     return exact

@@ -1,0 +1,214 @@
+"""``python -m npattn bench``: npattn's CPU kernels side by side with PyTorch and naive NumPy.
+
+Each row times one shape (B, H, Hkv, S, D), causal or not, float32, forward and
+forward+backward. Implementations run interleaved (A B C A B C ...) in one
+process and the table reports medians, because the 2-core VMs this project runs
+on have bursts of CPU steal that would bias back-to-back runs. GFLOP/s counts
+the matrix products' useful flops (4 S_q S_k D per head forward, causal counting
+only visible pairs; 2.5x that for the backward's five products) and "% peak" is
+against NumPy's float32 matmul measured in the same run. PyTorch
+(``scaled_dot_product_attention``) and the naive implementation (materialized
+scores, NumPy's softmax) are timed only when importable; torch is never a
+dependency of npattn.
+
+``--memory`` instead runs one forward at (1, 8, 16384, 64) in a fresh process
+and reports its peak resident memory above the process's baseline, against the
+bytes of the inputs and the output.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import npattn
+
+DEFAULT_SHAPES = ((1, 8, 8, 2048, 64), (4, 16, 16, 1024, 64), (1, 32, 8, 2048, 128))
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_len: int
+    head_dim: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        """"B,H,HKV,S,D" (or "B,H,S,D" for multi-head)."""
+        numbers = [int(x) for x in text.split(",")]
+        if len(numbers) == 4:
+            numbers.insert(2, numbers[1])
+        if len(numbers) != 5:
+            raise ValueError(f"a shape is B,H,S,D or B,H,HKV,S,D; got {text!r}")
+        return cls(*numbers)
+
+    def __str__(self):
+        kv = "" if self.kv_heads == self.heads else f"/{self.kv_heads}kv"
+        return f"({self.batch},{self.heads}{kv},{self.seq_len},{self.head_dim})"
+
+    def forward_flops(self, causal: bool) -> float:
+        s = self.seq_len
+        pairs = s * (s + 1) / 2 if causal else s * s
+        return 4.0 * self.batch * self.heads * pairs * self.head_dim
+
+
+def _inputs(shape: Shape, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((shape.batch, shape.heads, shape.seq_len, shape.head_dim), np.float32)
+    k = rng.standard_normal((shape.batch, shape.kv_heads, shape.seq_len, shape.head_dim), np.float32)
+    v = rng.standard_normal((shape.batch, shape.kv_heads, shape.seq_len, shape.head_dim), np.float32)
+    return q, k, v
+
+
+def _npattn_runs(q, k, v, causal):
+    def forward():
+        npattn.attention(q, k, v, causal=causal, backend="cpu")
+
+    dout = np.ones(q.shape, np.float32)
+
+    def both():
+        npattn.attention_vjp(q, k, v, causal=causal, backend="cpu")[1](dout)
+    return forward, both
+
+
+def _torch_runs(q, k, v, causal):
+    import torch
+
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def forward():
+        with torch.no_grad():
+            sdpa(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
+
+    grads = [x.clone().requires_grad_(True) for x in (tq, tk, tv)]
+
+    def both():
+        out = sdpa(*grads, is_causal=causal, enable_gqa=gqa)
+        out.backward(torch.ones_like(out))
+    return forward, both
+
+
+def _naive_runs(q, k, v, causal):
+    """Materialized float32 attention in NumPy: what a user writes without a kernel."""
+    group = q.shape[1] // k.shape[1]
+    k_full, v_full = (np.repeat(x, group, axis=1) for x in (k, v))
+    scale = np.float32(1 / np.sqrt(q.shape[-1]))
+
+    def forward():
+        scores = (q * scale) @ k_full.swapaxes(-1, -2)
+        if causal:
+            scores = np.where(np.tri(q.shape[2], k.shape[2], dtype=bool), scores, -np.inf)
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        scores /= scores.sum(-1, keepdims=True)
+        return scores @ v_full
+    return forward, None
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 3) -> float:
+    """NumPy's float32 matmul throughput here: the practical peak the table compares with."""
+    a = np.random.default_rng(0).standard_normal((size, size), np.float32)
+    a @ a
+    best = min(_time(lambda: a @ a) for _ in range(repeats))
+    return 2.0 * size ** 3 / best / 1e9
+
+
+def _time(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _progress(done: int, total: int, label: str, stream) -> None:
+    width = 30
+    filled = int(width * done / total)
+    stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    if done == total:
+        stream.write("\r" + " " * (width + 50) + "\r")
+    stream.flush()
+
+
+def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=sys.stdout,
+            progress=sys.stderr) -> list[dict]:
+    """Time every shape x causal; print the table; return its rows (times in ms)."""
+    shapes = [s if isinstance(s, Shape) else Shape(*s) for s in shapes]
+    candidates = {"npattn": _npattn_runs, "naive": _naive_runs}
+    try:
+        import torch  # noqa: F401
+        candidates["torch"] = _torch_runs
+        torch_note = f"torch {torch.__version__} on {torch.get_num_threads()} threads"
+    except ImportError:
+        torch_note = "torch not importable: no torch column"
+    peak = matmul_gflops()
+    print(f"npattn {npattn.__version__} bench, float32, median of {repeats} interleaved runs; "
+          f"NumPy float32 matmul {peak:.0f} GFLOP/s; {torch_note}", file=out)
+    header = (f"{'shape (B,H,S,D)':<22}{'causal':<8}{'pass':<9}{'npattn ms':>10}{'GFLOP/s':>9}"
+              f"{'% peak':>8}{'torch ms':>10}{'torch/npattn':>13}{'naive ms':>10}")
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    rows = []
+    jobs = [(shape, causal) for shape in shapes for causal in (False, True)]
+    for index, (shape, causal) in enumerate(jobs):
+        _progress(index, len(jobs), f"{shape} causal={causal}", progress)
+        q, k, v = _inputs(shape)
+        runs = {name: make(q, k, v, causal) for name, make in candidates.items()}
+        for pass_index, pass_name in enumerate(("forward", "fwd+bwd") if backward else ("forward",)):
+            timed = {name: pair[pass_index] for name, pair in runs.items() if pair[pass_index] is not None}
+            for run in timed.values():  # warm up: compile, allocate
+                run()
+            samples = {name: [] for name in timed}
+            for _ in range(repeats):
+                for name, run in timed.items():
+                    samples[name].append(_time(run))
+            ms = {name: 1e3 * float(np.median(t)) for name, t in samples.items()}
+            flops = shape.forward_flops(causal) * (3.5 if pass_name == "fwd+bwd" else 1.0)
+            gflops = flops / (ms["npattn"] / 1e3) / 1e9
+            row = dict(shape=str(shape), causal=causal, passes=pass_name, npattn_ms=ms["npattn"],
+                       gflops=gflops, peak_fraction=gflops / peak, torch_ms=ms.get("torch"),
+                       naive_ms=ms.get("naive"))
+            rows.append(row)
+            torch_ms = "-" if row["torch_ms"] is None else f"{row['torch_ms']:.1f}"
+            ratio = "-" if row["torch_ms"] is None else f"{row['torch_ms'] / row['npattn_ms']:.2f}x"
+            naive_ms = "-" if row["naive_ms"] is None else f"{row['naive_ms']:.1f}"
+            print(f"{str(shape):<22}{str(causal):<8}{pass_name:<9}{ms['npattn']:>10.1f}{gflops:>9.1f}"
+                  f"{100 * gflops / peak:>7.0f}%{torch_ms:>10}{ratio:>13}{naive_ms:>10}", file=out)
+        out.flush()
+    _progress(len(jobs), len(jobs), "", progress)
+    print("torch/npattn > 1 means npattn is faster.", file=out)
+    return rows
+
+
+_MEMORY_SCRIPT = """
+import json, resource, sys
+import numpy as np
+import npattn
+shape = json.loads(sys.argv[1])
+tiny = np.zeros((1, 1, 8, shape[3]), np.float32)
+npattn.attention(tiny, tiny, tiny, backend="cpu")  # compile or load kernels first
+baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal(shape, np.float32) for _ in range(3))
+out = npattn.attention(q, k, v, backend="cpu")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(dict(extra=peak - baseline, inputs=q.nbytes * 3, output=out.nbytes)))
+"""
+
+
+def memory(shape=(1, 8, 16384, 64), out=sys.stdout) -> dict:
+    """Peak RSS of one float32 forward in a fresh process, above the process's baseline
+    after importing and warming up (kernels loaded), against inputs + output bytes."""
+    result = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, json.dumps(list(shape))],
+                            capture_output=True, text=True, check=True)
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    ratio = facts["extra"] / (facts["inputs"] + facts["output"])
+    print(f"forward {tuple(shape)} float32: peak RSS above baseline {facts['extra'] / 2**20:.0f} MiB, "
+          f"inputs + output {(facts['inputs'] + facts['output']) / 2**20:.0f} MiB, ratio {ratio:.2f}",
+          file=out)
+    return dict(facts, ratio=ratio)
