@@ -64,6 +64,38 @@ class Attention:
     def peakmem_forward(self, backend, *params):
         npattn.attention(self.q, self.k, self.v, **self.options)
 
+    def peakmem_forward_backward(self, backend, *params):
+        _, vjp = npattn.attention_vjp(self.q, self.k, self.v, **self.options)
+        vjp(self.dout)
+
+
+class TargetShapes:
+    """The shapes the CPU targets are stated at (B, H, Hkv, S, D), float32: compare with
+    ``python -m npattn bench``, which times torch's SDPA beside them."""
+
+    params = (["cpu", "gpu"], ["1,8,8,2048,64", "4,16,16,1024,64", "1,32,8,2048,128"], [False, True])
+    param_names = ["backend", "shape", "causal"]
+    timeout = 600
+
+    def setup(self, backend, shape, causal):
+        require(backend)
+        b, h, hkv, s, d = (int(x) for x in shape.split(","))
+        rng = np.random.default_rng(0)
+        self.q, self.k, self.v, self.dout = to_device(backend, [
+            rng.standard_normal(dims, np.float32) for dims in ((b, h, s, d), (b, hkv, s, d), (b, hkv, s, d),
+                                                               (b, h, s, d))])
+        self.options = dict(causal=causal, backend=backend)
+        self.time_forward(backend, shape, causal)
+
+    def time_forward(self, backend, *params):
+        npattn.attention(self.q, self.k, self.v, **self.options)
+        synchronize(backend)
+
+    def time_forward_backward(self, backend, *params):
+        _, vjp = npattn.attention_vjp(self.q, self.k, self.v, **self.options)
+        vjp(self.dout)
+        synchronize(backend)
+
 
 class Variants:
     """Every variant of npattn.variants at one size: what each option costs on top of plain MHA."""
