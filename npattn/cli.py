@@ -53,9 +53,10 @@ def demo(size: Size = Size(), dtype=np.float32, repeats: int = 3, out=sys.stdout
                                                     **options, backend="reference")
         exact_grads = exact_vjp(dout)
         for backend in backends:
-            forward_ms = _median_ms(lambda: npattn.attention(q, k, v, **options, backend=backend), repeats)
+            # the first call also compiles or loads kernels: run it before timing anything
             result, vjp = npattn.attention_vjp(q, k, v, **options, backend=backend)
             grads = vjp(dout.astype(dtype))
+            forward_ms = _median_ms(lambda: npattn.attention(q, k, v, **options, backend=backend), repeats)
             both_ms = _median_ms(lambda: npattn.attention_vjp(q, k, v, **options, backend=backend)[1](dout),
                                  repeats)
             row = dict(variant=variant.name, backend=backend,
