@@ -37,7 +37,20 @@ def synchronize(backend):
         cupy.cuda.get_current_stream().synchronize()
 
 
-class Attention:
+class _ForwardBackward:
+    """Timed passes over ``self.q, k, v, dout`` and ``self.options``, set by a subclass's setup."""
+
+    def time_forward(self, backend, *params):
+        npattn.attention(self.q, self.k, self.v, **self.options)
+        synchronize(backend)
+
+    def time_forward_backward(self, backend, *params):
+        _, vjp = npattn.attention_vjp(self.q, self.k, self.v, **self.options)
+        vjp(self.dout)
+        synchronize(backend)
+
+
+class Attention(_ForwardBackward):
     params = (["reference", "cpu", "gpu"], ["float32", "float64"], [256, 1024, 2048], [64, 128],
               [False, True])
     param_names = ["backend", "dtype", "seq_len", "head_dim", "causal"]
@@ -52,14 +65,6 @@ class Attention:
         self.options = dict(causal=causal, backend=backend)
         self.time_forward(backend, dtype, seq_len, head_dim, causal)  # compile outside the timing
 
-    def time_forward(self, backend, *params):
-        npattn.attention(self.q, self.k, self.v, **self.options)
-        synchronize(backend)
-
-    def time_forward_backward(self, backend, *params):
-        _, vjp = npattn.attention_vjp(self.q, self.k, self.v, **self.options)
-        vjp(self.dout)
-        synchronize(backend)
 
     def peakmem_forward(self, backend, *params):
         npattn.attention(self.q, self.k, self.v, **self.options)
@@ -69,7 +74,7 @@ class Attention:
         vjp(self.dout)
 
 
-class TargetShapes:
+class TargetShapes(_ForwardBackward):
     """The shapes the CPU targets are stated at (B, H, Hkv, S, D), float32: compare with
     ``python -m npattn bench``, which times torch's SDPA beside them."""
 
@@ -87,14 +92,6 @@ class TargetShapes:
         self.options = dict(causal=causal, backend=backend)
         self.time_forward(backend, shape, causal)
 
-    def time_forward(self, backend, *params):
-        npattn.attention(self.q, self.k, self.v, **self.options)
-        synchronize(backend)
-
-    def time_forward_backward(self, backend, *params):
-        _, vjp = npattn.attention_vjp(self.q, self.k, self.v, **self.options)
-        vjp(self.dout)
-        synchronize(backend)
 
 
 class Variants:

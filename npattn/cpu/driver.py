@@ -9,14 +9,14 @@ from .blas import single_threaded_blas
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
 from . import operands
-from .operands import Int, build_operands, compute_dtype, row_strides
+from .operands import Int, build_operands, row_strides
 
 
 def forward(problem) -> ForwardResult:
     """out (B, H, Sq, Dv) as a bhsd view of an array in the user's layout, lse (B, H, Sq),
     and weights when asked; ``saved`` keeps (out, lse) for the backward."""
     ops = build_operands(problem, operands.TILES["forward"])
-    dtype = compute_dtype(problem)
+    dtype = problem.accumulate_dtype
     batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
     if problem.layout == "bshd":
         out = np.zeros((batch, q_len, heads, value_dim), dtype).transpose(0, 2, 1, 3)
@@ -49,7 +49,7 @@ def backward(problem, saved, dout) -> Gradients:
     """Gradients of ``sum(out * dout)`` from the saved (out, lse); ``dout`` is bhsd."""
     out, lse = saved
     ops = build_operands(problem, operands.TILES["backward"])
-    dtype = compute_dtype(problem)
+    dtype = problem.accumulate_dtype
     batch, heads, q_len, head_dim = problem.q.shape
     kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim
     dout_flat, dout_strides = row_strides(dout, dtype)

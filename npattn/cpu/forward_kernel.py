@@ -35,18 +35,25 @@ def forward_items(ints):
 
 
 @njit(**_JIT)
+def _query_tile(ints, q_lengths, item):
+    """Work item -> ``(b, h, i0, i1)``: its batch, head and rows ``[i0, i1)``, cut at
+    ``q_lengths[b]`` (empty when the whole tile is padding)."""
+    heads, q_len, block_q = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.BLOCK_Q]
+    tiles = (q_len + block_q - 1) // block_q
+    b = item // (heads * tiles)
+    h = (item // tiles) % heads
+    i0 = (item % tiles) * block_q
+    return b, h, i0, min(q_len, i0 + block_q, q_lengths[b])
+
+
+@njit(**_JIT)
 def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
                    out, out_strides, lse, start, stop, step):
     """Fill ``out`` (a flat view with bhsd element strides ``out_strides``, int64 (3,),
     zero on entry) and ``lse`` (flat (B, H, Sq), -inf on entry). Rows past ``q_lengths``
     stay as they are."""
-    heads, q_len, block_q = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.BLOCK_Q]
-    tiles = (q_len + block_q - 1) // block_q
     for item in range(start, stop, step):
-        b = item // (heads * tiles)
-        h = (item // tiles) % heads
-        i0 = (item % tiles) * block_q
-        i1 = min(q_len, i0 + block_q, q_lengths[b])
+        b, h, i0, i1 = _query_tile(ints, q_lengths, item)
         if i1 > i0:
             _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
                           out, out_strides, lse, b, h, i0, i1)
@@ -165,13 +172,8 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                    lse, weights, start, stop, step):
     """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
     ``exp(s - lse)``: the exact probabilities, after masking and before dropout."""
-    heads, q_len, block_q = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.BLOCK_Q]
-    tiles = (q_len + block_q - 1) // block_q
     for item in range(start, stop, step):
-        b = item // (heads * tiles)
-        h = (item // tiles) % heads
-        i0 = (item % tiles) * block_q
-        i1 = min(q_len, i0 + block_q, q_lengths[b])
+        b, h, i0, i1 = _query_tile(ints, q_lengths, item)
         if i1 > i0:
             _weights_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, lse, weights, b, h, i0, i1)
 

@@ -78,7 +78,7 @@ class Real(IntEnum):
 
 
 class Operands(NamedTuple):
-    """What every kernel takes, in this order (``astuple`` spreads it into a call)."""
+    """What every kernel takes first, in this order (``kernel(*operands, ...)``)."""
 
     q: np.ndarray           # flat views; strides in ``ints``
     k: np.ndarray
@@ -91,11 +91,6 @@ class Operands(NamedTuple):
     kv_lengths: np.ndarray  # int64 (B,), Sk where not given
     ints: np.ndarray        # int64, indexed by :class:`Int`
     reals: np.ndarray       # compute dtype, indexed by :class:`Real`
-
-
-def compute_dtype(problem):
-    """The dtype kernels compute in: float64 for float64 inputs, float32 otherwise."""
-    return np.dtype(problem.accumulate_dtype)
 
 
 def flat_view(array, dtype, unit_last_axis=False):
@@ -129,7 +124,7 @@ def row_strides(array, dtype):
 
 def build_operands(problem, tiles=TILES["forward"]) -> Operands:
     """The kernels' operands for ``problem`` with (block_q, block_k) ``tiles``."""
-    dtype = compute_dtype(problem)
+    dtype = problem.accumulate_dtype  # the kernels compute in it: float32 for float16 inputs
     batch, heads, q_len, head_dim = problem.q.shape
     q, q_strides = row_strides(problem.q, dtype)
     k, k_strides = row_strides(problem.k, dtype)
