@@ -76,7 +76,6 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
     seen = np.zeros(rows, np.bool_)
     partial = np.empty(16, dtype)
     sums = np.empty(rows, dtype)
-    maxima = np.empty(rows, dtype)
     out_row_stride = out_strides[2]
     out_offset = b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
     kv_head = h // (heads // ints[Int.KV_HEADS])
@@ -90,7 +89,7 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
             cols = min(block_k, last - j0)
             score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, block_k, tanh,
                        b, h, i0, rows, j0, cols)
-            outcome = _exp_with_running_max(s, block_k, rows, cols, m, total, seen, sums, maxima)
+            outcome = _exp_with_running_max(s, block_k, rows, cols, m, total, seen, sums)
             if outcome != _DONE:
                 if outcome == _OVERWRITTEN:
                     # a score rose more than _HEADROOM above its row's max (rare: the running
@@ -120,28 +119,29 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
 
 
 # exp(s - m) may reach exp(_HEADROOM) when m lags the true max: far below float32's
-# overflow (exp(88)) even summed over a whole row, and exact all the same.
+# overflow (exp(88)) even summed over a whole row, and exact all the same. A tile's sum
+# is at least exp(its max - m), so a sum past _REDO_ABOVE is the sign of a lagging max.
 _HEADROOM = 60.0
+_REDO_ABOVE = math.exp(_HEADROOM)
 _DONE, _UNTOUCHED, _OVERWRITTEN = 0, 1, 2
 
 
 @njit(**_JIT)
-def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, maxima):
-    """The common tile: exp against each row's running max ``m`` as it stands, with the
-    tile's max computed in the same pass, so no separate max pass and no rescale of the
-    output. Returns _DONE; or _UNTOUCHED when a row has no running max yet, and
-    _OVERWRITTEN (scores replaced) when a score exceeds its row's max by more than the
-    headroom: the caller then takes :func:`_exp_with_new_max`."""
+def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums):
+    """The common tile: exp against each row's running max ``m`` as it stands, with no
+    max pass and no rescale of the output. Returns _DONE; or _UNTOUCHED when a row
+    has seen no key yet, and _OVERWRITTEN (scores replaced) when a row's sum shows
+    a score more than the headroom above its max: the caller then takes
+    :func:`_exp_with_new_max`."""
     for r in range(rows):
-        if m[r] == -np.inf:
+        if not seen[r]:
             return _UNTOUCHED
     for r in range(rows):
-        sums[r], maxima[r] = exp_shifted(s[r * ld:r * ld + cols], cols, m[r])
-        if maxima[r] > m[r] + _HEADROOM:
+        sums[r] = exp_shifted(s[r * ld:r * ld + cols], cols, m[r])
+        if not sums[r] <= _REDO_ABOVE:
             return _OVERWRITTEN
     for r in range(rows):
         total[r] += sums[r]
-        seen[r] = seen[r] or maxima[r] > -np.inf
     return _DONE
 
 
@@ -159,7 +159,7 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, partial, out, out_offse
         shift = new_max if new_max > -np.inf else 0.0
         correction = math.exp(m[r] - new_max) if new_max > -np.inf else 1.0
         m[r] = new_max
-        total[r] = total[r] * correction + exp_shifted(row, cols, shift)[0]
+        total[r] = total[r] * correction + exp_shifted(row, cols, shift)
         if correction != 1.0:
             o = out_offset + r * out_row_stride
             out_row = out[o:o + dv]
