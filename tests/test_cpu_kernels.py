@@ -2,8 +2,11 @@
 
 The equivalence tests of ``test_backend_equivalence`` run at the default tile sizes, where
 most hypothesis problems fit in one tile; here tiny tiles make every tile edge, dead-tile
-skip and multi-tile online-softmax rescale happen on small problems.
+skip and multi-tile online-softmax rescale happen on small problems, with the tiles'
+products on both paths: the vector micro-kernels and BLAS.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -18,18 +21,46 @@ pytestmark = pytest.mark.skipif(not npattn.backends()["cpu"], reason="the cpu ba
 cpu = pytest.importorskip("npattn.cpu")
 layouts = st.sampled_from(["bhsd", "bshd"])
 tiles = st.tuples(st.integers(1, 4), st.integers(1, 5))
+products = st.sampled_from(["vector", "blas"])
 
 
-@given(case=cases(dtypes=("float32", "float64"), dims_strategy=dims(max_len=13)), layout=layouts, tile=tiles)
-def test_forward_matches_the_reference_across_many_tiles(case, layout, tile):
-    with cpu.tile_sizes(*tile):
+@given(case=cases(dtypes=("float32", "float64"), dims_strategy=dims(max_len=13)), layout=layouts, tile=tiles,
+       kind=products)
+def test_forward_matches_the_reference_across_many_tiles(case, layout, tile, kind):
+    with cpu.tile_sizes(*tile), cpu.products(kind):
         check_forward("cpu", case, layout)
 
 
-@given(case=cases(dtypes=("float32", "float64"), dims_strategy=dims(max_len=13)), layout=layouts, tile=tiles)
-def test_backward_matches_the_reference_across_many_tiles(case, layout, tile):
-    with cpu.tile_sizes(*tile):
+@given(case=cases(dtypes=("float32", "float64"), dims_strategy=dims(max_len=13)), layout=layouts, tile=tiles,
+       kind=products)
+def test_backward_matches_the_reference_across_many_tiles(case, layout, tile, kind):
+    with cpu.tile_sizes(*tile), cpu.products(kind):
         check_backward("cpu", case, layout)
+
+
+@st.composite
+def vector_dims(draw):
+    """Head dims around whole vectors (16 float32 lanes, 8 float64; 4-vector chunks of 64
+    and 32), so the micro-kernels' chunk, single-vector and BLAS-fallback paths all run,
+    and lengths past their 6-row blocks."""
+    d = draw(dims(max_len=40))
+    widths = st.sampled_from([8, 16, 24, 32, 48, 64, 72, 80])
+    return dataclasses.replace(d, head_dim=draw(widths), value_dim=draw(widths))
+
+
+@settings(max_examples=40)
+@given(case=cases(dtypes=("float32", "float64"), dims_strategy=vector_dims()), layout=layouts,
+       tile=st.tuples(st.integers(1, 20), st.integers(1, 70)), kind=products)
+def test_vector_products_match_the_reference_at_vector_widths(case, layout, tile, kind):
+    with cpu.tile_sizes(*tile), cpu.products(kind):
+        check_forward("cpu", case, layout)
+        check_backward("cpu", case, layout)
+
+
+def test_products_must_be_vector_or_blas():
+    with pytest.raises(ValueError, match="'vector' or 'blas'"):
+        with cpu.products("mkl"):
+            pass
 
 
 # Shapes past the default tiles (64 x 256), lengths that are not tile multiples, head dims

@@ -37,6 +37,24 @@ def backward(problem, saved, dout):
 
 
 @contextlib.contextmanager
+def products(kind: str):
+    """Run the block with the tiles' matrix products on ``"vector"`` (the register-blocked
+    micro-kernels of :mod:`.microkernels`, the default where the CPU has 512-bit vectors)
+    or ``"blas"`` (SciPy's BLAS, the default elsewhere). Results agree to rounding; the
+    tests run both. Not thread-safe: it sets module state."""
+    from . import operands
+
+    if kind not in ("vector", "blas"):
+        raise ValueError(f"products must be 'vector' or 'blas', got {kind!r}")
+    saved = dict(operands.PRODUCTS)
+    operands.PRODUCTS["vector"] = kind == "vector"
+    try:
+        yield
+    finally:
+        operands.PRODUCTS.update(saved)
+
+
+@contextlib.contextmanager
 def tile_sizes(block_q: int, block_k: int):
     """Run the block with query tiles of ``block_q`` rows and key tiles of ``block_k`` keys in
     both the forward and the backward (defaults: 256 x 512 and 64 x 128). Results agree to rounding for any sizes; the tests use tiny

@@ -26,7 +26,7 @@ from numba import njit
 from .blas import gemm
 from .operands import Int, Real
 from .rowmath import FASTMATH, exp_shifted
-from .tiles import apply_dropout, key_segments, score_tile
+from .tiles import apply_dropout, key_segments, packed_keys_buffer, score_tile
 
 _JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
 
@@ -40,16 +40,16 @@ def tile_is_live(ints, kv_lengths, b, i0, i1, j0, j1):
 
 @njit(**_JIT)
 def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout, dout_strides,
-                        lse, delta, p, dropped, ds, tanh, b, h, i0, rows, j0, cols):
+                        lse, delta, p, dropped, ds, tanh, packed, b, h, i0, rows, j0, cols):
     """For one tile: ``p`` = probabilities, ``dropped`` = p after dropout (``p`` itself when
     there is none), ``ds`` = gradient of the scores after softcap, bias and ALiBi (what
     dbias needs; the caller applies softcap's derivative and the scale)."""
-    block_k = ints[Int.BLOCK_K]
+    ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
-    score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, p, block_k, tanh, b, h, i0, rows, j0, cols)
+    score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
     row_offset = (b * heads + h) * ints[Int.Q_LEN] + i0
     for r in range(rows):
-        row = p[r * block_k:r * block_k + cols]
+        row = p[r * ld:r * ld + cols]
         row_lse = lse[row_offset + r]
         if row_lse > -np.inf:
             exp_shifted(row, cols, row_lse)
@@ -60,17 +60,17 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
     o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
     # column-major: dP^T (cols x rows) = V (cols x Dv) . dO^T (Dv x rows)
     gemm(True, False, cols, rows, ints[Int.VALUE_DIM], 1.0, v[v_offset:], ints[Int.V_STRIDE_S],
-         dout[o_offset:], dout_strides[2], 0.0, ds, block_k)
+         dout[o_offset:], dout_strides[2], 0.0, ds, ld)
     if ints[Int.HAS_DROPOUT]:
         keep_scale = reals[Real.KEEP_SCALE]
         for r in range(rows):
-            dropped[r * block_k:r * block_k + cols] = p[r * block_k:r * block_k + cols]
-        apply_dropout(ints, dropped, block_k, b, h, i0, rows, j0, cols, keep_scale)
-        apply_dropout(ints, ds, block_k, b, h, i0, rows, j0, cols, keep_scale)
+            dropped[r * ld:r * ld + cols] = p[r * ld:r * ld + cols]
+        apply_dropout(ints, dropped, ld, b, h, i0, rows, j0, cols, keep_scale)
+        apply_dropout(ints, ds, ld, b, h, i0, rows, j0, cols, keep_scale)
     for r in range(rows):
         row_delta = delta[row_offset + r]
-        p_row = p[r * block_k:r * block_k + cols]
-        ds_row = ds[r * block_k:r * block_k + cols]
+        p_row = p[r * ld:r * ld + cols]
+        ds_row = ds[r * ld:r * ld + cols]
         for c in range(cols):
             ds_row[c] = p_row[c] * (ds_row[c] - row_delta)
 
@@ -108,10 +108,12 @@ def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, 
     group = heads // ints[Int.KV_HEADS]
     dtype = q.dtype
     scale = reals[Real.SCALE]
-    p = np.empty(block_q * block_k, dtype)
-    dropped = np.empty(block_q * block_k, dtype) if ints[Int.HAS_DROPOUT] else p
-    ds = np.empty(block_q * block_k, dtype)
-    tanh = np.empty(block_q * block_k if ints[Int.HAS_SOFTCAP] else 1, dtype)
+    ld = ints[Int.SCORE_LD]
+    p = np.empty(block_q * ld, dtype)
+    dropped = np.empty(block_q * ld, dtype) if ints[Int.HAS_DROPOUT] else p
+    ds = np.empty(block_q * ld, dtype)
+    tanh = np.empty(block_q * ld if ints[Int.HAS_SOFTCAP] else 1, dtype)
+    packed = packed_keys_buffer(ints, dtype)
     dk_tile = np.zeros(cols * head_dim, dtype)
     dv_tile = np.zeros(cols * value_dim, dtype)
     k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
@@ -122,25 +124,25 @@ def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, 
             if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
                 continue
             score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout,
-                                dout_strides, lse, delta, p, dropped, ds, tanh, b, h, i0, rows, j0, cols)
+                                dout_strides, lse, delta, p, dropped, ds, tanh, packed, b, h, i0, rows, j0, cols)
             o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
             # dV (cols x Dv) += dropped^T dO: column-major dV^T = dO^T (Dv x rows) . dropped (rows x cols)
             gemm(False, True, value_dim, cols, rows, 1.0, dout[o_offset:], dout_strides[2],
-                 dropped, block_k, 1.0, dv_tile, value_dim)
+                 dropped, ld, 1.0, dv_tile, value_dim)
             if ints[Int.HAS_SOFTCAP]:  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
                 for r in range(rows):
-                    ds_row = ds[r * block_k:r * block_k + cols]
-                    t_row = tanh[r * block_k:r * block_k + cols]
+                    ds_row = ds[r * ld:r * ld + cols]
+                    t_row = tanh[r * ld:r * ld + cols]
                     for c in range(cols):
                         ds_row[c] *= 1.0 - t_row[c] * t_row[c]
             q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
             # dK (cols x D) += scale dS^T Q
             gemm(False, True, head_dim, cols, rows, scale, q[q_offset:], ints[Int.Q_STRIDE_S],
-                 ds, block_k, 1.0, dk_tile, head_dim)
+                 ds, ld, 1.0, dk_tile, head_dim)
             # dQ (rows x D) += scale dS K: column-major dQ^T = K^T (D x cols) . dS^T (cols x rows)
             dq_offset = (((chunk * ints[Int.BATCH] + b) * heads + h) * q_len + i0) * head_dim
             gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
-                 ds, block_k, 1.0, dq[dq_offset:], head_dim)
+                 ds, ld, 1.0, dq[dq_offset:], head_dim)
     row = (b * ints[Int.KV_HEADS] + kv_head) * kv_len + j0
     dk[row * head_dim:(row + cols) * head_dim] = dk_tile
     dv[row * value_dim:(row + cols) * value_dim] = dv_tile
@@ -158,10 +160,12 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
     q_items = (q_len + block_q - 1) // block_q if bias_q > 1 else 1
     k_items = (kv_len + block_k - 1) // block_k if bias_k > 1 else 1
     dtype = q.dtype
-    p = np.empty(block_q * block_k, dtype)
-    dropped = np.empty(block_q * block_k, dtype) if ints[Int.HAS_DROPOUT] else p
-    ds = np.empty(block_q * block_k, dtype)
-    tanh = np.empty(block_q * block_k if ints[Int.HAS_SOFTCAP] else 1, dtype)
+    ld = ints[Int.SCORE_LD]
+    p = np.empty(block_q * ld, dtype)
+    dropped = np.empty(block_q * ld, dtype) if ints[Int.HAS_DROPOUT] else p
+    ds = np.empty(block_q * ld, dtype)
+    tanh = np.empty(block_q * ld if ints[Int.HAS_SOFTCAP] else 1, dtype)
+    packed = packed_keys_buffer(ints, dtype)
     for item in range(start, stop, step):
         k_item = item % k_items
         q_item = (item // k_items) % q_items
@@ -181,10 +185,10 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
                             continue
                         score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals,
                                             dout, dout_strides, lse, delta, p, dropped, ds, tanh,
-                                            b, h, i0, rows, j0, cols)
+                                            packed, b, h, i0, rows, j0, cols)
                         for r in range(rows):
                             out_row = ((bb * bias_h + hb) * bias_q + (i0 + r if bias_q > 1 else 0)) * bias_k
-                            ds_row = ds[r * block_k:r * block_k + cols]
+                            ds_row = ds[r * ld:r * ld + cols]
                             if bias_k > 1:
                                 target = dbias[out_row + j0:out_row + j0 + cols]
                                 for c in range(cols):

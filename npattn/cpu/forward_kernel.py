@@ -24,7 +24,8 @@ from numba import njit
 from .blas import gemm
 from .operands import Int, Real
 from .rowmath import FASTMATH, exp_shifted, row_max
-from .tiles import apply_dropout, key_segments, score_tile
+from .microkernels import product
+from .tiles import apply_dropout, key_segments, packed_keys_buffer, score_tile
 
 _JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
 
@@ -65,8 +66,10 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
     rows, block_k, dv = i1 - i0, ints[Int.BLOCK_K], ints[Int.VALUE_DIM]
     heads = ints[Int.HEADS]
     dtype = q.dtype
-    s = np.empty(rows * block_k, dtype)
-    tanh = np.empty(rows * block_k if ints[Int.HAS_SOFTCAP] else 1, dtype)
+    ld = ints[Int.SCORE_LD]
+    s = np.empty(rows * ld, dtype)
+    tanh = np.empty(rows * ld if ints[Int.HAS_SOFTCAP] else 1, dtype)
+    packed = packed_keys_buffer(ints, dtype)
     # running max and sum; the sink logit enters as a first column of value 0
     m = np.full(rows, -np.inf, dtype)
     total = np.zeros(rows, dtype)
@@ -87,22 +90,26 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
         first, last = (0, sink_end) if segment == 0 else (start, stop)
         for j0 in range(first, last, block_k):
             cols = min(block_k, last - j0)
-            score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, block_k, tanh,
+            score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
                        b, h, i0, rows, j0, cols)
-            outcome = _exp_with_running_max(s, block_k, rows, cols, m, total, seen, sums)
+            outcome = _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums)
             if outcome != _DONE:
                 if outcome == _OVERWRITTEN:
                     # a score rose more than _HEADROOM above its row's max (rare: the running
                     # max is usually set by the first tile): recompute the scores
-                    score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, block_k, tanh,
+                    score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
                                b, h, i0, rows, j0, cols)
-                _exp_with_new_max(s, block_k, rows, cols, m, total, seen, partial, out,
+                _exp_with_new_max(s, ld, rows, cols, m, total, seen, partial, out,
                                   out_offset, out_row_stride, dv)
             if ints[Int.HAS_DROPOUT]:
-                apply_dropout(ints, s, block_k, b, h, i0, rows, j0, cols, 1.0)
-            # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
-            gemm(False, False, dv, rows, cols, 1.0, v[v_base + j0 * v_row_stride:], v_row_stride,
-                 s, block_k, 1.0, out[out_offset:], out_row_stride)
+                apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
+            # O (rows x dv) += P (rows x cols) . V (cols x dv)
+            if ints[Int.VECTOR_VALUES]:
+                product(s, 0, ld, 1, v, v_base + j0 * v_row_stride, v_row_stride,
+                        out, out_offset, out_row_stride, rows, cols, dv, 1.0, True)
+            else:  # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
+                gemm(False, False, dv, rows, cols, 1.0, v[v_base + j0 * v_row_stride:], v_row_stride,
+                     s, ld, 1.0, out[out_offset:], out_row_stride)
 
     lse_offset = (b * heads + h) * ints[Int.Q_LEN] + i0
     keep_scale = reals[Real.KEEP_SCALE]
@@ -180,22 +187,23 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
 
 @njit(**_JIT)
 def _weights_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, lse, weights, b, h, i0, i1):
-    rows, block_k = i1 - i0, ints[Int.BLOCK_K]
+    rows, block_k, ld = i1 - i0, ints[Int.BLOCK_K], ints[Int.SCORE_LD]
     heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
-    s = np.empty(rows * block_k, q.dtype)
-    tanh = np.empty(rows * block_k if ints[Int.HAS_SOFTCAP] else 1, q.dtype)
+    s = np.empty(rows * ld, q.dtype)
+    tanh = np.empty(rows * ld if ints[Int.HAS_SOFTCAP] else 1, q.dtype)
+    packed = packed_keys_buffer(ints, q.dtype)
     row_offset = (b * heads + h) * q_len + i0
     sink_end, start, stop = key_segments(ints, kv_lengths, b, i0, i1)
     for segment in range(2):
         first, last = (0, sink_end) if segment == 0 else (start, stop)
         for j0 in range(first, last, block_k):
             cols = min(block_k, last - j0)
-            score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, block_k, tanh,
+            score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
                        b, h, i0, rows, j0, cols)
             for r in range(rows):
                 row_lse = lse[row_offset + r]
                 if row_lse > -np.inf:  # an empty row keeps its zeros
-                    row = s[r * block_k:r * block_k + cols]
+                    row = s[r * ld:r * ld + cols]
                     exp_shifted(row, cols, row_lse)
                     w = (row_offset + r) * kv_len + j0
                     weights[w:w + cols] = row

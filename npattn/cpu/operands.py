@@ -16,12 +16,17 @@ from typing import NamedTuple
 import numpy as np
 
 from ..dropout import seed_words
+from .microkernels import chunk_columns
+from .simd import lanes_of as vector_lanes
 
 # Tile sizes (rows of queries x columns of keys), runtime values of the kernels (no
 # recompilation); :func:`npattn.cpu.tile_sizes` changes them. Measured on the 2-core
 # AVX-512 machine at (1, 8, 2048, 64): the forward is fastest with 256 x 512 (113 ms against
 # 139 ms at 64 x 256), the backward, whose tile holds four (rows x keys) buffers, with 64 x 128.
 TILES = {"forward": (256, 512), "backward": (64, 128)}
+# Products through the register-blocked micro-kernels (None: where the CPU has 512-bit
+# vectors, see :data:`npattn.cpu.simd.WIDE`), or BLAS; :func:`npattn.cpu.products` sets it.
+PRODUCTS = {"vector": None}
 
 
 class Int(IntEnum):
@@ -67,6 +72,9 @@ class Int(IntEnum):
     SEED_HI = 36
     BLOCK_Q = 37
     BLOCK_K = 38
+    SCORE_LD = 39        # row stride of score tiles: BLOCK_K, or it rounded up to whole vectors
+    VECTOR_SCORES = 40   # scores through :mod:`npattn.cpu.microkernels` (else BLAS)
+    VECTOR_VALUES = 41   # P V through them too (needs Dv a whole number of vectors)
 
 
 class Real(IntEnum):
@@ -168,6 +176,10 @@ def build_operands(problem, tiles=TILES["forward"]) -> Operands:
     ints[Int.SEED_LO] = seed_lo
     ints[Int.SEED_HI] = seed_hi
     ints[Int.BLOCK_Q], ints[Int.BLOCK_K] = tiles
+    vector = _vector_products()
+    ints[Int.VECTOR_SCORES] = vector
+    ints[Int.VECTOR_VALUES] = vector and problem.value_dim % vector_lanes(dtype) == 0
+    ints[Int.SCORE_LD] = -(-tiles[1] // chunk_columns(dtype)) * chunk_columns(dtype) if vector else tiles[1]
 
     reals = np.zeros(len(Real), dtype)
     reals[Real.SCALE] = problem.scale
@@ -180,6 +192,12 @@ def build_operands(problem, tiles=TILES["forward"]) -> Operands:
     # Numba types read-only and writable arrays differently: make every operand read-only,
     # so placeholders and real views share one compiled kernel.
     return Operands(*(_read_only(array) for array in operands))
+
+
+def _vector_products() -> bool:
+    from .simd import WIDE
+
+    return WIDE if PRODUCTS["vector"] is None else bool(PRODUCTS["vector"])
 
 
 def _read_only(array):

@@ -26,6 +26,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from .simd import wide_vectors
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # 2**f = exp(f ln2) = sum (f ln2)^k / k!
@@ -50,6 +52,7 @@ def row_max(row, n, partial):
     """max(row[:n]), -inf for n == 0 or an all -inf row. ``partial`` is scratch of at least
     16 elements (passed in: an allocation per row would cost more than the row): sixteen
     independent partial maxima make the loop a vector max, not a chain of compares."""
+    wide_vectors()
     partial[:_LANES] = -np.inf
     full = n - n % _LANES
     for c in range(0, full, _LANES):
@@ -81,6 +84,7 @@ def _exp_shifted_overload(row, n, shift):
         lowest, highest = np.float32(-127.0), np.float32(128.0)
 
         def polynomial(row, n, shift):
+            wide_vectors()
             total = np.float32(0.0)
             for c in range(n):
                 x = (row[c] - shift) * log2e

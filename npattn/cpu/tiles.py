@@ -16,6 +16,7 @@ from . import _cache  # noqa: F401  (before any @njit: stamps caches with the pa
 from numba import njit
 
 from .blas import gemm
+from .microkernels import pack_transposed, padded_width, product
 from .operands import Int, Real
 from .rowmath import FASTMATH
 
@@ -107,17 +108,34 @@ def apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 
 
 @njit(**_JIT)
-def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, b, h, i0, rows, j0, cols):
+def packed_keys_buffer(ints, dtype):
+    """Scratch for :func:`score_tile`: a key tile transposed, (D x SCORE_LD) (1 element
+    when the scores go through BLAS)."""
+    return np.empty(ints[Int.HEAD_DIM] * ints[Int.SCORE_LD] if ints[Int.VECTOR_SCORES] else 1, dtype)
+
+
+@njit(**_JIT)
+def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed, b, h, i0, rows,
+               j0, cols):
     """Scores of rows ``[i0, i0 + rows)`` against keys ``[j0, j0 + cols)`` of head ``h``
     into ``s[r * ld + c]``: ``scale * q.k``, softcap (its tanh kept in ``tanh`` for the
-    backward), bias, ALiBi, then -inf where the key is invisible. Returns nothing."""
+    backward), bias, ALiBi, then -inf where the key is invisible. ``packed`` is the
+    scratch of :func:`packed_keys_buffer`. Returns nothing."""
     heads = ints[Int.HEADS]
     kv_head = h // (heads // ints[Int.KV_HEADS])
     q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
     k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
-    # column-major: S^T (cols x rows) = K (cols x D) . Q^T (D x rows)
-    gemm(True, False, cols, rows, ints[Int.HEAD_DIM], reals[Real.SCALE], k[k_offset:],
-         ints[Int.K_STRIDE_S], q[q_offset:], ints[Int.Q_STRIDE_S], 0.0, s, ld)
+    head_dim = ints[Int.HEAD_DIM]
+    if ints[Int.VECTOR_SCORES]:
+        # S (rows x cols) = Q (rows x D) . K^T (D x cols), K^T zero-padded to whole vectors
+        # (the padding columns of s get zeros, and nothing reads them)
+        width = padded_width(cols, s)
+        pack_transposed(k, k_offset, ints[Int.K_STRIDE_S], cols, head_dim, packed, ld, width)
+        product(q, q_offset, ints[Int.Q_STRIDE_S], 1, packed, 0, ld, s, 0, ld, rows, head_dim, width,
+                reals[Real.SCALE], False)
+    else:  # column-major: S^T (cols x rows) = K (cols x D) . Q^T (D x rows)
+        gemm(True, False, cols, rows, head_dim, reals[Real.SCALE], k[k_offset:],
+             ints[Int.K_STRIDE_S], q[q_offset:], ints[Int.Q_STRIDE_S], 0.0, s, ld)
     if ints[Int.HAS_SOFTCAP]:
         softcap = reals[Real.SOFTCAP]
         inverse = 1.0 / softcap

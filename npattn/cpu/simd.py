@@ -1,0 +1,243 @@
+"""Explicit 512-bit vectors for Numba kernels: a value type that lives in one register.
+
+Why: Numba compiles for the host CPU, and LLVM's cost model for AVX-512 Intel
+cores prefers 256-bit vectors, so Numba's own vectorized loops run at half the
+width of the FMA units, and a loop cannot keep a block of accumulators in
+registers. The matrix-product micro-kernels of :mod:`npattn.cpu.microkernels`
+need both. Here a :class:`Vector` is an LLVM ``<16 x float>`` (``<8 x
+double>``) SSA value, and every function that touches one is marked
+``"prefer-vector-width"="512"`` so LLVM keeps it whole in a zmm register (and
+vectorizes that function's plain loops at 512 bits too).
+
+Use only inside ``@njit`` code::
+
+    acc = zeros(x)               # a vector of x.dtype, all 0
+    acc = fma(load(x, i), splat(y, j), acc)
+    store(out, k, acc)
+
+Loads and stores are unaligned and unchecked: ``index + lanes(x) <= len(x)`` is
+the caller's to guarantee. On a CPU without AVX-512, LLVM splits each vector
+into narrower registers: correct, but the kernels here are then slower than BLAS,
+so :data:`WIDE` tells callers whether to use them.
+"""
+from __future__ import annotations
+
+from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+VECTOR_BYTES = 64
+
+
+def _host_has_avx512() -> bool:
+    import llvmlite.binding as llvm
+
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("avx512f", False))
+
+
+# Whether the vectors here fill one register each (the micro-kernels pay off).
+WIDE = _host_has_avx512()
+
+
+class Vector(types.Type):
+    """A register of ``lanes`` values of ``dtype`` (float32 x 16 or float64 x 8)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.lanes = VECTOR_BYTES // (dtype.bitwidth // 8)
+        super().__init__(name=f"Vector({dtype} x {self.lanes})")
+
+
+@register_model(Vector)
+class _VectorModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        element = dmm.lookup(fe_type.dtype).get_value_type()
+        super().__init__(dmm, fe_type, ir.VectorType(element, fe_type.lanes))
+
+
+def _wide(builder):
+    """Let LLVM use 512-bit registers in the function being built."""
+    attributes = builder.function.attributes
+    # llvmlite only knows attribute keywords; a "key"="value" string attribute goes in as text
+    set.add(attributes, '"prefer-vector-width"="512"')
+    set.add(attributes, '"min-legal-vector-width"="512"')
+
+
+@intrinsic
+def wide_vectors(typingctx):
+    """Emits nothing; lets LLVM vectorize the calling function's loops at 512 bits."""
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+def _check_float_array(array):
+    return isinstance(array, types.Array) and array.dtype in (types.float32, types.float64)
+
+
+def _pointer(context, builder, array_type, array, index, vector_type):
+    data = context.make_array(array_type)(context, builder, array).data
+    address = builder.gep(data, [index])
+    return builder.bitcast(address, ir.PointerType(vector_type))
+
+
+@intrinsic
+def load(typingctx, array, index):
+    """The vector ``array[index : index + lanes]``."""
+    if not (_check_float_array(array) and isinstance(index, types.Integer)):
+        return None
+    vector = Vector(array.dtype)
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        vector_type = context.get_value_type(vector)
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], vector_type)
+        return builder.load(pointer, align=array.dtype.bitwidth // 8)
+    return vector(array, index), codegen
+
+
+@intrinsic
+def store(typingctx, array, index, value):
+    """``array[index : index + lanes] = value``."""
+    if not (_check_float_array(array) and isinstance(value, Vector) and value.dtype == array.dtype):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        vector_type = context.get_value_type(value)
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], vector_type)
+        builder.store(args[2], pointer, align=array.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+    return types.none(array, index, value), codegen
+
+
+@intrinsic
+def splat(typingctx, array, index):
+    """A vector with every lane ``array[index]``."""
+    if not (_check_float_array(array) and isinstance(index, types.Integer)):
+        return None
+    vector = Vector(array.dtype)
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        scalar = builder.load(builder.gep(data, [args[1]]))
+        return _broadcast(context, builder, vector, scalar)
+    return vector(array, index), codegen
+
+
+@intrinsic
+def fill(typingctx, value, like):
+    """A vector of ``like.dtype`` with every lane ``value`` (converted)."""
+    if not (isinstance(value, (types.Float, types.Integer)) and _check_float_array(like)):
+        return None
+    vector = Vector(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        scalar = context.cast(builder, args[0], signature.args[0], like.dtype)
+        return _broadcast(context, builder, vector, scalar)
+    return vector(value, like), codegen
+
+
+def _broadcast(context, builder, vector, scalar):
+    vector_type = context.get_value_type(vector)
+    single = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar,
+                                    ir.Constant(ir.IntType(32), 0))
+    mask = ir.Constant(ir.VectorType(ir.IntType(32), vector.lanes), [0] * vector.lanes)
+    return builder.shuffle_vector(single, ir.Constant(vector_type, ir.Undefined), mask)
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """``a * b + c`` lane by lane, one rounding."""
+    if not (isinstance(a, Vector) and a == b == c):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        vector_type = context.get_value_type(a)
+        # llvmlite's builder.fma takes scalars only; the intrinsic is overloaded on vectors
+        name = f"llvm.fma.v{a.lanes}{'f32' if a.dtype == types.float32 else 'f64'}"
+        intrinsic_fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vector_type, [vector_type] * 3), name)
+        return builder.call(intrinsic_fma, args)
+    return a(a, b, c), codegen
+
+
+@intrinsic
+def mul(typingctx, a, b):
+    """``a * b`` lane by lane."""
+    if not (isinstance(a, Vector) and a == b):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        return builder.fmul(*args)
+    return a(a, b), codegen
+
+
+@intrinsic
+def add(typingctx, a, b):
+    """``a + b`` lane by lane."""
+    if not (isinstance(a, Vector) and a == b):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        return builder.fadd(*args)
+    return a(a, b), codegen
+
+
+@intrinsic
+def transpose_square(typingctx, x, x_offset, x_row, out, out_offset, out_row):
+    """``out[out_offset + c * out_row + r] = x[x_offset + r * x_row + c]`` for a square block
+    of one vector's lanes (16 x 16 float32, 8 x 8 float64), in registers: log2(lanes)
+    rounds of two-input shuffles that swap ever smaller sub-blocks (the lanes x lanes
+    loads and stores are whole vectors)."""
+    if not (_check_float_array(x) and _check_float_array(out) and x.dtype == out.dtype):
+        return None
+    vector = Vector(x.dtype)
+    n = vector.lanes
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        x_value, x_offset_value, x_row_value, out_value, out_offset_value, out_row_value = args
+        vector_type = context.get_value_type(vector)
+        index_type = x_offset_value.type
+        rows = []
+        for r in range(n):
+            index = builder.add(x_offset_value, builder.mul(x_row_value, ir.Constant(index_type, r)))
+            pointer = _pointer(context, builder, signature.args[0], x_value, index, vector_type)
+            rows.append(builder.load(pointer, align=x.dtype.bitwidth // 8))
+        step = n // 2
+        while step >= 1:
+            low = [j if j & step == 0 else n + j - step for j in range(n)]
+            high = [j + step if j & step == 0 else n + j for j in range(n)]
+            for i in range(n):
+                if i & step == 0:
+                    first, second = rows[i], rows[i + step]
+                    rows[i] = builder.shuffle_vector(first, second, _lane_indices(low))
+                    rows[i + step] = builder.shuffle_vector(first, second, _lane_indices(high))
+            step //= 2
+        for c in range(n):
+            index = builder.add(out_offset_value, builder.mul(out_row_value, ir.Constant(index_type, c)))
+            pointer = _pointer(context, builder, signature.args[3], out_value, index, vector_type)
+            builder.store(rows[c], pointer, align=x.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+    return types.none(x, x_offset, x_row, out, out_offset, out_row), codegen
+
+
+def _lane_indices(indices):
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(indices)), indices)
+
+
+def lanes_of(dtype) -> int:
+    """Lanes of a vector of ``dtype`` (a NumPy dtype): 16 for float32, 8 for float64."""
+    return VECTOR_BYTES // dtype.itemsize
+
+
