@@ -26,7 +26,8 @@ from numba import njit
 from .blas import gemm
 from .operands import Int, Real
 from .rowmath import FASTMATH, exp_shifted
-from .tiles import apply_dropout, key_segments, packed_keys_buffer, score_tile
+from .microkernels import padded_width, product
+from .tiles import apply_dropout, key_segments, pack_key_tile, packed_keys_buffer, score_tile
 
 _JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
 
@@ -117,6 +118,7 @@ def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, 
     dk_tile = np.zeros(cols * head_dim, dtype)
     dv_tile = np.zeros(cols * value_dim, dtype)
     k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
+    pack_key_tile(k, v, ints, b, kv_head, j0, cols, packed, True)  # once for every query tile
     rows_valid = min(q_len, q_lengths[b])
     for h in range(kv_head * group, (kv_head + 1) * group):
         for i0 in range(0, rows_valid, block_q):
@@ -126,9 +128,13 @@ def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, 
             score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout,
                                 dout_strides, lse, delta, p, dropped, ds, tanh, packed, b, h, i0, rows, j0, cols)
             o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
-            # dV (cols x Dv) += dropped^T dO: column-major dV^T = dO^T (Dv x rows) . dropped (rows x cols)
-            gemm(False, True, value_dim, cols, rows, 1.0, dout[o_offset:], dout_strides[2],
-                 dropped, ld, 1.0, dv_tile, value_dim)
+            # dV (cols x Dv) += dropped^T (cols x rows) . dO (rows x Dv)
+            if ints[Int.VECTOR_VALUES]:
+                product(dropped, 0, 1, ld, dout, o_offset, dout_strides[2], dv_tile, 0, value_dim,
+                        cols, rows, value_dim, 1.0, True)
+            else:  # column-major: dV^T = dO^T (Dv x rows) . dropped (rows x cols)
+                gemm(False, True, value_dim, cols, rows, 1.0, dout[o_offset:], dout_strides[2],
+                     dropped, ld, 1.0, dv_tile, value_dim)
             if ints[Int.HAS_SOFTCAP]:  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
                 for r in range(rows):
                     ds_row = ds[r * ld:r * ld + cols]
@@ -136,13 +142,19 @@ def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, 
                     for c in range(cols):
                         ds_row[c] *= 1.0 - t_row[c] * t_row[c]
             q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
-            # dK (cols x D) += scale dS^T Q
-            gemm(False, True, head_dim, cols, rows, scale, q[q_offset:], ints[Int.Q_STRIDE_S],
-                 ds, ld, 1.0, dk_tile, head_dim)
-            # dQ (rows x D) += scale dS K: column-major dQ^T = K^T (D x cols) . dS^T (cols x rows)
             dq_offset = (((chunk * ints[Int.BATCH] + b) * heads + h) * q_len + i0) * head_dim
-            gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
-                 ds, ld, 1.0, dq[dq_offset:], head_dim)
+            if ints[Int.VECTOR_KEYS]:
+                # dK (cols x D) += scale dS^T (cols x rows) . Q (rows x D)
+                product(ds, 0, 1, ld, q, q_offset, ints[Int.Q_STRIDE_S], dk_tile, 0, head_dim,
+                        cols, rows, head_dim, scale, True)
+                # dQ (rows x D) += scale dS (rows x cols) . K (cols x D)
+                product(ds, 0, ld, 1, k, k_offset, ints[Int.K_STRIDE_S], dq, dq_offset, head_dim,
+                        rows, cols, head_dim, scale, True)
+            else:  # column-major: dK^T = Q^T (D x rows) . dS (rows x cols); dQ^T = K^T . dS^T
+                gemm(False, True, head_dim, cols, rows, scale, q[q_offset:], ints[Int.Q_STRIDE_S],
+                     ds, ld, 1.0, dk_tile, head_dim)
+                gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
+                     ds, ld, 1.0, dq[dq_offset:], head_dim)
     row = (b * ints[Int.KV_HEADS] + kv_head) * kv_len + j0
     dk[row * head_dim:(row + cols) * head_dim] = dk_tile
     dv[row * value_dim:(row + cols) * value_dim] = dv_tile
@@ -183,6 +195,8 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
                         cols = min(block_k, keys_valid - j0)
                         if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
                             continue
+                        pack_key_tile(k, v, ints, b, h // (heads // ints[Int.KV_HEADS]), j0, cols,
+                                      packed, True)
                         score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals,
                                             dout, dout_strides, lse, delta, p, dropped, ds, tanh,
                                             packed, b, h, i0, rows, j0, cols)

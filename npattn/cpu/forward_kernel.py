@@ -25,7 +25,7 @@ from .blas import gemm
 from .operands import Int, Real
 from .rowmath import FASTMATH, exp_shifted, row_max
 from .microkernels import product
-from .tiles import apply_dropout, key_segments, packed_keys_buffer, score_tile
+from .tiles import apply_dropout, key_segments, pack_key_tile, packed_keys_buffer, score_tile
 
 _JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
 
@@ -90,6 +90,7 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
         first, last = (0, sink_end) if segment == 0 else (start, stop)
         for j0 in range(first, last, block_k):
             cols = min(block_k, last - j0)
+            pack_key_tile(k, v, ints, b, kv_head, j0, cols, packed, False)
             score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
                        b, h, i0, rows, j0, cols)
             outcome = _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums)
@@ -193,11 +194,13 @@ def _weights_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, lse, weights
     tanh = np.empty(rows * ld if ints[Int.HAS_SOFTCAP] else 1, q.dtype)
     packed = packed_keys_buffer(ints, q.dtype)
     row_offset = (b * heads + h) * q_len + i0
+    kv_head = h // (heads // ints[Int.KV_HEADS])
     sink_end, start, stop = key_segments(ints, kv_lengths, b, i0, i1)
     for segment in range(2):
         first, last = (0, sink_end) if segment == 0 else (start, stop)
         for j0 in range(first, last, block_k):
             cols = min(block_k, last - j0)
+            pack_key_tile(k, k, ints, b, kv_head, j0, cols, packed, False)
             score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
                        b, h, i0, rows, j0, cols)
             for r in range(rows):

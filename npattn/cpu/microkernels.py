@@ -19,7 +19,8 @@ from numba import njit
 from numba.extending import overload
 
 from .rowmath import FASTMATH
-from .simd import add, fill, fma, load, mul, splat, store, transpose_square
+from .simd import (add, as_readonly, fill, fma, load, mul, never_inline, scalar_like, splat, store,
+                   transpose_square)
 
 _JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
 _BLOCK_ROWS = 6
@@ -131,15 +132,25 @@ def _chunk1(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
         _finish(c, c_offset + r * c_row, acc, scale, accumulate)
 
 
-@njit(**_JIT)
+@njit(inline="always")
 def product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, width,
             alpha, accumulate):
     """``C[r, x] = [C[r, x] +] alpha * sum_j A[r, j] B[j, x]`` for r < rows, x < width, where
     ``A[r, j] = a[a_offset + r * a_row + j * a_col]``, ``B[j, x] = b[b_offset + j * b_row + x]``
     and ``C[r, x] = c[c_offset + r * c_row + x]`` (flat arrays of one float dtype).
     ``width`` must be a multiple of the vector's lanes (16 float32, 8 float64); indices
-    are not checked. The depth is cut into slices whose rows of B fit in L1 beside
-    the accumulators: B is re-read once per 6 rows of C, from L1 rather than L2."""
+    are not checked."""
+    _product(as_readonly(a), a_offset, a_row, a_col, as_readonly(b), b_offset, b_row,
+             c, c_offset, c_row, rows, depth, width, scalar_like(alpha, c), bool(accumulate))
+
+
+@njit(**_JIT)
+def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, width,
+             alpha, accumulate):
+    """:func:`product` on one compiled type of operands. The depth is cut into slices whose
+    rows of B fit in L1 beside the accumulators: B is re-read once per 6 rows of C, from
+    L1 rather than L2."""
+    never_inline()
     lanes = 64 // c.itemsize
     chunk = VECTORS_PER_CHUNK * lanes
     depth_block = _L1_BYTES // (chunk * c.itemsize)
@@ -157,11 +168,17 @@ def product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
         x += chunk if four else lanes
 
 
-@njit(**_JIT)
+@njit(inline="always")
 def pack_transposed(x, offset, row_stride, rows, cols, packed, ld, padded_rows):
     """``packed[c * ld + r] = x[offset + r * row_stride + c]`` for r < rows, c < cols, and 0
-    for rows <= r < padded_rows: a (rows x cols) row block laid out column by column.
-    Whole lanes x lanes squares go through registers; the edges element by element."""
+    for rows <= r < padded_rows: a (rows x cols) row block laid out column by column."""
+    _pack_transposed(as_readonly(x), offset, row_stride, rows, cols, packed, ld, padded_rows)
+
+
+@njit(**_JIT)
+def _pack_transposed(x, offset, row_stride, rows, cols, packed, ld, padded_rows):
+    """Whole lanes x lanes squares go through registers; the edges element by element."""
+    never_inline()
     lanes = 64 // x.itemsize
     full_rows = rows - rows % lanes
     full_cols = cols - cols % lanes

@@ -74,7 +74,8 @@ class Int(IntEnum):
     BLOCK_K = 38
     SCORE_LD = 39        # row stride of score tiles: BLOCK_K, or it rounded up to whole vectors
     VECTOR_SCORES = 40   # scores through :mod:`npattn.cpu.microkernels` (else BLAS)
-    VECTOR_VALUES = 41   # P V through them too (needs Dv a whole number of vectors)
+    VECTOR_VALUES = 41   # P V and dV through them too (needs Dv a whole number of vectors)
+    VECTOR_KEYS = 42     # dQ and dK through them too (needs D a whole number of vectors)
 
 
 class Real(IntEnum):
@@ -179,6 +180,7 @@ def build_operands(problem, tiles=TILES["forward"]) -> Operands:
     vector = _vector_products()
     ints[Int.VECTOR_SCORES] = vector
     ints[Int.VECTOR_VALUES] = vector and problem.value_dim % vector_lanes(dtype) == 0
+    ints[Int.VECTOR_KEYS] = vector and head_dim % vector_lanes(dtype) == 0
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk_columns(dtype)) * chunk_columns(dtype) if vector else tiles[1]
 
     reals = np.zeros(len(Real), dtype)

@@ -109,9 +109,28 @@ def apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 
 @njit(**_JIT)
 def packed_keys_buffer(ints, dtype):
-    """Scratch for :func:`score_tile`: a key tile transposed, (D x SCORE_LD) (1 element
-    when the scores go through BLAS)."""
-    return np.empty(ints[Int.HEAD_DIM] * ints[Int.SCORE_LD] if ints[Int.VECTOR_SCORES] else 1, dtype)
+    """Scratch for :func:`pack_key_tile`: a key tile and its value tile transposed,
+    (D + Dv) x SCORE_LD (1 element when the products go through BLAS)."""
+    size = (ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM]) * ints[Int.SCORE_LD]
+    return np.empty(size if ints[Int.VECTOR_SCORES] else 1, dtype)
+
+
+@njit(**_JIT)
+def pack_key_tile(k, v, ints, b, kv_head, j0, cols, packed, with_values):
+    """Keys ``[j0, j0 + cols)`` of ``kv_head`` as K^T (D x SCORE_LD) at the start of
+    ``packed``, and with ``with_values`` the values as V^T (Dv x SCORE_LD) after it,
+    zero-padded to whole vector chunks: the B operands of Q K^T and dO V^T. A no-op
+    when the products go through BLAS."""
+    if not ints[Int.VECTOR_SCORES]:
+        return
+    ld, head_dim = ints[Int.SCORE_LD], ints[Int.HEAD_DIM]
+    width = padded_width(cols, packed)
+    k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
+    pack_transposed(k, k_offset, ints[Int.K_STRIDE_S], cols, head_dim, packed, ld, width)
+    if with_values:
+        v_offset = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + j0 * ints[Int.V_STRIDE_S]
+        pack_transposed(v, v_offset, ints[Int.V_STRIDE_S], cols, ints[Int.VALUE_DIM],
+                        packed[head_dim * ld:], ld, width)
 
 
 @njit(**_JIT)
@@ -119,21 +138,19 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
                j0, cols):
     """Scores of rows ``[i0, i0 + rows)`` against keys ``[j0, j0 + cols)`` of head ``h``
     into ``s[r * ld + c]``: ``scale * q.k``, softcap (its tanh kept in ``tanh`` for the
-    backward), bias, ALiBi, then -inf where the key is invisible. ``packed`` is the
-    scratch of :func:`packed_keys_buffer`. Returns nothing."""
+    backward), bias, ALiBi, then -inf where the key is invisible. ``packed`` holds
+    the key tile from :func:`pack_key_tile`. Returns nothing."""
     heads = ints[Int.HEADS]
-    kv_head = h // (heads // ints[Int.KV_HEADS])
     q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
-    k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
     head_dim = ints[Int.HEAD_DIM]
     if ints[Int.VECTOR_SCORES]:
-        # S (rows x cols) = Q (rows x D) . K^T (D x cols), K^T zero-padded to whole vectors
-        # (the padding columns of s get zeros, and nothing reads them)
-        width = padded_width(cols, s)
-        pack_transposed(k, k_offset, ints[Int.K_STRIDE_S], cols, head_dim, packed, ld, width)
-        product(q, q_offset, ints[Int.Q_STRIDE_S], 1, packed, 0, ld, s, 0, ld, rows, head_dim, width,
-                reals[Real.SCALE], False)
+        # S (rows x cols) = Q (rows x D) . K^T (D x cols); the padding columns get zeros,
+        # and nothing reads them
+        product(q, q_offset, ints[Int.Q_STRIDE_S], 1, packed, 0, ld, s, 0, ld, rows, head_dim,
+                padded_width(cols, s), reals[Real.SCALE], False)
     else:  # column-major: S^T (cols x rows) = K (cols x D) . Q^T (D x rows)
+        kv_head = h // (heads // ints[Int.KV_HEADS])
+        k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
         gemm(True, False, cols, rows, head_dim, reals[Real.SCALE], k[k_offset:],
              ints[Int.K_STRIDE_S], q[q_offset:], ints[Int.Q_STRIDE_S], 0.0, s, ld)
     if ints[Int.HAS_SOFTCAP]:
