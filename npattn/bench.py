@@ -3,7 +3,9 @@
 Each row times one shape (B, H, Hkv, S, D), causal or not, float32, forward and
 forward+backward. Implementations run interleaved (A B C A B C ...) in one
 process and the table reports medians, because the 2-core VMs this project runs
-on have bursts of CPU steal that would bias back-to-back runs. GFLOP/s counts
+on have bursts of CPU steal that would bias back-to-back runs; each timed run
+starts after a short pause, so the spinning worker threads of the previous one
+(OpenBLAS, OpenMP) do not slow it. GFLOP/s counts
 the matrix products' useful flops (4 S_q S_k D per head forward, causal counting
 only visible pairs; 2.5x that for the backward's five products) and "% peak" is
 against NumPy's float32 matmul measured in the same run. PyTorch
@@ -120,7 +122,15 @@ def matmul_gflops(size: int = 2048, repeats: int = 3) -> float:
     return 2.0 * size ** 3 / best / 1e9
 
 
+# Pause before each timed run. BLAS and OpenMP pools (NumPy's OpenBLAS, torch's OpenMP)
+# keep their threads spinning for a while after a call returns; on 2 cores those spinning
+# threads take the cores from whatever runs next. Measured: torch's forward at
+# (1, 8, 2048, 64) took 127 ms right after the naive NumPy run, against 65 ms alone.
+_SETTLE_S = 0.3
+
+
 def _time(run) -> float:
+    time.sleep(_SETTLE_S)
     start = time.perf_counter()
     run()
     return time.perf_counter() - start

@@ -1,7 +1,9 @@
 """CPU backend: Numba-jitted, tiled (FlashAttention-2 style) kernels, forward and backward.
 
-Modules: :mod:`.operands` (a problem as flat arrays and strides), :mod:`.blas`
-(BLAS products on row blocks in place), :mod:`.rowmath` (a vectorized exp),
+Modules: :mod:`.operands` (a problem as flat arrays and strides), :mod:`.simd`
+(explicit 512-bit vectors for Numba), :mod:`.microkernels` (register-blocked tile
+products on them), :mod:`.blas` (BLAS products on row blocks in place, the
+fallback), :mod:`.rowmath` (a vectorized exp),
 :mod:`.tiles` (visibility, dropout hash, one tile of scores), :mod:`.forward_kernel`
 and :mod:`.backward_kernel`. Importing this package needs neither Numba nor SciPy;
 the kernels are imported (and compiled, or loaded from Numba's on-disk cache) on
