@@ -76,6 +76,18 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
             ds_row[c] = p_row[c] * (ds_row[c] - row_delta)
 
 
+@njit(**_JIT)
+def _gradient_buffers(ints, dtype):
+    """Scratch of :func:`score_gradient_tile`: p, dropped (p itself without dropout), ds
+    and tanh (BLOCK_Q x SCORE_LD each; tanh 1 element without softcap), and the packed
+    key and value tile."""
+    size = ints[Int.BLOCK_Q] * ints[Int.SCORE_LD]
+    p = np.empty(size, dtype)
+    dropped = np.empty(size, dtype) if ints[Int.HAS_DROPOUT] else p
+    tanh = np.empty(size if ints[Int.HAS_SOFTCAP] else 1, dtype)
+    return p, dropped, np.empty(size, dtype), tanh, packed_keys_buffer(ints, dtype)
+
+
 def backward_items(ints, chunks):
     return ints[Int.BATCH] * ints[Int.KV_HEADS] * chunks
 
@@ -110,11 +122,7 @@ def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, 
     dtype = q.dtype
     scale = reals[Real.SCALE]
     ld = ints[Int.SCORE_LD]
-    p = np.empty(block_q * ld, dtype)
-    dropped = np.empty(block_q * ld, dtype) if ints[Int.HAS_DROPOUT] else p
-    ds = np.empty(block_q * ld, dtype)
-    tanh = np.empty(block_q * ld if ints[Int.HAS_SOFTCAP] else 1, dtype)
-    packed = packed_keys_buffer(ints, dtype)
+    p, dropped, ds, tanh, packed = _gradient_buffers(ints, dtype)
     dk_tile = np.zeros(cols * head_dim, dtype)
     dv_tile = np.zeros(cols * value_dim, dtype)
     k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
@@ -173,11 +181,7 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
     k_items = (kv_len + block_k - 1) // block_k if bias_k > 1 else 1
     dtype = q.dtype
     ld = ints[Int.SCORE_LD]
-    p = np.empty(block_q * ld, dtype)
-    dropped = np.empty(block_q * ld, dtype) if ints[Int.HAS_DROPOUT] else p
-    ds = np.empty(block_q * ld, dtype)
-    tanh = np.empty(block_q * ld if ints[Int.HAS_SOFTCAP] else 1, dtype)
-    packed = packed_keys_buffer(ints, dtype)
+    p, dropped, ds, tanh, packed = _gradient_buffers(ints, dtype)
     for item in range(start, stop, step):
         k_item = item % k_items
         q_item = (item // k_items) % q_items

@@ -208,28 +208,22 @@ def fma(typingctx, a, b, c):
     return a(a, b, c), codegen
 
 
-@intrinsic
-def mul(typingctx, a, b):
-    """``a * b`` lane by lane."""
-    if not (isinstance(a, Vector) and a == b):
-        return None
+def _lane_by_lane(build, doc):
+    """An intrinsic applying the IRBuilder method ``build`` to two equal vectors."""
+    def typer(typingctx, a, b):
+        if not (isinstance(a, Vector) and a == b):
+            return None
 
-    def codegen(context, builder, signature, args):
-        _wide(builder)
-        return builder.fmul(*args)
-    return a(a, b), codegen
+        def codegen(context, builder, signature, args):
+            _wide(builder)
+            return getattr(builder, build)(*args)
+        return a(a, b), codegen
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def add(typingctx, a, b):
-    """``a + b`` lane by lane."""
-    if not (isinstance(a, Vector) and a == b):
-        return None
-
-    def codegen(context, builder, signature, args):
-        _wide(builder)
-        return builder.fadd(*args)
-    return a(a, b), codegen
+mul = _lane_by_lane("fmul", "``a * b`` lane by lane.")
+add = _lane_by_lane("fadd", "``a + b`` lane by lane.")
 
 
 @intrinsic
