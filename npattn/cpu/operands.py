@@ -21,8 +21,10 @@ from .simd import lanes_of as vector_lanes
 
 # Tile sizes (rows of queries x columns of keys), runtime values of the kernels (no
 # recompilation); :func:`npattn.cpu.tile_sizes` changes them. Measured on the 2-core
-# AVX-512 machine at (1, 8, 2048, 64): the forward is fastest with 256 x 512 (113 ms against
-# 139 ms at 64 x 256), the backward, whose tile holds four (rows x keys) buffers, with 64 x 128.
+# AVX-512 machine at (1, 8, 2048, 64) with BLAS products: the forward is fastest with
+# 256 x 512 (113 ms against 139 ms at 64 x 256), the backward with 64 x 128. With the
+# micro-kernels, backward tiles from 32 x 256 to 256 x 256 measured 164-210 ms, within
+# the VM's noise of each other.
 TILES = {"forward": (256, 512), "backward": (64, 128)}
 # Products through the register-blocked micro-kernels (None: where the CPU has 512-bit
 # vectors, see :data:`npattn.cpu.simd.WIDE`), or BLAS; :func:`npattn.cpu.products` sets it.
