@@ -27,9 +27,10 @@ from .blas import gemm
 from .operands import Int, Real
 from .rowmath import FASTMATH, exp_shifted
 from .microkernels import padded_width, product
-from .tiles import apply_dropout, key_segments, pack_key_tile, packed_keys_buffer, score_tile
+from .tiles import (apply_dropout, key_segments, pack_key_tile, pack_value_tile, packed_keys_buffer,
+                    packed_values, score_tile)
 
-_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
+_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 
 
 @njit(**_JIT)
@@ -56,16 +57,20 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
             exp_shifted(row, cols, row_lse)
         else:  # an empty row: no probability, no gradient
             row[:] = 0.0
-    kv_head = h // (heads // ints[Int.KV_HEADS])
-    v_offset = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + j0 * ints[Int.V_STRIDE_S]
     o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
-    # column-major: dP^T (cols x rows) = V (cols x Dv) . dO^T (Dv x rows)
-    gemm(True, False, cols, rows, ints[Int.VALUE_DIM], 1.0, v[v_offset:], ints[Int.V_STRIDE_S],
-         dout[o_offset:], dout_strides[2], 0.0, ds, ld)
+    if ints[Int.VECTOR_SCORES]:
+        # dP (rows x cols) = dO (rows x Dv) . V^T (Dv x cols)
+        product(dout, o_offset, dout_strides[2], 1, packed_values(ints, packed), 0, ld, ds, 0, ld,
+                rows, ints[Int.VALUE_DIM], padded_width(cols, ds), 1.0, False)
+    else:  # column-major: dP^T (cols x rows) = V (cols x Dv) . dO^T (Dv x rows)
+        kv_head = h // (heads // ints[Int.KV_HEADS])
+        v_offset = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + j0 * ints[Int.V_STRIDE_S]
+        gemm(True, False, cols, rows, ints[Int.VALUE_DIM], 1.0, v[v_offset:], ints[Int.V_STRIDE_S],
+             dout[o_offset:], dout_strides[2], 0.0, ds, ld)
     if ints[Int.HAS_DROPOUT]:
         keep_scale = reals[Real.KEEP_SCALE]
-        for r in range(rows):
-            dropped[r * ld:r * ld + cols] = p[r * ld:r * ld + cols]
+        for x in range(rows * ld):  # not a slice copy: its shape check compiles str()
+            dropped[x] = p[x]
         apply_dropout(ints, dropped, ld, b, h, i0, rows, j0, cols, keep_scale)
         apply_dropout(ints, ds, ld, b, h, i0, rows, j0, cols, keep_scale)
     for r in range(rows):
@@ -92,7 +97,7 @@ def backward_items(ints, chunks):
     return ints[Int.BATCH] * ints[Int.KV_HEADS] * chunks
 
 
-@njit(**_JIT)
+@njit(cache=True, fastmath=FASTMATH, nogil=True)
 def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
                     dout, dout_strides, lse, delta, dq, dk, dv, chunks, start, stop, step):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
@@ -126,7 +131,9 @@ def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, 
     dk_tile = np.zeros(cols * head_dim, dtype)
     dv_tile = np.zeros(cols * value_dim, dtype)
     k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
-    pack_key_tile(k, v, ints, b, kv_head, j0, cols, packed, True)  # once for every query tile
+    # once for every query tile
+    pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
+    pack_value_tile(v, ints, b, kv_head, j0, cols, packed)
     rows_valid = min(q_len, q_lengths[b])
     for h in range(kv_head * group, (kv_head + 1) * group):
         for i0 in range(0, rows_valid, block_q):
@@ -164,11 +171,13 @@ def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, 
                 gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
                      ds, ld, 1.0, dq[dq_offset:], head_dim)
     row = (b * ints[Int.KV_HEADS] + kv_head) * kv_len + j0
-    dk[row * head_dim:(row + cols) * head_dim] = dk_tile
-    dv[row * value_dim:(row + cols) * value_dim] = dv_tile
+    for x in range(cols * head_dim):  # not slice copies: their shape checks compile str()
+        dk[row * head_dim + x] = dk_tile[x]
+    for x in range(cols * value_dim):
+        dv[row * value_dim + x] = dv_tile[x]
 
 
-@njit(**_JIT)
+@njit(cache=True, fastmath=FASTMATH, nogil=True)
 def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
                  dout, dout_strides, lse, delta, dbias, dbias_shape, start, stop, step):
     """dbias: flat C-contiguous ``dbias_shape`` (Bb, Hb, Sqb, Skb), each 1 or full, zero on
@@ -199,8 +208,9 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
                         cols = min(block_k, keys_valid - j0)
                         if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
                             continue
-                        pack_key_tile(k, v, ints, b, h // (heads // ints[Int.KV_HEADS]), j0, cols,
-                                      packed, True)
+                        kv_head = h // (heads // ints[Int.KV_HEADS])
+                        pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
+                        pack_value_tile(v, ints, b, kv_head, j0, cols, packed)
                         score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals,
                                             dout, dout_strides, lse, delta, p, dropped, ds, tanh,
                                             packed, b, h, i0, rows, j0, cols)

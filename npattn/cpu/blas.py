@@ -22,21 +22,30 @@ import os
 import numpy as np
 
 from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
-from numba import types
+from numba import njit, types
 from numba.core.errors import TypingError
 from numba.extending import overload
+
+from .signatures import as_readonly, plain_int, scalar_like
 from numba.np.linalg import _BLAS, get_blas_kind
 
 
+@njit(inline="always")
 def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """Column-major ``C = alpha * op(A) @ op(B) + beta * C`` on the start of 1-D arrays
     ``a``, ``b`` and ``c`` (pass a slice ``x[offset:]`` to start inside an array).
     ``op(A)`` is (m x k), ``op(B)`` (k x n), ``C`` (m x n); ``trans_*`` is True to
     transpose. Only callable from Numba-jitted code."""
+    _gemm(bool(trans_a), bool(trans_b), plain_int(m), plain_int(n), plain_int(k),
+          scalar_like(alpha, c), as_readonly(a), plain_int(lda), as_readonly(b), plain_int(ldb),
+          scalar_like(beta, c), c, plain_int(ldc))
+
+
+def _gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     raise NotImplementedError("gemm is only callable from Numba-jitted code")
 
 
-@overload(gemm, jit_options={"cache": True})
+@overload(_gemm, jit_options={"cache": True})
 def _gemm_overload(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     if not isinstance(a, types.Array) or a.dtype not in (types.float32, types.float64):
         raise TypingError("gemm takes float32 or float64 arrays")

@@ -27,7 +27,7 @@ from .rowmath import FASTMATH, exp_shifted, row_max
 from .microkernels import product
 from .tiles import apply_dropout, key_segments, pack_key_tile, packed_keys_buffer, score_tile
 
-_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
+_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 
 
 def forward_items(ints):
@@ -47,7 +47,7 @@ def _query_tile(ints, q_lengths, item):
     return b, h, i0, min(q_len, i0 + block_q, q_lengths[b])
 
 
-@njit(**_JIT)
+@njit(cache=True, fastmath=FASTMATH, nogil=True)
 def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
                    out, out_strides, lse, start, stop, step):
     """Fill ``out`` (a flat view with bhsd element strides ``out_strides``, int64 (3,),
@@ -60,7 +60,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                           out, out_strides, lse, b, h, i0, i1)
 
 
-@njit(**_JIT)
+@njit(inline="always")
 def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
                   out, out_strides, lse, b, h, i0, i1):
     rows, block_k, dv = i1 - i0, ints[Int.BLOCK_K], ints[Int.VALUE_DIM]
@@ -90,7 +90,7 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
         first, last = (0, sink_end) if segment == 0 else (start, stop)
         for j0 in range(first, last, block_k):
             cols = min(block_k, last - j0)
-            pack_key_tile(k, v, ints, b, kv_head, j0, cols, packed, False)
+            pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
             score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
                        b, h, i0, rows, j0, cols)
             outcome = _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums)
@@ -175,7 +175,7 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, partial, out, out_offse
                 out_row[d] *= correction
 
 
-@njit(**_JIT)
+@njit(cache=True, fastmath=FASTMATH, nogil=True)
 def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
                    lse, weights, start, stop, step):
     """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
@@ -200,7 +200,7 @@ def _weights_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, lse, weights
         first, last = (0, sink_end) if segment == 0 else (start, stop)
         for j0 in range(first, last, block_k):
             cols = min(block_k, last - j0)
-            pack_key_tile(k, k, ints, b, kv_head, j0, cols, packed, False)
+            pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
             score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
                        b, h, i0, rows, j0, cols)
             for r in range(rows):
@@ -209,4 +209,5 @@ def _weights_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, lse, weights
                     row = s[r * ld:r * ld + cols]
                     exp_shifted(row, cols, row_lse)
                     w = (row_offset + r) * kv_len + j0
-                    weights[w:w + cols] = row
+                    for c in range(cols):  # not a slice copy: its shape check compiles str()
+                        weights[w + c] = row[c]

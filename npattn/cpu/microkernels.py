@@ -19,10 +19,10 @@ from numba import njit
 from numba.extending import overload
 
 from .rowmath import FASTMATH
-from .simd import (add, as_readonly, fill, fma, load, mul, never_inline, scalar_like, splat, store,
-                   transpose_square)
+from .signatures import as_readonly, plain_int, scalar_like
+from .simd import add, fill, fma, load, mul, never_inline, splat, store, transpose_square
 
-_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
+_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 _BLOCK_ROWS = 6
 # B's share of L1 (48 KiB on the project's machine; 32 KiB is common)
 _L1_BYTES = 32768
@@ -140,8 +140,10 @@ def product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
     and ``C[r, x] = c[c_offset + r * c_row + x]`` (flat arrays of one float dtype).
     ``width`` must be a multiple of the vector's lanes (16 float32, 8 float64); indices
     are not checked."""
-    _product(as_readonly(a), a_offset, a_row, a_col, as_readonly(b), b_offset, b_row,
-             c, c_offset, c_row, rows, depth, width, scalar_like(alpha, c), bool(accumulate))
+    _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(a_col),
+             as_readonly(b), plain_int(b_offset), plain_int(b_row),
+             c, plain_int(c_offset), plain_int(c_row),
+             plain_int(rows), plain_int(depth), plain_int(width), scalar_like(alpha, c), bool(accumulate))
 
 
 @njit(**_JIT)
@@ -172,7 +174,8 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
 def pack_transposed(x, offset, row_stride, rows, cols, packed, ld, padded_rows):
     """``packed[c * ld + r] = x[offset + r * row_stride + c]`` for r < rows, c < cols, and 0
     for rows <= r < padded_rows: a (rows x cols) row block laid out column by column."""
-    _pack_transposed(as_readonly(x), offset, row_stride, rows, cols, packed, ld, padded_rows)
+    _pack_transposed(as_readonly(x), plain_int(offset), plain_int(row_stride), plain_int(rows),
+                     plain_int(cols), packed, plain_int(ld), plain_int(padded_rows))
 
 
 @njit(**_JIT)

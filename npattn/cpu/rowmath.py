@@ -26,6 +26,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from .signatures import plain_int, scalar_like
 from .simd import wide_vectors
 
 LOG2E = 1.4426950408889634
@@ -67,15 +68,20 @@ def row_max(row, n, partial):
     return best
 
 
+@njit(inline="always")
 def exp_shifted(row, n, shift):
     """``row[c] = exp(row[c] - shift)`` for c < n, in place; returns the sum of the new
     values (in the row's dtype). A caller that guessed ``shift`` below the row's max
     can check the guess after the fact from the sum alone: it is at least
     ``exp(max - shift)`` (+inf on float32 overflow). Jitted code only."""
+    return _exp_shifted(row, plain_int(n), scalar_like(shift, row))
+
+
+def _exp_shifted(row, n, shift):
     raise NotImplementedError
 
 
-@overload(exp_shifted, jit_options={"cache": True, "fastmath": FASTMATH, "nogil": True})
+@overload(_exp_shifted, jit_options={"cache": True, "fastmath": FASTMATH, "nogil": True})
 def _exp_shifted_overload(row, n, shift):
     if row.dtype == types.float32:
         c0, c1, c2, c3, c4, c5, c6, c7 = (np.float32(c) for c in _C)

@@ -26,7 +26,6 @@ from . import _cache  # noqa: F401  (before any @njit: stamps caches with the pa
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, models, register_model
 
 VECTOR_BYTES = 64
@@ -85,33 +84,6 @@ def never_inline(typingctx):
         builder.function.attributes.add("noinline")
         return context.get_dummy_value()
     return types.none(), codegen
-
-
-@intrinsic
-def as_readonly(typingctx, array):
-    """The same 1-D array typed read-only with any layout: one compiled type for every
-    operand of a micro-kernel, whatever its origin (each distinct argument type would
-    compile the kernel again; measured, 13 s more of first-call compile)."""
-    if not (isinstance(array, types.Array) and array.ndim == 1):
-        return None
-    target = types.Array(array.dtype, 1, "A", readonly=True)
-
-    def codegen(context, builder, signature, args):
-        # every 1-D layout and mutability shares one data model: the struct is reused as
-        # is, with a reference of its own (the caller releases both)
-        return impl_ret_borrowed(context, builder, target, args[0])
-    return target(array), codegen
-
-
-@intrinsic
-def scalar_like(typingctx, value, array):
-    """``value`` converted to ``array``'s dtype."""
-    if not (isinstance(value, (types.Float, types.Integer)) and isinstance(array, types.Array)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return context.cast(builder, args[0], signature.args[0], array.dtype)
-    return array.dtype(value, array), codegen
 
 
 def _check_float_array(array):

@@ -19,8 +19,9 @@ from .blas import gemm
 from .microkernels import pack_transposed, padded_width, product
 from .operands import Int, Real
 from .rowmath import FASTMATH
+from .signatures import plain_int, scalar_like
 
-_JIT = dict(cache=True, fastmath=FASTMATH)
+_JIT = dict(cache=True, fastmath=FASTMATH, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 _MASK32 = np.uint64(0xFFFFFFFF)
 _MIX_INCREMENT = np.uint64(0x9E3779B9)
 _MIX_MULTIPLIER_1 = np.uint64(0x85EBCA6B)
@@ -94,10 +95,16 @@ def dropout_row_state(ints, b, h, i):
     return absorb(state, np.uint64(i))
 
 
-@njit(**_JIT)
+@njit(inline="always")
 def apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
     """Multiply each probability of the tile by ``keep_scale`` where the hash keeps it, 0 where
     it drops it (``keep_scale`` is 1 / (1 - p) or 1)."""
+    _apply_dropout(ints, s, plain_int(ld), plain_int(b), plain_int(h), plain_int(i0), plain_int(rows),
+                   plain_int(j0), plain_int(cols), scalar_like(keep_scale, s))
+
+
+@njit(**_JIT)
+def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
     threshold = np.uint64(ints[Int.DROPOUT_THRESHOLD])
     for r in range(rows):
         state = dropout_row_state(ints, b, h, i0 + r)
@@ -109,28 +116,40 @@ def apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 
 @njit(**_JIT)
 def packed_keys_buffer(ints, dtype):
-    """Scratch for :func:`pack_key_tile`: a key tile and its value tile transposed,
-    (D + Dv) x SCORE_LD (1 element when the products go through BLAS)."""
+    """Scratch for :func:`pack_key_tile` and :func:`pack_value_tile`: a key tile and its
+    value tile transposed, (D + Dv) x SCORE_LD (1 element when the products go through
+    BLAS)."""
     size = (ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM]) * ints[Int.SCORE_LD]
     return np.empty(size if ints[Int.VECTOR_SCORES] else 1, dtype)
 
 
 @njit(**_JIT)
-def pack_key_tile(k, v, ints, b, kv_head, j0, cols, packed, with_values):
+def pack_key_tile(k, ints, b, kv_head, j0, cols, packed):
     """Keys ``[j0, j0 + cols)`` of ``kv_head`` as K^T (D x SCORE_LD) at the start of
-    ``packed``, and with ``with_values`` the values as V^T (Dv x SCORE_LD) after it,
-    zero-padded to whole vector chunks: the B operands of Q K^T and dO V^T. A no-op
+    ``packed``, zero-padded to whole vector chunks: the B operand of Q K^T. A no-op
     when the products go through BLAS."""
     if not ints[Int.VECTOR_SCORES]:
         return
-    ld, head_dim = ints[Int.SCORE_LD], ints[Int.HEAD_DIM]
-    width = padded_width(cols, packed)
     k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
-    pack_transposed(k, k_offset, ints[Int.K_STRIDE_S], cols, head_dim, packed, ld, width)
-    if with_values:
-        v_offset = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + j0 * ints[Int.V_STRIDE_S]
-        pack_transposed(v, v_offset, ints[Int.V_STRIDE_S], cols, ints[Int.VALUE_DIM],
-                        packed[head_dim * ld:], ld, width)
+    pack_transposed(k, k_offset, ints[Int.K_STRIDE_S], cols, ints[Int.HEAD_DIM], packed, ints[Int.SCORE_LD],
+                    padded_width(cols, packed))
+
+
+@njit(**_JIT)
+def pack_value_tile(v, ints, b, kv_head, j0, cols, packed):
+    """Values ``[j0, j0 + cols)`` of ``kv_head`` as V^T (Dv x SCORE_LD) after the key tile
+    in ``packed`` (see :func:`packed_values`): the B operand of dO V^T."""
+    if not ints[Int.VECTOR_SCORES]:
+        return
+    v_offset = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + j0 * ints[Int.V_STRIDE_S]
+    pack_transposed(v, v_offset, ints[Int.V_STRIDE_S], cols, ints[Int.VALUE_DIM],
+                    packed_values(ints, packed), ints[Int.SCORE_LD], padded_width(cols, packed))
+
+
+@njit(inline="always")
+def packed_values(ints, packed):
+    """The V^T part of a :func:`packed_keys_buffer`."""
+    return packed[ints[Int.HEAD_DIM] * ints[Int.SCORE_LD]:]
 
 
 @njit(**_JIT)
