@@ -19,28 +19,26 @@ bias was broadcast along, each bias element owned by one item.
 from __future__ import annotations
 
 import numpy as np
-
-from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from numba import njit
 
 from .blas import gemm
+from .jit import helper, kernel
 from .operands import Int, Real
-from .rowmath import FASTMATH, exp_shifted
+from .rowmath import exp_shifted
 from .microkernels import padded_width, product
 from .tiles import (apply_dropout, key_segments, pack_key_tile, pack_value_tile, packed_keys_buffer,
                     packed_values, score_tile)
 
-_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 
 
-@njit(**_JIT)
+@helper
 def tile_is_live(ints, kv_lengths, b, i0, i1, j0, j1):
     """True when some row of ``[i0, i1)`` may see some key of ``[j0, j1)``."""
     sink_end, start, stop = key_segments(ints, kv_lengths, b, i0, i1)
     return j0 < sink_end or (j0 < stop and start < j1)
 
 
-@njit(**_JIT)
+@helper
 def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout, dout_strides,
                         lse, delta, p, dropped, ds, tanh, packed, b, h, i0, rows, j0, cols):
     """For one tile: ``p`` = probabilities, ``dropped`` = p after dropout (``p`` itself when
@@ -81,7 +79,7 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
             ds_row[c] = p_row[c] * (ds_row[c] - row_delta)
 
 
-@njit(**_JIT)
+@helper
 def _gradient_buffers(ints, dtype):
     """Scratch of :func:`score_gradient_tile`: p, dropped (p itself without dropout), ds
     and tanh (BLOCK_Q x SCORE_LD each; tanh 1 element without softcap), and the packed
@@ -97,7 +95,7 @@ def backward_items(ints, chunks):
     return ints[Int.BATCH] * ints[Int.KV_HEADS] * chunks
 
 
-@njit(cache=True, fastmath=FASTMATH, nogil=True)
+@kernel
 def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
                     dout, dout_strides, lse, delta, dq, dk, dv, chunks, start, stop, step):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
@@ -117,7 +115,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
                                j0, min(block_k, last - j0))
 
 
-@njit(**_JIT)
+@helper
 def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, reals,
                        dout, dout_strides, lse, delta, dq, dk, dv, chunk, b, kv_head, j0, cols):
     block_q, block_k = ints[Int.BLOCK_Q], ints[Int.BLOCK_K]
@@ -177,7 +175,7 @@ def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, 
         dv[row * value_dim + x] = dv_tile[x]
 
 
-@njit(cache=True, fastmath=FASTMATH, nogil=True)
+@kernel
 def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
                  dout, dout_strides, lse, delta, dbias, dbias_shape, start, stop, step):
     """dbias: flat C-contiguous ``dbias_shape`` (Bb, Hb, Sqb, Skb), each 1 or full, zero on

@@ -21,13 +21,14 @@ import os
 
 import numpy as np
 
-from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from numba import njit, types
 from numba.core.errors import TypingError
 from numba.extending import overload
 
-from .signatures import as_readonly, plain_int, scalar_like
 from numba.np.linalg import _BLAS, get_blas_kind
+
+from .jit import OPTIONS
+from .signatures import as_readonly, plain_int, scalar_like
 
 
 @njit(inline="always")
@@ -45,7 +46,7 @@ def _gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     raise NotImplementedError("gemm is only callable from Numba-jitted code")
 
 
-@overload(_gemm, jit_options={"cache": True})
+@overload(_gemm, jit_options=OPTIONS)
 def _gemm_overload(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     if not isinstance(a, types.Array) or a.dtype not in (types.float32, types.float64):
         raise TypingError("gemm takes float32 or float64 arrays")

@@ -17,17 +17,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from numba import njit
 
 from .blas import gemm
+from .jit import helper, kernel
 from .operands import Int, Real
-from .rowmath import FASTMATH, exp_shifted, row_max
+from .rowmath import exp_shifted, row_max
 from .microkernels import product
 from .tiles import apply_dropout, key_segments, pack_key_tile, packed_keys_buffer, score_tile
 
-_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 
 
 def forward_items(ints):
@@ -35,7 +33,7 @@ def forward_items(ints):
     return ints[Int.BATCH] * ints[Int.HEADS] * -(-ints[Int.Q_LEN] // ints[Int.BLOCK_Q])
 
 
-@njit(**_JIT)
+@helper
 def _query_tile(ints, q_lengths, item):
     """Work item -> ``(b, h, i0, i1)``: its batch, head and rows ``[i0, i1)``, cut at
     ``q_lengths[b]`` (empty when the whole tile is padding)."""
@@ -47,7 +45,7 @@ def _query_tile(ints, q_lengths, item):
     return b, h, i0, min(q_len, i0 + block_q, q_lengths[b])
 
 
-@njit(cache=True, fastmath=FASTMATH, nogil=True)
+@kernel
 def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
                    out, out_strides, lse, start, stop, step):
     """Fill ``out`` (a flat view with bhsd element strides ``out_strides``, int64 (3,),
@@ -60,7 +58,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                           out, out_strides, lse, b, h, i0, i1)
 
 
-@njit(inline="always")
+@helper
 def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
                   out, out_strides, lse, b, h, i0, i1):
     rows, block_k, dv = i1 - i0, ints[Int.BLOCK_K], ints[Int.VALUE_DIM]
@@ -134,7 +132,7 @@ _REDO_ABOVE = math.exp(_HEADROOM)
 _DONE, _UNTOUCHED, _OVERWRITTEN = 0, 1, 2
 
 
-@njit(**_JIT)
+@helper
 def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums):
     """The common tile: exp against each row's running max ``m`` as it stands, with no
     max pass and no rescale of the output. Returns _DONE; or _UNTOUCHED when a row
@@ -153,7 +151,7 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums):
     return _DONE
 
 
-@njit(**_JIT)
+@helper
 def _exp_with_new_max(s, ld, rows, cols, m, total, seen, partial, out, out_offset, out_row_stride, dv):
     """The textbook online-softmax step: a max pass, exp against the new max, and the
     running sum and output rows rescaled by exp(m_old - m_new)."""
@@ -175,7 +173,7 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, partial, out, out_offse
                 out_row[d] *= correction
 
 
-@njit(cache=True, fastmath=FASTMATH, nogil=True)
+@kernel
 def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
                    lse, weights, start, stop, step):
     """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
@@ -186,7 +184,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
             _weights_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, lse, weights, b, h, i0, i1)
 
 
-@njit(**_JIT)
+@helper
 def _weights_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, lse, weights, b, h, i0, i1):
     rows, block_k, ld = i1 - i0, ints[Int.BLOCK_K], ints[Int.SCORE_LD]
     heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]

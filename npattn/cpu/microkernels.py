@@ -13,16 +13,14 @@ scores ``S = Q K^T`` are such a product too.
 """
 from __future__ import annotations
 
-from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 import numpy as np
 from numba import njit
 from numba.extending import overload
 
-from .rowmath import FASTMATH
+from .jit import OPTIONS, helper
 from .signatures import as_readonly, plain_int, scalar_like
 from .simd import add, fill, fma, load, mul, never_inline, splat, store, transpose_square
 
-_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 _BLOCK_ROWS = 6
 # B's share of L1 (48 KiB on the project's machine; 32 KiB is common)
 _L1_BYTES = 32768
@@ -34,7 +32,7 @@ def padded_width(columns, like):
     raise NotImplementedError
 
 
-@overload(padded_width, jit_options={"cache": True})
+@overload(padded_width, jit_options=OPTIONS)
 def _padded_width_overload(columns, like):
     chunk = VECTORS_PER_CHUNK * (64 // (like.dtype.bitwidth // 8))
 
@@ -74,7 +72,7 @@ def _finish4(c, i, acc, alpha, accumulate, lanes):
         _finish(c, i + v * lanes, acc[v], alpha, accumulate)
 
 
-@njit(**_JIT)
+@helper
 def _chunk4(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
             accumulate):
     """Four vectors' worth of columns of C, all rows."""
@@ -115,7 +113,7 @@ def _chunk4(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
         _finish4(c, c_offset + r * c_row, acc, scale, accumulate, lanes)
 
 
-@njit(**_JIT)
+@helper
 def _chunk1(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
             accumulate):
     """One vector's worth of columns of C, all rows (the remainder of :func:`product`)."""
@@ -146,7 +144,7 @@ def product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
              plain_int(rows), plain_int(depth), plain_int(width), scalar_like(alpha, c), bool(accumulate))
 
 
-@njit(**_JIT)
+@helper
 def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, width,
              alpha, accumulate):
     """:func:`product` on one compiled type of operands. The depth is cut into slices whose
@@ -178,7 +176,7 @@ def pack_transposed(x, offset, row_stride, rows, cols, packed, ld, padded_rows):
                      plain_int(cols), packed, plain_int(ld), plain_int(padded_rows))
 
 
-@njit(**_JIT)
+@helper
 def _pack_transposed(x, offset, row_stride, rows, cols, packed, ld, padded_rows):
     """Whole lanes x lanes squares go through registers; the edges element by element."""
     never_inline()

@@ -21,11 +21,11 @@ import math
 
 import numpy as np
 
-from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from .jit import FASTMATH, HELPER_OPTIONS, OPTIONS
 from .signatures import plain_int, scalar_like
 from .simd import wide_vectors
 
@@ -33,8 +33,6 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # 2**f = exp(f ln2) = sum (f ln2)^k / k!
 _C = tuple(LN2 ** k / math.factorial(k) for k in range(8))
-# Never "ninf" or "nnan" on code that meets -inf: -inf is how a score is masked.
-FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
 # A max reduction vectorizes only under "nnan"; scores are never NaN (inputs are finite).
 _MAX_FASTMATH = FASTMATH | {"nnan"}
 _LANES = 16
@@ -48,7 +46,7 @@ def _float32_from_bits(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
-@njit(cache=True, fastmath=_MAX_FASTMATH, nogil=True)
+@njit(**{**HELPER_OPTIONS, "fastmath": _MAX_FASTMATH})
 def row_max(row, n, partial):
     """max(row[:n]), -inf for n == 0 or an all -inf row. ``partial`` is scratch of at least
     16 elements (passed in: an allocation per row would cost more than the row): sixteen
@@ -81,7 +79,7 @@ def _exp_shifted(row, n, shift):
     raise NotImplementedError
 
 
-@overload(_exp_shifted, jit_options={"cache": True, "fastmath": FASTMATH, "nogil": True})
+@overload(_exp_shifted, jit_options=OPTIONS)
 def _exp_shifted_overload(row, n, shift):
     if row.dtype == types.float32:
         c0, c1, c2, c3, c4, c5, c6, c7 = (np.float32(c) for c in _C)

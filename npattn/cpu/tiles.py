@@ -11,24 +11,21 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from numba import njit
 
 from .blas import gemm
+from .jit import helper
 from .microkernels import pack_transposed, padded_width, product
 from .operands import Int, Real
-from .rowmath import FASTMATH
 from .signatures import plain_int, scalar_like
 
-_JIT = dict(cache=True, fastmath=FASTMATH, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 _MASK32 = np.uint64(0xFFFFFFFF)
 _MIX_INCREMENT = np.uint64(0x9E3779B9)
 _MIX_MULTIPLIER_1 = np.uint64(0x85EBCA6B)
 _MIX_MULTIPLIER_2 = np.uint64(0xC2B2AE35)
 
 
-@njit(**_JIT)
+@helper
 def key_band(ints, kv_lengths, b, i):
     """``(lo, hi, sink_end)`` for query row ``i`` of batch ``b``: the row sees keys in
     ``[lo, hi)`` and in ``[0, sink_end)`` (causal, window, sinks and kv_lengths; see
@@ -50,7 +47,7 @@ def key_band(ints, kv_lengths, b, i):
     return lo, hi, sink_end
 
 
-@njit(**_JIT)
+@helper
 def key_segments(ints, kv_lengths, b, i0, i1):
     """The keys rows ``[i0, i1)`` may see, as two disjoint half-open segments
     ``(0, sink_end)`` and ``(start, stop)`` (either may be empty): whole key tiles
@@ -61,7 +58,7 @@ def key_segments(ints, kv_lengths, b, i0, i1):
     return sink_last, start, max(start, hi_last)
 
 
-@njit(**_JIT)
+@helper
 def tile_fully_visible(ints, kv_lengths, b, i0, i1, j0, j1):
     """True when every row of ``[i0, i1)`` sees every key of ``[j0, j1)`` through causal,
     window, sinks and lengths (bounds are monotone, so the first and last rows decide)."""
@@ -70,7 +67,7 @@ def tile_fully_visible(ints, kv_lengths, b, i0, i1, j0, j1):
     return j1 <= sink_first or (lo_last <= j0 and j1 <= hi_first)
 
 
-@njit(**_JIT)
+@helper
 def fmix32(x):
     """MurmurHash3's finalizer on a uint64 holding a 32-bit value (see :mod:`npattn.dropout`)."""
     x ^= x >> np.uint64(16)
@@ -80,12 +77,12 @@ def fmix32(x):
     return x ^ (x >> np.uint64(16))
 
 
-@njit(**_JIT)
+@helper
 def absorb(state, word):
     return fmix32(((state ^ word) + _MIX_INCREMENT) & _MASK32)
 
 
-@njit(**_JIT)
+@helper
 def dropout_row_state(ints, b, h, i):
     """The hash state after absorbing (seed_lo, seed_hi, b, h, i): one per query row."""
     state = absorb(np.uint64(0), np.uint64(ints[Int.SEED_LO]))
@@ -103,7 +100,7 @@ def apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
                    plain_int(j0), plain_int(cols), scalar_like(keep_scale, s))
 
 
-@njit(**_JIT)
+@helper
 def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
     threshold = np.uint64(ints[Int.DROPOUT_THRESHOLD])
     for r in range(rows):
@@ -114,7 +111,7 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
             row[c] = row[c] * keep_scale if kept else 0.0
 
 
-@njit(**_JIT)
+@helper
 def packed_keys_buffer(ints, dtype):
     """Scratch for :func:`pack_key_tile` and :func:`pack_value_tile`: a key tile and its
     value tile transposed, (D + Dv) x SCORE_LD (1 element when the products go through
@@ -123,7 +120,7 @@ def packed_keys_buffer(ints, dtype):
     return np.empty(size if ints[Int.VECTOR_SCORES] else 1, dtype)
 
 
-@njit(**_JIT)
+@helper
 def pack_key_tile(k, ints, b, kv_head, j0, cols, packed):
     """Keys ``[j0, j0 + cols)`` of ``kv_head`` as K^T (D x SCORE_LD) at the start of
     ``packed``, zero-padded to whole vector chunks: the B operand of Q K^T. A no-op
@@ -135,7 +132,7 @@ def pack_key_tile(k, ints, b, kv_head, j0, cols, packed):
                     padded_width(cols, packed))
 
 
-@njit(**_JIT)
+@helper
 def pack_value_tile(v, ints, b, kv_head, j0, cols, packed):
     """Values ``[j0, j0 + cols)`` of ``kv_head`` as V^T (Dv x SCORE_LD) after the key tile
     in ``packed`` (see :func:`packed_values`): the B operand of dO V^T."""
@@ -152,7 +149,7 @@ def packed_values(ints, packed):
     return packed[ints[Int.HEAD_DIM] * ints[Int.SCORE_LD]:]
 
 
-@njit(**_JIT)
+@helper
 def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed, b, h, i0, rows,
                j0, cols):
     """Scores of rows ``[i0, i0 + rows)`` against keys ``[j0, j0 + cols)`` of head ``h``

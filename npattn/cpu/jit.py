@@ -1,0 +1,22 @@
+"""How every Numba function of the CPU backend is compiled: one set of options for all.
+
+Numba compiles an ``@overload`` (``np.empty``, ``min``, ...) once per set of options
+of its caller, so helpers that differ only in, say, ``nogil`` each pay for their own
+copies of the same library code: the options live here, shared.
+
+- :data:`kernel`: entry points that Python calls (with a CPython wrapper).
+- :data:`helper`: everything only jitted code calls: no CPython or C wrappers, each
+  of which would cost compile time and never be used. Calling a helper from Python
+  crashes the interpreter; nothing outside this package should.
+"""
+from __future__ import annotations
+
+from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
+from numba import njit
+
+# Never "ninf" or "nnan" on code that meets -inf: -inf is how a score is masked.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
+OPTIONS = {"cache": True, "fastmath": FASTMATH, "nogil": True}
+HELPER_OPTIONS = {**OPTIONS, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
+kernel = njit(**OPTIONS)
+helper = njit(**HELPER_OPTIONS)
