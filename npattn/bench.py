@@ -136,13 +136,23 @@ def _time(run) -> float:
     return time.perf_counter() - start
 
 
+_BAR_WIDTH = 30
+
+
 def _progress(done: int, total: int, label: str, stream) -> None:
-    width = 30
-    filled = int(width * done / total)
-    stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
-    if done == total:
-        stream.write("\r" + " " * (width + 50) + "\r")
+    """Redraw the bar on a terminal (never into a file or pipe: it would garble the table)."""
+    if not getattr(stream, "isatty", lambda: False)():
+        return
+    filled = int(_BAR_WIDTH * done / total)
+    stream.write(f"\r[{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] {done}/{total} {label:<40}")
     stream.flush()
+
+
+def _clear_progress(stream) -> None:
+    """Blank the bar's line, so a table row printed next starts at column 0."""
+    if getattr(stream, "isatty", lambda: False)():
+        stream.write("\r" + " " * (_BAR_WIDTH + 50) + "\r")
+        stream.flush()
 
 
 def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=sys.stdout,
@@ -187,10 +197,11 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
             torch_ms = "-" if row["torch_ms"] is None else f"{row['torch_ms']:.1f}"
             ratio = "-" if row["torch_ms"] is None else f"{row['torch_ms'] / row['npattn_ms']:.2f}x"
             naive_ms = "-" if row["naive_ms"] is None else f"{row['naive_ms']:.1f}"
+            _clear_progress(progress)
             print(f"{str(shape):<22}{str(causal):<8}{pass_name:<9}{ms['npattn']:>10.1f}{gflops:>9.1f}"
                   f"{100 * gflops / peak:>7.0f}%{torch_ms:>10}{ratio:>13}{naive_ms:>10}", file=out)
         out.flush()
-    _progress(len(jobs), len(jobs), "", progress)
+    _clear_progress(progress)
     print("torch/npattn > 1 means npattn is faster.", file=out)
     return rows
 

@@ -59,9 +59,9 @@ def products(kind: str):
 @contextlib.contextmanager
 def tile_sizes(block_q: int, block_k: int):
     """Run the block with query tiles of ``block_q`` rows and key tiles of ``block_k`` keys in
-    both the forward and the backward (defaults: 256 x 512 and 64 x 128). Results agree to rounding for any sizes; the tests use tiny
-    tiles to cross many tile edges on small problems, and tuners can try others. Not
-    thread-safe: it sets module state."""
+    both the forward and the backward (defaults: 192 x 384 and 64 x 128). Results agree
+    to rounding for any sizes; the tests use tiny tiles to cross many tile edges on small
+    problems, and tuners can try others. Not thread-safe: it sets module state."""
     from . import operands
 
     if block_q < 1 or block_k < 1:

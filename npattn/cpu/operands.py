@@ -21,11 +21,13 @@ from .simd import lanes_of as vector_lanes
 
 # Tile sizes (rows of queries x columns of keys), runtime values of the kernels (no
 # recompilation); :func:`npattn.cpu.tile_sizes` changes them. Measured on the 2-core
-# AVX-512 machine at (1, 8, 2048, 64) with BLAS products: the forward is fastest with
-# 256 x 512 (113 ms against 139 ms at 64 x 256), the backward with 64 x 128. With the
-# micro-kernels, backward tiles from 32 x 256 to 256 x 256 measured 164-210 ms, within
-# the VM's noise of each other.
-TILES = {"forward": (256, 512), "backward": (64, 128)}
+# AVX-512 machine with the micro-kernels (medians of 5, interleaved): the forward with
+# 192 x 384 against 256 x 512 takes 101 against 129 ms at (4, 16, 1024, 64) causal (a
+# smaller diagonal tile computes fewer masked scores), 542 against 577 ms at GQA
+# (1, 32/8, 2048, 128), and is within noise elsewhere; 192 rows are whole 6-row blocks.
+# Backward tiles from 32 x 256 to 256 x 256 measured 164-210 ms at (1, 8, 2048, 64),
+# within the VM's noise of each other; 64 x 128 stays.
+TILES = {"forward": (192, 384), "backward": (64, 128)}
 # Products through the register-blocked micro-kernels (None: where the CPU has 512-bit
 # vectors, see :data:`npattn.cpu.simd.WIDE`), or BLAS; :func:`npattn.cpu.products` sets it.
 PRODUCTS = {"vector": None}
