@@ -1,0 +1,239 @@
+"""The Tensor: an array, its gradient, and the Function that made it (the graph's edges).
+
+A Tensor wraps a NumPy or CuPy array without copying it. Functions applied to
+Tensors that require gradients record themselves in the result's ``_ctx``;
+:meth:`Tensor.backward` walks those records in reverse topological order (the
+engine, in the manner of micrograd), accumulates gradients into the leaves'
+``.grad`` and releases the graph as it goes.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+
+from .._arrays import array_module
+
+_STATE = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    """False inside :func:`no_grad` (per thread)."""
+    return getattr(_STATE, "grad_enabled", True)
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Run the block without recording: results do not require gradients."""
+    previous = is_grad_enabled()
+    _STATE.grad_enabled = False
+    try:
+        yield
+    finally:
+        _STATE.grad_enabled = previous
+
+
+class Tensor:
+    """An array with an optional gradient.
+
+    Args:
+        data: a NumPy or CuPy array (kept as is, not copied), or anything
+            ``numpy.asarray`` takes.
+        requires_grad: whether :meth:`backward` should fill ``.grad`` for this tensor.
+
+    ``grad`` is None until a backward pass reaches the tensor; later passes add to it
+    (call ``grad = None`` or an optimizer's ``zero_grad`` between steps).
+    """
+
+    __array_priority__ = 1000  # ndarray (op) Tensor defers to Tensor's reflected operators
+
+    def __init__(self, data, requires_grad: bool = False):
+        if isinstance(data, Tensor):
+            data = data.data
+        if not hasattr(data, "__array_namespace__") and not hasattr(data, "__cuda_array_interface__"):
+            data = np.asarray(data)
+        self.data = data
+        self.grad = None
+        self.requires_grad = bool(requires_grad)
+        self._ctx = None          # the Function that made this tensor, while the graph lives
+        self._freed = False       # True once a backward pass released the graph behind it
+
+    # ----- plain facts -------------------------------------------------------------------
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    ndim = property(lambda self: self.data.ndim)
+    size = property(lambda self: self.data.size)
+    is_leaf = property(lambda self: self._ctx is None and not self._freed)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __repr__(self):
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor({self.data!r}{grad})"
+
+    def numpy(self):
+        """The data as a NumPy array (copied from the GPU for CuPy)."""
+        from .._arrays import to_numpy
+
+        return to_numpy(self.data)
+
+    def item(self):
+        return self.data.item()
+
+    def detach(self) -> "Tensor":
+        """The same data, cut from the graph."""
+        return Tensor(self.data)
+
+    @property
+    def xp(self):
+        """``numpy`` or ``cupy``, whichever holds the data."""
+        return array_module(self.data)
+
+    # ----- the engine --------------------------------------------------------------------
+    def backward(self, grad=None) -> None:
+        """Add d(self)/d(leaf), contracted with ``grad``, into every leaf's ``.grad``.
+
+        Args:
+            grad: the gradient of the final quantity with respect to this tensor, of its
+                shape; may be omitted only when this tensor has one element (a loss).
+
+        Raises RuntimeError when the tensor does not require gradients, when ``grad`` is
+        missing for a non-scalar, or when the graph was already released by an earlier
+        backward pass.
+        """
+        if not self.requires_grad:
+            raise RuntimeError("backward: this tensor does not require gradients (no input of the "
+                               "computation had requires_grad=True, or it ran under no_grad())")
+        if self._freed:
+            raise RuntimeError("backward: the graph behind this tensor was released by an earlier "
+                               "backward pass; recompute the forward to differentiate again")
+        if grad is None:
+            if self.size != 1:
+                raise RuntimeError(f"backward: grad must be given for a non-scalar tensor of shape "
+                                   f"{self.shape}; got None")
+            grad = self.xp.ones_like(self.data)
+        else:
+            grad = grad.data if isinstance(grad, Tensor) else self.xp.asarray(grad, dtype=self.dtype)
+            if grad.shape != self.shape:
+                raise ValueError(f"backward: grad must have the tensor's shape {self.shape}; got {grad.shape}")
+
+        pending = {id(self): grad}
+        for node in reversed(_topological_order(self)):
+            node_grad = pending.pop(id(node), None)
+            ctx = node._ctx
+            if ctx is None:  # a leaf
+                if node_grad is not None:  # a copy: never a view of a caller's array or a broadcast
+                    node.grad = node_grad.copy() if node.grad is None else node.grad + node_grad
+                continue
+            # release this step's saved arrays and edges as soon as they are used
+            node._ctx, node._freed = None, True
+            if node_grad is None:
+                continue
+            input_grads = ctx.backward(node_grad)
+            if not isinstance(input_grads, tuple):
+                input_grads = (input_grads,)
+            for parent, parent_grad in zip(ctx.parents, input_grads):
+                if parent_grad is None or not parent.requires_grad:
+                    continue
+                key = id(parent)
+                pending[key] = parent_grad if key not in pending else pending[key] + parent_grad
+            ctx.release()
+
+    # ----- operators (defined in ops.py) -------------------------------------------------
+    def __add__(self, other):
+        return ops.add(self, other)
+
+    def __radd__(self, other):
+        return ops.add(other, self)
+
+    def __sub__(self, other):
+        return ops.sub(self, other)
+
+    def __rsub__(self, other):
+        return ops.sub(other, self)
+
+    def __mul__(self, other):
+        return ops.mul(self, other)
+
+    def __rmul__(self, other):
+        return ops.mul(other, self)
+
+    def __truediv__(self, other):
+        return ops.div(self, other)
+
+    def __rtruediv__(self, other):
+        return ops.div(other, self)
+
+    def __pow__(self, other):
+        return ops.power(self, other)
+
+    def __rpow__(self, other):
+        return ops.power(other, self)
+
+    def __matmul__(self, other):
+        return ops.matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return ops.matmul(other, self)
+
+    def __neg__(self):
+        return ops.neg(self)
+
+    def __getitem__(self, index):
+        return ops.getitem(self, index)
+
+    @property
+    def T(self):
+        """All axes reversed (NumPy's ``.T``)."""
+        return ops.transpose(self)
+
+    def reshape(self, *shape):
+        return ops.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+
+    def transpose(self, *axes):
+        return ops.transpose(self, axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else
+                             (axes or None))
+
+    def sum(self, axis=None, keepdims=False):
+        return ops.sum(self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        return ops.mean(self, axis=axis, keepdims=keepdims)
+
+    def max(self, axis=None, keepdims=False):
+        return ops.max(self, axis=axis, keepdims=keepdims)
+
+    def exp(self):
+        return ops.exp(self)
+
+    def log(self):
+        return ops.log(self)
+
+
+def _topological_order(root: Tensor) -> list:
+    """Every tensor ``root`` depends on through recorded Functions, each after its inputs.
+    Iterative (a deep graph must not hit Python's recursion limit)."""
+    order, visited = [], set()
+    stack = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        stack.append((node, True))
+        if node._ctx is not None:
+            for parent in node._ctx.parents:
+                if parent.requires_grad and id(parent) not in visited:
+                    stack.append((parent, False))
+        elif node._freed:
+            raise RuntimeError("backward: part of the graph was released by an earlier backward "
+                               "pass; recompute the forward to differentiate again")
+    return order
+
+
+from . import ops  # noqa: E402  (ops builds on Tensor; Tensor's operators call ops)
