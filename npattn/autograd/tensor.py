@@ -51,8 +51,9 @@ class Tensor:
     def __init__(self, data, requires_grad: bool = False):
         if isinstance(data, Tensor):
             data = data.data
-        if not hasattr(data, "__array_namespace__") and not hasattr(data, "__cuda_array_interface__"):
-            data = np.asarray(data)
+        if isinstance(data, np.generic) or not (hasattr(data, "__array_namespace__")
+                                                or hasattr(data, "__cuda_array_interface__")):
+            data = np.asarray(data)  # lists, numbers and NumPy scalars become arrays
         self.data = data
         self.grad = None
         self.requires_grad = bool(requires_grad)
