@@ -39,6 +39,8 @@ CASES = [
     ("matmul-vector-left", lambda a, b: a @ b, [tensor(4), tensor(2, 4, 3)]),
     ("matmul-vector-right", lambda a, b: a @ b, [tensor(2, 3, 4), tensor(4)]),
     ("matmul-vectors", lambda a, b: a @ b, [tensor(4), tensor(4)]),
+    ("clip", lambda a: ag.clip(a, -0.5, 0.7), [tensor(4, 5)]),
+    ("clip-one-sided", lambda a: ag.clip(a, None, 0.0) * a, [tensor(6)]),
     ("exp", ag.exp, [tensor(3, 2)]),
     ("log", ag.log, [tensor(3, 2, positive=True)]),
     ("tanh", ag.tanh, [tensor(3, 2)]),

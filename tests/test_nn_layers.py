@@ -6,30 +6,9 @@ import pytest
 from npattn import autograd as ag
 from npattn.autograd import Tensor, gradcheck
 from npattn.nn import MLP, Dropout, Embedding, LayerNorm, Linear, Module, RMSNorm
+from module_checks import gradcheck_module
 
 RNG = np.random.default_rng(5)
-
-
-def gradcheck_module(module, *inputs):
-    """gradcheck of ``module(*inputs)`` with respect to the inputs that require gradients
-    and every parameter (each swapped in as a plain input)."""
-    owners = []
-    for name, _ in module.named_parameters():
-        path, _, attribute = name.rpartition(".")
-        owner = dict(module.named_modules())[path]
-        owners.append((owner, attribute))
-    parameters = module.parameters()
-
-    def call(*args):
-        for (owner, attribute), value in zip(owners, args[len(inputs):]):
-            setattr(owner, attribute, value)
-        return module(*args[:len(inputs)])
-
-    try:
-        assert gradcheck(call, [*inputs, *parameters])
-    finally:
-        for (owner, attribute), value in zip(owners, parameters):
-            setattr(owner, attribute, value)
 
 
 def x64(*shape):

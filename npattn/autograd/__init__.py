@@ -19,12 +19,12 @@ from .function import Function
 from .functional import (attention, cross_entropy, dropout, embedding, layer_norm, linear,
                          log_softmax, rms_norm, softmax)
 from .gradcheck import GradcheckError, gradcheck
-from .ops import (add, concat, div, exp, gelu, getitem, log, matmul, max, mean, mul, neg, power,
+from .ops import (add, clip, concat, div, exp, gelu, getitem, log, matmul, max, mean, mul, neg, power,
                   relu, reshape, sigmoid, split, stack, sub, sum, tanh, transpose)
 
 __all__ = [
     "Tensor", "Function", "no_grad", "is_grad_enabled", "gradcheck", "GradcheckError",
-    "add", "sub", "mul", "div", "power", "neg", "matmul", "exp", "log", "tanh", "sigmoid",
+    "add", "clip", "sub", "mul", "div", "power", "neg", "matmul", "exp", "log", "tanh", "sigmoid",
     "relu", "gelu", "sum", "mean", "max", "reshape", "transpose", "getitem", "split", "concat",
     "stack", "linear", "softmax", "log_softmax", "cross_entropy", "layer_norm", "rms_norm",
     "dropout", "embedding", "attention",

@@ -234,6 +234,26 @@ def _erf(x):
     return erf(x).astype(x.dtype, copy=False)
 
 
+class _Clip(Function):
+    def forward(self, a, low=None, high=None):
+        xp = array_module(a)
+        self.inside = xp.ones(a.shape, bool)
+        if low is not None:
+            self.inside &= a >= low
+        if high is not None:
+            self.inside &= a <= high
+        return xp.clip(a, low, high)
+
+    def backward(self, grad):
+        return grad * self.inside
+
+
+def clip(a, low=None, high=None) -> Tensor:
+    """Values limited to [low, high] (either may be None); the gradient passes where ``a``
+    is inside the range, bounds included."""
+    return _Clip.apply(a, low=low, high=high)
+
+
 def exp(a) -> Tensor:
     return _Exp.apply(a)
 

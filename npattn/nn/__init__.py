@@ -4,11 +4,16 @@
   seeded initialization).
 - ``layers.py``: :class:`Linear`, :class:`Embedding`, :class:`LayerNorm`,
   :class:`RMSNorm`, :class:`Dropout`, :class:`MLP`.
+- ``attention.py``: :class:`MultiHeadAttention` and the :class:`MultiQueryAttention`,
+  :class:`GroupedQueryAttention` and :class:`SlidingWindowAttention` variants.
+- ``rotary.py``: rotary position embeddings ("rope").
 
-The attention modules of API.md section 4 (MultiHeadAttention and its variants,
-KVCache, transformer layers) are not implemented yet (issue 5).
+Not implemented yet (issue 5): KVCache, DisentangledAttention, "xpos", multiway,
+transformer layers, ``get_attention`` and ``from_torch``.
 """
+from .attention import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear, RMSNorm
 from .module import Module
 
-__all__ = ["Module", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP"]
+__all__ = ["Module", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP",
+           "MultiHeadAttention", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]

@@ -1,0 +1,180 @@
+"""MultiHeadAttention and its MQA, GQA and sliding-window variants (API.md section 4).
+
+The module projects batch-first inputs, runs :func:`npattn.autograd.attention` once in
+the "bshd" layout (the projections' own layout: no transposes or copies), and
+projects back. Every option becomes a keyword of that one fused call: masks and
+padding become its ``mask``, float masks and biases its ``bias``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import autograd as ag
+from .layers import LayerNorm, Linear, RMSNorm
+from .module import Module, parameter
+from .rotary import apply_rope
+
+_NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+
+class MultiHeadAttention(Module):
+    """Multi-head attention with grouped key/value heads and every fused option.
+
+    Args:
+        embed_dim: E, the width of the query input and of the output.
+        num_heads: H query heads of ``head_dim = E // H``.
+        num_kv_heads: Hkv key/value heads (H divisible by it); None for H.
+        kdim, vdim: widths of the key and value inputs (cross attention); None for E.
+        bias: biases in the four projections.
+        dropout: attention-probability dropout in training mode.
+        causal: bottom-right causal masking (overridable per call).
+        window, sinks: sliding window and attention sinks, as :func:`npattn.attention`.
+        qk_norm: False, "layernorm" or "rmsnorm": normalize each head's queries and keys
+            over the head dimension (parameters ``q_norm.*``, ``k_norm.*``).
+        clip_qkv: clamp the q, k and v projections to [-clip_qkv, clip_qkv].
+        softmax_scale: the score scale; None for 1 / sqrt(head_dim).
+        subln: a LayerNorm (``inner_attn_ln``) on the attention output before out_proj.
+        rotary: None or "rope" (positions of queries and keys from 0, bottom-right aligned).
+        sink_logits: learn one sink logit per head (parameter ``sink_logits``, zeros).
+        dtype, seed: parameter dtype; ``reset_parameters(seed)`` at construction.
+        backend: the backend of the attention call.
+
+    Call: ``mha(query (B, Sq, E), key (B, Sk, kdim) = query, value (B, Sk, vdim) = key,
+    *, key_padding_mask (B, Sk) bool True = padding, attn_mask bool True = may attend
+    or float additive (broadcastable to (B, H, Sq, Sk)), bias (same), causal=None,
+    need_weights=False, average_attn_weights=True)`` -> out (B, Sq, E), or
+    ``(out, weights)`` with weights (B, Sq, Sk) averaged over heads or (B, H, Sq, Sk).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads=None, kdim=None, vdim=None,
+                 bias: bool = True, dropout: float = 0.0, causal: bool = False, window=None, sinks: int = 0,
+                 qk_norm=False, clip_qkv=None, softmax_scale=None, subln: bool = False, rotary=None,
+                 sink_logits: bool = False, dtype="float32", seed=None, backend: str = "auto"):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if embed_dim % num_heads:
+            raise ValueError(f"{type(self).__name__}: embed_dim must be divisible by num_heads "
+                             f"({num_heads}); got {embed_dim}")
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"{type(self).__name__}: num_kv_heads must divide num_heads ({num_heads}); "
+                             f"got {num_kv_heads}")
+        if qk_norm not in (False, None, "layernorm", "rmsnorm"):
+            raise ValueError(f"{type(self).__name__}: qk_norm must be False, 'layernorm' or 'rmsnorm'; "
+                             f"got {qk_norm!r}")
+        if rotary not in (None, "rope"):
+            raise ValueError(f"{type(self).__name__}: rotary must be None or 'rope'; got {rotary!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"{type(self).__name__}: dropout must be in [0, 1); got {dropout}")
+        if clip_qkv is not None and not clip_qkv > 0:
+            raise ValueError(f"{type(self).__name__}: clip_qkv must be positive or None; got {clip_qkv}")
+        rng = np.random.default_rng(seed)
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout, self.causal, self.window, self.sinks = dropout, causal, window, sinks
+        self.clip_qkv, self.softmax_scale, self.rotary, self.backend = clip_qkv, softmax_scale, rotary, backend
+        kv_width = num_kv_heads * self.head_dim
+        self.q_proj = Linear(embed_dim, embed_dim, bias, dtype=dtype, seed=rng)
+        self.k_proj = Linear(embed_dim if kdim is None else kdim, kv_width, bias, dtype=dtype, seed=rng)
+        self.v_proj = Linear(embed_dim if vdim is None else vdim, kv_width, bias, dtype=dtype, seed=rng)
+        if qk_norm:
+            self.q_norm = _NORMS[qk_norm](self.head_dim, dtype=dtype)
+            self.k_norm = _NORMS[qk_norm](self.head_dim, dtype=dtype)
+        self.qk_norm = qk_norm or False
+        self.sink_logits = parameter((num_heads,), dtype) if sink_logits else None
+        if subln:
+            self.inner_attn_ln = LayerNorm(embed_dim, dtype=dtype)
+        self.subln = subln
+        self.out_proj = Linear(embed_dim, embed_dim, bias, dtype=dtype, seed=rng)
+        self._dropout_rng = np.random.default_rng(rng.integers(2 ** 63))
+
+    def _reset_own(self, rng):
+        if self.sink_logits is not None:
+            self.sink_logits.data[...] = 0
+
+    def forward(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None, bias=None,
+                causal=None, need_weights: bool = False, average_attn_weights: bool = True):
+        query = ag.Tensor(query) if not isinstance(query, ag.Tensor) else query
+        key = query if key is None else key
+        value = key if value is None else value
+        batch, q_len = query.shape[0], query.shape[1]
+        kv_len = key.shape[1]
+        q = self._project(self.q_proj, query, self.num_heads)
+        k = self._project(self.k_proj, key, self.num_kv_heads)
+        v = self._project(self.v_proj, value, self.num_kv_heads)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary == "rope":
+            # bottom-right: the last query is level with the last key
+            q = apply_rope(q, np.arange(kv_len - q_len, kv_len))
+            k = apply_rope(k, np.arange(kv_len))
+        mask, total_bias = self._masks(query, key_padding_mask, attn_mask, bias, batch, kv_len)
+        training_dropout = self.dropout if self.training else 0.0
+        result = ag.attention(
+            q, k, v, causal=self.causal if causal is None else causal, window=self.window, sinks=self.sinks,
+            mask=mask, bias=total_bias, sink_logits=self.sink_logits, scale=self.softmax_scale,
+            dropout_p=training_dropout, seed=int(self._dropout_rng.integers(2 ** 63)) if training_dropout else None,
+            layout="bshd", return_weights=need_weights, backend=self.backend)
+        attended, weights = result if need_weights else (result, None)
+        out = attended.reshape(batch, q_len, self.embed_dim)
+        if self.subln:
+            out = self.inner_attn_ln(out)
+        out = self.out_proj(out)
+        if not need_weights:
+            return out
+        return out, (weights.mean(axis=1) if average_attn_weights else weights)
+
+    def _project(self, projection, x, heads):
+        """(B, S, width) -> (B, S, heads, head_dim), clipped when asked."""
+        y = projection(x)
+        if self.clip_qkv is not None:
+            y = ag.clip(y, -self.clip_qkv, self.clip_qkv)
+        return y.reshape(y.shape[0], y.shape[1], heads, self.head_dim)
+
+    def _masks(self, query, key_padding_mask, attn_mask, bias, batch, kv_len):
+        """``(mask, bias)`` for the attention call: padding and boolean masks AND-ed (True =
+        may attend), float masks added to the bias."""
+        xp = query.xp
+        mask = None
+        if key_padding_mask is not None:
+            padding = xp.asarray(key_padding_mask)
+            if padding.dtype != bool or padding.shape != (batch, kv_len):
+                raise ValueError(f"{type(self).__name__}: key_padding_mask must be bool of shape "
+                                 f"({batch}, {kv_len}); got {padding.dtype} of shape {padding.shape}")
+            mask = ~padding[:, None, None, :]
+        if attn_mask is not None:
+            attn_mask = attn_mask.data if isinstance(attn_mask, ag.Tensor) else xp.asarray(attn_mask)
+            if attn_mask.dtype == bool:
+                mask = attn_mask if mask is None else mask & attn_mask
+            else:
+                bias = attn_mask if bias is None else ag.add(bias, attn_mask)
+        return mask, bias
+
+    def extra_repr(self):
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, causal={self.causal}")
+
+
+class MultiQueryAttention(MultiHeadAttention):
+    """One key/value head shared by every query head (``num_kv_heads=1``)."""
+
+    def __init__(self, embed_dim: int, num_heads: int, **kwargs):
+        super().__init__(embed_dim, num_heads, num_kv_heads=1, **kwargs)
+
+
+class GroupedQueryAttention(MultiHeadAttention):
+    """``num_groups`` key/value heads, each shared by ``num_heads // num_groups`` query heads."""
+
+    def __init__(self, embed_dim: int, num_heads: int, num_groups: int, **kwargs):
+        super().__init__(embed_dim, num_heads, num_kv_heads=num_groups, **kwargs)
+
+
+class SlidingWindowAttention(MultiHeadAttention):
+    """Attention over ``|i - j| <= window_size // 2``, or with ``causal=True`` over the last
+    ``window_size`` keys, the query's own position included."""
+
+    def __init__(self, embed_dim: int, num_heads: int, window_size: int, **kwargs):
+        if window_size < 1:
+            raise ValueError(f"SlidingWindowAttention: window_size must be >= 1; got {window_size}")
+        causal = kwargs.get("causal", False)
+        window = (window_size - 1, 0) if causal else window_size // 2
+        super().__init__(embed_dim, num_heads, window=window, **kwargs)

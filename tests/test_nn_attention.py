@@ -1,0 +1,154 @@
+"""The attention modules against a composition of reference calls, their gradients, and
+rotary embeddings' dependence on relative position only."""
+import numpy as np
+import pytest
+
+import npattn
+from npattn import autograd as ag
+from npattn.autograd import Tensor
+from npattn.nn import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention
+from npattn.nn.rotary import apply_rope
+from module_checks import gradcheck_module
+
+RNG = np.random.default_rng(11)
+B, SQ, SK, E, H = 2, 5, 7, 16, 4
+
+
+def expected_output(module, query, key, value, *, key_padding_mask=None, attn_mask=None, bias=None,
+                    causal=None):
+    """The module's computation written out in NumPy around npattn's reference attention."""
+    p = {name: t.data for name, t in module.named_parameters()}
+
+    def project(name, x, heads):
+        y = x @ p[f"{name}.weight"].T + p.get(f"{name}.bias", 0.0)
+        if module.clip_qkv is not None:
+            y = np.clip(y, -module.clip_qkv, module.clip_qkv)
+        return y.reshape(x.shape[0], x.shape[1], heads, module.head_dim)
+
+    q = project("q_proj", query, module.num_heads)
+    k = project("k_proj", key, module.num_kv_heads)
+    v = project("v_proj", value, module.num_kv_heads)
+    if module.qk_norm == "rmsnorm":
+        rms = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + np.finfo(x.dtype).eps) * w
+        q, k = rms(q, p["q_norm.weight"]), rms(k, p["k_norm.weight"])
+    if module.rotary == "rope":
+        def rope(x, positions):
+            half = x.shape[-1] // 2
+            frequency = 10000.0 ** (-np.arange(half) * 2.0 / x.shape[-1])
+            angle = positions[:, None] * frequency
+            cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+            x1, x2 = x[..., :half], x[..., half:]
+            return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        q_len, kv_len = q.shape[1], k.shape[1]
+        q, k = rope(q, np.arange(kv_len - q_len, kv_len)), rope(k, np.arange(kv_len))
+    mask = None
+    if key_padding_mask is not None:
+        mask = ~key_padding_mask[:, None, None, :]
+    if attn_mask is not None and attn_mask.dtype == bool:
+        mask = attn_mask if mask is None else mask & attn_mask
+    elif attn_mask is not None:
+        bias = attn_mask if bias is None else bias + attn_mask
+    out, weights = npattn.attention(
+        q, k, v, causal=module.causal if causal is None else causal, window=module.window, sinks=module.sinks,
+        mask=mask, bias=bias, scale=module.softmax_scale, layout="bshd", return_weights=True,
+        sink_logits=p.get("sink_logits"), backend="reference")
+    out = out.reshape(query.shape[0], query.shape[1], E)
+    if module.subln:
+        mean = out.mean(-1, keepdims=True)
+        out = (out - mean) / np.sqrt(((out - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
+        out = out * p["inner_attn_ln.weight"] + p["inner_attn_ln.bias"]
+    return out @ p["out_proj.weight"].T + p["out_proj.bias"], weights
+
+
+CONFIGS = {
+    "mha": dict(),
+    "gqa-causal-rope": dict(num_kv_heads=2, causal=True, rotary="rope"),
+    "mqa-window-sinks": dict(num_kv_heads=1, causal=True, window=2, sinks=1),
+    "qk-rmsnorm-clip-scale-subln": dict(qk_norm="rmsnorm", clip_qkv=0.8, softmax_scale=0.2, subln=True),
+    "sink-logits": dict(sink_logits=True),
+}
+
+
+@pytest.mark.parametrize("options", list(CONFIGS.values()), ids=list(CONFIGS))
+def test_self_attention_equals_its_composition(options):
+    module = MultiHeadAttention(E, H, dtype="float64", seed=0, **options)
+    if module.sink_logits is not None:
+        module.sink_logits.data[...] = RNG.standard_normal(H)
+    x = RNG.standard_normal((B, SQ, E))
+    out, weights = module(x, need_weights=True, average_attn_weights=False)
+    expected, expected_weights = expected_output(module, x, x, x)
+    np.testing.assert_allclose(out.data, expected, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(weights.data, expected_weights, rtol=1e-10, atol=1e-12)
+
+
+def test_cross_attention_with_kdim_vdim_padding_and_masks():
+    module = MultiHeadAttention(E, H, kdim=6, vdim=3, num_kv_heads=2, dtype="float64", seed=1)
+    query, key, value = RNG.standard_normal((B, SQ, E)), RNG.standard_normal((B, SK, 6)), RNG.standard_normal((B, SK, 3))
+    padding = np.zeros((B, SK), bool)
+    padding[1, 4:] = True
+    allowed = RNG.random((SQ, SK)) > 0.2
+    float_mask = RNG.standard_normal((1, H, SQ, SK))
+    for attn_mask in (allowed, float_mask):
+        out, weights = module(query, key, value, key_padding_mask=padding, attn_mask=attn_mask, causal=True,
+                              need_weights=True)
+        expected, expected_weights = expected_output(module, query, key, value, key_padding_mask=padding,
+                                                     attn_mask=attn_mask, causal=True)
+        np.testing.assert_allclose(out.data, expected, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(weights.data, expected_weights.mean(axis=1), rtol=1e-10, atol=1e-12)
+    assert np.all(weights.data[1, :, 4:] == 0)  # padded keys get no weight
+
+
+@pytest.mark.parametrize("options", [dict(), dict(num_kv_heads=2, causal=True, rotary="rope", qk_norm="layernorm"),
+                                     dict(subln=True, clip_qkv=5.0, sink_logits=True, window=1, sinks=1)],
+                         ids=["mha", "gqa-rope-layernorm", "subln-clip-sinks"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_module_gradients(options, backend):
+    module = MultiHeadAttention(8, 2, dtype="float64", seed=2, backend=backend, **options)
+    x = Tensor(RNG.standard_normal((2, 4, 8)), requires_grad=True)
+    gradcheck_module(module, x, key_padding_mask=np.array([[False] * 4, [False, False, False, True]]))
+
+
+def test_dropout_only_in_training_and_seeded():
+    module = MultiHeadAttention(E, H, dropout=0.5, seed=3)
+    twin = MultiHeadAttention(E, H, dropout=0.5, seed=3)
+    x = RNG.standard_normal((B, SQ, E)).astype(np.float32)
+    np.testing.assert_array_equal(module(x).data, twin(x).data)  # same seed, same masks
+    assert not np.array_equal(module(x).data, module(x).data)
+    module.eval()
+    np.testing.assert_array_equal(module(x).data, module(x).data)
+
+
+def test_variants_set_their_heads_and_windows():
+    assert MultiQueryAttention(E, H).num_kv_heads == 1
+    gqa = GroupedQueryAttention(E, H, 2)
+    assert gqa.num_kv_heads == 2 and gqa.k_proj.weight.shape == (2 * E // H, E)
+    assert SlidingWindowAttention(E, H, 5).window == 2
+    assert SlidingWindowAttention(E, H, 5, causal=True).window == (4, 0)
+
+
+def test_sliding_window_attends_to_its_band():
+    module = SlidingWindowAttention(E, H, 3, dtype="float64", seed=4)
+    x = RNG.standard_normal((1, 6, E))
+    _, weights = module(x, need_weights=True)
+    band = np.abs(np.subtract.outer(np.arange(6), np.arange(6))) <= 1
+    assert np.all(weights.data[0][~band] == 0) and np.all(weights.data[0][band] > 0)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    q, k = RNG.standard_normal((1, 1, 1, 8)), RNG.standard_normal((1, 1, 1, 8))
+    def score(m, n):
+        return float((apply_rope(Tensor(q), np.array([m])).data * apply_rope(Tensor(k), np.array([n])).data).sum())
+    assert score(3, 1) == pytest.approx(score(10, 8), rel=1e-12)
+    assert score(0, 0) == pytest.approx(float((q * k).sum()), rel=1e-12)
+    assert score(3, 1) != pytest.approx(score(3, 2))
+
+
+def test_bad_configurations_are_named():
+    with pytest.raises(ValueError, match="embed_dim must be divisible by num_heads"):
+        MultiHeadAttention(10, 4)
+    with pytest.raises(ValueError, match="num_kv_heads must divide num_heads"):
+        MultiHeadAttention(16, 4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="qk_norm"):
+        MultiHeadAttention(16, 4, qk_norm="batchnorm")
+    with pytest.raises(ValueError, match="key_padding_mask must be bool of shape"):
+        MultiHeadAttention(16, 4)(np.ones((2, 3, 16), np.float32), key_padding_mask=np.ones((2, 4), bool))
