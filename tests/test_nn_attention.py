@@ -152,3 +152,70 @@ def test_bad_configurations_are_named():
         MultiHeadAttention(16, 4, qk_norm="batchnorm")
     with pytest.raises(ValueError, match="key_padding_mask must be bool of shape"):
         MultiHeadAttention(16, 4)(np.ones((2, 3, 16), np.float32), key_padding_mask=np.ones((2, 4), bool))
+
+
+# ----- decoding with a KVCache -----------------------------------------------------------------
+
+def decode(module, x, cache, chunks):
+    """Feed x (B, S, E) through ``module`` with ``cache`` in chunks of the given sizes."""
+    outputs, start = [], 0
+    for size in chunks:
+        outputs.append(module(x[:, start:start + size], cache=cache).data)
+        start += size
+    return np.concatenate(outputs, axis=1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("chunks", [[1] * 9, [4, 1, 1, 3], [9]], ids=["tokens", "mixed", "prefill"])
+def test_decoding_equals_the_full_causal_pass_gqa_rope(chunks, backend):
+    from npattn.nn import KVCache
+
+    module = GroupedQueryAttention(E, H, 2, causal=True, rotary="rope", dtype="float64", seed=5, backend=backend)
+    x = RNG.standard_normal((B, 9, E))
+    cache = KVCache(B, 2, E // H, capacity=12, dtype="float64")
+    np.testing.assert_allclose(decode(module, x, cache, chunks), module(x).data, rtol=1e-10, atol=1e-12)
+    assert cache.position == 9 and cache.length == 9
+
+
+@pytest.mark.parametrize("chunks", [[1] * 11, [5, 1, 2, 3], [11]], ids=["tokens", "mixed", "prefill"])
+def test_rolling_cache_with_window_and_sinks_equals_the_full_pass(chunks):
+    from npattn.nn import KVCache
+
+    module = SlidingWindowAttention(E, H, 4, causal=True, sinks=2, rotary="rope", dtype="float64", seed=6)
+    x = RNG.standard_normal((B, 11, E))
+    cache = KVCache(B, H, E // H, capacity=5, dtype="float64", window=3, sinks=2)  # 2 sinks + 3 past keys
+    np.testing.assert_allclose(decode(module, x, cache, chunks), module(x).data, rtol=1e-10, atol=1e-12)
+    assert cache.length == 5 and cache.keys.shape[1] == 5  # never more than sinks + window
+
+
+def test_cache_errors_are_named():
+    from npattn.nn import KVCache
+
+    module = MultiHeadAttention(E, H, causal=True)
+    x = np.zeros((B, 3, E), np.float32)
+    with pytest.raises(ValueError, match="capacity 4 cannot take 3 more positions after 3"):
+        cache = KVCache(B, H, E // H, capacity=4)
+        module(x, cache=cache)
+        module(x, cache=cache)
+    with pytest.raises(ValueError, match=r"holds \(batch, kv heads, head dim\) \(2, 2, 4\)"):
+        module(x, cache=KVCache(B, 2, E // H, capacity=8))
+    with pytest.raises(ValueError, match="rolling KVCache needs the module's causal window"):
+        module(x, cache=KVCache(B, H, E // H, capacity=8, window=3))
+    with pytest.raises(ValueError, match="self-attention only"):
+        module(x, x, cache=KVCache(B, H, E // H, capacity=8))
+    with pytest.raises(ValueError, match="capacity must be at least sinks \\+ window = 5"):
+        KVCache(B, H, E // H, capacity=4, window=3, sinks=2)
+
+
+@pytest.mark.parametrize("kind, kv_heads", [(MultiHeadAttention, H), (GroupedQueryAttention, 2),
+                                            (MultiQueryAttention, 1)])
+def test_parameter_and_cache_sizes_match_their_formulas(kind, kv_heads):
+    module = kind(E, H, 2) if kind is GroupedQueryAttention else kind(E, H)
+    head_dim = E // H
+    # q and out: E x E + E each; k and v: E x (Hkv D) + Hkv D each
+    assert module.num_parameters() == 2 * (E * E + E) + 2 * (E * kv_heads * head_dim + kv_heads * head_dim)
+    assert module.kv_cache_bytes(3, 100) == 2 * 3 * 100 * kv_heads * head_dim * 4
+    from npattn.nn import KVCache
+    assert KVCache(3, kv_heads, head_dim, 100).nbytes() == module.kv_cache_bytes(3, 100)
+    windowed = SlidingWindowAttention(E, H, 8, causal=True, sinks=4)
+    assert windowed.kv_cache_bytes(1, 1000) == 2 * (4 + 7) * H * head_dim * 4

@@ -7,13 +7,15 @@
 - ``attention.py``: :class:`MultiHeadAttention` and the :class:`MultiQueryAttention`,
   :class:`GroupedQueryAttention` and :class:`SlidingWindowAttention` variants.
 - ``rotary.py``: rotary position embeddings ("rope").
+- ``cache.py``: :class:`KVCache` for decoding (prefix or rolling with sinks).
 
-Not implemented yet (issue 5): KVCache, DisentangledAttention, "xpos", multiway,
+Not implemented yet (issue 5): DisentangledAttention, "xpos", multiway,
 transformer layers, ``get_attention`` and ``from_torch``.
 """
 from .attention import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention
+from .cache import KVCache
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear, RMSNorm
 from .module import Module
 
 __all__ = ["Module", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP",
-           "MultiHeadAttention", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]
+           "MultiHeadAttention", "KVCache", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]

@@ -41,9 +41,12 @@ class MultiHeadAttention(Module):
 
     Call: ``mha(query (B, Sq, E), key (B, Sk, kdim) = query, value (B, Sk, vdim) = key,
     *, key_padding_mask (B, Sk) bool True = padding, attn_mask bool True = may attend
-    or float additive (broadcastable to (B, H, Sq, Sk)), bias (same), causal=None,
-    need_weights=False, average_attn_weights=True)`` -> out (B, Sq, E), or
+    or float additive (broadcastable to (B, H, Sq, Sk)), bias (same), cache=None,
+    causal=None, need_weights=False, average_attn_weights=True)`` -> out (B, Sq, E), or
     ``(out, weights)`` with weights (B, Sq, Sk) averaged over heads or (B, H, Sq, Sk).
+    With ``cache`` (a :class:`~npattn.nn.KVCache`, self-attention only) the new positions'
+    keys and values are appended to it and the queries attend over everything it holds:
+    decoding token by token equals one causal pass.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads=None, kdim=None, vdim=None,
@@ -92,8 +95,11 @@ class MultiHeadAttention(Module):
             self.sink_logits.data[...] = 0
 
     def forward(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None, bias=None,
-                causal=None, need_weights: bool = False, average_attn_weights: bool = True):
+                cache=None, causal=None, need_weights: bool = False, average_attn_weights: bool = True):
         query = ag.Tensor(query) if not isinstance(query, ag.Tensor) else query
+        if cache is not None and (key is not None or value is not None or key_padding_mask is not None):
+            raise ValueError(f"{type(self).__name__}: a cache serves self-attention only: key, value and "
+                             f"key_padding_mask must be None with cache=")
         key = query if key is None else key
         value = key if value is None else value
         batch, q_len = query.shape[0], query.shape[1]
@@ -103,14 +109,24 @@ class MultiHeadAttention(Module):
         v = self._project(self.v_proj, value, self.num_kv_heads)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary == "rope":
-            # bottom-right: the last query is level with the last key
-            q = apply_rope(q, np.arange(kv_len - q_len, kv_len))
-            k = apply_rope(k, np.arange(kv_len))
-        mask, total_bias = self._masks(query, key_padding_mask, attn_mask, bias, batch, kv_len)
+        causal = self.causal if causal is None else causal
+        window, sinks = self.window, self.sinks
+        if cache is None:
+            if self.rotary == "rope":
+                # bottom-right: the last query is level with the last key
+                q = apply_rope(q, np.arange(kv_len - q_len, kv_len))
+                k = apply_rope(k, np.arange(kv_len))
+            mask, total_bias = self._masks(query, key_padding_mask, attn_mask, bias, batch, kv_len)
+        else:
+            q, k, v, visible = self._with_cache(cache, q, k, v, causal)
+            if visible is not None:  # a rolling cache: positions decide, not array indices
+                causal, window, sinks = False, None, 0
+            mask, total_bias = self._masks(query, None, attn_mask, bias, batch, k.shape[1])
+            if visible is not None:
+                mask = visible if mask is None else mask & visible
         training_dropout = self.dropout if self.training else 0.0
         result = ag.attention(
-            q, k, v, causal=self.causal if causal is None else causal, window=self.window, sinks=self.sinks,
+            q, k, v, causal=causal, window=window, sinks=sinks,
             mask=mask, bias=total_bias, sink_logits=self.sink_logits, scale=self.softmax_scale,
             dropout_p=training_dropout, seed=int(self._dropout_rng.integers(2 ** 63)) if training_dropout else None,
             layout="bshd", return_weights=need_weights, backend=self.backend)
@@ -122,6 +138,52 @@ class MultiHeadAttention(Module):
         if not need_weights:
             return out
         return out, (weights.mean(axis=1) if average_attn_weights else weights)
+
+    def _with_cache(self, cache, q, k, v, causal):
+        """Rotate the new positions, prepend the cached keys and values, store the new ones.
+        Returns ``(q, keys, values, visible)``: ``visible`` (Sq, Sk) bool for a rolling
+        cache, from absolute positions (the module's causal window and sinks), else None."""
+        batch, new = q.shape[0], q.shape[1]
+        cache.check(batch, self.num_kv_heads, self.head_dim, new)
+        left = self._causal_window_left(causal)
+        if cache.window is not None and (left != cache.window or self.sinks != cache.sinks):
+            raise ValueError(f"{type(self).__name__}: a rolling KVCache needs the module's causal window "
+                             f"and sinks (window={left}, sinks={self.sinks}); got window={cache.window}, "
+                             f"sinks={cache.sinks}")
+        positions = cache.position + np.arange(new)
+        if self.rotary == "rope":
+            q, k = apply_rope(q, positions), apply_rope(k, positions)
+        cached_keys, cached_values, cached_positions = cache.retained()
+        cache.append(k.data, v.data)
+        if len(cached_positions):
+            k = ag.concat([ag.Tensor(cached_keys), k], axis=1)
+            v = ag.concat([ag.Tensor(cached_values), v], axis=1)
+        if cache.window is None:
+            return q, k, v, None
+        key_positions = np.concatenate([cached_positions, positions])
+        behind = positions[:, None] - key_positions[None, :]
+        visible = (behind >= 0) & ((behind <= cache.window) | (key_positions[None, :] < cache.sinks))
+        return q, k, v, q.xp.asarray(visible)
+
+    def _causal_window_left(self, causal):
+        """The keys behind a query that the module's window shows (None: unbounded); a
+        rolling cache needs causal attention with such a window."""
+        if self.window is None:
+            return None
+        left, right = (self.window, 0 if causal else self.window) if isinstance(self.window, int) else self.window
+        if not causal and right not in (0, None):
+            raise ValueError(f"{type(self).__name__}: a KVCache needs causal attention or a window with "
+                             f"no right side; got window={self.window}, causal={causal}")
+        return left
+
+    def kv_cache_bytes(self, batch: int, seq_len: int) -> int:
+        """Bytes of a KVCache holding ``seq_len`` positions for this module (a causal window
+        bounds it by ``sinks + window``)."""
+        held = seq_len
+        left = self._causal_window_left(True) if self.causal and self.window is not None else None
+        if left is not None:
+            held = min(seq_len, self.sinks + left)
+        return 2 * batch * held * self.num_kv_heads * self.head_dim * self.q_proj.weight.dtype.itemsize
 
     def _project(self, projection, x, heads):
         """(B, S, width) -> (B, S, heads, head_dim), clipped when asked."""
