@@ -8,14 +8,16 @@
   :class:`GroupedQueryAttention` and :class:`SlidingWindowAttention` variants.
 - ``rotary.py``: rotary position embeddings ("rope").
 - ``cache.py``: :class:`KVCache` for decoding (prefix or rolling with sinks).
+- ``transformer.py``: :class:`TransformerEncoderLayer`, :class:`TransformerDecoderLayer`.
 
-Not implemented yet (issue 5): DisentangledAttention, "xpos", multiway,
-transformer layers, ``get_attention`` and ``from_torch``.
+Not implemented yet (issue 5): DisentangledAttention, "xpos", multiway and ``from_torch``.
 """
-from .attention import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention
+from .attention import (GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention,
+                        get_attention)
 from .cache import KVCache
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear, RMSNorm
 from .module import Module
+from .transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
 __all__ = ["Module", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP",
-           "MultiHeadAttention", "KVCache", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]
+           "MultiHeadAttention", "KVCache", "get_attention", "TransformerEncoderLayer", "TransformerDecoderLayer", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]

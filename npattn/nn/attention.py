@@ -240,3 +240,15 @@ class SlidingWindowAttention(MultiHeadAttention):
         causal = kwargs.get("causal", False)
         window = (window_size - 1, 0) if causal else window_size // 2
         super().__init__(embed_dim, num_heads, window=window, **kwargs)
+
+
+_KINDS = {"mha": MultiHeadAttention, "mqa": MultiQueryAttention, "gqa": GroupedQueryAttention,
+          "swa": SlidingWindowAttention}
+
+
+def get_attention(kind: str, **kwargs) -> MultiHeadAttention:
+    """The attention module named ``kind`` ("mha", "mqa", "gqa", "swa"), built from the
+    keywords of its class (``embed_dim``, ``num_heads``, ``num_groups``, ``window_size``, ...)."""
+    if kind not in _KINDS:
+        raise ValueError(f"get_attention: kind must be one of {sorted(_KINDS)}; got {kind!r}")
+    return _KINDS[kind](**kwargs)

@@ -1,0 +1,58 @@
+"""Transformer layers: their wiring, gradients and cached decoding; get_attention."""
+import numpy as np
+import pytest
+
+from npattn.autograd import Tensor
+from npattn.nn import (GroupedQueryAttention, KVCache, SlidingWindowAttention, TransformerDecoderLayer,
+                       TransformerEncoderLayer, get_attention)
+from module_checks import gradcheck_module
+
+RNG = np.random.default_rng(13)
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
+def test_encoder_layer_wiring(norm_first):
+    layer = TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation="gelu", norm_first=norm_first,
+                                    dtype="float64", seed=0)
+    x = RNG.standard_normal((2, 5, 8))
+    attend = lambda h: layer.self_attn(h).data
+    feed = lambda h: layer.mlp(h).data
+    n1, n2 = (lambda h: layer.norm1(h).data), (lambda h: layer.norm2(h).data)
+    if norm_first:
+        h = x + attend(n1(x))
+        expected = h + feed(n2(h))
+    else:
+        h = n1(x + attend(x))
+        expected = n2(h + feed(h))
+    np.testing.assert_allclose(layer(x).data, expected, rtol=1e-12)
+    names = [name for name, _ in layer.named_parameters()]
+    assert names[:2] == ["self_attn.q_proj.weight", "self_attn.q_proj.bias"] and "norm2.bias" in names
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
+def test_layer_gradients(norm_first):
+    encoder = TransformerEncoderLayer(4, 2, 6, dropout=0.0, norm_first=norm_first, dtype="float64", seed=1,
+                                      num_kv_heads=1, rotary="rope")
+    gradcheck_module(encoder, Tensor(RNG.standard_normal((2, 3, 4)), requires_grad=True),
+                     key_padding_mask=np.array([[False, False, True], [False, False, False]]))
+    decoder = TransformerDecoderLayer(4, 2, 6, dropout=0.0, norm_first=norm_first, dtype="float64", seed=2)
+    memory = Tensor(RNG.standard_normal((2, 5, 4)), requires_grad=True)
+    gradcheck_module(decoder, Tensor(RNG.standard_normal((2, 3, 4)), requires_grad=True), memory)
+
+
+def test_decoder_decoding_with_a_cache_equals_the_full_pass():
+    decoder = TransformerDecoderLayer(8, 2, 16, dropout=0.0, norm_first=True, dtype="float64", seed=3,
+                                      num_kv_heads=1, rotary="rope")
+    x, memory = RNG.standard_normal((2, 6, 8)), RNG.standard_normal((2, 4, 8))
+    cache = KVCache(2, 1, 4, capacity=6, dtype="float64")
+    steps = [decoder(x[:, i:i + 1], memory, cache=cache).data for i in range(6)]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), decoder(x, memory).data, rtol=1e-10, atol=1e-12)
+
+
+def test_get_attention_builds_each_kind():
+    assert isinstance(get_attention("gqa", embed_dim=8, num_heads=4, num_groups=2), GroupedQueryAttention)
+    assert get_attention("mqa", embed_dim=8, num_heads=4).num_kv_heads == 1
+    assert isinstance(get_attention("swa", embed_dim=8, num_heads=2, window_size=3), SlidingWindowAttention)
+    assert get_attention("mha", embed_dim=8, num_heads=2, causal=True).causal
+    with pytest.raises(ValueError, match="get_attention: kind must be one of"):
+        get_attention("linear", embed_dim=8, num_heads=2)
