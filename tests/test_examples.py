@@ -1,4 +1,5 @@
 """Every script in examples/ runs and reports success."""
+import os
 import pathlib
 import subprocess
 import sys
@@ -10,5 +11,8 @@ EXAMPLES = sorted((pathlib.Path(__file__).resolve().parent.parent / "examples").
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_succeeds(script):
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    # NPATTN_EXAMPLE_QUICK: training examples run a short version that checks the loss falls
+    environment = {**os.environ, "NPATTN_EXAMPLE_QUICK": "1"}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                            env=environment)
     assert result.returncode == 0, result.stdout + result.stderr
