@@ -10,14 +10,17 @@
 - ``cache.py``: :class:`KVCache` for decoding (prefix or rolling with sinks).
 - ``transformer.py``: :class:`TransformerEncoderLayer`, :class:`TransformerDecoderLayer`.
 
-Not implemented yet (issue 5): DisentangledAttention, "xpos", multiway and ``from_torch``.
+- ``interop.py``: :func:`from_torch` (a ``torch.nn.MultiheadAttention``'s weights).
+
+Not implemented yet (issue 5): DisentangledAttention, "xpos" and multiway.
 """
 from .attention import (GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention,
                         get_attention)
 from .cache import KVCache
+from .interop import from_torch
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear, RMSNorm
 from .module import Module
 from .transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
 __all__ = ["Module", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP",
-           "MultiHeadAttention", "KVCache", "get_attention", "TransformerEncoderLayer", "TransformerDecoderLayer", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]
+           "MultiHeadAttention", "KVCache", "get_attention", "from_torch", "TransformerEncoderLayer", "TransformerDecoderLayer", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]
