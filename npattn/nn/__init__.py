@@ -12,15 +12,18 @@
 
 - ``interop.py``: :func:`from_torch` (a ``torch.nn.MultiheadAttention``'s weights).
 
-Not implemented yet (issue 5): DisentangledAttention, "xpos" and multiway.
+- ``disentangled.py``: :class:`DisentangledAttention` (DeBERTa-v2, as HF computes it).
+
+Not implemented yet (issue 5): "xpos" and multiway.
 """
 from .attention import (GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention,
                         get_attention)
 from .cache import KVCache
+from .disentangled import DisentangledAttention
 from .interop import from_torch
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear, RMSNorm
 from .module import Module
 from .transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
 __all__ = ["Module", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP",
-           "MultiHeadAttention", "KVCache", "get_attention", "from_torch", "TransformerEncoderLayer", "TransformerDecoderLayer", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]
+           "MultiHeadAttention", "KVCache", "get_attention", "from_torch", "DisentangledAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]

@@ -242,13 +242,14 @@ class SlidingWindowAttention(MultiHeadAttention):
         super().__init__(embed_dim, num_heads, window=window, **kwargs)
 
 
-_KINDS = {"mha": MultiHeadAttention, "mqa": MultiQueryAttention, "gqa": GroupedQueryAttention,
-          "swa": SlidingWindowAttention}
-
-
 def get_attention(kind: str, **kwargs) -> MultiHeadAttention:
-    """The attention module named ``kind`` ("mha", "mqa", "gqa", "swa"), built from the
-    keywords of its class (``embed_dim``, ``num_heads``, ``num_groups``, ``window_size``, ...)."""
-    if kind not in _KINDS:
-        raise ValueError(f"get_attention: kind must be one of {sorted(_KINDS)}; got {kind!r}")
-    return _KINDS[kind](**kwargs)
+    """The attention module named ``kind`` ("mha", "mqa", "gqa", "swa", "disentangled"),
+    built from the keywords of its class (``embed_dim``, ``num_heads``, ``num_groups``,
+    ``window_size``, ``max_relative_positions``, ...)."""
+    from .disentangled import DisentangledAttention
+
+    kinds = {"mha": MultiHeadAttention, "mqa": MultiQueryAttention, "gqa": GroupedQueryAttention,
+             "swa": SlidingWindowAttention, "disentangled": DisentangledAttention}
+    if kind not in kinds:
+        raise ValueError(f"get_attention: kind must be one of {sorted(kinds)}; got {kind!r}")
+    return kinds[kind](**kwargs)
