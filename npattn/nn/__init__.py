@@ -6,15 +6,14 @@
   :class:`RMSNorm`, :class:`Dropout`, :class:`MLP`.
 - ``attention.py``: :class:`MultiHeadAttention` and the :class:`MultiQueryAttention`,
   :class:`GroupedQueryAttention` and :class:`SlidingWindowAttention` variants.
-- ``rotary.py``: rotary position embeddings ("rope").
+- ``rotary.py``: rotary position embeddings ("rope", "xpos").
+- ``multiway.py``: :class:`Multiway` (torchscale's two-way projections).
 - ``cache.py``: :class:`KVCache` for decoding (prefix or rolling with sinks).
 - ``transformer.py``: :class:`TransformerEncoderLayer`, :class:`TransformerDecoderLayer`.
 
 - ``interop.py``: :func:`from_torch` (a ``torch.nn.MultiheadAttention``'s weights).
 
 - ``disentangled.py``: :class:`DisentangledAttention` (DeBERTa-v2, as HF computes it).
-
-Not implemented yet (issue 5): "xpos" and multiway.
 """
 from .attention import (GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention,
                         get_attention)
@@ -23,7 +22,8 @@ from .disentangled import DisentangledAttention
 from .interop import from_torch
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear, RMSNorm
 from .module import Module
+from .multiway import Multiway
 from .transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
-__all__ = ["Module", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP",
+__all__ = ["Module", "Multiway", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP",
            "MultiHeadAttention", "KVCache", "get_attention", "from_torch", "DisentangledAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]

@@ -12,7 +12,8 @@ import numpy as np
 from .. import autograd as ag
 from .layers import LayerNorm, Linear, RMSNorm
 from .module import Module, parameter
-from .rotary import apply_rope
+from .multiway import Multiway
+from .rotary import apply_rope, apply_xpos
 
 _NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 
@@ -34,7 +35,10 @@ class MultiHeadAttention(Module):
         clip_qkv: clamp the q, k and v projections to [-clip_qkv, clip_qkv].
         softmax_scale: the score scale; None for 1 / sqrt(head_dim).
         subln: a LayerNorm (``inner_attn_ln``) on the attention output before out_proj.
-        rotary: None or "rope" (positions of queries and keys from 0, bottom-right aligned).
+        rotary: None, "rope" (HF Llama's rotate-half) or "xpos" (torchscale's XPOS, with
+            ``xpos_scale_base``); positions of queries and keys from 0, bottom-right aligned.
+        multiway: two sets of projections (and subln norms), ``A`` for positions before
+            the call's ``split_position`` and ``B`` after (torchscale's multiway).
         sink_logits: learn one sink logit per head (parameter ``sink_logits``, zeros).
         dtype, seed: parameter dtype; ``reset_parameters(seed)`` at construction.
         backend: the backend of the attention call.
@@ -52,7 +56,8 @@ class MultiHeadAttention(Module):
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads=None, kdim=None, vdim=None,
                  bias: bool = True, dropout: float = 0.0, causal: bool = False, window=None, sinks: int = 0,
                  qk_norm=False, clip_qkv=None, softmax_scale=None, subln: bool = False, rotary=None,
-                 sink_logits: bool = False, dtype="float32", seed=None, backend: str = "auto"):
+                 xpos_scale_base: float = 512.0, multiway: bool = False, sink_logits: bool = False,
+                 dtype="float32", seed=None, backend: str = "auto"):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if embed_dim % num_heads:
@@ -64,8 +69,8 @@ class MultiHeadAttention(Module):
         if qk_norm not in (False, None, "layernorm", "rmsnorm"):
             raise ValueError(f"{type(self).__name__}: qk_norm must be False, 'layernorm' or 'rmsnorm'; "
                              f"got {qk_norm!r}")
-        if rotary not in (None, "rope"):
-            raise ValueError(f"{type(self).__name__}: rotary must be None or 'rope'; got {rotary!r}")
+        if rotary not in (None, "rope", "xpos"):
+            raise ValueError(f"{type(self).__name__}: rotary must be None, 'rope' or 'xpos'; got {rotary!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"{type(self).__name__}: dropout must be in [0, 1); got {dropout}")
         if clip_qkv is not None and not clip_qkv > 0:
@@ -75,19 +80,26 @@ class MultiHeadAttention(Module):
         self.head_dim = embed_dim // num_heads
         self.dropout, self.causal, self.window, self.sinks = dropout, causal, window, sinks
         self.clip_qkv, self.softmax_scale, self.rotary, self.backend = clip_qkv, softmax_scale, rotary, backend
+        self.xpos_scale_base, self.multiway, self.dtype = xpos_scale_base, multiway, np.dtype(dtype)
         kv_width = num_kv_heads * self.head_dim
-        self.q_proj = Linear(embed_dim, embed_dim, bias, dtype=dtype, seed=rng)
-        self.k_proj = Linear(embed_dim if kdim is None else kdim, kv_width, bias, dtype=dtype, seed=rng)
-        self.v_proj = Linear(embed_dim if vdim is None else vdim, kv_width, bias, dtype=dtype, seed=rng)
+
+        def layer(kind, *args):
+            make = lambda: kind(*args, dtype=dtype, seed=rng)
+            return Multiway(make) if multiway else make()
+
+        self.q_proj = layer(Linear, embed_dim, embed_dim, bias)
+        self.k_proj = layer(Linear, embed_dim if kdim is None else kdim, kv_width, bias)
+        self.v_proj = layer(Linear, embed_dim if vdim is None else vdim, kv_width, bias)
         if qk_norm:
             self.q_norm = _NORMS[qk_norm](self.head_dim, dtype=dtype)
             self.k_norm = _NORMS[qk_norm](self.head_dim, dtype=dtype)
         self.qk_norm = qk_norm or False
         self.sink_logits = parameter((num_heads,), dtype) if sink_logits else None
         if subln:
-            self.inner_attn_ln = LayerNorm(embed_dim, dtype=dtype)
+            self.inner_attn_ln = Multiway(lambda: LayerNorm(embed_dim, dtype=dtype)) if multiway else \
+                LayerNorm(embed_dim, dtype=dtype)
         self.subln = subln
-        self.out_proj = Linear(embed_dim, embed_dim, bias, dtype=dtype, seed=rng)
+        self.out_proj = layer(Linear, embed_dim, embed_dim, bias)
         self._dropout_rng = np.random.default_rng(rng.integers(2 ** 63))
 
     def _reset_own(self, rng):
@@ -95,8 +107,13 @@ class MultiHeadAttention(Module):
             self.sink_logits.data[...] = 0
 
     def forward(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None, bias=None,
-                cache=None, causal=None, need_weights: bool = False, average_attn_weights: bool = True):
+                cache=None, causal=None, need_weights: bool = False, average_attn_weights: bool = True,
+                split_position: int = -1):
         query = ag.Tensor(query) if not isinstance(query, ag.Tensor) else query
+        if self.multiway:
+            for _, module in self.named_modules():
+                if isinstance(module, Multiway):
+                    module.split_position = split_position
         if cache is not None and (key is not None or value is not None or key_padding_mask is not None):
             raise ValueError(f"{type(self).__name__}: a cache serves self-attention only: key, value and "
                              f"key_padding_mask must be None with cache=")
@@ -112,10 +129,8 @@ class MultiHeadAttention(Module):
         causal = self.causal if causal is None else causal
         window, sinks = self.window, self.sinks
         if cache is None:
-            if self.rotary == "rope":
-                # bottom-right: the last query is level with the last key
-                q = apply_rope(q, np.arange(kv_len - q_len, kv_len))
-                k = apply_rope(k, np.arange(kv_len))
+            # bottom-right: the last query is level with the last key
+            q, k = self._rotate(q, k, kv_len - q_len)
             mask, total_bias = self._masks(query, key_padding_mask, attn_mask, bias, batch, kv_len)
         else:
             q, k, v, visible = self._with_cache(cache, q, k, v, causal)
@@ -150,20 +165,34 @@ class MultiHeadAttention(Module):
             raise ValueError(f"{type(self).__name__}: a rolling KVCache needs the module's causal window "
                              f"and sinks (window={left}, sinks={self.sinks}); got window={cache.window}, "
                              f"sinks={cache.sinks}")
+        if self.rotary == "xpos" and cache.window is not None:
+            raise ValueError(f"{type(self).__name__}: rotary='xpos' decodes with a KVCache without a window "
+                             f"(its key scales are centred on the whole sequence)")
         positions = cache.position + np.arange(new)
-        if self.rotary == "rope":
+        if self.rotary == "rope":  # keys are cached rotated; xpos keys raw, rotated with all the others
             q, k = apply_rope(q, positions), apply_rope(k, positions)
         cached_keys, cached_values, cached_positions = cache.retained()
         cache.append(k.data, v.data)
         if len(cached_positions):
             k = ag.concat([ag.Tensor(cached_keys), k], axis=1)
             v = ag.concat([ag.Tensor(cached_values), v], axis=1)
+        if self.rotary == "xpos":
+            q, k = self._rotate(q, k, cache.position - new)
         if cache.window is None:
             return q, k, v, None
         key_positions = np.concatenate([cached_positions, positions])
         behind = positions[:, None] - key_positions[None, :]
         visible = (behind >= 0) & ((behind <= cache.window) | (key_positions[None, :] < cache.sinks))
         return q, k, v, q.xp.asarray(visible)
+
+    def _rotate(self, q, k, offset):
+        """Rotary embeddings of all of k (positions from 0) and of q (from ``offset``)."""
+        if self.rotary == "rope":
+            return apply_rope(q, offset + np.arange(q.shape[1])), apply_rope(k, np.arange(k.shape[1]))
+        if self.rotary == "xpos":
+            return (apply_xpos(q, offset, scale_base=self.xpos_scale_base),
+                    apply_xpos(k, 0, downscale=True, scale_base=self.xpos_scale_base))
+        return q, k
 
     def _causal_window_left(self, causal):
         """The keys behind a query that the module's window shows (None: unbounded); a
@@ -183,7 +212,7 @@ class MultiHeadAttention(Module):
         left = self._causal_window_left(True) if self.causal and self.window is not None else None
         if left is not None:
             held = min(seq_len, self.sinks + left)
-        return 2 * batch * held * self.num_kv_heads * self.head_dim * self.q_proj.weight.dtype.itemsize
+        return 2 * batch * held * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def _project(self, projection, x, heads):
         """(B, S, width) -> (B, S, heads, head_dim), clipped when asked."""

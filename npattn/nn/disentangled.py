@@ -63,7 +63,8 @@ class DisentangledAttention(MultiHeadAttention):
 
     def __init__(self, embed_dim: int, num_heads: int, *, max_relative_positions: int, position_buckets: int = 0,
                  pos_att_type=("c2p", "p2c"), share_att_key: bool = True, **kwargs):
-        unsupported = sorted(set(kwargs) & {"causal", "window", "sinks", "rotary", "num_kv_heads", "kdim", "vdim"})
+        unsupported = sorted(set(kwargs) & {"causal", "window", "sinks", "rotary", "num_kv_heads", "kdim", "vdim",
+                                        "multiway", "xpos_scale_base"})
         if unsupported:
             raise ValueError(f"DisentangledAttention: {unsupported} do not apply to DeBERTa's self-attention")
         if not set(pos_att_type) <= {"c2p", "p2c"}:
@@ -79,7 +80,7 @@ class DisentangledAttention(MultiHeadAttention):
         # a stream apart from the one the base class drew q/k/v/out from
         rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(
             None if seed is None else [seed, 1])
-        dtype = self.q_proj.weight.dtype
+        dtype = self.dtype
         if not share_att_key:
             if "c2p" in self.pos_att_type:
                 self.pos_key_proj = Linear(embed_dim, embed_dim, dtype=dtype, seed=rng)
