@@ -10,9 +10,7 @@
 - ``multiway.py``: :class:`Multiway` (torchscale's two-way projections).
 - ``cache.py``: :class:`KVCache` for decoding (prefix or rolling with sinks).
 - ``transformer.py``: :class:`TransformerEncoderLayer`, :class:`TransformerDecoderLayer`.
-
 - ``interop.py``: :func:`from_torch` (a ``torch.nn.MultiheadAttention``'s weights).
-
 - ``disentangled.py``: :class:`DisentangledAttention` (DeBERTa-v2, as HF computes it).
 """
 from .attention import (GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention,
