@@ -33,9 +33,10 @@ def info() -> str:
     return "\n".join(lines)
 
 
-def demo(size: Size = Size(), dtype=np.float32, repeats: int = 3, out=sys.stdout) -> list[dict]:
+def demo(size: Size = Size(), dtype=np.float32, repeats: int = 3, out=sys.stdout, plot_path=None) -> list[dict]:
     """Run every variant forward and backward through every available backend; print the max
-    error against the float64 reference and the median time. Returns the table's rows."""
+    error against the float64 reference and the median time; with ``plot_path``, draw one
+    variant's attention weights there as PNG. Returns the table's rows."""
     backends = [name for name, status in npattn.backends().items() if status and name != "gpu"]
     header = (f"{'variant':<16} {'backend':<10} {'max |out err|':>14} {'max |grad err|':>15} "
               f"{'fwd ms':>8} {'fwd+bwd ms':>11}")
@@ -69,7 +70,25 @@ def demo(size: Size = Size(), dtype=np.float32, repeats: int = 3, out=sys.stdout
     unavailable = {n: s.reason for n, s in npattn.backends().items() if not s}
     for name, reason in unavailable.items():
         print(f"({name} backend not run: {reason})", file=out)
+    if plot_path is not None:
+        _plot_demo_weights(plot_path, size, dtype, out)
     return rows
+
+
+def _plot_demo_weights(path, size, dtype, out) -> None:
+    """Save the causal sliding-window variant's weights as heatmaps (skipped, with a note,
+    when matplotlib is missing)."""
+    try:
+        from .viz import plot_attention
+
+        variant = VARIANTS["window+sinks"]
+        q, k, v, options = variant.build(size, np.random.default_rng(0), dtype)
+        _, weights = npattn.attention(q, k, v, **options, return_weights=True)
+        plot_attention(weights, path, heads=range(min(4, weights.shape[1])),
+                       title=f"npattn demo: {variant.name} attention weights")
+        print(f"attention weights of {variant.name} drawn to {path}", file=out)
+    except ImportError as error:
+        print(f"(no weights plot: {error})", file=out)
 
 
 def main(argv=None) -> int:
@@ -80,6 +99,8 @@ def main(argv=None) -> int:
     demo_parser.add_argument("--seq-len", type=int, default=Size.seq_len)
     demo_parser.add_argument("--head-dim", type=int, default=Size.head_dim)
     demo_parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    demo_parser.add_argument("--plot", default="npattn_demo_attention.png", metavar="PATH",
+                             help="where to draw attention weights as PNG (needs matplotlib); '' for none")
     bench_parser = commands.add_parser("bench", help="CPU kernels against torch SDPA and naive NumPy")
     bench_parser.add_argument("--shape", action="append", dest="shapes", metavar="B,H[,HKV],S,D",
                               help="a shape to time (repeatable); default: the issue's three")
@@ -91,7 +112,8 @@ def main(argv=None) -> int:
     if args.command == "info":
         print(info())
     elif args.command == "demo":
-        demo(Size(seq_len=args.seq_len, head_dim=args.head_dim), dtype=np.dtype(args.dtype))
+        demo(Size(seq_len=args.seq_len, head_dim=args.head_dim), dtype=np.dtype(args.dtype),
+             plot_path=args.plot or None)
     else:
         from . import bench
 

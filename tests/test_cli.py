@@ -29,7 +29,13 @@ def test_demo_runs_every_variant_within_float32_rounding():
     assert "mha" in printed.getvalue() and "max |out err|" in printed.getvalue()
 
 
-def test_demo_command_line():
+def test_demo_command_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "npattn", "demo", "--seq-len", "16", "--head-dim", "8"],
-                            capture_output=True, text=True, check=True)
+                            capture_output=True, text=True, check=True, cwd=tmp_path)
     assert "window+sinks" in result.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no weights plot" in result.stdout
+    else:
+        assert (tmp_path / "npattn_demo_attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
