@@ -99,8 +99,10 @@ def test_cross_attention_with_kdim_vdim_padding_and_masks():
 
 
 @pytest.mark.parametrize("options", [dict(), dict(num_kv_heads=2, causal=True, rotary="rope", qk_norm="layernorm"),
-                                     dict(subln=True, clip_qkv=5.0, sink_logits=True, window=1, sinks=1)],
-                         ids=["mha", "gqa-rope-layernorm", "subln-clip-sinks"])
+                                     dict(subln=True, clip_qkv=5.0, sink_logits=True, window=1, sinks=1),
+                                     dict(num_kv_heads=1, rotary="xpos", qk_norm="rmsnorm", softmax_scale=0.4,
+                                          multiway=True)],
+                         ids=["mha", "gqa-rope-layernorm", "subln-clip-sinks", "mqa-xpos-rmsnorm-scale-multiway"])
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_module_gradients(options, backend):
     module = MultiHeadAttention(8, 2, dtype="float64", seed=2, backend=backend, **options)
@@ -219,3 +221,19 @@ def test_parameter_and_cache_sizes_match_their_formulas(kind, kv_heads):
     assert KVCache(3, kv_heads, head_dim, 100).nbytes() == module.kv_cache_bytes(3, 100)
     windowed = SlidingWindowAttention(E, H, 8, causal=True, sinks=4)
     assert windowed.kv_cache_bytes(1, 1000) == 2 * (4 + 7) * H * head_dim * 4
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_cross_attention_gradients_with_masks_and_dropout(backend):
+    module = MultiHeadAttention(8, 2, kdim=3, vdim=5, dropout=0.3, dtype="float64", seed=4, backend=backend)
+    module._dropout_rng = _SameSeed()  # one dropout mask for every evaluation of gradcheck
+    query = Tensor(RNG.standard_normal((2, 3, 8)), requires_grad=True)
+    key = Tensor(RNG.standard_normal((2, 4, 3)), requires_grad=True)
+    value = Tensor(RNG.standard_normal((2, 4, 5)), requires_grad=True)
+    gradcheck_module(module, query, key, value, attn_mask=RNG.standard_normal((3, 4)),
+                     bias=Tensor(RNG.standard_normal((1, 2, 1, 4))))
+
+
+class _SameSeed:
+    def integers(self, high):
+        return 12345
