@@ -154,7 +154,9 @@ def cross_entropy(logits, target_indices, ignore_index: int = -100, reduction: s
                                reduction=reduction, label_smoothing=label_smoothing)
 
 
-class _LayerNorm(Function):
+class _Normalize(Function):
+    """layer_norm (``center``: subtract the mean) and rms_norm (no centering) in one node."""
+
     def forward(self, x, weight=None, bias=None, eps=1e-5, center=True):
         xp = array_module(x)
         mean = x.mean(axis=-1, keepdims=True) if center else 0.0
@@ -197,7 +199,7 @@ def _norm(name, x, weight, bias, eps, center):
         if weight is None:
             inputs.append(Tensor(x.xp.ones(features, x.dtype)))
         inputs.append(as_tensor(bias))
-    return _LayerNorm.apply(*inputs, eps=eps, center=center)
+    return _Normalize.apply(*inputs, eps=eps, center=center)
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:

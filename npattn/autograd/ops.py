@@ -327,8 +327,7 @@ class _Max(Function):
         best = a.max(axis=self.axes, keepdims=True)
         winners = a == best
         self.share = winners / winners.sum(axis=self.axes, keepdims=True)
-        return best if keepdims else best.reshape(tuple(n for i, n in enumerate(a.shape)
-                                                        if i not in self.axes))
+        return best if keepdims else best.squeeze(axis=self.axes)
 
     def backward(self, grad):
         return _expand_reduced(grad, self.share.shape, self.axes, self.keepdims) * self.share
