@@ -1,5 +1,8 @@
 """Checks shared by the module tests."""
+import numpy as np
+
 from npattn.autograd import gradcheck
+from tolerances import assert_close
 
 
 def gradcheck_module(module, *inputs, **options):
@@ -22,3 +25,13 @@ def gradcheck_module(module, *inputs, **options):
     finally:
         for (owner, attribute), value in zip(owners, parameters):
             setattr(owner, attribute, value)
+
+
+def assert_same_composition(actual, expected, length, what="result"):
+    """Two float64 evaluations of one composition that differ only in summation order agree
+    to the accumulated-rounding bound of ``length`` chained terms (:mod:`tolerances`), at the
+    magnitude of the result (at least 1: the tests' inputs and weights are of order 1)."""
+    actual = np.asarray(getattr(actual, "data", actual))
+    expected = np.asarray(getattr(expected, "data", expected))
+    magnitude = max(1.0, float(np.abs(expected).max(initial=0.0)))
+    assert_close(actual, expected, np.float64, length, magnitude, what)

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from npattn.nn import from_torch
+from module_checks import assert_same_composition
 
 torch = pytest.importorskip("torch")
 RNG = np.random.default_rng(17)
@@ -42,8 +43,9 @@ def test_outputs_and_weights_match_torch(kdim, vdim, mask_kind, average):
         expected, expected_weights = reference(torch.from_numpy(query), torch.from_numpy(key),
                                                torch.from_numpy(value), need_weights=True,
                                                average_attn_weights=average, **theirs)
-    np.testing.assert_allclose(out.data, expected.numpy(), rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(weights.data, expected_weights.numpy(), rtol=1e-10, atol=1e-12)
+    chain = 2 * E + E // H + SK  # projections, scores, weighted values
+    assert_same_composition(out, expected.numpy(), chain, "out")
+    assert_same_composition(weights, expected_weights.numpy(), chain, "weights")
 
 
 def test_unsupported_torch_options_are_refused():
