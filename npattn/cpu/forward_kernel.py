@@ -75,7 +75,6 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
         m[:] = sink[h]
         total[:] = 1.0
     seen = np.zeros(rows, np.bool_)
-    partial = np.empty(16, dtype)
     sums = np.empty(rows, dtype)
     out_row_stride = out_strides[2]
     out_offset = b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
@@ -98,7 +97,7 @@ def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
                     # max is usually set by the first tile): recompute the scores
                     score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
                                b, h, i0, rows, j0, cols)
-                _exp_with_new_max(s, ld, rows, cols, m, total, seen, partial, out,
+                _exp_with_new_max(s, ld, rows, cols, m, total, seen, out,
                                   out_offset, out_row_stride, dv)
             if ints[Int.HAS_DROPOUT]:
                 apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
@@ -152,12 +151,12 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums):
 
 
 @helper
-def _exp_with_new_max(s, ld, rows, cols, m, total, seen, partial, out, out_offset, out_row_stride, dv):
+def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_row_stride, dv):
     """The textbook online-softmax step: a max pass, exp against the new max, and the
     running sum and output rows rescaled by exp(m_old - m_new)."""
     for r in range(rows):
         row = s[r * ld:r * ld + cols]
-        tile_max = row_max(row, cols, partial)
+        tile_max = row_max(row, cols)
         new_max = max(m[r], tile_max)
         if tile_max > -np.inf:
             seen[r] = True

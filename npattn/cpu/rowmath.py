@@ -1,19 +1,21 @@
-"""Row operations of the online softmax, written so LLVM vectorizes them.
+"""Row operations of the online softmax, on explicit 512-bit vectors.
 
 Numba's ``np.exp`` is a scalar libm call here (no SVML), about 5 ns an
 element: slower than the matrix products it sits between. For float32,
 :func:`exp_shifted` uses ``2**x = 2**n * 2**f`` with ``n = round(x)`` and ``f``
 in [-1/2, 1/2]: a degree-7 Taylor polynomial for ``2**f`` (relative error below
 1e-8, under float32's rounding) times ``2**n`` assembled in the exponent bits.
-The loop vectorizes (0.8 ns an element on one core, with its sum). Results
-below about 2**-126 are exactly 0 (the exponent field is 0), so masked scores
-(-inf) contribute exactly nothing; results past float32's range are +inf. float64 uses
-the exact ``exp``.
+Results below about 2**-126 are exactly 0 (the exponent field is 0), so masked
+scores (-inf) contribute exactly nothing; results from 2**127.5 up (near float32's
+largest, 2**128) are +inf.
+float64 uses the exact ``exp``.
 
-Measured, and why :func:`exp_shifted` returns no max: a max reduction in the
-same loop (``best = x if x > best else best``) stops LLVM vectorizing it, even
-under "nnan": 5 ns an element instead of 0.8. :func:`row_max` keeps sixteen
-partial maxima instead, which does vectorize (0.4 ns an element).
+Measured on one core of the project's machine, per element of a 192 x 384 score
+tile: the polynomial as a plain loop that LLVM vectorizes, 0.87 ns with its sum;
+written on :mod:`~npattn.cpu.simd` vectors, one instruction sequence per 16 lanes,
+see the closing note of the commit that made it so. :func:`row_max` likewise keeps
+a vector of 16 partial maxima (a scalar max reduction does not vectorize at all:
+5 ns an element).
 """
 from __future__ import annotations
 
@@ -25,42 +27,74 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from .jit import FASTMATH, HELPER_OPTIONS, OPTIONS
+from .jit import HELPER_OPTIONS, OPTIONS
 from .signatures import plain_int, scalar_like
-from .simd import wide_vectors
+from .simd import (Vector, add, call_llvm_intrinsic, fill, horizontal_max, horizontal_sum, load,
+                   maximum, store)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # 2**f = exp(f ln2) = sum (f ln2)^k / k!
 _C = tuple(LN2 ** k / math.factorial(k) for k in range(8))
-# A max reduction vectorizes only under "nnan"; scores are never NaN (inputs are finite).
-_MAX_FASTMATH = FASTMATH | {"nnan"}
-_LANES = 16
+# 2**-127 has exponent field 0: exactly 0; 2**128 has field 255: +inf
+_LOWEST, _HIGHEST = -127.0, 128.0
+_ROUNDING_SHIFT = 1.5 * 2.0 ** 23
 
 
 @intrinsic
-def _float32_from_bits(typingctx, bits):
-    """Reinterpret an int32's bits as a float32 (a register move, no memory round trip)."""
+def _exp_float32(typingctx, x, shift):
+    """``exp(x - shift)`` for float32 scalars or float32 vectors (lane by lane), by the
+    polynomial of the module docstring."""
+    float32_vector = isinstance(x, Vector) and x.dtype == types.float32
+    if not (x == shift and (x == types.float32 or float32_vector)):
+        return None
+
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
+        value_type = args[0].type
+        lanes = value_type.count if isinstance(value_type, ir.VectorType) else None
+        integer_type = ir.IntType(32) if lanes is None else ir.VectorType(ir.IntType(32), lanes)
+
+        def constant(kind, number):
+            return ir.Constant(kind, number if lanes is None else [number] * lanes)
+
+        def floating(number):
+            return constant(value_type, float(np.float32(number)))
+
+        def clamp(value, compare, bound):
+            # compare-and-select, not minnum/maxnum: a NaN becomes the bound
+            return builder.select(builder.fcmp_ordered(compare, value, bound), value, bound)
+
+        exponent = builder.fmul(builder.fsub(args[0], args[1]), floating(LOG2E))
+        exponent = clamp(clamp(exponent, ">", floating(_LOWEST)), "<", floating(_HIGHEST))
+        # round to nearest by adding 1.5 * 2**23: the sum's low mantissa bits then hold the
+        # integer, so 2**n's exponent field is those bits shifted (no round or convert)
+        rounded = builder.fadd(exponent, floating(_ROUNDING_SHIFT))
+        whole = builder.fsub(rounded, floating(_ROUNDING_SHIFT))
+        fraction = builder.fsub(exponent, whole)
+        for instruction in (rounded, whole, fraction):
+            # Numba gives every float instruction without flags its fastmath flags, and
+            # "reassoc" would fold (x + c) - c into x: a flag of their own keeps them exact
+            instruction.flags.append("nsz")
+        polynomial = floating(_C[-1])
+        for coefficient in reversed(_C[:-1]):
+            step = [polynomial, fraction, floating(coefficient)]
+            polynomial = (builder.fadd(builder.fmul(*step[:2]), step[2]) if lanes is None
+                          else call_llvm_intrinsic(builder, "fma", *step))
+        bits = builder.shl(builder.bitcast(rounded, integer_type), constant(integer_type, 23))
+        bits = builder.add(bits, constant(integer_type, 127 << 23))
+        return builder.fmul(polynomial, builder.bitcast(bits, value_type))
+    return x(x, shift), codegen
 
 
-@njit(**{**HELPER_OPTIONS, "fastmath": _MAX_FASTMATH})
-def row_max(row, n, partial):
-    """max(row[:n]), -inf for n == 0 or an all -inf row. ``partial`` is scratch of at least
-    16 elements (passed in: an allocation per row would cost more than the row): sixteen
-    independent partial maxima make the loop a vector max, not a chain of compares."""
-    wide_vectors()
-    partial[:_LANES] = -np.inf
-    full = n - n % _LANES
-    for c in range(0, full, _LANES):
-        for lane in range(_LANES):
-            value = row[c + lane]
-            partial[lane] = value if value > partial[lane] else partial[lane]
-    best = row.dtype.type(-np.inf)
-    for lane in range(_LANES):
-        best = partial[lane] if partial[lane] > best else best
+@njit(**HELPER_OPTIONS)
+def row_max(row, n):
+    """max(row[:n]), -inf for n == 0 or an all -inf row (NaNs are skipped)."""
+    lanes = 64 // row.itemsize
+    full = n - n % lanes
+    best_lanes = fill(-np.inf, row)
+    for c in range(0, full, lanes):
+        best_lanes = maximum(load(row, c), best_lanes)
+    best = horizontal_max(best_lanes)
     for c in range(full, n):
         best = row[c] if row[c] > best else best
     return best
@@ -82,29 +116,17 @@ def _exp_shifted(row, n, shift):
 @overload(_exp_shifted, jit_options=OPTIONS)
 def _exp_shifted_overload(row, n, shift):
     if row.dtype == types.float32:
-        c0, c1, c2, c3, c4, c5, c6, c7 = (np.float32(c) for c in _C)
-        log2e, half = np.float32(LOG2E), np.float32(0.5)
-        # 2**-127 has exponent field 0: exactly 0; 2**128 has field 255: +inf
-        lowest, highest = np.float32(-127.0), np.float32(128.0)
-
         def polynomial(row, n, shift):
-            wide_vectors()
-            total = np.float32(0.0)
-            for c in range(n):
-                x = (row[c] - shift) * log2e
-                # not max()/min(): their NaN branches stop vectorization
-                x = x if x > lowest else lowest
-                x = x if x < highest else highest
-                whole = np.floor(x + half)
-                f = x - whole
-                p = c7 * f + c6
-                p = p * f + c5
-                p = p * f + c4
-                p = p * f + c3
-                p = p * f + c2
-                p = p * f + c1
-                p = p * f + c0
-                value = p * _float32_from_bits((np.int32(whole) + np.int32(127)) << np.int32(23))
+            full = n - n % 16
+            shifts = fill(shift, row)
+            sums = fill(0.0, row)
+            for c in range(0, full, 16):
+                value = _exp_float32(load(row, c), shifts)
+                store(row, c, value)
+                sums = add(sums, value)
+            total = horizontal_sum(sums)
+            for c in range(full, n):
+                value = _exp_float32(row[c], shift)
                 row[c] = value
                 total += value
             return total

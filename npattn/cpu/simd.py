@@ -171,13 +171,19 @@ def fma(typingctx, a, b, c):
 
     def codegen(context, builder, signature, args):
         _wide(builder)
-        vector_type = context.get_value_type(a)
-        # llvmlite's builder.fma takes scalars only; the intrinsic is overloaded on vectors
-        name = f"llvm.fma.v{a.lanes}{'f32' if a.dtype == types.float32 else 'f64'}"
-        intrinsic_fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vector_type, [vector_type] * 3), name)
-        return builder.call(intrinsic_fma, args)
+        return call_llvm_intrinsic(builder, "fma", *args)
     return a(a, b, c), codegen
+
+
+def call_llvm_intrinsic(builder, stem, *operands):
+    """``llvm.<stem>`` (``fma``, ``floor``, ...) on floating-point vector operands of one
+    type. llvmlite's builder has scalar forms only; LLVM overloads them on vectors by
+    name suffix (``llvm.fma.v16f32``)."""
+    vector_type = operands[0].type
+    suffix = f"v{vector_type.count}{'f32' if isinstance(vector_type.element, ir.FloatType) else 'f64'}"
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vector_type, [vector_type] * len(operands)), f"llvm.{stem}.{suffix}")
+    return builder.call(function, operands)
 
 
 def _lane_by_lane(build, doc):
@@ -196,6 +202,49 @@ def _lane_by_lane(build, doc):
 
 mul = _lane_by_lane("fmul", "``a * b`` lane by lane.")
 add = _lane_by_lane("fadd", "``a + b`` lane by lane.")
+sub = _lane_by_lane("fsub", "``a - b`` lane by lane.")
+
+
+def select_greater(builder, a, b):
+    """``a > b ? a : b`` lane by lane (``b`` where either is NaN): one vmax instruction."""
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+@intrinsic
+def maximum(typingctx, a, b):
+    """``a > b ? a : b`` lane by lane (``b`` where ``a`` is NaN)."""
+    if not (isinstance(a, Vector) and a == b):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        return select_greater(builder, *args)
+    return a(a, b), codegen
+
+
+def _reduce(combine, doc):
+    """An intrinsic folding a vector's lanes into one scalar with ``combine(builder, x, y)``,
+    halving the vector each round (log2(lanes) shuffles)."""
+    def typer(typingctx, a):
+        if not isinstance(a, Vector):
+            return None
+
+        def codegen(context, builder, signature, args):
+            _wide(builder)
+            value, width = args[0], a.lanes
+            while width > 1:
+                width //= 2
+                low = builder.shuffle_vector(value, value, _lane_indices(list(range(width))))
+                high = builder.shuffle_vector(value, value, _lane_indices(list(range(width, 2 * width))))
+                value = combine(builder, low, high)
+            return builder.extract_element(value, ir.Constant(ir.IntType(32), 0))
+        return a.dtype(a), codegen
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+horizontal_sum = _reduce(lambda builder, x, y: builder.fadd(x, y), "The sum of a vector's lanes.")
+horizontal_max = _reduce(select_greater, "The largest of a vector's lanes (NaN lanes are skipped).")
 
 
 @intrinsic
