@@ -19,7 +19,7 @@ from numba.extending import overload
 
 from .jit import OPTIONS, helper
 from .signatures import as_readonly, plain_int, scalar_like
-from .simd import add, fill, fma, load, mul, never_inline, splat, store, transpose_square
+from .simd import fill, load, load4, never_inline, splat_fma, store_scaled, transpose_square
 
 _BLOCK_ROWS = 6
 # B's share of L1 (48 KiB on the project's machine; 32 KiB is common)
@@ -46,37 +46,10 @@ def chunk_columns(dtype) -> int:
     return VECTORS_PER_CHUNK * 64 // np.dtype(dtype).itemsize
 
 
-@njit(inline="always")
-def _load4(x, i, lanes):
-    return load(x, i), load(x, i + lanes), load(x, i + 2 * lanes), load(x, i + 3 * lanes)
-
-
-@njit(inline="always")
-def _fma4(a, i, b, acc):
-    s = splat(a, i)
-    return fma(s, b[0], acc[0]), fma(s, b[1], acc[1]), fma(s, b[2], acc[2]), fma(s, b[3], acc[3])
-
-
-@njit(inline="always")
-def _finish(c, i, acc, alpha, accumulate):
-    """``c[i : i + lanes] = [c +] alpha * acc``."""
-    result = mul(acc, alpha)
-    if accumulate:
-        result = add(result, load(c, i))
-    store(c, i, result)
-
-
-@njit(inline="always")
-def _finish4(c, i, acc, alpha, accumulate, lanes):
-    for v in range(4):
-        _finish(c, i + v * lanes, acc[v], alpha, accumulate)
-
-
 @helper
 def _chunk4(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
             accumulate):
     """Four vectors' worth of columns of C, all rows."""
-    lanes = 64 // c.itemsize
     zero = fill(0.0, c)
     scale = fill(alpha, c)
     r0 = 0
@@ -85,49 +58,49 @@ def _chunk4(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
         ai = a_offset + r0 * a_row
         bi = b_offset
         for _ in range(depth):
-            x = _load4(b, bi, lanes)
-            a0 = _fma4(a, ai, x, a0)
-            a1 = _fma4(a, ai + a_row, x, a1)
-            a2 = _fma4(a, ai + 2 * a_row, x, a2)
-            a3 = _fma4(a, ai + 3 * a_row, x, a3)
-            a4 = _fma4(a, ai + 4 * a_row, x, a4)
-            a5 = _fma4(a, ai + 5 * a_row, x, a5)
+            x = load4(b, bi)
+            a0 = splat_fma(a, ai, x, a0)
+            a1 = splat_fma(a, ai + a_row, x, a1)
+            a2 = splat_fma(a, ai + 2 * a_row, x, a2)
+            a3 = splat_fma(a, ai + 3 * a_row, x, a3)
+            a4 = splat_fma(a, ai + 4 * a_row, x, a4)
+            a5 = splat_fma(a, ai + 5 * a_row, x, a5)
             ai += a_col
             bi += b_row
         ci = c_offset + r0 * c_row
-        _finish4(c, ci, a0, scale, accumulate, lanes)
-        _finish4(c, ci + c_row, a1, scale, accumulate, lanes)
-        _finish4(c, ci + 2 * c_row, a2, scale, accumulate, lanes)
-        _finish4(c, ci + 3 * c_row, a3, scale, accumulate, lanes)
-        _finish4(c, ci + 4 * c_row, a4, scale, accumulate, lanes)
-        _finish4(c, ci + 5 * c_row, a5, scale, accumulate, lanes)
+        store_scaled(c, ci, a0, scale, accumulate)
+        store_scaled(c, ci + c_row, a1, scale, accumulate)
+        store_scaled(c, ci + 2 * c_row, a2, scale, accumulate)
+        store_scaled(c, ci + 3 * c_row, a3, scale, accumulate)
+        store_scaled(c, ci + 4 * c_row, a4, scale, accumulate)
+        store_scaled(c, ci + 5 * c_row, a5, scale, accumulate)
         r0 += _BLOCK_ROWS
     for r in range(r0, rows):
         acc = (zero, zero, zero, zero)
         ai = a_offset + r * a_row
         bi = b_offset
         for _ in range(depth):
-            acc = _fma4(a, ai, _load4(b, bi, lanes), acc)
+            acc = splat_fma(a, ai, load4(b, bi), acc)
             ai += a_col
             bi += b_row
-        _finish4(c, c_offset + r * c_row, acc, scale, accumulate, lanes)
+        store_scaled(c, c_offset + r * c_row, acc, scale, accumulate)
 
 
 @helper
 def _chunk1(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
             accumulate):
     """One vector's worth of columns of C, all rows (the remainder of :func:`product`)."""
-    zero = fill(0.0, c)
+    zero = (fill(0.0, c),)
     scale = fill(alpha, c)
     for r in range(rows):
         acc = zero
         ai = a_offset + r * a_row
         bi = b_offset
         for _ in range(depth):
-            acc = fma(splat(a, ai), load(b, bi), acc)
+            acc = splat_fma(a, ai, (load(b, bi),), acc)
             ai += a_col
             bi += b_row
-        _finish(c, c_offset + r * c_row, acc, scale, accumulate)
+        store_scaled(c, c_offset + r * c_row, acc, scale, accumulate)
 
 
 @njit(inline="always")

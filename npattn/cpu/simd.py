@@ -175,6 +175,78 @@ def fma(typingctx, a, b, c):
     return a(a, b, c), codegen
 
 
+@intrinsic
+def load4(typingctx, array, index):
+    """Four consecutive vectors from ``array[index]``, as a tuple: one row of a
+    micro-kernel's B panel."""
+    if not (_check_float_array(array) and isinstance(index, types.Integer)):
+        return None
+    vector = Vector(array.dtype)
+    row = types.UniTuple(vector, 4)
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        vector_type = context.get_value_type(vector)
+        values = []
+        for v in range(4):
+            offset = builder.add(args[1], ir.Constant(args[1].type, v * vector.lanes))
+            pointer = _pointer(context, builder, signature.args[0], args[0], offset, vector_type)
+            values.append(builder.load(pointer, align=array.dtype.bitwidth // 8))
+        return context.make_tuple(builder, row, values)
+    return row(array, index), codegen
+
+
+@intrinsic
+def splat_fma(typingctx, a, index, row, acc):
+    """``acc[v] + a[index] * row[v]`` for each vector of the tuples ``row`` and ``acc``
+    (one broadcast, one FMA per vector): a micro-kernel's step for one row of A."""
+    if not (_check_float_array(a) and isinstance(row, types.UniTuple) and row == acc
+            and row.dtype == Vector(a.dtype)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        a_value, index_value, row_value, acc_value = args
+        data = context.make_array(signature.args[0])(context, builder, a_value).data
+        broadcast = _broadcast(context, builder, row.dtype, builder.load(builder.gep(data, [index_value])))
+        terms = zip(cgutils.unpack_tuple(builder, row_value, row.count),
+                    cgutils.unpack_tuple(builder, acc_value, row.count))
+        values = [call_llvm_intrinsic(builder, "fma", broadcast, b, c) for b, c in terms]
+        return context.make_tuple(builder, row, values)
+    return row(a, index, row, acc), codegen
+
+
+@intrinsic
+def store_scaled(typingctx, c, index, acc, scale, accumulate):
+    """``c[index + v * lanes :][:lanes] = [c[...] +] scale * acc[v]`` for each vector of the
+    tuple ``acc``: a micro-kernel's finished row of C (``accumulate`` a bool)."""
+    if not (_check_float_array(c) and isinstance(acc, types.UniTuple) and acc.dtype == Vector(c.dtype)
+            and scale == acc.dtype and isinstance(accumulate, types.Boolean)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        c_value, index_value, acc_value, scale_value, accumulate_value = args
+        vector_type = context.get_value_type(acc.dtype)
+        align = c.dtype.bitwidth // 8
+        pointers, results = [], []
+        for v, value in enumerate(cgutils.unpack_tuple(builder, acc_value, acc.count)):
+            offset = builder.add(index_value, ir.Constant(index_value.type, v * acc.dtype.lanes))
+            pointers.append(_pointer(context, builder, signature.args[0], c_value, offset, vector_type))
+            results.append(builder.fmul(value, scale_value))
+        accumulate_bit = context.cast(builder, accumulate_value, accumulate, types.boolean)
+        with builder.if_else(builder.icmp_unsigned("!=", accumulate_bit, ir.Constant(accumulate_bit.type, 0))) \
+                as (adding, replacing):
+            with adding:
+                for pointer, result in zip(pointers, results):
+                    builder.store(builder.fadd(result, builder.load(pointer, align=align)), pointer, align=align)
+            with replacing:
+                for pointer, result in zip(pointers, results):
+                    builder.store(result, pointer, align=align)
+        return context.get_dummy_value()
+    return types.none(c, index, acc, scale, accumulate), codegen
+
+
 def call_llvm_intrinsic(builder, stem, *operands):
     """``llvm.<stem>`` (``fma``, ``floor``, ...) on floating-point vector operands of one
     type. llvmlite's builder has scalar forms only; LLVM overloads them on vectors by
