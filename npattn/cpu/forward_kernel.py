@@ -4,10 +4,11 @@ exact attention weights recomputed from lse.
 Work items are (batch, head, query tile); a kernel runs items ``start, start + step,
 ... < stop`` and :mod:`npattn.cpu.threads` runs one such stripe per core. For
 each item the key tiles that masking leaves alive are visited in order; per tile:
-scores through BLAS, the running max ``m`` and sum ``l`` updated per row, the
-accumulated output rescaled by ``exp(m_old - m_new)``, then ``out += P @ V``
-through BLAS, straight into the output rows. Extra memory is one
-(block_q x block_k) score tile per item: no Sq x Sk array is ever formed.
+the scores (micro-kernel or BLAS, see :mod:`npattn.cpu.microkernels`), the running
+max ``m`` and sum ``l`` updated per row, the accumulated output rescaled by
+``exp(m_old - m_new)``, then ``out += P @ V`` straight into the output rows. Extra
+memory is one (block_q x block_k) score tile and one packed key tile per call
+(per thread): no Sq x Sk array is ever formed.
 
 Every kernel takes the flat operands of :class:`~npattn.cpu.operands.Operands` first,
 in its order.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 from .blas import gemm
 from .jit import helper, kernel
@@ -25,7 +25,6 @@ from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
 from .microkernels import product
 from .tiles import apply_dropout, key_segments, pack_key_tile, packed_keys_buffer, score_tile
-
 
 
 def forward_items(ints):
@@ -50,77 +49,78 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                    out, out_strides, lse, start, stop, step):
     """Fill ``out`` (a flat view with bhsd element strides ``out_strides``, int64 (3,),
     zero on entry) and ``lse`` (flat (B, H, Sq), -inf on entry). Rows past ``q_lengths``
-    stay as they are."""
+    stay as they are.
+
+    One function from the item loop down to the tile's key loop, not a helper per
+    tile: Numba optimizes and emits machine code for a function together with every
+    helper it calls, once per level of calls, so a level less saves about 1.5 s of the
+    first call's compile."""
+    block_q, block_k, dv = ints[Int.BLOCK_Q], ints[Int.BLOCK_K], ints[Int.VALUE_DIM]
+    heads, ld = ints[Int.HEADS], ints[Int.SCORE_LD]
+    dtype = q.dtype
+    # scratch for the largest tile, shared by every item of this call
+    s = np.empty(block_q * ld, dtype)
+    tanh = np.empty(block_q * ld if ints[Int.HAS_SOFTCAP] else 1, dtype)
+    packed = packed_keys_buffer(ints, dtype)
+    m = np.empty(block_q, dtype)  # running max and sum of each row
+    total = np.empty(block_q, dtype)
+    sums = np.empty(block_q, dtype)
+    seen = np.empty(block_q, np.bool_)
+    keep_scale = reals[Real.KEEP_SCALE]
+    out_row_stride = out_strides[2]
+    v_row_stride = ints[Int.V_STRIDE_S]
     for item in range(start, stop, step):
         b, h, i0, i1 = _query_tile(ints, q_lengths, item)
-        if i1 > i0:
-            _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
-                          out, out_strides, lse, b, h, i0, i1)
+        rows = i1 - i0
+        if rows <= 0:
+            continue
+        # the sink logit enters as a first column of value 0
+        for r in range(rows):
+            m[r] = sink[h] if ints[Int.HAS_SINK] else -np.inf
+            total[r] = 1.0 if ints[Int.HAS_SINK] else 0.0
+            seen[r] = False
+        out_offset = b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
+        kv_head = h // (heads // ints[Int.KV_HEADS])
+        v_base = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H]
 
+        sink_end, band_start, band_stop = key_segments(ints, kv_lengths, b, i0, i1)
+        for segment in range(2):
+            first, last = (0, sink_end) if segment == 0 else (band_start, band_stop)
+            for j0 in range(first, last, block_k):
+                cols = min(block_k, last - j0)
+                pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
+                score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
+                           b, h, i0, rows, j0, cols)
+                outcome = _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums)
+                if outcome != _DONE:
+                    if outcome == _OVERWRITTEN:
+                        # a score rose more than _HEADROOM above its row's max (rare: the running
+                        # max is usually set by the first tile): recompute the scores
+                        score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
+                                   b, h, i0, rows, j0, cols)
+                    _exp_with_new_max(s, ld, rows, cols, m, total, seen, out,
+                                      out_offset, out_row_stride, dv)
+                if ints[Int.HAS_DROPOUT]:
+                    apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
+                # O (rows x dv) += P (rows x cols) . V (cols x dv)
+                if ints[Int.VECTOR_VALUES]:
+                    product(s, 0, ld, 1, v, v_base + j0 * v_row_stride, v_row_stride,
+                            out, out_offset, out_row_stride, rows, cols, dv, 1.0, True)
+                else:  # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
+                    gemm(False, False, dv, rows, cols, 1.0, v[v_base + j0 * v_row_stride:], v_row_stride,
+                         s, ld, 1.0, out[out_offset:], out_row_stride)
 
-@helper
-def _forward_tile(q, k, v, bias, mask, alibi, sink, kv_lengths, ints, reals,
-                  out, out_strides, lse, b, h, i0, i1):
-    rows, block_k, dv = i1 - i0, ints[Int.BLOCK_K], ints[Int.VALUE_DIM]
-    heads = ints[Int.HEADS]
-    dtype = q.dtype
-    ld = ints[Int.SCORE_LD]
-    s = np.empty(rows * ld, dtype)
-    tanh = np.empty(rows * ld if ints[Int.HAS_SOFTCAP] else 1, dtype)
-    packed = packed_keys_buffer(ints, dtype)
-    # running max and sum; the sink logit enters as a first column of value 0
-    m = np.full(rows, -np.inf, dtype)
-    total = np.zeros(rows, dtype)
-    if ints[Int.HAS_SINK]:
-        m[:] = sink[h]
-        total[:] = 1.0
-    seen = np.zeros(rows, np.bool_)
-    sums = np.empty(rows, dtype)
-    out_row_stride = out_strides[2]
-    out_offset = b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
-    kv_head = h // (heads // ints[Int.KV_HEADS])
-    v_base = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H]
-    v_row_stride = ints[Int.V_STRIDE_S]
-
-    sink_end, start, stop = key_segments(ints, kv_lengths, b, i0, i1)
-    for segment in range(2):
-        first, last = (0, sink_end) if segment == 0 else (start, stop)
-        for j0 in range(first, last, block_k):
-            cols = min(block_k, last - j0)
-            pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
-            score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
-                       b, h, i0, rows, j0, cols)
-            outcome = _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums)
-            if outcome != _DONE:
-                if outcome == _OVERWRITTEN:
-                    # a score rose more than _HEADROOM above its row's max (rare: the running
-                    # max is usually set by the first tile): recompute the scores
-                    score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
-                               b, h, i0, rows, j0, cols)
-                _exp_with_new_max(s, ld, rows, cols, m, total, seen, out,
-                                  out_offset, out_row_stride, dv)
-            if ints[Int.HAS_DROPOUT]:
-                apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
-            # O (rows x dv) += P (rows x cols) . V (cols x dv)
-            if ints[Int.VECTOR_VALUES]:
-                product(s, 0, ld, 1, v, v_base + j0 * v_row_stride, v_row_stride,
-                        out, out_offset, out_row_stride, rows, cols, dv, 1.0, True)
-            else:  # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
-                gemm(False, False, dv, rows, cols, 1.0, v[v_base + j0 * v_row_stride:], v_row_stride,
-                     s, ld, 1.0, out[out_offset:], out_row_stride)
-
-    lse_offset = (b * heads + h) * ints[Int.Q_LEN] + i0
-    keep_scale = reals[Real.KEEP_SCALE]
-    for r in range(rows):
-        o = out_offset + r * out_row_stride
-        out_row = out[o:o + dv]
-        if seen[r]:
-            factor = keep_scale / total[r]
-            for d in range(dv):
-                out_row[d] *= factor
-            lse[lse_offset + r] = m[r] + math.log(total[r])
-        else:
-            out_row[:] = 0.0
+        lse_offset = (b * heads + h) * ints[Int.Q_LEN] + i0
+        for r in range(rows):
+            o = out_offset + r * out_row_stride
+            if seen[r]:
+                factor = keep_scale / total[r]
+                for d in range(dv):
+                    out[o + d] *= factor
+                lse[lse_offset + r] = m[r] + math.log(total[r])
+            else:
+                for d in range(dv):
+                    out[o + d] = 0.0
 
 
 # exp(s - m) may reach exp(_HEADROOM) when m lags the true max: far below float32's
@@ -177,34 +177,31 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                    lse, weights, start, stop, step):
     """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
     ``exp(s - lse)``: the exact probabilities, after masking and before dropout."""
+    block_q, block_k, ld = ints[Int.BLOCK_Q], ints[Int.BLOCK_K], ints[Int.SCORE_LD]
+    heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
+    s = np.empty(block_q * ld, q.dtype)
+    tanh = np.empty(block_q * ld if ints[Int.HAS_SOFTCAP] else 1, q.dtype)
+    packed = packed_keys_buffer(ints, q.dtype)
     for item in range(start, stop, step):
         b, h, i0, i1 = _query_tile(ints, q_lengths, item)
-        if i1 > i0:
-            _weights_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, lse, weights, b, h, i0, i1)
-
-
-@helper
-def _weights_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, lse, weights, b, h, i0, i1):
-    rows, block_k, ld = i1 - i0, ints[Int.BLOCK_K], ints[Int.SCORE_LD]
-    heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
-    s = np.empty(rows * ld, q.dtype)
-    tanh = np.empty(rows * ld if ints[Int.HAS_SOFTCAP] else 1, q.dtype)
-    packed = packed_keys_buffer(ints, q.dtype)
-    row_offset = (b * heads + h) * q_len + i0
-    kv_head = h // (heads // ints[Int.KV_HEADS])
-    sink_end, start, stop = key_segments(ints, kv_lengths, b, i0, i1)
-    for segment in range(2):
-        first, last = (0, sink_end) if segment == 0 else (start, stop)
-        for j0 in range(first, last, block_k):
-            cols = min(block_k, last - j0)
-            pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
-            score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
-                       b, h, i0, rows, j0, cols)
-            for r in range(rows):
-                row_lse = lse[row_offset + r]
-                if row_lse > -np.inf:  # an empty row keeps its zeros
-                    row = s[r * ld:r * ld + cols]
-                    exp_shifted(row, cols, row_lse)
-                    w = (row_offset + r) * kv_len + j0
-                    for c in range(cols):  # not a slice copy: its shape check compiles str()
-                        weights[w + c] = row[c]
+        rows = i1 - i0
+        if rows <= 0:
+            continue
+        row_offset = (b * heads + h) * q_len + i0
+        kv_head = h // (heads // ints[Int.KV_HEADS])
+        sink_end, band_start, band_stop = key_segments(ints, kv_lengths, b, i0, i1)
+        for segment in range(2):
+            first, last = (0, sink_end) if segment == 0 else (band_start, band_stop)
+            for j0 in range(first, last, block_k):
+                cols = min(block_k, last - j0)
+                pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
+                score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
+                           b, h, i0, rows, j0, cols)
+                for r in range(rows):
+                    row_lse = lse[row_offset + r]
+                    if row_lse > -np.inf:  # an empty row keeps its zeros
+                        row = s[r * ld:r * ld + cols]
+                        exp_shifted(row, cols, row_lse)
+                        w = (row_offset + r) * kv_len + j0
+                        for c in range(cols):  # not a slice copy: its shape check compiles str()
+                            weights[w + c] = row[c]
