@@ -49,12 +49,12 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
     score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
     row_offset = (b * heads + h) * ints[Int.Q_LEN] + i0
     for r in range(rows):
-        row = p[r * ld:r * ld + cols]
         row_lse = lse[row_offset + r]
         if row_lse > -np.inf:
-            exp_shifted(row, cols, row_lse)
+            exp_shifted(p, r * ld, cols, row_lse)
         else:  # an empty row: no probability, no gradient
-            row[:] = 0.0
+            for x in range(r * ld, r * ld + cols):
+                p[x] = 0.0
     o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
     if ints[Int.VECTOR_SCORES]:
         # dP (rows x cols) = dO (rows x Dv) . V^T (Dv x cols)
@@ -73,10 +73,8 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
         apply_dropout(ints, ds, ld, b, h, i0, rows, j0, cols, keep_scale)
     for r in range(rows):
         row_delta = delta[row_offset + r]
-        p_row = p[r * ld:r * ld + cols]
-        ds_row = ds[r * ld:r * ld + cols]
-        for c in range(cols):
-            ds_row[c] = p_row[c] * (ds_row[c] - row_delta)
+        for x in range(r * ld, r * ld + cols):
+            ds[x] = p[x] * (ds[x] - row_delta)
 
 
 @helper
@@ -99,80 +97,80 @@ def backward_items(ints, chunks):
 def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
                     dout, dout_strides, lse, delta, dq, dk, dv, chunks, start, stop, step):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
-    all C-contiguous in the compute dtype and zero on entry."""
-    kv_heads, block_k = ints[Int.KV_HEADS], ints[Int.BLOCK_K]
-    key_tiles = (ints[Int.KV_LEN] + block_k - 1) // block_k
+    all C-contiguous in the compute dtype and zero on entry.
+
+    The key tile's body is written here, not in a helper: each level of calls costs the
+    first call's compile a pass of Numba's optimizer and code emitter over everything
+    below it (see :func:`npattn.cpu.forward_kernel.forward_kernel`)."""
+    kv_heads, block_q, block_k = ints[Int.KV_HEADS], ints[Int.BLOCK_Q], ints[Int.BLOCK_K]
+    heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
+    head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
+    group = heads // kv_heads
+    dtype = q.dtype
+    scale = reals[Real.SCALE]
+    ld = ints[Int.SCORE_LD]
+    key_tiles = (kv_len + block_k - 1) // block_k
     tiles_per_chunk = (key_tiles + chunks - 1) // chunks
+    # scratch for the largest tile, shared by every item of this call
+    p, dropped, ds, tanh, packed = _gradient_buffers(ints, dtype)
+    dk_tile = np.empty(block_k * head_dim, dtype)
+    dv_tile = np.empty(block_k * value_dim, dtype)
     for item in range(start, stop, step):
         b = item // (kv_heads * chunks)
         kv_head = (item // chunks) % kv_heads
         chunk = item % chunks
         first = chunk * tiles_per_chunk * block_k
-        last = min(ints[Int.KV_LEN], kv_lengths[b], first + tiles_per_chunk * block_k)
+        last = min(kv_len, kv_lengths[b], first + tiles_per_chunk * block_k)
+        rows_valid = min(q_len, q_lengths[b])
         for j0 in range(first, last, block_k):
-            _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, reals,
-                               dout, dout_strides, lse, delta, dq, dk, dv, chunk, b, kv_head,
-                               j0, min(block_k, last - j0))
-
-
-@helper
-def _backward_key_tile(q, k, v, bias, mask, alibi, q_lengths, kv_lengths, ints, reals,
-                       dout, dout_strides, lse, delta, dq, dk, dv, chunk, b, kv_head, j0, cols):
-    block_q, block_k = ints[Int.BLOCK_Q], ints[Int.BLOCK_K]
-    heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
-    head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
-    group = heads // ints[Int.KV_HEADS]
-    dtype = q.dtype
-    scale = reals[Real.SCALE]
-    ld = ints[Int.SCORE_LD]
-    p, dropped, ds, tanh, packed = _gradient_buffers(ints, dtype)
-    dk_tile = np.zeros(cols * head_dim, dtype)
-    dv_tile = np.zeros(cols * value_dim, dtype)
-    k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
-    # once for every query tile
-    pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
-    pack_value_tile(v, ints, b, kv_head, j0, cols, packed)
-    rows_valid = min(q_len, q_lengths[b])
-    for h in range(kv_head * group, (kv_head + 1) * group):
-        for i0 in range(0, rows_valid, block_q):
-            rows = min(block_q, rows_valid - i0)
-            if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
-                continue
-            score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout,
-                                dout_strides, lse, delta, p, dropped, ds, tanh, packed, b, h, i0, rows, j0, cols)
-            o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
-            # dV (cols x Dv) += dropped^T (cols x rows) . dO (rows x Dv)
-            if ints[Int.VECTOR_VALUES]:
-                product(dropped, 0, 1, ld, dout, o_offset, dout_strides[2], dv_tile, 0, value_dim,
-                        cols, rows, value_dim, 1.0, True)
-            else:  # column-major: dV^T = dO^T (Dv x rows) . dropped (rows x cols)
-                gemm(False, True, value_dim, cols, rows, 1.0, dout[o_offset:], dout_strides[2],
-                     dropped, ld, 1.0, dv_tile, value_dim)
-            if ints[Int.HAS_SOFTCAP]:  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
-                for r in range(rows):
-                    ds_row = ds[r * ld:r * ld + cols]
-                    t_row = tanh[r * ld:r * ld + cols]
-                    for c in range(cols):
-                        ds_row[c] *= 1.0 - t_row[c] * t_row[c]
-            q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
-            dq_offset = (((chunk * ints[Int.BATCH] + b) * heads + h) * q_len + i0) * head_dim
-            if ints[Int.VECTOR_KEYS]:
-                # dK (cols x D) += scale dS^T (cols x rows) . Q (rows x D)
-                product(ds, 0, 1, ld, q, q_offset, ints[Int.Q_STRIDE_S], dk_tile, 0, head_dim,
-                        cols, rows, head_dim, scale, True)
-                # dQ (rows x D) += scale dS (rows x cols) . K (cols x D)
-                product(ds, 0, ld, 1, k, k_offset, ints[Int.K_STRIDE_S], dq, dq_offset, head_dim,
-                        rows, cols, head_dim, scale, True)
-            else:  # column-major: dK^T = Q^T (D x rows) . dS (rows x cols); dQ^T = K^T . dS^T
-                gemm(False, True, head_dim, cols, rows, scale, q[q_offset:], ints[Int.Q_STRIDE_S],
-                     ds, ld, 1.0, dk_tile, head_dim)
-                gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
-                     ds, ld, 1.0, dq[dq_offset:], head_dim)
-    row = (b * ints[Int.KV_HEADS] + kv_head) * kv_len + j0
-    for x in range(cols * head_dim):  # not slice copies: their shape checks compile str()
-        dk[row * head_dim + x] = dk_tile[x]
-    for x in range(cols * value_dim):
-        dv[row * value_dim + x] = dv_tile[x]
+            cols = min(block_k, last - j0)
+            for x in range(cols * head_dim):
+                dk_tile[x] = 0.0
+            for x in range(cols * value_dim):
+                dv_tile[x] = 0.0
+            k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
+            # once for every query tile
+            pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
+            pack_value_tile(v, ints, b, kv_head, j0, cols, packed)
+            for h in range(kv_head * group, (kv_head + 1) * group):
+                for i0 in range(0, rows_valid, block_q):
+                    rows = min(block_q, rows_valid - i0)
+                    if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
+                        continue
+                    score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout,
+                                        dout_strides, lse, delta, p, dropped, ds, tanh, packed, b, h, i0,
+                                        rows, j0, cols)
+                    o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
+                    # dV (cols x Dv) += dropped^T (cols x rows) . dO (rows x Dv)
+                    if ints[Int.VECTOR_VALUES]:
+                        product(dropped, 0, 1, ld, dout, o_offset, dout_strides[2], dv_tile, 0, value_dim,
+                                cols, rows, value_dim, 1.0, True)
+                    else:  # column-major: dV^T = dO^T (Dv x rows) . dropped (rows x cols)
+                        gemm(False, True, value_dim, cols, rows, 1.0, dout[o_offset:], dout_strides[2],
+                             dropped, ld, 1.0, dv_tile, value_dim)
+                    if ints[Int.HAS_SOFTCAP]:  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
+                        for r in range(rows):
+                            for x in range(r * ld, r * ld + cols):
+                                ds[x] *= 1.0 - tanh[x] * tanh[x]
+                    q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
+                    dq_offset = (((chunk * ints[Int.BATCH] + b) * heads + h) * q_len + i0) * head_dim
+                    if ints[Int.VECTOR_KEYS]:
+                        # dK (cols x D) += scale dS^T (cols x rows) . Q (rows x D)
+                        product(ds, 0, 1, ld, q, q_offset, ints[Int.Q_STRIDE_S], dk_tile, 0, head_dim,
+                                cols, rows, head_dim, scale, True)
+                        # dQ (rows x D) += scale dS (rows x cols) . K (cols x D)
+                        product(ds, 0, ld, 1, k, k_offset, ints[Int.K_STRIDE_S], dq, dq_offset, head_dim,
+                                rows, cols, head_dim, scale, True)
+                    else:  # column-major: dK^T = Q^T (D x rows) . dS (rows x cols); dQ^T = K^T . dS^T
+                        gemm(False, True, head_dim, cols, rows, scale, q[q_offset:], ints[Int.Q_STRIDE_S],
+                             ds, ld, 1.0, dk_tile, head_dim)
+                        gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
+                             ds, ld, 1.0, dq[dq_offset:], head_dim)
+            row = (b * kv_heads + kv_head) * kv_len + j0
+            for x in range(cols * head_dim):  # not slice copies: their shape checks compile str()
+                dk[row * head_dim + x] = dk_tile[x]
+            for x in range(cols * value_dim):
+                dv[row * value_dim + x] = dv_tile[x]
 
 
 @kernel
@@ -214,10 +212,11 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
                                             packed, b, h, i0, rows, j0, cols)
                         for r in range(rows):
                             out_row = ((bb * bias_h + hb) * bias_q + (i0 + r if bias_q > 1 else 0)) * bias_k
-                            ds_row = ds[r * ld:r * ld + cols]
                             if bias_k > 1:
-                                target = dbias[out_row + j0:out_row + j0 + cols]
                                 for c in range(cols):
-                                    target[c] += ds_row[c]
+                                    dbias[out_row + j0 + c] += ds[r * ld + c]
                             else:
-                                dbias[out_row] += np.sum(ds_row)
+                                row_sum = 0.0
+                                for c in range(cols):
+                                    row_sum += ds[r * ld + c]
+                                dbias[out_row] += row_sum

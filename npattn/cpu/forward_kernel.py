@@ -142,7 +142,7 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums):
         if not seen[r]:
             return _UNTOUCHED
     for r in range(rows):
-        sums[r] = exp_shifted(s[r * ld:r * ld + cols], cols, m[r])
+        sums[r] = exp_shifted(s, r * ld, cols, m[r])
         if not sums[r] <= _REDO_ABOVE:
             return _OVERWRITTEN
     for r in range(rows):
@@ -155,8 +155,7 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
     """The textbook online-softmax step: a max pass, exp against the new max, and the
     running sum and output rows rescaled by exp(m_old - m_new)."""
     for r in range(rows):
-        row = s[r * ld:r * ld + cols]
-        tile_max = row_max(row, cols)
+        tile_max = row_max(s, r * ld, cols)
         new_max = max(m[r], tile_max)
         if tile_max > -np.inf:
             seen[r] = True
@@ -164,12 +163,11 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
         shift = new_max if new_max > -np.inf else 0.0
         correction = math.exp(m[r] - new_max) if new_max > -np.inf else 1.0
         m[r] = new_max
-        total[r] = total[r] * correction + exp_shifted(row, cols, shift)
+        total[r] = total[r] * correction + exp_shifted(s, r * ld, cols, shift)
         if correction != 1.0:
             o = out_offset + r * out_row_stride
-            out_row = out[o:o + dv]
-            for d in range(dv):
-                out_row[d] *= correction
+            for d in range(o, o + dv):
+                out[d] *= correction
 
 
 @kernel
@@ -200,8 +198,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                 for r in range(rows):
                     row_lse = lse[row_offset + r]
                     if row_lse > -np.inf:  # an empty row keeps its zeros
-                        row = s[r * ld:r * ld + cols]
-                        exp_shifted(row, cols, row_lse)
+                        exp_shifted(s, r * ld, cols, row_lse)
                         w = (row_offset + r) * kv_len + j0
                         for c in range(cols):  # not a slice copy: its shape check compiles str()
-                            weights[w + c] = row[c]
+                            weights[w + c] = s[r * ld + c]

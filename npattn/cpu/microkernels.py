@@ -163,8 +163,8 @@ def _pack_transposed(x, offset, row_stride, rows, cols, packed, ld, padded_rows)
         for r in range(full_rows):
             packed[c * ld + r] = x[offset + r * row_stride + c]
     for r in range(full_rows, rows):
-        row = x[offset + r * row_stride:offset + r * row_stride + cols]
         for c in range(cols):
-            packed[c * ld + r] = row[c]
+            packed[c * ld + r] = x[offset + r * row_stride + c]
     for c in range(cols):
-        packed[c * ld + rows:c * ld + padded_rows] = 0.0
+        for r in range(rows, padded_rows):
+            packed[c * ld + r] = 0.0

@@ -87,56 +87,57 @@ def _exp_float32(typingctx, x, shift):
 
 
 @njit(**HELPER_OPTIONS)
-def row_max(row, n):
-    """max(row[:n]), -inf for n == 0 or an all -inf row (NaNs are skipped)."""
-    lanes = 64 // row.itemsize
-    full = n - n % lanes
-    best_lanes = fill(-np.inf, row)
-    for c in range(0, full, lanes):
-        best_lanes = maximum(load(row, c), best_lanes)
+def row_max(x, start, n):
+    """max(x[start : start + n]), -inf for n == 0 or all -inf (NaNs are skipped)."""
+    lanes = 64 // x.itemsize
+    full = start + n - n % lanes
+    best_lanes = fill(-np.inf, x)
+    for c in range(start, full, lanes):
+        best_lanes = maximum(load(x, c), best_lanes)
     best = horizontal_max(best_lanes)
-    for c in range(full, n):
-        best = row[c] if row[c] > best else best
+    for c in range(full, start + n):
+        best = x[c] if x[c] > best else best
     return best
 
 
 @njit(inline="always")
-def exp_shifted(row, n, shift):
-    """``row[c] = exp(row[c] - shift)`` for c < n, in place; returns the sum of the new
-    values (in the row's dtype). A caller that guessed ``shift`` below the row's max
+def exp_shifted(x, start, n, shift):
+    """``x[c] = exp(x[c] - shift)`` for ``start <= c < start + n``, in place (a row of a
+    score tile, without the cost of a slice); returns the sum of the new values (in
+    x's dtype). A caller that guessed ``shift`` below the row's max
     can check the guess after the fact from the sum alone: it is at least
     ``exp(max - shift)`` (+inf on float32 overflow). Jitted code only."""
-    return _exp_shifted(row, plain_int(n), scalar_like(shift, row))
+    return _exp_shifted(x, plain_int(start), plain_int(n), scalar_like(shift, x))
 
 
-def _exp_shifted(row, n, shift):
+def _exp_shifted(x, start, n, shift):
     raise NotImplementedError
 
 
 @overload(_exp_shifted, jit_options=OPTIONS)
-def _exp_shifted_overload(row, n, shift):
-    if row.dtype == types.float32:
-        def polynomial(row, n, shift):
-            full = n - n % 16
-            shifts = fill(shift, row)
-            sums = fill(0.0, row)
-            for c in range(0, full, 16):
-                value = _exp_float32(load(row, c), shifts)
-                store(row, c, value)
+def _exp_shifted_overload(x, start, n, shift):
+    if x.dtype == types.float32:
+        def polynomial(x, start, n, shift):
+            full = start + n - n % 16
+            shifts = fill(shift, x)
+            sums = fill(0.0, x)
+            for c in range(start, full, 16):
+                value = _exp_float32(load(x, c), shifts)
+                store(x, c, value)
                 sums = add(sums, value)
             total = horizontal_sum(sums)
-            for c in range(full, n):
-                value = _exp_float32(row[c], shift)
-                row[c] = value
+            for c in range(full, start + n):
+                value = _exp_float32(x[c], shift)
+                x[c] = value
                 total += value
             return total
         return polynomial
 
-    def exact(row, n, shift):
-        total = row.dtype.type(0.0)
-        for c in range(n):
-            value = math.exp(row[c] - shift)
-            row[c] = value
+    def exact(x, start, n, shift):
+        total = x.dtype.type(0.0)
+        for c in range(start, start + n):
+            value = math.exp(x[c] - shift)
+            x[c] = value
             total += value
         return total
     return exact

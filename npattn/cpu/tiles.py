@@ -105,10 +105,9 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
     threshold = np.uint64(ints[Int.DROPOUT_THRESHOLD])
     for r in range(rows):
         state = dropout_row_state(ints, b, h, i0 + r)
-        row = s[r * ld:r * ld + cols]
         for c in range(cols):
             kept = (absorb(state, np.uint64(j0 + c)) >> np.uint64(8)) >= threshold
-            row[c] = row[c] * keep_scale if kept else 0.0
+            s[r * ld + c] = s[r * ld + c] * keep_scale if kept else 0.0
 
 
 @helper
@@ -173,41 +172,35 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
         softcap = reals[Real.SOFTCAP]
         inverse = 1.0 / softcap
         for r in range(rows):
-            row = s[r * ld:r * ld + cols]
-            row_tanh = tanh[r * ld:r * ld + cols]
-            for c in range(cols):
-                t = math.tanh(row[c] * inverse)
-                row_tanh[c] = t
-                row[c] = softcap * t
+            for x in range(r * ld, r * ld + cols):
+                t = math.tanh(s[x] * inverse)
+                tanh[x] = t
+                s[x] = softcap * t
     if ints[Int.HAS_BIAS]:
         sb, sh, sq, sk = (ints[Int.BIAS_STRIDE_B], ints[Int.BIAS_STRIDE_H], ints[Int.BIAS_STRIDE_Q],
                           ints[Int.BIAS_STRIDE_K])
         for r in range(rows):
-            row = s[r * ld:r * ld + cols]
             base = b * sb + h * sh + (i0 + r) * sq + j0 * sk
             for c in range(cols):
-                row[c] += bias[base + c * sk]
+                s[r * ld + c] += bias[base + c * sk]
     if ints[Int.HAS_ALIBI]:
         slope = alibi[b * heads + h]
         for r in range(rows):
-            row = s[r * ld:r * ld + cols]
             position = i0 + r + ints[Int.KV_LEN] - ints[Int.Q_LEN]
             for c in range(cols):
-                row[c] -= slope * abs(position - (j0 + c))
+                s[r * ld + c] -= slope * abs(position - (j0 + c))
     if not tile_fully_visible(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
         for r in range(rows):
-            row = s[r * ld:r * ld + cols]
             lo, hi, sink_end = key_band(ints, kv_lengths, b, i0 + r)
             for c in range(cols):
                 j = j0 + c
                 if not (j < sink_end or (lo <= j and j < hi)):
-                    row[c] = -np.inf
+                    s[r * ld + c] = -np.inf
     if ints[Int.HAS_MASK]:
         sb, sh, sq, sk = (ints[Int.MASK_STRIDE_B], ints[Int.MASK_STRIDE_H], ints[Int.MASK_STRIDE_Q],
                           ints[Int.MASK_STRIDE_K])
         for r in range(rows):
-            row = s[r * ld:r * ld + cols]
             base = b * sb + h * sh + (i0 + r) * sq + j0 * sk
             for c in range(cols):
                 if mask[base + c * sk] == 0:
-                    row[c] = -np.inf
+                    s[r * ld + c] = -np.inf
