@@ -23,6 +23,7 @@ from numba import njit
 
 from .blas import gemm
 from .jit import helper, kernel
+from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted
 from .microkernels import padded_width, product
@@ -95,7 +96,7 @@ def backward_items(ints, chunks):
 
 @kernel
 def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
-                    dout, dout_strides, lse, delta, dq, dk, dv, chunks, start, stop, step):
+                    dout, dout_strides, lse, delta, dq, dk, dv, chunks, counter, items):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
     all C-contiguous in the compute dtype and zero on entry.
 
@@ -115,7 +116,10 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
     p, dropped, ds, tanh, packed = _gradient_buffers(ints, dtype)
     dk_tile = np.empty(block_k * head_dim, dtype)
     dv_tile = np.empty(block_k * value_dim, dtype)
-    for item in range(start, stop, step):
+    while True:
+        item = next_item(counter)
+        if item >= items:
+            break
         b = item // (kv_heads * chunks)
         kv_head = (item // chunks) % kv_heads
         chunk = item % chunks
@@ -175,7 +179,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
 
 @kernel
 def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
-                 dout, dout_strides, lse, delta, dbias, dbias_shape, start, stop, step):
+                 dout, dout_strides, lse, delta, dbias, dbias_shape, counter, items):
     """dbias: flat C-contiguous ``dbias_shape`` (Bb, Hb, Sqb, Skb), each 1 or full, zero on
     entry. Item = (bias batch, bias head, query tile or all rows, key tile or all keys);
     it sums dS over the batches, heads, rows and keys that broadcast onto its elements."""
@@ -187,7 +191,10 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
     dtype = q.dtype
     ld = ints[Int.SCORE_LD]
     p, dropped, ds, tanh, packed = _gradient_buffers(ints, dtype)
-    for item in range(start, stop, step):
+    while True:
+        item = next_item(counter)
+        if item >= items:
+            break
         k_item = item % k_items
         q_item = (item // k_items) % q_items
         hb = (item // (k_items * q_items)) % bias_h

@@ -1,8 +1,8 @@
 """The tiled forward (FlashAttention-2): out and lse with an online softmax, and the
 exact attention weights recomputed from lse.
 
-Work items are (batch, head, query tile); a kernel runs items ``start, start + step,
-... < stop`` and :mod:`npattn.cpu.threads` runs one such stripe per core. For
+Work items are (batch, head, query tile); each thread of :mod:`npattn.cpu.threads`
+claims the next item until none is left (``counter``, ``items``). For
 each item the key tiles that masking leaves alive are visited in order; per tile:
 the scores (micro-kernel or BLAS, see :mod:`npattn.cpu.microkernels`), the running
 max ``m`` and sum ``l`` updated per row, the accumulated output rescaled by
@@ -21,6 +21,7 @@ import numpy as np
 
 from .blas import gemm
 from .jit import helper, kernel
+from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
 from .microkernels import product
@@ -46,7 +47,7 @@ def _query_tile(ints, q_lengths, item):
 
 @kernel
 def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
-                   out, out_strides, lse, start, stop, step):
+                   out, out_strides, lse, counter, items):
     """Fill ``out`` (a flat view with bhsd element strides ``out_strides``, int64 (3,),
     zero on entry) and ``lse`` (flat (B, H, Sq), -inf on entry). Rows past ``q_lengths``
     stay as they are.
@@ -69,7 +70,10 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
     keep_scale = reals[Real.KEEP_SCALE]
     out_row_stride = out_strides[2]
     v_row_stride = ints[Int.V_STRIDE_S]
-    for item in range(start, stop, step):
+    while True:
+        item = next_item(counter)
+        if item >= items:
+            break
         b, h, i0, i1 = _query_tile(ints, q_lengths, item)
         rows = i1 - i0
         if rows <= 0:
@@ -172,7 +176,7 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
 
 @kernel
 def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
-                   lse, weights, start, stop, step):
+                   lse, weights, counter, items):
     """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
     ``exp(s - lse)``: the exact probabilities, after masking and before dropout."""
     block_q, block_k, ld = ints[Int.BLOCK_Q], ints[Int.BLOCK_K], ints[Int.SCORE_LD]
@@ -180,7 +184,10 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
     s = np.empty(block_q * ld, q.dtype)
     tanh = np.empty(block_q * ld if ints[Int.HAS_SOFTCAP] else 1, q.dtype)
     packed = packed_keys_buffer(ints, q.dtype)
-    for item in range(start, stop, step):
+    while True:
+        item = next_item(counter)
+        if item >= items:
+            break
         b, h, i0, i1 = _query_tile(ints, q_lengths, item)
         rows = i1 - i0
         if rows <= 0:

@@ -1,10 +1,13 @@
 """Run a kernel's work items on every core, with Python threads around nogil Numba code.
 
-Each kernel takes ``(..., start, stop, step)`` and runs its work items
-``start, start + step, ...``; thread ``t`` of ``T`` runs the stripe starting at
-``t``. Striping interleaves cheap and expensive items (the causal tiles near
-the diagonal), so each core gets about the same work. Every item writes only
-its own outputs, so results do not depend on the thread count or timing.
+Each kernel takes ``(..., counter, items)`` and, in a loop, claims the next
+unclaimed work item with :func:`next_item` (an atomic increment of
+``counter[0]``) until none is left. Claiming on demand rather than by a fixed
+split keeps both cores busy to the end when items differ in cost (the last
+query tile of a head is short; causal tiles near the diagonal cost more) and
+when the hypervisor takes one core away for a while (this project's VMs do). Every
+item writes only its own outputs, so the results do not depend on which thread
+ran which item, on the thread count or on timing: the bits are the same.
 
 Why threads rather than Numba's ``prange``: a parallel region costs about 5 s of
 extra compile time per kernel and dtype (measured), and the kernels release the
@@ -14,6 +17,11 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 _POOL = None
 _POOL_SIZE = 0
@@ -31,17 +39,32 @@ def thread_count() -> int:
 
 
 def run_items(kernel, arguments, items: int) -> None:
-    """``kernel(*arguments, start, items, step)`` over ``min(items, threads)`` stripes."""
+    """``kernel(*arguments, counter, items)`` on ``min(items, threads)`` threads sharing one
+    fresh ``counter``."""
     global _POOL, _POOL_SIZE
-    stripes = min(items, thread_count())
-    if stripes <= 1:
-        kernel(*arguments, 0, items, 1)
+    counter = np.zeros(1, np.int64)
+    threads = min(items, thread_count())
+    if threads <= 1:
+        kernel(*arguments, counter, items)
         return
-    if _POOL is None or _POOL_SIZE < stripes:
+    if _POOL is None or _POOL_SIZE < threads - 1:
         if _POOL is not None:
             _POOL.shutdown(wait=False)
-        _POOL, _POOL_SIZE = ThreadPoolExecutor(stripes, thread_name_prefix="npattn"), stripes
-    futures = [_POOL.submit(kernel, *arguments, stripe, items, stripes) for stripe in range(1, stripes)]
-    kernel(*arguments, 0, items, stripes)  # the calling thread takes the first stripe
+        _POOL, _POOL_SIZE = ThreadPoolExecutor(threads - 1, thread_name_prefix="npattn"), threads - 1
+    futures = [_POOL.submit(kernel, *arguments, counter, items) for _ in range(threads - 1)]
+    kernel(*arguments, counter, items)  # the calling thread works too
     for future in futures:
         future.result()
+
+
+@intrinsic
+def next_item(typingctx, counter):
+    """Claim a work item: atomically ``counter[0] += 1``, returning the value before
+    (int64 ``counter``; jitted code only)."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
+    return types.int64(counter), codegen
