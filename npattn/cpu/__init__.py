@@ -59,7 +59,7 @@ def products(kind: str):
 @contextlib.contextmanager
 def tile_sizes(block_q: int, block_k: int):
     """Run the block with query tiles of ``block_q`` rows and key tiles of ``block_k`` keys in
-    both the forward and the backward (defaults: 192 x 384 and 64 x 128). Results agree
+    both the forward and the backward (defaults: 192 x 384 and 64 x 192). Results agree
     to rounding for any sizes; the tests use tiny tiles to cross many tile edges on small
     problems, and tuners can try others. Not thread-safe: it sets module state."""
     from . import operands

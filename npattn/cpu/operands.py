@@ -25,9 +25,11 @@ from .simd import lanes_of as vector_lanes
 # 192 x 384 against 256 x 512 takes 101 against 129 ms at (4, 16, 1024, 64) causal (a
 # smaller diagonal tile computes fewer masked scores), 542 against 577 ms at GQA
 # (1, 32/8, 2048, 128), and is within noise elsewhere; 192 rows are whole 6-row blocks.
-# Backward tiles from 32 x 256 to 256 x 256 measured 164-210 ms at (1, 8, 2048, 64),
-# within the VM's noise of each other; 64 x 128 stays.
-TILES = {"forward": (192, 384), "backward": (64, 128)}
+# The backward (one backward, best of 3 rounds interleaved over the candidates, with the
+# vector exp): 64 x 192 against 64 x 128 takes 156-160 against 179-184 ms at
+# (1, 8, 2048, 64), 300 against 309 at (4, 16, 1024, 64) and 1223 against 1340 at GQA
+# (1, 32/8, 2048, 128); 128 x 128 and 96 x 192 were as fast or slower, 64 x 256 slower.
+TILES = {"forward": (192, 384), "backward": (64, 192)}
 # Products through the register-blocked micro-kernels (None: where the CPU has 512-bit
 # vectors, see :data:`npattn.cpu.simd.WIDE`), or BLAS; :func:`npattn.cpu.products` sets it.
 PRODUCTS = {"vector": None}
