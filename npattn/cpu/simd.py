@@ -11,9 +11,9 @@ vectorizes that function's plain loops at 512 bits too).
 
 Use only inside ``@njit`` code::
 
-    acc = zeros(x)               # a vector of x.dtype, all 0
-    acc = fma(load(x, i), splat(y, j), acc)
-    store(out, k, acc)
+    acc = (fill(0.0, c),) * 4          # 4 vectors of c.dtype, all 0
+    acc = splat_fma(a, i, load4(b, j), acc)   # acc[v] += a[i] * b[j + v*lanes :][:lanes]
+    store_scaled(c, k, acc, fill(1.0, c), False)
 
 Loads and stores are unaligned and unchecked: ``index + lanes(x) <= len(x)`` is
 the caller's to guarantee. On a CPU without AVX-512, LLVM splits each vector
@@ -64,15 +64,6 @@ def _wide(builder):
     # llvmlite only knows attribute keywords; a "key"="value" string attribute goes in as text
     set.add(attributes, '"prefer-vector-width"="512"')
     set.add(attributes, '"min-legal-vector-width"="512"')
-
-
-@intrinsic
-def wide_vectors(typingctx):
-    """Emits nothing; lets LLVM vectorize the calling function's loops at 512 bits."""
-    def codegen(context, builder, signature, args):
-        _wide(builder)
-        return context.get_dummy_value()
-    return types.none(), codegen
 
 
 @intrinsic
@@ -127,21 +118,6 @@ def store(typingctx, array, index, value):
 
 
 @intrinsic
-def splat(typingctx, array, index):
-    """A vector with every lane ``array[index]``."""
-    if not (_check_float_array(array) and isinstance(index, types.Integer)):
-        return None
-    vector = Vector(array.dtype)
-
-    def codegen(context, builder, signature, args):
-        _wide(builder)
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        scalar = builder.load(builder.gep(data, [args[1]]))
-        return _broadcast(context, builder, vector, scalar)
-    return vector(array, index), codegen
-
-
-@intrinsic
 def fill(typingctx, value, like):
     """A vector of ``like.dtype`` with every lane ``value`` (converted)."""
     if not (isinstance(value, (types.Float, types.Integer)) and _check_float_array(like)):
@@ -161,18 +137,6 @@ def _broadcast(context, builder, vector, scalar):
                                     ir.Constant(ir.IntType(32), 0))
     mask = ir.Constant(ir.VectorType(ir.IntType(32), vector.lanes), [0] * vector.lanes)
     return builder.shuffle_vector(single, ir.Constant(vector_type, ir.Undefined), mask)
-
-
-@intrinsic
-def fma(typingctx, a, b, c):
-    """``a * b + c`` lane by lane, one rounding."""
-    if not (isinstance(a, Vector) and a == b == c):
-        return None
-
-    def codegen(context, builder, signature, args):
-        _wide(builder)
-        return call_llvm_intrinsic(builder, "fma", *args)
-    return a(a, b, c), codegen
 
 
 @intrinsic
@@ -272,9 +236,7 @@ def _lane_by_lane(build, doc):
     return intrinsic(typer)
 
 
-mul = _lane_by_lane("fmul", "``a * b`` lane by lane.")
 add = _lane_by_lane("fadd", "``a + b`` lane by lane.")
-sub = _lane_by_lane("fsub", "``a - b`` lane by lane.")
 
 
 def select_greater(builder, a, b):
