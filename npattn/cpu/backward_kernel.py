@@ -23,6 +23,7 @@ from numba import njit
 
 from .blas import gemm
 from .jit import helper, kernel
+from .signatures import smaller
 from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted
@@ -124,10 +125,10 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
         kv_head = (item // chunks) % kv_heads
         chunk = item % chunks
         first = chunk * tiles_per_chunk * block_k
-        last = min(kv_len, kv_lengths[b], first + tiles_per_chunk * block_k)
-        rows_valid = min(q_len, q_lengths[b])
+        last = smaller(smaller(kv_len, kv_lengths[b]), first + tiles_per_chunk * block_k)
+        rows_valid = smaller(q_len, q_lengths[b])
         for j0 in range(first, last, block_k):
-            cols = min(block_k, last - j0)
+            cols = smaller(block_k, last - j0)
             for x in range(cols * head_dim):
                 dk_tile[x] = 0.0
             for x in range(cols * value_dim):
@@ -138,7 +139,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
             pack_value_tile(v, ints, b, kv_head, j0, cols, packed)
             for h in range(kv_head * group, (kv_head + 1) * group):
                 for i0 in range(0, rows_valid, block_q):
-                    rows = min(block_q, rows_valid - i0)
+                    rows = smaller(block_q, rows_valid - i0)
                     if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
                         continue
                     score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout,
@@ -199,16 +200,16 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
         q_item = (item // k_items) % q_items
         hb = (item // (k_items * q_items)) % bias_h
         bb = item // (k_items * q_items * bias_h)
-        i_first, i_last = (q_item * block_q, min(q_len, (q_item + 1) * block_q)) if bias_q > 1 else (0, q_len)
-        j_first, j_last = (k_item * block_k, min(kv_len, (k_item + 1) * block_k)) if bias_k > 1 else (0, kv_len)
+        i_first, i_last = (q_item * block_q, smaller(q_len, (q_item + 1) * block_q)) if bias_q > 1 else (0, q_len)
+        j_first, j_last = (k_item * block_k, smaller(kv_len, (k_item + 1) * block_k)) if bias_k > 1 else (0, kv_len)
         for b in range(batch) if bias_b == 1 else range(bb, bb + 1):
-            rows_valid = min(i_last, q_lengths[b])
-            keys_valid = min(j_last, kv_lengths[b])
+            rows_valid = smaller(i_last, q_lengths[b])
+            keys_valid = smaller(j_last, kv_lengths[b])
             for h in range(heads) if bias_h == 1 else range(hb, hb + 1):
                 for i0 in range(i_first, rows_valid, block_q):
-                    rows = min(block_q, rows_valid - i0)
+                    rows = smaller(block_q, rows_valid - i0)
                     for j0 in range(j_first, keys_valid, block_k):
-                        cols = min(block_k, keys_valid - j0)
+                        cols = smaller(block_k, keys_valid - j0)
                         if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
                             continue
                         kv_head = h // (heads // ints[Int.KV_HEADS])

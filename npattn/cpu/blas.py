@@ -28,7 +28,7 @@ from numba.extending import overload
 from numba.np.linalg import _BLAS, get_blas_kind
 
 from .jit import OPTIONS
-from .signatures import as_readonly, plain_int, scalar_like
+from .signatures import as_readonly, larger, plain_int, scalar_like
 
 
 @njit(inline="always")
@@ -63,8 +63,8 @@ def _gemm_overload(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ld
         scalars[0] = alpha
         scalars[1] = beta
         xxgemm(kind, transposed if trans_a else plain, transposed if trans_b else plain,
-               m, n, k, scalars[0:].ctypes, a.ctypes, max(lda, 1), b.ctypes, max(ldb, 1),
-               scalars[1:].ctypes, c.ctypes, max(ldc, 1))
+               m, n, k, scalars[0:].ctypes, a.ctypes, larger(lda, 1), b.ctypes, larger(ldb, 1),
+               scalars[1:].ctypes, c.ctypes, larger(ldc, 1))
 
     return implementation
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from .blas import gemm
 from .jit import helper, kernel
+from .signatures import larger, smaller
 from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
@@ -42,7 +43,7 @@ def _query_tile(ints, q_lengths, item):
     b = item // (heads * tiles)
     h = (item // tiles) % heads
     i0 = (item % tiles) * block_q
-    return b, h, i0, min(q_len, i0 + block_q, q_lengths[b])
+    return b, h, i0, smaller(smaller(q_len, i0 + block_q), q_lengths[b])
 
 
 @kernel
@@ -91,7 +92,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
         for segment in range(2):
             first, last = (0, sink_end) if segment == 0 else (band_start, band_stop)
             for j0 in range(first, last, block_k):
-                cols = min(block_k, last - j0)
+                cols = smaller(block_k, last - j0)
                 pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
                 score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
                            b, h, i0, rows, j0, cols)
@@ -160,7 +161,7 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
     running sum and output rows rescaled by exp(m_old - m_new)."""
     for r in range(rows):
         tile_max = row_max(s, r * ld, cols)
-        new_max = max(m[r], tile_max)
+        new_max = larger(m[r], tile_max)
         if tile_max > -np.inf:
             seen[r] = True
         # nothing visible yet: a shift of 0 keeps every exp at 0 (not NaN)
@@ -198,7 +199,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
         for segment in range(2):
             first, last = (0, sink_end) if segment == 0 else (band_start, band_stop)
             for j0 in range(first, last, block_k):
-                cols = min(block_k, last - j0)
+                cols = smaller(block_k, last - j0)
                 pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
                 score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
                            b, h, i0, rows, j0, cols)

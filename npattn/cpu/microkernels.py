@@ -18,7 +18,7 @@ from numba import njit
 from numba.extending import overload
 
 from .jit import OPTIONS, helper
-from .signatures import as_readonly, plain_int, scalar_like
+from .signatures import as_readonly, plain_int, scalar_like, smaller
 from .simd import fill, load, load4, never_inline, splat_fma, store_scaled, transpose_square
 
 _BLOCK_ROWS = 6
@@ -131,7 +131,7 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
     while x < width:
         four = x + chunk <= width
         for j0 in range(0, depth, depth_block):
-            j_count = min(depth_block, depth - j0)
+            j_count = smaller(depth_block, depth - j0)
             args = (a, a_offset + j0 * a_col, a_row, a_col, b, b_offset + j0 * b_row + x, b_row,
                     c, c_offset + x, c_row, rows, j_count, alpha, accumulate or j0 > 0)
             if four:

@@ -8,6 +8,10 @@ callee and of everything it calls (seconds for the micro-kernels, and again in
 every caller that links it). The helpers' wrappers pass their arguments through
 these conversions, so every call site shares one compiled body.
 
+:func:`smaller` and :func:`larger` replace the builtin ``min`` and ``max`` on
+scalars for the same reason: the builtins compile a small function of their own
+per tuple of argument types, which every caller then links and optimizes again.
+
 Use only inside ``@njit`` code.
 """
 from __future__ import annotations
@@ -19,10 +23,17 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 
-@njit(inline="always")
-def plain_int(value):
-    """``value`` as an int64, never a literal."""
-    return np.int64(value)
+@intrinsic
+def plain_int(typingctx, value):
+    """``value`` as an int64, never a literal. An intrinsic rather than an inlined
+    ``np.int64(value)``: Numba re-reads an inlined function's bytecode at every call
+    site, and the helpers' wrappers make dozens of these calls."""
+    if not isinstance(value, (types.Integer, types.Boolean)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return context.cast(builder, args[0], signature.args[0], types.int64)
+    return types.int64(value), codegen
 
 
 @intrinsic
@@ -48,3 +59,40 @@ def scalar_like(typingctx, value, array):
     def codegen(context, builder, signature, args):
         return context.cast(builder, args[0], signature.args[0], array.dtype)
     return array.dtype(value, array), codegen
+
+
+def _pick(typingctx, first, second, *, keep_first_when):
+    """Typing and lowering of :func:`smaller` / :func:`larger`: both converted to their
+    common type, then one compare and one select (no call, no library to link)."""
+    numbers = (types.Integer, types.Float, types.Boolean)
+    if not (isinstance(first, numbers) and isinstance(second, numbers)):
+        return None
+    common = typingctx.unify_types(types.unliteral(first), types.unliteral(second))
+    if isinstance(common, types.Boolean):
+        common = types.int64
+
+    def codegen(context, builder, signature, args):
+        a = context.cast(builder, args[0], signature.args[0], common)
+        b = context.cast(builder, args[1], signature.args[1], common)
+        if isinstance(common, types.Float):  # ordered: false with a NaN, so ``second``
+            keep = builder.fcmp_ordered(keep_first_when, a, b)
+        elif common.signed:
+            keep = builder.icmp_signed(keep_first_when, a, b)
+        else:
+            keep = builder.icmp_unsigned(keep_first_when, a, b)
+        return builder.select(keep, a, b)
+    return common(first, second), codegen
+
+
+@intrinsic
+def smaller(typingctx, first, second):
+    """``min(first, second)`` for two numbers, in their common type; ``second`` when they
+    tie or either is NaN."""
+    return _pick(typingctx, first, second, keep_first_when="<")
+
+
+@intrinsic
+def larger(typingctx, first, second):
+    """``max(first, second)`` for two numbers, in their common type; ``second`` when they
+    tie or either is NaN."""
+    return _pick(typingctx, first, second, keep_first_when=">")

@@ -17,7 +17,7 @@ from .blas import gemm
 from .jit import helper
 from .microkernels import pack_transposed, padded_width, product
 from .operands import Int, Real
-from .signatures import plain_int, scalar_like
+from .signatures import larger, plain_int, scalar_like, smaller
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _MIX_INCREMENT = np.uint64(0x9E3779B9)
@@ -34,16 +34,16 @@ def key_band(ints, kv_lengths, b, i):
     kv_valid = kv_lengths[b]
     kv_len, left, right, causal = ints[Int.KV_LEN], ints[Int.WINDOW_LEFT], ints[Int.WINDOW_RIGHT], ints[Int.CAUSAL]
     position = i + kv_len - ints[Int.Q_LEN]
-    lo = 0 if left < 0 else max(0, position - left)
-    hi = kv_len if right < 0 else min(kv_len, position + right + 1)
+    lo = 0 if left < 0 else larger(0, position - left)
+    hi = kv_len if right < 0 else smaller(kv_len, position + right + 1)
     if causal:
-        hi = min(hi, position + 1)
-    hi = max(lo, min(hi, kv_valid))
+        hi = smaller(hi, position + 1)
+    hi = larger(lo, smaller(hi, kv_valid))
     sink_end = 0
     if left >= 0 or right >= 0:
-        sink_end = min(ints[Int.SINKS], kv_valid)
+        sink_end = smaller(ints[Int.SINKS], kv_valid)
         if causal:
-            sink_end = min(sink_end, max(0, position + 1))
+            sink_end = smaller(sink_end, larger(0, position + 1))
     return lo, hi, sink_end
 
 
@@ -54,8 +54,8 @@ def key_segments(ints, kv_lengths, b, i0, i1):
     outside them are never computed."""
     lo_first, _, _ = key_band(ints, kv_lengths, b, i0)
     _, hi_last, sink_last = key_band(ints, kv_lengths, b, i1 - 1)
-    start = max(lo_first, sink_last)
-    return sink_last, start, max(start, hi_last)
+    start = larger(lo_first, sink_last)
+    return sink_last, start, larger(start, hi_last)
 
 
 @helper
