@@ -8,7 +8,11 @@ starts after a short pause, so the spinning worker threads of the previous one
 (OpenBLAS, OpenMP) do not slow it. GFLOP/s counts
 the matrix products' useful flops (4 S_q S_k D per head forward, causal counting
 only visible pairs; 2.5x that for the backward's five products) and "% peak" is
-against NumPy's float32 matmul measured in the same run. PyTorch
+against NumPy's float32 matmul (2048^3), timed as one more member of every round:
+these VMs also change speed by up to 1.7x for minutes at a time, so a peak taken
+once at the start would misstate every later row. Ratios (torch/npattn, % peak)
+are medians of the per-round ratios, which cancel a drift that hits both
+members of a round. PyTorch
 (``scaled_dot_product_attention``) and the naive implementation (materialized
 scores, NumPy's softmax) are timed only when importable; torch is never a
 dependency of npattn.
@@ -114,12 +118,13 @@ def _naive_runs(q, k, v, causal):
     return forward, None
 
 
-def matmul_gflops(size: int = 2048, repeats: int = 3) -> float:
-    """NumPy's float32 matmul throughput here: the practical peak the table compares with."""
+_PEAK_SIZE = 2048  # the matmul of "% peak": n x n times n x n, float32
+
+
+def _matmul_run(size: int):
+    """One float32 n x n matmul in NumPy: the practical peak the table compares with."""
     a = np.random.default_rng(0).standard_normal((size, size), np.float32)
-    a @ a
-    best = min(_time(lambda: a @ a) for _ in range(repeats))
-    return 2.0 * size ** 3 / best / 1e9
+    return lambda: a @ a
 
 
 # Pause before each timed run. BLAS and OpenMP pools (NumPy's OpenBLAS, torch's OpenMP)
@@ -166,11 +171,11 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
         torch_note = f"torch {torch.__version__} on {torch.get_num_threads()} threads"
     except ImportError:
         torch_note = "torch not importable: no torch column"
-    peak = matmul_gflops()
+    matmul, matmul_flops = _matmul_run(_PEAK_SIZE), 2.0 * _PEAK_SIZE ** 3
     print(f"npattn {npattn.__version__} bench, float32, median of {repeats} interleaved runs; "
-          f"NumPy float32 matmul {peak:.0f} GFLOP/s; {torch_note}", file=out)
+          f"{torch_note}", file=out)
     header = (f"{'shape (B,H,S,D)':<22}{'causal':<8}{'pass':<9}{'npattn ms':>10}{'GFLOP/s':>9}"
-              f"{'% peak':>8}{'torch ms':>10}{'torch/npattn':>13}{'naive ms':>10}")
+              f"{'% peak':>8}{'torch ms':>10}{'torch/npattn':>13}{'naive ms':>10}{'matmul':>9}")
     print(header, file=out)
     print("-" * len(header), file=out)
     rows = []
@@ -181,28 +186,36 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
         runs = {name: make(q, k, v, causal) for name, make in candidates.items()}
         for pass_index, pass_name in enumerate(("forward", "fwd+bwd") if backward else ("forward",)):
             timed = {name: pair[pass_index] for name, pair in runs.items() if pair[pass_index] is not None}
+            timed["matmul"] = matmul
             for run in timed.values():  # warm up: compile, allocate
                 run()
             samples = {name: [] for name in timed}
             for _ in range(repeats):
                 for name, run in timed.items():
                     samples[name].append(_time(run))
+            samples = {name: np.array(t) for name, t in samples.items()}
             ms = {name: 1e3 * float(np.median(t)) for name, t in samples.items()}
             flops = shape.forward_flops(causal) * (3.5 if pass_name == "fwd+bwd" else 1.0)
             gflops = flops / (ms["npattn"] / 1e3) / 1e9
+            peak_fraction = float(np.median(samples["matmul"] / samples["npattn"])) * flops / matmul_flops
+            torch_ratio = (float(np.median(samples["torch"] / samples["npattn"])) if "torch" in samples
+                           else None)
             row = dict(shape=str(shape), causal=causal, passes=pass_name, npattn_ms=ms["npattn"],
-                       gflops=gflops, peak_fraction=gflops / peak, torch_ms=ms.get("torch"),
-                       naive_ms=ms.get("naive"))
+                       gflops=gflops, peak_fraction=peak_fraction, torch_ms=ms.get("torch"),
+                       torch_ratio=torch_ratio, naive_ms=ms.get("naive"),
+                       matmul_gflops=matmul_flops / (ms["matmul"] / 1e3) / 1e9)
             rows.append(row)
             torch_ms = "-" if row["torch_ms"] is None else f"{row['torch_ms']:.1f}"
-            ratio = "-" if row["torch_ms"] is None else f"{row['torch_ms'] / row['npattn_ms']:.2f}x"
+            ratio = "-" if torch_ratio is None else f"{torch_ratio:.2f}x"
             naive_ms = "-" if row["naive_ms"] is None else f"{row['naive_ms']:.1f}"
             _clear_progress(progress)
             print(f"{str(shape):<22}{str(causal):<8}{pass_name:<9}{ms['npattn']:>10.1f}{gflops:>9.1f}"
-                  f"{100 * gflops / peak:>7.0f}%{torch_ms:>10}{ratio:>13}{naive_ms:>10}", file=out)
+                  f"{100 * peak_fraction:>7.0f}%{torch_ms:>10}{ratio:>13}{naive_ms:>10}"
+                  f"{row['matmul_gflops']:>9.0f}", file=out)
         out.flush()
     _clear_progress(progress)
-    print("torch/npattn > 1 means npattn is faster.", file=out)
+    print("torch/npattn > 1 means npattn is faster. matmul: NumPy's float32 GFLOP/s in the same "
+          "rounds, the peak of '% peak'.", file=out)
     return rows
 
 

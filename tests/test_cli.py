@@ -39,3 +39,21 @@ def test_demo_command_line(tmp_path):
         assert "no weights plot" in result.stdout
     else:
         assert (tmp_path / "npattn_demo_attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_table_rows_are_consistent(monkeypatch):
+    """One tiny shape, one round: every row has its pass, times, and a % peak and a torch
+    ratio computed from the same rounds (torch only when importable)."""
+    from npattn import bench
+
+    monkeypatch.setattr(bench, "_SETTLE_S", 0.0)
+    monkeypatch.setattr(bench, "_PEAK_SIZE", 64)
+    printed = io.StringIO()
+    rows = bench.compare(shapes=[(1, 2, 1, 32, 16)], repeats=2, out=printed, progress=io.StringIO())
+    assert [(row["causal"], row["passes"]) for row in rows] == [
+        (False, "forward"), (False, "fwd+bwd"), (True, "forward"), (True, "fwd+bwd")]
+    for row in rows:
+        assert row["npattn_ms"] > 0 and row["gflops"] > 0 and row["matmul_gflops"] > 0
+        assert 0 < row["peak_fraction"] < 100
+        assert (row["torch_ms"] is None) == (row["torch_ratio"] is None)
+    assert "(1,2/1kv,32,16)" in printed.getvalue() and "matmul" in printed.getvalue()
