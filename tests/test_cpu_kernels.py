@@ -50,8 +50,9 @@ def vector_dims(draw):
 
 @settings(max_examples=40)
 @given(case=cases(dtypes=("float32", "float64"), dims_strategy=vector_dims()), layout=layouts,
-       tile=st.tuples(st.integers(1, 20), st.integers(1, 70)), kind=products)
+       tile=st.tuples(st.integers(1, 20), st.integers(1, 70), st.integers(1, 13)), kind=products)
 def test_vector_products_match_the_reference_at_vector_widths(case, layout, tile, kind):
+    """Also cuts tiles that the causal or window edge crosses into bands of 1 to 13 rows."""
     with cpu.tile_sizes(*tile), cpu.products(kind):
         check_forward("cpu", case, layout)
         check_backward("cpu", case, layout)
@@ -136,6 +137,9 @@ def test_float16_inputs_run_in_float32_and_return_float16():
 def test_tile_sizes_must_be_positive():
     with pytest.raises(ValueError, match="block_q=0"):
         with cpu.tile_sizes(0, 8):
+            pass
+    with pytest.raises(ValueError, match="edge_band=0"):
+        with cpu.tile_sizes(4, 8, edge_band=0):
             pass
 
 

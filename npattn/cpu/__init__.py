@@ -57,17 +57,22 @@ def products(kind: str):
 
 
 @contextlib.contextmanager
-def tile_sizes(block_q: int, block_k: int):
+def tile_sizes(block_q: int, block_k: int, edge_band: int | None = None):
     """Run the block with query tiles of ``block_q`` rows and key tiles of ``block_k`` keys in
-    both the forward and the backward (defaults: 192 x 384 and 64 x 192). Results agree
-    to rounding for any sizes; the tests use tiny tiles to cross many tile edges on small
-    problems, and tuners can try others. Not thread-safe: it sets module state."""
+    both the forward and the backward (defaults: 192 x 384 and 64 x 192), and, when
+    given, products on tiles the causal or window edge cuts in bands of ``edge_band``
+    rows (default 48). Results agree to rounding for any sizes; the tests use tiny tiles
+    to cross many tile edges on small problems, and tuners can try others. Not
+    thread-safe: it sets module state."""
     from . import operands
 
-    if block_q < 1 or block_k < 1:
-        raise ValueError(f"tile sizes must be positive, got block_q={block_q}, block_k={block_k}")
+    if block_q < 1 or block_k < 1 or (edge_band is not None and edge_band < 1):
+        raise ValueError(f"tile sizes must be positive, got block_q={block_q}, block_k={block_k}, "
+                         f"edge_band={edge_band}")
     saved = dict(operands.TILES)
     operands.TILES.update(forward=(int(block_q), int(block_k)), backward=(int(block_q), int(block_k)))
+    if edge_band is not None:
+        operands.TILES["edge_band"] = int(edge_band)
     try:
         yield
     finally:

@@ -26,7 +26,8 @@ from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
 from .microkernels import product
-from .tiles import apply_dropout, key_segments, pack_key_tile, packed_keys_buffer, score_tile
+from .tiles import (apply_dropout, band_keys, key_segments, pack_key_tile, packed_keys_buffer,
+                    score_tile, tile_fully_visible)
 
 
 def forward_items(ints):
@@ -107,10 +108,18 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                                       out_offset, out_row_stride, dv)
                 if ints[Int.HAS_DROPOUT]:
                     apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
-                # O (rows x dv) += P (rows x cols) . V (cols x dv)
+                # O (rows x dv) += P (rows x cols) . V (cols x dv); on a tile the causal or
+                # window edge cuts, each band of rows stops at its last visible key (the
+                # probabilities past it are exact zeros)
                 if ints[Int.VECTOR_VALUES]:
-                    product(s, 0, ld, 1, v, v_base + j0 * v_row_stride, v_row_stride,
-                            out, out_offset, out_row_stride, rows, cols, dv, 1.0, True)
+                    full = tile_fully_visible(ints, kv_lengths, b, i0, i1, j0, j0 + cols)
+                    band = rows if full else ints[Int.EDGE_BAND]
+                    for r0 in range(0, rows, band):
+                        band_rows = smaller(band, rows - r0)
+                        depth = band_keys(ints, kv_lengths, b, i0 + r0 + band_rows - 1, j0, cols, full)
+                        product(s, r0 * ld, ld, 1, v, v_base + j0 * v_row_stride, v_row_stride, out,
+                                out_offset + r0 * out_row_stride, out_row_stride, band_rows, depth, dv,
+                                1.0, True)
                 else:  # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
                     gemm(False, False, dv, rows, cols, 1.0, v[v_base + j0 * v_row_stride:], v_row_stride,
                          s, ld, 1.0, out[out_offset:], out_row_stride)

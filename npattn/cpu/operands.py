@@ -29,7 +29,7 @@ from .simd import lanes_of as vector_lanes
 # vector exp): 64 x 192 against 64 x 128 takes 156-160 against 179-184 ms at
 # (1, 8, 2048, 64), 300 against 309 at (4, 16, 1024, 64) and 1223 against 1340 at GQA
 # (1, 32/8, 2048, 128); 128 x 128 and 96 x 192 were as fast or slower, 64 x 256 slower.
-TILES = {"forward": (192, 384), "backward": (64, 192)}
+TILES = {"forward": (192, 384), "backward": (64, 192), "edge_band": 48}
 # Products through the register-blocked micro-kernels (None: where the CPU has 512-bit
 # vectors, see :data:`npattn.cpu.simd.WIDE`), or BLAS; :func:`npattn.cpu.products` sets it.
 PRODUCTS = {"vector": None}
@@ -82,6 +82,7 @@ class Int(IntEnum):
     VECTOR_SCORES = 40   # scores through :mod:`npattn.cpu.microkernels` (else BLAS)
     VECTOR_VALUES = 41   # P V and dV through them too (needs Dv a whole number of vectors)
     VECTOR_KEYS = 42     # dQ and dK through them too (needs D a whole number of vectors)
+    EDGE_BAND = 43       # rows per band of a tile the causal/window edge cuts (tiles.band_keys)
 
 
 class Real(IntEnum):
@@ -183,6 +184,7 @@ def build_operands(problem, tiles=TILES["forward"]) -> Operands:
     ints[Int.SEED_LO] = seed_lo
     ints[Int.SEED_HI] = seed_hi
     ints[Int.BLOCK_Q], ints[Int.BLOCK_K] = tiles
+    ints[Int.EDGE_BAND] = TILES["edge_band"]
     vector = _vector_products()
     ints[Int.VECTOR_SCORES] = vector
     ints[Int.VECTOR_VALUES] = vector and problem.value_dim % vector_lanes(dtype) == 0

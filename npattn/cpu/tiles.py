@@ -68,6 +68,21 @@ def tile_fully_visible(ints, kv_lengths, b, i0, i1, j0, j1):
 
 
 @helper
+def band_keys(ints, kv_lengths, b, i_last, j0, cols, full):
+    """How many keys of ``[j0, j0 + cols)`` rows up to ``i_last`` may see: ``cols`` for a
+    fully visible tile (``full``), else up to the end of row ``i_last``'s band or sinks
+    (both nondecreasing in the row, so no earlier row sees a key past them).
+
+    On a tile the causal or window edge cuts, the kernels run their products in bands
+    of ``ints[Int.EDGE_BAND]`` rows, each stopping at its last row's count: on the
+    diagonal tiles of a causal problem that skips most of the masked upper triangle."""
+    if full:
+        return cols
+    _, hi, sink_end = key_band(ints, kv_lengths, b, i_last)
+    return larger(0, smaller(cols, larger(hi, sink_end) - j0))
+
+
+@helper
 def fmix32(x):
     """MurmurHash3's finalizer on a uint64 holding a 32-bit value (see :mod:`npattn.dropout`)."""
     x ^= x >> np.uint64(16)
@@ -158,11 +173,23 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
     heads = ints[Int.HEADS]
     q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
     head_dim = ints[Int.HEAD_DIM]
+    full = tile_fully_visible(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols)
     if ints[Int.VECTOR_SCORES]:
         # S (rows x cols) = Q (rows x D) . K^T (D x cols); the padding columns get zeros,
-        # and nothing reads them
-        product(q, q_offset, ints[Int.Q_STRIDE_S], 1, packed, 0, ld, s, 0, ld, rows, head_dim,
-                padded_width(cols, s), reals[Real.SCALE], False)
+        # and nothing reads them. On a tile the causal or window edge cuts, each band of
+        # rows stops at its last visible key; the scores past it get a finite 0 (softcap's
+        # tanh must not meet stale NaNs) and -inf below.
+        q_row = ints[Int.Q_STRIDE_S]
+        band = rows if full else ints[Int.EDGE_BAND]
+        for r0 in range(0, rows, band):
+            band_rows = smaller(band, rows - r0)
+            width = padded_width(band_keys(ints, kv_lengths, b, i0 + r0 + band_rows - 1, j0, cols, full), s)
+            if width > 0:
+                product(q, q_offset + r0 * q_row, q_row, 1, packed, 0, ld, s, r0 * ld, ld, band_rows,
+                        head_dim, width, reals[Real.SCALE], False)
+            for r in range(r0, r0 + band_rows):
+                for x in range(r * ld + width, r * ld + cols):
+                    s[x] = 0.0
     else:  # column-major: S^T (cols x rows) = K (cols x D) . Q^T (D x rows)
         kv_head = h // (heads // ints[Int.KV_HEADS])
         k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
@@ -189,13 +216,19 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
             position = i0 + r + ints[Int.KV_LEN] - ints[Int.Q_LEN]
             for c in range(cols):
                 s[r * ld + c] -= slope * abs(position - (j0 + c))
-    if not tile_fully_visible(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
+    if not full:
         for r in range(rows):
+            # key j is hidden iff j >= sink_end and not lo <= j < hi: two runs of columns,
+            # filled as runs (a per-column test cost as much as the tile's product on the
+            # diagonal tiles of a causal problem)
             lo, hi, sink_end = key_band(ints, kv_lengths, b, i0 + r)
-            for c in range(cols):
-                j = j0 + c
-                if not (j < sink_end or (lo <= j and j < hi)):
-                    s[r * ld + c] = -np.inf
+            gap_start = larger(0, smaller(cols, sink_end - j0))
+            gap_stop = larger(gap_start, smaller(cols, lo - j0))
+            tail_start = larger(0, smaller(cols, larger(sink_end, hi) - j0))
+            for x in range(r * ld + gap_start, r * ld + gap_stop):
+                s[x] = -np.inf
+            for x in range(r * ld + tail_start, r * ld + cols):
+                s[x] = -np.inf
     if ints[Int.HAS_MASK]:
         sb, sh, sq, sk = (ints[Int.MASK_STRIDE_B], ints[Int.MASK_STRIDE_H], ints[Int.MASK_STRIDE_Q],
                           ints[Int.MASK_STRIDE_K])
