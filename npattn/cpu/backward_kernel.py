@@ -28,8 +28,7 @@ from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted
 from .microkernels import padded_width, product
-from .tiles import (apply_dropout, key_segments, pack_key_tile, pack_value_tile, packed_keys_buffer,
-                    packed_values, score_tile)
+from .tiles import apply_dropout, key_segments, pack_key_tile, pack_value_tile, packed_values, score_tile
 
 
 
@@ -79,27 +78,17 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
             ds[x] = p[x] * (ds[x] - row_delta)
 
 
-@helper
-def _gradient_buffers(ints, dtype):
-    """Scratch of :func:`score_gradient_tile`: p, dropped (p itself without dropout), ds
-    and tanh (BLOCK_Q x SCORE_LD each; tanh 1 element without softcap), and the packed
-    key and value tile."""
-    size = ints[Int.BLOCK_Q] * ints[Int.SCORE_LD]
-    p = np.empty(size, dtype)
-    dropped = np.empty(size, dtype) if ints[Int.HAS_DROPOUT] else p
-    tanh = np.empty(size if ints[Int.HAS_SOFTCAP] else 1, dtype)
-    return p, dropped, np.empty(size, dtype), tanh, packed_keys_buffer(ints, dtype)
-
-
 def backward_items(ints, chunks):
     return ints[Int.BATCH] * ints[Int.KV_HEADS] * chunks
 
 
 @kernel
 def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
-                    dout, dout_strides, lse, delta, dq, dk, dv, chunks, counter, items):
+                    dout, dout_strides, lse, delta, dq, dk, dv, chunks,
+                    p, dropped, ds, tanh, packed, dk_tile, dv_tile, counter, items):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
-    all C-contiguous in the compute dtype and zero on entry.
+    all C-contiguous in the compute dtype and zero on entry. ``p`` to ``dv_tile``: this
+    thread's :func:`~npattn.cpu.scratch.backward_scratch`.
 
     The key tile's body is written here, not in a helper: each level of calls costs the
     first call's compile a pass of Numba's optimizer and code emitter over everything
@@ -108,15 +97,10 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
     heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
     head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
     group = heads // kv_heads
-    dtype = q.dtype
     scale = reals[Real.SCALE]
     ld = ints[Int.SCORE_LD]
     key_tiles = (kv_len + block_k - 1) // block_k
     tiles_per_chunk = (key_tiles + chunks - 1) // chunks
-    # scratch for the largest tile, shared by every item of this call
-    p, dropped, ds, tanh, packed = _gradient_buffers(ints, dtype)
-    dk_tile = np.empty(block_k * head_dim, dtype)
-    dv_tile = np.empty(block_k * value_dim, dtype)
     while True:
         item = next_item(counter)
         if item >= items:
@@ -180,18 +164,18 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
 
 @kernel
 def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
-                 dout, dout_strides, lse, delta, dbias, dbias_shape, counter, items):
+                 dout, dout_strides, lse, delta, dbias, dbias_shape, p, dropped, ds, tanh, packed,
+                 counter, items):
     """dbias: flat C-contiguous ``dbias_shape`` (Bb, Hb, Sqb, Skb), each 1 or full, zero on
     entry. Item = (bias batch, bias head, query tile or all rows, key tile or all keys);
-    it sums dS over the batches, heads, rows and keys that broadcast onto its elements."""
+    it sums dS over the batches, heads, rows and keys that broadcast onto its elements.
+    ``p`` to ``packed``: this thread's :func:`~npattn.cpu.scratch.gradient_tile_scratch`."""
     block_q, block_k = ints[Int.BLOCK_Q], ints[Int.BLOCK_K]
     batch, heads, q_len, kv_len = ints[Int.BATCH], ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
     bias_b, bias_h, bias_q, bias_k = dbias_shape[0], dbias_shape[1], dbias_shape[2], dbias_shape[3]
     q_items = (q_len + block_q - 1) // block_q if bias_q > 1 else 1
     k_items = (kv_len + block_k - 1) // block_k if bias_k > 1 else 1
-    dtype = q.dtype
     ld = ints[Int.SCORE_LD]
-    p, dropped, ds, tanh, packed = _gradient_buffers(ints, dtype)
     while True:
         item = next_item(counter)
         if item >= items:

@@ -22,8 +22,9 @@ import os
 import numpy as np
 
 from numba import njit, types
+from numba.core import cgutils
 from numba.core.errors import TypingError
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from numba.np.linalg import _BLAS, get_blas_kind
 
@@ -46,6 +47,19 @@ def _gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     raise NotImplementedError("gemm is only callable from Numba-jitted code")
 
 
+@intrinsic
+def _by_reference(typingctx, value):
+    """A pointer to a copy of the scalar ``value`` in the calling function's stack frame
+    (valid until it returns): how Fortran's BLAS takes alpha and beta, with no array
+    allocated (an ``np.empty`` costs the first call's compile a function of its own)."""
+    if not isinstance(value, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return cgutils.alloca_once_value(builder, args[0])
+    return types.CPointer(value)(value), codegen
+
+
 @overload(_gemm, jit_options=OPTIONS)
 def _gemm_overload(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     if not isinstance(a, types.Array) or a.dtype not in (types.float32, types.float64):
@@ -53,18 +67,14 @@ def _gemm_overload(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ld
     dtype = a.dtype
     xxgemm = _BLAS().numba_xxgemm(dtype)
     kind = ord(get_blas_kind(dtype))
-    np_dtype = np.float32 if dtype == types.float32 else np.float64
     transposed, plain = ord("t"), ord("n")
 
     def implementation(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         if m == 0 or n == 0:
             return
-        scalars = np.empty(2, np_dtype)
-        scalars[0] = alpha
-        scalars[1] = beta
         xxgemm(kind, transposed if trans_a else plain, transposed if trans_b else plain,
-               m, n, k, scalars[0:].ctypes, a.ctypes, larger(lda, 1), b.ctypes, larger(ldb, 1),
-               scalars[1:].ctypes, c.ctypes, larger(ldc, 1))
+               m, n, k, _by_reference(alpha), a.ctypes, larger(lda, 1), b.ctypes, larger(ldb, 1),
+               _by_reference(beta), c.ctypes, larger(ldc, 1))
 
     return implementation
 

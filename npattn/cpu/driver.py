@@ -9,6 +9,7 @@ from .blas import single_threaded_blas
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
 from . import operands
+from .scratch import backward_scratch, forward_scratch, gradient_tile_scratch, score_tile_scratch
 from .operands import Int, build_operands, row_strides
 
 
@@ -26,11 +27,13 @@ def forward(problem) -> ForwardResult:
     out_strides = np.array([s // dtype.itemsize for s in out.strides[:3]], np.int64)
     with single_threaded_blas():
         items = forward_items(ops.ints)
-        run_items(forward_kernel, (*ops, _flat(out), out_strides, lse.reshape(-1)), items)
+        run_items(forward_kernel, (*ops, _flat(out), out_strides, lse.reshape(-1)), items,
+                  lambda: forward_scratch(ops.ints, dtype))
         weights = None
         if problem.return_weights:
             weights = np.zeros((batch, heads, q_len, problem.kv_len), dtype)
-            run_items(weights_kernel, (*ops, lse.reshape(-1), weights.reshape(-1)), items)
+            run_items(weights_kernel, (*ops, lse.reshape(-1), weights.reshape(-1)), items,
+                      lambda: score_tile_scratch(ops.ints, dtype))
     return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
 
 
@@ -64,7 +67,7 @@ def backward(problem, saved, dout) -> Gradients:
     common = (*ops, dout_flat, dout_strides, lse.reshape(-1), delta.reshape(-1))
     with single_threaded_blas():
         run_items(backward_kernel, (*common, dq.reshape(-1), dk.reshape(-1), dv.reshape(-1), chunks),
-                  backward_items(ops.ints, chunks))
+                  backward_items(ops.ints, chunks), lambda: backward_scratch(ops.ints, dtype))
         dbias = None
         if problem.bias is not None:
             dbias_shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)
@@ -72,7 +75,8 @@ def backward(problem, saved, dout) -> Gradients:
             shape = np.array(dbias_shape, np.int64)
             items = (shape[0] * shape[1] * (-(-q_len // int(ops.ints[Int.BLOCK_Q])) if shape[2] > 1 else 1)
                      * (key_tiles if shape[3] > 1 else 1))
-            run_items(dbias_kernel, (*common, dbias.reshape(-1), shape), int(items))
+            run_items(dbias_kernel, (*common, dbias.reshape(-1), shape), int(items),
+                      lambda: gradient_tile_scratch(ops.ints, dtype))
             dbias = dbias.reshape(problem.bias_shape)
     dsink_logits = None
     if problem.sink_logits is not None:

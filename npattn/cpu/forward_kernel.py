@@ -7,11 +7,11 @@ each item the key tiles that masking leaves alive are visited in order; per tile
 the scores (micro-kernel or BLAS, see :mod:`npattn.cpu.microkernels`), the running
 max ``m`` and sum ``l`` updated per row, the accumulated output rescaled by
 ``exp(m_old - m_new)``, then ``out += P @ V`` straight into the output rows. Extra
-memory is one (block_q x block_k) score tile and one packed key tile per call
-(per thread): no Sq x Sk array is ever formed.
+memory is one (block_q x block_k) score tile and one packed key tile per thread
+(:mod:`npattn.cpu.scratch`): no Sq x Sk array is ever formed.
 
 Every kernel takes the flat operands of :class:`~npattn.cpu.operands.Operands` first,
-in its order.
+in its order, and its scratch last before ``counter, items``.
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
 from .microkernels import product
-from .tiles import (apply_dropout, band_keys, key_segments, pack_key_tile, packed_keys_buffer,
-                    score_tile, tile_fully_visible)
+from .tiles import apply_dropout, band_keys, key_segments, pack_key_tile, score_tile, tile_fully_visible
 
 
 def forward_items(ints):
@@ -49,26 +48,18 @@ def _query_tile(ints, q_lengths, item):
 
 @kernel
 def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
-                   out, out_strides, lse, counter, items):
+                   out, out_strides, lse, s, tanh, packed, m, total, sums, seen, counter, items):
     """Fill ``out`` (a flat view with bhsd element strides ``out_strides``, int64 (3,),
     zero on entry) and ``lse`` (flat (B, H, Sq), -inf on entry). Rows past ``q_lengths``
-    stay as they are.
+    stay as they are. ``s`` to ``seen``: this thread's
+    :func:`~npattn.cpu.scratch.forward_scratch`.
 
     One function from the item loop down to the tile's key loop, not a helper per
     tile: Numba optimizes and emits machine code for a function together with every
     helper it calls, once per level of calls, so a level less saves about 1.5 s of the
     first call's compile."""
-    block_q, block_k, dv = ints[Int.BLOCK_Q], ints[Int.BLOCK_K], ints[Int.VALUE_DIM]
+    block_k, dv = ints[Int.BLOCK_K], ints[Int.VALUE_DIM]
     heads, ld = ints[Int.HEADS], ints[Int.SCORE_LD]
-    dtype = q.dtype
-    # scratch for the largest tile, shared by every item of this call
-    s = np.empty(block_q * ld, dtype)
-    tanh = np.empty(block_q * ld if ints[Int.HAS_SOFTCAP] else 1, dtype)
-    packed = packed_keys_buffer(ints, dtype)
-    m = np.empty(block_q, dtype)  # running max and sum of each row
-    total = np.empty(block_q, dtype)
-    sums = np.empty(block_q, dtype)
-    seen = np.empty(block_q, np.bool_)
     keep_scale = reals[Real.KEEP_SCALE]
     out_row_stride = out_strides[2]
     v_row_stride = ints[Int.V_STRIDE_S]
@@ -186,14 +177,12 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
 
 @kernel
 def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
-                   lse, weights, counter, items):
+                   lse, weights, s, tanh, packed, counter, items):
     """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
-    ``exp(s - lse)``: the exact probabilities, after masking and before dropout."""
-    block_q, block_k, ld = ints[Int.BLOCK_Q], ints[Int.BLOCK_K], ints[Int.SCORE_LD]
+    ``exp(s - lse)``: the exact probabilities, after masking and before dropout.
+    ``s``, ``tanh``, ``packed``: this thread's :func:`~npattn.cpu.scratch.score_tile_scratch`."""
+    block_k, ld = ints[Int.BLOCK_K], ints[Int.SCORE_LD]
     heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
-    s = np.empty(block_q * ld, q.dtype)
-    tanh = np.empty(block_q * ld if ints[Int.HAS_SOFTCAP] else 1, q.dtype)
-    packed = packed_keys_buffer(ints, q.dtype)
     while True:
         item = next_item(counter)
         if item >= items:

@@ -38,21 +38,21 @@ def thread_count() -> int:
         return os.cpu_count() or 1
 
 
-def run_items(kernel, arguments, items: int) -> None:
-    """``kernel(*arguments, counter, items)`` on ``min(items, threads)`` threads sharing one
-    fresh ``counter``."""
+def run_items(kernel, arguments, items: int, scratch=tuple) -> None:
+    """``kernel(*arguments, *scratch(), counter, items)`` on ``min(items, threads)`` threads
+    sharing one fresh ``counter``, each with scratch of its own from ``scratch()``."""
     global _POOL, _POOL_SIZE
     counter = np.zeros(1, np.int64)
     threads = min(items, thread_count())
     if threads <= 1:
-        kernel(*arguments, counter, items)
+        kernel(*arguments, *scratch(), counter, items)
         return
     if _POOL is None or _POOL_SIZE < threads - 1:
         if _POOL is not None:
             _POOL.shutdown(wait=False)
         _POOL, _POOL_SIZE = ThreadPoolExecutor(threads - 1, thread_name_prefix="npattn"), threads - 1
-    futures = [_POOL.submit(kernel, *arguments, counter, items) for _ in range(threads - 1)]
-    kernel(*arguments, counter, items)  # the calling thread works too
+    futures = [_POOL.submit(kernel, *arguments, *scratch(), counter, items) for _ in range(threads - 1)]
+    kernel(*arguments, *scratch(), counter, items)  # the calling thread works too
     for future in futures:
         future.result()
 

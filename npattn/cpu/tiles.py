@@ -126,15 +126,6 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 
 
 @helper
-def packed_keys_buffer(ints, dtype):
-    """Scratch for :func:`pack_key_tile` and :func:`pack_value_tile`: a key tile and its
-    value tile transposed, (D + Dv) x SCORE_LD (1 element when the products go through
-    BLAS)."""
-    size = (ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM]) * ints[Int.SCORE_LD]
-    return np.empty(size if ints[Int.VECTOR_SCORES] else 1, dtype)
-
-
-@helper
 def pack_key_tile(k, ints, b, kv_head, j0, cols, packed):
     """Keys ``[j0, j0 + cols)`` of ``kv_head`` as K^T (D x SCORE_LD) at the start of
     ``packed``, zero-padded to whole vector chunks: the B operand of Q K^T. A no-op
@@ -159,7 +150,7 @@ def pack_value_tile(v, ints, b, kv_head, j0, cols, packed):
 
 @njit(inline="always")
 def packed_values(ints, packed):
-    """The V^T part of a :func:`packed_keys_buffer`."""
+    """The V^T part of a packed tile (see :func:`npattn.cpu.scratch.score_tile_scratch`)."""
     return packed[ints[Int.HEAD_DIM] * ints[Int.SCORE_LD]:]
 
 
