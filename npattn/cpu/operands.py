@@ -29,7 +29,11 @@ from .simd import lanes_of as vector_lanes
 # vector exp): 64 x 192 against 64 x 128 takes 156-160 against 179-184 ms at
 # (1, 8, 2048, 64), 300 against 309 at (4, 16, 1024, 64) and 1223 against 1340 at GQA
 # (1, 32/8, 2048, 128); 128 x 128 and 96 x 192 were as fast or slower, 64 x 256 slower.
-TILES = {"forward": (192, 384), "backward": (64, 192), "edge_band": 48}
+# Re-measured after the scratch and edge-band changes (same method, best of 5): 96 x 192
+# against 64 x 192 won 5 of 6 runs, by 3-12%: 135-156 against 151-165 ms at
+# (1, 8, 2048, 64), 289-344 against 293-354 at (4, 16, 1024, 64), 1079-1168 against
+# 1109-1226 at GQA (1, 32/8, 2048, 128) (the one loss: 1168 against 1109).
+TILES = {"forward": (192, 384), "backward": (96, 192), "edge_band": 48}
 # Products through the register-blocked micro-kernels (None: where the CPU has 512-bit
 # vectors, see :data:`npattn.cpu.simd.WIDE`), or BLAS; :func:`npattn.cpu.products` sets it.
 PRODUCTS = {"vector": None}
