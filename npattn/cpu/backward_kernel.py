@@ -23,7 +23,7 @@ from numba import njit
 
 from .blas import gemm
 from .jit import helper, kernel
-from .signatures import smaller
+from .signatures import as_offset, smaller
 from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted
@@ -54,7 +54,7 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
         if row_lse > -np.inf:
             exp_shifted(p, r * ld, cols, row_lse)
         else:  # an empty row: no probability, no gradient
-            for x in range(r * ld, r * ld + cols):
+            for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
                 p[x] = 0.0
     o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
     if ints[Int.VECTOR_SCORES]:
@@ -68,13 +68,13 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
              dout[o_offset:], dout_strides[2], 0.0, ds, ld)
     if ints[Int.HAS_DROPOUT]:
         keep_scale = reals[Real.KEEP_SCALE]
-        for x in range(rows * ld):  # not a slice copy: its shape check compiles str()
+        for x in range(as_offset(rows * ld)):  # not a slice copy: its shape check compiles str()
             dropped[x] = p[x]
         apply_dropout(ints, dropped, ld, b, h, i0, rows, j0, cols, keep_scale)
         apply_dropout(ints, ds, ld, b, h, i0, rows, j0, cols, keep_scale)
     for r in range(rows):
         row_delta = delta[row_offset + r]
-        for x in range(r * ld, r * ld + cols):
+        for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
             ds[x] = p[x] * (ds[x] - row_delta)
 
 
@@ -113,9 +113,9 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
         rows_valid = smaller(q_len, q_lengths[b])
         for j0 in range(first, last, block_k):
             cols = smaller(block_k, last - j0)
-            for x in range(cols * head_dim):
+            for x in range(as_offset(cols * head_dim)):
                 dk_tile[x] = 0.0
-            for x in range(cols * value_dim):
+            for x in range(as_offset(cols * value_dim)):
                 dv_tile[x] = 0.0
             k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
             # once for every query tile
@@ -139,7 +139,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
                              dropped, ld, 1.0, dv_tile, value_dim)
                     if ints[Int.HAS_SOFTCAP]:  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
                         for r in range(rows):
-                            for x in range(r * ld, r * ld + cols):
+                            for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
                                 ds[x] *= 1.0 - tanh[x] * tanh[x]
                     q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
                     dq_offset = (((chunk * ints[Int.BATCH] + b) * heads + h) * q_len + i0) * head_dim
@@ -156,10 +156,11 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
                         gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
                              ds, ld, 1.0, dq[dq_offset:], head_dim)
             row = (b * kv_heads + kv_head) * kv_len + j0
-            for x in range(cols * head_dim):  # not slice copies: their shape checks compile str()
-                dk[row * head_dim + x] = dk_tile[x]
-            for x in range(cols * value_dim):
-                dv[row * value_dim + x] = dv_tile[x]
+            dk_start, dv_start = as_offset(row * head_dim), as_offset(row * value_dim)
+            for x in range(as_offset(cols * head_dim)):  # not slice copies: their shape checks compile str()
+                dk[dk_start + x] = dk_tile[x]
+            for x in range(as_offset(cols * value_dim)):
+                dv[dv_start + x] = dv_tile[x]
 
 
 @kernel

@@ -21,7 +21,7 @@ import numpy as np
 
 from .blas import gemm
 from .jit import helper, kernel
-from .signatures import larger, smaller
+from .signatures import as_offset, larger, smaller
 from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
@@ -120,12 +120,12 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
             o = out_offset + r * out_row_stride
             if seen[r]:
                 factor = keep_scale / total[r]
-                for d in range(dv):
-                    out[o + d] *= factor
+                for x in range(as_offset(o), as_offset(o + dv)):
+                    out[x] *= factor
                 lse[lse_offset + r] = m[r] + math.log(total[r])
             else:
-                for d in range(dv):
-                    out[o + d] = 0.0
+                for x in range(as_offset(o), as_offset(o + dv)):
+                    out[x] = 0.0
 
 
 # exp(s - m) may reach exp(_HEADROOM) when m lags the true max: far below float32's
@@ -171,8 +171,8 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
         total[r] = total[r] * correction + exp_shifted(s, r * ld, cols, shift)
         if correction != 1.0:
             o = out_offset + r * out_row_stride
-            for d in range(o, o + dv):
-                out[d] *= correction
+            for x in range(as_offset(o), as_offset(o + dv)):
+                out[x] *= correction
 
 
 @kernel
@@ -205,6 +205,6 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                     row_lse = lse[row_offset + r]
                     if row_lse > -np.inf:  # an empty row keeps its zeros
                         exp_shifted(s, r * ld, cols, row_lse)
-                        w = (row_offset + r) * kv_len + j0
-                        for c in range(cols):  # not a slice copy: its shape check compiles str()
-                            weights[w + c] = s[r * ld + c]
+                        w, row = as_offset((row_offset + r) * kv_len + j0), as_offset(r * ld)
+                        for c in range(as_offset(cols)):  # not a slice copy: its shape check compiles str()
+                            weights[w + c] = s[row + c]

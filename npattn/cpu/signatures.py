@@ -37,6 +37,23 @@ def plain_int(typingctx, value):
 
 
 @intrinsic
+def as_offset(typingctx, value):
+    """A nonnegative integer ``value`` typed uint64, for array indices in hot loops. Numba
+    wraps a negative signed index around (adds the length), and on a runtime offset
+    such as ``r * ld + c`` that select keeps LLVM from vectorizing the loop: measured
+    on ``ds[x] = p[x] * (ds[x] - delta)`` over a 96 x 192 tile, 1.8 ns an element
+    with int64 indices against 0.18 with uint64 ones. Arithmetic between uint64 and
+    int64 gives float64 in Numba, so convert whole index expressions (or offsets
+    that are only added to other offsets). Never pass a negative value."""
+    if not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return context.cast(builder, args[0], signature.args[0], types.uint64)
+    return types.uint64(value), codegen
+
+
+@intrinsic
 def as_readonly(typingctx, array):
     """The same 1-D array typed read-only with any layout."""
     if not (isinstance(array, types.Array) and array.ndim == 1):

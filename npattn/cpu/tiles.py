@@ -17,7 +17,7 @@ from .blas import gemm
 from .jit import helper
 from .microkernels import pack_transposed, padded_width, product
 from .operands import Int, Real
-from .signatures import larger, plain_int, scalar_like, smaller
+from .signatures import as_offset, larger, plain_int, scalar_like, smaller
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _MIX_INCREMENT = np.uint64(0x9E3779B9)
@@ -179,7 +179,7 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
                 product(q, q_offset + r0 * q_row, q_row, 1, packed, 0, ld, s, r0 * ld, ld, band_rows,
                         head_dim, width, reals[Real.SCALE], False)
             for r in range(r0, r0 + band_rows):
-                for x in range(r * ld + width, r * ld + cols):
+                for x in range(as_offset(r * ld + width), as_offset(r * ld + cols)):
                     s[x] = 0.0
     else:  # column-major: S^T (cols x rows) = K (cols x D) . Q^T (D x rows)
         kv_head = h // (heads // ints[Int.KV_HEADS])
@@ -190,23 +190,24 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
         softcap = reals[Real.SOFTCAP]
         inverse = 1.0 / softcap
         for r in range(rows):
-            for x in range(r * ld, r * ld + cols):
+            for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
                 t = math.tanh(s[x] * inverse)
                 tanh[x] = t
                 s[x] = softcap * t
     if ints[Int.HAS_BIAS]:
         sb, sh, sq, sk = (ints[Int.BIAS_STRIDE_B], ints[Int.BIAS_STRIDE_H], ints[Int.BIAS_STRIDE_Q],
                           ints[Int.BIAS_STRIDE_K])
+        step = as_offset(sk)
         for r in range(rows):
-            base = b * sb + h * sh + (i0 + r) * sq + j0 * sk
-            for c in range(cols):
-                s[r * ld + c] += bias[base + c * sk]
+            base, row = as_offset(b * sb + h * sh + (i0 + r) * sq + j0 * sk), as_offset(r * ld)
+            for c in range(as_offset(cols)):
+                s[row + c] += bias[base + c * step]
     if ints[Int.HAS_ALIBI]:
         slope = alibi[b * heads + h]
         for r in range(rows):
             position = i0 + r + ints[Int.KV_LEN] - ints[Int.Q_LEN]
             for c in range(cols):
-                s[r * ld + c] -= slope * abs(position - (j0 + c))
+                s[as_offset(r * ld + c)] -= slope * abs(position - (j0 + c))
     if not full:
         for r in range(rows):
             # key j is hidden iff j >= sink_end and not lo <= j < hi: two runs of columns,
@@ -216,15 +217,16 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
             gap_start = larger(0, smaller(cols, sink_end - j0))
             gap_stop = larger(gap_start, smaller(cols, lo - j0))
             tail_start = larger(0, smaller(cols, larger(sink_end, hi) - j0))
-            for x in range(r * ld + gap_start, r * ld + gap_stop):
+            for x in range(as_offset(r * ld + gap_start), as_offset(r * ld + gap_stop)):
                 s[x] = -np.inf
-            for x in range(r * ld + tail_start, r * ld + cols):
+            for x in range(as_offset(r * ld + tail_start), as_offset(r * ld + cols)):
                 s[x] = -np.inf
     if ints[Int.HAS_MASK]:
         sb, sh, sq, sk = (ints[Int.MASK_STRIDE_B], ints[Int.MASK_STRIDE_H], ints[Int.MASK_STRIDE_Q],
                           ints[Int.MASK_STRIDE_K])
+        step = as_offset(sk)
         for r in range(rows):
-            base = b * sb + h * sh + (i0 + r) * sq + j0 * sk
-            for c in range(cols):
-                if mask[base + c * sk] == 0:
-                    s[r * ld + c] = -np.inf
+            base, row = as_offset(b * sb + h * sh + (i0 + r) * sq + j0 * sk), as_offset(r * ld)
+            for c in range(as_offset(cols)):
+                if mask[base + c * step] == 0:
+                    s[row + c] = -np.inf
