@@ -1,6 +1,7 @@
 """The scalar intrinsics that stand in for ``min``, ``max`` and ``np.int64`` inside the
 kernels: same values and types as the builtins, for every mix of argument types the
-kernels pass (int64 array elements, Python int literals, float32 and float64)."""
+kernels pass (int64 array elements, Python int literals, float32 and float64); and the
+uint64 offsets of their elementwise loops."""
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 
-from npattn.cpu.signatures import larger, plain_int, smaller  # noqa: E402
+from npattn.cpu.signatures import as_offset, larger, plain_int, smaller  # noqa: E402
 
 
 @njit  # not cached: a cache stamped with this file alone would outlive edits to signatures
@@ -57,3 +58,22 @@ def test_a_nan_gives_the_second_argument():
     assert (low, high) == (1.0, 1.0)
     low, high, _, _ = _pick_floats(np.array([1.0, np.nan], np.float32), 0.0)
     assert math.isnan(low) and math.isnan(high)
+
+
+@njit
+def _scaled_run(x, start, stop, base, factor):
+    """``x[base + i] *= factor`` for i in [start, stop), indexed through uint64 offsets."""
+    first = as_offset(base)
+    for i in range(as_offset(start), as_offset(stop)):
+        x[first + i] *= factor
+    return as_offset(stop)
+
+
+@given(st.integers(0, 40), st.integers(0, 40), st.integers(0, 20))
+def test_offset_loops_touch_exactly_their_run(start, length, base):
+    x = np.arange(100, dtype=np.float32)
+    expected = x.copy()
+    expected[base + start:base + start + length] *= 3
+    stop = _scaled_run(x, start, start + length, base, np.float32(3))
+    np.testing.assert_array_equal(x, expected)
+    assert type(stop) is int and stop == start + length
