@@ -205,11 +205,13 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
                                             packed, b, h, i0, rows, j0, cols)
                         for r in range(rows):
                             out_row = ((bb * bias_h + hb) * bias_q + (i0 + r if bias_q > 1 else 0)) * bias_k
+                            row = as_offset(r * ld)
                             if bias_k > 1:
-                                for c in range(cols):
-                                    dbias[out_row + j0 + c] += ds[r * ld + c]
+                                out_start = as_offset(out_row + j0)
+                                for c in range(as_offset(cols)):
+                                    dbias[out_start + c] += ds[row + c]
                             else:
                                 row_sum = 0.0
-                                for c in range(cols):
-                                    row_sum += ds[r * ld + c]
+                                for c in range(as_offset(cols)):
+                                    row_sum += ds[row + c]
                                 dbias[out_row] += row_sum

@@ -118,11 +118,13 @@ def apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 @helper
 def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
     threshold = np.uint64(ints[Int.DROPOUT_THRESHOLD])
+    first_key = as_offset(j0)
     for r in range(rows):
         state = dropout_row_state(ints, b, h, i0 + r)
-        for c in range(cols):
-            kept = (absorb(state, np.uint64(j0 + c)) >> np.uint64(8)) >= threshold
-            s[r * ld + c] = s[r * ld + c] * keep_scale if kept else 0.0
+        row = as_offset(r * ld)
+        for c in range(as_offset(cols)):
+            kept = (absorb(state, first_key + c) >> np.uint64(8)) >= threshold
+            s[row + c] = s[row + c] * keep_scale if kept else 0.0
 
 
 @helper
