@@ -18,7 +18,7 @@ from numba import njit
 from numba.extending import overload
 
 from .jit import OPTIONS, helper
-from .signatures import as_readonly, plain_int, scalar_like, smaller
+from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
 from .simd import fill, load, load4, never_inline, splat_fma, store_scaled, transpose_square
 
 _BLOCK_ROWS = 6
@@ -166,5 +166,6 @@ def _pack_transposed(x, offset, row_stride, rows, cols, packed, ld, padded_rows)
         for c in range(cols):
             packed[c * ld + r] = x[offset + r * row_stride + c]
     for c in range(cols):
-        for r in range(rows, padded_rows):
-            packed[c * ld + r] = 0.0
+        column = as_offset(c * ld)
+        for r in range(as_offset(rows), as_offset(padded_rows)):
+            packed[column + r] = 0.0
