@@ -69,6 +69,14 @@ def _scaled_run(x, start, stop, base, factor):
     return as_offset(stop)
 
 
+def test_an_offset_range_that_starts_past_its_stop_is_empty():
+    """The kernels rely on it: score_tile's fill from a padded width past the tile's last
+    column (Numba counts an unsigned range through a signed difference)."""
+    x = np.arange(100, dtype=np.float32)
+    _scaled_run(x, 30, 10, 5, np.float32(3))
+    np.testing.assert_array_equal(x, np.arange(100, dtype=np.float32))
+
+
 @given(st.integers(0, 40), st.integers(0, 40), st.integers(0, 20))
 def test_offset_loops_touch_exactly_their_run(start, length, base):
     x = np.arange(100, dtype=np.float32)
