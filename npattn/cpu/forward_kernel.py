@@ -26,7 +26,7 @@ from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
 from .microkernels import product
-from .tiles import apply_dropout, band_keys, key_segments, pack_key_tile, score_tile, tile_fully_visible
+from .tiles import apply_dropout, band_keys, key_segments, pack_key_tile, score_tile
 
 
 def forward_items(ints):
@@ -86,8 +86,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
             for j0 in range(first, last, block_k):
                 cols = smaller(block_k, last - j0)
                 pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
-                score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
-                           b, h, i0, rows, j0, cols)
+                full = score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
+                                  b, h, i0, rows, j0, cols)
                 outcome = _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums)
                 if outcome != _DONE:
                     if outcome == _OVERWRITTEN:
@@ -103,7 +103,6 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                 # window edge cuts, each band of rows stops at its last visible key (the
                 # probabilities past it are exact zeros)
                 if ints[Int.VECTOR_VALUES]:
-                    full = tile_fully_visible(ints, kv_lengths, b, i0, i1, j0, j0 + cols)
                     band = rows if full else ints[Int.EDGE_BAND]
                     for r0 in range(0, rows, band):
                         band_rows = smaller(band, rows - r0)

@@ -162,7 +162,8 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
     """Scores of rows ``[i0, i0 + rows)`` against keys ``[j0, j0 + cols)`` of head ``h``
     into ``s[r * ld + c]``: ``scale * q.k``, softcap (its tanh kept in ``tanh`` for the
     backward), bias, ALiBi, then -inf where the key is invisible. ``packed`` holds
-    the key tile from :func:`pack_key_tile`. Returns nothing."""
+    the key tile from :func:`pack_key_tile`. Returns whether every row sees every key
+    of the tile (:func:`tile_fully_visible`), which the caller's own products reuse."""
     heads = ints[Int.HEADS]
     q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
     head_dim = ints[Int.HEAD_DIM]
@@ -232,3 +233,4 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
             for c in range(as_offset(cols)):
                 if mask[base + c * step] == 0:
                     s[row + c] = -np.inf
+    return full
