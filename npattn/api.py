@@ -1,7 +1,6 @@
 """The public functions: validate once, pick a backend, run it, hand back the user's layout."""
 from __future__ import annotations
 
-import numpy as np
 
 from . import backends as _backends
 from ._arrays import array_kind

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 import npattn
-from npattn import autograd as ag
 from npattn.autograd import Tensor
 from npattn.nn import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention
 from npattn.nn.rotary import apply_rope

@@ -19,7 +19,6 @@ bias was broadcast along, each bias element owned by one item.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from .blas import gemm
 from .jit import helper, kernel

@@ -19,7 +19,6 @@ import ctypes
 import glob
 import os
 
-import numpy as np
 
 from numba import njit, types
 from numba.core import cgutils

@@ -17,8 +17,7 @@ Use only inside ``@njit`` code.
 from __future__ import annotations
 
 from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
-import numpy as np
-from numba import njit, types
+from numba import types
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
