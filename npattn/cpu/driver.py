@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernel_params import sink_logits_gradient
 from ..results import ForwardResult, Gradients
 from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from .blas import single_threaded_blas
@@ -78,12 +79,6 @@ def backward(problem, saved, dout) -> Gradients:
             run_items(dbias_kernel, (*common, dbias.reshape(-1), shape), int(items),
                       lambda: gradient_tile_scratch(ops.ints, dtype))
             dbias = dbias.reshape(problem.bias_shape)
-    dsink_logits = None
-    if problem.sink_logits is not None:
-        # d lse / d sink = P(sink) = exp(sink - lse); d out / d sink = -P(sink) * out
-        sink = problem.sink_logits.astype(dtype)[None, :, None]
-        seen = np.isfinite(lse)
-        sink_probability = np.exp(np.where(seen, sink - np.where(seen, lse, 0.0), -np.inf))
-        dsink_logits = -(sink_probability * delta).sum(axis=(0, 2))
+    dsink_logits = None if problem.sink_logits is None else sink_logits_gradient(np, problem, lse, delta)
     return Gradients(dq=dq.sum(axis=0) if chunks > 1 else dq[0], dk=dk, dv=dv, dbias=dbias,
                      dsink_logits=dsink_logits)

@@ -10,12 +10,11 @@ stride along the head dimension.
 """
 from __future__ import annotations
 
-from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
 
-from ..dropout import seed_words
+from ..kernel_params import Int, Real, problem_parameters  # noqa: F401  (Int, Real: the kernels import them from here)
 from .microkernels import chunk_columns
 from .simd import lanes_of as vector_lanes
 
@@ -37,64 +36,6 @@ TILES = {"forward": (192, 384), "backward": (96, 192), "edge_band": 48}
 # Products through the register-blocked micro-kernels (None: where the CPU has 512-bit
 # vectors, see :data:`npattn.cpu.simd.WIDE`), or BLAS; :func:`npattn.cpu.products` sets it.
 PRODUCTS = {"vector": None}
-
-
-class Int(IntEnum):
-    """Positions in the kernels' int64 parameter array (flat arrays of scalars compile
-    several times faster in Numba than a named tuple of them)."""
-
-    BATCH = 0
-    HEADS = 1
-    KV_HEADS = 2
-    Q_LEN = 3
-    KV_LEN = 4
-    HEAD_DIM = 5
-    VALUE_DIM = 6
-    Q_STRIDE_B = 7    # element strides of the bhsd views; the last axis is unit
-    Q_STRIDE_H = 8
-    Q_STRIDE_S = 9
-    K_STRIDE_B = 10
-    K_STRIDE_H = 11
-    K_STRIDE_S = 12
-    V_STRIDE_B = 13
-    V_STRIDE_H = 14
-    V_STRIDE_S = 15
-    BIAS_STRIDE_B = 16  # 0 along broadcast axes
-    BIAS_STRIDE_H = 17
-    BIAS_STRIDE_Q = 18
-    BIAS_STRIDE_K = 19
-    MASK_STRIDE_B = 20
-    MASK_STRIDE_H = 21
-    MASK_STRIDE_Q = 22
-    MASK_STRIDE_K = 23
-    HAS_BIAS = 24
-    HAS_MASK = 25
-    HAS_ALIBI = 26
-    HAS_SINK = 27
-    HAS_SOFTCAP = 28
-    HAS_DROPOUT = 29
-    CAUSAL = 30
-    WINDOW_LEFT = 31    # -1 = unbounded
-    WINDOW_RIGHT = 32
-    SINKS = 33
-    DROPOUT_THRESHOLD = 34
-    SEED_LO = 35
-    SEED_HI = 36
-    BLOCK_Q = 37
-    BLOCK_K = 38
-    SCORE_LD = 39        # row stride of score tiles: BLOCK_K, or it rounded up to whole vectors
-    VECTOR_SCORES = 40   # scores through :mod:`npattn.cpu.microkernels` (else BLAS)
-    VECTOR_VALUES = 41   # P V and dV through them too (needs Dv a whole number of vectors)
-    VECTOR_KEYS = 42     # dQ and dK through them too (needs D a whole number of vectors)
-    EDGE_BAND = 43       # rows per band of a tile the causal/window edge cuts (tiles.band_keys)
-
-
-class Real(IntEnum):
-    """Positions in the kernels' parameter array of the compute dtype."""
-
-    SCALE = 0
-    SOFTCAP = 1       # 0 = off
-    KEEP_SCALE = 2    # 1 / (1 - dropout_p)
 
 
 class Operands(NamedTuple):
@@ -163,30 +104,12 @@ def build_operands(problem, tiles=TILES["forward"]) -> Operands:
              else np.ascontiguousarray(problem.alibi_slopes, dtype=dtype).reshape(-1))
     sink = (placeholder if problem.sink_logits is None
             else np.ascontiguousarray(problem.sink_logits, dtype=dtype))
-    visibility = problem.visibility
-    seed_lo, seed_hi = seed_words(problem.seed)
-
-    ints = np.zeros(len(Int), np.int64)
-    ints[[Int.BATCH, Int.HEADS, Int.KV_HEADS, Int.Q_LEN, Int.KV_LEN, Int.HEAD_DIM, Int.VALUE_DIM]] = (
-        batch, heads, problem.kv_heads, q_len, problem.kv_len, head_dim, problem.value_dim)
+    ints, reals = problem_parameters(problem, dtype)
     ints[Int.Q_STRIDE_B:Int.Q_STRIDE_S + 1] = q_strides
     ints[Int.K_STRIDE_B:Int.K_STRIDE_S + 1] = k_strides
     ints[Int.V_STRIDE_B:Int.V_STRIDE_S + 1] = v_strides
     ints[Int.BIAS_STRIDE_B:Int.BIAS_STRIDE_K + 1] = bias_strides
     ints[Int.MASK_STRIDE_B:Int.MASK_STRIDE_K + 1] = mask_strides
-    ints[Int.HAS_BIAS] = problem.bias is not None
-    ints[Int.HAS_MASK] = problem.mask is not None
-    ints[Int.HAS_ALIBI] = problem.alibi_slopes is not None
-    ints[Int.HAS_SINK] = problem.sink_logits is not None
-    ints[Int.HAS_SOFTCAP] = problem.softcap is not None
-    ints[Int.HAS_DROPOUT] = problem.dropout_p > 0
-    ints[Int.CAUSAL] = visibility.causal
-    ints[Int.WINDOW_LEFT] = -1 if visibility.window_left is None else visibility.window_left
-    ints[Int.WINDOW_RIGHT] = -1 if visibility.window_right is None else visibility.window_right
-    ints[Int.SINKS] = visibility.sinks
-    ints[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
-    ints[Int.SEED_LO] = seed_lo
-    ints[Int.SEED_HI] = seed_hi
     ints[Int.BLOCK_Q], ints[Int.BLOCK_K] = tiles
     ints[Int.EDGE_BAND] = TILES["edge_band"]
     vector = _vector_products()
@@ -195,10 +118,6 @@ def build_operands(problem, tiles=TILES["forward"]) -> Operands:
     ints[Int.VECTOR_KEYS] = vector and head_dim % vector_lanes(dtype) == 0
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk_columns(dtype)) * chunk_columns(dtype) if vector else tiles[1]
 
-    reals = np.zeros(len(Real), dtype)
-    reals[Real.SCALE] = problem.scale
-    reals[Real.SOFTCAP] = problem.softcap or 0.0
-    reals[Real.KEEP_SCALE] = 1.0 / (1.0 - problem.dropout_p)
     operands = Operands(q=q, k=k, v=v, bias=bias, mask=mask, alibi=alibi, sink=sink,
                         q_lengths=_lengths(problem.q_lengths, batch, q_len),
                         kv_lengths=_lengths(problem.kv_lengths, batch, problem.kv_len),

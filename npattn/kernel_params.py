@@ -1,0 +1,109 @@
+"""The kernels' scalar parameters: positions in the int64 and real arrays that every
+backend's kernels take (the Numba kernels index them with :class:`Int` and :class:`Real`;
+the CUDA sources get the same positions as ``#define``s, see :mod:`npattn.gpu.sources`),
+so the two backends cannot drift apart."""
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+
+from .dropout import seed_words
+
+
+class Int(IntEnum):
+    """Positions in the kernels' int64 parameter array (flat arrays of scalars compile
+    several times faster in Numba than a named tuple of them)."""
+
+    BATCH = 0
+    HEADS = 1
+    KV_HEADS = 2
+    Q_LEN = 3
+    KV_LEN = 4
+    HEAD_DIM = 5
+    VALUE_DIM = 6
+    Q_STRIDE_B = 7    # element strides of the bhsd views; the last axis is unit
+    Q_STRIDE_H = 8
+    Q_STRIDE_S = 9
+    K_STRIDE_B = 10
+    K_STRIDE_H = 11
+    K_STRIDE_S = 12
+    V_STRIDE_B = 13
+    V_STRIDE_H = 14
+    V_STRIDE_S = 15
+    BIAS_STRIDE_B = 16  # 0 along broadcast axes
+    BIAS_STRIDE_H = 17
+    BIAS_STRIDE_Q = 18
+    BIAS_STRIDE_K = 19
+    MASK_STRIDE_B = 20
+    MASK_STRIDE_H = 21
+    MASK_STRIDE_Q = 22
+    MASK_STRIDE_K = 23
+    HAS_BIAS = 24
+    HAS_MASK = 25
+    HAS_ALIBI = 26
+    HAS_SINK = 27
+    HAS_SOFTCAP = 28
+    HAS_DROPOUT = 29
+    CAUSAL = 30
+    WINDOW_LEFT = 31    # -1 = unbounded
+    WINDOW_RIGHT = 32
+    SINKS = 33
+    DROPOUT_THRESHOLD = 34
+    SEED_LO = 35
+    SEED_HI = 36
+    BLOCK_Q = 37
+    BLOCK_K = 38
+    SCORE_LD = 39        # row stride of score tiles: BLOCK_K, or it rounded up to whole vectors
+    VECTOR_SCORES = 40   # scores through :mod:`npattn.cpu.microkernels` (else BLAS)
+    VECTOR_VALUES = 41   # P V and dV through them too (needs Dv a whole number of vectors)
+    VECTOR_KEYS = 42     # dQ and dK through them too (needs D a whole number of vectors)
+    EDGE_BAND = 43       # rows per band of a tile the causal/window edge cuts (tiles.band_keys)
+
+
+class Real(IntEnum):
+    """Positions in the kernels' parameter array of the compute dtype."""
+
+    SCALE = 0
+    SOFTCAP = 1       # 0 = off
+    KEEP_SCALE = 2    # 1 / (1 - dropout_p)
+
+
+def problem_parameters(problem, dtype):
+    """``(ints, reals)`` for ``problem``: int64 (len(Int),) and ``dtype`` (len(Real),) arrays
+    with the shapes, options, dropout seed and scalars filled in. The strides, tiles and
+    product choices are the backend's to fill (zero here)."""
+    visibility = problem.visibility
+    ints = np.zeros(len(Int), np.int64)
+    ints[[Int.BATCH, Int.HEADS, Int.KV_HEADS, Int.Q_LEN, Int.KV_LEN, Int.HEAD_DIM, Int.VALUE_DIM]] = (
+        problem.batch, problem.heads, problem.kv_heads, problem.q_len, problem.kv_len, problem.head_dim,
+        problem.value_dim)
+    ints[Int.HAS_BIAS] = problem.bias is not None
+    ints[Int.HAS_MASK] = problem.mask is not None
+    ints[Int.HAS_ALIBI] = problem.alibi_slopes is not None
+    ints[Int.HAS_SINK] = problem.sink_logits is not None
+    ints[Int.HAS_SOFTCAP] = problem.softcap is not None
+    ints[Int.HAS_DROPOUT] = problem.dropout_p > 0
+    ints[Int.CAUSAL] = visibility.causal
+    ints[Int.WINDOW_LEFT] = -1 if visibility.window_left is None else visibility.window_left
+    ints[Int.WINDOW_RIGHT] = -1 if visibility.window_right is None else visibility.window_right
+    ints[Int.SINKS] = visibility.sinks
+    ints[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
+    ints[Int.SEED_LO], ints[Int.SEED_HI] = seed_words(problem.seed)
+
+    reals = np.zeros(len(Real), dtype)
+    reals[Real.SCALE] = problem.scale
+    reals[Real.SOFTCAP] = problem.softcap or 0.0
+    reals[Real.KEEP_SCALE] = 1.0 / (1.0 - problem.dropout_p)
+    return ints, reals
+
+
+def sink_logits_gradient(xp, problem, lse, delta):
+    """d loss / d sink_logits (H,) from the forward's lse (B, H, Sq) and delta = rowsum(dO * O)
+    (B, H, Sq), arrays of module ``xp``: the sink column's probability is
+    exp(sink - lse), and d out / d sink = -P(sink) * out, so the gradient is
+    -sum over b and i of P(sink) * delta. Rows with no visible key (lse -inf) give 0."""
+    sink = problem.sink_logits.astype(lse.dtype)[None, :, None]
+    seen = xp.isfinite(lse)
+    sink_probability = xp.exp(xp.where(seen, sink - xp.where(seen, lse, 0.0), -xp.inf))
+    return -(sink_probability * delta).sum(axis=(0, 2))
