@@ -1,12 +1,42 @@
 """GPU backend: CuPy ``RawModule`` CUDA kernels compiled from the package's .cu files.
 
-The kernels are not built yet, so this backend reports itself unavailable; CuPy
-arrays run on the reference backend (float64 math on the device) meanwhile.
+Modules: :mod:`.sources` (the CUDA translation unit, every instantiation, and an
+NVRTC compile check that needs no GPU), :mod:`.launch` (CuPy modules per device and
+dtype, shared-memory sizes, one launch) and :mod:`.driver` (operands, outputs,
+gradients). The kernels (``common.cuh``, ``forward.cu``, ``backward.cu``) are
+FlashAttention-2 style, SIMT with float32 accumulation (float64 for float64), every
+option of :func:`npattn.attention` fused, a deterministic backward, head dims up to
+256. Importing this package imports nothing but the standard library; CuPy is
+imported on first use.
 """
+from __future__ import annotations
+
+import importlib.util
+
 NAME = "gpu"
 
 
 def unavailable_reason(array_kind: str = "cupy") -> str | None:
     if array_kind != "cupy":
         return f"the gpu backend takes CuPy arrays, got {array_kind} arrays"
-    return "the CUDA kernels are not implemented yet"
+    if importlib.util.find_spec("cupy") is None:
+        return "needs CuPy (pip install 'npattn[gpu]'); it is not installed"
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # no driver, no runtime library: CuPy raises several kinds
+        return f"CUDA is not usable here: {error}"
+    if count == 0:
+        return "no CUDA device is visible"
+    return None
+
+
+def forward(problem):
+    from .driver import forward as run
+    return run(problem)
+
+
+def backward(problem, saved, dout):
+    from .driver import backward as run
+    return run(problem, saved, dout)

@@ -1,0 +1,246 @@
+// Pieces every npattn CUDA kernel shares: element loads for each storage
+// type, which keys a query row may see, the dropout hash, and one tile of fully
+// optioned scores. They mirror npattn/cpu/tiles.py (and so npattn/reference.py)
+// step for step; the int64 and real parameter arrays are indexed by the NPATTN_INT_*
+// and NPATTN_REAL_* positions that npattn/gpu/sources.py prepends from
+// npattn/kernel_params.py.
+//
+// No CUDA headers are included: NVRTC compiles this with nothing but its built-in
+// definitions, so half and bfloat16 are handled as their 16-bit patterns through
+// PTX conversions (sm_80 and newer).
+#pragma once
+
+typedef long long i64;
+typedef unsigned int u32;
+
+// 16-bit storage types: the bits of an IEEE half / a bfloat16.
+struct half_bits { unsigned short bits; };
+struct bf16_bits { unsigned short bits; };
+
+// Storage<T>::load<Acc>(p, i): element i of p in the compute dtype (outputs are
+// written in the compute dtype; the caller casts them).
+template <typename T> struct Storage;
+
+template <> struct Storage<float> {
+    template <typename Acc> __device__ static Acc load(const float* p, i64 i) { return (Acc)p[i]; }
+};
+
+template <> struct Storage<double> {
+    template <typename Acc> __device__ static Acc load(const double* p, i64 i) { return (Acc)p[i]; }
+};
+
+// half -> float through PTX. A host build of these sources (the
+// emulation the tests run without a GPU, tests/gpu_emulation.h) defines its own.
+#ifndef NPATTN_HOST_EMULATION
+__device__ inline float half_to_float(unsigned short bits) {
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(bits));
+    return x;
+}
+#define NPATTN_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+template <> struct Storage<half_bits> {
+    template <typename Acc> __device__ static Acc load(const half_bits* p, i64 i) {
+        return (Acc)half_to_float(p[i].bits);
+    }
+};
+
+template <> struct Storage<bf16_bits> {
+    template <typename Acc> __device__ static Acc load(const bf16_bits* p, i64 i) {
+        return (Acc)__uint_as_float(((u32)p[i].bits) << 16);
+    }
+};
+
+template <typename Acc> __device__ inline Acc negative_infinity();
+template <> __device__ inline float negative_infinity<float>() { return __int_as_float(0xff800000); }
+template <> __device__ inline double negative_infinity<double>() {
+    return __longlong_as_double(0xfff0000000000000ULL);
+}
+
+__device__ inline float exp_of(float x) { return expf(x); }
+__device__ inline double exp_of(double x) { return exp(x); }
+__device__ inline float log_of(float x) { return logf(x); }
+__device__ inline double log_of(double x) { return log(x); }
+__device__ inline float tanh_of(float x) { return tanhf(x); }
+__device__ inline double tanh_of(double x) { return tanh(x); }
+
+__device__ inline i64 smaller(i64 a, i64 b) { return a < b ? a : b; }
+__device__ inline i64 larger(i64 a, i64 b) { return a > b ? a : b; }
+
+// ---- which keys a row sees (npattn.masks.Visibility; tiles.key_band) ------------------
+
+struct KeyBand { i64 lo, hi, sink_end; };
+
+// Row i of batch b sees keys in [lo, hi) and in [0, sink_end). Each bound is
+// nondecreasing in i, so a tile of rows is bounded by its first and last row.
+__device__ inline KeyBand key_band(const i64* ints, const i64* kv_lengths, i64 b, i64 i) {
+    const i64 kv_valid = kv_lengths[b];
+    const i64 kv_len = ints[NPATTN_INT_KV_LEN];
+    const i64 left = ints[NPATTN_INT_WINDOW_LEFT], right = ints[NPATTN_INT_WINDOW_RIGHT];
+    const i64 position = i + kv_len - ints[NPATTN_INT_Q_LEN];
+    KeyBand band;
+    band.lo = left < 0 ? 0 : larger(0, position - left);
+    band.hi = right < 0 ? kv_len : smaller(kv_len, position + right + 1);
+    if (ints[NPATTN_INT_CAUSAL]) band.hi = smaller(band.hi, position + 1);
+    band.hi = larger(band.lo, smaller(band.hi, kv_valid));
+    band.sink_end = 0;
+    if (left >= 0 || right >= 0) {
+        band.sink_end = smaller(ints[NPATTN_INT_SINKS], kv_valid);
+        if (ints[NPATTN_INT_CAUSAL]) band.sink_end = smaller(band.sink_end, larger(0, position + 1));
+    }
+    return band;
+}
+
+__device__ inline bool key_visible(const KeyBand& band, i64 j) {
+    return j < band.sink_end || (band.lo <= j && j < band.hi);
+}
+
+// The keys rows [i0, i1) may see, as two disjoint segments [0, sink_end) and [start, stop).
+struct KeySegments { i64 sink_end, start, stop; };
+
+__device__ inline KeySegments key_segments(const i64* ints, const i64* kv_lengths, i64 b, i64 i0, i64 i1) {
+    const KeyBand first = key_band(ints, kv_lengths, b, i0);
+    const KeyBand last = key_band(ints, kv_lengths, b, i1 - 1);
+    KeySegments segments;
+    segments.sink_end = last.sink_end;
+    segments.start = larger(first.lo, last.sink_end);
+    segments.stop = larger(segments.start, last.hi);
+    return segments;
+}
+
+// True when some row of [i0, i1) may see some key of [j0, j1).
+__device__ inline bool tile_is_live(const i64* ints, const i64* kv_lengths, i64 b, i64 i0, i64 i1,
+                                    i64 j0, i64 j1) {
+    const KeySegments s = key_segments(ints, kv_lengths, b, i0, i1);
+    return j0 < s.sink_end || (j0 < s.stop && s.start < j1);
+}
+
+// ---- the dropout hash (npattn/dropout.py) -----------------------------------------------
+
+__device__ inline u32 fmix32(u32 x) {
+    x ^= x >> 16;
+    x *= 0x85EBCA6Bu;
+    x ^= x >> 13;
+    x *= 0xC2B2AE35u;
+    return x ^ (x >> 16);
+}
+
+__device__ inline u32 absorb(u32 state, u32 word) { return fmix32((state ^ word) + 0x9E3779B9u); }
+
+// The hash state after absorbing (seed_lo, seed_hi, b, h, i): one per query row.
+__device__ inline u32 dropout_row_state(const i64* ints, i64 b, i64 h, i64 i) {
+    u32 state = absorb(0u, (u32)ints[NPATTN_INT_SEED_LO]);
+    state = absorb(state, (u32)ints[NPATTN_INT_SEED_HI]);
+    state = absorb(state, (u32)b);
+    state = absorb(state, (u32)h);
+    return absorb(state, (u32)i);
+}
+
+__device__ inline bool dropout_keeps(const i64* ints, u32 row_state, i64 j) {
+    return (absorb(row_state, (u32)j) >> 8) >= (u32)ints[NPATTN_INT_DROPOUT_THRESHOLD];
+}
+
+// ---- operands -------------------------------------------------------------------------
+
+// Everything a kernel reads besides its own outputs. Arrays are device pointers to
+// element [0, 0, 0, 0] of bhsd-ordered views with the element strides in `ints`
+// (the last axis of q, k, v and dout is unit-stride).
+template <typename T, typename Acc> struct Operands {
+    const T* q;
+    const T* k;
+    const T* v;
+    const Acc* bias;               // compute dtype, or a 1-element placeholder
+    const unsigned char* mask;     // bool as bytes, or a placeholder
+    const Acc* alibi;              // (B * H,) slopes, or a placeholder
+    const Acc* sink;               // (H,) sink logits, or a placeholder
+    const i64* q_lengths;          // (B,)
+    const i64* kv_lengths;         // (B,)
+    const i64* ints;               // NPATTN_INT_*
+    const Acc* reals;              // NPATTN_REAL_*
+};
+
+#define NPATTN_OPERAND_PARAMS                                                                  \
+    const T *q, const T *k, const T *v, const Acc *bias, const unsigned char *mask,           \
+        const Acc *alibi, const Acc *sink, const i64 *q_lengths, const i64 *kv_lengths,      \
+        const i64 *ints, const Acc *reals
+#define NPATTN_OPERANDS {q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals}
+
+// ---- tiles in shared memory -------------------------------------------------------------
+
+// rows x width of x (bhsd, row stride `row_stride`, starting at `offset`) into
+// tile[r * ld + c] in the compute dtype; zeros past `rows` and `width` up to the tile's
+// size, so tile products need no bounds checks.
+template <typename T, typename Acc>
+__device__ inline void load_tile(const T* x, i64 offset, i64 row_stride, int rows, int width,
+                                 int tile_rows, int tile_width, Acc* tile, int ld) {
+    for (int index = threadIdx.x; index < tile_rows * tile_width; index += blockDim.x) {
+        const int r = index / tile_width, c = index % tile_width;
+        tile[r * ld + c] = (r < rows && c < width)
+                               ? Storage<T>::template load<Acc>(x, offset + r * row_stride + c)
+                               : (Acc)0;
+    }
+}
+
+// Scores of rows [i0, i0 + rows) of head h against keys [j0, j0 + cols) into
+// s[r * ld + c], from the query tile qs (BQ x D, row stride ld_q) and key tile ks
+// (BK x D, row stride ld_k) in shared memory: scale * q.k, softcap (its tanh in
+// `tanh_out` when not null), bias, ALiBi, then -inf where the key is invisible or
+// past the tile. Rows past `rows` get -inf too. Ends with __syncthreads().
+template <typename T, typename Acc, int BQ, int BK>
+__device__ inline void score_tile(const Operands<T, Acc>& in, const Acc* qs, int ld_q, const Acc* ks,
+                                  int ld_k, Acc* s, int ld, Acc* tanh_out, i64 b, i64 h, i64 i0,
+                                  int rows, i64 j0, int cols) {
+    const i64* ints = in.ints;
+    const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM];
+    const Acc scale = in.reals[NPATTN_REAL_SCALE];
+    const Acc softcap = in.reals[NPATTN_REAL_SOFTCAP];
+    const i64 heads = ints[NPATTN_INT_HEADS];
+    for (int index = threadIdx.x; index < BQ * BK; index += blockDim.x) {
+        const int r = index / BK, c = index % BK;
+        const i64 i = i0 + r, j = j0 + c;
+        Acc score = negative_infinity<Acc>();
+        Acc t = 0;
+        if (r < rows && c < cols) {
+            const KeyBand band = key_band(ints, in.kv_lengths, b, i);
+            bool visible = key_visible(band, j);
+            if (visible && ints[NPATTN_INT_HAS_MASK]) {
+                visible = in.mask[b * ints[NPATTN_INT_MASK_STRIDE_B] + h * ints[NPATTN_INT_MASK_STRIDE_H] +
+                                  i * ints[NPATTN_INT_MASK_STRIDE_Q] + j * ints[NPATTN_INT_MASK_STRIDE_K]] != 0;
+            }
+            Acc dot = 0;
+            for (int d = 0; d < head_dim; ++d) dot += qs[r * ld_q + d] * ks[c * ld_k + d];
+            score = scale * dot;
+            if (ints[NPATTN_INT_HAS_SOFTCAP]) {
+                t = tanh_of(score / softcap);
+                score = softcap * t;
+            }
+            if (ints[NPATTN_INT_HAS_BIAS]) {
+                score += in.bias[b * ints[NPATTN_INT_BIAS_STRIDE_B] + h * ints[NPATTN_INT_BIAS_STRIDE_H] +
+                                 i * ints[NPATTN_INT_BIAS_STRIDE_Q] + j * ints[NPATTN_INT_BIAS_STRIDE_K]];
+            }
+            if (ints[NPATTN_INT_HAS_ALIBI]) {
+                const i64 position = i + ints[NPATTN_INT_KV_LEN] - ints[NPATTN_INT_Q_LEN];
+                const i64 distance = position > j ? position - j : j - position;
+                score -= in.alibi[b * heads + h] * (Acc)distance;
+            }
+            if (!visible) score = negative_infinity<Acc>();
+        }
+        s[r * ld + c] = score;
+        if (tanh_out != nullptr) tanh_out[r * ld + c] = t;
+    }
+    __syncthreads();
+}
+
+template <typename Acc> __device__ inline Acc warp_max(Acc x) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const Acc other = __shfl_xor_sync(0xffffffffu, x, offset);
+        x = other > x ? other : x;
+    }
+    return x;
+}
+
+template <typename Acc> __device__ inline Acc warp_sum(Acc x) {
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}

@@ -1,0 +1,133 @@
+"""The GPU backend's entry points: operands on the device, kernel launches, results.
+
+Arrays reach the kernels as device pointers to their element [0, 0, 0, 0] plus element
+strides in the ``ints`` parameter array (:mod:`npattn.kernel_params`), so both layouts,
+broadcast masks and biases (stride 0) and GQA's shared K/V heads are read in place.
+Copies are made only to change a dtype (a bias or dout into the compute dtype) or to
+give q, k, v a unit stride along the head dimension.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from ..kernel_params import Int, problem_parameters, sink_logits_gradient
+from ..results import ForwardResult, Gradients
+from . import launch
+from .sources import BACKWARD_BLOCK_K, BLOCK_Q, head_dim_bound
+
+
+def _on_device(problem):
+    """The CUDA device of the problem's arrays as a context; none for NumPy arrays (only
+    the tests' host emulation of the kernels passes those)."""
+    device = getattr(problem.q, "device", None)
+    return problem.xp.cuda.Device(device.id) if hasattr(device, "id") else contextlib.nullcontext()
+
+
+def _element_strides(array):
+    return tuple(0 if n == 1 else s // array.itemsize for n, s in zip(array.shape, array.strides))
+
+
+def _unit_last_axis(cp, array):
+    if array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
+        return cp.ascontiguousarray(array)
+    return array
+
+
+def _operands(problem):
+    """``(storage dtype name, operands tuple)``: the 11 leading arguments of every kernel."""
+    cp = problem.xp
+    dtype = problem.accumulate_dtype
+    q, k, v = (_unit_last_axis(cp, x) for x in (problem.q, problem.k, problem.v))
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype for the gpu backend, got {q.dtype}, {k.dtype}, {v.dtype}")
+    ints, reals = problem_parameters(problem, dtype)
+    ints[Int.Q_STRIDE_B:Int.Q_STRIDE_S + 1] = _element_strides(q)[:3]
+    ints[Int.K_STRIDE_B:Int.K_STRIDE_S + 1] = _element_strides(k)[:3]
+    ints[Int.V_STRIDE_B:Int.V_STRIDE_S + 1] = _element_strides(v)[:3]
+    placeholder = cp.zeros(1, dtype)
+    bias = placeholder
+    if problem.bias is not None:
+        bias = problem.bias.astype(dtype, copy=False)
+        ints[Int.BIAS_STRIDE_B:Int.BIAS_STRIDE_K + 1] = _element_strides(bias)
+    mask = cp.ones(1, cp.uint8)
+    if problem.mask is not None:
+        mask = problem.mask.view(cp.uint8)
+        ints[Int.MASK_STRIDE_B:Int.MASK_STRIDE_K + 1] = _element_strides(mask)
+    alibi = (placeholder if problem.alibi_slopes is None
+             else cp.ascontiguousarray(problem.alibi_slopes.astype(dtype, copy=False)).reshape(-1))
+    sink = (placeholder if problem.sink_logits is None
+            else cp.ascontiguousarray(problem.sink_logits.astype(dtype, copy=False)))
+    operands = (q, k, v, bias, mask, alibi, sink,
+                _lengths(cp, problem.q_lengths, problem.batch, problem.q_len),
+                _lengths(cp, problem.kv_lengths, problem.batch, problem.kv_len),
+                cp.asarray(ints), cp.asarray(reals))
+    return q.dtype.name, operands
+
+
+def _lengths(cp, lengths, batch, full):
+    if lengths is None:
+        return cp.full(batch, full, cp.int64)
+    return cp.ascontiguousarray(cp.asarray(lengths).astype(cp.int64, copy=False))
+
+
+def forward(problem) -> ForwardResult:
+    """out (B, H, Sq, Dv) as a bhsd view of an array in the user's layout, lse (B, H, Sq),
+    and weights when asked; ``saved`` keeps (out, lse) for the backward."""
+    cp = problem.xp
+    bound = head_dim_bound(problem.head_dim, problem.value_dim)
+    dtype = problem.accumulate_dtype
+    batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
+    with _on_device(problem):
+        storage, operands = _operands(problem)
+        if problem.layout == "bshd":
+            out = cp.zeros((batch, q_len, heads, value_dim), dtype).transpose(0, 2, 1, 3)
+        else:
+            out = cp.zeros((batch, heads, q_len, value_dim), dtype)
+        lse = cp.full((batch, heads, q_len), -np.inf, dtype)
+        out_strides = [np.int64(s) for s in _element_strides(out)[:3]]
+        blocks = batch * heads * -(-q_len // BLOCK_Q)
+        layout = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)
+        launch.run("forward", storage, bound, blocks, layout, (*operands, out, *out_strides, lse))
+        weights = None
+        if problem.return_weights:
+            weights = cp.zeros((batch, heads, q_len, problem.kv_len), dtype)
+            launch.run("weights", storage, 0, blocks, layout, (*operands, lse, weights))
+    return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
+
+
+def backward(problem, saved, dout) -> Gradients:
+    """Gradients of ``sum(out * dout)`` from the saved (out, lse); ``dout`` is bhsd."""
+    cp = problem.xp
+    out, lse = saved
+    bound = head_dim_bound(problem.head_dim, problem.value_dim)
+    dtype = problem.accumulate_dtype
+    batch, heads, q_len, head_dim = problem.q.shape
+    kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim
+    with _on_device(problem):
+        storage, operands = _operands(problem)
+        dout = _unit_last_axis(cp, dout.astype(dtype, copy=False))
+        dout_strides = cp.asarray(np.array(_element_strides(dout)[:3], np.int64))
+        # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
+        delta = cp.ascontiguousarray((dout * out).sum(axis=-1))
+        dq = cp.zeros((batch, heads, q_len, head_dim), dtype)
+        dk = cp.zeros((batch, kv_heads, kv_len, head_dim), dtype)
+        dv = cp.zeros((batch, kv_heads, kv_len, value_dim), dtype)
+        common = (*operands, dout, dout_strides, lse, delta)
+        shared = launch.backward_shared_bytes(head_dim, value_dim, dtype)
+        key_tiles = -(-kv_len // BACKWARD_BLOCK_K)
+        query_tiles = -(-q_len // BLOCK_Q)
+        launch.run("dkdv", storage, bound, batch * kv_heads * key_tiles, shared, (*common, dk, dv))
+        launch.run("dq", storage, bound, batch * heads * query_tiles, shared, (*common, dq))
+        dbias = None
+        if problem.bias is not None:
+            shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)
+            dbias = cp.zeros(shape, dtype)
+            blocks = (shape[0] * shape[1] * (query_tiles if shape[2] > 1 else 1)
+                      * (key_tiles if shape[3] > 1 else 1))
+            launch.run("dbias", storage, 0, blocks, shared,
+                       (*common, dbias, cp.asarray(np.array(shape, np.int64))))
+            dbias = dbias.reshape(problem.bias_shape)
+        dsink_logits = None if problem.sink_logits is None else sink_logits_gradient(cp, problem, lse, delta)
+    return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink_logits=dsink_logits)

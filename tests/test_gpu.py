@@ -1,0 +1,204 @@
+"""The GPU backend: its CUDA sources compile for every instantiation (NVRTC, no GPU
+needed, so this runs in CI), its host-side bookkeeping holds, and, where CUDA and CuPy
+are usable, every option and dtype matches the float64 reference, forward and backward,
+with the same bits on every run.
+"""
+from __future__ import annotations
+
+import platform
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npattn
+from npattn.gpu import launch, sources
+from npattn.kernel_params import Int, Real
+
+from conftest import backend_params
+from strategies import Case, Dims, cases, to_layout
+from test_backend_equivalence import check_backward, check_forward
+
+# where the nvidia-cuda-nvrtc-cu12 wheel exists, the compile check must run, not skip
+_NVRTC_WHEEL_PLATFORM = sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
+# sm_80's largest opt-in block of shared memory (163 KiB); sm_90 allows 227 KiB
+_SM80_SHARED_BYTES = 163 * 1024
+
+GPU = backend_params(["gpu"])
+layouts = st.sampled_from(["bhsd", "bshd"])
+
+
+def _nvrtc_or_skip():
+    if sources.nvrtc_library_path() is None:
+        if _NVRTC_WHEEL_PLATFORM:
+            pytest.fail("NVRTC is missing: the test extra installs nvidia-cuda-nvrtc-cu12")
+        pytest.skip("no NVRTC wheel for this platform")
+
+
+# ---- without a GPU ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("architecture", sources.ARCHITECTURES)
+def test_every_kernel_instantiation_compiles(architecture):
+    _nvrtc_or_skip()
+    lowered = sources.check_compiles(architecture)
+    assert set(lowered) == set(sources.name_expressions())
+    assert len(set(lowered.values())) == len(lowered), "two instantiations lowered to one symbol"
+
+
+def test_the_compile_check_fails_on_a_bad_instantiation():
+    _nvrtc_or_skip()
+    with pytest.raises(sources.CompileError, match="forward_kernel"):
+        # Storage<int> has no definition: the template cannot be instantiated
+        sources.check_compiles("sm_80", names=["forward_kernel<int, float, 64, 32>"])
+
+
+def test_every_dtype_and_kind_has_instantiations():
+    names = sources.name_expressions()
+    assert len(names) == len(set(names))
+    for dtype_name in sources.STORAGE:
+        for bound in sources.HEAD_DIM_BOUNDS:
+            for kind in ("forward", "dkdv", "dq"):
+                assert sources.kernel_name(kind, dtype_name, bound) in names
+        for kind in ("weights", "dbias"):
+            assert sources.kernel_name(kind, dtype_name) in names
+
+
+def test_the_source_defines_every_parameter_position():
+    text = sources.source()
+    for member in Int:
+        assert f"#define NPATTN_INT_{member.name} {member.value}\n" in text
+    for member in Real:
+        assert f"#define NPATTN_REAL_{member.name} {member.value}\n" in text
+    assert '#include "' not in text, "local includes must be inlined: NVRTC gets no include path"
+
+
+@pytest.mark.parametrize("head_dim, bound", [(1, 64), (64, 64), (65, 128), (128, 128), (200, 256), (256, 256)])
+def test_head_dims_pick_the_smallest_accumulator(head_dim, bound):
+    assert sources.head_dim_bound(head_dim, 1) == bound
+    assert sources.head_dim_bound(1, head_dim) == bound
+
+
+def test_head_dims_past_the_largest_bound_are_refused_by_name():
+    with pytest.raises(ValueError, match="up to 256, got 257"):
+        sources.head_dim_bound(257, 64)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_shared_memory_fits_an_sm80_block_at_the_widest_heads(dtype):
+    widest = sources.MAX_HEAD_DIM
+    assert launch.forward_shared_bytes(widest, widest, dtype) <= _SM80_SHARED_BYTES
+    assert launch.backward_shared_bytes(widest, widest, dtype) <= _SM80_SHARED_BYTES
+
+
+def test_shared_memory_grows_with_the_head_dims():
+    for size in (launch.forward_shared_bytes, launch.backward_shared_bytes):
+        assert size(64, 64, np.float32) < size(128, 64, np.float32) < size(128, 128, np.float32)
+    # float64 forward tiles have half the keys (sources.FORWARD_BLOCK_K); the backward's do not
+    assert launch.backward_shared_bytes(64, 64, np.float64) == 2 * launch.backward_shared_bytes(64, 64, np.float32)
+    assert launch.forward_shared_bytes(64, 64, np.float64) < 2 * launch.forward_shared_bytes(64, 64, np.float32)
+
+
+def test_import_needs_no_cupy():
+    import subprocess
+
+    code = "import npattn.gpu, npattn.gpu.sources, npattn.gpu.launch, sys; print('cupy' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
+# ---- on a GPU -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceCase(Case):
+    """A :class:`Case` whose calls take CuPy arrays (options included) and hand NumPy back,
+    so the reference comparisons of test_backend_equivalence apply unchanged."""
+
+    def _device_call(self, function, backend, layout, overrides):
+        import cupy
+
+        q, k, v = (cupy.asarray(to_layout(a, layout)) for a in (self.q, self.k, self.v))
+        options = {name: cupy.asarray(value) if isinstance(value, np.ndarray) else value
+                   for name, value in {**self.options, **overrides}.items()}
+        return function(q, k, v, **options, layout=layout, backend=backend)
+
+    def run(self, backend="reference", layout="bhsd", **overrides):
+        return _to_host(self._device_call(npattn.attention, backend, layout, overrides))
+
+    def vjp(self, backend="reference", layout="bhsd", **overrides):
+        import cupy
+
+        outputs, vjp = self._device_call(npattn.attention_vjp, backend, layout, overrides)
+        return _to_host(outputs), lambda dout: _to_host(vjp(cupy.asarray(dout)))
+
+
+def _to_host(result):
+    import cupy
+
+    if isinstance(result, tuple):
+        return tuple(cupy.asnumpy(x) for x in result)
+    return cupy.asnumpy(result)
+
+
+def on_device(case):
+    return DeviceCase(case.dims, case.q, case.k, case.v, case.options)
+
+
+@pytest.mark.parametrize("backend", GPU)
+@given(case=cases(dtypes=("float16", "float32", "float64")), layout=layouts)
+def test_gpu_forward_matches_the_reference(backend, case, layout):
+    check_forward(backend, on_device(case), layout)
+
+
+@pytest.mark.parametrize("backend", GPU)
+@given(case=cases(dtypes=("float16", "float32", "float64")), layout=layouts)
+def test_gpu_backward_matches_the_reference(backend, case, layout):
+    check_backward(backend, on_device(case), layout)
+
+
+def _wide_case(head_dim, value_dim, dtype, **options):
+    rng = np.random.default_rng(head_dim + value_dim)
+    d = Dims(batch=2, heads=4, kv_heads=2, q_len=70, kv_len=90, head_dim=head_dim, value_dim=value_dim)
+
+    def uniform(*shape):
+        return rng.uniform(-1, 1, size=shape).astype(dtype)
+
+    return DeviceCase(d, uniform(2, 4, 70, head_dim), uniform(2, 2, 90, head_dim), uniform(2, 2, 90, value_dim),
+                      options)
+
+
+@pytest.mark.parametrize("backend", GPU)
+@pytest.mark.parametrize("head_dim, value_dim", [(256, 256), (200, 72), (8, 136)])
+@pytest.mark.parametrize("options", [{}, {"causal": True, "dropout_p": 0.3, "seed": 5, "softcap": 3.0}])
+def test_gpu_wide_and_uneven_heads(backend, head_dim, value_dim, options):
+    case = _wide_case(head_dim, value_dim, np.float32, **options)
+    check_forward(backend, case, "bhsd")
+    check_backward(backend, case, "bshd")
+
+
+@pytest.mark.parametrize("backend", GPU)
+def test_gpu_backward_gives_the_same_bits_on_every_run(backend):
+    import cupy
+
+    case = _wide_case(64, 64, np.float32, causal=True, bias=np.random.default_rng(1).normal(size=(4, 70, 90)),
+                      dropout_p=0.2, seed=3)
+    dout = cupy.asarray(np.random.default_rng(2).normal(size=(2, 4, 70, 64)).astype(np.float32))
+    runs = []
+    for _ in range(3):
+        _, vjp = case._device_call(npattn.attention_vjp, backend, "bhsd", {})
+        runs.append([cupy.asnumpy(g) for g in vjp(dout)])
+    for run in runs[1:]:
+        for first, again in zip(runs[0], run):
+            np.testing.assert_array_equal(first, again)
+
+
+@pytest.mark.parametrize("backend", GPU)
+def test_gpu_is_what_auto_picks_for_cupy(backend):
+    import cupy
+
+    q = cupy.asarray(np.random.default_rng(0).normal(size=(1, 2, 5, 8)).astype(np.float32))
+    auto = cupy.asnumpy(npattn.attention(q, q, q))
+    named = cupy.asnumpy(npattn.attention(q, q, q, backend="gpu"))
+    np.testing.assert_array_equal(auto, named)
