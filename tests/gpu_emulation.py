@@ -24,7 +24,6 @@ from npattn.gpu import launch, sources
 _HEADER = Path(__file__).with_name("gpu_emulation.h")
 # (dtype name, head-dim bound) pairs built for the emulation
 EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("float32", 256))
-KINDS = ("forward", "weights", "dkdv", "dq", "dbias")
 
 
 def compiler() -> str | None:
@@ -34,7 +33,7 @@ def compiler() -> str | None:
 def _names():
     names = []
     for dtype_name, bound in EMULATED:
-        for kind in KINDS:
+        for kind in sources.KINDS:
             name = sources.kernel_name(kind, dtype_name, bound)
             if name not in names:
                 names.append(name)

@@ -62,7 +62,7 @@ def test_every_dtype_and_kind_has_instantiations():
         for bound in sources.HEAD_DIM_BOUNDS:
             for kind in ("forward", "dkdv", "dq"):
                 assert sources.kernel_name(kind, dtype_name, bound) in names
-        for kind in ("weights", "dbias"):
+        for kind in ("combine", "weights", "dbias"):
             assert sources.kernel_name(kind, dtype_name) in names
 
 

@@ -11,15 +11,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npattn
-from strategies import cases
+from strategies import cases, dims
 from test_backend_equivalence import check_backward, check_forward
 
 import gpu_emulation
 
 pytestmark = pytest.mark.skipif(gpu_emulation.compiler() is None, reason="needs g++ to build the emulation")
 layouts = st.sampled_from(["bhsd", "bshd"])
-# each emulated launch runs one OS thread per CUDA thread: fewer examples than elsewhere
-EXAMPLES = settings()  # the profile's count (100 in CI)
+# The shared strategies draw lengths up to 9: one tile of the GPU kernels (16 query rows,
+# 16-32 keys). Lengths up to 80 cover several query and key tiles (the online softmax
+# across key tiles, dK/dV over query tiles), at a cost: each emulated launch runs one OS
+# thread per CUDA thread, so those get fewer examples.
+MANY_TILES = dims(max_len=80, max_dim=24)
+FEWER = settings(max_examples=50)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,15 +35,25 @@ def emulated_gpu(request):
     patch.undo()
 
 
-@EXAMPLES
 @given(case=cases(dtypes=("float16", "float32", "float64")), layout=layouts)
 def test_emulated_gpu_forward_matches_the_reference(case, layout):
     check_forward("gpu", case, layout)
 
 
-@EXAMPLES
 @given(case=cases(dtypes=("float16", "float32", "float64")), layout=layouts)
 def test_emulated_gpu_backward_matches_the_reference(case, layout):
+    check_backward("gpu", case, layout)
+
+
+@FEWER
+@given(case=cases(dtypes=("float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
+def test_emulated_gpu_forward_over_many_tiles(case, layout):
+    check_forward("gpu", case, layout)
+
+
+@FEWER
+@given(case=cases(dtypes=("float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
+def test_emulated_gpu_backward_over_many_tiles(case, layout):
     check_backward("gpu", case, layout)
 
 
@@ -69,3 +83,38 @@ def test_emulated_gpu_backward_is_deterministic():
         runs.append(vjp(np.ones_like(q)))
     for first, again in zip(*runs):
         np.testing.assert_array_equal(first, again)
+
+
+def test_emulated_gpu_split_kv_decoding_matches_the_reference():
+    """Short queries against a long cache take the split-KV forward and its combine."""
+    from npattn.gpu import driver
+
+    rng = np.random.default_rng(3)
+    q = rng.uniform(-1, 1, (2, 4, 3, 32)).astype(np.float32)
+    k = rng.uniform(-1, 1, (2, 2, 300, 32)).astype(np.float32)
+    v = rng.uniform(-1, 1, (2, 2, 300, 24)).astype(np.float32)
+    assert driver.decode_splits(2 * 4, 3, 300, np.float32) > 1
+    for options in [{}, dict(causal=True, sink_logits=rng.normal(size=4), dropout_p=0.3, seed=4),
+                    dict(window=(40, 0), sinks=2, kv_lengths=np.array([0, 170])),
+                    dict(mask=rng.random((2, 1, 3, 300)) < 0.5, q_lengths=np.array([3, 1]))]:
+        out, lse = npattn.attention(q, k, v, backend="gpu", return_lse=True, **options)
+        exact, exact_lse = npattn.attention(*(x.astype(np.float64) for x in (q, k, v)), backend="reference",
+                                            return_lse=True, **options)
+        np.testing.assert_allclose(out, exact, atol=1e-5, err_msg=str(options))
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(exact_lse))
+        finite = np.isfinite(exact_lse)
+        np.testing.assert_allclose(lse[finite], exact_lse[finite], atol=1e-5)
+
+
+@FEWER
+@given(case=cases(dtypes=("float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
+def test_emulated_gpu_forward_with_every_possible_split(case, layout):
+    """Splits forced down to one key tile each, so small shapes split too."""
+    from npattn.gpu import driver
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(driver, "MIN_KEY_TILES_PER_SPLIT", 1)
+    try:
+        check_forward("gpu", case, layout)
+    finally:
+        patch.undo()

@@ -15,7 +15,7 @@ import numpy as np
 from ..kernel_params import Int, problem_parameters, sink_logits_gradient
 from ..results import ForwardResult, Gradients
 from . import launch
-from .sources import BACKWARD_BLOCK_K, BLOCK_Q, head_dim_bound
+from .sources import BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, THREADS, head_dim_bound
 
 
 def _on_device(problem):
@@ -72,6 +72,22 @@ def _lengths(cp, lengths, batch, full):
     return cp.ascontiguousarray(cp.asarray(lengths).astype(cp.int64, copy=False))
 
 
+# Split-KV decoding: aim for this many blocks (two waves on a 132-SM H100), giving each
+# split at least MIN_KEY_TILES_PER_SPLIT key tiles. Constants, not the device's SM
+# count, so a problem's summation order (and so its bits) is the same on every GPU.
+DECODE_TARGET_BLOCKS = 264
+MIN_KEY_TILES_PER_SPLIT = 4
+
+
+def decode_splits(blocks: int, q_len: int, kv_len: int, dtype) -> int:
+    """How many key splits the forward uses: more than 1 only for short queries (one query
+    tile per head) whose ``blocks`` query tiles leave the GPU mostly idle."""
+    if q_len > BLOCK_Q or blocks >= DECODE_TARGET_BLOCKS:
+        return 1
+    key_tiles = -(-kv_len // FORWARD_BLOCK_K["double" if np.dtype(dtype) == np.float64 else "float"])
+    return max(1, min(key_tiles // MIN_KEY_TILES_PER_SPLIT, -(-DECODE_TARGET_BLOCKS // blocks)))
+
+
 def forward(problem) -> ForwardResult:
     """out (B, H, Sq, Dv) as a bhsd view of an array in the user's layout, lse (B, H, Sq),
     and weights when asked; ``saved`` keeps (out, lse) for the backward."""
@@ -89,7 +105,13 @@ def forward(problem) -> ForwardResult:
         out_strides = [np.int64(s) for s in _element_strides(out)[:3]]
         blocks = batch * heads * -(-q_len // BLOCK_Q)
         layout = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)
-        launch.run("forward", storage, bound, blocks, layout, (*operands, out, *out_strides, lse))
+        splits = decode_splits(blocks, q_len, problem.kv_len, dtype)
+        partial = cp.zeros(1, dtype) if splits == 1 else cp.empty(batch * heads * q_len * splits * (value_dim + 3), dtype)
+        outputs = (out, *out_strides, lse, np.int64(splits), partial)
+        launch.run("forward", storage, bound, blocks * splits, layout, (*operands, *outputs))
+        if splits > 1:
+            rows = batch * heads * q_len
+            launch.run("combine", storage, 0, -(-rows // THREADS), 0, (*operands, *outputs))
         weights = None
         if problem.return_weights:
             weights = cp.zeros((batch, heads, q_len, problem.kv_len), dtype)

@@ -34,17 +34,24 @@ struct ForwardLayout {
 
 struct QueryTile { i64 b, h, i0; int rows; };
 
-// blockIdx.x -> (b, h, first row, rows), cut at q_lengths[b] (rows <= 0: all padding).
-__device__ inline QueryTile query_tile(const i64* ints, const i64* q_lengths) {
+// Work item -> (b, h, first row, rows), cut at q_lengths[b] (rows <= 0: all padding).
+__device__ inline QueryTile query_tile(const i64* ints, const i64* q_lengths, i64 item) {
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
     const i64 tiles = (q_len + NPATTN_BQ - 1) / NPATTN_BQ;
-    const i64 item = blockIdx.x;
     QueryTile tile;
     tile.b = item / (heads * tiles);
     tile.h = (item / tiles) % heads;
     tile.i0 = (item % tiles) * NPATTN_BQ;
     tile.rows = (int)(smaller(smaller(q_len, tile.i0 + NPATTN_BQ), q_lengths[tile.b]) - tile.i0);
     return tile;
+}
+
+// The keys split `split` of `splits` covers: whole key tiles, as even a share as can be.
+__device__ inline void split_keys(const i64* ints, int block_k, i64 split, i64 splits, i64* lo, i64* hi) {
+    const i64 tiles = (ints[NPATTN_INT_KV_LEN] + block_k - 1) / block_k;
+    const i64 per_split = (tiles + splits - 1) / splits;
+    *lo = split * per_split * block_k;
+    *hi = (split + 1) * per_split * block_k;
 }
 
 __device__ inline i64 kv_head_of(const i64* ints, i64 h) {
@@ -54,11 +61,20 @@ __device__ inline i64 kv_head_of(const i64* ints, i64 h) {
 // Fill out (Acc, element strides out_sb/out_sh/out_ss, zero on entry) and lse
 // (flat (B, H, Sq), -inf on entry) for one query tile. Rows past q_lengths stay as
 // they are. Each thread owns row threadIdx.x / 8 and every 8th output column.
+//
+// Split-KV (splits > 1, for short queries against a long cache, where B * H query
+// tiles cannot fill the GPU): block x handles query tile x / splits against the keys
+// of split x % splits only, and writes its unnormalized rows to `partial` (flat
+// (B * H * Sq, splits, Dv + 3): the output row, then the row's max, sum and whether
+// it saw a key) for combine_kernel, which also adds the sink logit. With splits == 1
+// `partial` is not touched.
 template <typename T, typename Acc, int MAX_D, int BK>
 __global__ void __launch_bounds__(NPATTN_THREADS)
-forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse) {
+forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
+               Acc* partial) {
     const Operands<T, Acc> in = NPATTN_OPERANDS;
-    const QueryTile tile = query_tile(ints, q_lengths);
+    const i64 split = blockIdx.x % splits;
+    const QueryTile tile = query_tile(ints, q_lengths, blockIdx.x / splits);
     if (tile.rows <= 0) return;  // the same for the whole block
     const i64 b = tile.b, h = tile.h, i0 = tile.i0;
     const int rows = tile.rows;
@@ -70,7 +86,7 @@ forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
     Acc *row_m = shared + at.m, *row_l = shared + at.l, *row_correction = shared + at.correction;
     Acc* row_seen = shared + at.seen;
     const i64 kv_head = kv_head_of(ints, h);
-    const bool has_sink = ints[NPATTN_INT_HAS_SINK] != 0;
+    const bool has_sink = ints[NPATTN_INT_HAS_SINK] != 0 && splits == 1;  // else combine_kernel adds it
     const bool has_dropout = ints[NPATTN_INT_HAS_DROPOUT] != 0;
 
     load_tile(q, b * ints[NPATTN_INT_Q_STRIDE_B] + h * ints[NPATTN_INT_Q_STRIDE_H] + i0 * ints[NPATTN_INT_Q_STRIDE_S],
@@ -91,9 +107,11 @@ forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
     const i64 k_base = b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H];
     const i64 v_base = b * ints[NPATTN_INT_V_STRIDE_B] + kv_head * ints[NPATTN_INT_V_STRIDE_H];
     const KeySegments segments = key_segments(ints, kv_lengths, b, i0, i0 + rows);
+    i64 split_lo, split_hi;
+    split_keys(ints, BK, split, splits, &split_lo, &split_hi);
     for (int segment = 0; segment < 2; ++segment) {
-        const i64 first = segment == 0 ? 0 : segments.start;
-        const i64 last = segment == 0 ? segments.sink_end : segments.stop;
+        const i64 first = larger(split_lo, segment == 0 ? 0 : segments.start);
+        const i64 last = smaller(split_hi, segment == 0 ? segments.sink_end : segments.stop);
         for (i64 j0 = first; j0 < last; j0 += BK) {
             const int cols = (int)smaller(BK, last - j0);
             load_tile(k, k_base + j0 * ints[NPATTN_INT_K_STRIDE_S], ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
@@ -143,6 +161,24 @@ forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
         }
     }
 
+    if (splits > 1) {
+        const i64 value_dim3 = value_dim + 3;
+        const i64 row = (b * ints[NPATTN_INT_HEADS] + h) * ints[NPATTN_INT_Q_LEN] + i0 + my_row;
+        Acc* mine = partial + (row * splits + split) * value_dim3;
+        if (my_row < rows) {
+#pragma unroll
+            for (int x = 0; x < MAX_D / 8; ++x) {
+                const int d = my_column + 8 * x;
+                if (d < value_dim) mine[d] = acc[x];
+            }
+            if (my_column == 0) {
+                mine[value_dim] = row_m[my_row];
+                mine[value_dim + 1] = row_l[my_row];
+                mine[value_dim + 2] = row_seen[my_row];
+            }
+        }
+        return;
+    }
     if (my_row < rows) {
         const bool seen = row_seen[my_row] != 0;
         const Acc factor = seen ? in.reals[NPATTN_REAL_KEEP_SCALE] / row_l[my_row] : (Acc)0;
@@ -165,7 +201,7 @@ template <typename T, typename Acc, int BK>
 __global__ void __launch_bounds__(NPATTN_THREADS)
 weights_kernel(NPATTN_OPERAND_PARAMS, const Acc* lse, Acc* weights) {
     const Operands<T, Acc> in = NPATTN_OPERANDS;
-    const QueryTile tile = query_tile(ints, q_lengths);
+    const QueryTile tile = query_tile(ints, q_lengths, blockIdx.x);
     if (tile.rows <= 0) return;
     const i64 b = tile.b, h = tile.h, i0 = tile.i0;
     const int rows = tile.rows;
@@ -201,4 +237,46 @@ weights_kernel(NPATTN_OPERAND_PARAMS, const Acc* lse, Acc* weights) {
             __syncthreads();
         }
     }
+}
+
+// Merge forward_kernel's split-KV partial rows, in split order (the same bits on every
+// run): one thread per query row, with the sink logit as the starting max and sum.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(NPATTN_THREADS)
+combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
+               const Acc* partial) {
+    const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
+    const i64 row = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= ints[NPATTN_INT_BATCH] * heads * q_len) return;
+    const i64 b = row / (heads * q_len), h = (row / q_len) % heads, i = row % q_len;
+    if (i >= q_lengths[b]) return;  // padding keeps its zeros and -inf
+    const i64 value_dim = ints[NPATTN_INT_VALUE_DIM], value_dim3 = value_dim + 3;
+    const Acc* parts = partial + row * splits * value_dim3;
+    const bool has_sink = ints[NPATTN_INT_HAS_SINK] != 0;
+    Acc m = has_sink ? sink[h] : negative_infinity<Acc>();
+    bool seen = false;
+    for (i64 s = 0; s < splits; ++s) {
+        const Acc* part = parts + s * value_dim3;
+        if (part[value_dim + 2] != 0) {
+            seen = true;
+            m = part[value_dim] > m ? part[value_dim] : m;
+        }
+    }
+    if (!seen) return;  // no visible key: zeros and -inf, as without splits
+    Acc l = has_sink ? exp_of(sink[h] - m) : (Acc)0;
+    for (i64 s = 0; s < splits; ++s) {
+        const Acc* part = parts + s * value_dim3;
+        if (part[value_dim + 2] != 0) l += part[value_dim + 1] * exp_of(part[value_dim] - m);
+    }
+    const Acc factor = reals[NPATTN_REAL_KEEP_SCALE] / l;
+    Acc* row_out = out + b * out_sb + h * out_sh + i * out_ss;
+    for (i64 d = 0; d < value_dim; ++d) {
+        Acc total = 0;
+        for (i64 s = 0; s < splits; ++s) {
+            const Acc* part = parts + s * value_dim3;
+            if (part[value_dim + 2] != 0) total += part[d] * exp_of(part[value_dim] - m);
+        }
+        row_out[d] = total * factor;
+    }
+    lse[row] = m + log_of(l);
 }

@@ -43,6 +43,9 @@ BACKWARD_BLOCK_K = 16        # keys per tile in the backward kernels
 # keys per tile in the forward: a warp's lanes are a tile's columns; float64 tiles
 # are halved so a 256-wide head's shared memory stays within sm_80's 163 KiB
 FORWARD_BLOCK_K = {"float": 32, "double": 16}
+# every kernel template; those with register accumulators sized by the head dims
+KINDS = ("forward", "combine", "weights", "dkdv", "dq", "dbias")
+BOUNDED_KINDS = ("forward", "dkdv", "dq")
 # the targets CI compiles for: A100 and H100/H200
 ARCHITECTURES = ("sm_80", "sm_90")
 
@@ -70,9 +73,9 @@ def head_dim_bound(head_dim: int, value_dim: int) -> int:
 
 
 def kernel_name(kind: str, dtype_name: str, bound: int = 0) -> str:
-    """The name expression of one instantiation: ``kind`` is "forward", "weights",
-    "dkdv", "dq" or "dbias"; ``dtype_name`` a key of :data:`STORAGE`; ``bound`` a value
-    of :data:`HEAD_DIM_BOUNDS` (ignored by "weights" and "dbias")."""
+    """The name expression of one instantiation: ``kind`` is one of :data:`KINDS`;
+    ``dtype_name`` a key of :data:`STORAGE`; ``bound`` a value of
+    :data:`HEAD_DIM_BOUNDS` (used by the kinds of :data:`BOUNDED_KINDS` only)."""
     storage, accumulate = STORAGE[dtype_name]
     block_k = FORWARD_BLOCK_K[accumulate]
     arguments = {
@@ -81,6 +84,7 @@ def kernel_name(kind: str, dtype_name: str, bound: int = 0) -> str:
         "dkdv": f"{storage}, {accumulate}, {bound}",
         "dq": f"{storage}, {accumulate}, {bound}",
         "dbias": f"{storage}, {accumulate}",
+        "combine": f"{storage}, {accumulate}",
     }[kind]
     return f"{kind}_kernel<{arguments}>"
 
@@ -89,9 +93,9 @@ def name_expressions() -> tuple[str, ...]:
     """Every instantiation the backend can launch."""
     names = []
     for dtype_name in STORAGE:
-        for kind in ("forward", "dkdv", "dq"):
-            names += [kernel_name(kind, dtype_name, bound) for bound in HEAD_DIM_BOUNDS]
-        names += [kernel_name("weights", dtype_name), kernel_name("dbias", dtype_name)]
+        for kind in KINDS:
+            bounds = HEAD_DIM_BOUNDS if kind in BOUNDED_KINDS else (0,)
+            names += [kernel_name(kind, dtype_name, bound) for bound in bounds]
     return tuple(names)
 
 
