@@ -108,6 +108,10 @@ def main(argv=None) -> int:
     bench_parser.add_argument("--forward-only", action="store_true")
     bench_parser.add_argument("--memory", action="store_true",
                               help="peak memory of one forward at (1, 8, 16384, 64) instead")
+    bench_parser.add_argument("--gpu", action="store_true",
+                              help="the CUDA kernels against torch SDPA's flash backend on the GPU instead")
+    bench_parser.add_argument("--dtype", choices=["float16", "float32"], default="float16",
+                              help="with --gpu: the inputs' dtype (default float16)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
@@ -117,7 +121,16 @@ def main(argv=None) -> int:
     else:
         from . import bench
 
-        if args.memory:
+        if args.gpu:
+            from . import bench_gpu
+
+            reason = bench_gpu.unavailable_reason()
+            if reason is not None:
+                print(f"bench --gpu needs the gpu backend: {reason}", file=sys.stderr)
+                return 2
+            shapes = [bench.Shape.parse(s) for s in args.shapes] if args.shapes else bench_gpu.DEFAULT_SHAPES
+            bench_gpu.compare(shapes, dtype=args.dtype, repeats=args.repeats, backward=not args.forward_only)
+        elif args.memory:
             bench.memory()
         else:
             shapes = [bench.Shape.parse(s) for s in args.shapes] if args.shapes else bench.DEFAULT_SHAPES

@@ -60,3 +60,15 @@ def test_bench_table_rows_are_consistent(monkeypatch):
         if row["torch_ms"] is not None:
             assert row["torch_ratio"] == pytest.approx(row["torch_ms"] / row["npattn_ms"], rel=1e-9)
     assert "(1,2/1kv,32,16)" in printed.getvalue() and "matmul" in printed.getvalue()
+
+
+def test_bench_gpu_says_why_it_cannot_run(capsys):
+    from npattn import bench_gpu
+
+    reason = bench_gpu.unavailable_reason()
+    if reason is None:
+        pytest.skip("a GPU is usable here: bench --gpu would run")
+    assert cli.main(["bench", "--gpu"]) == 2
+    assert f"bench --gpu needs the gpu backend: {reason}" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="needs the gpu backend"):
+        bench_gpu.compare(shapes=[(1, 1, 1, 8, 8)])

@@ -94,6 +94,26 @@ class TargetShapes(_ForwardBackward):
 
 
 
+class GpuTargets(_ForwardBackward):
+    """The shape the GPU targets are stated at, (4, 16, 4096, 128), in float16 and float32,
+    plus a decode step (4 queries against 16384 cached keys, the split-KV path); compare
+    with ``python -m npattn bench --gpu``, which times torch's flash SDPA beside them."""
+
+    params = (["gpu"], ["float16", "float32"], ["4,16,16,4096,4096,128", "8,32,8,4,16384,128"], [False, True])
+    param_names = ["backend", "dtype", "shape", "causal"]
+    timeout = 600
+
+    def setup(self, backend, dtype, shape, causal):
+        require(backend)
+        b, h, hkv, sq, sk, d = (int(x) for x in shape.split(","))
+        rng = np.random.default_rng(0)
+        self.q, self.k, self.v, self.dout = to_device(backend, [
+            rng.standard_normal(dims).astype(dtype)
+            for dims in ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), (b, h, sq, d))])
+        self.options = dict(causal=causal, backend=backend)
+        self.time_forward(backend, dtype, shape, causal)
+
+
 class Variants:
     """Every variant of npattn.variants at one size: what each option costs on top of plain MHA."""
 
