@@ -1,15 +1,18 @@
 // A host build of npattn's CUDA kernels, for tests on machines with no GPU.
 //
 // Every CUDA thread of a block runs as an OS thread; __syncthreads() is a barrier of
-// the block's threads and __shfl_xor_sync an exchange through a per-warp buffer between
-// two barriers of the warp's 32 threads. Blocks run one after another. Dynamic shared
-// memory starts filled with NaN bytes, so a read before a write shows up in the
-// results. What this cannot show: races the hardware's memory model would expose,
-// warp divergence around a shuffle (a deadlock here), performance.
+// the block's threads, __shfl_xor_sync an exchange through a per-warp buffer between
+// two barriers of the warp's 32 threads, and mma.sync m16n8k16 a product computed from
+// the whole warp's fragments as the PTX ISA lays them out. Blocks run one after another
+// on the same threads. Dynamic shared memory starts filled with NaN bytes, so a read
+// before a write shows up in the results. What this cannot show: races the hardware's
+// memory model would expose, warp divergence around a shuffle (a deadlock here), the
+// hardware's own rounding inside mma, performance.
 //
 // tests/gpu_emulation.py prepends this to npattn.gpu.sources.source() and adds one
 // extern "C" launcher per instantiation.
 #pragma once
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstring>
@@ -36,6 +39,7 @@ struct EmulatedBlock {
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     std::vector<unsigned char> shared;
     double exchange[32][32];
+    unsigned mma_a[32][32][4], mma_b[32][32][2];  // [warp][lane][register]
 };
 
 thread_local uint3 threadIdx, blockIdx, blockDim;
@@ -58,6 +62,56 @@ inline float __int_as_float(int bits) { float x; std::memcpy(&x, &bits, 4); retu
 inline float __uint_as_float(unsigned bits) { float x; std::memcpy(&x, &bits, 4); return x; }
 inline double __longlong_as_double(unsigned long long bits) { double x; std::memcpy(&x, &bits, 8); return x; }
 inline float half_to_float(unsigned short bits) { _Float16 h; std::memcpy(&h, &bits, 2); return (float)h; }
+inline float bits_to_float(unsigned short bits, bool bf16) {
+    if (bf16) return __uint_as_float(((unsigned)bits) << 16);
+    return half_to_float(bits);
+}
+
+// cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32: round to nearest even, `low` in the low half
+inline unsigned emulated_pack_pair(float low, float high, bool bf16) {
+    auto convert = [bf16](float x) -> unsigned {
+        if (bf16) {
+            unsigned bits;
+            std::memcpy(&bits, &x, 4);
+            if (std::isnan(x)) return 0x7FC0u;
+            return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+        }
+        const _Float16 h = (_Float16)x;
+        unsigned short bits;
+        std::memcpy(&bits, &h, 2);
+        return bits;
+    };
+    return convert(low) | (convert(high) << 16);
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: every lane deposits its fragments,
+// then computes its own four elements of D from the whole warp's, following the PTX
+// ISA's fragment layouts (groupID = lane / 4, threadID_in_group = lane % 4).
+inline void emulated_mma_16816(float* c, const unsigned* a, const unsigned* b, bool bf16) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    EmulatedBlock& block = *emulated_block;
+    for (int x = 0; x < 4; ++x) block.mma_a[warp][lane][x] = a[x];
+    for (int x = 0; x < 2; ++x) block.mma_b[warp][lane][x] = b[x];
+    block.warps[warp]->arrive_and_wait();
+    auto element_a = [&](int row, int k) {  // a_i: rows g / g + 8, columns 2t + (0, 1) (+ 8)
+        const unsigned word = block.mma_a[warp][(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
+        return bits_to_float((unsigned short)(k % 2 ? word >> 16 : word & 0xFFFFu), bf16);
+    };
+    auto element_b = [&](int k, int column) {  // b_i: rows 2t + (0, 1) (+ 8), column g
+        const unsigned word = block.mma_b[warp][column * 4 + (k % 8) / 2][k >= 8];
+        return bits_to_float((unsigned short)(k % 2 ? word >> 16 : word & 0xFFFFu), bf16);
+    };
+    float d[4];
+    for (int e = 0; e < 4; ++e) {  // c_i: rows g (i < 2) / g + 8, columns 2t + (i & 1)
+        const int row = lane / 4 + 8 * (e >= 2), column = 2 * (lane % 4) + (e & 1);
+        double total = c[e];
+        for (int k = 0; k < 16; ++k) total += (double)element_a(row, k) * element_b(k, column);
+        d[e] = (float)total;
+    }
+    block.warps[warp]->arrive_and_wait();  // every lane has read the deposits
+    for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
+
 using std::exp; using std::log; using std::tanh;
 inline float expf(float x) { return std::exp(x); }
 inline float logf(float x) { return std::log(x); }
@@ -73,18 +127,22 @@ std::tuple<P...> unpack_arguments(void** args, std::index_sequence<I...>) {
 template <typename... P>
 void emulate_launch(void (*kernel)(P...), int blocks, int threads, size_t shared_bytes, void** args) {
     const std::tuple<P...> values = unpack_arguments<P...>(args, std::index_sequence_for<P...>{});
-    for (int block = 0; block < blocks; ++block) {
-        EmulatedBlock state(threads, shared_bytes);
-        std::vector<std::thread> pool;
-        for (int t = 0; t < threads; ++t) {
-            pool.emplace_back([&, t] {
-                threadIdx = {(unsigned)t, 0, 0};
+    // one OS thread per CUDA thread of a block, reused block after block
+    EmulatedBlock state(threads, shared_bytes);
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+        pool.emplace_back([&, t] {
+            threadIdx = {(unsigned)t, 0, 0};
+            blockDim = {(unsigned)threads, 1, 1};
+            emulated_block = &state;
+            for (int block = 0; block < blocks; ++block) {
                 blockIdx = {(unsigned)block, 0, 0};
-                blockDim = {(unsigned)threads, 1, 1};
-                emulated_block = &state;
                 std::apply(kernel, values);
-            });
-        }
-        for (auto& thread : pool) thread.join();
+                state.barrier.arrive_and_wait();  // the whole block is done
+                if (t == 0) std::fill(state.shared.begin(), state.shared.end(), (unsigned char)0xFF);
+                state.barrier.arrive_and_wait();  // fresh NaN-filled shared memory for the next block
+            }
+        });
     }
+    for (auto& thread : pool) thread.join();
 }

@@ -23,7 +23,7 @@ from npattn.gpu import launch, sources
 
 _HEADER = Path(__file__).with_name("gpu_emulation.h")
 # (dtype name, head-dim bound) pairs built for the emulation
-EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("float32", 256))
+EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("float32", 256), ("float16", 256))
 
 
 def compiler() -> str | None:
@@ -35,7 +35,7 @@ def _names():
     for dtype_name, bound in EMULATED:
         for kind in sources.KINDS:
             name = sources.kernel_name(kind, dtype_name, bound)
-            if name not in names:
+            if name in sources.name_expressions() and name not in names:
                 names.append(name)
     return names
 

@@ -40,12 +40,17 @@ def _nvrtc_or_skip():
 
 # ---- without a GPU ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("architecture", sources.ARCHITECTURES)
-def test_every_kernel_instantiation_compiles(architecture):
+def test_every_kernel_instantiation_compiles_for_every_architecture():
+    """sm_80 and sm_90 side by side: NVRTC releases the GIL, so the two compiles share the
+    cores (about a minute each on the project's 2-core machine)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     _nvrtc_or_skip()
-    lowered = sources.check_compiles(architecture)
-    assert set(lowered) == set(sources.name_expressions())
-    assert len(set(lowered.values())) == len(lowered), "two instantiations lowered to one symbol"
+    with ThreadPoolExecutor(len(sources.ARCHITECTURES)) as pool:
+        results = dict(zip(sources.ARCHITECTURES, pool.map(sources.check_compiles, sources.ARCHITECTURES)))
+    for architecture, lowered in results.items():
+        assert set(lowered) == set(sources.name_expressions()), architecture
+        assert len(set(lowered.values())) == len(lowered), f"{architecture}: two instantiations share a symbol"
 
 
 def test_the_compile_check_fails_on_a_bad_instantiation():
@@ -59,8 +64,10 @@ def test_every_dtype_and_kind_has_instantiations():
     names = sources.name_expressions()
     assert len(names) == len(set(names))
     for dtype_name in sources.STORAGE:
+        forward = sources.forward_kind(dtype_name)
+        assert forward == ("forward_tc" if dtype_name in ("float16", "bfloat16") else "forward")
         for bound in sources.HEAD_DIM_BOUNDS:
-            for kind in ("forward", "dkdv", "dq"):
+            for kind in (forward, "dkdv", "dq"):
                 assert sources.kernel_name(kind, dtype_name, bound) in names
         for kind in ("combine", "weights", "dbias"):
             assert sources.kernel_name(kind, dtype_name) in names
@@ -91,6 +98,14 @@ def test_shared_memory_fits_an_sm80_block_at_the_widest_heads(dtype):
     widest = sources.MAX_HEAD_DIM
     assert launch.forward_shared_bytes(widest, widest, dtype) <= _SM80_SHARED_BYTES
     assert launch.backward_shared_bytes(widest, widest, dtype) <= _SM80_SHARED_BYTES
+
+
+def test_tensor_core_shared_memory_fits_an_sm80_block_at_the_widest_heads():
+    widest = sources.MAX_HEAD_DIM
+    assert launch.forward_tc_shared_bytes(widest, widest) <= _SM80_SHARED_BYTES
+    # head dims round up to whole mma tiles: 16 for D, 8 for Dv
+    assert launch.forward_tc_shared_bytes(17, 8) == launch.forward_tc_shared_bytes(32, 8)
+    assert launch.forward_tc_shared_bytes(16, 9) == launch.forward_tc_shared_bytes(16, 16)
 
 
 def test_shared_memory_grows_with_the_head_dims():

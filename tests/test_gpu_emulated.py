@@ -19,7 +19,8 @@ import gpu_emulation
 pytestmark = pytest.mark.skipif(gpu_emulation.compiler() is None, reason="needs g++ to build the emulation")
 layouts = st.sampled_from(["bhsd", "bshd"])
 # The shared strategies draw lengths up to 9: one tile of the GPU kernels (16 query rows,
-# 16-32 keys). Lengths up to 80 cover several query and key tiles (the online softmax
+# 16-32 keys; 64 x 64 on tensor cores). Lengths up to 80 cover several query and key
+# tiles of each (the online softmax
 # across key tiles, dK/dV over query tiles), at a cost: each emulated launch runs one OS
 # thread per CUDA thread, so those get fewer examples.
 MANY_TILES = dims(max_len=80, max_dim=24)
@@ -46,13 +47,13 @@ def test_emulated_gpu_backward_matches_the_reference(case, layout):
 
 
 @FEWER
-@given(case=cases(dtypes=("float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
+@given(case=cases(dtypes=("float16", "float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
 def test_emulated_gpu_forward_over_many_tiles(case, layout):
     check_forward("gpu", case, layout)
 
 
 @FEWER
-@given(case=cases(dtypes=("float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
+@given(case=cases(dtypes=("float16", "float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
 def test_emulated_gpu_backward_over_many_tiles(case, layout):
     check_backward("gpu", case, layout)
 
@@ -93,7 +94,7 @@ def test_emulated_gpu_split_kv_decoding_matches_the_reference():
     q = rng.uniform(-1, 1, (2, 4, 3, 32)).astype(np.float32)
     k = rng.uniform(-1, 1, (2, 2, 300, 32)).astype(np.float32)
     v = rng.uniform(-1, 1, (2, 2, 300, 24)).astype(np.float32)
-    assert driver.decode_splits(2 * 4, 3, 300, np.float32) > 1
+    assert driver.decode_splits(2 * 4, 3, 300, 16, 32) > 1
     for options in [{}, dict(causal=True, sink_logits=rng.normal(size=4), dropout_p=0.3, seed=4),
                     dict(window=(40, 0), sinks=2, kv_lengths=np.array([0, 170])),
                     dict(mask=rng.random((2, 1, 3, 300)) < 0.5, q_lengths=np.array([3, 1]))]:
@@ -107,7 +108,7 @@ def test_emulated_gpu_split_kv_decoding_matches_the_reference():
 
 
 @FEWER
-@given(case=cases(dtypes=("float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
+@given(case=cases(dtypes=("float16", "float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
 def test_emulated_gpu_forward_with_every_possible_split(case, layout):
     """Splits forced down to one key tile each, so small shapes split too."""
     from npattn.gpu import driver

@@ -109,6 +109,15 @@ __device__ inline KeySegments key_segments(const i64* ints, const i64* kv_length
     return segments;
 }
 
+// True when every row of [i0, i1) sees every key of [j0, j1) through causal, window,
+// sinks and kv_lengths (bounds are monotone, so the first and last rows decide).
+__device__ inline bool tile_fully_visible(const i64* ints, const i64* kv_lengths, i64 b, i64 i0, i64 i1, i64 j0,
+                                          i64 j1) {
+    const KeyBand first = key_band(ints, kv_lengths, b, i0);
+    const KeyBand last = key_band(ints, kv_lengths, b, i1 - 1);
+    return j1 <= first.sink_end || (last.lo <= j0 && j1 <= first.hi);
+}
+
 // True when some row of [i0, i1) may see some key of [j0, j1).
 __device__ inline bool tile_is_live(const i64* ints, const i64* kv_lengths, i64 b, i64 i0, i64 i1,
                                     i64 j0, i64 j1) {
@@ -182,49 +191,55 @@ __device__ inline void load_tile(const T* x, i64 offset, i64 row_stride, int row
     }
 }
 
+// One score from its dot product q_i . k_j: scale, softcap (its tanh in *tanh_out),
+// bias, ALiBi, then -inf where key j is invisible to row i (causal, window, sinks,
+// kv_lengths, mask). Every kernel's scores go through here, whatever computed the dot.
+template <typename T, typename Acc>
+__device__ inline Acc finish_score(const Operands<T, Acc>& in, i64 b, i64 h, i64 i, i64 j, Acc dot, Acc* tanh_out) {
+    const i64* ints = in.ints;
+    const KeyBand band = key_band(ints, in.kv_lengths, b, i);
+    bool visible = key_visible(band, j);
+    if (visible && ints[NPATTN_INT_HAS_MASK]) {
+        visible = in.mask[b * ints[NPATTN_INT_MASK_STRIDE_B] + h * ints[NPATTN_INT_MASK_STRIDE_H] +
+                          i * ints[NPATTN_INT_MASK_STRIDE_Q] + j * ints[NPATTN_INT_MASK_STRIDE_K]] != 0;
+    }
+    Acc score = in.reals[NPATTN_REAL_SCALE] * dot;
+    *tanh_out = 0;
+    if (ints[NPATTN_INT_HAS_SOFTCAP]) {
+        const Acc softcap = in.reals[NPATTN_REAL_SOFTCAP];
+        *tanh_out = tanh_of(score / softcap);
+        score = softcap * *tanh_out;
+    }
+    if (ints[NPATTN_INT_HAS_BIAS]) {
+        score += in.bias[b * ints[NPATTN_INT_BIAS_STRIDE_B] + h * ints[NPATTN_INT_BIAS_STRIDE_H] +
+                         i * ints[NPATTN_INT_BIAS_STRIDE_Q] + j * ints[NPATTN_INT_BIAS_STRIDE_K]];
+    }
+    if (ints[NPATTN_INT_HAS_ALIBI]) {
+        const i64 position = i + ints[NPATTN_INT_KV_LEN] - ints[NPATTN_INT_Q_LEN];
+        const i64 distance = position > j ? position - j : j - position;
+        score -= in.alibi[b * ints[NPATTN_INT_HEADS] + h] * (Acc)distance;
+    }
+    return visible ? score : negative_infinity<Acc>();
+}
+
 // Scores of rows [i0, i0 + rows) of head h against keys [j0, j0 + cols) into
 // s[r * ld + c], from the query tile qs (BQ x D, row stride ld_q) and key tile ks
-// (BK x D, row stride ld_k) in shared memory: scale * q.k, softcap (its tanh in
-// `tanh_out` when not null), bias, ALiBi, then -inf where the key is invisible or
-// past the tile. Rows past `rows` get -inf too. Ends with __syncthreads().
+// (BK x D, row stride ld_k) in shared memory (finish_score; the tanh of softcap in
+// `tanh_out` when not null). Places past `rows` or `cols` get -inf. Ends with
+// __syncthreads().
 template <typename T, typename Acc, int BQ, int BK>
 __device__ inline void score_tile(const Operands<T, Acc>& in, const Acc* qs, int ld_q, const Acc* ks,
                                   int ld_k, Acc* s, int ld, Acc* tanh_out, i64 b, i64 h, i64 i0,
                                   int rows, i64 j0, int cols) {
-    const i64* ints = in.ints;
-    const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM];
-    const Acc scale = in.reals[NPATTN_REAL_SCALE];
-    const Acc softcap = in.reals[NPATTN_REAL_SOFTCAP];
-    const i64 heads = ints[NPATTN_INT_HEADS];
+    const int head_dim = (int)in.ints[NPATTN_INT_HEAD_DIM];
     for (int index = threadIdx.x; index < BQ * BK; index += blockDim.x) {
         const int r = index / BK, c = index % BK;
-        const i64 i = i0 + r, j = j0 + c;
         Acc score = negative_infinity<Acc>();
         Acc t = 0;
         if (r < rows && c < cols) {
-            const KeyBand band = key_band(ints, in.kv_lengths, b, i);
-            bool visible = key_visible(band, j);
-            if (visible && ints[NPATTN_INT_HAS_MASK]) {
-                visible = in.mask[b * ints[NPATTN_INT_MASK_STRIDE_B] + h * ints[NPATTN_INT_MASK_STRIDE_H] +
-                                  i * ints[NPATTN_INT_MASK_STRIDE_Q] + j * ints[NPATTN_INT_MASK_STRIDE_K]] != 0;
-            }
             Acc dot = 0;
             for (int d = 0; d < head_dim; ++d) dot += qs[r * ld_q + d] * ks[c * ld_k + d];
-            score = scale * dot;
-            if (ints[NPATTN_INT_HAS_SOFTCAP]) {
-                t = tanh_of(score / softcap);
-                score = softcap * t;
-            }
-            if (ints[NPATTN_INT_HAS_BIAS]) {
-                score += in.bias[b * ints[NPATTN_INT_BIAS_STRIDE_B] + h * ints[NPATTN_INT_BIAS_STRIDE_H] +
-                                 i * ints[NPATTN_INT_BIAS_STRIDE_Q] + j * ints[NPATTN_INT_BIAS_STRIDE_K]];
-            }
-            if (ints[NPATTN_INT_HAS_ALIBI]) {
-                const i64 position = i + ints[NPATTN_INT_KV_LEN] - ints[NPATTN_INT_Q_LEN];
-                const i64 distance = position > j ? position - j : j - position;
-                score -= in.alibi[b * heads + h] * (Acc)distance;
-            }
-            if (!visible) score = negative_infinity<Acc>();
+            score = finish_score(in, b, h, i0 + r, j0 + c, dot, &t);
         }
         s[r * ld + c] = score;
         if (tanh_out != nullptr) tanh_out[r * ld + c] = t;

@@ -15,7 +15,8 @@ import numpy as np
 from ..kernel_params import Int, problem_parameters, sink_logits_gradient
 from ..results import ForwardResult, Gradients
 from . import launch
-from .sources import BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, THREADS, head_dim_bound
+from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS, forward_kind,
+                      head_dim_bound)
 
 
 def _on_device(problem):
@@ -79,12 +80,13 @@ DECODE_TARGET_BLOCKS = 264
 MIN_KEY_TILES_PER_SPLIT = 4
 
 
-def decode_splits(blocks: int, q_len: int, kv_len: int, dtype) -> int:
+def decode_splits(blocks: int, q_len: int, kv_len: int, block_q: int, block_k: int) -> int:
     """How many key splits the forward uses: more than 1 only for short queries (one query
-    tile per head) whose ``blocks`` query tiles leave the GPU mostly idle."""
-    if q_len > BLOCK_Q or blocks >= DECODE_TARGET_BLOCKS:
+    tile of ``block_q`` rows per head) whose ``blocks`` query tiles leave the GPU mostly
+    idle; ``block_k``: keys per tile."""
+    if q_len > block_q or blocks >= DECODE_TARGET_BLOCKS:
         return 1
-    key_tiles = -(-kv_len // FORWARD_BLOCK_K["double" if np.dtype(dtype) == np.float64 else "float"])
+    key_tiles = -(-kv_len // block_k)
     return max(1, min(key_tiles // MIN_KEY_TILES_PER_SPLIT, -(-DECODE_TARGET_BLOCKS // blocks)))
 
 
@@ -103,19 +105,26 @@ def forward(problem) -> ForwardResult:
             out = cp.zeros((batch, heads, q_len, value_dim), dtype)
         lse = cp.full((batch, heads, q_len), -np.inf, dtype)
         out_strides = [np.int64(s) for s in _element_strides(out)[:3]]
-        blocks = batch * heads * -(-q_len // BLOCK_Q)
-        layout = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)
-        splits = decode_splits(blocks, q_len, problem.kv_len, dtype)
+        kind = forward_kind(storage)
+        if kind == "forward_tc":
+            block_q = block_k = TENSOR_CORE_BLOCK
+            shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim)
+        else:
+            block_q, block_k = BLOCK_Q, FORWARD_BLOCK_K["double" if dtype == np.float64 else "float"]
+            shared = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)
+        blocks = batch * heads * -(-q_len // block_q)
+        splits = decode_splits(blocks, q_len, problem.kv_len, block_q, block_k)
         partial = cp.zeros(1, dtype) if splits == 1 else cp.empty(batch * heads * q_len * splits * (value_dim + 3), dtype)
         outputs = (out, *out_strides, lse, np.int64(splits), partial)
-        launch.run("forward", storage, bound, blocks * splits, layout, (*operands, *outputs))
+        launch.run(kind, storage, bound, blocks * splits, shared, (*operands, *outputs))
         if splits > 1:
             rows = batch * heads * q_len
             launch.run("combine", storage, 0, -(-rows // THREADS), 0, (*operands, *outputs))
         weights = None
         if problem.return_weights:
             weights = cp.zeros((batch, heads, q_len, problem.kv_len), dtype)
-            launch.run("weights", storage, 0, blocks, layout, (*operands, lse, weights))
+            launch.run("weights", storage, 0, batch * heads * -(-q_len // BLOCK_Q),
+                       launch.forward_shared_bytes(problem.head_dim, value_dim, dtype), (*operands, lse, weights))
     return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
 
 

@@ -28,6 +28,15 @@ def forward_shared_bytes(head_dim: int, value_dim: int, dtype) -> int:
     return elements * np.dtype(dtype).itemsize
 
 
+def forward_tc_shared_bytes(head_dim: int, value_dim: int) -> int:
+    """Dynamic shared memory of forward_tc_kernel: ``TensorCoreLayout`` in forward_tc.cu
+    (Q and K tiles of 64 rows and V^T of Dv rows, 16-bit values, head dims rounded up
+    to whole mma tiles, 8 values of padding per row)."""
+    block, pad = sources.TENSOR_CORE_BLOCK, 8
+    head_dim, value_dim = -(-head_dim // 16) * 16, -(-value_dim // 8) * 8
+    return 2 * (2 * block * (head_dim + pad) + value_dim * (block + pad))
+
+
 def backward_shared_bytes(head_dim: int, value_dim: int, dtype) -> int:
     """Dynamic shared memory of the backward kernels: ``BackwardLayout`` in backward.cu
     (query and dout tiles, key and value tiles with padded rows, three score-shaped
@@ -52,7 +61,8 @@ def _module(storage: str):
 
 def run(kind: str, storage: str, bound: int, blocks: int, shared_bytes: int, arguments) -> None:
     """Launch ``kind``'s instantiation for ``storage`` (a dtype name) and head-dim ``bound``
-    on ``blocks`` blocks of :data:`~npattn.gpu.sources.THREADS` threads."""
+    on ``blocks`` blocks of :data:`~npattn.gpu.sources.THREADS` threads (every kernel,
+    the tensor-core forward's 4 warps included, runs 128)."""
     if blocks <= 0:
         return
     kernel = _module(storage).get_function(sources.kernel_name(kind, storage, bound))

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..kernel_params import Int, Real
 
 _DIRECTORY = Path(__file__).parent
-_FILES = ("common.cuh", "forward.cu", "backward.cu")
+_FILES = ("common.cuh", "forward.cu", "forward_tc.cu", "backward.cu")
 _LOCAL_INCLUDE = re.compile(r'^#include "[^"]+"\s*$', re.MULTILINE)
 
 # storage type -> (CUDA storage type, CUDA accumulation type), keyed by NumPy dtype name
@@ -44,8 +44,12 @@ BACKWARD_BLOCK_K = 16        # keys per tile in the backward kernels
 # are halved so a 256-wide head's shared memory stays within sm_80's 163 KiB
 FORWARD_BLOCK_K = {"float": 32, "double": 16}
 # every kernel template; those with register accumulators sized by the head dims
-KINDS = ("forward", "combine", "weights", "dkdv", "dq", "dbias")
-BOUNDED_KINDS = ("forward", "dkdv", "dq")
+KINDS = ("forward", "forward_tc", "combine", "weights", "dkdv", "dq", "dbias")
+BOUNDED_KINDS = ("forward", "forward_tc", "dkdv", "dq")
+# 16-bit inputs take the tensor-core forward; the others the SIMT one
+TENSOR_CORE_STORAGE = ("float16", "bfloat16")
+# the tensor-core forward's tiles: 64 query rows (4 warps x 16) x 64 keys
+TENSOR_CORE_BLOCK = 64
 # the targets CI compiles for: A100 and H100/H200
 ARCHITECTURES = ("sm_80", "sm_90")
 
@@ -80,6 +84,7 @@ def kernel_name(kind: str, dtype_name: str, bound: int = 0) -> str:
     block_k = FORWARD_BLOCK_K[accumulate]
     arguments = {
         "forward": f"{storage}, {accumulate}, {bound}, {block_k}",
+        "forward_tc": f"{storage}, {accumulate}, {bound}",
         "weights": f"{storage}, {accumulate}, {block_k}",
         "dkdv": f"{storage}, {accumulate}, {bound}",
         "dq": f"{storage}, {accumulate}, {bound}",
@@ -94,9 +99,16 @@ def name_expressions() -> tuple[str, ...]:
     names = []
     for dtype_name in STORAGE:
         for kind in KINDS:
+            if kind in ("forward", "forward_tc") and (kind == "forward_tc") != (dtype_name in TENSOR_CORE_STORAGE):
+                continue
             bounds = HEAD_DIM_BOUNDS if kind in BOUNDED_KINDS else (0,)
             names += [kernel_name(kind, dtype_name, bound) for bound in bounds]
     return tuple(names)
+
+
+def forward_kind(dtype_name: str) -> str:
+    """The forward kernel that runs ``dtype_name`` inputs."""
+    return "forward_tc" if dtype_name in TENSOR_CORE_STORAGE else "forward"
 
 
 def compile_options(architecture: str) -> tuple[str, ...]:
