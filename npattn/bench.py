@@ -134,6 +134,19 @@ def _matmul_run(size: int):
 _SETTLE_S = 0.3
 
 
+def interleaved_samples(timed: dict, repeats: int, time_one) -> dict:
+    """Each run of ``timed`` (name -> callable) once to warm up (compile, allocate), then
+    ``repeats`` rounds of every run in turn, timed by ``time_one(run)``: name -> array of
+    seconds, one per round."""
+    for run in timed.values():
+        run()
+    samples = {name: [] for name in timed}
+    for _ in range(repeats):
+        for name, run in timed.items():
+            samples[name].append(time_one(run))
+    return {name: np.array(t) for name, t in samples.items()}
+
+
 def _time(run) -> float:
     time.sleep(_SETTLE_S)
     start = time.perf_counter()
@@ -187,13 +200,7 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
         for pass_index, pass_name in enumerate(("forward", "fwd+bwd") if backward else ("forward",)):
             timed = {name: pair[pass_index] for name, pair in runs.items() if pair[pass_index] is not None}
             timed["matmul"] = matmul
-            for run in timed.values():  # warm up: compile, allocate
-                run()
-            samples = {name: [] for name in timed}
-            for _ in range(repeats):
-                for name, run in timed.items():
-                    samples[name].append(_time(run))
-            samples = {name: np.array(t) for name, t in samples.items()}
+            samples = interleaved_samples(timed, repeats, _time)
             ms = {name: 1e3 * float(np.median(t)) for name, t in samples.items()}
             flops = shape.forward_flops(causal) * (3.5 if pass_name == "fwd+bwd" else 1.0)
             gflops = flops / (ms["npattn"] / 1e3) / 1e9

@@ -17,7 +17,7 @@ import numpy as np
 
 import npattn
 
-from .bench import Shape, _clear_progress, _progress
+from .bench import Shape, _clear_progress, _progress, interleaved_samples
 
 DEFAULT_SHAPES = ((4, 16, 16, 4096, 128), (1, 8, 8, 2048, 64), (1, 32, 8, 4096, 128))
 
@@ -114,13 +114,7 @@ def compare(shapes=DEFAULT_SHAPES, dtype="float16", repeats: int = 10, backward:
             timed = {"npattn": ours[pass_index]}
             if theirs is not None:
                 timed["torch"] = theirs[pass_index]
-            for run in timed.values():  # warm up: compile, allocate
-                run()
-            samples = {name: [] for name in timed}
-            for _ in range(repeats):
-                for name, run in timed.items():
-                    samples[name].append(_time(run))
-            samples = {name: np.array(t) for name, t in samples.items()}
+            samples = interleaved_samples(timed, repeats, _time)
             ms = {name: 1e3 * float(np.median(t)) for name, t in samples.items()}
             flops = shape.forward_flops(causal) * (3.5 if pass_name == "fwd+bwd" else 1.0)
             tflops = {name: flops / (t / 1e3) / 1e12 for name, t in ms.items()}

@@ -205,12 +205,10 @@ dq_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, const
     for (int x = 0; x < MAX_D / 8; ++x) acc[x] = 0;
     const i64 kv_head = h / (heads / ints[NPATTN_INT_KV_HEADS]);
     load_query_side(in, dout, dout_strides, lse, delta, t, b, h, i0, rows);
-    const KeySegments segments = key_segments(ints, kv_lengths, b, i0, i0 + rows);
+    const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, NPATTN_BK, 0, 1);
     for (int segment = 0; segment < 2; ++segment) {
-        const i64 first = segment == 0 ? 0 : segments.start;
-        const i64 last = segment == 0 ? segments.sink_end : segments.stop;
-        for (i64 j0 = first; j0 < last; j0 += NPATTN_BK) {
-            const int cols = (int)smaller(NPATTN_BK, last - j0);
+        for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += NPATTN_BK) {
+            const int cols = (int)smaller(NPATTN_BK, keys.last[segment] - j0);
             load_key_side(in, t, b, kv_head, j0, cols);
             gradient_tile(in, t, b, h, i0, rows, j0, cols, true);
             for (int c = 0; c < cols; ++c) {

@@ -109,6 +109,25 @@ __device__ inline KeySegments key_segments(const i64* ints, const i64* kv_length
     return segments;
 }
 
+// The keys a tile of rows [i0, i1) visits, as two ranges [first[x], last[x]): the
+// visible segments of key_segments, cut to split `split` of `splits` (whole tiles of
+// block_k keys, as even a share as can be; splits == 1: every key).
+struct KeyRanges { i64 first[2], last[2]; };
+
+__device__ inline KeyRanges key_ranges(const i64* ints, const i64* kv_lengths, i64 b, i64 i0, i64 i1, int block_k,
+                                       i64 split, i64 splits) {
+    const i64 tiles = (ints[NPATTN_INT_KV_LEN] + block_k - 1) / block_k;
+    const i64 per_split = (tiles + splits - 1) / splits;
+    const i64 lo = split * per_split * block_k, hi = (split + 1) * per_split * block_k;
+    const KeySegments segments = key_segments(ints, kv_lengths, b, i0, i1);
+    KeyRanges ranges;
+    ranges.first[0] = lo;
+    ranges.last[0] = smaller(hi, segments.sink_end);
+    ranges.first[1] = larger(lo, segments.start);
+    ranges.last[1] = smaller(hi, segments.stop);
+    return ranges;
+}
+
 // True when every row of [i0, i1) sees every key of [j0, j1) through causal, window,
 // sinks and kv_lengths (bounds are monotone, so the first and last rows decide).
 __device__ inline bool tile_fully_visible(const i64* ints, const i64* kv_lengths, i64 b, i64 i0, i64 i1, i64 j0,

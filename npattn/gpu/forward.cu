@@ -46,14 +46,6 @@ __device__ inline QueryTile query_tile(const i64* ints, const i64* q_lengths, i6
     return tile;
 }
 
-// The keys split `split` of `splits` covers: whole key tiles, as even a share as can be.
-__device__ inline void split_keys(const i64* ints, int block_k, i64 split, i64 splits, i64* lo, i64* hi) {
-    const i64 tiles = (ints[NPATTN_INT_KV_LEN] + block_k - 1) / block_k;
-    const i64 per_split = (tiles + splits - 1) / splits;
-    *lo = split * per_split * block_k;
-    *hi = (split + 1) * per_split * block_k;
-}
-
 __device__ inline i64 kv_head_of(const i64* ints, i64 h) {
     return h / (ints[NPATTN_INT_HEADS] / ints[NPATTN_INT_KV_HEADS]);
 }
@@ -106,14 +98,10 @@ forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
 
     const i64 k_base = b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H];
     const i64 v_base = b * ints[NPATTN_INT_V_STRIDE_B] + kv_head * ints[NPATTN_INT_V_STRIDE_H];
-    const KeySegments segments = key_segments(ints, kv_lengths, b, i0, i0 + rows);
-    i64 split_lo, split_hi;
-    split_keys(ints, BK, split, splits, &split_lo, &split_hi);
+    const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, BK, split, splits);
     for (int segment = 0; segment < 2; ++segment) {
-        const i64 first = larger(split_lo, segment == 0 ? 0 : segments.start);
-        const i64 last = smaller(split_hi, segment == 0 ? segments.sink_end : segments.stop);
-        for (i64 j0 = first; j0 < last; j0 += BK) {
-            const int cols = (int)smaller(BK, last - j0);
+        for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += BK) {
+            const int cols = (int)smaller(BK, keys.last[segment] - j0);
             load_tile(k, k_base + j0 * ints[NPATTN_INT_K_STRIDE_S], ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
                       head_dim, ks, at.ld_k);
             load_tile(v, v_base + j0 * ints[NPATTN_INT_V_STRIDE_S], ints[NPATTN_INT_V_STRIDE_S], cols, value_dim, BK,
@@ -216,12 +204,10 @@ weights_kernel(NPATTN_OPERAND_PARAMS, const Acc* lse, Acc* weights) {
     load_tile(q, b * ints[NPATTN_INT_Q_STRIDE_B] + h * ints[NPATTN_INT_Q_STRIDE_H] + i0 * ints[NPATTN_INT_Q_STRIDE_S],
               ints[NPATTN_INT_Q_STRIDE_S], rows, head_dim, NPATTN_BQ, head_dim, qs, at.ld_q);
     const i64 k_base = b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H];
-    const KeySegments segments = key_segments(ints, kv_lengths, b, i0, i0 + rows);
+    const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, BK, 0, 1);
     for (int segment = 0; segment < 2; ++segment) {
-        const i64 first = segment == 0 ? 0 : segments.start;
-        const i64 last = segment == 0 ? segments.sink_end : segments.stop;
-        for (i64 j0 = first; j0 < last; j0 += BK) {
-            const int cols = (int)smaller(BK, last - j0);
+        for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += BK) {
+            const int cols = (int)smaller(BK, keys.last[segment] - j0);
             load_tile(k, k_base + j0 * ints[NPATTN_INT_K_STRIDE_S], ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
                       head_dim, ks, at.ld_k);
             __syncthreads();

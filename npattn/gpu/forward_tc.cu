@@ -138,14 +138,10 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 o
 
     const i64 k_base = b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H];
     const i64 v_base = b * ints[NPATTN_INT_V_STRIDE_B] + kv_head * ints[NPATTN_INT_V_STRIDE_H];
-    const KeySegments segments = key_segments(ints, kv_lengths, b, i0, i0 + rows);
-    i64 split_lo, split_hi;
-    split_keys(ints, NPATTN_TC_BK, split, splits, &split_lo, &split_hi);
+    const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, NPATTN_TC_BK, split, splits);
     for (int segment = 0; segment < 2; ++segment) {
-        const i64 first = larger(split_lo, segment == 0 ? 0 : segments.start);
-        const i64 last = smaller(split_hi, segment == 0 ? segments.sink_end : segments.stop);
-        for (i64 j0 = first; j0 < last; j0 += NPATTN_TC_BK) {
-            const int cols = (int)smaller(NPATTN_TC_BK, last - j0);
+        for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += NPATTN_TC_BK) {
+            const int cols = (int)smaller(NPATTN_TC_BK, keys.last[segment] - j0);
             __syncthreads();  // every warp is done with the previous tile (and Q is loaded)
             load_bits(k, k_base + j0 * ints[NPATTN_INT_K_STRIDE_S], ints[NPATTN_INT_K_STRIDE_S], cols, head_dim,
                       NPATTN_TC_BK, at.head_dim, ks, at.ld_k, false);
