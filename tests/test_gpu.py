@@ -108,6 +108,16 @@ def test_tensor_core_shared_memory_fits_an_sm80_block_at_the_widest_heads():
     assert launch.forward_tc_shared_bytes(16, 9) == launch.forward_tc_shared_bytes(16, 16)
 
 
+def test_tensor_core_backward_fits_an_sm80_block_and_is_routed_by_dtype_and_width():
+    widest = max(sources.TENSOR_CORE_BACKWARD_BOUNDS)
+    for kind in ("dkdv_tc", "dq_tc"):
+        assert launch.backward_tc_shared_bytes(kind, widest, widest) <= _SM80_SHARED_BYTES
+    assert sources.backward_kinds("float16", 128) == ("dkdv_tc", "dq_tc")
+    assert sources.backward_kinds("bfloat16", 64) == ("dkdv_tc", "dq_tc")
+    assert sources.backward_kinds("float16", 256) == ("dkdv", "dq")  # too wide for the registers
+    assert sources.backward_kinds("float32", 64) == ("dkdv", "dq")
+
+
 def test_shared_memory_grows_with_the_head_dims():
     for size in (launch.forward_shared_bytes, launch.backward_shared_bytes):
         assert size(64, 64, np.float32) < size(128, 64, np.float32) < size(128, 128, np.float32)

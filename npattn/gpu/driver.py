@@ -15,8 +15,8 @@ import numpy as np
 from ..kernel_params import Int, problem_parameters, sink_logits_gradient
 from ..results import ForwardResult, Gradients
 from . import launch
-from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS, forward_kind,
-                      head_dim_bound)
+from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS, backward_kinds,
+                      forward_kind, head_dim_bound)
 
 
 def _on_device(problem):
@@ -149,8 +149,16 @@ def backward(problem, saved, dout) -> Gradients:
         shared = launch.backward_shared_bytes(head_dim, value_dim, dtype)
         key_tiles = -(-kv_len // BACKWARD_BLOCK_K)
         query_tiles = -(-q_len // BLOCK_Q)
-        launch.run("dkdv", storage, bound, batch * kv_heads * key_tiles, shared, (*common, dk, dv))
-        launch.run("dq", storage, bound, batch * heads * query_tiles, shared, (*common, dq))
+        dkdv_kind, dq_kind = backward_kinds(storage, bound)
+        if dkdv_kind == "dkdv_tc":
+            block = TENSOR_CORE_BLOCK
+            launch.run(dkdv_kind, storage, bound, batch * kv_heads * -(-kv_len // block),
+                       launch.backward_tc_shared_bytes(dkdv_kind, head_dim, value_dim), (*common, dk, dv))
+            launch.run(dq_kind, storage, bound, batch * heads * -(-q_len // block),
+                       launch.backward_tc_shared_bytes(dq_kind, head_dim, value_dim), (*common, dq))
+        else:
+            launch.run(dkdv_kind, storage, bound, batch * kv_heads * key_tiles, shared, (*common, dk, dv))
+            launch.run(dq_kind, storage, bound, batch * heads * query_tiles, shared, (*common, dq))
         dbias = None
         if problem.bias is not None:
             shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)

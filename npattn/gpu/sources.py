@@ -24,7 +24,7 @@ from pathlib import Path
 from ..kernel_params import Int, Real
 
 _DIRECTORY = Path(__file__).parent
-_FILES = ("common.cuh", "forward.cu", "forward_tc.cu", "backward.cu")
+_FILES = ("common.cuh", "forward.cu", "forward_tc.cu", "backward.cu", "backward_tc.cu")
 _LOCAL_INCLUDE = re.compile(r'^#include "[^"]+"\s*$', re.MULTILINE)
 
 # storage type -> (CUDA storage type, CUDA accumulation type), keyed by NumPy dtype name
@@ -44,8 +44,10 @@ BACKWARD_BLOCK_K = 16        # keys per tile in the backward kernels
 # are halved so a 256-wide head's shared memory stays within sm_80's 163 KiB
 FORWARD_BLOCK_K = {"float": 32, "double": 16}
 # every kernel template; those with register accumulators sized by the head dims
-KINDS = ("forward", "forward_tc", "combine", "weights", "dkdv", "dq", "dbias")
-BOUNDED_KINDS = ("forward", "forward_tc", "dkdv", "dq")
+KINDS = ("forward", "forward_tc", "combine", "weights", "dkdv", "dq", "dkdv_tc", "dq_tc", "dbias")
+BOUNDED_KINDS = ("forward", "forward_tc", "dkdv", "dq", "dkdv_tc", "dq_tc")
+# the tensor-core backward holds two D-wide accumulators per lane: heads up to 128
+TENSOR_CORE_BACKWARD_BOUNDS = (64, 128)
 # 16-bit inputs take the tensor-core forward; the others the SIMT one
 TENSOR_CORE_STORAGE = ("float16", "bfloat16")
 # the tensor-core forward's tiles: 64 query rows (4 warps x 16) x 64 keys
@@ -85,6 +87,8 @@ def kernel_name(kind: str, dtype_name: str, bound: int = 0) -> str:
     arguments = {
         "forward": f"{storage}, {accumulate}, {bound}, {block_k}",
         "forward_tc": f"{storage}, {accumulate}, {bound}",
+        "dkdv_tc": f"{storage}, {accumulate}, {bound}",
+        "dq_tc": f"{storage}, {accumulate}, {bound}",
         "weights": f"{storage}, {accumulate}, {block_k}",
         "dkdv": f"{storage}, {accumulate}, {bound}",
         "dq": f"{storage}, {accumulate}, {bound}",
@@ -98,12 +102,22 @@ def name_expressions() -> tuple[str, ...]:
     """Every instantiation the backend can launch."""
     names = []
     for dtype_name in STORAGE:
+        tensor_cores = dtype_name in TENSOR_CORE_STORAGE
         for kind in KINDS:
-            if kind in ("forward", "forward_tc") and (kind == "forward_tc") != (dtype_name in TENSOR_CORE_STORAGE):
+            if kind == "forward" and tensor_cores or kind.endswith("_tc") and not tensor_cores:
                 continue
             bounds = HEAD_DIM_BOUNDS if kind in BOUNDED_KINDS else (0,)
+            if kind in ("dkdv_tc", "dq_tc"):
+                bounds = TENSOR_CORE_BACKWARD_BOUNDS
             names += [kernel_name(kind, dtype_name, bound) for bound in bounds]
     return tuple(names)
+
+
+def backward_kinds(dtype_name: str, bound: int) -> tuple[str, str]:
+    """The (dK/dV, dQ) kernels that run ``dtype_name`` inputs with head-dim ``bound``."""
+    if dtype_name in TENSOR_CORE_STORAGE and bound in TENSOR_CORE_BACKWARD_BOUNDS:
+        return "dkdv_tc", "dq_tc"
+    return "dkdv", "dq"
 
 
 def forward_kind(dtype_name: str) -> str:
