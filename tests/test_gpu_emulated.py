@@ -119,3 +119,38 @@ def test_emulated_gpu_forward_with_every_possible_split(case, layout):
         check_forward("gpu", case, layout)
     finally:
         patch.undo()
+
+
+# ---- the modules of npattn.nn on the gpu backend --------------------------------------------
+
+def test_emulated_gpu_module_gradients_pass_gradcheck():
+    from module_checks import gradcheck_module
+    from npattn.autograd import Tensor
+    from npattn.nn import MultiHeadAttention
+
+    rng = np.random.default_rng(4)
+    module = MultiHeadAttention(8, 2, num_kv_heads=1, causal=True, rotary="rope", sink_logits=True,
+                                dtype="float64", seed=2, backend="gpu")
+    x = Tensor(rng.standard_normal((2, 4, 8)), requires_grad=True)
+    gradcheck_module(module, x, key_padding_mask=np.array([[False] * 4, [False, False, False, True]]))
+
+
+def test_emulated_gpu_decoding_with_a_long_cache_equals_the_full_pass():
+    """Token-by-token decoding after a long prefill: each step is one query against
+    hundreds of cached keys, the split-KV forward and its combine."""
+    from module_checks import assert_same_composition
+    from npattn.gpu import driver
+    from npattn.nn import GroupedQueryAttention, KVCache
+
+    embed, heads, length = 32, 4, 300
+    assert driver.decode_splits(1 * heads, 1, length, 16, 32) > 1
+    module = GroupedQueryAttention(embed, heads, 2, causal=True, rotary="rope", dtype="float64", seed=5,
+                                   backend="gpu")
+    x = np.random.default_rng(5).standard_normal((1, length, embed))
+    cache = KVCache(1, 2, embed // heads, capacity=length, dtype="float64")
+    decoded = [module(x[:, :length - 3], cache=cache).data]
+    decoded += [module(x[:, t:t + 1], cache=cache).data for t in range(length - 3, length)]
+    full = module(x).data
+    assert_same_composition(np.concatenate(decoded, axis=1), full, 2 * embed + length, "decoded")
+    module.backend = "reference"
+    assert_same_composition(full, module(x).data, 2 * embed + length, "gpu against reference")

@@ -83,6 +83,39 @@ def test_state_dict_round_trip_in_place():
     assert source.fc1.weight.data.any()
 
 
+def test_to_moves_parameters_in_place_and_names_bad_kinds():
+    module = MLP(4, 8, seed=0)
+    weight = module.fc1.weight
+    before = module.state_dict()
+    module.fc1.weight.grad = np.ones_like(weight.data)
+    assert module.to("numpy") is module
+    assert module.fc1.weight is weight and weight.grad is None  # same Tensors, gradients cleared
+    for name, value in module.state_dict().items():
+        np.testing.assert_array_equal(value, before[name])
+    with pytest.raises(ValueError, match="'numpy' or 'cupy', got 'gpu'"):
+        module.to("gpu")
+
+
+def test_to_cupy_runs_the_module_on_the_gpu_backend():
+    cupy = pytest.importorskip("cupy")
+    import npattn
+
+    if not npattn.backends()["gpu"]:
+        pytest.skip(f"gpu: {npattn.backends()['gpu'].reason}")
+    from npattn.nn import MultiHeadAttention
+
+    module = MultiHeadAttention(16, 4, causal=True, seed=3)
+    x = np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32)
+    expected = module(x).data
+    module.to("cupy")
+    assert all(isinstance(p.data, cupy.ndarray) for p in module.parameters())
+    out = module(cupy.asarray(x))
+    assert isinstance(out.data, cupy.ndarray)
+    np.testing.assert_allclose(cupy.asnumpy(out.data), expected, atol=1e-5)
+    out.sum().backward()
+    assert all(isinstance(p.grad, cupy.ndarray) for p in module.parameters())
+
+
 def test_load_state_dict_names_what_is_wrong_and_changes_nothing():
     mlp = MLP(4, 8, seed=0)
     good = mlp.state_dict()

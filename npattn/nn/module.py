@@ -82,6 +82,24 @@ class Module:
     def _reset_own(self, rng) -> None:
         """Initialize this module's own parameters (not its submodules')."""
 
+    def to(self, kind: str) -> "Module":
+        """Move every parameter to ``kind`` arrays, "numpy" or "cupy" (then calls on CuPy
+        inputs run on the gpu backend), in place: the Tensors stay the same objects, so
+        an optimizer built on them keeps working (its state follows on the next step).
+        Gradients are cleared. Returns the module."""
+        if kind not in ("numpy", "cupy"):
+            raise ValueError(f"to() takes 'numpy' or 'cupy', got {kind!r}")
+        if kind == "cupy":
+            import cupy
+
+            convert = cupy.asarray
+        else:
+            convert = to_numpy
+        for _, parameter in self.named_parameters():
+            parameter.data = convert(parameter.data)
+            parameter.grad = None
+        return self
+
     def state_dict(self) -> dict:
         """``{dotted name: NumPy array}``: copies of every parameter."""
         return {name: to_numpy(parameter.data).copy() for name, parameter in self.named_parameters()}
