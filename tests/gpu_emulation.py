@@ -23,7 +23,8 @@ from npattn.gpu import launch, sources
 
 _HEADER = Path(__file__).with_name("gpu_emulation.h")
 # (dtype name, head-dim bound) pairs built for the emulation
-EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("float32", 256), ("float16", 256))
+EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("bfloat16", 64), ("float32", 256),
+            ("float16", 256))
 
 
 def compiler() -> str | None:

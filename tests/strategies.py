@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import ml_dtypes  # noqa: F401  (registers the NumPy dtype name "bfloat16")
 import numpy as np
 from hypothesis import strategies as st
 

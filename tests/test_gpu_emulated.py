@@ -18,6 +18,7 @@ import gpu_emulation
 
 pytestmark = pytest.mark.skipif(gpu_emulation.compiler() is None, reason="needs g++ to build the emulation")
 layouts = st.sampled_from(["bhsd", "bshd"])
+ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
 # The shared strategies draw lengths up to 9: one tile of the GPU kernels (16 query rows,
 # 16-32 keys; 64 x 64 on tensor cores). Lengths up to 80 cover several query and key
 # tiles of each (the online softmax
@@ -36,24 +37,24 @@ def emulated_gpu(request):
     patch.undo()
 
 
-@given(case=cases(dtypes=("float16", "float32", "float64")), layout=layouts)
+@given(case=cases(dtypes=ALL_DTYPES), layout=layouts)
 def test_emulated_gpu_forward_matches_the_reference(case, layout):
     check_forward("gpu", case, layout)
 
 
-@given(case=cases(dtypes=("float16", "float32", "float64")), layout=layouts)
+@given(case=cases(dtypes=ALL_DTYPES), layout=layouts)
 def test_emulated_gpu_backward_matches_the_reference(case, layout):
     check_backward("gpu", case, layout)
 
 
 @FEWER
-@given(case=cases(dtypes=("float16", "float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
+@given(case=cases(dtypes=ALL_DTYPES, dims_strategy=MANY_TILES), layout=layouts)
 def test_emulated_gpu_forward_over_many_tiles(case, layout):
     check_forward("gpu", case, layout)
 
 
 @FEWER
-@given(case=cases(dtypes=("float16", "float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
+@given(case=cases(dtypes=ALL_DTYPES, dims_strategy=MANY_TILES), layout=layouts)
 def test_emulated_gpu_backward_over_many_tiles(case, layout):
     check_backward("gpu", case, layout)
 
@@ -108,7 +109,7 @@ def test_emulated_gpu_split_kv_decoding_matches_the_reference():
 
 
 @FEWER
-@given(case=cases(dtypes=("float16", "float32", "float64"), dims_strategy=MANY_TILES), layout=layouts)
+@given(case=cases(dtypes=ALL_DTYPES, dims_strategy=MANY_TILES), layout=layouts)
 def test_emulated_gpu_forward_with_every_possible_split(case, layout):
     """Splits forced down to one key tile each, so small shapes split too."""
     from npattn.gpu import driver

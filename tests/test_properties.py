@@ -15,7 +15,7 @@ from tolerances import assert_close, bound, gradient_magnitude, output_magnitude
 import npattn
 from npattn.dropout import keep_mask
 
-DTYPES = ("float16", "float32", "float64")
+DTYPES = ("float16", "bfloat16", "float32", "float64")
 NON_POSITIONAL = tuple(o for o in ALL_OPTIONS if o not in POSITIONAL_OPTIONS)
 pytestmark = pytest.mark.parametrize("backend", NUMPY_BACKENDS)
 

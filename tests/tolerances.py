@@ -9,9 +9,16 @@ worst-case bound for recursive summation, gamma_n ~ n * eps). ``SAFETY``
 covers the few extra roundings per term (the exp, the rescale of the online
 softmax) that the bound does not count.
 """
+import ml_dtypes
 import numpy as np
 
 SAFETY = 4
+
+
+def finfo(dtype):
+    """np.finfo, extended to bfloat16 (ml_dtypes' NumPy dtype, which np.finfo refuses)."""
+    dtype = np.dtype(dtype)
+    return ml_dtypes.finfo(dtype) if dtype.name == "bfloat16" else np.finfo(dtype)
 
 
 def accumulate_dtype(dtype):
@@ -21,7 +28,7 @@ def accumulate_dtype(dtype):
 def bound(dtype, length, magnitude=1.0):
     """Absolute error bound for a result of ``dtype`` summing ``length`` terms of size ``magnitude``."""
     dtype = np.dtype(dtype)
-    rounding = 0.5 * np.finfo(dtype).eps
+    rounding = 0.5 * float(finfo(dtype).eps)
     accumulation = max(length, 1) * np.finfo(accumulate_dtype(dtype)).eps
     return SAFETY * magnitude * (rounding + accumulation)
 

@@ -58,7 +58,7 @@ __device__ inline void load_query_side(const Operands<T, Acc>& in, const Acc* do
                                        i64 i0, int rows) {
     const i64* ints = in.ints;
     const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM], value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
-    load_tile(in.q, b * ints[NPATTN_INT_Q_STRIDE_B] + h * ints[NPATTN_INT_Q_STRIDE_H] + i0 * ints[NPATTN_INT_Q_STRIDE_S],
+    load_tile(in.q, q_row(ints, b, h, i0),
               ints[NPATTN_INT_Q_STRIDE_S], rows, head_dim, NPATTN_BQ, head_dim, t.q, t.at.ld_q);
     load_tile(dout, b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2], dout_strides[2], rows,
               value_dim, NPATTN_BQ, value_dim, t.o, t.at.ld_o);
@@ -77,9 +77,9 @@ __device__ inline void load_key_side(const Operands<T, Acc>& in, BackwardTiles<A
                                      int cols) {
     const i64* ints = in.ints;
     const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM], value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
-    load_tile(in.k, b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H] + j0 * ints[NPATTN_INT_K_STRIDE_S],
+    load_tile(in.k, k_row(ints, b, kv_head, j0),
               ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, NPATTN_BK, head_dim, t.k, t.at.ld_k);
-    load_tile(in.v, b * ints[NPATTN_INT_V_STRIDE_B] + kv_head * ints[NPATTN_INT_V_STRIDE_H] + j0 * ints[NPATTN_INT_V_STRIDE_S],
+    load_tile(in.v, v_row(ints, b, kv_head, j0),
               ints[NPATTN_INT_V_STRIDE_S], cols, value_dim, NPATTN_BK, value_dim, t.v, t.at.ld_v);
     __syncthreads();
 }

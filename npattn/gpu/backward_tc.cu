@@ -113,9 +113,9 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, 
     const bool softcap = ints[NPATTN_INT_HAS_SOFTCAP] != 0;
     const float keep_scale = (float)in.reals[NPATTN_REAL_KEEP_SCALE], lowest = negative_infinity<float>();
 
-    load_rows(k, b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H] + j0 * ints[NPATTN_INT_K_STRIDE_S],
+    load_rows(k, k_row(ints, b, kv_head, j0),
               ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, at.head_dim, ks, at.ld_d);
-    load_rows(v, b * ints[NPATTN_INT_V_STRIDE_B] + kv_head * ints[NPATTN_INT_V_STRIDE_H] + j0 * ints[NPATTN_INT_V_STRIDE_S],
+    load_rows(v, v_row(ints, b, kv_head, j0),
               ints[NPATTN_INT_V_STRIDE_S], cols, value_dim, at.value_dim, vs, at.ld_dv);
     float dk_acc[D_BLOCKS][4], dv_acc[D_BLOCKS][4];
 #pragma unroll
@@ -129,11 +129,12 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, 
             if (rows <= 0) break;
             if (!tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols)) continue;
             __syncthreads();  // every warp is done with the previous query tile
-            const i64 q_offset = b * ints[NPATTN_INT_Q_STRIDE_B] + h * ints[NPATTN_INT_Q_STRIDE_H] + i0 * ints[NPATTN_INT_Q_STRIDE_S];
+            const i64 q_offset = q_row(ints, b, h, i0);
             const i64 o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2];
             load_rows(q, q_offset, ints[NPATTN_INT_Q_STRIDE_S], rows, head_dim, at.head_dim, qs, at.ld_d);
             load_transposed(q, q_offset, ints[NPATTN_INT_Q_STRIDE_S], rows, head_dim, at.head_dim, qts, at.ld_t);
-            load_rows_from_float<T>(dout, o_offset, dout_strides[2], rows, value_dim, at.value_dim, os, at.ld_dv, false);
+            load_rows_from_float<T>(dout, o_offset, dout_strides[2], rows, value_dim, at.value_dim, os, at.ld_dv,
+                                    false);
             load_rows_from_float<T>(dout, o_offset, dout_strides[2], rows, value_dim, at.value_dim, ots, at.ld_t, true);
             const i64 row_offset = (b * heads + h) * q_len + i0;
             for (int r = threadIdx.x; r < NPATTN_TC_BQ; r += blockDim.x) {
@@ -267,7 +268,7 @@ dq_tc_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, co
         my_lse[x] = r < rows ? (float)lse[row_offset + r] : lowest;
         my_delta[x] = r < rows ? (float)delta[row_offset + r] : 0.0f;
     }
-    const i64 q_offset = b * ints[NPATTN_INT_Q_STRIDE_B] + h * ints[NPATTN_INT_Q_STRIDE_H] + i0 * ints[NPATTN_INT_Q_STRIDE_S];
+    const i64 q_offset = q_row(ints, b, h, i0);
     load_rows(q, q_offset, ints[NPATTN_INT_Q_STRIDE_S], rows, head_dim, at.head_dim, qs, at.ld_d);
     load_rows_from_float<T>(dout, b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2], dout_strides[2],
                             rows, value_dim, at.value_dim, os, at.ld_dv, false);
@@ -275,17 +276,15 @@ dq_tc_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, co
 #pragma unroll
     for (int n = 0; n < D_BLOCKS; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.0f;
     const i64 kv_head = h / (heads / ints[NPATTN_INT_KV_HEADS]);
-    const i64 k_base = b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H];
-    const i64 v_base = b * ints[NPATTN_INT_V_STRIDE_B] + kv_head * ints[NPATTN_INT_V_STRIDE_H];
     const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, NPATTN_TC_BK, 0, 1);
     for (int segment = 0; segment < 2; ++segment) {
         for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += NPATTN_TC_BK) {
             const int cols = (int)smaller(NPATTN_TC_BK, keys.last[segment] - j0);
             __syncthreads();  // every warp is done with the previous key tile (and Q, dO are loaded)
-            const i64 k_offset = k_base + j0 * ints[NPATTN_INT_K_STRIDE_S];
+            const i64 k_offset = k_row(ints, b, kv_head, j0);
             load_rows(k, k_offset, ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, at.head_dim, ks, at.ld_d);
             load_transposed(k, k_offset, ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, at.head_dim, kts, at.ld_t);
-            load_rows(v, v_base + j0 * ints[NPATTN_INT_V_STRIDE_S], ints[NPATTN_INT_V_STRIDE_S], cols, value_dim,
+            load_rows(v, v_row(ints, b, kv_head, j0), ints[NPATTN_INT_V_STRIDE_S], cols, value_dim,
                       at.value_dim, vs, at.ld_dv);
             __syncthreads();
 

@@ -194,6 +194,17 @@ template <typename T, typename Acc> struct Operands {
         const i64 *ints, const Acc *reals
 #define NPATTN_OPERANDS {q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals}
 
+// Element offsets of row i of head h (a kv head for k and v) of batch b in q, k and v.
+__device__ inline i64 q_row(const i64* ints, i64 b, i64 h, i64 i) {
+    return b * ints[NPATTN_INT_Q_STRIDE_B] + h * ints[NPATTN_INT_Q_STRIDE_H] + i * ints[NPATTN_INT_Q_STRIDE_S];
+}
+__device__ inline i64 k_row(const i64* ints, i64 b, i64 h, i64 j) {
+    return b * ints[NPATTN_INT_K_STRIDE_B] + h * ints[NPATTN_INT_K_STRIDE_H] + j * ints[NPATTN_INT_K_STRIDE_S];
+}
+__device__ inline i64 v_row(const i64* ints, i64 b, i64 h, i64 j) {
+    return b * ints[NPATTN_INT_V_STRIDE_B] + h * ints[NPATTN_INT_V_STRIDE_H] + j * ints[NPATTN_INT_V_STRIDE_S];
+}
+
 // ---- tiles in shared memory -------------------------------------------------------------
 
 // rows x width of x (bhsd, row stride `row_stride`, starting at `offset`) into

@@ -114,7 +114,8 @@ def forward(problem) -> ForwardResult:
             shared = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)
         blocks = batch * heads * -(-q_len // block_q)
         splits = decode_splits(blocks, q_len, problem.kv_len, block_q, block_k)
-        partial = cp.zeros(1, dtype) if splits == 1 else cp.empty(batch * heads * q_len * splits * (value_dim + 3), dtype)
+        partial_size = batch * heads * q_len * splits * (value_dim + 3) if splits > 1 else 1
+        partial = cp.empty(partial_size, dtype)  # rows of (Dv outputs, max, sum, seen) per split
         outputs = (out, *out_strides, lse, np.int64(splits), partial)
         launch.run(kind, storage, bound, blocks * splits, shared, (*operands, *outputs))
         if splits > 1:

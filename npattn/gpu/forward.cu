@@ -81,7 +81,7 @@ forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
     const bool has_sink = ints[NPATTN_INT_HAS_SINK] != 0 && splits == 1;  // else combine_kernel adds it
     const bool has_dropout = ints[NPATTN_INT_HAS_DROPOUT] != 0;
 
-    load_tile(q, b * ints[NPATTN_INT_Q_STRIDE_B] + h * ints[NPATTN_INT_Q_STRIDE_H] + i0 * ints[NPATTN_INT_Q_STRIDE_S],
+    load_tile(q, q_row(ints, b, h, i0),
               ints[NPATTN_INT_Q_STRIDE_S], rows, head_dim, NPATTN_BQ, head_dim, qs, at.ld_q);
     if (threadIdx.x < NPATTN_BQ) {
         // the sink logit enters as a first column of value 0
@@ -96,15 +96,13 @@ forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
     for (int x = 0; x < MAX_D / 8; ++x) acc[x] = 0;
     __syncthreads();
 
-    const i64 k_base = b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H];
-    const i64 v_base = b * ints[NPATTN_INT_V_STRIDE_B] + kv_head * ints[NPATTN_INT_V_STRIDE_H];
     const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, BK, split, splits);
     for (int segment = 0; segment < 2; ++segment) {
         for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += BK) {
             const int cols = (int)smaller(BK, keys.last[segment] - j0);
-            load_tile(k, k_base + j0 * ints[NPATTN_INT_K_STRIDE_S], ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
+            load_tile(k, k_row(ints, b, kv_head, j0), ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
                       head_dim, ks, at.ld_k);
-            load_tile(v, v_base + j0 * ints[NPATTN_INT_V_STRIDE_S], ints[NPATTN_INT_V_STRIDE_S], cols, value_dim, BK,
+            load_tile(v, v_row(ints, b, kv_head, j0), ints[NPATTN_INT_V_STRIDE_S], cols, value_dim, BK,
                       value_dim, vs, at.ld_v);
             __syncthreads();
             score_tile<T, Acc, NPATTN_BQ, BK>(in, qs, at.ld_q, ks, at.ld_k, s, at.ld_s, nullptr, b, h, i0, rows, j0,
@@ -201,14 +199,13 @@ weights_kernel(NPATTN_OPERAND_PARAMS, const Acc* lse, Acc* weights) {
     Acc *qs = shared + at.q, *ks = shared + at.k, *s = shared + at.s;
     const i64 kv_head = kv_head_of(ints, h);
     const i64 row_offset = (b * ints[NPATTN_INT_HEADS] + h) * ints[NPATTN_INT_Q_LEN] + i0;
-    load_tile(q, b * ints[NPATTN_INT_Q_STRIDE_B] + h * ints[NPATTN_INT_Q_STRIDE_H] + i0 * ints[NPATTN_INT_Q_STRIDE_S],
+    load_tile(q, q_row(ints, b, h, i0),
               ints[NPATTN_INT_Q_STRIDE_S], rows, head_dim, NPATTN_BQ, head_dim, qs, at.ld_q);
-    const i64 k_base = b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H];
     const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, BK, 0, 1);
     for (int segment = 0; segment < 2; ++segment) {
         for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += BK) {
             const int cols = (int)smaller(BK, keys.last[segment] - j0);
-            load_tile(k, k_base + j0 * ints[NPATTN_INT_K_STRIDE_S], ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
+            load_tile(k, k_row(ints, b, kv_head, j0), ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
                       head_dim, ks, at.ld_k);
             __syncthreads();
             score_tile<T, Acc, NPATTN_BQ, BK>(in, qs, at.ld_q, ks, at.ld_k, s, at.ld_s, nullptr, b, h, i0, rows, j0,

@@ -123,7 +123,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 o
                               !ints[NPATTN_INT_HAS_SOFTCAP];
     const float scale = (float)in.reals[NPATTN_REAL_SCALE];
 
-    load_bits(q, b * ints[NPATTN_INT_Q_STRIDE_B] + h * ints[NPATTN_INT_Q_STRIDE_H] + i0 * ints[NPATTN_INT_Q_STRIDE_S],
+    load_bits(q, q_row(ints, b, h, i0),
               ints[NPATTN_INT_Q_STRIDE_S], rows, head_dim, NPATTN_TC_BQ, at.head_dim, qs, at.ld_q, false);
     float m[2], l[2];
     bool seen[2] = {false, false};
@@ -136,16 +136,14 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 o
     for (int n = 0; n < VALUE_BLOCKS; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     const u32 dropout_state[2] = {dropout_row_state(ints, b, h, i0 + row0), dropout_row_state(ints, b, h, i0 + row1)};
 
-    const i64 k_base = b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H];
-    const i64 v_base = b * ints[NPATTN_INT_V_STRIDE_B] + kv_head * ints[NPATTN_INT_V_STRIDE_H];
     const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, NPATTN_TC_BK, split, splits);
     for (int segment = 0; segment < 2; ++segment) {
         for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += NPATTN_TC_BK) {
             const int cols = (int)smaller(NPATTN_TC_BK, keys.last[segment] - j0);
             __syncthreads();  // every warp is done with the previous tile (and Q is loaded)
-            load_bits(k, k_base + j0 * ints[NPATTN_INT_K_STRIDE_S], ints[NPATTN_INT_K_STRIDE_S], cols, head_dim,
+            load_bits(k, k_row(ints, b, kv_head, j0), ints[NPATTN_INT_K_STRIDE_S], cols, head_dim,
                       NPATTN_TC_BK, at.head_dim, ks, at.ld_k, false);
-            load_bits(v, v_base + j0 * ints[NPATTN_INT_V_STRIDE_S], ints[NPATTN_INT_V_STRIDE_S], cols, value_dim,
+            load_bits(v, v_row(ints, b, kv_head, j0), ints[NPATTN_INT_V_STRIDE_S], cols, value_dim,
                       NPATTN_TC_BK, at.value_dim, vs, at.ld_v, true);
             __syncthreads();
 
@@ -168,7 +166,8 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 o
             }
             // scores, then the online softmax of this lane's two rows (x = 0: row0, 1: row1);
             // rows past `rows` keep finite scores on plain tiles: their outputs are never written
-            const bool plain_tile = plain_scores && tile_fully_visible(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols);
+            const bool plain_tile =
+                plain_scores && tile_fully_visible(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols);
             float tile_max[2] = {lowest, lowest};
 #pragma unroll
             for (int n = 0; n < KEY_BLOCKS; ++n) {
