@@ -95,9 +95,6 @@ __device__ inline void gradient_tile(const Operands<T, Acc>& in, BackwardTiles<A
     const int value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
     score_tile<T, Acc, NPATTN_BQ, NPATTN_BK>(in, t.q, t.at.ld_q, t.k, t.at.ld_k, t.p, t.at.ld_s, t.tanh, b, h, i0,
                                              rows, j0, cols);
-    const bool has_dropout = ints[NPATTN_INT_HAS_DROPOUT] != 0;
-    const bool softcap = through_softcap && ints[NPATTN_INT_HAS_SOFTCAP] != 0;
-    const Acc keep_scale = in.reals[NPATTN_REAL_KEEP_SCALE];
     for (int index = threadIdx.x; index < NPATTN_BQ * NPATTN_BK; index += blockDim.x) {
         const int r = index / NPATTN_BK, c = index % NPATTN_BK;
         const int at = r * t.at.ld_s + c;  // read and rewritten by this thread only
@@ -106,18 +103,8 @@ __device__ inline void gradient_tile(const Operands<T, Acc>& in, BackwardTiles<A
         const Acc probability = row_lse > negative_infinity<Acc>() ? exp_of(t.p[at] - row_lse) : (Acc)0;
         Acc dp = 0;
         for (int d = 0; d < value_dim; ++d) dp += t.o[r * t.at.ld_o + d] * t.v[c * t.at.ld_v + d];
-        Acc dropped = probability;
-        if (has_dropout) {
-            const bool kept = r < rows && c < cols &&
-                              dropout_keeps(ints, dropout_row_state(ints, b, h, i0 + r), j0 + c);
-            const Acc factor = kept ? keep_scale : (Acc)0;
-            dropped *= factor;
-            dp *= factor;
-        }
-        Acc gradient = probability * (dp - t.delta[r]);
-        if (softcap) gradient *= (Acc)1 - t.tanh[at] * t.tanh[at];  // d softcap*tanh(s/softcap) / ds
-        t.ds[at] = gradient;
-        t.p[at] = dropped;
+        t.ds[at] = score_gradient(ints, in.reals, b, h, i0 + r, j0 + c, r < rows && c < cols, probability, dp,
+                                  t.delta[r], t.tanh[at], through_softcap, &t.p[at]);
     }
     __syncthreads();
 }

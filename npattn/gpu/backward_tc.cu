@@ -12,19 +12,14 @@
 #include "common.cuh"
 #include "forward_tc.cu"
 
-// A 16-row A fragment (rows r, r + 8; 16 columns from c0) of a row-major 16-bit tile.
-__device__ inline void a_fragment(const unsigned short* tile, int ld, int r, int c0, int member, u32* a) {
-    a[0] = shared_pair(tile, r * ld + c0 + 2 * member);
-    a[1] = shared_pair(tile, (r + 8) * ld + c0 + 2 * member);
-    a[2] = shared_pair(tile, r * ld + c0 + 2 * member + 8);
-    a[3] = shared_pair(tile, (r + 8) * ld + c0 + 2 * member + 8);
-}
-
-// The B fragment of an 8-column block whose column `column` is the row of a 16-bit tile
-// holding the k dimension contiguously (16 values from k0).
-__device__ inline void b_fragment(const unsigned short* tile, int ld, int column, int k0, int member, u32* b) {
-    b[0] = shared_pair(tile, column * ld + k0 + 2 * member);
-    b[1] = shared_pair(tile, column * ld + k0 + 2 * member + 8);
+// P = exp(score - lse) of one recomputed score, from q_i . k_j (softcap's tanh in *t);
+// 0 outside the problem (`valid` false) and in a row with no visible key.
+template <typename T>
+__device__ inline float recomputed_probability(const Operands<T, float>& in, i64 b, i64 h, i64 i, i64 j, bool valid,
+                                               float dot, float row_lse, float* t) {
+    *t = 0.0f;
+    if (!valid || !(row_lse > negative_infinity<float>())) return 0.0f;
+    return exp_of(finish_score(in, b, h, i, j, dot, t) - row_lse);
 }
 
 // A fragments of a 16 x 64 block held as accumulators acc[8][4] (8-column blocks): the
@@ -86,7 +81,7 @@ __global__ void __launch_bounds__(NPATTN_TC_WARPS * 32)
 dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, const Acc* lse, const Acc* delta,
                Acc* dk, Acc* dv) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
-    constexpr int QUERY_BLOCKS = NPATTN_TC_BQ / 8, D_BLOCKS = MAX_D / 8;
+    constexpr int QUERY_BLOCKS = NPATTN_TC_BQ / 8, D_BLOCKS = MAX_D / 8;  // 8-column blocks
     const Operands<T, Acc> in = NPATTN_OPERANDS;
     const i64 kv_heads = ints[NPATTN_INT_KV_HEADS], kv_len = ints[NPATTN_INT_KV_LEN];
     const i64 key_tiles = (kv_len + NPATTN_TC_BK - 1) / NPATTN_TC_BK;
@@ -109,9 +104,7 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, 
     float* row_delta = row_lse + NPATTN_TC_BQ;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, member = lane % 4;
     const int key0 = warp * 16 + group, key1 = key0 + 8;  // this lane's two keys in the tile
-    const bool has_dropout = ints[NPATTN_INT_HAS_DROPOUT] != 0;
-    const bool softcap = ints[NPATTN_INT_HAS_SOFTCAP] != 0;
-    const float keep_scale = (float)in.reals[NPATTN_REAL_KEEP_SCALE], lowest = negative_infinity<float>();
+    const float lowest = negative_infinity<float>();
 
     load_rows(k, k_row(ints, b, kv_head, j0),
               ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, at.head_dim, ks, at.ld_d);
@@ -145,54 +138,19 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, 
 
             // S^T (16 keys x 64 queries) = K Q^T and dP^T = V dO^T
             float s[QUERY_BLOCKS][4], dp[QUERY_BLOCKS][4];
-#pragma unroll
-            for (int n = 0; n < QUERY_BLOCKS; ++n) {
-                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
-            }
-            for (int d0 = 0; d0 < at.head_dim; d0 += 16) {
-                u32 a[4];
-                a_fragment(ks, at.ld_d, warp * 16 + group, d0, member, a);
-#pragma unroll
-                for (int n = 0; n < QUERY_BLOCKS; ++n) {
-                    u32 bb[2];
-                    b_fragment(qs, at.ld_d, n * 8 + group, d0, member, bb);
-                    mma_16816<T>(s[n], a, bb);
-                }
-            }
-            for (int d0 = 0; d0 < at.value_dim; d0 += 16) {
-                u32 a[4];
-                a_fragment(vs, at.ld_dv, warp * 16 + group, d0, member, a);
-#pragma unroll
-                for (int n = 0; n < QUERY_BLOCKS; ++n) {
-                    u32 bb[2];
-                    b_fragment(os, at.ld_dv, n * 8 + group, d0, member, bb);
-                    mma_16816<T>(dp[n], a, bb);
-                }
-            }
+            warp_product<T>(s, ks, at.ld_d, warp * 16 + group, qs, at.ld_d, at.head_dim, group, member);
+            warp_product<T>(dp, vs, at.ld_dv, warp * 16 + group, os, at.ld_dv, at.value_dim, group, member);
             // P~^T into s, dS^T into dp
 #pragma unroll
             for (int n = 0; n < QUERY_BLOCKS; ++n) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = e < 2 ? key0 : key1, r = n * 8 + 2 * member + (e & 1);
-                    float probability = 0.0f, t = 0.0f;
-                    if (r < rows && key < cols && row_lse[r] > lowest) {
-                        const float score = finish_score(in, b, h, i0 + r, j0 + key, s[n][e], &t);
-                        probability = exp_of(score - row_lse[r]);
-                    }
-                    float gradient = dp[n][e];
-                    if (has_dropout) {
-                        const bool kept = r < rows && key < cols &&
-                                          dropout_keeps(ints, dropout_row_state(ints, b, h, i0 + r), j0 + key);
-                        const float factor = kept ? keep_scale : 0.0f;
-                        s[n][e] = probability * factor;
-                        gradient *= factor;
-                    } else {
-                        s[n][e] = probability;
-                    }
-                    gradient = probability * (gradient - row_delta[r]);
-                    if (softcap) gradient *= 1.0f - t * t;  // d softcap*tanh(s/softcap) / ds
-                    dp[n][e] = gradient;
+                    const bool valid = r < rows && key < cols;
+                    float t;
+                    const float p = recomputed_probability(in, b, h, i0 + r, j0 + key, valid, s[n][e], row_lse[r], &t);
+                    dp[n][e] = score_gradient(ints, in.reals, b, h, i0 + r, j0 + key, valid, p, dp[n][e], row_delta[r],
+                                              t, true, &s[n][e]);
                 }
             }
             // dV += P~^T dO, dK += dS^T Q (k = the 64 queries)
@@ -258,9 +216,7 @@ dq_tc_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, co
     unsigned short* kts = vs + at.rows_dv;      // K^T, D x keys
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, member = lane % 4;
     const int row0 = warp * 16 + group, row1 = row0 + 8;
-    const bool has_dropout = ints[NPATTN_INT_HAS_DROPOUT] != 0;
-    const bool softcap = ints[NPATTN_INT_HAS_SOFTCAP] != 0;
-    const float keep_scale = (float)in.reals[NPATTN_REAL_KEEP_SCALE], lowest = negative_infinity<float>();
+    const float lowest = negative_infinity<float>();
     const i64 row_offset = (b * heads + h) * q_len + i0;
     float my_lse[2], my_delta[2];
     for (int x = 0; x < 2; ++x) {
@@ -290,50 +246,19 @@ dq_tc_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, co
 
             // S (16 rows x 64 keys) = Q K^T and dP = dO V^T
             float s[KEY_BLOCKS][4], dp[KEY_BLOCKS][4];
-#pragma unroll
-            for (int n = 0; n < KEY_BLOCKS; ++n) {
-                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
-            }
-            for (int d0 = 0; d0 < at.head_dim; d0 += 16) {
-                u32 a[4];
-                a_fragment(qs, at.ld_d, warp * 16 + group, d0, member, a);
-#pragma unroll
-                for (int n = 0; n < KEY_BLOCKS; ++n) {
-                    u32 bb[2];
-                    b_fragment(ks, at.ld_d, n * 8 + group, d0, member, bb);
-                    mma_16816<T>(s[n], a, bb);
-                }
-            }
-            for (int d0 = 0; d0 < at.value_dim; d0 += 16) {
-                u32 a[4];
-                a_fragment(os, at.ld_dv, warp * 16 + group, d0, member, a);
-#pragma unroll
-                for (int n = 0; n < KEY_BLOCKS; ++n) {
-                    u32 bb[2];
-                    b_fragment(vs, at.ld_dv, n * 8 + group, d0, member, bb);
-                    mma_16816<T>(dp[n], a, bb);
-                }
-            }
+            warp_product<T>(s, qs, at.ld_d, warp * 16 + group, ks, at.ld_d, at.head_dim, group, member);
+            warp_product<T>(dp, os, at.ld_dv, warp * 16 + group, vs, at.ld_dv, at.value_dim, group, member);
             // dS into dp
 #pragma unroll
             for (int n = 0; n < KEY_BLOCKS; ++n) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int x = e / 2, r = x ? row1 : row0, c = n * 8 + 2 * member + (e & 1);
-                    float probability = 0.0f, t = 0.0f;
-                    if (r < rows && c < cols && my_lse[x] > lowest) {
-                        const float score = finish_score(in, b, h, i0 + r, j0 + c, s[n][e], &t);
-                        probability = exp_of(score - my_lse[x]);
-                    }
-                    float gradient = dp[n][e];
-                    if (has_dropout) {
-                        const bool kept = r < rows && c < cols &&
-                                          dropout_keeps(ints, dropout_row_state(ints, b, h, i0 + r), j0 + c);
-                        gradient *= kept ? keep_scale : 0.0f;
-                    }
-                    gradient = probability * (gradient - my_delta[x]);
-                    if (softcap) gradient *= 1.0f - t * t;
-                    dp[n][e] = gradient;
+                    const bool valid = r < rows && c < cols;
+                    float t, dropped;
+                    const float p = recomputed_probability(in, b, h, i0 + r, j0 + c, valid, s[n][e], my_lse[x], &t);
+                    dp[n][e] = score_gradient(ints, in.reals, b, h, i0 + r, j0 + c, valid, p, dp[n][e], my_delta[x], t,
+                                              true, &dropped);
                 }
             }
             // dQ += dS K (k = the 64 keys)

@@ -277,6 +277,25 @@ __device__ inline void score_tile(const Operands<T, Acc>& in, const Acc* qs, int
     __syncthreads();
 }
 
+// One score's gradient from its probability P, dP = dO_i . v_j, the row's delta =
+// rowsum(dO * O) and softcap's tanh t: dS = P (dP~ - delta), where dP~ is dP times the
+// dropout keep factor; times 1 - t^2 (softcap's derivative) with `through_softcap`.
+// *dropped gets P after dropout (what dV sums). `valid`: (i, j) lies inside the problem.
+template <typename Acc>
+__device__ inline Acc score_gradient(const i64* ints, const Acc* reals, i64 b, i64 h, i64 i, i64 j, bool valid,
+                                     Acc probability, Acc dp, Acc delta, Acc t, bool through_softcap, Acc* dropped) {
+    *dropped = probability;
+    if (ints[NPATTN_INT_HAS_DROPOUT]) {
+        const bool kept = valid && dropout_keeps(ints, dropout_row_state(ints, b, h, i), j);
+        const Acc factor = kept ? reals[NPATTN_REAL_KEEP_SCALE] : (Acc)0;
+        *dropped *= factor;
+        dp *= factor;
+    }
+    Acc gradient = probability * (dp - delta);
+    if (through_softcap && ints[NPATTN_INT_HAS_SOFTCAP]) gradient *= (Acc)1 - t * t;
+    return gradient;
+}
+
 template <typename Acc> __device__ inline Acc warp_max(Acc x) {
     for (int offset = 16; offset > 0; offset >>= 1) {
         const Acc other = __shfl_xor_sync(0xffffffffu, x, offset);

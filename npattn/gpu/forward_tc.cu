@@ -63,6 +63,41 @@ __device__ inline u32 shared_pair(const unsigned short* tile, int at) {
     return *reinterpret_cast<const u32*>(tile + at);  // `at` is even: 4-byte aligned
 }
 
+// A 16-row A fragment (rows r, r + 8; 16 columns from c0) of a row-major 16-bit tile.
+__device__ inline void a_fragment(const unsigned short* tile, int ld, int r, int c0, int member, u32* a) {
+    a[0] = shared_pair(tile, r * ld + c0 + 2 * member);
+    a[1] = shared_pair(tile, (r + 8) * ld + c0 + 2 * member);
+    a[2] = shared_pair(tile, r * ld + c0 + 2 * member + 8);
+    a[3] = shared_pair(tile, (r + 8) * ld + c0 + 2 * member + 8);
+}
+
+// The B fragment of an 8-column block whose column `column` is the row of a 16-bit tile
+// holding the k dimension contiguously (16 values from k0).
+__device__ inline void b_fragment(const unsigned short* tile, int ld, int column, int k0, int member, u32* b) {
+    b[0] = shared_pair(tile, column * ld + k0 + 2 * member);
+    b[1] = shared_pair(tile, column * ld + k0 + 2 * member + 8);
+}
+
+// acc (16 x 64, as eight 8-column blocks) = A B^T over `depth` (a multiple of 16): A's
+// 16 rows from `a_row` of a_tile, B^T's 64 columns the first 64 rows of b_tile, both
+// row-major 16-bit tiles holding the depth contiguously. One warp's share of a tile.
+template <typename T>
+__device__ inline void warp_product(float (*acc)[4], const unsigned short* a_tile, int ld_a, int a_row,
+                                    const unsigned short* b_tile, int ld_b, int depth, int group, int member) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int d0 = 0; d0 < depth; d0 += 16) {
+        u32 a[4];
+        a_fragment(a_tile, ld_a, a_row, d0, member, a);
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            u32 b[2];
+            b_fragment(b_tile, ld_b, n * 8 + group, d0, member, b);
+            mma_16816<T>(acc[n], a, b);
+        }
+    }
+}
+
 // rows x width 16-bit values of x (row stride `row_stride` from `offset`) into
 // tile[r * ld + c] (or tile[c * ld + r] when `transpose`), zeros up to tile_rows x tile_width.
 template <typename T>
@@ -95,7 +130,7 @@ __global__ void __launch_bounds__(NPATTN_TC_WARPS * 32)
 forward_tc_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
                   Acc* partial) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
-    constexpr int KEY_BLOCKS = NPATTN_TC_BK / 8;  // 8-key column blocks of S
+    constexpr int KEY_BLOCKS = NPATTN_TC_BK / 8;  // 8-key column blocks of S (warp_product's 8)
     constexpr int VALUE_BLOCKS = MAX_D / 8;       // 8-column blocks of O
     const Operands<T, Acc> in = NPATTN_OPERANDS;
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
@@ -149,21 +184,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 o
 
             // S (16 x 64 per warp) = Q K^T
             float s[KEY_BLOCKS][4];
-#pragma unroll
-            for (int n = 0; n < KEY_BLOCKS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            for (int d0 = 0; d0 < at.head_dim; d0 += 16) {
-                const u32 a[4] = {shared_pair(qs, row0 * at.ld_q + d0 + 2 * member),
-                                  shared_pair(qs, row1 * at.ld_q + d0 + 2 * member),
-                                  shared_pair(qs, row0 * at.ld_q + d0 + 2 * member + 8),
-                                  shared_pair(qs, row1 * at.ld_q + d0 + 2 * member + 8)};
-#pragma unroll
-                for (int n = 0; n < KEY_BLOCKS; ++n) {
-                    const int key = n * 8 + group;
-                    const u32 bb[2] = {shared_pair(ks, key * at.ld_k + d0 + 2 * member),
-                                       shared_pair(ks, key * at.ld_k + d0 + 2 * member + 8)};
-                    mma_16816<T>(s[n], a, bb);
-                }
-            }
+            warp_product<T>(s, qs, at.ld_q, warp * 16 + group, ks, at.ld_k, at.head_dim, group, member);
             // scores, then the online softmax of this lane's two rows (x = 0: row0, 1: row1);
             // rows past `rows` keep finite scores on plain tiles: their outputs are never written
             const bool plain_tile =
