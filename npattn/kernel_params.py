@@ -69,6 +69,20 @@ class Real(IntEnum):
     KEEP_SCALE = 2    # 1 / (1 - dropout_p)
 
 
+def element_strides(array) -> tuple:
+    """``array``'s strides in elements, 0 along axes of length 1 (so broadcast views and
+    size-1 axes read the same element)."""
+    return tuple(0 if n == 1 else s // array.itemsize for n, s in zip(array.shape, array.strides))
+
+
+def lengths_or_full(xp, lengths, batch: int, full: int):
+    """int64 (batch,) contiguous array of module ``xp``: ``lengths``, or ``full`` everywhere
+    when None (q_lengths / kv_lengths as the kernels take them)."""
+    if lengths is None:
+        return xp.full(batch, full, xp.int64)
+    return xp.ascontiguousarray(xp.asarray(lengths).astype(xp.int64, copy=False))
+
+
 def problem_parameters(problem, dtype):
     """``(ints, reals)`` for ``problem``: int64 (len(Int),) and ``dtype`` (len(Real),) arrays
     with the shapes, options, dropout seed and scalars filled in. The strides, tiles and

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..kernel_params import Int, Real, problem_parameters  # noqa: F401  (Int, Real: the kernels import them from here)
+from ..kernel_params import Int, Real, element_strides, lengths_or_full, problem_parameters  # noqa: F401  (Int, Real: the kernels import them from here)
 from .microkernels import chunk_columns
 from .simd import lanes_of as vector_lanes
 
@@ -67,8 +67,7 @@ def flat_view(array, dtype, unit_last_axis=False):
     if (any(s < 0 or s % itemsize for s in strides)
             or (unit_last_axis and array.shape[-1] > 1 and strides[-1] != itemsize)):
         array = np.ascontiguousarray(array)
-        strides = array.strides
-    elements = tuple(0 if n == 1 else s // itemsize for n, s in zip(array.shape, strides))
+    elements = element_strides(array)
     if array.size == 0:
         return np.zeros(1, dtype), elements
     extent = 1 + sum((n - 1) * s for n, s in zip(array.shape, elements))
@@ -119,8 +118,8 @@ def build_operands(problem, tiles=TILES["forward"]) -> Operands:
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk_columns(dtype)) * chunk_columns(dtype) if vector else tiles[1]
 
     operands = Operands(q=q, k=k, v=v, bias=bias, mask=mask, alibi=alibi, sink=sink,
-                        q_lengths=_lengths(problem.q_lengths, batch, q_len),
-                        kv_lengths=_lengths(problem.kv_lengths, batch, problem.kv_len),
+                        q_lengths=lengths_or_full(np, problem.q_lengths, batch, q_len),
+                        kv_lengths=lengths_or_full(np, problem.kv_lengths, batch, problem.kv_len),
                         ints=ints, reals=reals)
     # Numba types read-only and writable arrays differently: make every operand read-only,
     # so placeholders and real views share one compiled kernel.
@@ -137,9 +136,3 @@ def _read_only(array):
     view = array.view()
     view.flags.writeable = False
     return view
-
-
-def _lengths(lengths, batch, full):
-    if lengths is None:
-        return np.full(batch, full, np.int64)
-    return np.ascontiguousarray(lengths, dtype=np.int64)

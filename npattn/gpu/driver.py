@@ -12,7 +12,7 @@ import contextlib
 
 import numpy as np
 
-from ..kernel_params import Int, problem_parameters, sink_logits_gradient
+from ..kernel_params import Int, element_strides, lengths_or_full, problem_parameters, sink_logits_gradient
 from ..results import ForwardResult, Gradients
 from . import launch
 from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS, backward_kinds,
@@ -24,10 +24,6 @@ def _on_device(problem):
     the tests' host emulation of the kernels passes those)."""
     device = getattr(problem.q, "device", None)
     return problem.xp.cuda.Device(device.id) if hasattr(device, "id") else contextlib.nullcontext()
-
-
-def _element_strides(array):
-    return tuple(0 if n == 1 else s // array.itemsize for n, s in zip(array.shape, array.strides))
 
 
 def _unit_last_axis(cp, array):
@@ -44,33 +40,27 @@ def _operands(problem):
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype for the gpu backend, got {q.dtype}, {k.dtype}, {v.dtype}")
     ints, reals = problem_parameters(problem, dtype)
-    ints[Int.Q_STRIDE_B:Int.Q_STRIDE_S + 1] = _element_strides(q)[:3]
-    ints[Int.K_STRIDE_B:Int.K_STRIDE_S + 1] = _element_strides(k)[:3]
-    ints[Int.V_STRIDE_B:Int.V_STRIDE_S + 1] = _element_strides(v)[:3]
+    ints[Int.Q_STRIDE_B:Int.Q_STRIDE_S + 1] = element_strides(q)[:3]
+    ints[Int.K_STRIDE_B:Int.K_STRIDE_S + 1] = element_strides(k)[:3]
+    ints[Int.V_STRIDE_B:Int.V_STRIDE_S + 1] = element_strides(v)[:3]
     placeholder = cp.zeros(1, dtype)
     bias = placeholder
     if problem.bias is not None:
         bias = problem.bias.astype(dtype, copy=False)
-        ints[Int.BIAS_STRIDE_B:Int.BIAS_STRIDE_K + 1] = _element_strides(bias)
+        ints[Int.BIAS_STRIDE_B:Int.BIAS_STRIDE_K + 1] = element_strides(bias)
     mask = cp.ones(1, cp.uint8)
     if problem.mask is not None:
         mask = problem.mask.view(cp.uint8)
-        ints[Int.MASK_STRIDE_B:Int.MASK_STRIDE_K + 1] = _element_strides(mask)
+        ints[Int.MASK_STRIDE_B:Int.MASK_STRIDE_K + 1] = element_strides(mask)
     alibi = (placeholder if problem.alibi_slopes is None
              else cp.ascontiguousarray(problem.alibi_slopes.astype(dtype, copy=False)).reshape(-1))
     sink = (placeholder if problem.sink_logits is None
             else cp.ascontiguousarray(problem.sink_logits.astype(dtype, copy=False)))
     operands = (q, k, v, bias, mask, alibi, sink,
-                _lengths(cp, problem.q_lengths, problem.batch, problem.q_len),
-                _lengths(cp, problem.kv_lengths, problem.batch, problem.kv_len),
+                lengths_or_full(cp, problem.q_lengths, problem.batch, problem.q_len),
+                lengths_or_full(cp, problem.kv_lengths, problem.batch, problem.kv_len),
                 cp.asarray(ints), cp.asarray(reals))
     return q.dtype.name, operands
-
-
-def _lengths(cp, lengths, batch, full):
-    if lengths is None:
-        return cp.full(batch, full, cp.int64)
-    return cp.ascontiguousarray(cp.asarray(lengths).astype(cp.int64, copy=False))
 
 
 # Split-KV decoding: aim for this many blocks (two waves on a 132-SM H100), giving each
@@ -104,7 +94,7 @@ def forward(problem) -> ForwardResult:
         else:
             out = cp.zeros((batch, heads, q_len, value_dim), dtype)
         lse = cp.full((batch, heads, q_len), -np.inf, dtype)
-        out_strides = [np.int64(s) for s in _element_strides(out)[:3]]
+        out_strides = [np.int64(s) for s in element_strides(out)[:3]]
         kind = forward_kind(storage)
         if kind == "forward_tc":
             block_q = block_k = TENSOR_CORE_BLOCK
@@ -140,7 +130,7 @@ def backward(problem, saved, dout) -> Gradients:
     with _on_device(problem):
         storage, operands = _operands(problem)
         dout = _unit_last_axis(cp, dout.astype(dtype, copy=False))
-        dout_strides = cp.asarray(np.array(_element_strides(dout)[:3], np.int64))
+        dout_strides = cp.asarray(np.array(element_strides(dout)[:3], np.int64))
         # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
         delta = cp.ascontiguousarray((dout * out).sum(axis=-1))
         dq = cp.zeros((batch, heads, q_len, head_dim), dtype)
