@@ -24,7 +24,7 @@ from npattn.gpu import launch, sources
 _HEADER = Path(__file__).with_name("gpu_emulation.h")
 # (dtype name, head-dim bound) pairs built for the emulation
 EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("bfloat16", 64), ("float32", 256),
-            ("float16", 256))
+            ("float16", 128), ("float16", 256))
 
 
 def compiler() -> str | None:
@@ -75,10 +75,11 @@ def emulated_gpu(monkeypatch, library, launchers):
         if blocks <= 0:
             return
         # a larger accumulator bound computes the same: use the smallest one built
-        built = sorted(b for d, b in EMULATED if d == storage and b >= bound)
+        built = [name for name in (sources.kernel_name(kind, storage, b) for b in sorted(sources.HEAD_DIM_BOUNDS)
+                                   if b >= bound) if name in launchers]
         if not built:
-            raise AssertionError(f"no {storage} kernels with bound >= {bound} are built; add them to EMULATED")
-        name = sources.kernel_name(kind, storage, built[0])
+            raise AssertionError(f"no {kind} kernel for {storage} with bound >= {bound} is built; add it to EMULATED")
+        name = built[0]
         values = [_argument(a) for a in arguments]
         pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
         getattr(library, launchers[name])(int(blocks), sources.THREADS, ctypes.c_size_t(shared_bytes), pointers)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npattn
-from strategies import cases, dims
+from strategies import Case, Dims, cases, dims
 from test_backend_equivalence import check_backward, check_forward
 
 import gpu_emulation
@@ -59,20 +59,29 @@ def test_emulated_gpu_backward_over_many_tiles(case, layout):
     check_backward("gpu", case, layout)
 
 
-def test_emulated_gpu_wide_heads_and_many_tiles():
-    """Head dims past 64 (the 256 accumulator), several query and key tiles, GQA."""
-    rng = np.random.default_rng(0)
-    q = rng.uniform(-1, 1, (1, 4, 40, 200)).astype(np.float32)
-    k = rng.uniform(-1, 1, (1, 2, 70, 200)).astype(np.float32)
-    v = rng.uniform(-1, 1, (1, 2, 70, 72)).astype(np.float32)
+def uniform_case(batch, heads, kv_heads, q_len, kv_len, head_dim, value_dim, values_seed, dtype=np.float32,
+                 **options):
+    """A :class:`Case` of the given shapes with values in [-1, 1] (``values_seed``; a
+    ``seed`` among ``options`` is dropout's)."""
+    rng = np.random.default_rng(values_seed)
+    d = Dims(batch, heads, kv_heads, q_len, kv_len, head_dim, value_dim)
+
+    def uniform(*shape):
+        return rng.uniform(-1, 1, shape).astype(dtype)
+
+    return Case(d, uniform(batch, heads, q_len, head_dim), uniform(batch, kv_heads, kv_len, head_dim),
+                uniform(batch, kv_heads, kv_len, value_dim), options)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_emulated_gpu_wide_heads_and_many_tiles(dtype):
+    """Head dims past 64 (accumulator bounds 256, and 128 for the tensor-core backward),
+    several query and key tiles, GQA, every option that moves the band."""
     options = dict(causal=True, window=(30, None), sinks=3, dropout_p=0.25, seed=11, softcap=4.0)
-    out, vjp = npattn.attention_vjp(q, k, v, backend="gpu", **options)
-    exact, exact_vjp = npattn.attention_vjp(*(x.astype(np.float64) for x in (q, k, v)), backend="reference",
-                                            **options)
-    dout = rng.normal(size=out.shape).astype(np.float32)
-    np.testing.assert_allclose(out, exact, atol=1e-5)
-    for grad, expected in zip(vjp(dout), exact_vjp(dout.astype(np.float64))):
-        np.testing.assert_allclose(grad, expected, atol=1e-4)
+    for head_dim, value_dim in [(200, 72), (120, 40)]:
+        case = uniform_case(1, 4, 2, 40, 70, head_dim, value_dim, values_seed=head_dim, dtype=dtype, **options)
+        check_forward("gpu", case, "bhsd")
+        check_backward("gpu", case, "bshd")
 
 
 def test_emulated_gpu_backward_is_deterministic():
@@ -92,20 +101,11 @@ def test_emulated_gpu_split_kv_decoding_matches_the_reference():
     from npattn.gpu import driver
 
     rng = np.random.default_rng(3)
-    q = rng.uniform(-1, 1, (2, 4, 3, 32)).astype(np.float32)
-    k = rng.uniform(-1, 1, (2, 2, 300, 32)).astype(np.float32)
-    v = rng.uniform(-1, 1, (2, 2, 300, 24)).astype(np.float32)
     assert driver.decode_splits(2 * 4, 3, 300, 16, 32) > 1
     for options in [{}, dict(causal=True, sink_logits=rng.normal(size=4), dropout_p=0.3, seed=4),
                     dict(window=(40, 0), sinks=2, kv_lengths=np.array([0, 170])),
                     dict(mask=rng.random((2, 1, 3, 300)) < 0.5, q_lengths=np.array([3, 1]))]:
-        out, lse = npattn.attention(q, k, v, backend="gpu", return_lse=True, **options)
-        exact, exact_lse = npattn.attention(*(x.astype(np.float64) for x in (q, k, v)), backend="reference",
-                                            return_lse=True, **options)
-        np.testing.assert_allclose(out, exact, atol=1e-5, err_msg=str(options))
-        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(exact_lse))
-        finite = np.isfinite(exact_lse)
-        np.testing.assert_allclose(lse[finite], exact_lse[finite], atol=1e-5)
+        check_forward("gpu", uniform_case(2, 4, 2, 3, 300, 32, 24, values_seed=3, **options), "bhsd")
 
 
 @FEWER
