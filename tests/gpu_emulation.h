@@ -3,7 +3,10 @@
 // Every CUDA thread of a block runs as an OS thread; __syncthreads() is a barrier of
 // the block's threads, __shfl_xor_sync an exchange through a per-warp buffer between
 // two barriers of the warp's 32 threads, and mma.sync m16n8k16 a product computed from
-// the whole warp's fragments as the PTX ISA lays them out. Blocks run one after another
+// the whole warp's fragments as the PTX ISA lays them out; ldmatrix gathers the warp's
+// row addresses the same way. cp.async copies are queued per thread and carried out
+// only when cp.async.wait_group retires their group, so a tile read before its wait
+// (or before the barrier after it) reads stale or NaN bytes, as it could on a GPU. Blocks run one after another
 // on the same threads. Dynamic shared memory starts filled with NaN bytes, so a read
 // before a write shows up in the results. What this cannot show: races the hardware's
 // memory model would expose, warp divergence around a shuffle (a deadlock here), the
@@ -15,6 +18,8 @@
 #include <algorithm>
 #include <barrier>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -29,6 +34,7 @@
 #define __align__(bytes) alignas(bytes)
 
 struct uint3 { unsigned x, y, z; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
 
 struct EmulatedBlock {
     explicit EmulatedBlock(int threads, size_t shared_bytes)
@@ -40,14 +46,24 @@ struct EmulatedBlock {
     std::vector<unsigned char> shared;
     double exchange[32][32];
     unsigned mma_a[32][32][4], mma_b[32][32][2];  // [warp][lane][register]
+    const unsigned short* rows[32][32];           // ldmatrix row addresses, [warp][lane]
+};
+
+// One thread's cp.async copies: committed groups, oldest first, and the open group.
+struct EmulatedCopy { void* destination; const void* source; int bytes; };
+struct EmulatedCopies {
+    std::vector<std::vector<EmulatedCopy>> committed;
+    std::vector<EmulatedCopy> open;
 };
 
 thread_local uint3 threadIdx, blockIdx, blockDim;
 thread_local EmulatedBlock* emulated_block;
+thread_local EmulatedCopies emulated_copies;
 
 #define NPATTN_DYNAMIC_SHARED(name) unsigned char* name = emulated_block->shared.data()
 
 inline void __syncthreads() { emulated_block->barrier.arrive_and_wait(); }
+inline void __syncwarp() { emulated_block->warps[threadIdx.x / 32]->arrive_and_wait(); }
 
 template <typename V> V __shfl_xor_sync(unsigned, V value, int offset) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -112,6 +128,53 @@ inline void emulated_mma_16816(float* c, const unsigned* a, const unsigned* b, b
     for (int e = 0; e < 4; ++e) c[e] = d[e];
 }
 
+// ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16: lanes 8m .. 8m + 7 give the
+// row addresses of matrix m; register m of lane l gets matrix m's row l / 4, columns
+// 2 (l % 4) and + 1 (transposed: column l / 4 of rows 2 (l % 4) and + 1), low half first.
+inline void emulated_ldmatrix(unsigned* registers, int count, bool transpose, const unsigned short* row) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    EmulatedBlock& block = *emulated_block;
+    block.rows[warp][lane] = row;
+    block.warps[warp]->arrive_and_wait();
+    for (int m = 0; m < count; ++m) {
+        const unsigned short* const* matrix = block.rows[warp] + 8 * m;
+        unsigned short low, high;
+        if (transpose) {
+            low = matrix[2 * (lane % 4)][lane / 4];
+            high = matrix[2 * (lane % 4) + 1][lane / 4];
+        } else {
+            low = matrix[lane / 4][2 * (lane % 4)];
+            high = matrix[lane / 4][2 * (lane % 4) + 1];
+        }
+        registers[m] = (unsigned)low | ((unsigned)high << 16);
+    }
+    block.warps[warp]->arrive_and_wait();  // every lane has read the addresses
+}
+
+// cp.async.cg.shared.global [destination], [source], 16, bytes: queued until retired.
+inline void emulated_cp_async(void* destination, const void* source, int bytes) {
+    emulated_copies.open.push_back({destination, source, bytes});
+}
+
+inline void emulated_cp_async_commit() {
+    emulated_copies.committed.push_back(std::move(emulated_copies.open));
+    emulated_copies.open.clear();
+}
+
+// cp.async.wait_group pending: carry out every committed group but the newest `pending`.
+inline void emulated_cp_async_wait(int pending) {
+    auto& groups = emulated_copies.committed;
+    const size_t retire = groups.size() > (size_t)pending ? groups.size() - pending : 0;
+    for (size_t g = 0; g < retire; ++g) {
+        for (const EmulatedCopy& copy : groups[g]) {
+            unsigned char* destination = static_cast<unsigned char*>(copy.destination);
+            std::memcpy(destination, copy.source, copy.bytes);
+            std::memset(destination + copy.bytes, 0, 16 - copy.bytes);
+        }
+    }
+    groups.erase(groups.begin(), groups.begin() + retire);
+}
+
 using std::exp; using std::log; using std::tanh;
 inline float expf(float x) { return std::exp(x); }
 inline float logf(float x) { return std::log(x); }
@@ -138,6 +201,10 @@ void emulate_launch(void (*kernel)(P...), int blocks, int threads, size_t shared
             for (int block = 0; block < blocks; ++block) {
                 blockIdx = {(unsigned)block, 0, 0};
                 std::apply(kernel, values);
+                if (!emulated_copies.open.empty() || !emulated_copies.committed.empty()) {
+                    std::fprintf(stderr, "npattn emulation: a kernel returned with cp.async copies never waited for\n");
+                    std::abort();
+                }
                 state.barrier.arrive_and_wait();  // the whole block is done
                 if (t == 0) std::fill(state.shared.begin(), state.shared.end(), (unsigned char)0xFF);
                 state.barrier.arrive_and_wait();  // fresh NaN-filled shared memory for the next block

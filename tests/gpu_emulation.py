@@ -20,25 +20,63 @@ from pathlib import Path
 import numpy as np
 
 from npattn.gpu import launch, sources
+from npattn.gpu.options import ALL, Option
 
 _HEADER = Path(__file__).with_name("gpu_emulation.h")
 # (dtype name, head-dim bound) pairs built for the emulation
 EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("bfloat16", 64), ("float32", 256),
             ("float16", 128), ("float16", 256))
+# option sets of the tensor-core forward built for the emulation (a call runs the smallest
+# built superset of its options): the plain path, the band alone, everything; each on
+# aligned rows (cp.async) and unaligned ones. Wide heads get everything only.
+FORWARD_TC_OPTIONS = {64: (0, Option.BAND, ALL), 128: (ALL,), 256: (ALL,)}
 
 
 def compiler() -> str | None:
     return shutil.which("g++")
 
 
+def _forward_tc_configs(dtype_name, bound):
+    """(warps, block_k, options) of every tensor-core forward built for (dtype, bound)."""
+    shapes = sorted({sources.forward_tc_config(rows, bound) for rows in (1, 64, 65)})
+    return [(warps, block_k, int(options | unaligned)) for warps, block_k in shapes
+            for options in FORWARD_TC_OPTIONS[bound] for unaligned in (0, Option.UNALIGNED)]
+
+
 def _names():
     names = []
     for dtype_name, bound in EMULATED:
         for kind in sources.KINDS:
+            if kind == "forward_tc" and dtype_name in sources.TENSOR_CORE_STORAGE:
+                names += [sources.kernel_name(kind, dtype_name, bound, warps=warps, block_k=block_k, options=options)
+                          for warps, block_k, options in _forward_tc_configs(dtype_name, bound)]
+                continue
             name = sources.kernel_name(kind, dtype_name, bound)
             if name in sources.name_expressions() and name not in names:
                 names.append(name)
     return names
+
+
+def _built_name(launchers, kind, storage, bound, config):
+    """The built instantiation that computes what ``kind`` at ``bound`` with ``config``
+    asks for: the smallest larger-or-equal head-dim bound (a larger accumulator computes
+    the same) and, for the tensor-core forward, the same warps with the fewest options
+    that include the asked-for ones (an option compiled in but off at run time is a no-op)."""
+    candidates = []
+    for candidate in sorted(b for b in sources.HEAD_DIM_BOUNDS if b >= bound):
+        if kind != "forward_tc":
+            candidates.append(sources.kernel_name(kind, storage, candidate))
+            continue
+        built = [c for c in _forward_tc_configs(storage, candidate) if storage in dict(EMULATED)
+                 and c[0] == config["warps"] and c[2] & config["options"] == config["options"]]
+        for warps, block_k, options in sorted(built, key=lambda c: bin(c[2]).count("1")):
+            candidates.append(sources.kernel_name(kind, storage, candidate, warps=warps, block_k=block_k,
+                                                  options=options))
+    built = [name for name in candidates if name in launchers]
+    if not built:
+        raise AssertionError(f"no {kind} kernel for {storage} with bound >= {bound} and {config} is built; "
+                             "add it to EMULATED")
+    return built[0]
 
 
 def build(directory: Path) -> tuple[ctypes.CDLL, dict]:
@@ -71,18 +109,14 @@ def emulated_gpu(monkeypatch, library, launchers):
     """``backend="gpu"`` on NumPy arrays, every launch run by ``library``."""
     import npattn.gpu
 
-    def run(kind, storage, bound, blocks, shared_bytes, arguments):
+    def run(kind, storage, bound, blocks, shared_bytes, arguments, **config):
         if blocks <= 0:
             return
-        # a larger accumulator bound computes the same: use the smallest one built
-        built = [name for name in (sources.kernel_name(kind, storage, b) for b in sorted(sources.HEAD_DIM_BOUNDS)
-                                   if b >= bound) if name in launchers]
-        if not built:
-            raise AssertionError(f"no {kind} kernel for {storage} with bound >= {bound} is built; add it to EMULATED")
-        name = built[0]
+        name = _built_name(launchers, kind, storage, bound, config)
+        threads = 32 * config["warps"] if kind == "forward_tc" else sources.THREADS
         values = [_argument(a) for a in arguments]
         pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-        getattr(library, launchers[name])(int(blocks), sources.THREADS, ctypes.c_size_t(shared_bytes), pointers)
+        getattr(library, launchers[name])(int(blocks), threads, ctypes.c_size_t(shared_bytes), pointers)
 
     with monkeypatch.context() as patch:
         patch.setattr(launch, "run", run)

@@ -10,7 +10,64 @@
 // (the layout trick of forward_tc.cu), with the B operands kept transposed in shared
 // memory wherever that makes each fragment one 32-bit load.
 #include "common.cuh"
-#include "forward_tc.cu"
+#include "tensor_core.cuh"
+
+#define NPATTN_TC_WARPS 4
+#define NPATTN_TC_BQ 64
+#define NPATTN_TC_BK 64
+#define NPATTN_TC_PAD 8  // 16-bit elements added to each shared row: spreads rows over banks
+
+
+__device__ inline u32 shared_pair(const unsigned short* tile, int at) {
+    return *reinterpret_cast<const u32*>(tile + at);  // `at` is even: 4-byte aligned
+}
+
+// A 16-row A fragment (rows r, r + 8; 16 columns from c0) of a row-major 16-bit tile.
+__device__ inline void a_fragment(const unsigned short* tile, int ld, int r, int c0, int member, u32* a) {
+    a[0] = shared_pair(tile, r * ld + c0 + 2 * member);
+    a[1] = shared_pair(tile, (r + 8) * ld + c0 + 2 * member);
+    a[2] = shared_pair(tile, r * ld + c0 + 2 * member + 8);
+    a[3] = shared_pair(tile, (r + 8) * ld + c0 + 2 * member + 8);
+}
+
+// The B fragment of an 8-column block whose column `column` is the row of a 16-bit tile
+// holding the k dimension contiguously (16 values from k0).
+__device__ inline void b_fragment(const unsigned short* tile, int ld, int column, int k0, int member, u32* b) {
+    b[0] = shared_pair(tile, column * ld + k0 + 2 * member);
+    b[1] = shared_pair(tile, column * ld + k0 + 2 * member + 8);
+}
+
+// acc (16 x 64, as eight 8-column blocks) = A B^T over `depth` (a multiple of 16): A's
+// 16 rows from `a_row` of a_tile, B^T's 64 columns the first 64 rows of b_tile, both
+// row-major 16-bit tiles holding the depth contiguously. One warp's share of a tile.
+template <typename T>
+__device__ inline void warp_product(float (*acc)[4], const unsigned short* a_tile, int ld_a, int a_row,
+                                    const unsigned short* b_tile, int ld_b, int depth, int group, int member) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int d0 = 0; d0 < depth; d0 += 16) {
+        u32 a[4];
+        a_fragment(a_tile, ld_a, a_row, d0, member, a);
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            u32 b[2];
+            b_fragment(b_tile, ld_b, n * 8 + group, d0, member, b);
+            mma_16816<T>(acc[n], a, b);
+        }
+    }
+}
+
+// rows x width 16-bit values of x (row stride `row_stride` from `offset`) into
+// tile[r * ld + c] (or tile[c * ld + r] when `transpose`), zeros up to tile_rows x tile_width.
+template <typename T>
+__device__ inline void load_bits(const T* x, i64 offset, i64 row_stride, int rows, int width, int tile_rows,
+                                 int tile_width, unsigned short* tile, int ld, bool transpose) {
+    for (int index = threadIdx.x; index < tile_rows * tile_width; index += blockDim.x) {
+        const int r = index / tile_width, c = index % tile_width;
+        const unsigned short bits = (r < rows && c < width) ? x[offset + r * row_stride + c].bits : 0;
+        tile[transpose ? c * ld + r : r * ld + c] = bits;
+    }
+}
 
 // P = exp(score - lse) of one recomputed score, from q_i . k_j (softcap's tanh in *t);
 // 0 outside the problem (`valid` false) and in a row with no visible key.

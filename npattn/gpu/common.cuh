@@ -221,35 +221,73 @@ __device__ inline void load_tile(const T* x, i64 offset, i64 row_stride, int row
     }
 }
 
-// One score from its dot product q_i . k_j: scale, softcap (its tanh in *tanh_out),
-// bias, ALiBi, then -inf where key j is invisible to row i (causal, window, sinks,
-// kv_lengths, mask). Every kernel's scores go through here, whatever computed the dot.
+// The score pipeline of one query row i of head h in batch b: scale, softcap (its tanh
+// in *tanh_out), bias, ALiBi, then -inf where key j is invisible to the row (causal,
+// window, sinks, kv_lengths, mask). Every kernel's scores go through here, whatever
+// computed the dot q_i . k_j. OPTIONS (NPATTN_OPTION_* bits, from npattn.gpu.options)
+// says which options the code is compiled for: an option outside it is assumed off
+// (the driver picks an instantiation whose OPTIONS cover the call's), so a plain call
+// runs none of their code. NPATTN_OPTION_BAND covers causal, windows, sinks and
+// kv_lengths; without it every key below kv_len is visible.
+template <typename T, typename Acc, unsigned OPTIONS = NPATTN_OPTION_ALL> struct ScoreRow {
+    KeyBand band;
+    const unsigned char* mask_row;
+    const Acc* bias_row;
+    i64 mask_stride, bias_stride, position;
+    Acc scale, softcap, slope;
+
+    __device__ ScoreRow(const Operands<T, Acc>& in, i64 b, i64 h, i64 i) {
+        const i64* ints = in.ints;
+        if (OPTIONS & NPATTN_OPTION_BAND) band = key_band(ints, in.kv_lengths, b, i);
+        mask_row = nullptr;
+        bias_row = nullptr;
+        if ((OPTIONS & NPATTN_OPTION_MASK) && ints[NPATTN_INT_HAS_MASK]) {
+            mask_row = in.mask + b * ints[NPATTN_INT_MASK_STRIDE_B] + h * ints[NPATTN_INT_MASK_STRIDE_H] +
+                       i * ints[NPATTN_INT_MASK_STRIDE_Q];
+        }
+        mask_stride = ints[NPATTN_INT_MASK_STRIDE_K];
+        if ((OPTIONS & NPATTN_OPTION_BIAS) && ints[NPATTN_INT_HAS_BIAS]) {
+            bias_row = in.bias + b * ints[NPATTN_INT_BIAS_STRIDE_B] + h * ints[NPATTN_INT_BIAS_STRIDE_H] +
+                       i * ints[NPATTN_INT_BIAS_STRIDE_Q];
+        }
+        bias_stride = ints[NPATTN_INT_BIAS_STRIDE_K];
+        position = i + ints[NPATTN_INT_KV_LEN] - ints[NPATTN_INT_Q_LEN];
+        scale = in.reals[NPATTN_REAL_SCALE];
+        softcap = ((OPTIONS & NPATTN_OPTION_SOFTCAP) && ints[NPATTN_INT_HAS_SOFTCAP]) ? in.reals[NPATTN_REAL_SOFTCAP]
+                                                                                      : (Acc)0;
+        slope = ((OPTIONS & NPATTN_OPTION_ALIBI) && ints[NPATTN_INT_HAS_ALIBI])
+                    ? in.alibi[b * ints[NPATTN_INT_HEADS] + h] : (Acc)0;
+    }
+
+    // Whether key j is visible to the row (j < kv_len).
+    __device__ bool visible(i64 j) const {
+        bool seen = true;
+        if (OPTIONS & NPATTN_OPTION_BAND) seen = key_visible(band, j);
+        if ((OPTIONS & NPATTN_OPTION_MASK) && mask_row != nullptr && seen) seen = mask_row[j * mask_stride] != 0;
+        return seen;
+    }
+
+    // The score of key j from `dot`, before any scale: the natural-log-domain logit.
+    __device__ Acc score(i64 j, Acc dot, Acc* tanh_out) const {
+        Acc score = scale * dot;
+        *tanh_out = 0;
+        if ((OPTIONS & NPATTN_OPTION_SOFTCAP) && softcap != (Acc)0) {
+            *tanh_out = tanh_of(score / softcap);
+            score = softcap * *tanh_out;
+        }
+        if ((OPTIONS & NPATTN_OPTION_BIAS) && bias_row != nullptr) score += bias_row[j * bias_stride];
+        if (OPTIONS & NPATTN_OPTION_ALIBI) {
+            const i64 distance = position > j ? position - j : j - position;
+            score -= slope * (Acc)distance;
+        }
+        return visible(j) ? score : negative_infinity<Acc>();
+    }
+};
+
+// One score through ScoreRow with every option compiled in (the SIMT kernels' way).
 template <typename T, typename Acc>
 __device__ inline Acc finish_score(const Operands<T, Acc>& in, i64 b, i64 h, i64 i, i64 j, Acc dot, Acc* tanh_out) {
-    const i64* ints = in.ints;
-    const KeyBand band = key_band(ints, in.kv_lengths, b, i);
-    bool visible = key_visible(band, j);
-    if (visible && ints[NPATTN_INT_HAS_MASK]) {
-        visible = in.mask[b * ints[NPATTN_INT_MASK_STRIDE_B] + h * ints[NPATTN_INT_MASK_STRIDE_H] +
-                          i * ints[NPATTN_INT_MASK_STRIDE_Q] + j * ints[NPATTN_INT_MASK_STRIDE_K]] != 0;
-    }
-    Acc score = in.reals[NPATTN_REAL_SCALE] * dot;
-    *tanh_out = 0;
-    if (ints[NPATTN_INT_HAS_SOFTCAP]) {
-        const Acc softcap = in.reals[NPATTN_REAL_SOFTCAP];
-        *tanh_out = tanh_of(score / softcap);
-        score = softcap * *tanh_out;
-    }
-    if (ints[NPATTN_INT_HAS_BIAS]) {
-        score += in.bias[b * ints[NPATTN_INT_BIAS_STRIDE_B] + h * ints[NPATTN_INT_BIAS_STRIDE_H] +
-                         i * ints[NPATTN_INT_BIAS_STRIDE_Q] + j * ints[NPATTN_INT_BIAS_STRIDE_K]];
-    }
-    if (ints[NPATTN_INT_HAS_ALIBI]) {
-        const i64 position = i + ints[NPATTN_INT_KV_LEN] - ints[NPATTN_INT_Q_LEN];
-        const i64 distance = position > j ? position - j : j - position;
-        score -= in.alibi[b * ints[NPATTN_INT_HEADS] + h] * (Acc)distance;
-    }
-    return visible ? score : negative_infinity<Acc>();
+    return ScoreRow<T, Acc>(in, b, h, i).score(j, dot, tanh_out);
 }
 
 // Scores of rows [i0, i0 + rows) of head h against keys [j0, j0 + cols) into

@@ -15,8 +15,9 @@ import numpy as np
 from ..kernel_params import Int, element_strides, lengths_or_full, problem_parameters, sink_logits_gradient
 from ..results import ForwardResult, Gradients
 from . import launch
+from .options import options_of
 from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS, backward_kinds,
-                      forward_kind, head_dim_bound)
+                      forward_kind, forward_tc_config, head_dim_bound)
 
 
 def _on_device(problem):
@@ -63,21 +64,24 @@ def _operands(problem):
     return q.dtype.name, operands
 
 
-# Split-KV decoding: aim for this many blocks (two waves on a 132-SM H100), giving each
-# split at least MIN_KEY_TILES_PER_SPLIT key tiles. Constants, not the device's SM
-# count, so a problem's summation order (and so its bits) is the same on every GPU.
-DECODE_TARGET_BLOCKS = 264
+# Split-KV decoding: aim for this many warps (8 per SM on a 132-SM H100: enough loads
+# in flight to stream K/V at the memory's speed), giving each split at least
+# MIN_KEY_TILES_PER_SPLIT key tiles. Constants, not the device's SM count, so a
+# problem's summation order (and so its bits) is the same on every GPU.
+DECODE_TARGET_WARPS = 1056
 MIN_KEY_TILES_PER_SPLIT = 4
 
 
-def decode_splits(blocks: int, q_len: int, kv_len: int, block_q: int, block_k: int) -> int:
-    """How many key splits the forward uses: more than 1 only for short queries (one query
-    tile of ``block_q`` rows per head) whose ``blocks`` query tiles leave the GPU mostly
-    idle; ``block_k``: keys per tile."""
-    if q_len > block_q or blocks >= DECODE_TARGET_BLOCKS:
+def decode_splits(blocks: int, rows: int, kv_len: int, block_q: int, block_k: int, warps: int = THREADS // 32) -> int:
+    """How many key splits the forward uses: more than 1 only for short queries (one tile
+    of ``block_q`` rows per head, or per kv head for packed GQA rows; ``rows`` of them)
+    whose ``blocks`` blocks of ``warps`` warps leave the GPU mostly idle; ``block_k``:
+    keys per tile."""
+    target_blocks = DECODE_TARGET_WARPS // warps
+    if rows > block_q or blocks >= target_blocks:
         return 1
     key_tiles = -(-kv_len // block_k)
-    return max(1, min(key_tiles // MIN_KEY_TILES_PER_SPLIT, -(-DECODE_TARGET_BLOCKS // blocks)))
+    return max(1, min(key_tiles // MIN_KEY_TILES_PER_SPLIT, -(-target_blocks // blocks)))
 
 
 def forward(problem) -> ForwardResult:
@@ -89,28 +93,36 @@ def forward(problem) -> ForwardResult:
     batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
     with _on_device(problem):
         storage, operands = _operands(problem)
-        if problem.layout == "bshd":
-            out = cp.zeros((batch, q_len, heads, value_dim), dtype).transpose(0, 2, 1, 3)
-        else:
-            out = cp.zeros((batch, heads, q_len, value_dim), dtype)
-        lse = cp.full((batch, heads, q_len), -np.inf, dtype)
-        out_strides = [np.int64(s) for s in element_strides(out)[:3]]
         kind = forward_kind(storage)
+        config = {}
         if kind == "forward_tc":
-            block_q = block_k = TENSOR_CORE_BLOCK
-            shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim)
+            # packed rows: the query heads of a GQA group times the query rows, per kv head
+            rows = q_len * (heads // problem.kv_heads)
+            warps, block_k = forward_tc_config(rows, bound)
+            config = dict(warps=warps, block_k=block_k, options=options_of(problem, operands[:3]))
+            block_q = 16 * warps
+            shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim, warps, block_k)
+            blocks = batch * problem.kv_heads * -(-rows // block_q)
         else:
+            rows, warps = q_len, THREADS // 32
             block_q, block_k = BLOCK_Q, FORWARD_BLOCK_K["double" if dtype == np.float64 else "float"]
             shared = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)
-        blocks = batch * heads * -(-q_len // block_q)
-        splits = decode_splits(blocks, q_len, problem.kv_len, block_q, block_k)
+            blocks = batch * heads * -(-q_len // block_q)
+        splits = decode_splits(blocks, rows, problem.kv_len, block_q, block_k, warps)
+        # the tensor-core forward writes out in the inputs' dtype; split partials merge in Acc
+        out_dtype = problem.q.dtype if kind == "forward_tc" and splits == 1 else dtype
+        if problem.layout == "bshd":
+            out = cp.zeros((batch, q_len, heads, value_dim), out_dtype).transpose(0, 2, 1, 3)
+        else:
+            out = cp.zeros((batch, heads, q_len, value_dim), out_dtype)
+        lse = cp.full((batch, heads, q_len), -np.inf, dtype)
+        out_strides = [np.int64(s) for s in element_strides(out)[:3]]
         partial_size = batch * heads * q_len * splits * (value_dim + 3) if splits > 1 else 1
         partial = cp.empty(partial_size, dtype)  # rows of (Dv outputs, max, sum, seen) per split
         outputs = (out, *out_strides, lse, np.int64(splits), partial)
-        launch.run(kind, storage, bound, blocks * splits, shared, (*operands, *outputs))
-        if splits > 1:
-            rows = batch * heads * q_len
-            launch.run("combine", storage, 0, -(-rows // THREADS), 0, (*operands, *outputs))
+        launch.run(kind, storage, bound, blocks * splits, shared, (*operands, *outputs), **config)
+        if splits > 1:  # one warp per query row
+            launch.run("combine", storage, 0, -(-batch * heads * q_len * 32 // THREADS), 0, (*operands, *outputs))
         weights = None
         if problem.return_weights:
             weights = cp.zeros((batch, heads, q_len, problem.kv_len), dtype)

@@ -222,15 +222,17 @@ weights_kernel(NPATTN_OPERAND_PARAMS, const Acc* lse, Acc* weights) {
     }
 }
 
-// Merge forward_kernel's split-KV partial rows, in split order (the same bits on every
-// run): one thread per query row, with the sink logit as the starting max and sum.
+// Merge the forward's split-KV partial rows, in split order (the same bits on every
+// run): one warp per query row, its lanes over the output columns, with the sink logit
+// as the starting max and sum.
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NPATTN_THREADS)
 combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
                const Acc* partial) {
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
-    const i64 row = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (row >= ints[NPATTN_INT_BATCH] * heads * q_len) return;
+    const i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= ints[NPATTN_INT_BATCH] * heads * q_len) return;  // whole warps
     const i64 b = row / (heads * q_len), h = (row / q_len) % heads, i = row % q_len;
     if (i >= q_lengths[b]) return;  // padding keeps its zeros and -inf
     const i64 value_dim = ints[NPATTN_INT_VALUE_DIM], value_dim3 = value_dim + 3;
@@ -253,7 +255,7 @@ combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
     }
     const Acc factor = reals[NPATTN_REAL_KEEP_SCALE] / l;
     Acc* row_out = out + b * out_sb + h * out_sh + i * out_ss;
-    for (i64 d = 0; d < value_dim; ++d) {
+    for (i64 d = lane; d < value_dim; d += 32) {
         Acc total = 0;
         for (i64 s = 0; s < splits; ++s) {
             const Acc* part = parts + s * value_dim3;
@@ -261,5 +263,5 @@ combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
         }
         row_out[d] = total * factor;
     }
-    lse[row] = m + log_of(l);
+    if (lane == 0) lse[row] = m + log_of(l);
 }

@@ -1,10 +1,10 @@
-"""Compiling the CUDA sources with CuPy (lazily, memoized per device and dtype) and
+"""Compiling the CUDA sources with CuPy (lazily, one instantiation at a time) and
 launching one kernel.
 
-Each (device, dtype) pair gets its own ``cupy.RawModule`` holding that dtype's
-instantiations only (about a quarter of :func:`~npattn.gpu.sources.name_expressions`),
-so a first float16 call does not wait for float64 kernels to compile. CuPy keeps the
-compiled code in its on-disk kernel cache, so later processes skip NVRTC.
+Each (device, instantiation) pair gets its own ``cupy.RawModule`` compiled on its first
+launch, so a call waits only for the kernels it runs (the tensor-core forward has an
+instantiation per tile shape and option set: a plain float16 call compiles one). CuPy
+keeps the compiled code in its on-disk kernel cache, so later processes skip NVRTC.
 """
 from __future__ import annotations
 
@@ -28,13 +28,15 @@ def forward_shared_bytes(head_dim: int, value_dim: int, dtype) -> int:
     return elements * np.dtype(dtype).itemsize
 
 
-def forward_tc_shared_bytes(head_dim: int, value_dim: int) -> int:
-    """Dynamic shared memory of forward_tc_kernel: ``TensorCoreLayout`` in forward_tc.cu
-    (Q and K tiles of 64 rows and V^T of Dv rows, 16-bit values, head dims rounded up
-    to whole mma tiles, 8 values of padding per row)."""
-    block, pad = sources.TENSOR_CORE_BLOCK, 8
-    head_dim, value_dim = -(-head_dim // 16) * 16, -(-value_dim // 8) * 8
-    return 2 * (2 * block * (head_dim + pad) + value_dim * (block + pad))
+def forward_tc_shared_bytes(head_dim: int, value_dim: int, warps: int, block_k: int) -> int:
+    """Dynamic shared memory of forward_tc_kernel: ``ForwardTensorCoreLayout`` in
+    forward_tc.cu (swizzled 16-bit tiles: Q of 16 * warps rows, K and V of block_k rows;
+    head dims rounded up to 16, rows to 64 values), or the output tile staged in the
+    same bytes, if that is larger."""
+    def row(dim):
+        return -(-(-(-dim // 16) * 16) // 64) * 64
+    block_q = 16 * warps
+    return 2 * max((block_q + block_k) * row(head_dim) + block_k * row(value_dim), block_q * row(value_dim))
 
 
 def backward_tc_shared_bytes(kind: str, head_dim: int, value_dim: int) -> int:
@@ -60,25 +62,25 @@ def backward_shared_bytes(head_dim: int, value_dim: int, dtype) -> int:
     return elements * np.dtype(dtype).itemsize
 
 
-def _module(storage: str):
+def _kernel(name: str):
     import cupy
 
-    device = cupy.cuda.Device().id
-    key = (device, storage)
+    key = (cupy.cuda.Device().id, name)
     if key not in _MODULES:
-        names = tuple(name for name in sources.name_expressions()
-                      if name.split("<", 1)[1].startswith(sources.STORAGE[storage][0] + ","))
-        _MODULES[key] = cupy.RawModule(code=sources.source(), options=("--std=c++17",), name_expressions=names)
+        module = cupy.RawModule(code=sources.source(), options=("--std=c++17",), name_expressions=(name,))
+        _MODULES[key] = module.get_function(name)
     return _MODULES[key]
 
 
-def run(kind: str, storage: str, bound: int, blocks: int, shared_bytes: int, arguments) -> None:
+def run(kind: str, storage: str, bound: int, blocks: int, shared_bytes: int, arguments, **config) -> None:
     """Launch ``kind``'s instantiation for ``storage`` (a dtype name) and head-dim ``bound``
-    on ``blocks`` blocks of :data:`~npattn.gpu.sources.THREADS` threads (every kernel,
-    the tensor-core forward's 4 warps included, runs 128)."""
+    on ``blocks`` blocks; ``config`` (warps, block_k, options) picks the tensor-core
+    forward's (of 32 * warps threads); every other kernel runs
+    :data:`~npattn.gpu.sources.THREADS` threads."""
     if blocks <= 0:
         return
-    kernel = _module(storage).get_function(sources.kernel_name(kind, storage, bound))
+    kernel = _kernel(sources.kernel_name(kind, storage, bound, **config))
+    threads = 32 * config["warps"] if kind == "forward_tc" else sources.THREADS
     if shared_bytes > _DEFAULT_SHARED_BYTES:
         kernel.max_dynamic_shared_size_bytes = shared_bytes
-    kernel((int(blocks),), (sources.THREADS,), tuple(arguments), shared_mem=shared_bytes)
+    kernel((int(blocks),), (threads,), tuple(arguments), shared_mem=shared_bytes)

@@ -1,0 +1,122 @@
+"""Compiling the CUDA sources without a GPU: NVRTC through ctypes.
+
+:func:`compile_cubin` turns :func:`npattn.gpu.sources.source` into the machine code
+(a cubin) of one architecture, the same way CuPy's ``RawModule`` does on a GPU, but
+needing only the ``nvidia-cuda-nvrtc-cu12`` wheel: no GPU, no driver, no CuPy. CI uses
+it to catch a syntax or template error in kernels it cannot run
+(:func:`check_compiles`) and to read the machine code itself (:mod:`npattn.gpu.sass`).
+
+Imports nothing but the standard library. :mod:`.sources` is imported inside the
+functions that need it, because :mod:`.sources` re-exports this module's names at
+its bottom: a module-level import here would make the two a cycle.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.util
+import os
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected the sources; the message holds its log."""
+
+
+def nvrtc_library_path() -> str | None:
+    """libnvrtc from the ``nvidia-cuda-nvrtc-cu12`` wheel, else from ``CUDA_PATH`` /
+    ``CUDA_HOME``, else None."""
+    candidates = []
+    spec = importlib.util.find_spec("nvidia")
+    if spec is not None and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            candidates += sorted(glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so*")))
+    for variable in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(variable):
+            candidates += sorted(glob.glob(os.path.join(os.environ[variable], "lib64", "libnvrtc.so*")))
+    # the plain soname first: the versioned builtins library sits beside it
+    candidates.sort(key=lambda path: ("builtins" in path, len(os.path.basename(path))))
+    usable = [path for path in candidates if "builtins" not in path and "alt" not in path]
+    return usable[0] if usable else None
+
+
+def _library() -> ctypes.CDLL:
+    path = nvrtc_library_path()
+    if path is None:
+        raise RuntimeError("no NVRTC library found: pip install nvidia-cuda-nvrtc-cu12")
+    nvrtc = ctypes.CDLL(path)
+    nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return nvrtc
+
+
+def _checker(nvrtc: ctypes.CDLL):
+    """A function that raises :class:`CompileError` naming the call when a status is not
+    NVRTC_SUCCESS (0)."""
+    def check(status: int, what: str) -> None:
+        if status != 0:
+            raise CompileError(f"{what}: {nvrtc.nvrtcGetErrorString(status).decode()}")
+    return check
+
+
+def _log(nvrtc: ctypes.CDLL, program: ctypes.c_void_p) -> str:
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(program, log)
+    return log.value.decode(errors="replace")
+
+
+def _cubin(nvrtc: ctypes.CDLL, program: ctypes.c_void_p, architecture: str) -> bytes:
+    check = _checker(nvrtc)
+    size = ctypes.c_size_t()
+    check(nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
+    # a virtual architecture ("compute_90") gives PTX and no cubin: nothing to read or run
+    if size.value == 0:
+        raise CompileError(f"NVRTC produced no machine code for {architecture}")
+    cubin = ctypes.create_string_buffer(size.value)
+    check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+    return cubin.raw
+
+
+def compile_cubin(architecture: str, names=None, text: str | None = None) -> tuple[bytes, dict[str, str]]:
+    """Compile ``text`` (default: :func:`~npattn.gpu.sources.source`) to machine code for
+    ``architecture`` (say "sm_90"), instantiating the name expressions ``names`` (default:
+    :func:`~npattn.gpu.sources.name_expressions`). Returns the cubin's bytes and each
+    name's lowered (mangled) symbol, the name the cubin's functions carry.
+
+    Raises :class:`CompileError` with NVRTC's log, or RuntimeError when no NVRTC library
+    is found. Needs no GPU and no CuPy; NVRTC runs without the GIL (ctypes releases it),
+    so architectures compile in parallel threads."""
+    from .sources import compile_options, name_expressions, source
+
+    nvrtc = _library()
+    check = _checker(nvrtc)
+    names = tuple(name_expressions() if names is None else names)
+    text = source() if text is None else text
+    program = ctypes.c_void_p()
+    check(nvrtc.nvrtcCreateProgram(ctypes.byref(program), text.encode(), b"npattn.cu", 0, None, None),
+          "nvrtcCreateProgram")
+    try:
+        for name in names:
+            check(nvrtc.nvrtcAddNameExpression(program, name.encode()), f"nvrtcAddNameExpression({name})")
+        options = [option.encode() for option in compile_options(architecture)]
+        status = nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+        if status != 0:
+            raise CompileError(f"NVRTC failed for {architecture}:\n{_log(nvrtc, program)}")
+        lowered = {}
+        for name in names:
+            symbol = ctypes.c_char_p()
+            check(nvrtc.nvrtcGetLoweredName(program, name.encode(), ctypes.byref(symbol)),
+                  f"nvrtcGetLoweredName({name})")
+            lowered[name] = symbol.value.decode()
+        return _cubin(nvrtc, program, architecture), lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def check_compiles(architecture: str, names=None) -> dict[str, str]:
+    """Compile :func:`~npattn.gpu.sources.source` to machine code for ``architecture``
+    (say "sm_90") with NVRTC, instantiating ``names`` (default: every name expression);
+    returns each name's lowered (mangled) symbol. Raises :class:`CompileError` with
+    NVRTC's log, or RuntimeError when no NVRTC library is found. Needs no GPU and no
+    CuPy."""
+    return compile_cubin(architecture, names)[1]

@@ -1,0 +1,75 @@
+"""Which optional code a tensor-core kernel instantiation is compiled with.
+
+The float16/bfloat16 kernels take a bit set of :class:`Option` as a template argument:
+an option's code (a bias read, a mask test, the dropout hash, ...) exists in an
+instantiation only when its bit is set, so a plain call runs none of it. The driver
+asks for the bits a call needs (:func:`options_of`); CuPy compiles each instantiation
+on first use and caches it. :func:`npattn.gpu.sources.source` writes the bits into the
+CUDA source as ``NPATTN_OPTION_*`` defines, so Python and CUDA cannot disagree.
+"""
+from __future__ import annotations
+
+from enum import IntFlag
+
+
+class Option(IntFlag):
+    MASK = 1        # a boolean mask
+    BIAS = 2        # an additive bias
+    ALIBI = 4       # ALiBi slopes
+    SOFTCAP = 8     # softcap * tanh(s / softcap)
+    DROPOUT = 16    # the dropout hash
+    SINK = 32       # learned sink logits
+    BAND = 64       # causal, a window (with sinks) or kv_lengths: keys a row may not see
+    UNALIGNED = 128  # rows that are not 16-byte aligned: plain loads instead of cp.async
+
+
+# every option that changes a score or its visibility (the SIMT kernels compile them all)
+ALL = Option.MASK | Option.BIAS | Option.ALIBI | Option.SOFTCAP | Option.DROPOUT | Option.SINK | Option.BAND
+
+
+def defines() -> list[str]:
+    """The ``#define NPATTN_OPTION_*`` lines of the CUDA source."""
+    lines = [f"#define NPATTN_OPTION_{member.name} {member.value}u" for member in Option]
+    return lines + [f"#define NPATTN_OPTION_ALL {ALL.value}u"]
+
+
+def _aligned(array) -> bool:
+    """16-byte aligned rows: the base address and every stride but the last a multiple of
+    16 bytes, and the last axis unit-stride (cp.async copies 16 bytes at a time)."""
+    if array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
+        return False
+    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
+    pointer = interface["data"][0]
+    strides = [s for n, s in zip(array.shape[:-1], array.strides[:-1]) if n > 1]
+    return pointer % 16 == 0 and all(s % 16 == 0 for s in strides)
+
+
+def options_of(problem, arrays=()) -> Option:
+    """The options ``problem`` (a validated :class:`npattn.problem.Problem`) needs;
+    ``arrays``: the operands the kernel reads by rows (q, k, v as passed), which decide
+    :attr:`Option.UNALIGNED`, as do head dims that are not a multiple of 8."""
+    visibility = problem.visibility
+    needed = Option(0)
+    flags = {
+        Option.MASK: problem.mask is not None,
+        Option.BIAS: problem.bias is not None,
+        Option.ALIBI: problem.alibi_slopes is not None,
+        Option.SOFTCAP: problem.softcap is not None,
+        Option.DROPOUT: problem.dropout_p > 0,
+        Option.SINK: problem.sink_logits is not None,
+        Option.BAND: (visibility.causal or visibility.window_left is not None
+                      or visibility.window_right is not None or problem.kv_lengths is not None),
+        Option.UNALIGNED: (problem.head_dim % 8 != 0 or problem.value_dim % 8 != 0
+                           or not all(_aligned(array) for array in arrays)),
+    }
+    for option, present in flags.items():
+        if present:
+            needed |= option
+    return needed
+
+
+def describe(options: int) -> str:
+    """``options`` as names, for messages: "BIAS|BAND", or "none"."""
+    names = [member.name for member in Option if options & member]
+    return "|".join(names) if names else "none"
+

@@ -1,0 +1,173 @@
+// The tensor-core building blocks of the float16/bfloat16 kernels (sm_80 and newer):
+// mma.sync m16n8k16 with float32 accumulation, ldmatrix fragment loads, cp.async
+// global -> shared copies, the XOR swizzle of shared tiles, and exp2.
+//
+// Shared tiles of 16-bit values hold rows of `ld` elements (a multiple of 64: eight
+// 16-byte chunks), and chunk c of row r sits at chunk position c ^ (r & 7). The eight
+// row addresses of one ldmatrix 8x8 matrix (same chunk, eight consecutive rows) then
+// fall in eight different 16-byte bank groups, so neither ldmatrix nor the 16-byte
+// cp.async stores conflict, without padding.
+//
+// The host emulation of the tests (tests/gpu_emulation.h) supplies emulated_* versions
+// of every PTX instruction here, following the PTX ISA's definitions.
+#pragma once
+#include "common.cuh"
+
+template <typename T> struct TensorCore;
+template <> struct TensorCore<half_bits> { static constexpr bool bf16 = false; };
+template <> struct TensorCore<bf16_bits> { static constexpr bool bf16 = true; };
+
+// d += a b for one m16n8k16 tile (fragment layouts of the PTX ISA, "Matrix Fragments
+// for mma.m16n8k16 with floating point type").
+template <typename T> __device__ inline void mma_16816(float* c, const u32* a, const u32* b) {
+#ifdef NPATTN_HOST_EMULATION
+    emulated_mma_16816(c, a, b, TensorCore<T>::bf16);
+#else
+    if constexpr (TensorCore<T>::bf16) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                     "{%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                     "{%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+#endif
+}
+
+// Two floats as one register of two 16-bit values, `low` in the low half (round to nearest).
+template <typename T> __device__ inline u32 pack_pair(float low, float high) {
+#ifdef NPATTN_HOST_EMULATION
+    return emulated_pack_pair(low, high, TensorCore<T>::bf16);
+#else
+    u32 packed;
+    if constexpr (TensorCore<T>::bf16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+    }
+    return packed;
+#endif
+}
+
+// 2^x on the special-function unit (ex2.approx: about 2 ulp; -inf gives +0).
+__device__ inline float exp2_approx(float x) {
+#ifdef NPATTN_HOST_EMULATION
+    return std::exp2(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+// ---- shared-memory addresses ------------------------------------------------------------
+
+// Element offset of (row, column) in a swizzled tile of row length `ld` (a multiple of
+// 64); `column` is a multiple of 8 (one 16-byte chunk) or any column inside one.
+__device__ inline int swizzled(int row, int column, int ld) {
+    return row * ld + ((((column >> 3) ^ row) & 7) | ((column >> 3) & ~7)) * 8 + (column & 7);
+}
+
+#ifndef NPATTN_HOST_EMULATION
+__device__ inline u32 shared_address(const void* pointer) {
+    u32 address;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
+    return address;
+}
+#endif
+
+// ---- ldmatrix ---------------------------------------------------------------------------
+
+// Four 8x8 matrices of 16-bit values: lanes 8m .. 8m + 7 give the addresses of matrix
+// m's rows (16 bytes each); register m of lane l holds matrix m's row l / 4, columns
+// 2 (l % 4) and 2 (l % 4) + 1 (TRANSPOSE: column l / 4, rows 2 (l % 4) and + 1).
+template <bool TRANSPOSE> __device__ inline void ldmatrix_x4(u32* r, const unsigned short* row) {
+#ifdef NPATTN_HOST_EMULATION
+    emulated_ldmatrix(r, 4, TRANSPOSE, row);
+#else
+    if constexpr (TRANSPOSE) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(row)));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(row)));
+    }
+#endif
+}
+
+// The A fragment of rows [row0, row0 + 16) x columns [k0, k0 + 16) of a swizzled tile.
+__device__ inline void load_a_fragment(u32* a, const unsigned short* tile, int ld, int row0, int k0, int lane) {
+    ldmatrix_x4<false>(a, tile + swizzled(row0 + (lane & 15), k0 + (lane >> 4) * 8, ld));
+}
+
+// B fragments of two 8-column blocks [n0, n0 + 8) and [n0 + 8, n0 + 16) over depth
+// [k0, k0 + 16), from a swizzled tile whose rows are B's columns (the depth contiguous,
+// as K is for S = Q K^T): b[0..1] for the first block, b[2..3] for the second.
+__device__ inline void load_b_fragments(u32* b, const unsigned short* tile, int ld, int n0, int k0, int lane) {
+    ldmatrix_x4<false>(b, tile + swizzled(n0 + (lane >> 4) * 8 + (lane & 7), k0 + ((lane >> 3) & 1) * 8, ld));
+}
+
+// The same two B fragments from a swizzled tile whose rows are the depth (B's columns
+// contiguous, as V is for O = P V): ldmatrix's transpose.
+__device__ inline void load_b_fragments_transposed(u32* b, const unsigned short* tile, int ld, int n0, int k0,
+                                                   int lane) {
+    ldmatrix_x4<true>(b, tile + swizzled(k0 + ((lane >> 3) & 1) * 8 + (lane & 7), n0 + (lane >> 4) * 8, ld));
+}
+
+// ---- cp.async ----------------------------------------------------------------------------
+
+// Copy 16 bytes from global `source` to shared `destination`, of which the first
+// `bytes` (0..16) are read and the rest zero-filled; completes at cp_async_wait.
+__device__ inline void cp_async_16(unsigned short* destination, const void* source, int bytes) {
+#ifdef NPATTN_HOST_EMULATION
+    emulated_cp_async(destination, source, bytes);
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(shared_address(destination)), "l"(source), "r"(bytes) : "memory");
+#endif
+}
+
+// Close the group of copies issued since the last commit.
+__device__ inline void cp_async_commit() {
+#ifdef NPATTN_HOST_EMULATION
+    emulated_cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Wait until at most `PENDING` of this thread's committed groups are still in flight
+// (groups complete in order). Other threads' copies need a __syncthreads() after it.
+template <int PENDING> __device__ inline void cp_async_wait() {
+#ifdef NPATTN_HOST_EMULATION
+    emulated_cp_async_wait(PENDING);
+#else
+    asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+#endif
+}
+
+// ---- staging tiles ----------------------------------------------------------------------
+
+// rows x width 16-bit values into the swizzled tile (tile_rows x chunks 16-byte chunks
+// of row length ld), zeros past `rows` and `width`: row r starts at x + row_offset(r).
+// ASYNC: by cp.async (needs each row 16-byte aligned; the caller commits and waits);
+// else by plain loads, for unaligned rows or widths.
+template <bool ASYNC, typename T, typename RowOffset>
+__device__ inline void stage_tile(unsigned short* tile, int ld, const T* x, RowOffset row_offset, int rows,
+                                  int width, int tile_rows, int chunks) {
+    for (int index = threadIdx.x; index < tile_rows * chunks; index += blockDim.x) {
+        const int r = index / chunks, c = index % chunks;
+        const int valid = r < rows ? (int)smaller(8, larger(0, width - 8 * c)) : 0;
+        unsigned short* destination = tile + swizzled(r, 8 * c, ld);
+        if constexpr (ASYNC) {
+            cp_async_16(destination, valid > 0 ? (const void*)(x + row_offset(r) + 8 * c) : (const void*)x,
+                        2 * valid);
+        } else {
+            const T* source = valid > 0 ? x + row_offset(r) + 8 * c : x;
+            for (int e = 0; e < 8; ++e) destination[e] = e < valid ? source[e].bits : (unsigned short)0;
+        }
+    }
+}
