@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npattn
+from npattn.gpu.options import Option
 from strategies import Case, Dims, cases, dims
 from test_backend_equivalence import check_backward, check_forward
 
@@ -155,3 +156,50 @@ def test_emulated_gpu_decoding_with_a_long_cache_equals_the_full_pass():
     assert_same_composition(np.concatenate(decoded, axis=1), full, 2 * embed + length, "decoded")
     module.backend = "reference"
     assert_same_composition(full, module(x).data, 2 * embed + length, "gpu against reference")
+
+
+# ---- the tensor-core forward's tile shapes and option sets ---------------------------------
+
+@pytest.mark.parametrize("q_len, kv_len, head_dim, options, warps, expected", [
+    # a decode step: the 4 query heads of a GQA group fill 4 rows of a one-warp tile, split-KV
+    (1, 700, 32, {}, 1, Option(0)),
+    (1, 700, 32, dict(causal=True, sink_logits=np.array([0.5, -1.0, 0.0, 2.0, 1.0, 0.0, -0.5, 0.25])), 1,
+     Option.BAND | Option.SINK),
+    # chunked prefill: 16 query rows x 4 heads = 64 packed rows, 4 warps
+    (16, 200, 32, dict(causal=True), 4, Option.BAND),
+    (16, 200, 32, dict(window=(20, 3), sinks=2, kv_lengths=np.array([150, 200])), 4, Option.BAND),
+    # prefill: 160 packed rows over two 128-row tiles of 8 warps
+    (40, 90, 32, {}, 8, Option(0)),
+    (40, 90, 32, dict(causal=True, softcap=3.0, dropout_p=0.2, seed=7), 8,
+     Option.BAND | Option.SOFTCAP | Option.DROPOUT),
+    (40, 90, 32, dict(bias=np.random.default_rng(1).normal(size=(40, 90)), alibi_slopes=np.linspace(0.1, 0.8, 8),
+                      mask=np.random.default_rng(2).random((2, 1, 40, 90)) < 0.8), 8,
+     Option.BIAS | Option.ALIBI | Option.MASK),
+    # head dims that are not whole 16-byte chunks: plain loads and stores
+    (40, 90, 12, dict(causal=True), 8, Option.BAND | Option.UNALIGNED),
+])
+@pytest.mark.parametrize("dtype", [np.float16])
+def test_emulated_tensor_core_forward_runs_the_tile_shape_and_options_the_call_needs(
+        monkeypatch, q_len, kv_len, head_dim, options, warps, expected, dtype):
+    """Each call runs the instantiation of its packed rows' tile shape with exactly the
+    option bits it needs (so the plain path, the band path and the optioned paths all
+    run here), and every one of them matches the reference in both layouts."""
+    from npattn.gpu import launch
+
+    calls = []
+    emulated_run = launch.run
+
+    def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
+        calls.append((kind, config))
+        return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
+
+    monkeypatch.setattr(launch, "run", spy)
+    case = uniform_case(2, 8, 2, q_len, kv_len, head_dim, head_dim, values_seed=q_len + head_dim, dtype=dtype,
+                        **options)
+    for layout in ("bhsd", "bshd"):
+        calls.clear()
+        check_forward("gpu", case, layout)
+        forward = [config for kind, config in calls if kind == "forward_tc"]
+        assert forward and all(c["warps"] == warps and c["options"] == expected for c in forward), forward
+        if q_len == 1:
+            assert ("combine", {}) in calls, "a decode step against 700 keys splits them"
