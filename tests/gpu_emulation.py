@@ -27,9 +27,14 @@ _HEADER = Path(__file__).with_name("gpu_emulation.h")
 EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("bfloat16", 64), ("float32", 256),
             ("float16", 128), ("float16", 256))
 # option sets of the tensor-core forward built for the emulation (a call runs the smallest
-# built superset of its options): the plain path, the band alone, everything; each on
-# aligned rows (cp.async) and unaligned ones. Wide heads get everything only.
-FORWARD_TC_OPTIONS = {64: (0, Option.BAND, ALL), 128: (ALL,), 256: (ALL,)}
+# built superset of its options): the plain path, the band alone and everything, each at
+# head dims that fill the bound and at narrower ones, and everything on unaligned rows.
+# Wider bounds get the two general sets only.
+_NARROW, _UNALIGNED = Option.NARROW, Option.UNALIGNED
+FORWARD_TC_OPTIONS = {64: (0, Option.BAND, ALL, _NARROW, Option.BAND | _NARROW, ALL | _NARROW,
+                           ALL | _NARROW | _UNALIGNED),
+                      128: (ALL | _NARROW, ALL | _NARROW | _UNALIGNED),
+                      256: (ALL | _NARROW, ALL | _NARROW | _UNALIGNED)}
 
 
 def compiler() -> str | None:
@@ -39,8 +44,7 @@ def compiler() -> str | None:
 def _forward_tc_configs(dtype_name, bound):
     """(warps, block_k, options) of every tensor-core forward built for (dtype, bound)."""
     shapes = sorted({sources.forward_tc_config(rows, bound) for rows in (1, 64, 65)})
-    return [(warps, block_k, int(options | unaligned)) for warps, block_k in shapes
-            for options in FORWARD_TC_OPTIONS[bound] for unaligned in (0, Option.UNALIGNED)]
+    return [(warps, block_k, int(options)) for warps, block_k in shapes for options in FORWARD_TC_OPTIONS[bound]]
 
 
 def _names():

@@ -160,23 +160,28 @@ def test_emulated_gpu_decoding_with_a_long_cache_equals_the_full_pass():
 
 # ---- the tensor-core forward's tile shapes and option sets ---------------------------------
 
+N = Option.NARROW  # head dims below the kernel's bound (32 and 12 of 64)
+
+
 @pytest.mark.parametrize("q_len, kv_len, head_dim, options, warps, expected", [
     # a decode step: the 4 query heads of a GQA group fill 4 rows of a one-warp tile, split-KV
-    (1, 700, 32, {}, 1, Option(0)),
-    (1, 700, 32, dict(causal=True, sink_logits=np.array([0.5, -1.0, 0.0, 2.0, 1.0, 0.0, -0.5, 0.25])), 1,
+    (1, 700, 32, {}, 1, N),
+    (1, 700, 64, dict(causal=True, sink_logits=np.array([0.5, -1.0, 0.0, 2.0, 1.0, 0.0, -0.5, 0.25])), 1,
      Option.BAND | Option.SINK),
     # chunked prefill: 16 query rows x 4 heads = 64 packed rows, 4 warps
-    (16, 200, 32, dict(causal=True), 4, Option.BAND),
-    (16, 200, 32, dict(window=(20, 3), sinks=2, kv_lengths=np.array([150, 200])), 4, Option.BAND),
+    (16, 200, 64, dict(causal=True), 4, Option.BAND),
+    (16, 200, 32, dict(window=(20, 3), sinks=2, kv_lengths=np.array([150, 200])), 4, Option.BAND | N),
     # prefill: 160 packed rows over two 128-row tiles of 8 warps
-    (40, 90, 32, {}, 8, Option(0)),
+    (40, 90, 64, {}, 8, Option(0)),
+    (40, 90, 32, {}, 8, N),
     (40, 90, 32, dict(causal=True, softcap=3.0, dropout_p=0.2, seed=7), 8,
-     Option.BAND | Option.SOFTCAP | Option.DROPOUT),
-    (40, 90, 32, dict(bias=np.random.default_rng(1).normal(size=(40, 90)), alibi_slopes=np.linspace(0.1, 0.8, 8),
+     Option.BAND | Option.SOFTCAP | Option.DROPOUT | N),
+    (40, 90, 64, dict(bias=np.random.default_rng(1).normal(size=(40, 90)), alibi_slopes=np.linspace(0.1, 0.8, 8),
                       mask=np.random.default_rng(2).random((2, 1, 40, 90)) < 0.8), 8,
      Option.BIAS | Option.ALIBI | Option.MASK),
     # head dims that are not whole 16-byte chunks: plain loads and stores
-    (40, 90, 12, dict(causal=True), 8, Option.BAND | Option.UNALIGNED),
+    (40, 90, 12, dict(causal=True), 8, Option.BAND | Option.UNALIGNED | N),
+    (40, 90, 60, {}, 8, Option.UNALIGNED),
 ])
 @pytest.mark.parametrize("dtype", [np.float16])
 def test_emulated_tensor_core_forward_runs_the_tile_shape_and_options_the_call_needs(

@@ -99,7 +99,7 @@ def forward(problem) -> ForwardResult:
             # packed rows: the query heads of a GQA group times the query rows, per kv head
             rows = q_len * (heads // problem.kv_heads)
             warps, block_k = forward_tc_config(rows, bound)
-            config = dict(warps=warps, block_k=block_k, options=options_of(problem, operands[:3]))
+            config = dict(warps=warps, block_k=block_k, options=options_of(problem, operands[:3], bound))
             block_q = 16 * warps
             shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim, warps, block_k)
             blocks = batch * problem.kv_heads * -(-rows // block_q)

@@ -82,7 +82,10 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM], value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
     NPATTN_DYNAMIC_SHARED(shared_bytes);
     unsigned short* shared = reinterpret_cast<unsigned short*>(shared_bytes);
-    const ForwardTensorCoreLayout at(head_dim, value_dim, BQ, BK);
+    // without NARROW both head dims round up to MAX_D: the layout and every loop bound
+    // over them are compile-time constants (no run-time tests inside the unrolled loops)
+    constexpr bool NARROW = (OPTIONS & NPATTN_OPTION_NARROW) != 0;
+    const ForwardTensorCoreLayout at(NARROW ? head_dim : MAX_D, NARROW ? value_dim : MAX_D, BQ, BK);
     unsigned short *qs = shared + at.q, *ks = shared + at.k, *vs = shared + at.v;
     const int qk_chunks = at.head_dim / 8, v_chunks = at.value_dim / 8;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -21,6 +21,7 @@ class Option(IntFlag):
     SINK = 32       # learned sink logits
     BAND = 64       # causal, a window (with sinks) or kv_lengths: keys a row may not see
     UNALIGNED = 128  # rows that are not 16-byte aligned: plain loads instead of cp.async
+    NARROW = 256    # head dims (rounded up to 16) below the kernel's bound: loops test them
 
 
 # every option that changes a score or its visibility (the SIMT kernels compile them all)
@@ -44,10 +45,14 @@ def _aligned(array) -> bool:
     return pointer % 16 == 0 and all(s % 16 == 0 for s in strides)
 
 
-def options_of(problem, arrays=()) -> Option:
+def options_of(problem, arrays=(), bound: int = 0) -> Option:
     """The options ``problem`` (a validated :class:`npattn.problem.Problem`) needs;
     ``arrays``: the operands the kernel reads by rows (q, k, v as passed), which decide
-    :attr:`Option.UNALIGNED`, as do head dims that are not a multiple of 8."""
+    :attr:`Option.UNALIGNED`, as do head dims that are not a multiple of 8; ``bound``:
+    the kernel's head-dim bound, which decides :attr:`Option.NARROW` (0: not set)."""
+    def whole_tiles(dim):
+        return -(-dim // 16) * 16
+
     visibility = problem.visibility
     needed = Option(0)
     flags = {
@@ -61,6 +66,7 @@ def options_of(problem, arrays=()) -> Option:
                       or visibility.window_right is not None or problem.kv_lengths is not None),
         Option.UNALIGNED: (problem.head_dim % 8 != 0 or problem.value_dim % 8 != 0
                            or not all(_aligned(array) for array in arrays)),
+        Option.NARROW: bound > 0 and min(whole_tiles(problem.head_dim), whole_tiles(problem.value_dim)) < bound,
     }
     for option, present in flags.items():
         if present:

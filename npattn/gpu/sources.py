@@ -118,6 +118,10 @@ def kernel_name(kind: str, dtype_name: str, bound: int = 0, *, warps: int = 8, b
     return f"{kind}_kernel<{arguments}>"
 
 
+# every option, on rows that need plain loads and dims below the bound: the slowest path
+_EVERY_OPTION = _options.ALL | _options.Option.UNALIGNED | _options.Option.NARROW
+
+
 def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
     """The tensor-core forward at every tile shape :func:`forward_tc_config` picks for
     ``bound``, with no option and with every option (the two ends of what a call can
@@ -127,8 +131,7 @@ def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
     names = [kernel_name("forward_tc", dtype_name, bound, warps=warps, block_k=block_k, options=options)
              for warps, block_k in shapes for options in (0, _options.ALL)]
     warps, block_k = shapes[0]
-    names.append(kernel_name("forward_tc", dtype_name, bound, warps=warps, block_k=block_k,
-                             options=_options.ALL | _options.Option.UNALIGNED))
+    names.append(kernel_name("forward_tc", dtype_name, bound, warps=warps, block_k=block_k, options=_EVERY_OPTION))
     return tuple(names)
 
 
@@ -156,7 +159,7 @@ def name_expressions() -> tuple[str, ...]:
 # every tile shape of 64- and 128-wide heads, plain and with every option.
 MACHINE_CODE_CHECKED = tuple(name for dtype_name in TENSOR_CORE_STORAGE for bound in (64, 128)
                              for name in forward_tc_names(dtype_name, bound)
-                             if not name.endswith(f", {int(_options.ALL | _options.Option.UNALIGNED)}u>"))
+                             if not name.endswith(f", {int(_EVERY_OPTION)}u>"))
 
 
 def backward_kinds(dtype_name: str, bound: int) -> tuple[str, str]:
