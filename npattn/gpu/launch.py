@@ -1,16 +1,18 @@
 """Compiling the CUDA sources with CuPy (lazily, one instantiation at a time) and
 launching one kernel.
 
-Each (device, instantiation) pair gets its own ``cupy.RawModule`` compiled on its first
-launch, so a call waits only for the kernels it runs (the tensor-core forward has an
-instantiation per tile shape and option set: a plain float16 call compiles one). CuPy
-keeps the compiled code in its on-disk kernel cache, so later processes skip NVRTC.
+Each (device, instantiation) pair gets its own module compiled on its first launch, so
+a call waits only for the kernels it runs (the tensor-core forward has an instantiation
+per tile shape and option set: a plain float16 call compiles one). The cubins are kept
+on disk by :mod:`npattn.gpu.kernel_cache`, so later processes skip NVRTC; without an
+NVRTC library of its own npattn falls back to CuPy's compiler, which recompiles in
+every process.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import sources
+from . import kernel_cache, sources
 
 _MODULES = {}
 # CUDA's limit on dynamic shared memory without an opt-in
@@ -65,10 +67,18 @@ def backward_shared_bytes(head_dim: int, value_dim: int, dtype) -> int:
 def _kernel(name: str):
     import cupy
 
-    key = (cupy.cuda.Device().id, name)
+    device = cupy.cuda.Device()
+    key = (device.id, name)
     if key not in _MODULES:
-        module = cupy.RawModule(code=sources.source(), options=("--std=c++17",), name_expressions=(name,))
-        _MODULES[key] = module.get_function(name)
+        try:
+            path, symbol = kernel_cache.cubin(f"sm_{device.compute_capability}", name)
+        except RuntimeError as no_nvrtc:
+            if isinstance(no_nvrtc, kernel_cache.nvrtc.CompileError):
+                raise
+            module = cupy.RawModule(code=sources.source(), options=("--std=c++17",), name_expressions=(name,))
+            _MODULES[key] = module.get_function(name)
+        else:
+            _MODULES[key] = cupy.RawModule(path=str(path)).get_function(symbol)
     return _MODULES[key]
 
 
