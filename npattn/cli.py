@@ -103,15 +103,20 @@ def main(argv=None) -> int:
                              help="where to draw attention weights as PNG (needs matplotlib); '' for none")
     bench_parser = commands.add_parser("bench", help="CPU kernels against torch SDPA and naive NumPy")
     bench_parser.add_argument("--shape", action="append", dest="shapes", metavar="B,H[,HKV],S,D",
-                              help="a shape to time (repeatable); default: the issue's three")
+                              help="a shape to time (repeatable); default: the issue's three (with --gpu: "
+                                   "its prefill and decode shapes; B,H,HKV,SQ,SK,D also reads, SQ=1 a decode)")
     bench_parser.add_argument("--repeats", type=int, default=5)
     bench_parser.add_argument("--forward-only", action="store_true")
     bench_parser.add_argument("--memory", action="store_true",
                               help="peak memory of one forward at (1, 8, 16384, 64) instead")
     bench_parser.add_argument("--gpu", action="store_true",
-                              help="the CUDA kernels against torch SDPA's flash backend on the GPU instead")
-    bench_parser.add_argument("--dtype", choices=["float16", "float32"], default="float16",
+                              help="the CUDA kernels against torch SDPA's fastest backend on the GPU instead")
+    bench_parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
                               help="with --gpu: the inputs' dtype (default float16)")
+    bench_parser.add_argument("--suite", choices=["all", "prefill", "decode"], default="all",
+                              help="with --gpu: which rows run (default all); decode rows have one query row")
+    bench_parser.add_argument("--json", metavar="PATH",
+                              help="with --gpu: also write the rows to PATH as a JSON list of objects")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
@@ -124,12 +129,16 @@ def main(argv=None) -> int:
         if args.gpu:
             from . import bench_gpu
 
+            shapes = [bench_gpu.GpuShape.parse(s) for s in args.shapes] if args.shapes else None
+            if not bench_gpu.select_shapes(args.suite, shapes):
+                print(f"bench --gpu: no shape given is in the {args.suite} suite", file=sys.stderr)
+                return 2
             reason = bench_gpu.unavailable_reason()
             if reason is not None:
                 print(f"bench --gpu needs the gpu backend: {reason}", file=sys.stderr)
                 return 2
-            shapes = [bench.Shape.parse(s) for s in args.shapes] if args.shapes else bench_gpu.DEFAULT_SHAPES
-            bench_gpu.compare(shapes, dtype=args.dtype, repeats=args.repeats, backward=not args.forward_only)
+            bench_gpu.compare(shapes, dtype=args.dtype, repeats=args.repeats, backward=not args.forward_only,
+                              suite=args.suite, json_path=args.json)
         elif args.memory:
             bench.memory()
         else:

@@ -94,10 +94,19 @@ class TargetShapes(_ForwardBackward):
 
 
 
+def gpu_operands(backend, dtype, shape):
+    """q, k, v, dout on ``backend`` for a "B,H,HKV,SQ,SK,D" shape: q and dout (B, H, SQ, D),
+    k and v (B, HKV, SK, D)."""
+    b, h, hkv, sq, sk, d = (int(x) for x in shape.split(","))
+    rng = np.random.default_rng(0)
+    return to_device(backend, [rng.standard_normal(dims).astype(dtype)
+                               for dims in ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), (b, h, sq, d))])
+
+
 class GpuTargets(_ForwardBackward):
     """The shape the GPU targets are stated at, (4, 16, 4096, 128), in float16 and float32,
-    plus a decode step (4 queries against 16384 cached keys, the split-KV path); compare
-    with ``python -m npattn bench --gpu``, which times torch's flash SDPA beside them."""
+    plus a short-query step (4 queries against 16384 cached keys, the split-KV path); compare
+    with ``python -m npattn bench --gpu``, which times torch's fastest SDPA backend beside them."""
 
     params = (["gpu"], ["float16", "float32"], ["4,16,16,4096,4096,128", "8,32,8,4,16384,128"], [False, True])
     param_names = ["backend", "dtype", "shape", "causal"]
@@ -105,13 +114,27 @@ class GpuTargets(_ForwardBackward):
 
     def setup(self, backend, dtype, shape, causal):
         require(backend)
-        b, h, hkv, sq, sk, d = (int(x) for x in shape.split(","))
-        rng = np.random.default_rng(0)
-        self.q, self.k, self.v, self.dout = to_device(backend, [
-            rng.standard_normal(dims).astype(dtype)
-            for dims in ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), (b, h, sq, d))])
+        self.q, self.k, self.v, self.dout = gpu_operands(backend, dtype, shape)
         self.options = dict(causal=causal, backend=backend)
         self.time_forward(backend, dtype, shape, causal)
+
+
+class GpuDecode:
+    """The decode rows of ``python -m npattn bench --suite decode --gpu``: one query row
+    against a KV cache, 32 query heads over 8 KV heads, D = 128. Forward only (inference),
+    and not causal: with one query row, bottom-right causal hides no key."""
+
+    params = (["gpu"], ["float16", "float32"], ["8,32,8,1,8192,128", "64,32,8,1,2048,128"])
+    param_names = ["backend", "dtype", "shape"]
+    timeout = 600
+
+    def setup(self, backend, dtype, shape):
+        require(backend)
+        self.q, self.k, self.v, _ = gpu_operands(backend, dtype, shape)
+        self.options = dict(backend=backend)
+        self.time_forward(backend, dtype, shape)
+
+    time_forward = _ForwardBackward.time_forward
 
 
 class Variants:
