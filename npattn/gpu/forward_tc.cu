@@ -76,7 +76,9 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     const i64 tiles = (q_len * group + BQ - 1) / BQ;
     const i64 item = blockIdx.x / splits, split = blockIdx.x % splits;
     const i64 b = item / (kv_heads * tiles), kv_head = (item / tiles) % kv_heads;
-    const i64 p0 = (item % tiles) * BQ;
+    // the last row tiles first: under causal masking they see the most keys, and a wave
+    // that starts with the longest blocks ends with the shortest ones (less tail)
+    const i64 p0 = (tiles - 1 - item % tiles) * BQ;
     const int rows = (int)(smaller(smaller(q_len, q_lengths[b]) * group, p0 + BQ) - p0);
     if (rows <= 0) return;  // the same for the whole block
     const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM], value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
