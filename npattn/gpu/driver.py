@@ -154,11 +154,16 @@ def backward(problem, saved, dout) -> Gradients:
         query_tiles = -(-q_len // BLOCK_Q)
         dkdv_kind, dq_kind = backward_kinds(storage, bound)
         if dkdv_kind == "dkdv_tc":
+            # the tensor-core kernels stage dO like Q (cp.async into 16-bit tiles): pass it
+            # in the input's dtype, C-contiguous (rows 16-byte aligned when Dv % 8 == 0)
+            dout_bits = cp.ascontiguousarray(dout.astype(problem.q.dtype))
+            bits_strides = cp.asarray(np.array(element_strides(dout_bits)[:3], np.int64))
+            tc_common = (*operands, dout_bits, bits_strides, lse, delta)
             block = TENSOR_CORE_BLOCK
             launch.run(dkdv_kind, storage, bound, batch * kv_heads * -(-kv_len // block),
-                       launch.backward_tc_shared_bytes(dkdv_kind, head_dim, value_dim), (*common, dk, dv))
+                       launch.backward_tc_shared_bytes(dkdv_kind, head_dim, value_dim), (*tc_common, dk, dv))
             launch.run(dq_kind, storage, bound, batch * heads * -(-q_len // block),
-                       launch.backward_tc_shared_bytes(dq_kind, head_dim, value_dim), (*common, dq))
+                       launch.backward_tc_shared_bytes(dq_kind, head_dim, value_dim), (*tc_common, dq))
         else:
             launch.run(dkdv_kind, storage, bound, batch * kv_heads * key_tiles, shared, (*common, dk, dv))
             launch.run(dq_kind, storage, bound, batch * heads * query_tiles, shared, (*common, dq))

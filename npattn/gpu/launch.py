@@ -42,16 +42,17 @@ def forward_tc_shared_bytes(head_dim: int, value_dim: int, warps: int, block_k: 
 
 
 def backward_tc_shared_bytes(kind: str, head_dim: int, value_dim: int) -> int:
-    """Dynamic shared memory of dkdv_tc_kernel or dq_tc_kernel (``kind``): the 16-bit tiles
-    of ``TensorCoreBackwardLayout`` in backward_tc.cu (64-row tiles of D and Dv columns,
-    transposed tiles of D and Dv rows), plus dkdv's lse and delta per query row."""
-    block, pad = sources.TENSOR_CORE_BLOCK, 8
-    head_dim, value_dim = -(-head_dim // 16) * 16, -(-value_dim // 16) * 16
-    rows_d, rows_dv = block * (head_dim + pad), block * (value_dim + pad)
-    transposed_d, transposed_dv = head_dim * (block + pad), value_dim * (block + pad)
+    """Dynamic shared memory of dkdv_tc_kernel or dq_tc_kernel (``kind``): the swizzled
+    16-bit tiles of ``TensorCoreBackwardLayout`` in backward_tc.cu (Q, K, V and dO, 64
+    rows each; head dims rounded up to 16, rows to 64 values), plus dkdv's lse and delta
+    (float) per query row."""
+    def row(dim):
+        return -(-(-(-dim // 16) * 16) // 64) * 64
+    block = sources.TENSOR_CORE_BLOCK
+    tiles = 2 * 2 * block * (row(head_dim) + row(value_dim))
     if kind == "dkdv_tc":
-        return 2 * (2 * rows_d + 2 * rows_dv + transposed_d + transposed_dv) + 4 * 2 * block
-    return 2 * (2 * rows_d + 2 * rows_dv + transposed_d)
+        return tiles + 4 * 2 * block
+    return tiles
 
 
 def backward_shared_bytes(head_dim: int, value_dim: int, dtype) -> int:
