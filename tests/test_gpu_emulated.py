@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import npattn
 from npattn.gpu.options import Option
 from strategies import Case, Dims, cases, dims
-from test_backend_equivalence import check_backward, check_forward
+from test_backend_equivalence import check_backward, check_forward, upcast
 
 import gpu_emulation
 
@@ -208,3 +208,37 @@ def test_emulated_tensor_core_forward_runs_the_tile_shape_and_options_the_call_n
         assert forward and all(c["warps"] == warps and c["options"] == expected for c in forward), forward
         if q_len == 1:
             assert ("combine", {}) in calls, "a decode step against 700 keys splits them"
+
+
+_OPTIONED = dict(causal=True, bias=np.random.default_rng(3).normal(size=(1, 4, 70, 90)), dropout_p=0.2, seed=9)
+
+
+@pytest.mark.parametrize("dtype, head_dim, options", [
+    (np.float16, 64, {}),
+    ("bfloat16", 64, _OPTIONED),
+    (np.float16, 128, _OPTIONED),
+])
+def test_emulated_tensor_core_kernels_are_within_a_few_rounding_steps(dtype, head_dim, options):
+    """The tensor-core forward and backward on aligned rows (cp.async, ldmatrix) against
+    the float64 reference, relative to each result's largest element: the shared
+    tolerance of check_backward grows with the row count and would let a dropped tile
+    column through. 16-bit inputs round every operand, P and dS once (eps / 2 each),
+    and float32 accumulation adds far less, so 8 eps is a wide margin that a lost
+    column (errors of 30% and more) cannot pass."""
+    from ml_dtypes import bfloat16
+    from npattn.gpu import options as gpu_options
+
+    dtype = bfloat16 if dtype == "bfloat16" else dtype
+    case = uniform_case(2, 4, 2, 70, 90, head_dim, head_dim, values_seed=head_dim, dtype=dtype, **options)
+    assert not gpu_options.options_of(npattn.validation.build_problem(case.q, case.k, case.v),
+                                      (case.q, case.k, case.v)) & Option.UNALIGNED
+    eps = float(np.finfo(np.float16).eps) if dtype == np.float16 else 2.0 ** -7
+    out, vjp = case.vjp("gpu")
+    exact_out, exact_vjp = upcast(case).vjp("reference")
+    dout = np.random.default_rng(0).normal(size=out.shape).astype(np.float32)
+    results = [("out", out, exact_out)] + list(zip(("dq", "dk", "dv"), vjp(dout.astype(dtype)),
+                                                   exact_vjp(dout.astype(dtype).astype(np.float64))))
+    for name, actual, expected in results:
+        actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+        error = np.abs(actual - expected).max() / np.abs(expected).max()
+        assert error <= 8 * eps, f"{name}: {error:.2e} of the largest element (8 eps = {8 * eps:.2e})"
