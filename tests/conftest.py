@@ -1,10 +1,13 @@
-"""Hypothesis profiles and the backend parametrization every equivalence test shares.
+"""Hypothesis profiles, the backend parametrization every equivalence test shares, and the
+kernels' machine code (the ``machine_code`` fixture) that the GPU tests share.
 
 Profiles: "ci" (the default; fast, derandomized so CI is reproducible) and "dev"
 (many more examples): ``pytest --hypothesis-profile=dev`` or
 ``NPATTN_HYPOTHESIS_PROFILE=dev pytest``.
 """
 import os
+import platform
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -32,3 +35,46 @@ def backend_params(names=None):
 NUMPY_BACKENDS = backend_params(["reference", "cpu"])
 # Backends held against the reference (the reference itself is compared with the loop oracle).
 KERNEL_BACKENDS = backend_params(["cpu"])
+
+
+# ---- the kernels' machine code, compiled once per session -----------------------------------
+
+# where the nvidia-cuda-nvrtc-cu12, -cuobjdump and -nvdisasm wheels exist (setup.cfg's test
+# extra installs them there), the checks that need them must run, not skip
+NVIDIA_WHEEL_PLATFORM = sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
+
+
+def nvrtc_or_skip():
+    """Skip where no NVRTC wheel exists; fail where the test extra should have installed it."""
+    from npattn.gpu import nvrtc
+
+    if nvrtc.nvrtc_library_path() is None:
+        if NVIDIA_WHEEL_PLATFORM:
+            pytest.fail("NVRTC is missing: the test extra installs nvidia-cuda-nvrtc-cu12")
+        pytest.skip("no NVRTC wheel for this platform")
+
+
+def compiled_names() -> tuple[str, ...]:
+    """Every name expression, then any kernel the machine-code checks name besides."""
+    from npattn.gpu import sources
+
+    checked = getattr(sources, "MACHINE_CODE_CHECKED", ())
+    return tuple(dict.fromkeys((*sources.name_expressions(), *checked)))
+
+
+@pytest.fixture(scope="session")
+def machine_code():
+    """``{architecture: (cubin, {name expression: symbol})}`` for every architecture CI
+    targets and every name of :func:`compiled_names`. The compile takes minutes on 2 cores,
+    so tests/test_gpu.py (it compiles) and tests/test_gpu_machine_code.py (what it
+    compiles to) share this one. The architectures compile side by side: NVRTC runs
+    without the GIL."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from npattn.gpu import nvrtc, sources
+
+    nvrtc_or_skip()
+    names = compiled_names()
+    with ThreadPoolExecutor(len(sources.ARCHITECTURES)) as pool:
+        results = pool.map(lambda architecture: nvrtc.compile_cubin(architecture, names), sources.ARCHITECTURES)
+        return dict(zip(sources.ARCHITECTURES, results))

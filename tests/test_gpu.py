@@ -5,7 +5,6 @@ with the same bits on every run.
 """
 from __future__ import annotations
 
-import platform
 import sys
 from dataclasses import dataclass
 
@@ -18,12 +17,10 @@ import npattn
 from npattn.gpu import launch, sources
 from npattn.kernel_params import Int, Real
 
-from conftest import backend_params
+from conftest import backend_params, nvrtc_or_skip
 from strategies import Case, Dims, cases, to_layout
 from test_backend_equivalence import check_backward, check_forward
 
-# where the nvidia-cuda-nvrtc-cu12 wheel exists, the compile check must run, not skip
-_NVRTC_WHEEL_PLATFORM = sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
 # sm_80's largest opt-in block of shared memory (163 KiB); sm_90 allows 227 KiB
 _SM80_SHARED_BYTES = 163 * 1024
 
@@ -31,30 +28,20 @@ GPU = backend_params(["gpu"])
 layouts = st.sampled_from(["bhsd", "bshd"])
 
 
-def _nvrtc_or_skip():
-    if sources.nvrtc_library_path() is None:
-        if _NVRTC_WHEEL_PLATFORM:
-            pytest.fail("NVRTC is missing: the test extra installs nvidia-cuda-nvrtc-cu12")
-        pytest.skip("no NVRTC wheel for this platform")
-
-
 # ---- without a GPU ------------------------------------------------------------------------
 
-def test_every_kernel_instantiation_compiles_for_every_architecture():
-    """sm_80 and sm_90 side by side: NVRTC releases the GIL, so the two compiles share the
-    cores (about a minute each on the project's 2-core machine)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    _nvrtc_or_skip()
-    with ThreadPoolExecutor(len(sources.ARCHITECTURES)) as pool:
-        results = dict(zip(sources.ARCHITECTURES, pool.map(sources.check_compiles, sources.ARCHITECTURES)))
-    for architecture, lowered in results.items():
-        assert set(lowered) == set(sources.name_expressions()), architecture
+def test_every_kernel_instantiation_compiles_for_every_architecture(machine_code):
+    """sm_80 and sm_90, compiled side by side once per session by conftest's
+    ``machine_code`` fixture (tests/test_gpu_machine_code.py reads the same cubins)."""
+    assert set(machine_code) == set(sources.ARCHITECTURES)
+    for architecture, (cubin, lowered) in machine_code.items():
+        assert cubin, architecture
+        assert set(sources.name_expressions()) <= set(lowered), architecture
         assert len(set(lowered.values())) == len(lowered), f"{architecture}: two instantiations share a symbol"
 
 
 def test_the_compile_check_fails_on_a_bad_instantiation():
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     with pytest.raises(sources.CompileError, match="forward_kernel"):
         # Storage<int> has no definition: the template cannot be instantiated
         sources.check_compiles("sm_80", names=["forward_kernel<int, float, 64, 32>"])

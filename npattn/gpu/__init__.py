@@ -1,9 +1,10 @@
 """GPU backend: CuPy ``RawModule`` CUDA kernels compiled from the package's .cu files.
 
-Modules: :mod:`.sources` (the CUDA translation unit, every instantiation, and an
-NVRTC compile check that needs no GPU), :mod:`.launch` (CuPy modules per device and
-dtype, shared-memory sizes, one launch) and :mod:`.driver` (operands, outputs,
-gradients). The kernels (``common.cuh``, ``forward.cu``, ``backward.cu``) are
+Modules: :mod:`.sources` (the CUDA translation unit and every instantiation),
+:mod:`.nvrtc` (compiling it to machine code with no GPU), :mod:`.sass` (reading that
+machine code: spills, tensor-core instructions), :mod:`.launch` (CuPy modules per
+device and dtype, shared-memory sizes, one launch) and :mod:`.driver` (operands,
+outputs, gradients). The kernels (``common.cuh``, ``forward.cu``, ``backward.cu``) are
 FlashAttention-2 style, SIMT with float32 accumulation (float64 for float64), every
 option of :func:`npattn.attention` fused, a deterministic backward, head dims up to
 256. Importing this package imports nothing but the standard library; CuPy is

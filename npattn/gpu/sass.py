@@ -1,0 +1,182 @@
+"""Reading the kernels' machine code without a GPU: resources and SASS of a cubin.
+
+A cubin from :func:`npattn.gpu.nvrtc.compile_cubin` is read with NVIDIA's own tools,
+``cuobjdump`` (resource usage) and ``nvdisasm`` (SASS), shipped by the PyPI wheels
+``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm``. This is how CI holds the fast
+kernels to what makes them fast without running them: no register spills (stack or
+local memory, ``LDL``/``STL``), and tensor-core math fed the way it should be
+(``HMMA``, ``LDSM`` = ldmatrix, ``LDGSTS`` = cp.async), per :func:`check_fast_kernel`.
+
+Imports nothing but the standard library; the tools run as subprocesses.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+# what a tensor-core kernel's SASS must contain, and what its absence means
+FAST_KERNEL_OPCODES = {
+    "HMMA": "no HMMA: the matrix products are not on tensor cores",
+    "LDSM": "no LDSM: mma operands are not loaded from shared memory with ldmatrix",
+    "LDGSTS": "no LDGSTS: tiles are not copied global->shared with cp.async",
+}
+# local-memory loads and stores: what a register spill (or a dynamically indexed array) costs
+SPILL_OPCODES = ("LDL", "STL")
+
+# "Function _Z...:" then "REG:40 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:536 ..."
+_FUNCTION = re.compile(r"^\s*Function\s+(\S+?):\s*$")
+_FIELD = re.compile(r"([A-Z]+(?:\[\d+\])?):(\d+)")
+# nvdisasm: "//------ .text.SYMBOL ------"; cuobjdump -sass: "Function : SYMBOL"
+_SECTION = re.compile(r"^//-+\s+\.text\.(\S+)\s+-+\s*$|^\s*Function\s*:\s*(\S+)\s*$")
+# "/*0a40*/  @!P0 LDSM.16.MT88.4 R4, [R2] ;": address, optional predicate, mnemonic
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+
+
+class ToolMissing(RuntimeError):
+    """cuobjdump or nvdisasm is not installed."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One function's resources as cuobjdump reports them (bytes, except registers)."""
+
+    registers: int
+    stack: int
+    local: int
+    shared: int
+
+
+def tool_path(name: str) -> str | None:
+    """The executable ``name`` ("cuobjdump" or "nvdisasm"): from a wheel under the
+    ``nvidia`` namespace package (``nvidia/cu13/bin`` today, ``nvidia/cuda_<tool>/bin``
+    in older layouts), else ``CUDA_PATH``/``CUDA_HOME``/bin, else PATH; None if absent."""
+    candidates = []
+    spec = importlib.util.find_spec("nvidia")
+    if spec is not None and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            candidates += sorted(glob.glob(os.path.join(root, "*", "bin", name)))
+    for variable in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(variable):
+            candidates.append(os.path.join(os.environ[variable], "bin", name))
+    candidates.append(shutil.which(name) or "")
+    usable = [path for path in candidates if os.path.isfile(path) and os.access(path, os.X_OK)]
+    return usable[0] if usable else None
+
+
+def _required(tool: str) -> str:
+    path = tool_path(tool)
+    if path is None:
+        raise ToolMissing(f"no {tool} found: pip install nvidia-cuda-{tool}")
+    return path
+
+
+def _run(tool: str, arguments: list[str], cubin: bytes) -> str:
+    """``tool``'s standard output on ``cubin``, written to a temporary file: the tools
+    read files only."""
+    path = _required(tool)
+    # cuobjdump --dump-sass runs nvdisasm, looking beside itself and on PATH: the wheels'
+    # nvdisasm may be in neither when the two come from different places
+    environment = dict(os.environ)
+    nvdisasm = tool_path("nvdisasm")
+    if nvdisasm is not None:
+        environment["PATH"] = os.pathsep.join(filter(None, (os.path.dirname(nvdisasm), environment.get("PATH"))))
+    with tempfile.TemporaryDirectory() as directory:
+        file = os.path.join(directory, "kernels.cubin")
+        with open(file, "wb") as stream:
+            stream.write(cubin)
+        done = subprocess.run([path, *arguments, file], capture_output=True, text=True, env=environment)
+    if done.returncode != 0:
+        raise RuntimeError(f"{tool} {' '.join(arguments)} failed ({done.returncode}):\n{done.stderr}")
+    return done.stdout
+
+
+def parse_resource_usage(text: str) -> dict[str, Usage]:
+    """Each function's :class:`Usage` from ``cuobjdump --dump-resource-usage`` output."""
+    usage, function = {}, None
+    for line in text.splitlines():
+        header = _FUNCTION.match(line)
+        if header:
+            function = header.group(1)
+            continue
+        fields = dict(_FIELD.findall(line))
+        if function is not None and "REG" in fields:
+            usage[function] = Usage(registers=int(fields["REG"]), stack=int(fields.get("STACK", 0)),
+                                    local=int(fields.get("LOCAL", 0)), shared=int(fields.get("SHARED", 0)))
+            function = None
+    return usage
+
+
+def resource_usage(cubin: bytes) -> dict[str, Usage]:
+    """Each function's registers, stack, local and static shared memory, by symbol."""
+    return parse_resource_usage(_run("cuobjdump", ["--dump-resource-usage"], cubin))
+
+
+def split_functions(text: str) -> dict[str, str]:
+    """The SASS of each function in nvdisasm (or ``cuobjdump -sass``) output, by symbol."""
+    functions, symbol, lines = {}, None, []
+    for line in text.splitlines():
+        header = _SECTION.match(line)
+        if header:
+            if symbol is not None:
+                functions[symbol] = "\n".join(lines)
+            symbol, lines = header.group(1) or header.group(2), []
+        elif symbol is not None:
+            lines.append(line)
+    if symbol is not None:
+        functions[symbol] = "\n".join(lines)
+    return functions
+
+
+def disassemble(cubin: bytes, symbols=None) -> dict[str, str]:
+    """Each function's SASS text, by symbol; only those of ``symbols`` when given, which
+    is faster (nvdisasm takes several seconds for a cubin of every instantiation).
+    Needs nvdisasm, and cuobjdump too for ``symbols``."""
+    _required("nvdisasm")
+    if symbols is None:
+        return split_functions(_run("nvdisasm", ["--print-code"], cubin))
+    # cuobjdump picks functions by name (nvdisasm only by symbol-table index), then
+    # disassembles them with nvdisasm
+    symbols = tuple(dict.fromkeys(symbols))
+    functions = split_functions(_run("cuobjdump", ["--dump-sass", "--function", ",".join(symbols)], cubin))
+    missing = [symbol for symbol in symbols if symbol not in functions]
+    if missing:
+        raise KeyError(f"no function {', '.join(missing)} in the cubin")
+    return functions
+
+
+def opcodes(sass_text: str, full: bool = False) -> collections.Counter:
+    """How often each mnemonic occurs in ``sass_text``: by its base ("LDSM" for
+    "LDSM.16.MT88.4"), or with ``full`` by the whole mnemonic with its suffixes.
+    Predicates ("@P0", "@!PT") are not part of it."""
+    counter = collections.Counter()
+    for match in _INSTRUCTION.finditer(sass_text):
+        mnemonic = match.group(1)
+        counter[mnemonic if full else mnemonic.split(".", 1)[0]] += 1
+    return counter
+
+
+def spill_evidence(usage: Usage, counter: collections.Counter) -> list[str]:
+    """What says a function keeps data in local memory: a stack frame, local memory, or
+    LDL/STL instructions (each one a round trip to L1/L2 that registers would avoid)."""
+    problems = []
+    if usage.stack:
+        problems.append(f"{usage.stack} bytes of stack")
+    if usage.local:
+        problems.append(f"{usage.local} bytes of local memory")
+    problems += [f"{counter[opcode]} {opcode}" for opcode in SPILL_OPCODES if counter[opcode]]
+    return problems
+
+
+def check_fast_kernel(usage: Usage, opcode_counter: collections.Counter) -> list[str]:
+    """Every reason a tensor-core kernel is not built the fast way, in words; empty when
+    it has no spill and its SASS has each of :data:`FAST_KERNEL_OPCODES`."""
+    problems = spill_evidence(usage, opcode_counter)
+    problems += [why for opcode, why in FAST_KERNEL_OPCODES.items() if not opcode_counter[opcode]]
+    return problems

@@ -1,0 +1,231 @@
+"""The tensor-core kernels' machine code, read without a GPU: NVRTC's cubins (conftest's
+``machine_code`` fixture, shared with tests/test_gpu.py) through cuobjdump and nvdisasm
+(:mod:`npattn.gpu.sass`). What makes a FlashAttention-style kernel fast shows in its
+SASS before it ever runs: no register spills, and mma (HMMA) fed by ldmatrix (LDSM)
+from tiles that cp.async (LDGSTS) copied into shared memory. The checks are shown to
+fail, too: on a kernel that spills, on a SIMT kernel, and on canned tool output.
+"""
+from __future__ import annotations
+
+import collections
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from npattn.gpu import nvrtc, sass, sources
+
+from conftest import NVIDIA_WHEEL_PLATFORM, nvrtc_or_skip
+
+# a SIMT kernel: one multiply-add per product term, no tensor cores
+SIMT_KERNEL = "dkdv_kernel<float, float, 64>"
+
+# two kernels the checks must tell apart: one spills (a per-thread array indexed by a loaded
+# value cannot live in registers), one is built the fast way (cp.async, ldmatrix, mma)
+SMALL_KERNELS = r'''
+template <int N>
+__global__ void spilling_kernel(float* out, const int* index) {
+    float scratch[N];
+    for (int i = 0; i < N; ++i) scratch[i] = out[i] * i;
+    out[threadIdx.x] = scratch[index[threadIdx.x] % N];
+}
+
+// one warp: a 16x16 half tile into shared memory with cp.async, ldmatrix, one mma
+__global__ void tensor_core_kernel(const unsigned short* in, float* out) {
+    __shared__ __align__(128) unsigned short tile[16 * 16];
+    unsigned lane = threadIdx.x % 32;
+    unsigned to = (unsigned)__cvta_generic_to_shared(tile + lane * 8);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(to), "l"(in + lane * 8));
+    asm volatile("cp.async.wait_all;\n" ::);
+    __syncwarp();
+    unsigned row = (unsigned)__cvta_generic_to_shared(tile + (lane % 16) * 16 + (lane / 16) * 8);
+    unsigned a0, a1, a2, a3;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(row));
+    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(a0), "r"(a2));
+    reinterpret_cast<float4*>(out)[lane] = make_float4(c0, c1, c2, c3);
+}
+'''
+SMALL_NAMES = ("spilling_kernel<256>", "tensor_core_kernel")
+
+
+def checked_names() -> tuple[str, ...]:
+    """``sources.MACHINE_CODE_CHECKED`` where sources names the kernels to hold to the
+    fast-kernel check, else every tensor-core instantiation."""
+    if hasattr(sources, "MACHINE_CODE_CHECKED"):
+        return tuple(sources.MACHINE_CODE_CHECKED)
+    return tuple(name for name in sources.name_expressions() if "_tc_kernel" in name)
+
+
+def tools_or_skip():
+    """Skip where the wheels do not exist; fail where the test extra should have
+    installed them."""
+    nvrtc_or_skip()
+    missing = [tool for tool in ("cuobjdump", "nvdisasm") if sass.tool_path(tool) is None]
+    if missing:
+        if NVIDIA_WHEEL_PLATFORM:
+            pytest.fail(f"{' and '.join(missing)} missing: the test extra installs "
+                        "nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm")
+        pytest.skip(f"no {' or '.join(missing)} wheel for this platform")
+
+
+def read(cubin: bytes, lowered: dict[str, str]) -> dict[str, tuple[sass.Usage, collections.Counter]]:
+    """Each named kernel's resources and opcode counts."""
+    usage, code = sass.resource_usage(cubin), sass.disassemble(cubin, lowered.values())
+    return {name: (usage[symbol], sass.opcodes(code[symbol])) for name, symbol in lowered.items()}
+
+
+@pytest.fixture(scope="module")
+def kernels(request):
+    """``{architecture: {name: (Usage, opcode Counter)}}`` for the checked kernels and
+    :data:`SIMT_KERNEL`; the architectures are disassembled side by side."""
+    tools_or_skip()  # before the minutes of compiling, so a missing tool fails at once
+    machine_code = request.getfixturevalue("machine_code")
+    names = (*checked_names(), SIMT_KERNEL)
+
+    def inspect(architecture):
+        cubin, lowered = machine_code[architecture]
+        return read(cubin, {name: lowered[name] for name in names})
+
+    with ThreadPoolExecutor(len(machine_code)) as pool:
+        return dict(zip(machine_code, pool.map(inspect, machine_code)))
+
+
+# ---- the kernels ----------------------------------------------------------------------------
+
+def test_the_tensor_core_kernels_do_not_spill_and_use_ldmatrix_cp_async_and_mma(kernels):
+    """Every problem of every checked kernel on every architecture, in one message."""
+    assert checked_names(), "no kernel is named for the machine-code check"
+    failures = []
+    for architecture, inspected in kernels.items():
+        for name in checked_names():
+            usage, counter = inspected[name]
+            problems = sass.check_fast_kernel(usage, counter)
+            if problems:
+                failures.append(f"{architecture} {name} ({usage.registers} registers): {'; '.join(problems)}")
+    assert not failures, f"{len(failures)} kernels are not built the fast way:\n" + "\n".join(failures)
+
+
+def test_a_simt_kernel_fails_the_fast_kernel_check(kernels):
+    for architecture, inspected in kernels.items():
+        usage, counter = inspected[SIMT_KERNEL]
+        assert counter["FFMA"], architecture
+        assert not counter["LDSM"] and not counter["HMMA"], architecture
+        problems = sass.check_fast_kernel(usage, counter)
+        for opcode in sass.FAST_KERNEL_OPCODES:
+            assert sass.FAST_KERNEL_OPCODES[opcode] in problems, (architecture, opcode)
+
+
+@pytest.fixture(scope="module")
+def small_kernels():
+    """``{architecture: {name: (Usage, Counter)}}`` of :data:`SMALL_KERNELS`: a second each."""
+    tools_or_skip()
+    with ThreadPoolExecutor(len(sources.ARCHITECTURES)) as pool:
+        compiled = pool.map(lambda architecture: nvrtc.compile_cubin(architecture, SMALL_NAMES, SMALL_KERNELS),
+                            sources.ARCHITECTURES)
+        return {architecture: read(*result) for architecture, result in zip(sources.ARCHITECTURES, compiled)}
+
+
+@pytest.mark.parametrize("architecture", sources.ARCHITECTURES)
+def test_a_spilling_kernel_is_caught(small_kernels, architecture):
+    usage, counter = small_kernels[architecture]["spilling_kernel<256>"]
+    assert usage.stack >= 256 * 4
+    assert counter["STL"] and counter["LDL"]
+    evidence = sass.spill_evidence(usage, counter)
+    assert f"{usage.stack} bytes of stack" in evidence and f"{counter['STL']} STL" in evidence
+    assert set(evidence) <= set(sass.check_fast_kernel(usage, counter))
+
+
+@pytest.mark.parametrize("architecture", sources.ARCHITECTURES)
+def test_a_kernel_built_the_fast_way_passes(small_kernels, architecture):
+    usage, counter = small_kernels[architecture]["tensor_core_kernel"]
+    assert sass.check_fast_kernel(usage, counter) == []
+    assert usage.shared >= 16 * 16 * 2
+
+
+def test_a_selection_disassembles_as_the_whole_cubin_does():
+    tools_or_skip()
+    cubin, lowered = nvrtc.compile_cubin("sm_80", SMALL_NAMES, SMALL_KERNELS)
+    whole = sass.disassemble(cubin)
+    for symbol in lowered.values():
+        assert sass.disassemble(cubin, [symbol]).keys() == {symbol}
+        assert sass.opcodes(sass.disassemble(cubin, [symbol])[symbol]) == sass.opcodes(whole[symbol])
+    with pytest.raises(KeyError, match="no function absent"):
+        sass.disassemble(cubin, ["absent"])
+
+
+# ---- the parsers, on canned tool output (no tool needed) ------------------------------------
+
+NVDISASM = """\
+\t.headerflags\t@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+
+//--------------------- .text._Z3onePf     --------------------------
+\t.section\t.text._Z3onePf,"ax",@progbits
+_Z3onePf:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 LDSM.16.MT88.4 R4, [R2] ;
+        /*0020*/               @P1 LDSM.16.M88.4 R8, [R2+0x200] ;
+        /*0030*/                   HMMA.16816.F32.BF16 R12, R4, R8, R12 ;
+.L_x_0:
+        /*0040*/               @PT STL.128 [R1], R12 ;
+        /*0050*/                   EXIT ;
+
+//--------------------- .text.two         --------------------------
+\t.section\t.text.two,"ax",@progbits
+two:
+        /*0000*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64] ;
+        /*0010*/                   EXIT ;
+"""
+CUOBJDUMP_SASS = """\
+\tcode for sm_80
+\t\tFunction : two
+\t.headerflags\t@"EF_CUDA_SM80 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM80)"
+        /*0000*/                   LDL.64 R2, [R1+0x8] ;                  /* 0x0000080001027983 */
+                                                                          /* 0x000ea20000100a00 */
+        /*0010*/                   EXIT ;                                 /* 0x000000000000794d */
+                                                                          /* 0x000fea0003800000 */
+"""
+RESOURCE_USAGE = """\
+
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function _Z3onePf:
+  REG:250 STACK:512 SHARED:1024 LOCAL:0 CONSTANT[0]:600 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function two:
+  REG:16 STACK:0 SHARED:0 LOCAL:8 CONSTANT[0]:536 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+
+def test_opcodes_are_counted_by_base_mnemonic_past_predicates():
+    functions = sass.split_functions(NVDISASM)
+    assert set(functions) == {"_Z3onePf", "two"}
+    one = sass.opcodes(functions["_Z3onePf"])
+    assert one == collections.Counter({"LDC": 1, "LDSM": 2, "HMMA": 1, "STL": 1, "EXIT": 1})
+    full = sass.opcodes(functions["_Z3onePf"], full=True)
+    assert full["LDSM.16.MT88.4"] == 1 and full["LDSM.16.M88.4"] == 1 and full["HMMA.16816.F32.BF16"] == 1
+    assert sass.opcodes(functions["two"]) == collections.Counter({"LDGSTS": 1, "EXIT": 1})
+
+
+def test_cuobjdump_sass_splits_like_nvdisasm():
+    functions = sass.split_functions(CUOBJDUMP_SASS)
+    # the encodings in comments beside each instruction are not instructions
+    assert sass.opcodes(functions["two"]) == collections.Counter({"LDL": 1, "EXIT": 1})
+
+
+def test_resource_usage_is_read_per_function():
+    usage = sass.parse_resource_usage(RESOURCE_USAGE)
+    assert usage == {"_Z3onePf": sass.Usage(registers=250, stack=512, local=0, shared=1024),
+                     "two": sass.Usage(registers=16, stack=0, local=8, shared=0)}
+
+
+def test_every_problem_is_named():
+    one = sass.opcodes(sass.split_functions(NVDISASM)["_Z3onePf"])
+    problems = sass.check_fast_kernel(sass.Usage(registers=250, stack=512, local=8, shared=0), one)
+    assert problems == ["512 bytes of stack", "8 bytes of local memory", "1 STL",
+                        sass.FAST_KERNEL_OPCODES["LDGSTS"]]
+    clean = collections.Counter({"HMMA": 4, "LDSM": 2, "LDGSTS": 1})
+    assert sass.check_fast_kernel(sass.Usage(registers=128, stack=0, local=0, shared=0), clean) == []
