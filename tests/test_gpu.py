@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import npattn
 from npattn.gpu import launch, sources
+from npattn.gpu.options import ALL, Option, describe, options_of
 from npattn.kernel_params import Int, Real
 
 from conftest import backend_params, nvrtc_or_skip
@@ -54,8 +55,17 @@ def test_every_dtype_and_kind_has_instantiations():
         forward = sources.forward_kind(dtype_name)
         assert forward == ("forward_tc" if dtype_name in ("float16", "bfloat16") else "forward")
         for bound in sources.HEAD_DIM_BOUNDS:
-            for kind in (forward, "dkdv", "dq"):
+            for kind in ("dkdv", "dq"):
                 assert sources.kernel_name(kind, dtype_name, bound) in names
+            if forward == "forward":
+                assert sources.kernel_name(forward, dtype_name, bound) in names
+                continue
+            # the tensor-core forward: every tile shape the driver picks, plain and fully optioned
+            for rows in (1, 16, 17, 64, 65, 4096):
+                warps, block_k = sources.forward_tc_config(rows, bound)
+                for options in (0, ALL):
+                    assert sources.kernel_name(forward, dtype_name, bound, warps=warps, block_k=block_k,
+                                               options=options) in names
         for kind in ("combine", "weights", "dbias"):
             assert sources.kernel_name(kind, dtype_name) in names
 
@@ -87,12 +97,47 @@ def test_shared_memory_fits_an_sm80_block_at_the_widest_heads(dtype):
     assert launch.backward_shared_bytes(widest, widest, dtype) <= _SM80_SHARED_BYTES
 
 
-def test_tensor_core_shared_memory_fits_an_sm80_block_at_the_widest_heads():
+@pytest.mark.parametrize("rows", [1, 64, 65])
+def test_tensor_core_shared_memory_fits_an_sm80_block_at_the_widest_heads(rows):
     widest = sources.MAX_HEAD_DIM
-    assert launch.forward_tc_shared_bytes(widest, widest) <= _SM80_SHARED_BYTES
-    # head dims round up to whole mma tiles: 16 for D, 8 for Dv
-    assert launch.forward_tc_shared_bytes(17, 8) == launch.forward_tc_shared_bytes(32, 8)
-    assert launch.forward_tc_shared_bytes(16, 9) == launch.forward_tc_shared_bytes(16, 16)
+    for bound in sources.HEAD_DIM_BOUNDS:
+        warps, block_k = sources.forward_tc_config(rows, bound)
+        assert launch.forward_tc_shared_bytes(bound, bound, warps, block_k) <= _SM80_SHARED_BYTES
+    warps, block_k = sources.forward_tc_config(rows, widest)
+    # swizzled rows hold a multiple of 64 values; the output tile reuses the same bytes
+    assert launch.forward_tc_shared_bytes(17, 8, 4, 64) == launch.forward_tc_shared_bytes(64, 64, 4, 64)
+    assert launch.forward_tc_shared_bytes(16, 256, 8, 64) == 2 * 128 * 256  # the staged output is larger
+
+
+def test_tensor_core_forward_tiles_follow_the_packed_rows():
+    assert sources.forward_tc_config(1, 128) == (1, 64)       # a decode step's GQA group
+    assert sources.forward_tc_config(64, 128) == (4, 64)
+    assert sources.forward_tc_config(4096, 128) == (8, 64)
+    assert sources.forward_tc_config(4096, 256) == (4, 32)    # accumulators of 256 columns
+
+
+def test_options_name_what_a_call_needs():
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(1, 2, 4, 8)).astype(np.float16)
+    from npattn.validation import build_problem
+
+    def needed(**options):
+        return options_of(build_problem(q, q, q, **options), (q, q, q))
+
+    assert needed() == Option(0)
+    assert needed(causal=True) == Option.BAND
+    assert needed(window=2) == Option.BAND
+    assert needed(kv_lengths=np.array([3])) == Option.BAND
+    assert needed(q_lengths=np.array([3])) == Option(0)  # rows past it are never computed
+    assert needed(bias=np.zeros((4, 4))) == Option.BIAS
+    assert needed(mask=np.ones((4, 4), bool), softcap=2.0) == Option.MASK | Option.SOFTCAP
+    assert needed(dropout_p=0.1, seed=1) == Option.DROPOUT
+    assert needed(alibi_slopes=np.ones(2), sink_logits=np.zeros(2)) == Option.ALIBI | Option.SINK
+    odd = rng.normal(size=(1, 2, 4, 12)).astype(np.float16)
+    assert options_of(build_problem(odd, odd, odd), (odd, odd, odd)) == Option.UNALIGNED
+    sliced = q[..., 1:7]  # rows that start 2 bytes into a 16-byte line
+    assert options_of(build_problem(q, q, q), (sliced, q, q)) & Option.UNALIGNED
+    assert describe(Option.BIAS | Option.BAND) == "BIAS|BAND" and describe(0) == "none"
 
 
 def test_tensor_core_backward_fits_an_sm80_block_and_is_routed_by_dtype_and_width():
@@ -214,3 +259,24 @@ def test_gpu_is_what_auto_picks_for_cupy(backend):
     auto = cupy.asnumpy(npattn.attention(q, q, q))
     named = cupy.asnumpy(npattn.attention(q, q, q, backend="gpu"))
     np.testing.assert_array_equal(auto, named)
+
+
+def test_compiled_kernels_are_kept_on_disk_per_instantiation(tmp_path, monkeypatch):
+    """A second process (here: a second call) reads the cubin and its mangled symbol
+    instead of compiling; another instantiation or architecture gets its own file."""
+    from npattn.gpu import kernel_cache, nvrtc
+
+    nvrtc_or_skip()
+    monkeypatch.setenv("NPATTN_CACHE_DIR", str(tmp_path))
+    name = sources.kernel_name("combine", "float32")
+    path, symbol = kernel_cache.cubin("sm_80", name)
+    assert path.parent == tmp_path and path.read_bytes()
+    assert symbol == nvrtc.check_compiles("sm_80", [name])[name]
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again instead of reading the cache")
+
+    monkeypatch.setattr(nvrtc, "compile_cubin", no_compiling)
+    assert kernel_cache.cubin("sm_80", name) == (path, symbol)
+    assert kernel_cache.key("sm_90", name) != kernel_cache.key("sm_80", name)
+    assert kernel_cache.key("sm_80", sources.kernel_name("combine", "float64")) != kernel_cache.key("sm_80", name)

@@ -156,10 +156,13 @@ def name_expressions() -> tuple[str, ...]:
 
 # The kernels whose machine code CI reads (tests/test_gpu_machine_code.py): no spill, and
 # ldmatrix (LDSM), cp.async (LDGSTS) and mma (HMMA) present: the tensor-core forward at
-# every tile shape of 64- and 128-wide heads, plain and with every option.
-MACHINE_CODE_CHECKED = tuple(name for dtype_name in TENSOR_CORE_STORAGE for bound in (64, 128)
-                             for name in forward_tc_names(dtype_name, bound)
-                             if not name.endswith(f", {int(_EVERY_OPTION)}u>"))
+# every tile shape of 64- and 128-wide heads, plain and with every option, and the
+# tensor-core backward. (256-wide heads with every option spill a few registers.)
+MACHINE_CODE_CHECKED = tuple(
+    [name for dtype_name in TENSOR_CORE_STORAGE for bound in (64, 128)
+     for name in forward_tc_names(dtype_name, bound) if not name.endswith(f", {int(_EVERY_OPTION)}u>")]
+    + [kernel_name(kind, dtype_name, bound) for dtype_name in TENSOR_CORE_STORAGE for kind in ("dkdv_tc", "dq_tc")
+       for bound in TENSOR_CORE_BACKWARD_BOUNDS])
 
 
 def backward_kinds(dtype_name: str, bound: int) -> tuple[str, str]:
