@@ -17,6 +17,12 @@ from .dropout import keep_threshold
 from .masks import Visibility
 
 
+def accumulate_dtype_of(dtype) -> np.dtype:
+    """The dtype the kernels compute in for inputs of ``dtype``: float64 stays float64;
+    float32, float16 and bfloat16 compute in float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
 @dataclass(frozen=True)
 class AttentionProblem:
     """Shapes, in bhsd order: q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv).
@@ -86,7 +92,7 @@ class AttentionProblem:
     @property
     def accumulate_dtype(self):
         """float64 for float64 inputs, float32 for float32/float16/bfloat16."""
-        return np.dtype(np.float64) if self.q.dtype == np.float64 else np.dtype(np.float32)
+        return accumulate_dtype_of(self.q.dtype)
 
     @property
     def dropout_threshold(self) -> int:

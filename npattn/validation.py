@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _arrays
 from .masks import Visibility
-from .problem import AttentionProblem
+from .problem import AttentionProblem, accumulate_dtype_of
 
 LAYOUTS = ("bhsd", "bshd")
 FLOAT_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
@@ -44,21 +44,26 @@ def build_problem(q, k, v, *, causal=False, window=None, sinks=0, sink_logits=No
     kv_len = k.shape[2]
     target = (batch, heads, q_len, kv_len)
 
-    visibility = Visibility.from_options(_check_bool("causal", causal), _check_window(window),
-                                         _check_count("sinks", sinks))
+    # Bounds past every distance in the problem mean "no bound": clamping them keeps the
+    # kernels' int64 (and the GPU's int32) positions from overflowing.
+    reach = q_len + kv_len
+    visibility = Visibility.from_options(_check_bool("causal", causal), _check_window(window, reach),
+                                         min(_check_count("sinks", sinks), kv_len))
     dropout_p = _check_dropout_p(dropout_p)
+    compute = accumulate_dtype_of(q.dtype)
     return AttentionProblem(
         xp=xp, q=q, k=k, v=v, layout=layout,
-        scale=_check_scale(scale, head_dim),
+        scale=_check_scale(scale, head_dim, compute),
         visibility=visibility,
-        sink_logits=_check_vector("sink_logits", sink_logits, q, (heads,), "(H,)"),
+        sink_logits=_check_finite_values(
+            "sink_logits", _check_vector("sink_logits", sink_logits, q, (heads,), "(H,)"), compute),
         mask=_check_broadcastable("mask", mask, q, target, want_bool=True),
         bias=_check_broadcastable("bias", bias, q, target, want_bool=False),
         bias_shape=None if bias is None else tuple(np.shape(bias)),
-        alibi_slopes=_check_alibi(alibi_slopes, q, batch, heads),
+        alibi_slopes=_check_alibi(alibi_slopes, q, batch, heads, reach, compute),
         q_lengths=_check_lengths("q_lengths", q_lengths, q, batch, q_len, "Sq"),
         kv_lengths=_check_lengths("kv_lengths", kv_lengths, q, batch, kv_len, "Sk"),
-        softcap=_check_softcap(softcap),
+        softcap=_check_softcap(softcap, compute),
         dropout_p=dropout_p,
         seed=_check_seed(seed, dropout_p),
         return_lse=_check_bool("return_lse", return_lse),
@@ -82,11 +87,28 @@ def _check_layout(layout):
     return layout
 
 
+def _as_array(name, value):
+    """``value`` itself if it is a NumPy or CuPy array, else ``np.asarray(value)``, with
+    NumPy's complaint about a ragged or odd array-like turned into one naming ``name``.
+    A NumPy array in the other byte order is copied once to the machine's, so every
+    backend, and every dtype comparison, sees native numbers."""
+    if _arrays.is_cupy(value):
+        return value
+    if not isinstance(value, np.ndarray):
+        try:
+            value = np.asarray(value)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{name} must be an array or a nested sequence of numbers of one shape, "
+                             f"got a {type(value).__name__} NumPy cannot read as one: {error}") from None
+    if not value.dtype.isnative:
+        value = value.astype(value.dtype.newbyteorder("="))
+    return value
+
+
 def _as_arrays(reference=None, **named):
     """NumPy/CuPy arrays for each named input; array-likes become NumPy arrays.
     All must be of one kind: the kind of ``reference`` when given, else the first's."""
-    arrays = [a if _arrays.is_cupy(a) or isinstance(a, np.ndarray) else np.asarray(a)
-              for a in named.values()]
+    arrays = [_as_array(name, a) for name, a in named.items()]
     first_name, first = next(iter(named)), arrays[0]
     if reference is not None:
         first_name, first = "q", reference
@@ -142,24 +164,25 @@ def _check_count(name, value):
     return int(value)
 
 
-def _check_window(window):
-    """None, an int w >= 0, or a (left, right) pair of ints >= 0 or None."""
+def _check_window(window, reach):
+    """None, an int w >= 0, or a (left, right) pair of ints >= 0 or None; bounds above
+    ``reach`` (Sq + Sk, beyond any query-key distance) become ``reach``."""
     if window is None:
         return None
     if isinstance(window, (tuple, list)):
         if len(window) != 2:
             raise ValueError(f"window must be None, an int or a (left, right) pair, got {window!r}")
-        bounds = tuple(None if w is None else _window_bound(w, window) for w in window)
+        bounds = tuple(None if w is None else _window_bound(w, window, reach) for w in window)
         return bounds
-    return _window_bound(window, window)
+    return _window_bound(window, window, reach)
 
 
-def _window_bound(bound, window):
+def _window_bound(bound, window, reach):
     if isinstance(bound, (bool, np.bool_)) or not isinstance(bound, Integral):
         raise TypeError(f"window must be None, an int or a (left, right) pair of ints or None, got {window!r}")
     if bound < 0:
         raise ValueError(f"window must be non-negative, got {window!r}")
-    return int(bound)
+    return min(int(bound), reach)
 
 
 def _check_real(name, value):
@@ -170,17 +193,33 @@ def _check_real(name, value):
     return float(value)
 
 
-def _check_scale(scale, head_dim):
-    return 1.0 / math.sqrt(head_dim) if scale is None else _check_real("scale", scale)
+def _check_representable(name, value, compute):
+    """``value`` must keep its meaning in the ``compute`` dtype: not past its largest finite value."""
+    largest = float(np.finfo(compute).max)
+    if abs(value) > largest:
+        raise ValueError(f"{name} must be at most {largest:.4g} in magnitude for inputs computed in "
+                         f"{compute} (it would become infinite), got {value!r}")
+    return value
 
 
-def _check_softcap(softcap):
-    """None or 0 turn soft-capping off (0 as in FlashAttention); otherwise it must be positive."""
+def _check_scale(scale, head_dim, compute):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return _check_representable("scale", _check_real("scale", scale), compute)
+
+
+def _check_softcap(softcap, compute):
+    """None or 0 turn soft-capping off (0 as in FlashAttention); otherwise it must be positive
+    and a normal number of the ``compute`` dtype (scores are divided by it)."""
     if softcap is None:
         return None
-    softcap = _check_real("softcap", softcap)
+    softcap = _check_representable("softcap", _check_real("softcap", softcap), compute)
     if softcap < 0:
         raise ValueError(f"softcap must be positive (or None/0 for none), got {softcap}")
+    smallest = float(np.finfo(compute).tiny)
+    if 0 < softcap < smallest:
+        raise ValueError(f"softcap must be at least {smallest:.4g} for inputs computed in {compute} "
+                         f"(scores are divided by it), got {softcap!r}")
     return softcap or None
 
 
@@ -230,7 +269,24 @@ def _check_vector(name, array, q, shape, described):
     return array
 
 
-def _check_alibi(slopes, q, batch, heads):
+def _check_finite_values(name, array, compute, reach=1):
+    """Every element of ``array`` (None passes) finite, and times ``reach`` still finite in
+    the ``compute`` dtype; the error names the first offending element."""
+    if array is None:
+        return None
+    host = np.asarray(_arrays.to_numpy(array), np.float64)
+    largest = float(np.finfo(compute).max) / max(reach, 1)
+    bad = np.argwhere(~(np.abs(host) <= largest))  # catches NaN too
+    if bad.size:
+        where = tuple(int(i) for i in bad[0])
+        limit = f"finite in {compute}" if reach <= 1 else f"at most {largest:.4g} in magnitude (Sq + Sk = {reach} times it must stay finite in {compute})"
+        raise ValueError(f"{name} must be {limit}, got {name}[{', '.join(map(str, where))}] = {float(host[where])!r}")
+    return array
+
+
+def _check_alibi(slopes, q, batch, heads, reach, compute):
+    """(H,) or (B, H) slopes, broadcast to (B, H); each times the longest distance
+    (``reach`` = Sq + Sk) must stay finite in the ``compute`` dtype."""
     if slopes is None:
         return None
     (slopes,) = _as_arrays(alibi_slopes=slopes, reference=q)
@@ -238,6 +294,7 @@ def _check_alibi(slopes, q, batch, heads):
     if tuple(slopes.shape) not in ((heads,), (batch, heads)):
         raise ValueError(f"alibi_slopes must have shape (H,) = ({heads},) or (B, H) = ({batch}, {heads}), "
                          f"got {tuple(slopes.shape)}")
+    _check_finite_values("alibi_slopes", slopes, compute, reach)
     xp = _arrays.array_module(slopes)
     return xp.broadcast_to(slopes, (batch, heads))
 

@@ -14,6 +14,7 @@ import npattn
 from npattn.gpu.options import Option
 from strategies import Case, Dims, cases, dims
 from test_backend_equivalence import check_backward, check_forward, upcast
+from test_odd_views import DEVICE_VIEW_KINDS, check_odd_views, viewed_cases
 
 import gpu_emulation
 
@@ -58,6 +59,12 @@ def test_emulated_gpu_forward_over_many_tiles(case, layout):
 @given(case=cases(dtypes=ALL_DTYPES, dims_strategy=MANY_TILES), layout=layouts)
 def test_emulated_gpu_backward_over_many_tiles(case, layout):
     check_backward("gpu", case, layout)
+
+
+@FEWER
+@given(drawn=viewed_cases(DEVICE_VIEW_KINDS, dtypes=ALL_DTYPES))
+def test_emulated_gpu_reads_odd_views_as_their_contiguous_copies(drawn):
+    check_odd_views("gpu", *drawn)
 
 
 def uniform_case(batch, heads, kv_heads, q_len, kv_len, head_dim, value_dim, values_seed, dtype=np.float32,

@@ -71,6 +71,17 @@ BAD_INPUTS = [
     ("scale inf", replace(scale=float("inf")), ValueError, ["scale", "inf"]),
     ("scale string", replace(scale="0.5"), TypeError, ["scale"]),
     ("softcap negative", replace(softcap=-1.0), ValueError, ["softcap", "-1.0"]),
+    ("scale past float32", replace(scale=1e39), ValueError, ["scale", "float32", "1e+39"]),
+    ("softcap past float32", replace(softcap=1e39), ValueError, ["softcap", "float32", "1e+39"]),
+    ("softcap below float32's normals", replace(softcap=1e-40), ValueError, ["softcap", "float32", "1e-40"]),
+    ("alibi nan", replace(alibi_slopes=np.full(H, np.nan)), ValueError, ["alibi_slopes[0]", "nan"]),
+    ("alibi -inf", replace(alibi_slopes=np.r_[np.ones(H - 1), -np.inf]), ValueError, ["alibi_slopes[7]", "-inf"]),
+    ("alibi overflowing its distances", replace(alibi_slopes=np.full((B, H), 1e38)), ValueError,
+     ["alibi_slopes[0, 0]", "Sq + Sk = 12", "float32"]),
+    ("sink_logits nan", replace(sink_logits=np.r_[np.zeros(H - 1), np.nan]), ValueError, ["sink_logits[7]", "nan"]),
+    ("sink_logits +inf", replace(sink_logits=np.full(H, np.inf)), ValueError, ["sink_logits[0]", "finite"]),
+    ("ragged list q", lambda a: {**a, "q": [[[[1.0, 2.0], [3.0]]]]}, ValueError, ["q", "one shape"]),
+    ("ragged list bias", replace(bias=[[0.0, 1.0], [2.0]]), ValueError, ["bias", "one shape"]),
     ("causal string", replace(causal="yes"), TypeError, ["causal", "bool"]),
     ("return_lse int", replace(return_lse=1), TypeError, ["return_lse", "bool"]),
     ("return_weights None", replace(return_weights=None), TypeError, ["return_weights", "bool"]),
@@ -112,6 +123,45 @@ def test_empty_sequences_are_valid():
     assert out.shape == (B, H, SQ, 3) and (out == 0).all() and np.isneginf(lse).all()
     out = npattn.attention(a["q"][:, :, :0], a["k"], a["v"])
     assert out.shape == (B, H, 0, 3)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_empty_batches_and_heads_work_forward_and_backward(backend):
+    a = arrays(np.float32)
+    for cut in ({"q": a["q"][:0], "k": a["k"][:0], "v": a["v"][:0]},            # B = 0
+                {"q": a["q"][:, :, :0]},                                         # Sq = 0
+                {"k": a["k"][:, :, :0], "v": a["v"][:, :, :0]},                  # Sk = 0
+                {"v": np.zeros((B, HKV, SK, 0), np.float32)[..., :0]}):           # Dv = 0 is refused
+        given = {**a, **cut}
+        if given["v"].shape[-1] == 0:
+            with pytest.raises(ValueError, match="head dims"):
+                npattn.attention(**given, backend=backend)
+            continue
+        out, vjp = npattn.attention_vjp(**given, backend=backend)
+        dq, dk, dv = vjp(np.ones_like(out))
+        assert (dq.shape, dk.shape, dv.shape) == (given["q"].shape, given["k"].shape, given["v"].shape)
+        assert np.isfinite(out).all() and np.isfinite(dq).all() and np.isfinite(dk).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_huge_windows_and_sinks_mean_no_bound(backend):
+    """Bounds past every distance (2**63 - 1 once overflowed the kernels' int64) change nothing."""
+    a = arrays(np.float64)
+    unbounded = npattn.attention(**a, backend="reference")
+    causal = npattn.attention(**a, causal=True, backend="reference")
+    for huge in (SQ + SK, 2**31, 2**63 - 1, 2**63, 10**40):
+        np.testing.assert_allclose(npattn.attention(**a, window=huge, backend=backend), unbounded, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(npattn.attention(**a, window=(huge, None), backend=backend), unbounded,
+                                   rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(npattn.attention(**a, causal=True, window=huge, sinks=huge, backend=backend),
+                                   causal, rtol=1e-12, atol=1e-12)
+
+
+def test_big_endian_inputs_are_read_in_their_byte_order():
+    a = arrays(np.float32)
+    swapped = {name: x.astype(x.dtype.newbyteorder(">")) for name, x in a.items()}
+    swapped["k"] = a["k"]  # mixed byte orders are one dtype
+    np.testing.assert_array_equal(npattn.attention(**swapped, backend="reference"), npattn.attention(**a, backend="reference"))
 
 
 def test_softcap_zero_means_none_and_array_likes_are_accepted():

@@ -51,7 +51,7 @@ def score_magnitude(case):
     """A bound on |scale * q.k|: a score's rounding error, and so the relative error of its
     probability, grows with it."""
     scale = case.options.get("scale", 1 / np.sqrt(case.dims.head_dim))
-    return float(scale * case.dims.head_dim * np.abs(case.q).max(initial=1) * np.abs(case.k).max(initial=1))
+    return float(scale) * case.dims.head_dim * float(np.abs(case.q).max(initial=1)) * float(np.abs(case.k).max(initial=1))
 
 
 def output_magnitude(case):

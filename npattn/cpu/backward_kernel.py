@@ -2,7 +2,8 @@
 
 Probabilities are recomputed tile by tile from the forward's lse, never stored:
 ``P = exp(s - lse)``, ``dP = dO V^T`` (times the dropout keep mask and 1/(1-p)),
-``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O)``, then
+``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O)`` (for the one key a row may give
+``P > 1/2``, ``dS = P * dO . (v - O)``: see :func:`dominant_key_gradient`), then
 ``dV += P~^T dO``, ``dK += scale dS^T Q`` and ``dQ += scale dS K``, all through BLAS.
 
 Work items are (batch, kv head, key chunk). An item owns dK and dV of its keys
@@ -19,13 +20,14 @@ bias was broadcast along, each bias element owned by one item.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from .blas import gemm
-from .jit import helper, kernel
+from .jit import FASTMATH, HELPER_OPTIONS, helper, kernel
 from .signatures import as_offset, smaller
 from .threads import next_item
 from .operands import Int, Real
-from .rowmath import exp_shifted
+from .rowmath import exp_shifted, row_max
 from .microkernels import padded_width, product
 from .tiles import apply_dropout, key_segments, pack_key_tile, pack_value_tile, packed_values, score_tile
 
@@ -40,7 +42,7 @@ def tile_is_live(ints, kv_lengths, b, i0, i1, j0, j1):
 
 @helper
 def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout, dout_strides,
-                        lse, delta, p, dropped, ds, tanh, packed, b, h, i0, rows, j0, cols):
+                        out, out_strides, lse, delta, p, dropped, ds, tanh, packed, b, h, i0, rows, j0, cols):
     """For one tile: ``p`` = probabilities, ``dropped`` = p after dropout (``p`` itself when
     there is none), ``ds`` = gradient of the scores after softcap, bias and ALiBi (what
     dbias needs; the caller applies softcap's derivative and the scale)."""
@@ -75,6 +77,39 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
         row_delta = delta[row_offset + r]
         for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
             ds[x] = p[x] * (ds[x] - row_delta)
+    for r in range(rows):
+        if row_max(p, r * ld, cols) > 0.5:
+            dominant_key_gradient(v, ints, dout, dout_strides, out, out_strides, p, dropped, ds,
+                                  b, h, i0, r, j0, cols)
+
+
+@njit(**{**HELPER_OPTIONS, "fastmath": FASTMATH - {"contract"}})
+def dominant_key_gradient(v, ints, dout, dout_strides, out, out_strides, p, dropped, ds, b, h, i0, r, j0, cols):
+    """``ds`` of row ``r``'s key with ``P > 1/2`` (there is at most one) as
+    ``dO . (P~ v - P O)``, with ``P~`` the probability after dropout (``P`` without).
+
+    ``P (dP - delta)`` cancels there: ``dP`` and ``delta`` are both about ``|dO| |v|``,
+    their difference about ``(1 - P) |dO| |v|``, so one rounding of either, times the
+    scale and ``|k|``, can dwarf the exact gradient of a nearly one-hot row (measured: a
+    dq of 0.30 where the exact one is 7e-11, at scale 1e5). Subtracting the vectors
+    first leaves only O's own rounding, and none where the row is exactly one-hot: the
+    forward computed ``O`` as the same product ``P~ v`` over ``l = 1``. Compiled without
+    FMA contraction, which would keep ``P~ v`` unrounded where the forward's ``O`` was
+    rounded, and so leave that rounding as the difference."""
+    ld = ints[Int.SCORE_LD]
+    value_dim = ints[Int.VALUE_DIM]
+    kv_head = h // (ints[Int.HEADS] // ints[Int.KV_HEADS])
+    o_row = b * dout_strides[0] + h * dout_strides[1] + (i0 + r) * dout_strides[2]
+    out_row = b * out_strides[0] + h * out_strides[1] + (i0 + r) * out_strides[2]
+    for c in range(cols):
+        x = r * ld + c
+        if p[x] > 0.5:
+            v_row = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + (j0 + c) * ints[Int.V_STRIDE_S]
+            total = 0.0
+            for d in range(value_dim):
+                total += dout[o_row + d] * (dropped[x] * v[v_row + d] - p[x] * out[out_row + d])
+            ds[x] = total
+            return
 
 
 def backward_items(ints, chunks):
@@ -83,7 +118,7 @@ def backward_items(ints, chunks):
 
 @kernel
 def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
-                    dout, dout_strides, lse, delta, dq, dk, dv, chunks,
+                    dout, dout_strides, out, out_strides, lse, delta, dq, dk, dv, chunks,
                     p, dropped, ds, tanh, packed, dk_tile, dv_tile, counter, items):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
     all C-contiguous in the compute dtype and zero on entry. ``p`` to ``dv_tile``: this
@@ -126,8 +161,8 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
                     if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
                         continue
                     score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout,
-                                        dout_strides, lse, delta, p, dropped, ds, tanh, packed, b, h, i0,
-                                        rows, j0, cols)
+                                        dout_strides, out, out_strides, lse, delta, p, dropped, ds, tanh,
+                                        packed, b, h, i0, rows, j0, cols)
                     o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
                     # dV (cols x Dv) += dropped^T (cols x rows) . dO (rows x Dv)
                     if ints[Int.VECTOR_VALUES]:
@@ -164,7 +199,8 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
 
 @kernel
 def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
-                 dout, dout_strides, lse, delta, dbias, dbias_shape, p, dropped, ds, tanh, packed,
+                 dout, dout_strides, out, out_strides, lse, delta, dbias, dbias_shape, p, dropped, ds,
+                 tanh, packed,
                  counter, items):
     """dbias: flat C-contiguous ``dbias_shape`` (Bb, Hb, Sqb, Skb), each 1 or full, zero on
     entry. Item = (bias batch, bias head, query tile or all rows, key tile or all keys);
@@ -200,8 +236,8 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
                         pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
                         pack_value_tile(v, ints, b, kv_head, j0, cols, packed)
                         score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals,
-                                            dout, dout_strides, lse, delta, p, dropped, ds, tanh,
-                                            packed, b, h, i0, rows, j0, cols)
+                                            dout, dout_strides, out, out_strides, lse, delta, p, dropped,
+                                            ds, tanh, packed, b, h, i0, rows, j0, cols)
                         for r in range(rows):
                             out_row = ((bb * bias_h + hb) * bias_q + (i0 + r if bias_q > 1 else 0)) * bias_k
                             row = as_offset(r * ld)

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import glob
 import os
+import threading
 
 
 from numba import njit, types
@@ -97,24 +98,40 @@ def _scipy_openblas():
 
 _OPENBLAS = None
 _LOOKED_UP = False
+# Calls inside single_threaded_blas() blocks, over all threads, and the setting to
+# restore when the last one leaves: the pin is held for as long as any npattn kernel
+# runs, so one call's exit never hands BLAS its threads back under another's kernels
+# (their products would then split differently, and their bits differ).
+_PIN_LOCK = threading.Lock()
+_PINNED_CALLS = 0
+_SAVED_THREADS = 1
 
 
 @contextlib.contextmanager
 def single_threaded_blas():
-    """Run the block with SciPy's BLAS on one thread, restoring its setting after.
+    """Run the block with SciPy's BLAS on one thread, restoring its setting when the
+    last concurrent block (from any thread) leaves.
 
     The kernels already run one Numba thread per core; a multi-threaded BLAS call
     from each of them would put several threads on every core."""
-    global _OPENBLAS, _LOOKED_UP
-    if not _LOOKED_UP:
-        _OPENBLAS, _LOOKED_UP = _scipy_openblas(), True
-    if _OPENBLAS is None:
-        yield
-        return
-    get, set_ = _OPENBLAS
-    previous = get()
-    set_(1)
+    global _OPENBLAS, _LOOKED_UP, _PINNED_CALLS, _SAVED_THREADS
+    with _PIN_LOCK:
+        if not _LOOKED_UP:
+            _OPENBLAS, _LOOKED_UP = _scipy_openblas(), True
+        if _OPENBLAS is None:
+            pinned = False
+        else:
+            pinned = True
+            get, set_ = _OPENBLAS
+            if _PINNED_CALLS == 0:
+                _SAVED_THREADS = get()
+                set_(1)
+            _PINNED_CALLS += 1
     try:
         yield
     finally:
-        set_(previous)
+        if pinned:
+            with _PIN_LOCK:
+                _PINNED_CALLS -= 1
+                if _PINNED_CALLS == 0:
+                    set_(_SAVED_THREADS)

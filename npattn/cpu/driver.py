@@ -58,14 +58,16 @@ def backward(problem, saved, dout) -> Gradients:
     kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim
     dout_flat, dout_strides = row_strides(dout, dtype)
     dout_strides = np.array(dout_strides, np.int64)
+    out_flat, out_strides = row_strides(out, dtype)
+    out_strides = np.array(out_strides, np.int64)
     # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
     delta = np.einsum("bhsd,bhsd->bhs", dout.astype(dtype, copy=False), out)
     key_tiles = -(-kv_len // int(ops.ints[Int.BLOCK_K]))
-    chunks = max(1, min(key_tiles, -(-_BACKWARD_ITEMS // (batch * kv_heads))))
+    chunks = max(1, min(key_tiles, -(-_BACKWARD_ITEMS // max(1, batch * kv_heads))))
     dq = np.zeros((chunks, batch, heads, q_len, head_dim), dtype)
     dk = np.zeros((batch, kv_heads, kv_len, head_dim), dtype)
     dv = np.zeros((batch, kv_heads, kv_len, value_dim), dtype)
-    common = (*ops, dout_flat, dout_strides, lse.reshape(-1), delta.reshape(-1))
+    common = (*ops, dout_flat, dout_strides, out_flat, out_strides, lse.reshape(-1), delta.reshape(-1))
     with single_threaded_blas():
         run_items(backward_kernel, (*common, dq.reshape(-1), dk.reshape(-1), dv.reshape(-1), chunks),
                   backward_items(ops.ints, chunks), lambda: backward_scratch(ops.ints, dtype))

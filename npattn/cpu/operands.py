@@ -77,9 +77,14 @@ def flat_view(array, dtype, unit_last_axis=False):
 
 def row_strides(array, dtype):
     """``(flat, (batch, head, row))`` for a bhsd (B, H, S, X) array whose rows feed BLAS:
-    the row stride is at least X (BLAS's leading-dimension rule, moot for one row)."""
+    the row stride is at least X (BLAS's leading-dimension rule). Rows that overlap (a
+    row stride below X, as a ``np.broadcast_to`` along the sequence gives with stride 0)
+    are copied once to whole rows; a single row has no row stride to obey."""
+    rows, width = array.shape[-2], array.shape[-1]
+    if rows > 1 and 0 <= array.strides[-2] < width * array.itemsize:
+        array = np.ascontiguousarray(array)
     flat, (sb, sh, sr, _) = flat_view(array, dtype, unit_last_axis=True)
-    return flat, (sb, sh, max(sr, array.shape[-1], 1))
+    return flat, (sb, sh, max(sr, width, 1))
 
 
 def build_operands(problem, tiles=TILES["forward"]) -> Operands:

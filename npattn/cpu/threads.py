@@ -16,6 +16,7 @@ GIL anyway, so plain threads give the same parallelism.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -25,6 +26,7 @@ from numba.extending import intrinsic
 
 _POOL = None
 _POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
 
 
 def thread_count() -> int:
@@ -38,20 +40,29 @@ def thread_count() -> int:
         return os.cpu_count() or 1
 
 
+def _submit(calls) -> list:
+    """Run each ``(function, arguments)`` of ``calls`` on the shared worker pool, grown to
+    ``len(calls)`` threads when smaller. Submitting under the lock means a concurrent call
+    that replaces the pool cannot shut it down between the lookup and the submits (a pool
+    shut down without waiting still runs what was submitted to it)."""
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE < len(calls):
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
+            _POOL, _POOL_SIZE = ThreadPoolExecutor(len(calls), thread_name_prefix="npattn"), len(calls)
+        return [_POOL.submit(function, *arguments) for function, arguments in calls]
+
+
 def run_items(kernel, arguments, items: int, scratch=tuple) -> None:
     """``kernel(*arguments, *scratch(), counter, items)`` on ``min(items, threads)`` threads
     sharing one fresh ``counter``, each with scratch of its own from ``scratch()``."""
-    global _POOL, _POOL_SIZE
     counter = np.zeros(1, np.int64)
     threads = min(items, thread_count())
     if threads <= 1:
         kernel(*arguments, *scratch(), counter, items)
         return
-    if _POOL is None or _POOL_SIZE < threads - 1:
-        if _POOL is not None:
-            _POOL.shutdown(wait=False)
-        _POOL, _POOL_SIZE = ThreadPoolExecutor(threads - 1, thread_name_prefix="npattn"), threads - 1
-    futures = [_POOL.submit(kernel, *arguments, *scratch(), counter, items) for _ in range(threads - 1)]
+    futures = _submit([(kernel, (*arguments, *scratch(), counter, items)) for _ in range(threads - 1)])
     kernel(*arguments, *scratch(), counter, items)  # the calling thread works too
     for future in futures:
         future.result()
