@@ -2,12 +2,15 @@
 
 Modules: :mod:`.sources` (the CUDA translation unit and every instantiation),
 :mod:`.nvrtc` (compiling it to machine code with no GPU), :mod:`.sass` (reading that
-machine code: spills, tensor-core instructions), :mod:`.launch` (CuPy modules per
-device and dtype, shared-memory sizes, one launch) and :mod:`.driver` (operands,
-outputs, gradients). The kernels (``common.cuh``, ``forward.cu``, ``backward.cu``) are
-FlashAttention-2 style, SIMT with float32 accumulation (float64 for float64), every
-option of :func:`npattn.attention` fused, a deterministic backward, head dims up to
-256. Importing this package imports nothing but the standard library; CuPy is
+machine code: spills, tensor-core instructions), :mod:`.options` (the option sets a
+kernel is specialized on), :mod:`.kernel_cache` (cubins kept on disk per
+instantiation), :mod:`.launch` (modules per device and instantiation, shared-memory
+sizes, one launch) and :mod:`.driver` (operands, outputs, gradients). The kernels are
+FlashAttention-2 style: tensor cores for float16/bfloat16 (``tensor_core.cuh``,
+``forward_tc.cu``, ``backward_tc.cu``), SIMT otherwise (``forward.cu``,
+``backward.cu``), all on ``common.cuh``'s score pipeline; float32 accumulation (float64
+for float64), every option of :func:`npattn.attention` fused, a deterministic
+backward, head dims up to 256. Importing this package imports nothing but the standard library; CuPy is
 imported on first use.
 """
 from __future__ import annotations

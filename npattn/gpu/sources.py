@@ -1,8 +1,8 @@
 """The CUDA sources of the GPU backend and every kernel instantiation it launches.
 
 :func:`source` is one translation unit: the parameter positions of
-:mod:`npattn.kernel_params` as ``#define``s, then ``common.cuh``, ``forward.cu`` and
-``backward.cu`` (shipped as package data) with their local includes inlined, so it
+:mod:`npattn.kernel_params` as ``#define``s, then the files of ``_FILES`` (shipped as package
+data) with their local includes inlined, so it
 compiles from a string with no include path. :func:`kernel_name` names one template
 instantiation (the launcher compiles each on first use); :func:`name_expressions`
 lists those CI compiles (every kernel, and the tensor-core forward at each tile shape
