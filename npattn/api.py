@@ -32,11 +32,13 @@ def attention(q, k, v, *, causal=False, window=None, sinks=0, sink_logits=None, 
 
     Args:
         window: None, int w (-> (w, w), or (w, 0) when causal) or (left, right) with
-            None for an unbounded side.
+            None for an unbounded side; bounds past Sq + Sk mean none (as do sinks past Sk).
         mask: bool, broadcastable to (B, H, Sq, Sk). bias: float, likewise.
-        alibi_slopes: (H,) or (B, H). sink_logits: (H,).
+        alibi_slopes: (H,) or (B, H), finite even times Sq + Sk in the compute dtype.
+        sink_logits: (H,), finite.
         q_lengths, kv_lengths: int (B,); padding rows output zeros.
-        softcap: None or 0 for none, else positive.
+        scale: finite in the compute dtype (float32, or float64 for float64 inputs).
+        softcap: None or 0 for none, else positive, and a normal number of the compute dtype.
         seed: int, or None for a fresh random seed (remembered by attention_vjp).
         backend: "auto" (cpu for NumPy, gpu for CuPy, else reference), "reference",
             "cpu" or "gpu".

@@ -31,6 +31,7 @@
 #define __global__
 #define __device__
 #define __launch_bounds__(threads)
+#define __noinline__ __attribute__((noinline))
 #define __align__(bytes) alignas(bytes)
 
 struct uint3 { unsigned x, y, z; };
@@ -76,7 +77,11 @@ template <typename V> V __shfl_xor_sync(unsigned, V value, int offset) {
 
 inline float __int_as_float(int bits) { float x; std::memcpy(&x, &bits, 4); return x; }
 inline float __uint_as_float(unsigned bits) { float x; std::memcpy(&x, &bits, 4); return x; }
+inline unsigned __float_as_uint(float x) { unsigned bits; std::memcpy(&bits, &x, 4); return bits; }
 inline double __longlong_as_double(unsigned long long bits) { double x; std::memcpy(&x, &bits, 8); return x; }
+// products rounded on their own (the build adds -ffp-contract=off, so nothing fuses them)
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
 inline float half_to_float(unsigned short bits) { _Float16 h; std::memcpy(&h, &bits, 2); return (float)h; }
 inline float bits_to_float(unsigned short bits, bool bf16) {
     if (bf16) return __uint_as_float(((unsigned)bits) << 16);
@@ -99,6 +104,10 @@ inline unsigned emulated_pack_pair(float low, float high, bool bf16) {
     };
     return convert(low) | (convert(high) << 16);
 }
+
+// cvt.rn.f16.f32 / cvt.rn.bf16.f32, back to float: x rounded to the 16-bit type
+inline float round_to_half(float x) { return bits_to_float((unsigned short)emulated_pack_pair(x, 0.0f, false), false); }
+inline float round_to_bf16(float x) { return bits_to_float((unsigned short)emulated_pack_pair(x, 0.0f, true), true); }
 
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: every lane deposits its fragments,
 // then computes its own four elements of D from the whole warp's, following the PTX

@@ -97,7 +97,7 @@ def build(directory: Path) -> tuple[ctypes.CDLL, dict]:
     if not library.exists():
         source = directory / f"npattn_emulated_{digest}.cpp"
         source.write_text(text)
-        subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w",
+        subprocess.run([compiler(), "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-w",
                         "-o", str(library), str(source)], check=True)
     return ctypes.CDLL(str(library)), launchers
 

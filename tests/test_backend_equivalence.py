@@ -60,20 +60,28 @@ def check_backward(backend, case, layout):
 
 
 @st.composite
-def peaked_cases(draw):
-    """Cases at scales of 1e4-1e5, where most rows' softmax is one key to within rounding."""
+def peaked_cases(draw, dtypes=("float16", "float32")):
+    """Cases at scales of 1e4-1e5, where most rows' softmax is one key to within rounding.
+    Not float64: the float64 reference's own cancellation (about 1e-16 |dO| |v| times the
+    scale) is then the size of the bound."""
     case = draw(cases(options=("causal", "mask", "bias", "kv_lengths", "dropout", "sink_logits"),
-                      dtypes=("float16", "float32")))
+                      dtypes=dtypes))
     return case.with_options(scale=draw(st.sampled_from([1e4, 3e4, 1e5])))
 
 
 @given(case=peaked_cases(), layout=layouts)
 def test_backward_of_nearly_one_hot_rows_matches_the_reference(backend, case, layout):
+    check_peaked_backward(backend, case, layout)
+
+
+def check_peaked_backward(backend, case, layout):
     """Where a row's softmax is one key to within the accumulation's rounding, the gradients
     are tiny and well determined, and the usual bound (which grows with the scores'
     magnitude, here 1e4-1e5 times larger) would hide a cancellation: the bound counts the
     scores' amplification only in proportion to how far the peakiest row is from one-hot
-    (1 - max P, in units of the accumulation's eps, at most 1)."""
+    (1 - max P, in units of the accumulation's eps, at most 1), for dq and dk. dv sums
+    P~ dO, so it carries P's own rounding, which grows with the scores' magnitude (a
+    recomputed P = exp(s - lse) is off by about eps |s| relative): it keeps the usual bound."""
     out, vjp = case.vjp(backend, layout=layout)
     dout = np.random.default_rng(0).normal(size=out.shape).astype(case.dtype)
     grads = vjp(dout)
@@ -89,5 +97,6 @@ def test_backward_of_nearly_one_hot_rows_matches_the_reference(backend, case, la
     length = d.q_len * d.group + d.kv_len + d.head_dim + d.value_dim
     magnitude = (float(np.abs(dout).max(initial=1) * np.abs(case.v).max(initial=1)) * amplification
                  / (1 - case.options.get("dropout_p", 0)))
+    usual = gradient_magnitude(case, dout) / (1 - case.options.get("dropout_p", 0))
     for name, grad, expected in zip(("dq", "dk", "dv"), grads, exact):
-        assert_close(grad, expected, case.dtype, length, magnitude * max(1, d.q_len), name)
+        assert_close(grad, expected, case.dtype, length, (usual if name == "dv" else magnitude) * max(1, d.q_len), name)

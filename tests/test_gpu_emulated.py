@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import npattn
 from npattn.gpu.options import Option
 from strategies import Case, Dims, cases, dims
-from test_backend_equivalence import check_backward, check_forward, upcast
+from test_backend_equivalence import check_backward, check_forward, check_peaked_backward, peaked_cases, upcast
 from test_odd_views import DEVICE_VIEW_KINDS, check_odd_views, viewed_cases
 
 import gpu_emulation
@@ -59,6 +59,12 @@ def test_emulated_gpu_forward_over_many_tiles(case, layout):
 @given(case=cases(dtypes=ALL_DTYPES, dims_strategy=MANY_TILES), layout=layouts)
 def test_emulated_gpu_backward_over_many_tiles(case, layout):
     check_backward("gpu", case, layout)
+
+
+@FEWER
+@given(case=peaked_cases(dtypes=("float16", "bfloat16", "float32")), layout=layouts)
+def test_emulated_gpu_backward_of_nearly_one_hot_rows_matches_the_reference(case, layout):
+    check_peaked_backward("gpu", case, layout)
 
 
 @FEWER

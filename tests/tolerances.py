@@ -61,4 +61,4 @@ def output_magnitude(case):
 
 def gradient_magnitude(case, dout):
     """Size of the terms summed into a gradient: |dout| |v| and scaled |q| |k| products."""
-    return float(np.abs(dout).max(initial=1) * np.abs(case.v).max(initial=1) * (1 + score_magnitude(case)))
+    return float(np.abs(dout).max(initial=1)) * float(np.abs(case.v).max(initial=1)) * (1 + score_magnitude(case))

@@ -3,7 +3,7 @@
 Probabilities are recomputed tile by tile from the forward's lse, never stored:
 ``P = exp(s - lse)``, ``dP = dO V^T`` (times the dropout keep mask and 1/(1-p)),
 ``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O)`` (for the one key a row may give
-``P > 1/2``, ``dS = P * dO . (v - O)``: see :func:`dominant_key_gradient`), then
+``P > 3/4``, ``dS = P * dO . (z v - O)``: see :func:`dominant_key_gradient`), then
 ``dV += P~^T dO``, ``dK += scale dS^T Q`` and ``dQ += scale dS K``, all through BLAS.
 
 Work items are (batch, kv head, key chunk). An item owns dK and dV of its keys
@@ -31,6 +31,12 @@ from .rowmath import exp_shifted, row_max
 from .microkernels import padded_width, product
 from .tiles import apply_dropout, key_segments, pack_key_tile, pack_value_tile, packed_values, score_tile
 
+
+
+# Above this probability a key's score gradient comes from dominant_key_gradient: above
+# 1/2 at most one key per row qualifies, and 3/4 keeps an exact tie of two keys at 1/2
+# (recomputed a rounding above it) on the ordinary formula (as the GPU kernels do).
+DOMINANT_PROBABILITY = 0.75
 
 
 @helper
@@ -78,24 +84,24 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
         for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
             ds[x] = p[x] * (ds[x] - row_delta)
     for r in range(rows):
-        if row_max(p, r * ld, cols) > 0.5:
-            dominant_key_gradient(v, ints, dout, dout_strides, out, out_strides, p, dropped, ds,
+        if row_max(p, r * ld, cols) > DOMINANT_PROBABILITY:
+            dominant_key_gradient(v, ints, reals, dout, dout_strides, out, out_strides, p, dropped, ds,
                                   b, h, i0, r, j0, cols)
 
 
 @njit(**{**HELPER_OPTIONS, "fastmath": FASTMATH - {"contract"}})
-def dominant_key_gradient(v, ints, dout, dout_strides, out, out_strides, p, dropped, ds, b, h, i0, r, j0, cols):
-    """``ds`` of row ``r``'s key with ``P > 1/2`` (there is at most one) as
-    ``dO . (P~ v - P O)``, with ``P~`` the probability after dropout (``P`` without).
+def dominant_key_gradient(v, ints, reals, dout, dout_strides, out, out_strides, p, dropped, ds,
+                          b, h, i0, r, j0, cols):
+    """``ds`` of row ``r``'s key with ``P > 3/4`` (there is at most one) as
+    ``P dO . (z v - O)``, with ``z`` dropout's keep factor (1 without dropout).
 
     ``P (dP - delta)`` cancels there: ``dP`` and ``delta`` are both about ``|dO| |v|``,
     their difference about ``(1 - P) |dO| |v|``, so one rounding of either, times the
     scale and ``|k|``, can dwarf the exact gradient of a nearly one-hot row (measured: a
     dq of 0.30 where the exact one is 7e-11, at scale 1e5). Subtracting the vectors
     first leaves only O's own rounding, and none where the row is exactly one-hot: the
-    forward computed ``O`` as the same product ``P~ v`` over ``l = 1``. Compiled without
-    FMA contraction, which would keep ``P~ v`` unrounded where the forward's ``O`` was
-    rounded, and so leave that rounding as the difference."""
+    forward computed that ``O`` as the same product ``z v``. Compiled without FMA
+    contraction, which would keep ``z v`` unrounded where the forward rounded it."""
     ld = ints[Int.SCORE_LD]
     value_dim = ints[Int.VALUE_DIM]
     kv_head = h // (ints[Int.HEADS] // ints[Int.KV_HEADS])
@@ -103,12 +109,20 @@ def dominant_key_gradient(v, ints, dout, dout_strides, out, out_strides, p, drop
     out_row = b * out_strides[0] + h * out_strides[1] + (i0 + r) * out_strides[2]
     for c in range(cols):
         x = r * ld + c
-        if p[x] > 0.5:
+        if p[x] > DOMINANT_PROBABILITY:
             v_row = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + (j0 + c) * ints[Int.V_STRIDE_S]
             total = 0.0
-            for d in range(value_dim):
-                total += dout[o_row + d] * (dropped[x] * v[v_row + d] - p[x] * out[out_row + d])
-            ds[x] = total
+            if not ints[Int.HAS_DROPOUT]:
+                for d in range(value_dim):
+                    total += dout[o_row + d] * (v[v_row + d] - out[out_row + d])
+            elif dropped[x] != 0.0:  # kept: z is the keep scale, a compute-dtype product as in the forward
+                keep = reals[Real.KEEP_SCALE]
+                for d in range(value_dim):
+                    total += dout[o_row + d] * (keep * v[v_row + d] - out[out_row + d])
+            else:  # dropped: z = 0
+                for d in range(value_dim):
+                    total -= dout[o_row + d] * out[out_row + d]
+            ds[x] = p[x] * total
             return
 
 

@@ -90,7 +90,8 @@ __device__ inline void load_key_side(const Operands<T, Acc>& in, BackwardTiles<A
 // before the scale). Zero outside the tile. Ends with a barrier.
 template <typename T, typename Acc>
 __device__ inline void gradient_tile(const Operands<T, Acc>& in, BackwardTiles<Acc>& t, i64 b, i64 h, i64 i0,
-                                     int rows, i64 j0, int cols, bool through_softcap) {
+                                     int rows, i64 j0, int cols, bool through_softcap,
+                                     const DominantKey<T, Acc, Acc>& dominant) {
     const i64* ints = in.ints;
     const int value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
     score_tile<T, Acc, NPATTN_BQ, NPATTN_BK>(in, t.q, t.at.ld_q, t.k, t.at.ld_k, t.p, t.at.ld_s, t.tanh, b, h, i0,
@@ -104,7 +105,7 @@ __device__ inline void gradient_tile(const Operands<T, Acc>& in, BackwardTiles<A
         Acc dp = 0;
         for (int d = 0; d < value_dim; ++d) dp += t.o[r * t.at.ld_o + d] * t.v[c * t.at.ld_v + d];
         t.ds[at] = score_gradient(ints, in.reals, b, h, i0 + r, j0 + c, r < rows && c < cols, probability, dp,
-                                  t.delta[r], t.tanh[at], through_softcap, &t.p[at]);
+                                  t.delta[r], t.tanh[at], through_softcap, &t.p[at], dominant);
     }
     __syncthreads();
 }
@@ -118,8 +119,9 @@ __device__ inline int query_rows(const i64* ints, const i64* q_lengths, i64 b, i
 template <typename T, typename Acc, int MAX_D>
 __global__ void __launch_bounds__(NPATTN_THREADS)
 dkdv_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, const Acc* lse, const Acc* delta,
-            Acc* dk, Acc* dv) {
+            const T* out, Acc* dk, Acc* dv) {
     const Operands<T, Acc> in = NPATTN_OPERANDS;
+    const DominantKey<T, Acc, Acc> dominant = {v, dout, dout_strides, out, ints, nullptr};
     const i64 kv_heads = ints[NPATTN_INT_KV_HEADS], kv_len = ints[NPATTN_INT_KV_LEN];
     const i64 key_tiles = (kv_len + NPATTN_BK - 1) / NPATTN_BK;
     const i64 b = blockIdx.x / (kv_heads * key_tiles);
@@ -143,7 +145,7 @@ dkdv_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, con
                 if (rows <= 0) break;
                 if (!tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols)) continue;
                 load_query_side(in, dout, dout_strides, lse, delta, t, b, h, i0, rows);
-                gradient_tile(in, t, b, h, i0, rows, j0, cols, true);
+                gradient_tile(in, t, b, h, i0, rows, j0, cols, true, dominant);
                 for (int r = 0; r < rows; ++r) {
                     const Acc p = t.p[r * t.at.ld_s + my_key], ds = t.ds[r * t.at.ld_s + my_key];
 #pragma unroll
@@ -175,8 +177,9 @@ dkdv_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, con
 template <typename T, typename Acc, int MAX_D>
 __global__ void __launch_bounds__(NPATTN_THREADS)
 dq_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, const Acc* lse, const Acc* delta,
-          Acc* dq) {
+          const T* out, Acc* dq) {
     const Operands<T, Acc> in = NPATTN_OPERANDS;
+    const DominantKey<T, Acc, Acc> dominant = {v, dout, dout_strides, out, ints, nullptr};
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
     const i64 tiles = (q_len + NPATTN_BQ - 1) / NPATTN_BQ;
     const i64 b = blockIdx.x / (heads * tiles), h = (blockIdx.x / tiles) % heads;
@@ -197,7 +200,7 @@ dq_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, const
         for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += NPATTN_BK) {
             const int cols = (int)smaller(NPATTN_BK, keys.last[segment] - j0);
             load_key_side(in, t, b, kv_head, j0, cols);
-            gradient_tile(in, t, b, h, i0, rows, j0, cols, true);
+            gradient_tile(in, t, b, h, i0, rows, j0, cols, true, dominant);
             for (int c = 0; c < cols; ++c) {
                 const Acc ds = t.ds[my_row * t.at.ld_s + c];
 #pragma unroll
@@ -227,8 +230,9 @@ dq_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, const
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NPATTN_THREADS)
 dbias_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, const Acc* lse, const Acc* delta,
-             Acc* dbias, const i64* shape) {
+             const T* out, Acc* dbias, const i64* shape) {
     const Operands<T, Acc> in = NPATTN_OPERANDS;
+    const DominantKey<T, Acc, Acc> dominant = {v, dout, dout_strides, out, ints, nullptr};
     const i64 batch = ints[NPATTN_INT_BATCH], heads = ints[NPATTN_INT_HEADS];
     const i64 q_len = ints[NPATTN_INT_Q_LEN], kv_len = ints[NPATTN_INT_KV_LEN];
     const i64 q_tiles = shape[2] > 1 ? (q_len + NPATTN_BQ - 1) / NPATTN_BQ : 1;
@@ -264,7 +268,7 @@ dbias_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, co
                         loaded = true;
                     }
                     load_key_side(in, t, b, kv_head, j0, cols);
-                    gradient_tile(in, t, b, h, i0, rows, j0, cols, false);
+                    gradient_tile(in, t, b, h, i0, rows, j0, cols, false, dominant);
 #pragma unroll
                     for (int x = 0; x < PER_THREAD; ++x) {
                         const int index = threadIdx.x + x * NPATTN_THREADS;

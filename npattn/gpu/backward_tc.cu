@@ -137,7 +137,7 @@ __device__ inline void stage_rows(bool aligned, unsigned short* tile, int ld, co
 template <typename T, typename Acc, int MAX_D>
 __global__ void __launch_bounds__(NPATTN_TC_WARPS * 32)
 dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, const Acc* lse, const Acc* delta,
-               Acc* dk, Acc* dv) {
+               const unsigned long long* dominant_gradients, Acc* dk, Acc* dv) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
     static_assert(MAX_D % 16 == 0, "whole mma tiles");
     constexpr int D_BLOCKS = MAX_D / 8;  // 8-column blocks
@@ -159,6 +159,8 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, co
     unsigned short* os = qs + at.tile_qk;  // dO, queries x Dv
     float* row_lse = reinterpret_cast<float*>(os + at.tile_v);
     float* row_delta = row_lse + NPATTN_TC_BQ;
+    float* row_dominant_value = row_delta + NPATTN_TC_BQ;
+    int* row_dominant_key = reinterpret_cast<int*>(row_dominant_value + NPATTN_TC_BQ);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, member = lane % 4;
     const int key0 = warp * 16 + group, key1 = key0 + 8;  // this lane's two keys in the tile
     const float lowest = negative_infinity<float>();
@@ -193,7 +195,11 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, co
             for (int r = threadIdx.x; r < NPATTN_TC_BQ; r += blockDim.x) {
                 row_lse[r] = r < rows ? (float)lse[row_offset + r] : lowest;
                 row_delta[r] = r < rows ? (float)delta[row_offset + r] : 0.0f;
+                const unsigned long long word = r < rows ? dominant_gradients[row_offset + r] : 0ull;
+                row_dominant_key[r] = (int)(word >> 32);
+                row_dominant_value[r] = __uint_as_float((u32)word);
             }
+            const DominantLookup<Acc> dominant = {row_dominant_key, row_dominant_value, i0};
             cp_async_wait<1>();
             __syncthreads();  // K, V and Q landed for every thread (dO may still be in flight)
 
@@ -218,7 +224,7 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, co
                         const float p =
                             recomputed_probability(in, b, h, i0 + r, j0 + key, valid, s[n][e], row_lse[r], &t);
                         dp[n][e] = score_gradient(ints, in.reals, b, h, i0 + r, j0 + key, valid, p, dp[n][e],
-                                                  row_delta[r], t, true, &s[n][e]);
+                                                  row_delta[r], t, true, &s[n][e], dominant);
                     }
                 }
                 // dV += P~^T dO, dK += dS^T Q (k = these 16 queries)
@@ -255,11 +261,12 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, co
 template <typename T, typename Acc, int MAX_D>
 __global__ void __launch_bounds__(NPATTN_TC_WARPS * 32)
 dq_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, const Acc* lse, const Acc* delta,
-             Acc* dq) {
+             const T* out, unsigned long long* dominant_gradients, Acc* dq) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
     static_assert(MAX_D % 16 == 0, "whole mma tiles");
     constexpr int D_BLOCKS = MAX_D / 8;
     const Operands<T, Acc> in = NPATTN_OPERANDS;
+    const DominantKey<T, Acc, T> dominant = {v, dout, dout_strides, out, ints, dominant_gradients};
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
     const i64 q_tiles = (q_len + NPATTN_TC_BQ - 1) / NPATTN_TC_BQ;
     const i64 b = blockIdx.x / (heads * q_tiles), h = (blockIdx.x / q_tiles) % heads;
@@ -328,7 +335,7 @@ dq_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, cons
                         const float p =
                             recomputed_probability(in, b, h, i0 + r, j0 + c, valid, s[n][e], my_lse[x], &t);
                         dp[n][e] = score_gradient(ints, in.reals, b, h, i0 + r, j0 + c, valid, p, dp[n][e],
-                                                  my_delta[x], t, true, &dropped);
+                                                  my_delta[x], t, true, &dropped, dominant);
                     }
                 }
                 // dQ += dS K (k = these 16 keys)

@@ -21,12 +21,15 @@ struct bf16_bits { unsigned short bits; };
 // written in the compute dtype; the caller casts them).
 template <typename T> struct Storage;
 
+// Storage<T>::round(x): a float32/float64 x rounded to T and back (what storing it in T keeps).
 template <> struct Storage<float> {
     template <typename Acc> __device__ static Acc load(const float* p, i64 i) { return (Acc)p[i]; }
+    template <typename Acc> __device__ static Acc round(Acc x) { return (Acc)(float)x; }
 };
 
 template <> struct Storage<double> {
     template <typename Acc> __device__ static Acc load(const double* p, i64 i) { return (Acc)p[i]; }
+    template <typename Acc> __device__ static Acc round(Acc x) { return x; }
 };
 
 // half -> float through PTX. A host build of these sources (the
@@ -37,6 +40,16 @@ __device__ inline float half_to_float(unsigned short bits) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(bits));
     return x;
 }
+__device__ inline float round_to_half(float x) {
+    unsigned short bits;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(x));
+    return half_to_float(bits);
+}
+__device__ inline float round_to_bf16(float x) {
+    unsigned short bits;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(x));
+    return __uint_as_float(((u32)bits) << 16);
+}
 #define NPATTN_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
@@ -44,12 +57,14 @@ template <> struct Storage<half_bits> {
     template <typename Acc> __device__ static Acc load(const half_bits* p, i64 i) {
         return (Acc)half_to_float(p[i].bits);
     }
+    template <typename Acc> __device__ static Acc round(Acc x) { return (Acc)round_to_half((float)x); }
 };
 
 template <> struct Storage<bf16_bits> {
     template <typename Acc> __device__ static Acc load(const bf16_bits* p, i64 i) {
         return (Acc)__uint_as_float(((u32)p[i].bits) << 16);
     }
+    template <typename Acc> __device__ static Acc round(Acc x) { return (Acc)round_to_bf16((float)x); }
 };
 
 template <typename Acc> __device__ inline Acc negative_infinity();
@@ -315,21 +330,95 @@ __device__ inline void score_tile(const Operands<T, Acc>& in, const Acc* qs, int
     __syncthreads();
 }
 
+// Products rounded on their own, never fused into a following add or subtract (an FMA
+// would keep P~ v unrounded where the forward rounded it into O).
+__device__ inline float product_rounded(float a, float b) { return __fmul_rn(a, b); }
+__device__ inline double product_rounded(double a, double b) { return __dmul_rn(a, b); }
+
+// Above this probability a key's score gradient is computed as DominantKey does. Above
+// 1/2 at most one key per row qualifies; 3/4 keeps an exact tie of two keys at 1/2 (both
+// recomputed a rounding above it) out, so two keys qualify only where lse's rounding
+// makes P meaningless (|lse| above about 7e6 in float32). npattn/cpu uses the same.
+#define NPATTN_DOMINANT_PROBABILITY 0.75
+
+// The score gradient of the one key a row may give P > 3/4: P dO_i . (z v_j - O_i), with
+// z dropout's keep factor (1 without dropout). P (dP - delta) cancels there: dP and delta are both about
+// |dO| |v|, their difference about (1 - P) |dO| |v|, so one rounding of either, times
+// the scale and |k|, can dwarf the exact gradient of a nearly one-hot row. Subtracting
+// the vectors first leaves only O's own rounding: z v is rounded to T as the forward
+// rounded O, so where the row is exactly one-hot the two are equal. Reads dO, v and O
+// from global memory (at most one key per row takes this path). Dout: dO's storage type
+// (16-bit in the tensor-core kernels, the compute dtype in the SIMT ones). O: (B, H, Sq,
+// Dv) C-contiguous, in T. `record`, when not null, keeps each result (float32) with its
+// key at its row's place (B, H, Sq) for a DominantLookup: (j + 1) << 32 | the float's bits,
+// one 64-bit store, so a reader sees a key with its own value; 0 means none.
+template <typename T, typename Acc, typename Dout> struct DominantKey {
+    const T* v;
+    const Dout* dout;
+    const i64* dout_strides;
+    const T* out;
+    const i64* ints;
+    unsigned long long* record;
+
+    __device__ Acc gradient(i64 b, i64 h, i64 i, i64 j, Acc factor, Acc probability, Acc) const {
+        const i64 heads = ints[NPATTN_INT_HEADS];
+        const i64 row = (b * heads + h) * ints[NPATTN_INT_Q_LEN] + i;
+        const int value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
+        const i64 v_at = v_row(ints, b, h / (heads / ints[NPATTN_INT_KV_HEADS]), j);
+        const i64 dout_at = b * dout_strides[0] + h * dout_strides[1] + i * dout_strides[2];
+        const i64 out_at = row * value_dim;
+        Acc total = 0;
+        for (int d = 0; d < value_dim; ++d) {
+            const Acc kept = Storage<T>::round(product_rounded(factor, Storage<T>::template load<Acc>(v, v_at + d)));
+            total += Storage<Dout>::template load<Acc>(dout, dout_at + d) *
+                     (kept - Storage<T>::template load<Acc>(out, out_at + d));
+        }
+        const Acc gradient = probability * total;
+        if (record != nullptr) {
+            record[row] = ((unsigned long long)(j + 1) << 32) | __float_as_uint((float)gradient);
+        }
+        return gradient;
+    }
+};
+
+// The gradients a DominantKey recorded, staged per query tile in shared memory (`key`:
+// the recorded j + 1, 0 for none; `value`: its gradient; both indexed by i - i0): how
+// the tensor-core dK/dV pass takes them from the dQ pass (which runs first and meets the
+// same keys with the same recomputed P) instead of running the D-long dot in a loop
+// whose registers its accumulators fill. A key the dQ pass did not record (possible
+// only where P is meaningless, see NPATTN_DOMINANT_PROBABILITY) keeps the ordinary
+// P (dP - delta).
+template <typename Acc> struct DominantLookup {
+    const int* key;
+    const float* value;
+    i64 i0;
+
+    __device__ Acc gradient(i64, i64, i64 i, i64 j, Acc, Acc, Acc ordinary) const {
+        return key[i - i0] == (int)(j + 1) ? (Acc)value[i - i0] : ordinary;
+    }
+};
+
 // One score's gradient from its probability P, dP = dO_i . v_j, the row's delta =
 // rowsum(dO * O) and softcap's tanh t: dS = P (dP~ - delta), where dP~ is dP times the
-// dropout keep factor; times 1 - t^2 (softcap's derivative) with `through_softcap`.
-// *dropped gets P after dropout (what dV sums). `valid`: (i, j) lies inside the problem.
-template <typename Acc>
+// dropout keep factor (for a key with P > 3/4, dominant.gradient: see DominantKey);
+// times 1 - t^2 (softcap's derivative) with `through_softcap`. *dropped gets P after
+// dropout (what dV sums). `valid`: (i, j) lies inside the problem.
+template <typename Acc, typename Dominant>
 __device__ inline Acc score_gradient(const i64* ints, const Acc* reals, i64 b, i64 h, i64 i, i64 j, bool valid,
-                                     Acc probability, Acc dp, Acc delta, Acc t, bool through_softcap, Acc* dropped) {
+                                     Acc probability, Acc dp, Acc delta, Acc t, bool through_softcap, Acc* dropped,
+                                     const Dominant& dominant) {
     *dropped = probability;
+    Acc factor = 1;
     if (ints[NPATTN_INT_HAS_DROPOUT]) {
         const bool kept = valid && dropout_keeps(ints, dropout_row_state(ints, b, h, i), j);
-        const Acc factor = kept ? reals[NPATTN_REAL_KEEP_SCALE] : (Acc)0;
+        factor = kept ? reals[NPATTN_REAL_KEEP_SCALE] : (Acc)0;
         *dropped *= factor;
         dp *= factor;
     }
     Acc gradient = probability * (dp - delta);
+    if (valid && probability > (Acc)NPATTN_DOMINANT_PROBABILITY) {
+        gradient = dominant.gradient(b, h, i, j, factor, probability, gradient);
+    }
     if (through_softcap && ints[NPATTN_INT_HAS_SOFTCAP]) gradient *= (Acc)1 - t * t;
     return gradient;
 }

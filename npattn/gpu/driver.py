@@ -145,10 +145,13 @@ def backward(problem, saved, dout) -> Gradients:
         dout_strides = cp.asarray(np.array(element_strides(dout)[:3], np.int64))
         # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
         delta = cp.ascontiguousarray((dout * out).sum(axis=-1))
+        # O in the input's dtype (as the forward rounded it), (B, H, Sq, Dv) C-contiguous:
+        # the kernels read it for the one key per row with P > 3/4 (DominantKey, common.cuh)
+        out_rounded = cp.ascontiguousarray(out.astype(problem.q.dtype, copy=False))
         dq = cp.zeros((batch, heads, q_len, head_dim), dtype)
         dk = cp.zeros((batch, kv_heads, kv_len, head_dim), dtype)
         dv = cp.zeros((batch, kv_heads, kv_len, value_dim), dtype)
-        common = (*operands, dout, dout_strides, lse, delta)
+        common = (*operands, dout, dout_strides, lse, delta, out_rounded)
         shared = launch.backward_shared_bytes(head_dim, value_dim, dtype)
         key_tiles = -(-kv_len // BACKWARD_BLOCK_K)
         query_tiles = -(-q_len // BLOCK_Q)
@@ -160,10 +163,15 @@ def backward(problem, saved, dout) -> Gradients:
             bits_strides = cp.asarray(np.array(element_strides(dout_bits)[:3], np.int64))
             tc_common = (*operands, dout_bits, bits_strides, lse, delta)
             block = TENSOR_CORE_BLOCK
-            launch.run(dkdv_kind, storage, bound, batch * kv_heads * -(-kv_len // block),
-                       launch.backward_tc_shared_bytes(dkdv_kind, head_dim, value_dim), (*tc_common, dk, dv))
+            # the dQ pass records the gradient of each row's key with P > 3/4, which the
+            # dK/dV pass then reads instead of computing (see DominantLookup): dQ goes first
+            dominant_gradients = cp.zeros((batch, heads, q_len), np.uint64)
             launch.run(dq_kind, storage, bound, batch * heads * -(-q_len // block),
-                       launch.backward_tc_shared_bytes(dq_kind, head_dim, value_dim), (*tc_common, dq))
+                       launch.backward_tc_shared_bytes(dq_kind, head_dim, value_dim),
+                       (*tc_common, out_rounded, dominant_gradients, dq))
+            launch.run(dkdv_kind, storage, bound, batch * kv_heads * -(-kv_len // block),
+                       launch.backward_tc_shared_bytes(dkdv_kind, head_dim, value_dim),
+                       (*tc_common, dominant_gradients, dk, dv))
         else:
             launch.run(dkdv_kind, storage, bound, batch * kv_heads * key_tiles, shared, (*common, dk, dv))
             launch.run(dq_kind, storage, bound, batch * heads * query_tiles, shared, (*common, dq))

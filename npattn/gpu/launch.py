@@ -44,14 +44,14 @@ def forward_tc_shared_bytes(head_dim: int, value_dim: int, warps: int, block_k: 
 def backward_tc_shared_bytes(kind: str, head_dim: int, value_dim: int) -> int:
     """Dynamic shared memory of dkdv_tc_kernel or dq_tc_kernel (``kind``): the swizzled
     16-bit tiles of ``TensorCoreBackwardLayout`` in backward_tc.cu (Q, K, V and dO, 64
-    rows each; head dims rounded up to 16, rows to 64 values), plus dkdv's lse and delta
-    (float) per query row."""
+    rows each; head dims rounded up to 16, rows to 64 values), plus dkdv's lse, delta and
+    the dQ pass's dominant key and its gradient (4 bytes each) per query row."""
     def row(dim):
         return -(-(-(-dim // 16) * 16) // 64) * 64
     block = sources.TENSOR_CORE_BLOCK
     tiles = 2 * 2 * block * (row(head_dim) + row(value_dim))
     if kind == "dkdv_tc":
-        return tiles + 4 * 2 * block
+        return tiles + 4 * 4 * block
     return tiles
 
 
