@@ -1,17 +1,14 @@
 """The public functions: validate once, pick a backend, run it, hand back the user's layout."""
 from __future__ import annotations
 
-
 from . import backends as _backends
+from . import options as _options
 from ._arrays import array_kind
 from .problem import to_user_layout
 from .validation import build_problem, check_cotangent
 
 
-def attention(q, k, v, *, causal=False, window=None, sinks=0, sink_logits=None, mask=None,
-              bias=None, alibi_slopes=None, q_lengths=None, kv_lengths=None, scale=None,
-              softcap=None, dropout_p=0.0, seed=None, layout="bhsd", return_lse=False,
-              return_weights=False, backend="auto"):
+def attention(q, k, v, **options):
     """Scaled dot-product attention with every option fused.
 
     Shapes in layout "bhsd" (torch SDPA): q (B, H, Sq, D), k (B, Hkv, Sk, D),
@@ -31,17 +28,7 @@ def attention(q, k, v, *, causal=False, window=None, sinks=0, sink_logits=None, 
     ``(seed, b, h, i, j)``, see :mod:`npattn.dropout`; inverted scaling); then ``@ v``.
 
     Args:
-        window: None, int w (-> (w, w), or (w, 0) when causal) or (left, right) with
-            None for an unbounded side; bounds past Sq + Sk mean none (as do sinks past Sk).
-        mask: bool, broadcastable to (B, H, Sq, Sk). bias: float, likewise.
-        alibi_slopes: (H,) or (B, H), finite even times Sq + Sk in the compute dtype.
-        sink_logits: (H,), finite.
-        q_lengths, kv_lengths: int (B,); padding rows output zeros.
-        scale: finite in the compute dtype (float32, or float64 for float64 inputs).
-        softcap: None or 0 for none, else positive, and a normal number of the compute dtype.
-        seed: int, or None for a fresh random seed (remembered by attention_vjp).
-        backend: "auto" (cpu for NumPy, gpu for CuPy, else reference), "reference",
-            "cpu" or "gpu".
+{arguments}
 
     Returns:
         ``out`` in q's dtype and layout: (B, H, Sq, Dv) or (B, Sq, H, Dv). With
@@ -53,11 +40,8 @@ def attention(q, k, v, *, causal=False, window=None, sinks=0, sink_logits=None, 
     A row with no visible key outputs zeros, never NaN. Raises ValueError or
     TypeError naming the argument before any kernel runs. Inputs are never modified.
     """
-    problem = build_problem(q, k, v, causal=causal, window=window, sinks=sinks,
-                            sink_logits=sink_logits, mask=mask, bias=bias,
-                            alibi_slopes=alibi_slopes, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                            scale=scale, softcap=softcap, dropout_p=dropout_p, seed=seed,
-                            layout=layout, return_lse=return_lse, return_weights=return_weights)
+    backend = options.pop("backend", "auto")
+    problem = build_problem(q, k, v, **options)
     implementation = _backends.resolve(backend, array_kind(problem.q))
     return _public_outputs(problem, implementation.forward(problem))
 
@@ -73,7 +57,11 @@ def attention_vjp(q, k, v, **options):
     query heads of a group), dbias is summed over the dimensions it was broadcast along.
     The dropout mask of the forward is reused, also when ``seed`` was None. lse and
     weights are outputs only: no gradient flows back through them.
+
+    Args (as :func:`attention`'s):
+{arguments}
     """
+    options = dict(options)
     backend = options.pop("backend", "auto")
     problem = build_problem(q, k, v, **options)
     implementation = _backends.resolve(backend, array_kind(problem.q))
@@ -96,6 +84,13 @@ def attention_vjp(q, k, v, **options):
         return tuple(public)
 
     return outputs, vjp
+
+
+# One list of options, from the table: the signatures help() and IDEs show, and the docs.
+for _function in (attention, attention_vjp):
+    _function.__signature__ = _options.signature()
+    if _function.__doc__:  # None under python -OO
+        _function.__doc__ = _function.__doc__.format(arguments=_options.argument_docs(" " * 8))
 
 
 def _public_outputs(problem, result):

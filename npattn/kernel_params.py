@@ -9,6 +9,7 @@ from enum import IntEnum
 import numpy as np
 
 from .dropout import seed_words
+from .options import OPTIONS
 
 
 class Int(IntEnum):
@@ -92,13 +93,9 @@ def problem_parameters(problem, dtype):
     ints[[Int.BATCH, Int.HEADS, Int.KV_HEADS, Int.Q_LEN, Int.KV_LEN, Int.HEAD_DIM, Int.VALUE_DIM]] = (
         problem.batch, problem.heads, problem.kv_heads, problem.q_len, problem.kv_len, problem.head_dim,
         problem.value_dim)
-    ints[Int.HAS_BIAS] = problem.bias is not None
-    ints[Int.HAS_MASK] = problem.mask is not None
-    ints[Int.HAS_ALIBI] = problem.alibi_slopes is not None
-    ints[Int.HAS_SINK] = problem.sink_logits is not None
-    ints[Int.HAS_SOFTCAP] = problem.softcap is not None
-    ints[Int.HAS_DROPOUT] = problem.dropout_p > 0
-    ints[Int.CAUSAL] = visibility.causal
+    for option in OPTIONS:  # HAS_BIAS, HAS_MASK, ..., CAUSAL: from the options table
+        if option.flag is not None:
+            ints[Int[option.flag]] = option.present(problem)
     ints[Int.WINDOW_LEFT] = -1 if visibility.window_left is None else visibility.window_left
     ints[Int.WINDOW_RIGHT] = -1 if visibility.window_right is None else visibility.window_right
     ints[Int.SINKS] = visibility.sinks

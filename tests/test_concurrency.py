@@ -66,10 +66,11 @@ def test_concurrent_calls_give_the_bits_of_sequential_calls(multithreaded_blas):
 
         def caller(offset):
             try:
-                for round_ in range(_ROUNDS):
-                    index = (offset + round_) % len(calls)
-                    if _bits(calls[index]()) != expected[index]:
-                        mismatches.append((offset, round_, index))
+                with cpu.products("blas"):  # tuning holds per thread: each caller sets its own
+                    for round_ in range(_ROUNDS):
+                        index = (offset + round_) % len(calls)
+                        if _bits(calls[index]()) != expected[index]:
+                            mismatches.append((offset, round_, index))
             except Exception as error:  # reported below, not lost in the thread
                 errors.append(error)
 
@@ -82,3 +83,28 @@ def test_concurrent_calls_give_the_bits_of_sequential_calls(multithreaded_blas):
     assert not mismatches, f"{len(mismatches)} of {_CALLERS * _ROUNDS} concurrent calls changed bits: {mismatches[:5]}"
     # the last call to leave hands BLAS back its own setting
     assert multithreaded_blas() == 2
+
+
+def test_tuning_set_in_one_thread_does_not_reach_another():
+    """tile_sizes and products hold for the thread that set them: a call from another
+    thread meanwhile runs the defaults (the settings once were process-wide)."""
+    from npattn.cpu import tuning
+
+    seen, ready, done = {}, threading.Event(), threading.Event()
+
+    def other():
+        ready.wait()
+        seen["other"] = tuning.current()
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with cpu.tile_sizes(8, 16, edge_band=4), cpu.products("blas"):
+        ready.set()
+        done.wait()
+        seen["mine"] = tuning.current()
+    thread.join()
+    assert seen["other"] == tuning.Tuning()
+    assert (seen["mine"].forward, seen["mine"].backward, seen["mine"].edge_band, seen["mine"].vector) == (
+        (8, 16), (8, 16), 4, False)
+    assert tuning.current() == tuning.Tuning()

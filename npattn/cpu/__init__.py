@@ -1,9 +1,9 @@
 """CPU backend: Numba-jitted, tiled (FlashAttention-2 style) kernels, forward and backward.
 
-Modules: :mod:`.operands` (a problem as flat arrays and strides), :mod:`.simd`
-(explicit 512-bit vectors for Numba), :mod:`.microkernels` (register-blocked tile
-products on them), :mod:`.blas` (BLAS products on row blocks in place, the
-fallback), :mod:`.rowmath` (a vectorized exp),
+Modules: :mod:`.tuning` (tile sizes and product path, per context), :mod:`.operands`
+(a problem as flat arrays and strides), :mod:`.simd` (explicit 512-bit vectors for
+Numba), :mod:`.microkernels` (register-blocked tile products on them), :mod:`.blas`
+(BLAS products on row blocks in place, the fallback), :mod:`.rowmath` (a vectorized exp),
 :mod:`.tiles` (visibility, dropout hash, one tile of scores), :mod:`.forward_kernel`
 and :mod:`.backward_kernel`. Importing this package needs neither Numba nor SciPy;
 the kernels are imported (and compiled, or loaded from Numba's on-disk cache) on
@@ -11,7 +11,6 @@ first use.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 
 NAME = "cpu"
@@ -38,42 +37,33 @@ def backward(problem, saved, dout):
     return run(problem, saved, dout)
 
 
-@contextlib.contextmanager
 def products(kind: str):
-    """Run the block with the tiles' matrix products on ``"vector"`` (the register-blocked
-    micro-kernels of :mod:`.microkernels`, the default where the CPU has 512-bit vectors)
-    or ``"blas"`` (SciPy's BLAS, the default elsewhere). Results agree to rounding; the
-    tests run both. Not thread-safe: it sets module state."""
-    from . import operands
+    """A context manager: run the block with the tiles' matrix products on ``"vector"``
+    (the register-blocked micro-kernels of :mod:`.microkernels`, the default where the CPU
+    has 512-bit vectors) or ``"blas"`` (SciPy's BLAS, the default elsewhere). Results agree
+    to rounding; the tests run both. It applies to calls from this thread (or asyncio
+    task) only: see :mod:`.tuning`."""
+    from .tuning import tuned
 
     if kind not in ("vector", "blas"):
         raise ValueError(f"products must be 'vector' or 'blas', got {kind!r}")
-    saved = dict(operands.PRODUCTS)
-    operands.PRODUCTS["vector"] = kind == "vector"
-    try:
-        yield
-    finally:
-        operands.PRODUCTS.update(saved)
+    return tuned(vector=kind == "vector")
 
 
-@contextlib.contextmanager
 def tile_sizes(block_q: int, block_k: int, edge_band: int | None = None):
-    """Run the block with query tiles of ``block_q`` rows and key tiles of ``block_k`` keys in
-    both the forward and the backward (defaults: 192 x 384 and 96 x 192), and, when
-    given, products on tiles the causal or window edge cuts in bands of ``edge_band``
-    rows (default 48). Results agree to rounding for any sizes; the tests use tiny tiles
-    to cross many tile edges on small problems, and tuners can try others. Not
-    thread-safe: it sets module state."""
-    from . import operands
+    """A context manager: run the block with query tiles of ``block_q`` rows and key tiles
+    of ``block_k`` keys in both the forward and the backward (defaults: 192 x 384 and
+    96 x 192), and, when given, products on tiles the causal or window edge cuts in bands
+    of ``edge_band`` rows (default 48). Results agree to rounding for any sizes; the tests
+    use tiny tiles to cross many tile edges on small problems, and tuners can try others.
+    It applies to calls from this thread (or asyncio task) only: see :mod:`.tuning`."""
+    from .tuning import tuned
 
     if block_q < 1 or block_k < 1 or (edge_band is not None and edge_band < 1):
         raise ValueError(f"tile sizes must be positive, got block_q={block_q}, block_k={block_k}, "
                          f"edge_band={edge_band}")
-    saved = dict(operands.TILES)
-    operands.TILES.update(forward=(int(block_q), int(block_k)), backward=(int(block_q), int(block_k)))
+    tiles = (int(block_q), int(block_k))
+    changes = dict(forward=tiles, backward=tiles)
     if edge_band is not None:
-        operands.TILES["edge_band"] = int(edge_band)
-    try:
-        yield
-    finally:
-        operands.TILES.update(saved)
+        changes["edge_band"] = int(edge_band)
+    return tuned(**changes)

@@ -9,7 +9,6 @@ from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from .blas import single_threaded_blas
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
-from . import operands
 from .scratch import backward_scratch, forward_scratch, gradient_tile_scratch, score_tile_scratch
 from .operands import Int, build_operands, row_strides
 
@@ -17,7 +16,7 @@ from .operands import Int, build_operands, row_strides
 def forward(problem) -> ForwardResult:
     """out (B, H, Sq, Dv) as a bhsd view of an array in the user's layout, lse (B, H, Sq),
     and weights when asked; ``saved`` keeps (out, lse) for the backward."""
-    ops = build_operands(problem, operands.TILES["forward"])
+    ops = build_operands(problem, "forward")
     dtype = problem.accumulate_dtype
     batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
     if problem.layout == "bshd":
@@ -52,7 +51,7 @@ _BACKWARD_ITEMS = 8
 def backward(problem, saved, dout) -> Gradients:
     """Gradients of ``sum(out * dout)`` from the saved (out, lse); ``dout`` is bhsd."""
     out, lse = saved
-    ops = build_operands(problem, operands.TILES["backward"])
+    ops = build_operands(problem, "backward")
     dtype = problem.accumulate_dtype
     batch, heads, q_len, head_dim = problem.q.shape
     kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim

@@ -17,25 +17,8 @@ import numpy as np
 from ..kernel_params import Int, Real, element_strides, lengths_or_full, problem_parameters  # noqa: F401  (Int, Real: the kernels import them from here)
 from .microkernels import chunk_columns
 from .simd import lanes_of as vector_lanes
+from .tuning import Tuning, current
 
-# Tile sizes (rows of queries x columns of keys), runtime values of the kernels (no
-# recompilation); :func:`npattn.cpu.tile_sizes` changes them. Measured on the 2-core
-# AVX-512 machine with the micro-kernels (medians of 5, interleaved): the forward with
-# 192 x 384 against 256 x 512 takes 101 against 129 ms at (4, 16, 1024, 64) causal (a
-# smaller diagonal tile computes fewer masked scores), 542 against 577 ms at GQA
-# (1, 32/8, 2048, 128), and is within noise elsewhere; 192 rows are whole 6-row blocks.
-# The backward (one backward, best of 3 rounds interleaved over the candidates, with the
-# vector exp): 64 x 192 against 64 x 128 takes 156-160 against 179-184 ms at
-# (1, 8, 2048, 64), 300 against 309 at (4, 16, 1024, 64) and 1223 against 1340 at GQA
-# (1, 32/8, 2048, 128); 128 x 128 and 96 x 192 were as fast or slower, 64 x 256 slower.
-# Re-measured after the scratch and edge-band changes (same method, best of 5): 96 x 192
-# against 64 x 192 won 5 of 6 runs, by 3-12%: 135-156 against 151-165 ms at
-# (1, 8, 2048, 64), 289-344 against 293-354 at (4, 16, 1024, 64), 1079-1168 against
-# 1109-1226 at GQA (1, 32/8, 2048, 128) (the one loss: 1168 against 1109).
-TILES = {"forward": (192, 384), "backward": (96, 192), "edge_band": 48}
-# Products through the register-blocked micro-kernels (None: where the CPU has 512-bit
-# vectors, see :data:`npattn.cpu.simd.WIDE`), or BLAS; :func:`npattn.cpu.products` sets it.
-PRODUCTS = {"vector": None}
 
 
 class Operands(NamedTuple):
@@ -87,8 +70,12 @@ def row_strides(array, dtype):
     return flat, (sb, sh, max(sr, width, 1))
 
 
-def build_operands(problem, tiles=TILES["forward"]) -> Operands:
-    """The kernels' operands for ``problem`` with (block_q, block_k) ``tiles``."""
+def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None) -> Operands:
+    """The kernels' operands for ``problem``, with the tiles of ``kind`` ("forward" or
+    "backward") and the product path of ``tuning`` (default: the calling context's,
+    :func:`npattn.cpu.tuning.current`)."""
+    tuning = current() if tuning is None else tuning
+    tiles = tuning.forward if kind == "forward" else tuning.backward
     dtype = problem.accumulate_dtype  # the kernels compute in it: float32 for float16 inputs
     batch, heads, q_len, head_dim = problem.q.shape
     q, q_strides = row_strides(problem.q, dtype)
@@ -115,8 +102,8 @@ def build_operands(problem, tiles=TILES["forward"]) -> Operands:
     ints[Int.BIAS_STRIDE_B:Int.BIAS_STRIDE_K + 1] = bias_strides
     ints[Int.MASK_STRIDE_B:Int.MASK_STRIDE_K + 1] = mask_strides
     ints[Int.BLOCK_Q], ints[Int.BLOCK_K] = tiles
-    ints[Int.EDGE_BAND] = TILES["edge_band"]
-    vector = _vector_products()
+    ints[Int.EDGE_BAND] = tuning.edge_band
+    vector = tuning.vector_products
     ints[Int.VECTOR_SCORES] = vector
     ints[Int.VECTOR_VALUES] = vector and problem.value_dim % vector_lanes(dtype) == 0
     ints[Int.VECTOR_KEYS] = vector and head_dim % vector_lanes(dtype) == 0
@@ -129,12 +116,6 @@ def build_operands(problem, tiles=TILES["forward"]) -> Operands:
     # Numba types read-only and writable arrays differently: make every operand read-only,
     # so placeholders and real views share one compiled kernel.
     return Operands(*(_read_only(array) for array in operands))
-
-
-def _vector_products() -> bool:
-    from .simd import WIDE
-
-    return WIDE if PRODUCTS["vector"] is None else bool(PRODUCTS["vector"])
 
 
 def _read_only(array):

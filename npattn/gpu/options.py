@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from enum import IntFlag
 
+from .. import options as _table
+
 
 class Option(IntFlag):
     MASK = 1        # a boolean mask
@@ -53,17 +55,11 @@ def options_of(problem, arrays=(), bound: int = 0) -> Option:
     def whole_tiles(dim):
         return -(-dim // 16) * 16
 
-    visibility = problem.visibility
     needed = Option(0)
+    for option in _table.OPTIONS:  # MASK, BIAS, ..., BAND: from the options table
+        if option.gpu_option is not None and option.present(problem):
+            needed |= Option[option.gpu_option]
     flags = {
-        Option.MASK: problem.mask is not None,
-        Option.BIAS: problem.bias is not None,
-        Option.ALIBI: problem.alibi_slopes is not None,
-        Option.SOFTCAP: problem.softcap is not None,
-        Option.DROPOUT: problem.dropout_p > 0,
-        Option.SINK: problem.sink_logits is not None,
-        Option.BAND: (visibility.causal or visibility.window_left is not None
-                      or visibility.window_right is not None or problem.kv_lengths is not None),
         Option.UNALIGNED: (problem.head_dim % 8 != 0 or problem.value_dim % 8 != 0
                            or not all(_aligned(array) for array in arrays)),
         Option.NARROW: bound > 0 and min(whole_tiles(problem.head_dim), whole_tiles(problem.value_dim)) < bound,

@@ -1,0 +1,179 @@
+"""The argument checks :mod:`npattn.options` and :mod:`npattn.validation` are built from.
+
+Each check takes a user's value and returns it normalized, or raises an error that names
+the argument, what was expected and what was received, e.g. ``ValueError: window must
+be non-negative, got -1``. Nothing here modifies an input: arrays are only viewed
+(reshaped to 4-D, broadcast) or, for array-likes and the other byte order, copied.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+import numpy as np
+
+from . import _arrays
+
+LAYOUTS = ("bhsd", "bshd")
+FLOAT_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+def check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def as_array(name, value):
+    """``value`` itself if it is a NumPy or CuPy array, else ``np.asarray(value)``, with
+    NumPy's complaint about a ragged or odd array-like turned into one naming ``name``.
+    A NumPy array in the other byte order is copied once to the machine's, so every
+    backend, and every dtype comparison, sees native numbers."""
+    if _arrays.is_cupy(value):
+        return value
+    if not isinstance(value, np.ndarray):
+        try:
+            value = np.asarray(value)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{name} must be an array or a nested sequence of numbers of one shape, "
+                             f"got a {type(value).__name__} NumPy cannot read as one: {error}") from None
+    if not value.dtype.isnative:
+        value = value.astype(value.dtype.newbyteorder("="))
+    return value
+
+
+def as_arrays(reference=None, **named):
+    """NumPy/CuPy arrays for each named input; array-likes become NumPy arrays.
+    All must be of one kind: the kind of ``reference`` when given, else the first's."""
+    arrays = [as_array(name, a) for name, a in named.items()]
+    first_name, first = next(iter(named)), arrays[0]
+    if reference is not None:
+        first_name, first = "q", reference
+    for name, array in zip(named, arrays):
+        if _arrays.array_kind(array) != _arrays.array_kind(first):
+            raise TypeError(f"{name} is a {_arrays.array_kind(array)} array but {first_name} is a "
+                            f"{_arrays.array_kind(first)} array; mixing NumPy and CuPy arrays is "
+                            "not supported (move them to one device first)")
+    return arrays
+
+
+def check_float_dtype(name, array):
+    if array.dtype.name not in FLOAT_DTYPE_NAMES:
+        raise TypeError(f"{name} must be a floating-point array ({', '.join(FLOAT_DTYPE_NAMES)}), "
+                        f"got dtype {array.dtype}")
+
+
+def check_qkv_shapes(q, k, v, layout):
+    """Shape agreement, with shapes reported back in the user's layout."""
+    def user(shape):
+        return tuple(shape[i] for i in ((0, 2, 1, 3) if layout == "bshd" else (0, 1, 2, 3)))
+
+    batch, heads, _, head_dim = q.shape
+    for name, array in (("k", k), ("v", v)):
+        if array.shape[0] != batch:
+            raise ValueError(f"{name} has batch size {array.shape[0]} but q has {batch} "
+                             f"(q {user(q.shape)}, {name} {user(array.shape)})")
+    if heads < 1 or k.shape[1] < 1:
+        raise ValueError(f"q and k need at least one head, got q {user(q.shape)} and k {user(k.shape)}")
+    if heads % k.shape[1]:
+        raise ValueError(f"k has {k.shape[1]} heads, which does not divide q's {heads} heads")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}; they must match")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v has {v.shape[2]} keys (Sk) but k has {k.shape[2]}; they must match")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k has head dim {k.shape[3]} but q has {head_dim}; they must match")
+    if head_dim < 1 or v.shape[3] < 1:
+        raise ValueError(f"head dims must be at least 1, got q's D = {head_dim} and v's Dv = {v.shape[3]}")
+
+
+def check_bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_count(name, value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be a non-negative int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value}")
+    return int(value)
+
+
+def check_real(name, value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def check_representable(name, value, compute):
+    """``value`` must keep its meaning in the ``compute`` dtype: not past its largest finite value."""
+    largest = float(np.finfo(compute).max)
+    if abs(value) > largest:
+        raise ValueError(f"{name} must be at most {largest:.4g} in magnitude for inputs computed in "
+                         f"{compute} (it would become infinite), got {value!r}")
+    return value
+
+
+def broadcast_4d(name, array, target):
+    """A 4-D view of ``array`` that broadcasts to ``target`` without growing it."""
+    shape = tuple(array.shape)
+    if array.ndim > 4 or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1])):
+        raise ValueError(f"{name} of shape {shape} does not broadcast to (B, H, Sq, Sk) = {target}")
+    return array.reshape((1,) * (4 - array.ndim) + shape)
+
+
+def check_broadcastable(name, array, q, target, *, want_bool):
+    if array is None:
+        return None
+    (array,) = as_arrays(**{name: array}, reference=q)
+    if want_bool and array.dtype != np.bool_:
+        raise TypeError(f"{name} must be a bool array (True = may attend), got dtype {array.dtype}; "
+                        "pass an additive float mask as bias=")
+    if not want_bool:
+        check_float_dtype(name, array)
+    return broadcast_4d(name, array, target)
+
+
+def check_vector(name, array, q, shape, described):
+    if array is None:
+        return None
+    (array,) = as_arrays(**{name: array}, reference=q)
+    check_float_dtype(name, array)
+    if tuple(array.shape) != shape:
+        raise ValueError(f"{name} must have shape {described} = {shape}, got {tuple(array.shape)}")
+    return array
+
+
+def check_finite_values(name, array, compute, reach=1):
+    """Every element of ``array`` (None passes) finite, and times ``reach`` still finite in
+    the ``compute`` dtype; the error names the first offending element."""
+    if array is None:
+        return None
+    host = np.asarray(_arrays.to_numpy(array), np.float64)
+    largest = float(np.finfo(compute).max) / max(reach, 1)
+    bad = np.argwhere(~(np.abs(host) <= largest))  # catches NaN too
+    if bad.size:
+        where = tuple(int(i) for i in bad[0])
+        limit = f"finite in {compute}" if reach <= 1 else f"at most {largest:.4g} in magnitude (Sq + Sk = {reach} times it must stay finite in {compute})"
+        raise ValueError(f"{name} must be {limit}, got {name}[{', '.join(map(str, where))}] = {float(host[where])!r}")
+    return array
+
+
+def check_lengths(name, lengths, q, batch, limit, limit_name):
+    if lengths is None:
+        return None
+    (lengths,) = as_arrays(**{name: lengths}, reference=q)
+    if lengths.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array of shape (B,), got dtype {lengths.dtype}")
+    if tuple(lengths.shape) != (batch,):
+        raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(lengths.shape)}")
+    host = _arrays.to_numpy(lengths)
+    bad = np.flatnonzero((host < 0) | (host > limit))
+    if bad.size:
+        raise ValueError(f"{name} must lie in [0, {limit_name}] = [0, {limit}], "
+                         f"got {name}[{bad[0]}] = {host[bad[0]]}")
+    return lengths.astype(np.int64)

@@ -1,0 +1,66 @@
+"""The CPU kernels' tuning: tile sizes and the product path, per thread of control.
+
+A :class:`Tuning` is an immutable value held in a :mod:`contextvars` variable, so
+:func:`npattn.cpu.tile_sizes` and :func:`npattn.cpu.products` change it for the calling
+thread (or asyncio task) inside their ``with`` block only: calls made meanwhile from
+other threads keep their own settings. Every value is a runtime parameter of the
+kernels (nothing recompiles), and results agree to rounding for any of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from dataclasses import dataclass
+
+# Tile sizes (rows of queries x columns of keys), runtime values of the kernels (no
+# recompilation); :func:`npattn.cpu.tile_sizes` changes them. Measured on the 2-core
+# AVX-512 machine with the micro-kernels (medians of 5, interleaved): the forward with
+# 192 x 384 against 256 x 512 takes 101 against 129 ms at (4, 16, 1024, 64) causal (a
+# smaller diagonal tile computes fewer masked scores), 542 against 577 ms at GQA
+# (1, 32/8, 2048, 128), and is within noise elsewhere; 192 rows are whole 6-row blocks.
+# The backward (one backward, best of 3 rounds interleaved over the candidates, with the
+# vector exp): 64 x 192 against 64 x 128 takes 156-160 against 179-184 ms at
+# (1, 8, 2048, 64), 300 against 309 at (4, 16, 1024, 64) and 1223 against 1340 at GQA
+# (1, 32/8, 2048, 128); 128 x 128 and 96 x 192 were as fast or slower, 64 x 256 slower.
+# Re-measured after the scratch and edge-band changes (same method, best of 5): 96 x 192
+# against 64 x 192 won 5 of 6 runs, by 3-12%: 135-156 against 151-165 ms at
+# (1, 8, 2048, 64), 289-344 against 293-354 at (4, 16, 1024, 64), 1079-1168 against
+# 1109-1226 at GQA (1, 32/8, 2048, 128) (the one loss: 1168 against 1109).
+@dataclass(frozen=True)
+class Tuning:
+    """``forward`` / ``backward``: (query rows, keys) per tile; ``edge_band``: rows per band
+    of a tile the causal or window edge cuts; ``vector``: products on the register-blocked
+    micro-kernels (True), SciPy's BLAS (False), or None: the micro-kernels where the CPU
+    has 512-bit vectors (:data:`npattn.cpu.simd.WIDE`)."""
+
+    forward: tuple = (192, 384)
+    backward: tuple = (96, 192)
+    edge_band: int = 48
+    vector: bool | None = None
+
+    @property
+    def vector_products(self) -> bool:
+        if self.vector is None:
+            from .simd import WIDE  # imports Numba: only when a kernel is about to run
+
+            return WIDE
+        return self.vector
+
+
+_CURRENT = contextvars.ContextVar("npattn_cpu_tuning", default=Tuning())
+
+
+def current() -> Tuning:
+    """The calling context's tuning."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def tuned(**changes):
+    """Run the block with :class:`Tuning` fields replaced by ``changes`` in this context."""
+    token = _CURRENT.set(dataclasses.replace(_CURRENT.get(), **changes))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)

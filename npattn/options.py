@@ -1,0 +1,284 @@
+"""Every keyword option of :func:`npattn.attention`, once: the table the rest is built from.
+
+An :class:`Option` entry gives an option's name, default, kind, one line of
+documentation, its check (a function of the user's value and the :class:`Call` being
+checked, returning the normalized value or raising an error that names the option),
+which :class:`~npattn.problem.AttentionProblem` field it fills, and, for options the
+kernels switch on, when it is present in a problem, its ``HAS_*`` flag in the kernels'
+integer parameters and its bit in the GPU kernels' option sets.
+
+Built from the table: the public signatures and their argument docs
+(:func:`signature`, :func:`argument_docs`; used by ``attention`` and
+``attention_vjp``), the validation loop (:func:`npattn.validation.build_problem`),
+the kernels' option flags (:func:`npattn.kernel_params.problem_parameters`) and the GPU
+option sets (:func:`npattn.gpu.options.options_of`). The maths of each option stays
+hand-written once per backend; ``tests/test_options.py`` fails when an option of the
+table changes nothing in some backend's output or gradients, or is missing from the
+test strategies.
+
+Adding an option: an entry here, its maths in ``reference.py``, the CPU score step
+(``cpu/tiles.py``) and gradient step (``cpu/backward_kernel.py``), the GPU's
+``finish_score``/``score_gradient`` (``gpu/common.cuh``), a scalar slot in
+``kernel_params.py`` if it has one, and a drawer in ``tests/strategies.py``.
+
+Imports nothing from npattn but :mod:`.checks` and :mod:`.masks`.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+import textwrap
+from numbers import Integral
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from . import checks
+from . import _arrays
+from .masks import Visibility
+
+
+@dataclass(frozen=True)
+class Call:
+    """What an option's check may need of the call being checked: q as a bhsd view (the
+    array kind every array option must match), the sizes, the compute dtype, and the
+    options checked before it (table order), normalized, by name."""
+
+    q: Any
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    compute: np.dtype
+    checked: dict
+
+    @property
+    def reach(self) -> int:
+        """Sq + Sk: more than any query-key distance, so a window past it bounds nothing.
+        Clamping to it keeps the kernels' int64 (and the GPU's int32) positions from
+        overflowing."""
+        return self.q_len + self.kv_len
+
+    @property
+    def scores_shape(self) -> tuple:
+        return (self.batch, self.heads, self.q_len, self.kv_len)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One keyword of ``attention``. ``kind``: "visibility" (which keys a row sees),
+    "score" (changes a visible score), "softmax" (changes the normalization), "randomness",
+    "output" (what is returned) or "layout". ``field``: the AttentionProblem field the
+    normalized value fills (None: composed by build_problem, as ``visibility`` is from
+    causal, window and sinks). ``present``: when a problem uses it (None: always or
+    never matters to the kernels); ``flag``: its ``HAS_*`` position name in
+    :class:`npattn.kernel_params.Int`; ``gpu_option``: its bit name in
+    :class:`npattn.gpu.options.Option`."""
+
+    name: str
+    default: Any
+    kind: str
+    doc: str
+    check: Callable[[Any, Call], Any]
+    field: str | None = None
+    present: Callable | None = None
+    flag: str | None = None
+    gpu_option: str | None = None
+
+
+def _has(field):
+    return lambda problem: getattr(problem, field) is not None
+
+
+def _window_set(problem):
+    return problem.visibility.window_left is not None or problem.visibility.window_right is not None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("causal", False, "visibility",
+           "bool: row i sees keys j <= p_i (bottom-right alignment).",
+           lambda value, call: checks.check_bool("causal", value),
+           present=lambda problem: problem.visibility.causal, flag="CAUSAL", gpu_option="BAND"),
+    Option("window", None, "visibility",
+           "None, int w (-> (w, w), or (w, 0) when causal) or (left, right) with None for an "
+           "unbounded side; bounds past Sq + Sk mean none.",
+           lambda value, call: _check_window(value, call.reach),
+           present=_window_set, gpu_option="BAND"),
+    Option("sinks", 0, "visibility",
+           "int: the first keys stay visible despite the window (past Sk: all of them).",
+           lambda value, call: min(checks.check_count("sinks", value), call.kv_len)),
+    Option("sink_logits", None, "softmax",
+           "(H,) float, finite: a value-less logit per head in every row's softmax.",
+           lambda value, call: checks.check_finite_values(
+               "sink_logits", checks.check_vector("sink_logits", value, call.q, (call.heads,), "(H,)"),
+               call.compute),
+           field="sink_logits", present=_has("sink_logits"), flag="HAS_SINK", gpu_option="SINK"),
+    Option("mask", None, "visibility",
+           "bool, broadcastable to (B, H, Sq, Sk); True = may attend.",
+           lambda value, call: checks.check_broadcastable("mask", value, call.q, call.scores_shape,
+                                                          want_bool=True),
+           field="mask", present=_has("mask"), flag="HAS_MASK", gpu_option="MASK"),
+    Option("bias", None, "score",
+           "float, broadcastable to (B, H, Sq, Sk), added to the scores (-inf hides a key).",
+           lambda value, call: checks.check_broadcastable("bias", value, call.q, call.scores_shape,
+                                                          want_bool=False),
+           field="bias", present=_has("bias"), flag="HAS_BIAS", gpu_option="BIAS"),
+    Option("alibi_slopes", None, "score",
+           "(H,) or (B, H) float: - slope * |p_i - j| added to the scores; finite even "
+           "times Sq + Sk in the compute dtype.",
+           lambda value, call: _check_alibi(value, call.q, call.batch, call.heads, call.reach,
+                                                  call.compute),
+           field="alibi_slopes", present=_has("alibi_slopes"), flag="HAS_ALIBI", gpu_option="ALIBI"),
+    Option("q_lengths", None, "visibility",
+           "int (B,): rows past q_lengths[b] are padding and output zeros.",
+           lambda value, call: checks.check_lengths("q_lengths", value, call.q, call.batch, call.q_len, "Sq"),
+           field="q_lengths"),
+    Option("kv_lengths", None, "visibility",
+           "int (B,): keys past kv_lengths[b] are padding and never seen.",
+           lambda value, call: checks.check_lengths("kv_lengths", value, call.q, call.batch, call.kv_len, "Sk"),
+           field="kv_lengths", present=_has("kv_lengths"), gpu_option="BAND"),
+    Option("scale", None, "score",
+           "float, finite in the compute dtype (float32, or float64 for float64 inputs); "
+           "None: 1/sqrt(D).",
+           lambda value, call: _check_scale(value, call.head_dim, call.compute),
+           field="scale"),
+    Option("softcap", None, "score",
+           "None or 0 for none, else positive and a normal number of the compute dtype: "
+           "s -> softcap * tanh(s / softcap).",
+           lambda value, call: _check_softcap(value, call.compute),
+           field="softcap", present=_has("softcap"), flag="HAS_SOFTCAP", gpu_option="SOFTCAP"),
+    Option("dropout_p", 0.0, "randomness",
+           "float in [0, 1): the probability of dropping each weight (inverted scaling).",
+           lambda value, call: _check_dropout_p(value),
+           field="dropout_p", present=lambda problem: problem.dropout_p > 0, flag="HAS_DROPOUT",
+           gpu_option="DROPOUT"),
+    Option("seed", None, "randomness",
+           "int, or None for a fresh random seed (remembered by attention_vjp).",
+           lambda value, call: _check_seed(value, call.checked["dropout_p"]),
+           field="seed"),
+    Option("layout", "bhsd", "layout",
+           '"bhsd" (B, H, S, D) or "bshd" (B, S, H, D), for q, k, v and out.',
+           lambda value, call: checks.check_layout(value),
+           field="layout"),
+    Option("return_lse", False, "output",
+           "bool: also return lse (B, H, Sq).",
+           lambda value, call: checks.check_bool("return_lse", value),
+           field="return_lse"),
+    Option("return_weights", False, "output",
+           "bool: also return the weights (B, H, Sq, Sk).",
+           lambda value, call: checks.check_bool("return_weights", value),
+           field="return_weights"),
+)
+BY_NAME = {option.name: option for option in OPTIONS}
+NAMES = tuple(BY_NAME)
+
+BACKEND_DOC = ('"auto" (cpu for NumPy, gpu for CuPy, else reference), "reference", "cpu" or "gpu".')
+
+
+def visibility(checked: dict) -> Visibility:
+    """The :class:`~npattn.masks.Visibility` of the normalized causal, window and sinks."""
+    return Visibility.from_options(checked["causal"], checked["window"], checked["sinks"])
+
+
+def check_names(options: dict) -> None:
+    """Reject a keyword that is not an option, naming it (and the option it resembles)."""
+    for name in options:
+        if name not in BY_NAME:
+            close = difflib.get_close_matches(str(name), NAMES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"unknown option {name!r}{hint} The options are {', '.join(NAMES)} and backend.")
+
+
+def signature(*, with_backend: bool = True) -> inspect.Signature:
+    """``(q, k, v, *, <every option>=<default>, [backend="auto"])``."""
+    positional = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in "qkv"]
+    keywords = [inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default)
+                for option in OPTIONS]
+    if with_backend:
+        keywords.append(inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default="auto"))
+    return inspect.Signature(positional + keywords)
+
+
+def argument_docs(indent: str = "    ") -> str:
+    """The Args section lines, one option each, with ``backend`` last."""
+    entries = [(option.name, option.doc) for option in OPTIONS] + [("backend", BACKEND_DOC)]
+    return "\n".join(textwrap.fill(f"{name}: {doc}", width=88, initial_indent=indent,
+                                   subsequent_indent=indent + "    ") for name, doc in entries)
+
+
+# ---- the checks that belong to one option ---------------------------------------------------
+
+def _check_window(window, reach):
+    """None, an int w >= 0, or a (left, right) pair of ints >= 0 or None; bounds above
+    ``reach`` (Sq + Sk, beyond any query-key distance) become ``reach``."""
+    if window is None:
+        return None
+    if isinstance(window, (tuple, list)):
+        if len(window) != 2:
+            raise ValueError(f"window must be None, an int or a (left, right) pair, got {window!r}")
+        bounds = tuple(None if w is None else _window_bound(w, window, reach) for w in window)
+        return bounds
+    return _window_bound(window, window, reach)
+
+
+def _window_bound(bound, window, reach):
+    if isinstance(bound, (bool, np.bool_)) or not isinstance(bound, Integral):
+        raise TypeError(f"window must be None, an int or a (left, right) pair of ints or None, got {window!r}")
+    if bound < 0:
+        raise ValueError(f"window must be non-negative, got {window!r}")
+    return min(int(bound), reach)
+
+
+def _check_scale(scale, head_dim, compute):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return checks.check_representable("scale", checks.check_real("scale", scale), compute)
+
+
+def _check_softcap(softcap, compute):
+    """None or 0 turn soft-capping off (0 as in FlashAttention); otherwise it must be positive
+    and a normal number of the ``compute`` dtype (scores are divided by it)."""
+    if softcap is None:
+        return None
+    softcap = checks.check_representable("softcap", checks.check_real("softcap", softcap), compute)
+    if softcap < 0:
+        raise ValueError(f"softcap must be positive (or None/0 for none), got {softcap}")
+    smallest = float(np.finfo(compute).tiny)
+    if 0 < softcap < smallest:
+        raise ValueError(f"softcap must be at least {smallest:.4g} for inputs computed in {compute} "
+                         f"(scores are divided by it), got {softcap!r}")
+    return softcap or None
+
+
+def _check_dropout_p(dropout_p):
+    dropout_p = checks.check_real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return dropout_p
+
+
+def _check_seed(seed, dropout_p):
+    """An int (any size: it is taken mod 2**64), or None: a fresh random seed when dropout is on."""
+    if seed is None:
+        return int(np.random.SeedSequence().generate_state(1, np.uint64)[0]) if dropout_p else 0
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, Integral):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
+    return int(seed)
+
+
+def _check_alibi(slopes, q, batch, heads, reach, compute):
+    """(H,) or (B, H) slopes, broadcast to (B, H); each times the longest distance
+    (``reach`` = Sq + Sk) must stay finite in the ``compute`` dtype."""
+    if slopes is None:
+        return None
+    (slopes,) = checks.as_arrays(alibi_slopes=slopes, reference=q)
+    checks.check_float_dtype("alibi_slopes", slopes)
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape (H,) = ({heads},) or (B, H) = ({batch}, {heads}), "
+                         f"got {tuple(slopes.shape)}")
+    checks.check_finite_values("alibi_slopes", slopes, compute, reach)
+    xp = _arrays.array_module(slopes)
+    return xp.broadcast_to(slopes, (batch, heads))

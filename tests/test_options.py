@@ -1,0 +1,95 @@
+"""The options table (npattn/options.py) is the one list of options: every option in it
+is read by every backend's forward and backward, drawn by the test strategies, and shown
+in the public signatures and docs. A new option left out of any of them fails here."""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+import npattn
+from npattn import options as table
+from conftest import NUMPY_BACKENDS
+import strategies
+
+B, H, HKV, SQ, SK, D = 2, 2, 1, 5, 7, 4
+# Options that change what is computed, each as (baseline options, the option's change):
+# the change must move every backend's output and gradients. An option of these kinds
+# missing here fails test_every_computing_option_has_an_example.
+COMPUTING_KINDS = ("visibility", "score", "softmax", "randomness")
+_RNG = np.random.default_rng(3)
+EXAMPLES = {
+    "causal": ({}, {"causal": True}),
+    "window": ({}, {"window": 1}),
+    "sinks": ({"window": 1}, {"sinks": 2}),
+    "sink_logits": ({}, {"sink_logits": np.array([1.0, -0.5])}),
+    "mask": ({}, {"mask": np.c_[np.ones((SQ, 1), bool), _RNG.random((SQ, SK - 1)) < 0.5]}),
+    "bias": ({}, {"bias": _RNG.normal(size=(B, H, SQ, SK))}),
+    "alibi_slopes": ({}, {"alibi_slopes": np.array([0.5, 0.25])}),
+    "q_lengths": ({}, {"q_lengths": np.array([3, SQ])}),
+    "kv_lengths": ({}, {"kv_lengths": np.array([4, SK])}),
+    "scale": ({}, {"scale": 0.3}),
+    "softcap": ({}, {"softcap": 0.5}),
+    "dropout_p": ({}, {"dropout_p": 0.3, "seed": 1}),
+    "seed": ({"dropout_p": 0.3, "seed": 1}, {"seed": 2}),
+}
+
+
+def _run(backend, options):
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(B, H, SQ, D))
+    k, v = rng.normal(size=(B, HKV, SK, D)), rng.normal(size=(B, HKV, SK, D))
+    out, vjp = npattn.attention_vjp(q, k, v, backend=backend, **options)
+    return (out, *vjp(np.ones_like(out))[:3])
+
+
+def check_option_is_read(backend, name):
+    """``name``'s example changes ``backend``'s out, dq, dk and dv."""
+    baseline, change = EXAMPLES[name]
+    without, with_ = _run(backend, baseline), _run(backend, {**baseline, **change})
+    for what, a, b in zip(("out", "dq", "dk", "dv"), without, with_):
+        assert not np.allclose(a, b, rtol=1e-6, atol=1e-9), f"{backend} ignores {name} in {what}"
+
+
+def test_every_computing_option_has_an_example():
+    computing = {option.name for option in table.OPTIONS if option.kind in COMPUTING_KINDS}
+    assert computing == set(EXAMPLES)
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_every_option_is_read_by_every_backend_forward_and_backward(backend, name):
+    check_option_is_read(backend, name)
+
+
+def test_the_strategies_draw_every_option():
+    drawn = set()
+    for drawer in strategies._OPTION_DRAWERS.values():
+        class Draw:  # a stand-in for hypothesis's draw: the first value of each strategy
+            def __call__(self, strategy):
+                return strategy.example()
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            drawn |= set(drawer(Draw(), np.random.default_rng(0), strategies.Dims(2, 2, 1, 5, 7, 4, 4),
+                                np.dtype(np.float32)))
+    computing = {option.name for option in table.OPTIONS if option.kind in COMPUTING_KINDS}
+    assert computing <= drawn, f"no strategy draws {sorted(computing - drawn)}"
+
+
+@pytest.mark.parametrize("function", [npattn.attention, npattn.attention_vjp])
+def test_signatures_and_docs_list_every_option(function):
+    parameters = inspect.signature(function).parameters
+    assert list(parameters) == ["q", "k", "v", *table.NAMES, "backend"]
+    for option in table.OPTIONS:
+        assert parameters[option.name].default is option.default or parameters[option.name].default == option.default
+        assert f"{option.name}: {option.doc}" in " ".join(function.__doc__.split())
+
+
+def test_an_unknown_option_is_named_with_the_nearest():
+    q = np.zeros((1, 1, 2, 2))
+    with pytest.raises(TypeError, match="unknown option 'windows'; did you mean 'window'"):
+        npattn.attention(q, q, q, windows=2)
+    with pytest.raises(TypeError, match="unknown option 'windows'"):
+        npattn.attention_vjp(q, q, q, windows=2)
