@@ -12,15 +12,16 @@
 - ``transformer.py``: :class:`TransformerEncoderLayer`, :class:`TransformerDecoderLayer`.
 - ``interop.py``: :func:`from_torch` (a ``torch.nn.MultiheadAttention``'s weights).
 - ``disentangled.py``: :class:`DisentangledAttention` (DeBERTa-v2, as HF computes it).
+- ``registry.py``: :func:`get_attention` (a module by name).
 """
-from .attention import (GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention,
-                        get_attention)
+from .attention import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention
 from .cache import KVCache
 from .disentangled import DisentangledAttention
 from .interop import from_torch
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear, RMSNorm
 from .module import Module
 from .multiway import Multiway
+from .registry import get_attention
 from .transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
 __all__ = ["Module", "Multiway", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP",

@@ -269,16 +269,3 @@ class SlidingWindowAttention(MultiHeadAttention):
         causal = kwargs.get("causal", False)
         window = (window_size - 1, 0) if causal else window_size // 2
         super().__init__(embed_dim, num_heads, window=window, **kwargs)
-
-
-def get_attention(kind: str, **kwargs) -> MultiHeadAttention:
-    """The attention module named ``kind`` ("mha", "mqa", "gqa", "swa", "disentangled"),
-    built from the keywords of its class (``embed_dim``, ``num_heads``, ``num_groups``,
-    ``window_size``, ``max_relative_positions``, ...)."""
-    from .disentangled import DisentangledAttention
-
-    kinds = {"mha": MultiHeadAttention, "mqa": MultiQueryAttention, "gqa": GroupedQueryAttention,
-             "swa": SlidingWindowAttention, "disentangled": DisentangledAttention}
-    if kind not in kinds:
-        raise ValueError(f"get_attention: kind must be one of {sorted(kinds)}; got {kind!r}")
-    return kinds[kind](**kwargs)
