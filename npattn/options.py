@@ -18,8 +18,9 @@ test strategies.
 
 Adding an option: an entry here, its maths in ``reference.py``, the CPU score step
 (``cpu/tiles.py``) and gradient step (``cpu/backward_kernel.py``), the GPU's
-``finish_score``/``score_gradient`` (``gpu/common.cuh``), a scalar slot in
-``kernel_params.py`` if it has one, and a drawer in ``tests/strategies.py``.
+``finish_score``/``score_gradient`` (``gpu/common.cuh``), its field in ``problem.py``, a
+scalar slot in ``kernel_params.py`` and a bit in ``gpu/options.py`` if it has them, and a
+drawer in ``tests/strategies.py``.
 
 Imports nothing from npattn but :mod:`.checks` and :mod:`.masks`.
 """
