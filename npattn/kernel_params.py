@@ -62,6 +62,36 @@ class Int(IntEnum):
     EDGE_BAND = 43       # rows per band of a tile the causal/window edge cuts (tiles.band_keys)
 
 
+# The arrays every kernel takes first, in order, with their CUDA types (T: the storage
+# type, Acc: the compute type) and what each holds: the CPU's Operands tuple, the GPU
+# driver's argument tuple and the CUDA sources' Operands struct and parameter macros
+# (written by npattn.gpu.sources.source()) all follow this one list.
+OPERANDS = (
+    ("q", "const T*", "bhsd rows of queries"),
+    ("k", "const T*", "bhsd rows of keys"),
+    ("v", "const T*", "bhsd rows of values"),
+    ("bias", "const Acc*", "compute dtype, or a 1-element placeholder"),
+    ("mask", "const unsigned char*", "bool as bytes, or a placeholder"),
+    ("alibi", "const Acc*", "(B * H,) slopes, or a placeholder"),
+    ("sink", "const Acc*", "(H,) sink logits, or a placeholder"),
+    ("q_lengths", "const i64*", "(B,)"),
+    ("kv_lengths", "const i64*", "(B,)"),
+    ("ints", "const i64*", "NPATTN_INT_* / Int"),
+    ("reals", "const Acc*", "NPATTN_REAL_* / Real"),
+)
+OPERAND_NAMES = tuple(name for name, _, _ in OPERANDS)
+
+
+def operand_defines() -> list[str]:
+    """The CUDA lines for :data:`OPERANDS`: the Operands struct's fields, the kernels'
+    leading parameters and the struct built from them."""
+    fields = " ".join(f"{ctype} {name};" for name, ctype, _ in OPERANDS)
+    params = ", ".join(f"{ctype} {name}" for name, ctype, _ in OPERANDS)
+    return [f"#define NPATTN_OPERAND_FIELDS {fields}",
+            f"#define NPATTN_OPERAND_PARAMS {params}",
+            f"#define NPATTN_OPERANDS {{{', '.join(OPERAND_NAMES)}}}"]
+
+
 class Real(IntEnum):
     """Positions in the kernels' parameter array of the compute dtype."""
 

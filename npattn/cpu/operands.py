@@ -10,31 +10,24 @@ stride along the head dimension.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections import namedtuple
 
 import numpy as np
 
-from ..kernel_params import Int, Real, element_strides, lengths_or_full, problem_parameters  # noqa: F401  (Int, Real: the kernels import them from here)
+from ..kernel_params import (OPERAND_NAMES, Int, Real, element_strides, lengths_or_full,  # noqa: F401
+                             problem_parameters)  # (Int, Real: the kernels import them from here)
 from .microkernels import chunk_columns
 from .simd import lanes_of as vector_lanes
 from .tuning import Tuning, current
 
 
 
-class Operands(NamedTuple):
-    """What every kernel takes first, in this order (``kernel(*operands, ...)``)."""
-
-    q: np.ndarray           # flat views; strides in ``ints``
-    k: np.ndarray
-    v: np.ndarray
-    bias: np.ndarray        # flat view in the compute dtype, or a 1-element placeholder
-    mask: np.ndarray        # flat uint8 view of the bool mask, or a placeholder
-    alibi: np.ndarray       # (B * H,) slopes, or a placeholder
-    sink: np.ndarray        # (H,) sink logits, or a placeholder
-    q_lengths: np.ndarray   # int64 (B,), Sq where not given
-    kv_lengths: np.ndarray  # int64 (B,), Sk where not given
-    ints: np.ndarray        # int64, indexed by :class:`Int`
-    reals: np.ndarray       # compute dtype, indexed by :class:`Real`
+# What every kernel takes first, in :data:`npattn.kernel_params.OPERANDS` order
+# (``kernel(*operands, ...)``): q, k, v, bias, mask as flat views (strides in ``ints``);
+# bias in the compute dtype, mask as uint8, alibi (B * H,) and sink (H,), each a
+# 1-element placeholder when absent; q_lengths, kv_lengths int64 (B,), Sq / Sk where not
+# given; ints (int64, by :class:`Int`) and reals (compute dtype, by :class:`Real`).
+Operands = namedtuple("Operands", OPERAND_NAMES)
 
 
 def flat_view(array, dtype, unit_last_axis=False):

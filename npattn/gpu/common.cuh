@@ -189,25 +189,13 @@ __device__ inline bool dropout_keeps(const i64* ints, u32 row_state, i64 j) {
 // Everything a kernel reads besides its own outputs. Arrays are device pointers to
 // element [0, 0, 0, 0] of bhsd-ordered views with the element strides in `ints`
 // (the last axis of q, k, v and dout is unit-stride).
+// The arrays every kernel takes first: their order, types and meaning are
+// npattn.kernel_params.OPERANDS, which npattn.gpu.sources.source() writes here as
+// NPATTN_OPERAND_FIELDS (the struct's members), NPATTN_OPERAND_PARAMS (a kernel's leading
+// parameters) and NPATTN_OPERANDS (the struct built from them).
 template <typename T, typename Acc> struct Operands {
-    const T* q;
-    const T* k;
-    const T* v;
-    const Acc* bias;               // compute dtype, or a 1-element placeholder
-    const unsigned char* mask;     // bool as bytes, or a placeholder
-    const Acc* alibi;              // (B * H,) slopes, or a placeholder
-    const Acc* sink;               // (H,) sink logits, or a placeholder
-    const i64* q_lengths;          // (B,)
-    const i64* kv_lengths;         // (B,)
-    const i64* ints;               // NPATTN_INT_*
-    const Acc* reals;              // NPATTN_REAL_*
+    NPATTN_OPERAND_FIELDS
 };
-
-#define NPATTN_OPERAND_PARAMS                                                                  \
-    const T *q, const T *k, const T *v, const Acc *bias, const unsigned char *mask,           \
-        const Acc *alibi, const Acc *sink, const i64 *q_lengths, const i64 *kv_lengths,      \
-        const i64 *ints, const Acc *reals
-#define NPATTN_OPERANDS {q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals}
 
 // Element offsets of row i of head h (a kv head for k and v) of batch b in q, k and v.
 __device__ inline i64 q_row(const i64* ints, i64 b, i64 h, i64 i) {

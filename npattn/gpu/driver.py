@@ -12,7 +12,8 @@ import contextlib
 
 import numpy as np
 
-from ..kernel_params import Int, element_strides, lengths_or_full, problem_parameters, sink_logits_gradient
+from ..kernel_params import (OPERAND_NAMES, Int, element_strides, lengths_or_full, problem_parameters,
+                             sink_logits_gradient)
 from ..results import ForwardResult, Gradients
 from . import launch
 from .options import options_of
@@ -34,7 +35,8 @@ def _unit_last_axis(cp, array):
 
 
 def _operands(problem):
-    """``(storage dtype name, operands tuple)``: the 11 leading arguments of every kernel."""
+    """``(storage dtype name, operands tuple)``: the leading arguments of every kernel, in
+    :data:`npattn.kernel_params.OPERANDS` order."""
     cp = problem.xp
     dtype = problem.accumulate_dtype
     q, k, v = (_unit_last_axis(cp, x) for x in (problem.q, problem.k, problem.v))
@@ -57,11 +59,11 @@ def _operands(problem):
              else cp.ascontiguousarray(problem.alibi_slopes.astype(dtype, copy=False)).reshape(-1))
     sink = (placeholder if problem.sink_logits is None
             else cp.ascontiguousarray(problem.sink_logits.astype(dtype, copy=False)))
-    operands = (q, k, v, bias, mask, alibi, sink,
-                lengths_or_full(cp, problem.q_lengths, problem.batch, problem.q_len),
-                lengths_or_full(cp, problem.kv_lengths, problem.batch, problem.kv_len),
-                cp.asarray(ints), cp.asarray(reals))
-    return q.dtype.name, operands
+    named = dict(q=q, k=k, v=v, bias=bias, mask=mask, alibi=alibi, sink=sink,
+                 q_lengths=lengths_or_full(cp, problem.q_lengths, problem.batch, problem.q_len),
+                 kv_lengths=lengths_or_full(cp, problem.kv_lengths, problem.batch, problem.kv_len),
+                 ints=cp.asarray(ints), reals=cp.asarray(reals))
+    return q.dtype.name, tuple(named[name] for name in OPERAND_NAMES)  # the kernels' order
 
 
 # Split-KV decoding: aim for this many warps (8 per SM on a 132-SM H100: enough loads
