@@ -26,12 +26,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 import npattn
+
+from .timing import interleaved_samples, npattn_passes, settled_elapsed
 
 DEFAULT_SHAPES = ((1, 8, 8, 2048, 64), (4, 16, 16, 1024, 64), (1, 32, 8, 2048, 128))
 
@@ -73,14 +74,7 @@ def _inputs(shape: Shape, seed=0):
 
 
 def _npattn_runs(q, k, v, causal):
-    def forward():
-        npattn.attention(q, k, v, causal=causal, backend="cpu")
-
-    dout = np.ones(q.shape, np.float32)
-
-    def both():
-        npattn.attention_vjp(q, k, v, causal=causal, backend="cpu")[1](dout)
-    return forward, both
+    return npattn_passes(q, k, v, causal=causal, backend="cpu")
 
 
 def _torch_runs(q, k, v, causal):
@@ -125,33 +119,6 @@ def _matmul_run(size: int):
     """One float32 n x n matmul in NumPy: the practical peak the table compares with."""
     a = np.random.default_rng(0).standard_normal((size, size), np.float32)
     return lambda: a @ a
-
-
-# Pause before each timed run. BLAS and OpenMP pools (NumPy's OpenBLAS, torch's OpenMP)
-# keep their threads spinning for a while after a call returns; on 2 cores those spinning
-# threads take the cores from whatever runs next. Measured: torch's forward at
-# (1, 8, 2048, 64) took 127 ms right after the naive NumPy run, against 65 ms alone.
-_SETTLE_S = 0.3
-
-
-def interleaved_samples(timed: dict, repeats: int, time_one) -> dict:
-    """Each run of ``timed`` (name -> callable) once to warm up (compile, allocate), then
-    ``repeats`` rounds of every run in turn, timed by ``time_one(run)``: name -> array of
-    seconds, one per round."""
-    for run in timed.values():
-        run()
-    samples = {name: [] for name in timed}
-    for _ in range(repeats):
-        for name, run in timed.items():
-            samples[name].append(time_one(run))
-    return {name: np.array(t) for name, t in samples.items()}
-
-
-def _time(run) -> float:
-    time.sleep(_SETTLE_S)
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
 
 
 _BAR_WIDTH = 30
@@ -200,7 +167,7 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
         for pass_index, pass_name in enumerate(("forward", "fwd+bwd") if backward else ("forward",)):
             timed = {name: pair[pass_index] for name, pair in runs.items() if pair[pass_index] is not None}
             timed["matmul"] = matmul
-            samples = interleaved_samples(timed, repeats, _time)
+            samples = interleaved_samples(timed, repeats, settled_elapsed)
             ms = {name: 1e3 * float(np.median(t)) for name, t in samples.items()}
             flops = shape.forward_flops(causal) * (3.5 if pass_name == "fwd+bwd" else 1.0)
             gflops = flops / (ms["npattn"] / 1e3) / 1e9

@@ -32,7 +32,8 @@ import numpy as np
 
 import npattn
 
-from .bench import Shape, _clear_progress, _progress, interleaved_samples
+from .bench import Shape, _clear_progress, _progress
+from .timing import elapsed, interleaved_samples, npattn_passes
 
 
 @dataclass(frozen=True)
@@ -228,18 +229,8 @@ def _inputs(cupy, shape: GpuShape, dtype: str):
 
 
 def _npattn_runs(cupy, q, k, v, causal):
-    """(forward, forward+backward) of npattn, each ending with a synchronize."""
-    synchronize = cupy.cuda.get_current_stream().synchronize
-    dout = cupy.ones(q.shape, q.dtype)
-
-    def forward():
-        npattn.attention(q, k, v, causal=causal, backend="gpu")
-        synchronize()
-
-    def both():
-        npattn.attention_vjp(q, k, v, causal=causal, backend="gpu")[1](dout)
-        synchronize()
-    return forward, both
+    """(forward, forward+backward) of npattn on the GPU, each ending with a synchronize."""
+    return npattn_passes(q, k, v, causal=causal, backend="gpu")
 
 
 def _torch():
@@ -304,12 +295,6 @@ def _accepted(runs: dict) -> dict:
     return kept
 
 
-def _time(run) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
-
 def _device_name(cupy) -> str:
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     return name.decode() if isinstance(name, bytes) else name
@@ -345,7 +330,7 @@ def compare(shapes=None, dtype="float16", repeats: int = 10, backward: bool = Tr
             pass_index = PASSES.index(pass_name)
             timed = {"npattn": ours[pass_index],
                      **_accepted({name: pair[pass_index] for name, pair in theirs.items()})}
-            samples = interleaved_samples(timed, repeats, _time)
+            samples = interleaved_samples(timed, repeats, elapsed)
             rows.append(make_row(shape, causal, pass_name, dtype, samples, facts))
             _clear_progress(progress)
             print(format_row(rows[-1]), file=out)

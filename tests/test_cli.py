@@ -45,9 +45,9 @@ def test_demo_command_line(tmp_path):
 def test_bench_table_rows_are_consistent(monkeypatch):
     """One tiny shape, one round: every row has its pass and times, and with one round the
     per-round medians reduce to plain ratios of the times (torch only when importable)."""
-    from npattn import bench
+    from npattn import bench, timing
 
-    monkeypatch.setattr(bench, "_SETTLE_S", 0.0)
+    monkeypatch.setattr(timing, "SETTLE_S", 0.0)
     monkeypatch.setattr(bench, "_PEAK_SIZE", 64)
     printed = io.StringIO()
     rows = bench.compare(shapes=[(1, 2, 1, 32, 16)], repeats=1, out=printed, progress=io.StringIO())

@@ -8,6 +8,7 @@ the device inside the timed call.
 import numpy as np
 
 import npattn
+from npattn import timing
 from npattn.variants import VARIANTS, Size
 
 # The float64 reference materializes (B, H, S, S) twice over; keep it to small sizes.
@@ -30,24 +31,20 @@ def to_device(backend, arrays):
     return [cupy.asarray(a) for a in arrays]
 
 
-def synchronize(backend):
-    if backend == "gpu":
-        import cupy
-
-        cupy.cuda.get_current_stream().synchronize()
-
-
 class _ForwardBackward:
-    """Timed passes over ``self.q, k, v, dout`` and ``self.options``, set by a subclass's setup."""
+    """Timed passes over ``self.q, k, v`` and ``self.options``, set by a subclass's setup
+    through :meth:`prepare`: the passes of npattn.timing, which ``python -m npattn bench``
+    and ``bench --gpu`` time too (synchronizing the device inside the timed call)."""
+
+    def prepare(self):
+        self.forward, self.forward_backward = timing.npattn_passes(self.q, self.k, self.v, **self.options)
+        self.forward()  # compile outside the timing
 
     def time_forward(self, backend, *params):
-        npattn.attention(self.q, self.k, self.v, **self.options)
-        synchronize(backend)
+        self.forward()
 
     def time_forward_backward(self, backend, *params):
-        _, vjp = npattn.attention_vjp(self.q, self.k, self.v, **self.options)
-        vjp(self.dout)
-        synchronize(backend)
+        self.forward_backward()
 
 
 class Attention(_ForwardBackward):
@@ -63,7 +60,7 @@ class Attention(_ForwardBackward):
         self.q, self.k, self.v, self.dout = to_device(
             backend, [rng.standard_normal(shape).astype(dtype) for _ in range(4)])
         self.options = dict(causal=causal, backend=backend)
-        self.time_forward(backend, dtype, seq_len, head_dim, causal)  # compile outside the timing
+        self.prepare()
 
 
     def peakmem_forward(self, backend, *params):
@@ -90,7 +87,7 @@ class TargetShapes(_ForwardBackward):
             rng.standard_normal(dims, np.float32) for dims in ((b, h, s, d), (b, hkv, s, d), (b, hkv, s, d),
                                                                (b, h, s, d))])
         self.options = dict(causal=causal, backend=backend)
-        self.time_forward(backend, shape, causal)
+        self.prepare()
 
 
 
@@ -116,7 +113,7 @@ class GpuTargets(_ForwardBackward):
         require(backend)
         self.q, self.k, self.v, self.dout = gpu_operands(backend, dtype, shape)
         self.options = dict(causal=causal, backend=backend)
-        self.time_forward(backend, dtype, shape, causal)
+        self.prepare()
 
 
 class GpuDecode:
@@ -132,8 +129,9 @@ class GpuDecode:
         require(backend)
         self.q, self.k, self.v, _ = gpu_operands(backend, dtype, shape)
         self.options = dict(backend=backend)
-        self.time_forward(backend, dtype, shape)
+        self.prepare()
 
+    prepare = _ForwardBackward.prepare
     time_forward = _ForwardBackward.time_forward
 
 
@@ -150,11 +148,10 @@ class Variants:
                                                         np.random.default_rng(0), np.float32)
         self.q, self.k, self.v = to_device(backend, [q, k, v])
         self.options = {**self.options, **to_device_options(backend, self.options), "backend": backend}
-        self.time_forward(backend, variant)
+        self.prepare()
 
-    def time_forward(self, backend, variant):
-        npattn.attention(self.q, self.k, self.v, **self.options)
-        synchronize(backend)
+    prepare = _ForwardBackward.prepare
+    time_forward = _ForwardBackward.time_forward
 
 
 def to_device_options(backend, options):
