@@ -93,3 +93,20 @@ def test_an_unknown_option_is_named_with_the_nearest():
         npattn.attention(q, q, q, windows=2)
     with pytest.raises(TypeError, match="unknown option 'windows'"):
         npattn.attention_vjp(q, q, q, windows=2)
+
+
+def test_every_table_entry_names_slots_that_exist():
+    """An entry's problem field, kernel flag and GPU option bit are one line each elsewhere:
+    a name that does not exist there fails here, not at the first call that uses it."""
+    import dataclasses
+
+    from npattn.gpu.options import Option as GpuOption
+    from npattn.kernel_params import Int
+    from npattn.problem import AttentionProblem
+
+    fields = {field.name for field in dataclasses.fields(AttentionProblem)}
+    for option in table.OPTIONS:
+        assert option.field is None or option.field in fields, option.name
+        assert option.flag is None or option.flag in Int.__members__, option.name
+        assert option.gpu_option is None or option.gpu_option in GpuOption.__members__, option.name
+        assert (option.flag is None and option.gpu_option is None) or option.present is not None, option.name
