@@ -160,3 +160,25 @@ def test_a_later_key_far_above_the_running_max_is_handled_exactly(dtype):
         length = k.shape[2] + q.shape[3]
         assert_close(out, exact, dtype, length, float(np.abs(v).max()), "out")
         assert_close(lse, exact_lse, dtype, length, 1 + float(np.abs(exact_lse).max()), "lse")
+
+
+def test_small_calls_run_on_the_calling_thread_and_large_ones_share_the_work(monkeypatch):
+    """Below threads.INLINE_FLOPS of work no item goes to the pool (its hand-off cost more
+    than a small call's whole work); above it, with 2 threads, the pool is used; the bits
+    are the same either way."""
+    from npattn.cpu import threads
+
+    submitted = []
+    real_submit = threads._submit
+    monkeypatch.setattr(threads, "_submit", lambda calls: submitted.append(len(calls)) or real_submit(calls))
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    rng = np.random.default_rng(0)
+    small = [rng.standard_normal((1, 8, 16, 64), dtype=np.float32) for _ in range(3)]
+    out, vjp = npattn.attention_vjp(*small, backend="cpu")
+    vjp(out)
+    assert submitted == []
+    large = [rng.standard_normal((1, 8, 256, 64), dtype=np.float32) for _ in range(3)]
+    shared = npattn.attention(*large, backend="cpu")
+    assert submitted
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "1")
+    assert npattn.attention(*large, backend="cpu").tobytes() == shared.tobytes()

@@ -11,6 +11,7 @@ first use.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 NAME = "cpu"
@@ -20,11 +21,18 @@ _REQUIRED = ("numba", "scipy")
 def unavailable_reason(array_kind: str = "numpy") -> str | None:
     if array_kind != "numpy":
         return f"the cpu backend takes NumPy arrays, got {array_kind} arrays"
-    missing = [name for name in _REQUIRED if importlib.util.find_spec(name) is None]
+    missing = _missing_modules()
     if missing:
         return (f"needs {' and '.join(missing)} (pip install numba scipy); "
                 f"{'it is' if len(missing) == 1 else 'they are'} not installed")
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _missing_modules() -> tuple[str, ...]:
+    """The required modules that cannot be imported, looked up once per process (every
+    call asks; find_spec took a tenth of a tiny call's time)."""
+    return tuple(name for name in _REQUIRED if importlib.util.find_spec(name) is None)
 
 
 def forward(problem):

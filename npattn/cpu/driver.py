@@ -27,14 +27,20 @@ def forward(problem) -> ForwardResult:
     out_strides = np.array([s // dtype.itemsize for s in out.strides[:3]], np.int64)
     with single_threaded_blas():
         items = forward_items(ops.ints)
+        flops = _forward_flops(problem)
         run_items(forward_kernel, (*ops, _flat(out), out_strides, lse.reshape(-1)), items,
-                  lambda: forward_scratch(ops.ints, dtype))
+                  lambda: forward_scratch(ops.ints, dtype), flops)
         weights = None
         if problem.return_weights:
             weights = np.zeros((batch, heads, q_len, problem.kv_len), dtype)
             run_items(weights_kernel, (*ops, lse.reshape(-1), weights.reshape(-1)), items,
-                      lambda: score_tile_scratch(ops.ints, dtype))
+                      lambda: score_tile_scratch(ops.ints, dtype), flops)
     return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
+
+
+def _forward_flops(problem) -> float:
+    """The forward's dense work, 2 B H Sq Sk (D + Dv): what decides running inline."""
+    return 2.0 * problem.batch * problem.heads * problem.q_len * problem.kv_len * (problem.head_dim + problem.value_dim)
 
 
 def _flat(array):
@@ -69,7 +75,8 @@ def backward(problem, saved, dout) -> Gradients:
     common = (*ops, dout_flat, dout_strides, out_flat, out_strides, lse.reshape(-1), delta.reshape(-1))
     with single_threaded_blas():
         run_items(backward_kernel, (*common, dq.reshape(-1), dk.reshape(-1), dv.reshape(-1), chunks),
-                  backward_items(ops.ints, chunks), lambda: backward_scratch(ops.ints, dtype))
+                  backward_items(ops.ints, chunks), lambda: backward_scratch(ops.ints, dtype),
+                  _forward_flops(problem))
         dbias = None
         if problem.bias is not None:
             dbias_shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)
@@ -78,7 +85,7 @@ def backward(problem, saved, dout) -> Gradients:
             items = (shape[0] * shape[1] * (-(-q_len // int(ops.ints[Int.BLOCK_Q])) if shape[2] > 1 else 1)
                      * (key_tiles if shape[3] > 1 else 1))
             run_items(dbias_kernel, (*common, dbias.reshape(-1), shape), int(items),
-                      lambda: gradient_tile_scratch(ops.ints, dtype))
+                      lambda: gradient_tile_scratch(ops.ints, dtype), _forward_flops(problem))
             dbias = dbias.reshape(problem.bias_shape)
     dsink_logits = None if problem.sink_logits is None else sink_logits_gradient(np, problem, lse, delta)
     return Gradients(dq=dq.sum(axis=0) if chunks > 1 else dq[0], dk=dk, dv=dv, dbias=dbias,

@@ -46,6 +46,8 @@ def flat_view(array, dtype, unit_last_axis=False):
     elements = element_strides(array)
     if array.size == 0:
         return np.zeros(1, dtype), elements
+    if array.flags.c_contiguous:  # the common case, without as_strided's cost
+        return array.reshape(-1), elements
     extent = 1 + sum((n - 1) * s for n, s in zip(array.shape, elements))
     flat = np.lib.stride_tricks.as_strided(array, shape=(extent,), strides=(itemsize,), writeable=False)
     return flat, elements
@@ -68,7 +70,10 @@ def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None)
     "backward") and the product path of ``tuning`` (default: the calling context's,
     :func:`npattn.cpu.tuning.current`)."""
     tuning = current() if tuning is None else tuning
-    tiles = tuning.forward if kind == "forward" else tuning.backward
+    block_q, block_k = tuning.forward if kind == "forward" else tuning.backward
+    # A problem smaller than a tile gets a tile of its own size: the same single tile,
+    # so the same arithmetic, with scratch a small call can allocate in microseconds
+    tiles = (min(block_q, max(problem.q_len, 1)), min(block_k, max(problem.kv_len, 1)))
     dtype = problem.accumulate_dtype  # the kernels compute in it: float32 for float16 inputs
     batch, heads, q_len, head_dim = problem.q.shape
     q, q_strides = row_strides(problem.q, dtype)
