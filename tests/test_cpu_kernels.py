@@ -182,3 +182,33 @@ def test_small_calls_run_on_the_calling_thread_and_large_ones_share_the_work(mon
     assert submitted
     monkeypatch.setenv("NPATTN_NUM_THREADS", "1")
     assert npattn.attention(*large, backend="cpu").tobytes() == shared.tobytes()
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (None, 2)}, {"softcap": 2.0, "scale": 0.3},
+                                     {"kv_lengths": np.array([5, 37])}, {"q_lengths": np.array([1, 0])}])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gqa_decode_steps_fold_query_heads_into_rows_with_the_same_bits(monkeypatch, options, layout):
+    """A decode step (Sq = 1) of GQA runs forward as group rows per kv head
+    (cpu/folding.py): out, lse, weights, and the gradients computed from them, are bit for
+    bit those of the unfolded kernels."""
+    from npattn.cpu import folding
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 12, 1, 16), dtype=np.float32)
+    k, v = (rng.standard_normal((2, 3, 37, 16), dtype=np.float32) for _ in range(2))
+    if layout == "bshd":
+        q, k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+
+    def run():
+        (out, lse, weights), vjp = npattn.attention_vjp(q, k, v, layout=layout, return_lse=True,
+                                                        return_weights=True, backend="cpu", **options)
+        return [out, lse, weights, *vjp(np.ones_like(out))]
+
+    calls = []
+    real_fold = folding.fold
+    monkeypatch.setattr(folding, "fold", lambda problem: calls.append(1) or real_fold(problem))
+    folded = run()
+    assert calls, "the decode step was not folded"
+    monkeypatch.setattr(folding, "foldable", lambda problem: False)
+    for got, expected in zip(folded, run()):
+        assert got.shape == expected.shape and got.tobytes() == expected.tobytes()

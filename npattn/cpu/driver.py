@@ -6,6 +6,7 @@ import numpy as np
 from ..kernel_params import sink_logits_gradient
 from ..results import ForwardResult, Gradients
 from .backward_kernel import backward_items, backward_kernel, dbias_kernel
+from . import folding
 from .blas import single_threaded_blas
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
@@ -16,6 +17,15 @@ from .operands import Int, build_operands, row_strides
 def forward(problem) -> ForwardResult:
     """out (B, H, Sq, Dv) as a bhsd view of an array in the user's layout, lse (B, H, Sq),
     and weights when asked; ``saved`` keeps (out, lse) for the backward."""
+    if folding.foldable(problem):  # a GQA decode step: the query heads of a group as rows
+        result = _forward(folding.fold(problem))
+        weights = None if result.weights is None else folding.unfold_rows(result.weights, problem)
+        out, lse = folding.unfold_rows(result.out, problem), folding.unfold_rows(result.lse, problem)
+        return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
+    return _forward(problem)
+
+
+def _forward(problem) -> ForwardResult:
     ops = build_operands(problem, "forward")
     dtype = problem.accumulate_dtype
     batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
