@@ -32,44 +32,91 @@ import numpy as np
 
 import npattn
 
-from .timing import interleaved_samples, npattn_passes, settled_elapsed
+from .timing import elapsed, interleaved_samples, npattn_passes, settled_elapsed
 
 DEFAULT_SHAPES = ((1, 8, 8, 2048, 64), (4, 16, 16, 1024, 64), (1, 32, 8, 2048, 128))
 
 
 @dataclass(frozen=True)
 class Shape:
+    """(B, H, Hkv, S, D): S keys, and S query rows unless ``q_len`` says fewer (a decode
+    step, a chunk of a prefill, against a cache of S keys)."""
+
     batch: int
     heads: int
     kv_heads: int
     seq_len: int
     head_dim: int
+    q_len_given: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> "Shape":
-        """"B,H,HKV,S,D" (or "B,H,S,D" for multi-head)."""
+        """"B,H,S,D", "B,H,HKV,S,D" or "B,H,HKV,SQ,SK,D"."""
         numbers = [int(x) for x in text.split(",")]
         if len(numbers) == 4:
             numbers.insert(2, numbers[1])
+        if len(numbers) == 6:
+            batch, heads, kv_heads, q_len, kv_len, head_dim = numbers
+            return cls(batch, heads, kv_heads, kv_len, head_dim, q_len)
         if len(numbers) != 5:
-            raise ValueError(f"a shape is B,H,S,D or B,H,HKV,S,D; got {text!r}")
+            raise ValueError(f"a shape is B,H,S,D, B,H,HKV,S,D or B,H,HKV,SQ,SK,D; got {text!r}")
         return cls(*numbers)
+
+    @property
+    def q_len(self) -> int:
+        return self.seq_len if self.q_len_given is None else self.q_len_given
+
+    @property
+    def kv_len(self) -> int:
+        return self.seq_len
 
     def __str__(self):
         kv = "" if self.kv_heads == self.heads else f"/{self.kv_heads}kv"
-        return f"({self.batch},{self.heads}{kv},{self.seq_len},{self.head_dim})"
+        length = self.seq_len if self.q_len == self.kv_len else f"{self.q_len}x{self.kv_len}"
+        return f"({self.batch},{self.heads}{kv},{length},{self.head_dim})"
 
     def forward_flops(self, causal: bool) -> float:
-        s = self.seq_len
-        pairs = s * (s + 1) / 2 if causal else s * s
-        return 4.0 * self.batch * self.heads * pairs * self.head_dim
+        return 4.0 * self.batch * self.heads * visible_pairs(self.q_len, self.kv_len, causal) * self.head_dim
+
+
+def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
+    """(query, key) pairs one head computes. Causal is bottom-right aligned: query i sits at
+    position i + Sk - Sq and sees keys j <= that position."""
+    if not causal:
+        return q_len * kv_len
+    if q_len <= kv_len:  # row i sees Sk - Sq + i + 1 keys
+        return q_len * kv_len - q_len * (q_len - 1) // 2
+    return kv_len * (kv_len + 1) // 2  # the first Sq - Sk rows see nothing
+
+
+def bottom_right_causal(q_len: int, kv_len: int) -> np.ndarray:
+    """Boolean (q_len, kv_len): True where npattn's causal lets query i see key j. torch's
+    ``is_causal`` aligns top-left, so torch gets this as an explicit mask when Sq != Sk."""
+    return np.tri(q_len, kv_len, kv_len - q_len, dtype=bool)
+
+
+
+# The shapes serving and embedding pipelines run ("serving" suite), as (B, H, Hkv, SQ, SK, D):
+# small calls, a decode step against a cache (one query row), a chunk of a prefill.
+SERVING_SHAPES = ((1, 8, 8, 16, 16, 64), (1, 8, 8, 128, 128, 64), (8, 12, 12, 128, 128, 64),
+                  (1, 32, 8, 1, 4096, 128), (16, 32, 8, 1, 1024, 128), (1, 32, 8, 16, 4096, 128))
+SUITES = {"prefill": DEFAULT_SHAPES, "serving": SERVING_SHAPES}
+
+
+def suite_shapes(suite: str) -> list[Shape]:
+    """The shapes of ``suite``: "prefill", "serving" or "all" (both)."""
+    if suite == "all":
+        return suite_shapes("prefill") + suite_shapes("serving")
+    if suite not in SUITES:
+        raise ValueError(f"suite is one of {('all', *SUITES)}, got {suite!r}")
+    return [Shape.parse(",".join(map(str, s))) for s in SUITES[suite]]
 
 
 def _inputs(shape: Shape, seed=0):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((shape.batch, shape.heads, shape.seq_len, shape.head_dim), np.float32)
-    k = rng.standard_normal((shape.batch, shape.kv_heads, shape.seq_len, shape.head_dim), np.float32)
-    v = rng.standard_normal((shape.batch, shape.kv_heads, shape.seq_len, shape.head_dim), np.float32)
+    q = rng.standard_normal((shape.batch, shape.heads, shape.q_len, shape.head_dim), np.float32)
+    k = rng.standard_normal((shape.batch, shape.kv_heads, shape.kv_len, shape.head_dim), np.float32)
+    v = rng.standard_normal((shape.batch, shape.kv_heads, shape.kv_len, shape.head_dim), np.float32)
     return q, k, v
 
 
@@ -81,17 +128,19 @@ def _torch_runs(q, k, v, causal):
     import torch
 
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-    gqa = q.shape[1] != k.shape[1]
+    options = dict(is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    if causal and q.shape[2] != k.shape[2]:  # torch's is_causal would align top-left
+        options.update(is_causal=False, attn_mask=torch.from_numpy(bottom_right_causal(q.shape[2], k.shape[2])))
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def forward():
         with torch.no_grad():
-            sdpa(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
+            sdpa(tq, tk, tv, **options)
 
     grads = [x.clone().requires_grad_(True) for x in (tq, tk, tv)]
 
     def both():
-        out = sdpa(*grads, is_causal=causal, enable_gqa=gqa)
+        out = sdpa(*grads, **options)
         out.backward(torch.ones_like(out))
     return forward, both
 
@@ -105,11 +154,42 @@ def _naive_runs(q, k, v, causal):
     def forward():
         scores = (q * scale) @ k_full.swapaxes(-1, -2)
         if causal:
-            scores = np.where(np.tri(q.shape[2], k.shape[2], dtype=bool), scores, -np.inf)
+            scores = np.where(bottom_right_causal(q.shape[2], k.shape[2]), scores, -np.inf)
         scores = np.exp(scores - scores.max(-1, keepdims=True))
         scores /= scores.sum(-1, keepdims=True)
         return scores @ v_full
     return forward, None
+
+
+_RUN_S = 0.02  # the least time one timed run of a small call's rounds takes
+
+
+def _calls_per_run(run) -> int:
+    """Calls of ``run`` per timed run: enough to take about :data:`_RUN_S`."""
+    run()  # warm
+    return max(1, int(_RUN_S / max(elapsed(run), 1e-6)))
+
+
+def _repeated(run, calls: int):
+    if calls == 1:
+        return run
+
+    def repeated():
+        for _ in range(calls):
+            run()
+    return repeated
+
+
+def _milliseconds(ms: float) -> str:
+    """One decimal from 10 ms up, three significant digits below (small calls)."""
+    return f"{ms:.1f}" if ms >= 10 else f"{ms:.3g}"
+
+
+def _npattn_isa() -> str:
+    """What the CPU backend's tile products run on here."""
+    from .cpu.tuning import current
+
+    return "AVX-512 micro-kernels" if current().vector_products else "SciPy's BLAS"
 
 
 _PEAK_SIZE = 2048  # the matmul of "% peak": n x n times n x n, float32
@@ -143,18 +223,19 @@ def _clear_progress(stream) -> None:
 def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=sys.stdout,
             progress=sys.stderr) -> list[dict]:
     """Time every shape x causal; print the table; return its rows (times in ms)."""
-    shapes = [s if isinstance(s, Shape) else Shape(*s) for s in shapes]
+    shapes = [s if isinstance(s, Shape) else Shape.parse(",".join(map(str, s))) for s in shapes]
     candidates = {"npattn": _npattn_runs, "naive": _naive_runs}
     try:
         import torch  # noqa: F401
         candidates["torch"] = _torch_runs
-        torch_note = f"torch {torch.__version__} on {torch.get_num_threads()} threads"
+        torch_note = (f"torch {torch.__version__} on {torch.get_num_threads()} threads, "
+                      f"{torch.backends.cpu.get_cpu_capability()}")
     except ImportError:
         torch_note = "torch not importable: no torch column"
     matmul, matmul_flops = _matmul_run(_PEAK_SIZE), 2.0 * _PEAK_SIZE ** 3
     print(f"npattn {npattn.__version__} bench, float32, median of {repeats} interleaved runs; "
-          f"{torch_note}", file=out)
-    header = (f"{'shape (B,H,S,D)':<22}{'causal':<8}{'pass':<9}{'npattn ms':>10}{'GFLOP/s':>9}"
+          f"npattn's products: {_npattn_isa()}; {torch_note}", file=out)
+    header = (f"{'shape (B,H,S,D)':<25}{'causal':<8}{'pass':<9}{'npattn ms':>10}{'GFLOP/s':>9}"
               f"{'% peak':>8}{'torch ms':>10}{'torch/npattn':>13}{'naive ms':>10}{'matmul':>9}")
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -166,8 +247,13 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
         runs = {name: make(q, k, v, causal) for name, make in candidates.items()}
         for pass_index, pass_name in enumerate(("forward", "fwd+bwd") if backward else ("forward",)):
             timed = {name: pair[pass_index] for name, pair in runs.items() if pair[pass_index] is not None}
+            # small calls repeat within a timed run, to about _RUN_S, so the pause before
+            # each run (settled_elapsed) costs every contender the same cold start once
+            calls = _calls_per_run(timed["npattn"])
+            timed = {name: _repeated(run, calls) for name, run in timed.items()}
             timed["matmul"] = matmul
             samples = interleaved_samples(timed, repeats, settled_elapsed)
+            samples = {name: t if name == "matmul" else t / calls for name, t in samples.items()}
             ms = {name: 1e3 * float(np.median(t)) for name, t in samples.items()}
             flops = shape.forward_flops(causal) * (3.5 if pass_name == "fwd+bwd" else 1.0)
             gflops = flops / (ms["npattn"] / 1e3) / 1e9
@@ -179,11 +265,11 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
                        torch_ratio=torch_ratio, naive_ms=ms.get("naive"),
                        matmul_gflops=matmul_flops / (ms["matmul"] / 1e3) / 1e9)
             rows.append(row)
-            torch_ms = "-" if row["torch_ms"] is None else f"{row['torch_ms']:.1f}"
+            torch_ms = "-" if row["torch_ms"] is None else _milliseconds(row["torch_ms"])
             ratio = "-" if torch_ratio is None else f"{torch_ratio:.2f}x"
-            naive_ms = "-" if row["naive_ms"] is None else f"{row['naive_ms']:.1f}"
+            naive_ms = "-" if row["naive_ms"] is None else _milliseconds(row["naive_ms"])
             _clear_progress(progress)
-            print(f"{str(shape):<22}{str(causal):<8}{pass_name:<9}{ms['npattn']:>10.1f}{gflops:>9.1f}"
+            print(f"{str(shape):<25}{str(causal):<8}{pass_name:<9}{_milliseconds(ms['npattn']):>10}{gflops:>9.1f}"
                   f"{100 * peak_fraction:>7.0f}%{torch_ms:>10}{ratio:>13}{naive_ms:>10}"
                   f"{row['matmul_gflops']:>9.0f}", file=out)
         out.flush()

@@ -32,7 +32,7 @@ import numpy as np
 
 import npattn
 
-from .bench import Shape, _clear_progress, _progress
+from .bench import Shape, _clear_progress, _progress, bottom_right_causal, visible_pairs
 from .timing import elapsed, interleaved_samples, npattn_passes
 
 
@@ -91,22 +91,6 @@ PASSES = ("forward", "fwd+bwd")  # the order of the (forward, forward+backward) 
 # torch's SDPBackend members that float16/bfloat16 rows try, by the label the table shows.
 TORCH_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 DEFAULT_BACKEND = "default"  # float32: SDPA picks, no backend forced
-
-
-def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
-    """(query, key) pairs one head computes. Causal is bottom-right aligned: query i sits at
-    position i + Sk - Sq and sees keys j <= that position."""
-    if not causal:
-        return q_len * kv_len
-    if q_len <= kv_len:  # row i sees Sk - Sq + i + 1 keys
-        return q_len * kv_len - q_len * (q_len - 1) // 2
-    return kv_len * (kv_len + 1) // 2  # the first Sq - Sk rows see nothing
-
-
-def bottom_right_causal(q_len: int, kv_len: int) -> np.ndarray:
-    """Boolean (q_len, kv_len): True where npattn's causal lets query i see key j. torch's
-    ``is_causal`` aligns top-left, so torch gets this as an explicit mask when Sq != Sk."""
-    return np.tri(q_len, kv_len, kv_len - q_len, dtype=bool)
 
 
 def select_shapes(suite: str, shapes=None) -> list[GpuShape]:

@@ -103,8 +103,8 @@ def main(argv=None) -> int:
                              help="where to draw attention weights as PNG (needs matplotlib); '' for none")
     bench_parser = commands.add_parser("bench", help="CPU kernels against torch SDPA and naive NumPy")
     bench_parser.add_argument("--shape", action="append", dest="shapes", metavar="B,H[,HKV],S,D",
-                              help="a shape to time (repeatable); default: the issue's three (with --gpu: "
-                                   "its prefill and decode shapes; B,H,HKV,SQ,SK,D also reads, SQ=1 a decode)")
+                              help="a shape to time (repeatable); default: the suite's; B,H,HKV,SQ,SK,D "
+                                   "also reads (SQ query rows against SK keys, SQ=1 a decode step)")
     bench_parser.add_argument("--repeats", type=int, default=5)
     bench_parser.add_argument("--forward-only", action="store_true")
     bench_parser.add_argument("--memory", action="store_true",
@@ -113,8 +113,10 @@ def main(argv=None) -> int:
                               help="the CUDA kernels against torch SDPA's fastest backend on the GPU instead")
     bench_parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
                               help="with --gpu: the inputs' dtype (default float16)")
-    bench_parser.add_argument("--suite", choices=["all", "prefill", "decode"], default="all",
-                              help="with --gpu: which rows run (default all); decode rows have one query row")
+    bench_parser.add_argument("--suite", choices=["all", "prefill", "decode", "serving"], default=None,
+                              help="which shapes run: on the CPU prefill (the default), serving (small calls, "
+                                   "decode steps, a chunked prefill) or all; with --gpu all (the default), "
+                                   "prefill or decode")
     bench_parser.add_argument("--json", metavar="PATH",
                               help="with --gpu: also write the rows to PATH as a JSON list of objects")
     args = parser.parse_args(argv)
@@ -129,20 +131,28 @@ def main(argv=None) -> int:
         if args.gpu:
             from . import bench_gpu
 
+            suite = args.suite or "all"
+            if suite == "serving":
+                print("bench --gpu: the suites are all, prefill and decode", file=sys.stderr)
+                return 2
             shapes = [bench_gpu.GpuShape.parse(s) for s in args.shapes] if args.shapes else None
-            if not bench_gpu.select_shapes(args.suite, shapes):
-                print(f"bench --gpu: no shape given is in the {args.suite} suite", file=sys.stderr)
+            if not bench_gpu.select_shapes(suite, shapes):
+                print(f"bench --gpu: no shape given is in the {suite} suite", file=sys.stderr)
                 return 2
             reason = bench_gpu.unavailable_reason()
             if reason is not None:
                 print(f"bench --gpu needs the gpu backend: {reason}", file=sys.stderr)
                 return 2
             bench_gpu.compare(shapes, dtype=args.dtype, repeats=args.repeats, backward=not args.forward_only,
-                              suite=args.suite, json_path=args.json)
+                              suite=suite, json_path=args.json)
         elif args.memory:
             bench.memory()
         else:
-            shapes = [bench.Shape.parse(s) for s in args.shapes] if args.shapes else bench.DEFAULT_SHAPES
+            if args.suite == "decode":
+                print("bench: the CPU suites are prefill, serving and all", file=sys.stderr)
+                return 2
+            shapes = ([bench.Shape.parse(s) for s in args.shapes] if args.shapes
+                      else bench.suite_shapes(args.suite or "prefill"))
             bench.compare(shapes, repeats=args.repeats, backward=not args.forward_only)
     return 0
 

@@ -72,3 +72,22 @@ def test_bench_gpu_says_why_it_cannot_run(capsys):
     assert f"bench --gpu needs the gpu backend: {reason}" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="needs the gpu backend"):
         bench_gpu.compare(shapes=[(1, 1, 1, 8, 8)])
+
+
+def test_bench_reads_query_and_key_lengths_and_runs_the_serving_suite(monkeypatch):
+    """B,H,HKV,SQ,SK,D shapes (a decode step, a chunk against a cache) count bottom-right
+    causal pairs; the serving suite names those of the issue's serving table."""
+    from npattn import bench, timing
+
+    shape = bench.Shape.parse("1,4,2,3,40,16")
+    assert (shape.q_len, shape.kv_len, str(shape)) == (3, 40, "(1,4/2kv,3x40,16)")
+    assert shape.forward_flops(True) == 4 * 4 * 16 * bench.visible_pairs(3, 40, True)
+    assert bench.visible_pairs(3, 40, True) == 3 * 40 - 3
+    assert [str(s) for s in bench.suite_shapes("serving")][3] == "(1,32/8kv,1x4096,128)"
+    assert len(bench.suite_shapes("all")) == len(bench.DEFAULT_SHAPES) + len(bench.SERVING_SHAPES)
+    monkeypatch.setattr(timing, "SETTLE_S", 0.0)
+    monkeypatch.setattr(bench, "_PEAK_SIZE", 64)
+    rows = bench.compare(shapes=[shape], repeats=1, out=io.StringIO(), progress=io.StringIO())
+    assert [(row["shape"], row["causal"]) for row in rows][::2] == [("(1,4/2kv,3x40,16)", False),
+                                                                   ("(1,4/2kv,3x40,16)", True)]
+    assert all(row["npattn_ms"] > 0 for row in rows)
