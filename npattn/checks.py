@@ -57,8 +57,14 @@ def as_arrays(reference=None, **named):
     return arrays
 
 
+# NumPy's own float dtypes, compared directly: dtype.name builds a string (5 us a call)
+_NUMPY_FLOATS = frozenset(np.dtype(name) for name in ("float16", "float32", "float64"))
+
+
 def check_float_dtype(name, array):
-    if array.dtype.name not in FLOAT_DTYPE_NAMES:
+    if array.dtype in _NUMPY_FLOATS:
+        return
+    if array.dtype.name not in FLOAT_DTYPE_NAMES:  # bfloat16 (ml_dtypes) and the rest
         raise TypeError(f"{name} must be a floating-point array ({', '.join(FLOAT_DTYPE_NAMES)}), "
                         f"got dtype {array.dtype}")
 
