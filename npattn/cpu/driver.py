@@ -10,7 +10,7 @@ from . import folding
 from .blas import single_threaded_blas
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
-from .scratch import backward_scratch, forward_scratch, gradient_tile_scratch, score_tile_scratch
+from .scratch import backward_scratch, forward_scratch, gradient_tile_scratch, reused, score_tile_scratch
 from .operands import Int, build_operands, row_strides
 
 
@@ -35,7 +35,7 @@ def _forward(problem) -> ForwardResult:
         out = np.zeros((batch, heads, q_len, value_dim), dtype)
     lse = np.full((batch, heads, q_len), -np.inf, dtype)
     out_strides = np.array([s // dtype.itemsize for s in out.strides[:3]], np.int64)
-    with single_threaded_blas():
+    with single_threaded_blas(), reused():
         items = forward_items(ops.ints)
         flops = _forward_flops(problem)
         run_items(forward_kernel, (*ops, _flat(out), out_strides, lse.reshape(-1)), items,
@@ -83,7 +83,7 @@ def backward(problem, saved, dout) -> Gradients:
     dk = np.zeros((batch, kv_heads, kv_len, head_dim), dtype)
     dv = np.zeros((batch, kv_heads, kv_len, value_dim), dtype)
     common = (*ops, dout_flat, dout_strides, out_flat, out_strides, lse.reshape(-1), delta.reshape(-1))
-    with single_threaded_blas():
+    with single_threaded_blas(), reused():
         run_items(backward_kernel, (*common, dq.reshape(-1), dk.reshape(-1), dv.reshape(-1), chunks),
                   backward_items(ops.ints, chunks), lambda: backward_scratch(ops.ints, dtype),
                   _forward_flops(problem))

@@ -9,6 +9,9 @@ function of its own that every kernel links and optimizes again.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 
 from .operands import Int
@@ -19,9 +22,48 @@ from .operands import Int
 _ALIGN_BYTES = 64
 
 
+# Small scratch arrays are kept per calling thread and handed out again, in the same
+# order, by the next call's allocations (see :func:`reused`): a small call's seven
+# allocations cost more than its kernel. Larger ones (a big problem's tiles) are
+# allocated fresh, so a thread keeps at most a few small arrays alive.
+_REUSE_BYTES = 1 << 18
+_ARENA = threading.local()
+
+
+@contextlib.contextmanager
+def reused():
+    """Within the block, this thread's small scratch allocations return the arrays the
+    previous block's allocations made at the same positions (when size and dtype match).
+    The kernels that got them must be done when the block ends, as run_items ensures."""
+    arrays = getattr(_ARENA, "arrays", None)
+    if arrays is None:
+        arrays = _ARENA.arrays = []
+    _ARENA.cursor = 0
+    try:
+        yield
+    finally:
+        _ARENA.cursor = None
+
+
 def _empty(size: int, dtype) -> np.ndarray:
     """An uninitialized 1-D array of ``size`` elements whose data starts on a cache line."""
     dtype = np.dtype(dtype)
+    cursor = getattr(_ARENA, "cursor", None)
+    if cursor is None or size * dtype.itemsize > _REUSE_BYTES:
+        return _allocate(size, dtype)
+    _ARENA.cursor = cursor + 1
+    arrays = _ARENA.arrays
+    if cursor < len(arrays) and arrays[cursor].size == size and arrays[cursor].dtype == dtype:
+        return arrays[cursor]
+    array = _allocate(size, dtype)
+    if cursor < len(arrays):
+        arrays[cursor] = array
+    else:
+        arrays.append(array)
+    return array
+
+
+def _allocate(size: int, dtype: np.dtype) -> np.ndarray:
     raw = np.empty(size * dtype.itemsize + _ALIGN_BYTES, np.uint8)
     # the address through the array interface: ``raw.ctypes`` builds a ctypes object, 5 us
     start = -raw.__array_interface__["data"][0] % _ALIGN_BYTES
