@@ -9,6 +9,7 @@ import numpy as np
 
 import npattn
 from npattn import timing
+from npattn.bench import SERVING_SHAPES
 from npattn.variants import VARIANTS, Size
 
 # The float64 reference materializes (B, H, S, S) twice over; keep it to small sizes.
@@ -91,7 +92,22 @@ class TargetShapes(_ForwardBackward):
 
 
 
-def gpu_operands(backend, dtype, shape):
+class Serving(_ForwardBackward):
+    """The serving shapes of ``python -m npattn bench --suite serving`` (B, H, Hkv, SQ, SK,
+    D), float32: small calls, decode steps against a cache, a chunk of a prefill."""
+
+    params = (["cpu", "gpu"], [",".join(map(str, shape)) for shape in SERVING_SHAPES], [False, True])
+    param_names = ["backend", "shape", "causal"]
+    timeout = 300
+
+    def setup(self, backend, shape, causal):
+        require(backend)
+        self.q, self.k, self.v, self.dout = shaped_operands(backend, "float32", shape)
+        self.options = dict(causal=causal, backend=backend)
+        self.prepare()
+
+
+def shaped_operands(backend, dtype, shape):
     """q, k, v, dout on ``backend`` for a "B,H,HKV,SQ,SK,D" shape: q and dout (B, H, SQ, D),
     k and v (B, HKV, SK, D)."""
     b, h, hkv, sq, sk, d = (int(x) for x in shape.split(","))
@@ -111,7 +127,7 @@ class GpuTargets(_ForwardBackward):
 
     def setup(self, backend, dtype, shape, causal):
         require(backend)
-        self.q, self.k, self.v, self.dout = gpu_operands(backend, dtype, shape)
+        self.q, self.k, self.v, self.dout = shaped_operands(backend, dtype, shape)
         self.options = dict(causal=causal, backend=backend)
         self.prepare()
 
@@ -127,7 +143,7 @@ class GpuDecode:
 
     def setup(self, backend, dtype, shape):
         require(backend)
-        self.q, self.k, self.v, _ = gpu_operands(backend, dtype, shape)
+        self.q, self.k, self.v, _ = shaped_operands(backend, dtype, shape)
         self.options = dict(backend=backend)
         self.prepare()
 
