@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 

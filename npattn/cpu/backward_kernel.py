@@ -111,17 +111,14 @@ def dominant_key_gradient(v, ints, reals, dout, dout_strides, out, out_strides, 
         x = r * ld + c
         if p[x] > DOMINANT_PROBABILITY:
             v_row = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + (j0 + c) * ints[Int.V_STRIDE_S]
+            # z: the keep scale (exactly 1 without dropout), or 0 where dropout dropped the key;
+            # both in the compute dtype, so z v is the forward's product
+            keep = reals[Real.KEEP_SCALE]
+            if ints[Int.HAS_DROPOUT] and dropped[x] == 0.0:
+                keep = keep - keep
             total = 0.0
-            if not ints[Int.HAS_DROPOUT]:
-                for d in range(value_dim):
-                    total += dout[o_row + d] * (v[v_row + d] - out[out_row + d])
-            elif dropped[x] != 0.0:  # kept: z is the keep scale, a compute-dtype product as in the forward
-                keep = reals[Real.KEEP_SCALE]
-                for d in range(value_dim):
-                    total += dout[o_row + d] * (keep * v[v_row + d] - out[out_row + d])
-            else:  # dropped: z = 0
-                for d in range(value_dim):
-                    total -= dout[o_row + d] * out[out_row + d]
+            for d in range(value_dim):
+                total += dout[o_row + d] * (keep * v[v_row + d] - out[out_row + d])
             ds[x] = p[x] * total
             return
 

@@ -83,10 +83,10 @@ def backward(problem, saved, dout) -> Gradients:
     dk = np.zeros((batch, kv_heads, kv_len, head_dim), dtype)
     dv = np.zeros((batch, kv_heads, kv_len, value_dim), dtype)
     common = (*ops, dout_flat, dout_strides, out_flat, out_strides, lse.reshape(-1), delta.reshape(-1))
+    flops = _forward_flops(problem)
     with single_threaded_blas(), reused():
         run_items(backward_kernel, (*common, dq.reshape(-1), dk.reshape(-1), dv.reshape(-1), chunks),
-                  backward_items(ops.ints, chunks), lambda: backward_scratch(ops.ints, dtype),
-                  _forward_flops(problem))
+                  backward_items(ops.ints, chunks), lambda: backward_scratch(ops.ints, dtype), flops)
         dbias = None
         if problem.bias is not None:
             dbias_shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)
@@ -95,7 +95,7 @@ def backward(problem, saved, dout) -> Gradients:
             items = (shape[0] * shape[1] * (-(-q_len // int(ops.ints[Int.BLOCK_Q])) if shape[2] > 1 else 1)
                      * (key_tiles if shape[3] > 1 else 1))
             run_items(dbias_kernel, (*common, dbias.reshape(-1), shape), int(items),
-                      lambda: gradient_tile_scratch(ops.ints, dtype), _forward_flops(problem))
+                      lambda: gradient_tile_scratch(ops.ints, dtype), flops)
             dbias = dbias.reshape(problem.bias_shape)
     dsink_logits = None if problem.sink_logits is None else sink_logits_gradient(np, problem, lse, delta)
     return Gradients(dq=dq.sum(axis=0) if chunks > 1 else dq[0], dk=dk, dv=dv, dbias=dbias,

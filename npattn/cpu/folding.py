@@ -5,8 +5,8 @@ same arithmetic as ``group = H / Hkv`` query rows of Hkv heads: query head
 ``kv_head * group + g`` becomes row ``g`` of kv head ``kv_head``. Folded, the kernels
 pack each key tile once per kv head rather than once per query head, read each K/V byte
 once per group, and run the products on ``group`` rows at once. Measured on the 2-core
-VM, float32: (1, 32/8, 1 x 4096, 128) 4.76 -> 2.60 ms and (16, 32/8, 1 x 1024, 128)
-16.5 -> 9.3 ms, with the same bits (each row's arithmetic is unchanged).
+VM, float32, causal: (1, 32/8, 1 x 4096, 128) 5.9 -> 2.2 ms and (16, 32/8, 1 x 1024, 128)
+16.1 -> 10.9 ms, with the same bits (each row's arithmetic is unchanged).
 
 Folding applies when nothing depends on the query head or position beyond that: no
 mask, bias, ALiBi, sink logits, dropout or left window bound. A single row sits at the

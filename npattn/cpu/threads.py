@@ -54,7 +54,7 @@ def _submit(calls) -> list:
         return [_POOL.submit(function, *arguments) for function, arguments in calls]
 
 
-# Calls with less work than this (in the forward's FLOPs, 4 B H Sq Sk D) run on the
+# Calls with less work than this (the forward's FLOPs, 2 B H Sq Sk (D + Dv)) run on the
 # calling thread alone: handing items to a pool worker costs more than the worker saves.
 # Measured on the 2-core VM, float32, medians of 100 (1 thread against 2): the forward at
 # (1, 8, 16, 64), 0.5 MFLOP, 165-270 against 410-445 us; (1, 8, 64, 64), 8.4 MFLOP,
