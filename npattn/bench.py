@@ -187,9 +187,12 @@ def _milliseconds(ms: float) -> str:
 
 def _npattn_isa() -> str:
     """What the CPU backend's tile products run on here."""
+    from .cpu.simd import ISA
     from .cpu.tuning import current
 
-    return "AVX-512 micro-kernels" if current().vector_products else "SciPy's BLAS"
+    names = {"avx512": "AVX-512", "avx2": "AVX2", "baseline": "SSE"}
+    products = "micro-kernels" if current().vector_products else "SciPy's BLAS"
+    return f"{names[ISA]} {products}"
 
 
 _PEAK_SIZE = 2048  # the matmul of "% peak": n x n times n x n, float32
@@ -221,8 +224,14 @@ def _clear_progress(stream) -> None:
 
 
 def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=sys.stdout,
-            progress=sys.stderr) -> list[dict]:
-    """Time every shape x causal; print the table; return its rows (times in ms)."""
+            progress=sys.stderr, products: str | None = None) -> list[dict]:
+    """Time every shape x causal; print the table; return its rows (times in ms). ``products``
+    ("vector" or "blas") forces npattn's tile products (see :func:`npattn.cpu.products`)."""
+    if products is not None:
+        from . import cpu
+
+        with cpu.products(products):
+            return compare(shapes, repeats, backward, out, progress)
     shapes = [s if isinstance(s, Shape) else Shape.parse(",".join(map(str, s))) for s in shapes]
     candidates = {"npattn": _npattn_runs, "naive": _naive_runs}
     try:

@@ -29,8 +29,21 @@ def info() -> str:
     lines.append(f"cpu cores  {os.cpu_count()}")
     for variable in _THREAD_VARIABLES:
         lines.append(f"  {variable}={os.environ.get(variable, '(unset)')}")
+    lines.append(f"cpu isa    {_cpu_isa()}")
     lines.append(f"device     {_device()}")
     return "\n".join(lines)
+
+
+def _cpu_isa() -> str:
+    """The vector ISA the CPU kernels compile for, or why there is none."""
+    from . import cpu
+
+    if cpu.unavailable_reason():
+        return "(cpu backend unavailable)"
+    from .cpu import simd
+
+    forced = os.environ.get("NPATTN_CPU_ISA")
+    return simd.ISA + (f" (forced by NPATTN_CPU_ISA={forced})" if forced else "")
 
 
 def demo(size: Size = Size(), dtype=np.float32, repeats: int = 3, out=sys.stdout, plot_path=None) -> list[dict]:
@@ -119,6 +132,12 @@ def main(argv=None) -> int:
                                    "prefill or decode")
     bench_parser.add_argument("--json", metavar="PATH",
                               help="with --gpu: also write the rows to PATH as a JSON list of objects")
+    bench_parser.add_argument("--isa", choices=["avx2"], default=None,
+                              help="CPU: run npattn, torch and OpenBLAS as on an AVX2-only CPU (in a child "
+                                   "process with NPATTN_CPU_ISA, ATEN_CPU_CAPABILITY and OPENBLAS_CORETYPE set)")
+    bench_parser.add_argument("--products", choices=["vector", "blas"], default=None,
+                              help="CPU: npattn's tile products on its micro-kernels or on SciPy's BLAS "
+                                   "(default: the micro-kernels where the CPU has AVX-512 or AVX2)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
@@ -126,6 +145,8 @@ def main(argv=None) -> int:
         demo(Size(seq_len=args.seq_len, head_dim=args.head_dim), dtype=np.dtype(args.dtype),
              plot_path=args.plot or None)
     else:
+        if args.isa and not args.gpu and os.environ.get(bench_isa_variables(args.isa)[0][0]) != args.isa:
+            return _rerun_with(bench_isa_variables(args.isa), argv)
         from . import bench
 
         if args.gpu:
@@ -153,8 +174,26 @@ def main(argv=None) -> int:
                 return 2
             shapes = ([bench.Shape.parse(s) for s in args.shapes] if args.shapes
                       else bench.suite_shapes(args.suite or "prefill"))
-            bench.compare(shapes, repeats=args.repeats, backward=not args.forward_only)
+            bench.compare(shapes, repeats=args.repeats, backward=not args.forward_only, products=args.products)
     return 0
+
+
+def bench_isa_variables(isa: str) -> list[tuple[str, str]]:
+    """The environment that makes npattn (Numba), torch (ATen's kernels, and the oneDNN and
+    MKL products under them) and OpenBLAS (NumPy's matmul, SciPy's fallback products) all
+    run as on a CPU whose widest vectors are ``isa``."""
+    return [("NPATTN_CPU_ISA", isa), ("ATEN_CPU_CAPABILITY", isa), ("ONEDNN_MAX_CPU_ISA", isa.upper()),
+            ("MKL_ENABLE_INSTRUCTIONS", isa.upper()), ("OPENBLAS_CORETYPE", "Haswell")]
+
+
+def _rerun_with(variables, argv) -> int:
+    """Run this command again in a child process with ``variables`` set: each library reads
+    its switch once, when it loads, and NumPy's OpenBLAS has loaded already."""
+    import subprocess
+
+    environment = {**os.environ, **dict(variables)}
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    return subprocess.run([sys.executable, "-m", "npattn", *arguments], env=environment).returncode
 
 
 def _version(module: str) -> str:

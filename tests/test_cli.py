@@ -16,6 +16,35 @@ def test_info_lists_versions_and_every_backend():
                           check=True).stdout
     for word in ("npattn", "numpy", "reference", "cpu", "gpu", "NUMBA_NUM_THREADS", "device"):
         assert word in text
+    from npattn.cpu import isa
+
+    assert f"cpu isa    {isa.compiled_isa()}\n" in text
+
+
+def test_bench_isa_reruns_itself_with_every_librarys_switch(monkeypatch):
+    """``bench --isa avx2`` hands the same arguments to a child process whose environment
+    forces npattn, torch and OpenBLAS to AVX2 (each reads its switch when it loads)."""
+    calls = []
+    monkeypatch.delenv("NPATTN_CPU_ISA", raising=False)
+    monkeypatch.setattr(subprocess, "run", lambda command, env: calls.append((command, env)) or
+                        subprocess.CompletedProcess(command, 3))
+    arguments = ["bench", "--isa", "avx2", "--shape", "1,2,32,16", "--repeats", "1"]
+    assert cli.main(arguments) == 3
+    [(command, environment)] = calls
+    assert command == [sys.executable, "-m", "npattn", *arguments]
+    for name, value in cli.bench_isa_variables("avx2"):
+        assert environment[name] == value
+
+
+def test_bench_products_switch_reaches_the_header(monkeypatch):
+    from npattn import bench, timing
+
+    monkeypatch.setattr(timing, "SETTLE_S", 0.0)
+    monkeypatch.setattr(bench, "_PEAK_SIZE", 64)
+    printed = io.StringIO()
+    bench.compare(shapes=[(1, 1, 1, 16, 16)], repeats=1, backward=False, out=printed, progress=io.StringIO(),
+                  products="blas")
+    assert "SciPy's BLAS" in printed.getvalue().splitlines()[0]
 
 
 def test_demo_runs_every_variant_within_float32_rounding():

@@ -1,8 +1,9 @@
 """CPU backend: Numba-jitted, tiled (FlashAttention-2 style) kernels, forward and backward.
 
 Modules: :mod:`.tuning` (tile sizes and product path, per context), :mod:`.operands`
-(a problem as flat arrays and strides), :mod:`.simd` (explicit 512-bit vectors for
-Numba), :mod:`.microkernels` (register-blocked tile products on them), :mod:`.blas`
+(a problem as flat arrays and strides), :mod:`.isa` (the vector ISA compiled for, and
+``NPATTN_CPU_ISA``), :mod:`.simd` (explicit full-width vectors for Numba),
+:mod:`.microkernels` (register-blocked tile products on them), :mod:`.blas`
 (BLAS products on row blocks in place, the fallback), :mod:`.rowmath` (a vectorized exp),
 :mod:`.tiles` (visibility, dropout hash, one tile of scores), :mod:`.forward_kernel`
 and :mod:`.backward_kernel`. Importing this package needs neither Numba nor SciPy;
@@ -48,7 +49,8 @@ def backward(problem, saved, dout):
 def products(kind: str):
     """A context manager: run the block with the tiles' matrix products on ``"vector"``
     (the register-blocked micro-kernels of :mod:`.microkernels`, the default where the CPU
-    has 512-bit vectors) or ``"blas"`` (SciPy's BLAS, the default elsewhere). Results agree
+    has AVX-512 or AVX2) or ``"blas"`` (SciPy's BLAS, the default elsewhere). Which vectors
+    the micro-kernels use is fixed per process (:mod:`.isa`). Results agree
     to rounding; the tests run both. It applies to calls from this thread (or asyncio
     task) only: see :mod:`.tuning`."""
     from .tuning import tuned

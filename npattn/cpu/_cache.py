@@ -5,6 +5,10 @@ kernel in ``forward_kernel.py`` would keep its stale machine code after a change
 ``tiles.py``, which it calls. This module registers a cache locator that, for files
 of this package, stamps with the hash of every module here (then defers to Numba's
 usual locations). Import it before any ``@njit(cache=True)`` of the package.
+
+It also applies ``NPATTN_CPU_ISA`` (:mod:`.isa`) before that first ``@njit``. Numba
+keys each cached entry by its target CPU's features, so AVX-512 and AVX2 machine
+code live side by side in one cache.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import hashlib
 import os
 
 from numba.core import caching
+
+from .isa import apply_forced_isa
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -63,3 +69,7 @@ class PackageStampedLocator(caching._CacheLocator):
 _LOCATORS = getattr(getattr(caching, "CacheImpl", None), "_locator_classes", None)
 if isinstance(_LOCATORS, list) and PackageStampedLocator not in _LOCATORS:
     _LOCATORS.insert(0, PackageStampedLocator)
+
+
+# Numba fixes its target CPU at its first compilation: a forced ISA must come before it.
+apply_forced_isa()

@@ -1,12 +1,17 @@
-"""Register-blocked matrix products on explicit 512-bit vectors (see :mod:`npattn.cpu.simd`).
+"""Register-blocked matrix products on explicit full-width vectors (see :mod:`npattn.cpu.simd`).
 
 :func:`product` computes ``C = [C +] alpha * A @ B`` for the attention tiles, where
 ``B`` and ``C`` have contiguous rows and ``A`` has any strides. Its inner block
-keeps 6 rows x 4 vectors of ``C`` (24 of the 32 zmm registers) in registers for
-the whole depth loop, each step loading 4 vectors of ``B`` and broadcasting 6
-values of ``A``: 24 FMAs for 10 loads, no packing. Measured on one core of the
-project's AVX-512 machine, O += P V at 256 x 512 x 64: 91 GFLOP/s, against 74
-for OpenBLAS's sgemm on the same tile, which packs both operands on every call.
+keeps 6 rows of ``C`` in registers for the whole depth loop, each step loading one
+row of ``B`` and broadcasting 6 values of ``A``, no packing. The block fits the
+ISA's register file:
+
+- AVX-512: 6 rows x 4 zmm vectors (24 of 32 registers): 24 FMAs for 10 loads.
+  Measured on one core of the project's AVX-512 machine, O += P V at 256 x 512 x 64:
+  91 GFLOP/s, against 74 for OpenBLAS's sgemm on the same tile, which packs both
+  operands on every call.
+- AVX2: 6 rows x 2 ymm vectors (12 of 16 registers, plus 2 for B and 1 for the
+  broadcast): 12 FMAs for 8 loads, the shape of the classic 6 x 16 sgemm kernel.
 
 :func:`pack_transposed` lays a key tile out with the head dimension first, so the
 scores ``S = Q K^T`` are such a product too.
@@ -19,22 +24,24 @@ from numba.extending import overload
 
 from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
-from .simd import fill, load, load4, never_inline, splat_fma, store_scaled, transpose_square
+from .simd import VECTOR_BYTES, fill, fill_many, load, load_like, never_inline, splat_fma, store_scaled, transpose_square
 
 _BLOCK_ROWS = 6
 # B's share of L1 (48 KiB on the project's machine; 32 KiB is common)
 _L1_BYTES = 32768
-VECTORS_PER_CHUNK = 4
+# Vectors per row of the register block: 6 x 4 of the 32 zmm, 6 x 2 of the 16 ymm.
+VECTORS_PER_CHUNK = 4 if VECTOR_BYTES == 64 else 2
 
 
 def padded_width(columns, like):
-    """``columns`` rounded up to whole chunks of :func:`product` (64 float32, 32 float64)."""
+    """``columns`` rounded up to whole chunks of :func:`product` (64 float32 and 32 float64
+    columns on AVX-512; 16 and 8 on AVX2)."""
     raise NotImplementedError
 
 
 @overload(padded_width, jit_options=OPTIONS)
 def _padded_width_overload(columns, like):
-    chunk = VECTORS_PER_CHUNK * (64 // (like.dtype.bitwidth // 8))
+    chunk = VECTORS_PER_CHUNK * (VECTOR_BYTES // (like.dtype.bitwidth // 8))
 
     def implementation(columns, like):
         return (columns + chunk - 1) // chunk * chunk
@@ -43,22 +50,22 @@ def _padded_width_overload(columns, like):
 
 def chunk_columns(dtype) -> int:
     """The column count of :func:`product`'s chunk for a NumPy ``dtype``."""
-    return VECTORS_PER_CHUNK * 64 // np.dtype(dtype).itemsize
+    return VECTORS_PER_CHUNK * VECTOR_BYTES // np.dtype(dtype).itemsize
 
 
 @helper
-def _chunk4(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
-            accumulate):
-    """Four vectors' worth of columns of C, all rows."""
-    zero = fill(0.0, c)
+def _chunk(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
+           accumulate):
+    """:data:`VECTORS_PER_CHUNK` vectors' worth of columns of C, all rows."""
+    zero = fill_many(0.0, c, VECTORS_PER_CHUNK)
     scale = fill(alpha, c)
     r0 = 0
     while r0 + _BLOCK_ROWS <= rows:
-        a0 = a1 = a2 = a3 = a4 = a5 = (zero, zero, zero, zero)
+        a0 = a1 = a2 = a3 = a4 = a5 = zero
         ai = a_offset + r0 * a_row
         bi = b_offset
         for _ in range(depth):
-            x = load4(b, bi)
+            x = load_like(b, bi, zero)
             a0 = splat_fma(a, ai, x, a0)
             a1 = splat_fma(a, ai + a_row, x, a1)
             a2 = splat_fma(a, ai + 2 * a_row, x, a2)
@@ -76,11 +83,11 @@ def _chunk4(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
         store_scaled(c, ci + 5 * c_row, a5, scale, accumulate)
         r0 += _BLOCK_ROWS
     for r in range(r0, rows):
-        acc = (zero, zero, zero, zero)
+        acc = zero
         ai = a_offset + r * a_row
         bi = b_offset
         for _ in range(depth):
-            acc = splat_fma(a, ai, load4(b, bi), acc)
+            acc = splat_fma(a, ai, load_like(b, bi, zero), acc)
             ai += a_col
             bi += b_row
         store_scaled(c, c_offset + r * c_row, acc, scale, accumulate)
@@ -109,7 +116,7 @@ def product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
     """``C[r, x] = [C[r, x] +] alpha * sum_j A[r, j] B[j, x]`` for r < rows, x < width, where
     ``A[r, j] = a[a_offset + r * a_row + j * a_col]``, ``B[j, x] = b[b_offset + j * b_row + x]``
     and ``C[r, x] = c[c_offset + r * c_row + x]`` (flat arrays of one float dtype).
-    ``width`` must be a multiple of the vector's lanes (16 float32, 8 float64); indices
+    ``width`` must be a multiple of the vector's lanes (:func:`npattn.cpu.simd.lanes_of`); indices
     are not checked."""
     _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(a_col),
              as_readonly(b), plain_int(b_offset), plain_int(b_row),
@@ -124,7 +131,7 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
     rows of B fit in L1 beside the accumulators: B is re-read once per 6 rows of C, from
     L1 rather than L2."""
     never_inline()
-    lanes = 64 // c.itemsize
+    lanes = VECTOR_BYTES // c.itemsize
     chunk = VECTORS_PER_CHUNK * lanes
     depth_block = _L1_BYTES // (chunk * c.itemsize)
     x = 0
@@ -135,7 +142,7 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
             args = (a, a_offset + j0 * a_col, a_row, a_col, b, b_offset + j0 * b_row + x, b_row,
                     c, c_offset + x, c_row, rows, j_count, alpha, accumulate or j0 > 0)
             if four:
-                _chunk4(*args)
+                _chunk(*args)
             else:
                 _chunk1(*args)
         x += chunk if four else lanes
@@ -153,7 +160,7 @@ def pack_transposed(x, offset, row_stride, rows, cols, packed, ld, padded_rows):
 def _pack_transposed(x, offset, row_stride, rows, cols, packed, ld, padded_rows):
     """Whole lanes x lanes squares go through registers; the edges element by element."""
     never_inline()
-    lanes = 64 // x.itemsize
+    lanes = VECTOR_BYTES // x.itemsize
     full_rows = rows - rows % lanes
     full_cols = cols - cols % lanes
     for r in range(0, full_rows, lanes):

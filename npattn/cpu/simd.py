@@ -1,49 +1,46 @@
-"""Explicit 512-bit vectors for Numba kernels: a value type that lives in one register.
+"""Explicit full-width vectors for Numba kernels: a value type that lives in one register.
 
 Why: Numba compiles for the host CPU, and LLVM's cost model for AVX-512 Intel
 cores prefers 256-bit vectors, so Numba's own vectorized loops run at half the
 width of the FMA units, and a loop cannot keep a block of accumulators in
 registers. The matrix-product micro-kernels of :mod:`npattn.cpu.microkernels`
-need both. Here a :class:`Vector` is an LLVM ``<16 x float>`` (``<8 x
-double>``) SSA value, and every function that touches one is marked
-``"prefer-vector-width"="512"`` so LLVM keeps it whole in a zmm register (and
-vectorizes that function's plain loops at 512 bits too).
+need both. Here a :class:`Vector` is one register of the ISA the kernels compile
+for (:mod:`npattn.cpu.isa`): an LLVM ``<16 x float>`` (``<8 x double>``) on
+AVX-512, ``<8 x float>`` (``<4 x double>``) on AVX2; every function that touches
+one is marked ``"prefer-vector-width"`` at that width, so LLVM keeps it whole in a
+zmm (ymm) register and vectorizes that function's plain loops at that width too.
 
 Use only inside ``@njit`` code::
 
-    acc = (fill(0.0, c),) * 4          # 4 vectors of c.dtype, all 0
-    acc = splat_fma(a, i, load4(b, j), acc)   # acc[v] += a[i] * b[j + v*lanes :][:lanes]
+    acc = fill_many(0.0, c, 4)         # 4 vectors of c.dtype, all 0
+    acc = splat_fma(a, i, load_like(b, j, acc), acc)   # acc[v] += a[i] * b[j + v*lanes :][:lanes]
     store_scaled(c, k, acc, fill(1.0, c), False)
 
 Loads and stores are unaligned and unchecked: ``index + lanes(x) <= len(x)`` is
-the caller's to guarantee. On a CPU without AVX-512, LLVM splits each vector
-into narrower registers: correct, but the kernels here are then slower than BLAS,
-so :data:`WIDE` tells callers whether to use them.
+the caller's to guarantee. On a CPU with neither AVX-512 nor AVX2, LLVM splits each
+vector into SSE registers: correct, but the micro-kernels are then slower than BLAS,
+so :data:`MICROKERNELS` tells callers whether to use them.
 """
 from __future__ import annotations
 
-from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
+from . import _cache  # noqa: F401  (before any @njit: stamps caches, applies NPATTN_CPU_ISA)
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-VECTOR_BYTES = 64
+from .isa import compiled_isa
 
-
-def _host_has_avx512() -> bool:
-    import llvmlite.binding as llvm
-
-    features = llvm.get_host_cpu_features()
-    return bool(features.get("avx512f", False))
-
-
-# Whether the vectors here fill one register each (the micro-kernels pay off).
-WIDE = _host_has_avx512()
+ISA = compiled_isa()
+# One register: zmm on AVX-512, ymm elsewhere (on SSE-only CPUs LLVM splits it in two).
+VECTOR_BYTES = 64 if ISA == "avx512" else 32
+# Whether the register-blocked micro-kernels pay off here (they lose to BLAS on SSE).
+MICROKERNELS = ISA != "baseline"
 
 
 class Vector(types.Type):
-    """A register of ``lanes`` values of ``dtype`` (float32 x 16 or float64 x 8)."""
+    """A register of ``lanes`` values of ``dtype`` (float32 x 16 or float64 x 8 on AVX-512,
+    half that on AVX2)."""
 
     def __init__(self, dtype):
         self.dtype = dtype
@@ -59,11 +56,11 @@ class _VectorModel(models.PrimitiveModel):
 
 
 def _wide(builder):
-    """Let LLVM use 512-bit registers in the function being built."""
+    """Let LLVM use full-width registers in the function being built."""
     attributes = builder.function.attributes
     # llvmlite only knows attribute keywords; a "key"="value" string attribute goes in as text
-    set.add(attributes, '"prefer-vector-width"="512"')
-    set.add(attributes, '"min-legal-vector-width"="512"')
+    set.add(attributes, f'"prefer-vector-width"="{8 * VECTOR_BYTES}"')
+    set.add(attributes, f'"min-legal-vector-width"="{8 * VECTOR_BYTES}"')
 
 
 @intrinsic
@@ -131,6 +128,23 @@ def fill(typingctx, value, like):
     return vector(value, like), codegen
 
 
+@intrinsic
+def fill_many(typingctx, value, like, count):
+    """A tuple of ``count`` (a compile-time constant) vectors like :func:`fill`'s: a
+    micro-kernel's row of accumulators."""
+    if not (isinstance(value, (types.Float, types.Integer)) and _check_float_array(like)
+            and isinstance(count, types.IntegerLiteral)):
+        return None
+    row = types.UniTuple(Vector(like.dtype), count.literal_value)
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        scalar = context.cast(builder, args[0], signature.args[0], like.dtype)
+        vector = _broadcast(context, builder, row.dtype, scalar)
+        return context.make_tuple(builder, row, [vector] * row.count)
+    return row(value, like, count), codegen
+
+
 def _broadcast(context, builder, vector, scalar):
     vector_type = context.get_value_type(vector)
     single = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar,
@@ -140,24 +154,24 @@ def _broadcast(context, builder, vector, scalar):
 
 
 @intrinsic
-def load4(typingctx, array, index):
-    """Four consecutive vectors from ``array[index]``, as a tuple: one row of a
-    micro-kernel's B panel."""
-    if not (_check_float_array(array) and isinstance(index, types.Integer)):
+def load_like(typingctx, array, index, like):
+    """As many consecutive vectors from ``array[index]`` as the tuple ``like`` holds: one
+    row of a micro-kernel's B panel, shaped like its accumulators."""
+    if not (_check_float_array(array) and isinstance(index, types.Integer)
+            and isinstance(like, types.UniTuple) and like.dtype == Vector(array.dtype)):
         return None
-    vector = Vector(array.dtype)
-    row = types.UniTuple(vector, 4)
+    vector = like.dtype
 
     def codegen(context, builder, signature, args):
         _wide(builder)
         vector_type = context.get_value_type(vector)
         values = []
-        for v in range(4):
+        for v in range(like.count):
             offset = builder.add(args[1], ir.Constant(args[1].type, v * vector.lanes))
             pointer = _pointer(context, builder, signature.args[0], args[0], offset, vector_type)
             values.append(builder.load(pointer, align=array.dtype.bitwidth // 8))
-        return context.make_tuple(builder, row, values)
-    return row(array, index), codegen
+        return context.make_tuple(builder, like, values)
+    return like(array, index, like), codegen
 
 
 @intrinsic
@@ -284,7 +298,7 @@ horizontal_max = _reduce(select_greater, "The largest of a vector's lanes (NaN l
 @intrinsic
 def transpose_square(typingctx, x, x_offset, x_row, out, out_offset, out_row):
     """``out[out_offset + c * out_row + r] = x[x_offset + r * x_row + c]`` for a square block
-    of one vector's lanes (16 x 16 float32, 8 x 8 float64), in registers: log2(lanes)
+    of one vector's lanes (16 x 16 float32 on AVX-512, 8 x 8 on AVX2), in registers: log2(lanes)
     rounds of two-input shuffles that swap ever smaller sub-blocks (the lanes x lanes
     loads and stores are whole vectors)."""
     if not (_check_float_array(x) and _check_float_array(out) and x.dtype == out.dtype):
@@ -325,7 +339,8 @@ def _lane_indices(indices):
 
 
 def lanes_of(dtype) -> int:
-    """Lanes of a vector of ``dtype`` (a NumPy dtype): 16 for float32, 8 for float64."""
+    """Lanes of a vector of ``dtype`` (a NumPy dtype): 16 for float32, 8 for float64 on
+    AVX-512; 8 and 4 on AVX2."""
     return VECTOR_BYTES // dtype.itemsize
 
 

@@ -32,7 +32,7 @@ class Tuning:
     """``forward`` / ``backward``: (query rows, keys) per tile; ``edge_band``: rows per band
     of a tile the causal or window edge cuts; ``vector``: products on the register-blocked
     micro-kernels (True), SciPy's BLAS (False), or None: the micro-kernels where the CPU
-    has 512-bit vectors (:data:`npattn.cpu.simd.WIDE`)."""
+    has AVX-512 or AVX2 (:data:`npattn.cpu.simd.MICROKERNELS`)."""
 
     forward: tuple = (192, 384)
     backward: tuple = (96, 192)
@@ -42,9 +42,9 @@ class Tuning:
     @property
     def vector_products(self) -> bool:
         if self.vector is None:
-            from .simd import WIDE  # imports Numba: only when a kernel is about to run
+            from .simd import MICROKERNELS  # imports Numba: only when a kernel is about to run
 
-            return WIDE
+            return MICROKERNELS
         return self.vector
 
 

@@ -1,0 +1,82 @@
+"""Which x86 vector instructions the CPU kernels are compiled for, and the switch to force AVX2.
+
+Numba compiles for the CPU its target machine names (the host's, unless
+``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` say otherwise), and the kernels'
+micro-kernels are shaped for its widest vectors:
+
+- ``"avx512"``: 512-bit vectors, 32 registers (Intel since Skylake-SP, AMD since Zen 4);
+- ``"avx2"``: 256-bit vectors with FMA, 16 registers (AMD Zen 1-3, Intel Haswell on);
+- ``"baseline"``: neither; the tile products fall back to SciPy's BLAS.
+
+``NPATTN_CPU_ISA=avx2`` in the environment, set before the process compiles any Numba
+code, makes Numba target the host CPU with its AVX-512 features switched off, so a
+developer on an AVX-512 machine measures exactly what an AVX2-only CPU would run (the
+benchmark compares it with ``ATEN_CPU_CAPABILITY=avx2`` torch). It changes Numba's
+target for the whole process, which is why it is an environment variable and not a
+per-call option. Importing this module does not import Numba.
+"""
+from __future__ import annotations
+
+import os
+
+FORCE_VARIABLE = "NPATTN_CPU_ISA"
+FORCEABLE = ("avx2",)
+ISAS = ("avx512", "avx2", "baseline")
+
+
+def _host_features() -> dict[str, bool]:
+    import llvmlite.binding as llvm
+
+    return dict(llvm.get_host_cpu_features())
+
+
+def _without_avx512(features: dict[str, bool]) -> str:
+    """LLVM's feature string for ``features`` with every AVX-512 (and wider) extension off."""
+    wide = ("avx512", "avx10", "amx", "evex512")
+    return ",".join(("+" if on and not name.startswith(wide) else "-") + name
+                    for name, on in sorted(features.items()))
+
+
+def apply_forced_isa() -> None:
+    """Point Numba's target at the ISA ``NPATTN_CPU_ISA`` names, if set. Runs before the
+    package's first ``@njit``; a no-op without the variable."""
+    forced = os.environ.get(FORCE_VARIABLE, "").strip().lower()
+    if not forced:
+        return
+    if forced not in FORCEABLE:
+        raise ValueError(f"{FORCE_VARIABLE} must be one of {', '.join(FORCEABLE)} (or unset), got {forced!r}")
+    features = _without_avx512(_host_features())
+    # Numba re-reads its configuration from the environment before each compilation,
+    # and fixes its target machine at the first one.
+    os.environ["NUMBA_CPU_FEATURES"] = features
+    from numba.core import config
+
+    config.CPU_FEATURES = features
+    if compiled_isa() != forced:
+        raise RuntimeError(f"{FORCE_VARIABLE}={forced} came too late: Numba already compiled code for "
+                           f"{compiled_isa()} in this process; set it before the process starts")
+
+
+def target_features() -> str:
+    """The feature string Numba's CPU target compiles with (its own rule: the configured
+    features, else the host's)."""
+    from numba.core import config
+    from numba.core.registry import cpu_target
+
+    codegen = cpu_target.target_context.codegen()
+    fixed = getattr(codegen, "_tm_features", None)  # set when the target machine was made
+    if isinstance(fixed, str):
+        return fixed
+    if config.CPU_FEATURES is not None:
+        return config.CPU_FEATURES
+    return ",".join(("+" if on else "-") + name for name, on in _host_features().items())
+
+
+def compiled_isa() -> str:
+    """``"avx512"``, ``"avx2"`` or ``"baseline"``: the widest vectors the kernels compile for."""
+    enabled = {item[1:] for item in target_features().split(",") if item.startswith("+")}
+    if "avx512f" in enabled:
+        return "avx512"
+    if {"avx2", "fma"} <= enabled:
+        return "avx2"
+    return "baseline"

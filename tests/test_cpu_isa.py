@@ -1,0 +1,125 @@
+"""The CPU kernels at each vector ISA: AVX-512 where the host has it (every other test), and
+AVX2 forced with ``NPATTN_CPU_ISA=avx2`` in a child process, so an AVX-512 machine also
+checks the 256-bit micro-kernels (6 x 2 register blocks, 8 x 8 transposes) that an
+AVX2-only CPU runs.
+
+The micro-kernels are also checked on their own against NumPy, at every ISA.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+pytest.importorskip("scipy")
+
+from numba import njit  # noqa: E402
+
+from npattn.cpu import isa, microkernels, simd  # noqa: E402
+from tolerances import assert_close  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_child(arguments, tmp_path, isa_value="avx2"):
+    """``python arguments...`` from the repository root with ``NPATTN_CPU_ISA=isa_value``."""
+    environment = {**os.environ, isa.FORCE_VARIABLE: isa_value, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, *arguments], cwd=ROOT, env=environment, capture_output=True,
+                          text=True, timeout=900)
+
+
+@njit  # not cached: a cache stamped with this file alone would outlive edits to microkernels
+def _product(a, b, c, rows, depth, width):
+    microkernels.product(a, 0, depth, 1, b, 0, width, c, 0, width, rows, depth, width, 1.0, False)
+
+
+@njit  # not cached, as above
+def _pack(x, rows, cols, packed, ld):
+    microkernels.pack_transposed(x, 0, cols, rows, cols, packed, ld, ld)
+
+
+# (rows, depth, width in vectors): 6-row blocks and their remainder, one-vector remainders
+# of the chunk (2 vectors on AVX2, 4 on AVX-512) and a depth past the L1 slice.
+@pytest.mark.parametrize("rows, depth, vectors", [(1, 1, 1), (6, 5, 2), (7, 33, 3), (13, 600, 5), (19, 64, 9)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_micro_kernel_products_match_numpy(rows, depth, vectors, dtype):
+    rng = np.random.default_rng(rows * depth)
+    width = vectors * simd.lanes_of(np.dtype(dtype))
+    a = rng.standard_normal((rows, depth)).astype(dtype)
+    b = rng.standard_normal((depth, width)).astype(dtype)
+    c = np.full((rows, width), np.nan, dtype)
+    _product(a.ravel(), b.ravel(), c.ravel(), rows, depth, width)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    assert_close(c, exact, dtype, depth, float(np.abs(a).max() * np.abs(b).max()), what="product")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_packed_transposes_are_exact_and_zero_padded(dtype):
+    lanes = simd.lanes_of(np.dtype(dtype))
+    x = np.random.default_rng(0).standard_normal((2 * lanes + 3, lanes + 5)).astype(dtype)
+    packed = np.full((x.shape[1], x.shape[0] + 4), np.nan, dtype)
+    _pack(x.ravel(), x.shape[0], x.shape[1], packed.ravel(), packed.shape[1])
+    np.testing.assert_array_equal(packed[:, :x.shape[0]], x.T)
+    np.testing.assert_array_equal(packed[:, x.shape[0]:], 0)
+
+
+def test_forced_avx2_kernels_pass_the_vector_width_properties(tmp_path):
+    """The micro-kernel tests above and the kernels' property test at vector widths, again
+    in a child compiled for AVX2 (on an AVX2-only CPU, what every test already runs)."""
+    child = _run_child(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                        "tests/test_cpu_isa.py::test_micro_kernel_products_match_numpy",
+                        "tests/test_cpu_isa.py::test_packed_transposes_are_exact_and_zero_padded",
+                        "tests/test_cpu_isa.py::test_the_child_compiles_for_avx2",
+                        "tests/test_cpu_kernels.py::test_vector_products_match_the_reference_at_vector_widths"],
+                       tmp_path)
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
+    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+
+
+@pytest.mark.skipif(os.environ.get(isa.FORCE_VARIABLE) != "avx2", reason="runs in the forced child only")
+def test_the_child_compiles_for_avx2():
+    assert (simd.ISA, simd.VECTOR_BYTES, microkernels.VECTORS_PER_CHUNK) == ("avx2", 32, 2)
+
+
+def test_an_unknown_forced_isa_is_named_in_the_error(tmp_path):
+    child = _run_child(["-c", "import npattn.cpu.simd"], tmp_path, isa_value="avx9")
+    assert child.returncode != 0
+    assert "NPATTN_CPU_ISA must be one of avx2" in child.stderr and "'avx9'" in child.stderr
+
+
+@pytest.mark.skipif(isa.compiled_isa() != "avx512", reason="forcing AVX2 changes nothing on a CPU without AVX-512")
+def test_forcing_avx2_after_numba_compiled_is_an_error(tmp_path):
+    child = _run_child(["-c", textwrap.dedent("""
+        import os
+        from numba import njit
+        njit(lambda: 1)()
+        os.environ["NPATTN_CPU_ISA"] = "avx2"
+        import npattn.cpu.simd
+    """)], tmp_path, isa_value="")
+    assert child.returncode != 0
+    assert "came too late" in child.stderr
+
+
+def test_the_avx2_feature_string_switches_off_every_wider_extension():
+    features = {"avx2": True, "fma": True, "avx512f": True, "avx512vl": True, "amx-tile": True,
+                "evex512": True, "avx10.1-512": True, "sse4.2": True, "sha": False}
+    assert isa._without_avx512(features).split(",") == [
+        "-amx-tile", "-avx10.1-512", "+avx2", "-avx512f", "-avx512vl", "-evex512", "+fma", "-sha", "+sse4.2"]
+
+
+@pytest.mark.parametrize("features, expected", [("+avx2,+fma,+avx512f", "avx512"), ("+avx2,+fma,-avx512f", "avx2"),
+                                                ("+avx2,-fma", "baseline"), ("", "baseline")])
+def test_the_compiled_isa_is_read_from_numbas_target_features(monkeypatch, features, expected):
+    monkeypatch.setattr(isa, "target_features", lambda: features)
+    assert isa.compiled_isa() == expected
+
+
+def test_the_bench_forces_every_library_to_the_same_isa():
+    from npattn.cli import bench_isa_variables
+
+    variables = dict(bench_isa_variables("avx2"))
+    assert variables == {"NPATTN_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                         "MKL_ENABLE_INSTRUCTIONS": "AVX2", "OPENBLAS_CORETYPE": "Haswell"}
