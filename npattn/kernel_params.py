@@ -60,6 +60,8 @@ class Int(IntEnum):
     VECTOR_VALUES = 41   # P V and dV through them too (needs Dv a whole number of vectors)
     VECTOR_KEYS = 42     # dQ and dK through them too (needs D a whole number of vectors)
     EDGE_BAND = 43       # rows per band of a tile the causal/window edge cuts (tiles.band_keys)
+    KEY_SPLITS = 44      # CPU forward: key ranges per query tile, merged by lse (cpu.splitting)
+    SPLIT_KEYS = 45      # keys per range, a multiple of BLOCK_K
 
 
 # The arrays every kernel takes first, in order, with their CUDA types (T: the storage

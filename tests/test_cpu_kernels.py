@@ -40,11 +40,12 @@ def test_backward_matches_the_reference_across_many_tiles(case, layout, tile, ki
 
 @st.composite
 def vector_dims(draw):
-    """Head dims around whole vectors (16 float32 lanes, 8 float64; 4-vector chunks of 64
-    and 32), so the micro-kernels' chunk, single-vector and BLAS-fallback paths all run,
-    and lengths past their 6-row blocks."""
+    """Head dims around whole vectors (AVX-512: 16 float32 lanes, 8 float64, in 4-vector
+    chunks; AVX2: 8 and 4 lanes in 2-vector chunks), so the micro-kernels' chunk,
+    single-vector and BLAS-fallback paths all run at either ISA, and lengths past their
+    6-row blocks."""
     d = draw(dims(max_len=40))
-    widths = st.sampled_from([8, 16, 24, 32, 48, 64, 72, 80])
+    widths = st.sampled_from([8, 12, 16, 20, 24, 32, 48, 64, 72, 80])
     return dataclasses.replace(d, head_dim=draw(widths), value_dim=draw(widths))
 
 
@@ -212,3 +213,61 @@ def test_gqa_decode_steps_fold_query_heads_into_rows_with_the_same_bits(monkeypa
     monkeypatch.setattr(folding, "foldable", lambda problem: False)
     for got, expected in zip(folded, run()):
         assert got.shape == expected.shape and got.tobytes() == expected.tobytes()
+
+
+@settings(max_examples=30)
+@given(case=cases(dtypes=("float32", "float64"), dims_strategy=dims(max_len=40)), layout=layouts,
+       block_k=st.integers(1, 9))
+def test_short_queries_split_over_key_ranges_match_the_reference(case, layout, block_k):
+    """Every key range a short query's keys are cut into (here from one key tile up, see
+    cpu/splitting.py) merges, by lse, to the reference's out and lse: causal, window,
+    sinks, lengths, masks, bias and dropout hold in each range."""
+    from unittest import mock
+
+    from npattn.cpu import splitting
+
+    with mock.patch.object(splitting, "MIN_SPLIT_KEYS", 1), cpu.tile_sizes(64, block_k):
+        check_forward("cpu", case, layout)
+        check_backward("cpu", case, layout)
+
+
+def test_decode_key_ranges_depend_on_the_shapes_only():
+    """An MQA decode step at B = 1 is one work item: cut into 8 ranges of whole key tiles
+    (none empty); GQA with 8 kv heads already has the items, as do long queries; the
+    weights and sink logits need the whole row."""
+    from npattn.cpu import splitting
+
+    def problem(**fields):  # the fields key_splits reads
+        defaults = dict(batch=1, heads=1, q_len=1, kv_len=8192, return_weights=False, sink_logits=None)
+        return type("Problem", (), {**defaults, **fields})
+
+    assert splitting.key_splits(problem(), (192, 384)) == (8, 1152)
+    assert splitting.key_splits(problem(kv_len=2500), (192, 384)) == (2, 1536)
+    assert splitting.key_splits(problem(heads=8), (192, 384)) == (1, 8192)
+    assert splitting.key_splits(problem(kv_len=1500), (192, 384)) == (1, 1500)
+    assert splitting.key_splits(problem(q_len=193), (192, 384)) == (1, 8192)
+    assert splitting.key_splits(problem(return_weights=True), (192, 384)) == (1, 8192)
+    assert splitting.key_splits(problem(sink_logits=np.zeros(1)), (192, 384)) == (1, 8192)
+
+
+@pytest.mark.parametrize("options", [{}, {"kv_lengths": np.array([3000])}, {"causal": True, "window": (700, 0)}])
+def test_split_decode_steps_give_the_same_bits_on_any_thread_count(monkeypatch, options):
+    from npattn.cpu import splitting
+
+    merges = []
+    real_merge = splitting.merge
+    monkeypatch.setattr(splitting, "merge", lambda *arrays: merges.append(1) or real_merge(*arrays))
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 1, 32), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 1, 4500, 32), dtype=np.float32) for _ in range(2))
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
+        out, lse = npattn.attention(q, k, v, return_lse=True, backend="cpu", **options)
+        results.append(out.tobytes() + lse.tobytes())
+    assert len(merges) == 3, "the decode step was not split"
+    assert results[0] == results[1] == results[2]
+    exact, exact_lse = npattn.attention(*(x.astype(np.float64) for x in (q, k, v)), return_lse=True,
+                                        backend="reference", **options)
+    assert_close(out, exact, np.float32, k.shape[2] + q.shape[3], float(np.abs(v).max()), "out")
+    assert_close(lse, exact_lse, np.float32, k.shape[2] + q.shape[3], 1 + float(np.abs(exact_lse).max()), "lse")

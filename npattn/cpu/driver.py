@@ -6,7 +6,7 @@ import numpy as np
 from ..kernel_params import sink_logits_gradient
 from ..results import ForwardResult, Gradients
 from .backward_kernel import backward_items, backward_kernel, dbias_kernel
-from . import folding
+from . import folding, splitting
 from .blas import single_threaded_blas
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
@@ -34,12 +34,19 @@ def _forward(problem) -> ForwardResult:
     else:
         out = np.zeros((batch, heads, q_len, value_dim), dtype)
     lse = np.full((batch, heads, q_len), -np.inf, dtype)
-    out_strides = np.array([s // dtype.itemsize for s in out.strides[:3]], np.int64)
+    splits = int(ops.ints[Int.KEY_SPLITS])
+    # each key range's rows go to their own (out, lse) slice, merged after the kernel
+    out_parts = out if splits == 1 else np.zeros((splits, batch, heads, q_len, value_dim), dtype)
+    lse_parts = lse if splits == 1 else np.full((splits, batch, heads, q_len), -np.inf, dtype)
+    out_strides = np.array([s // dtype.itemsize for s in out_parts.strides[-4:-1]]
+                           + [out_parts.strides[0] // dtype.itemsize if splits > 1 else 0], np.int64)
     with single_threaded_blas(), reused():
         items = forward_items(ops.ints)
         flops = _forward_flops(problem)
-        run_items(forward_kernel, (*ops, _flat(out), out_strides, lse.reshape(-1)), items,
+        run_items(forward_kernel, (*ops, _flat(out_parts), out_strides, lse_parts.reshape(-1)), items,
                   lambda: forward_scratch(ops.ints, dtype), flops)
+        if splits > 1:
+            splitting.merge(out_parts, lse_parts, out, lse)
         weights = None
         if problem.return_weights:
             weights = np.zeros((batch, heads, q_len, problem.kv_len), dtype)

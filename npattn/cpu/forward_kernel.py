@@ -1,8 +1,10 @@
 """The tiled forward (FlashAttention-2): out and lse with an online softmax, and the
 exact attention weights recomputed from lse.
 
-Work items are (batch, head, query tile); each thread of :mod:`npattn.cpu.threads`
-claims the next item until none is left (``counter``, ``items``). For
+Work items are (batch, head, query tile, key range); each thread of
+:mod:`npattn.cpu.threads` claims the next item until none is left (``counter``,
+``items``). There is one key range (all keys) unless :mod:`npattn.cpu.splitting` cuts a
+short query's keys into several, whose results it merges. For
 each item the key tiles that masking leaves alive are visited in order; per tile:
 the scores (micro-kernel or BLAS, see :mod:`npattn.cpu.microkernels`), the running
 max ``m`` and sum ``l`` updated per row, the accumulated output rescaled by
@@ -30,8 +32,9 @@ from .tiles import apply_dropout, band_keys, key_segments, pack_key_tile, score_
 
 
 def forward_items(ints):
-    """The number of work items of :func:`forward_kernel` and :func:`weights_kernel`."""
-    return ints[Int.BATCH] * ints[Int.HEADS] * -(-ints[Int.Q_LEN] // ints[Int.BLOCK_Q])
+    """The number of work items of :func:`forward_kernel` and (one key range)
+    :func:`weights_kernel`."""
+    return ints[Int.BATCH] * ints[Int.HEADS] * -(-ints[Int.Q_LEN] // ints[Int.BLOCK_Q]) * ints[Int.KEY_SPLITS]
 
 
 @helper
@@ -49,9 +52,9 @@ def _query_tile(ints, q_lengths, item):
 @kernel
 def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
                    out, out_strides, lse, s, tanh, packed, m, total, sums, seen, counter, items):
-    """Fill ``out`` (a flat view with bhsd element strides ``out_strides``, int64 (3,),
-    zero on entry) and ``lse`` (flat (B, H, Sq), -inf on entry). Rows past ``q_lengths``
-    stay as they are. ``s`` to ``seen``: this thread's
+    """Fill ``out`` (a flat view with element strides ``out_strides``, int64 (4,): batch,
+    head, row, key range; zero on entry) and ``lse`` (flat (ranges, B, H, Sq), -inf on
+    entry). Rows past ``q_lengths`` stay as they are. ``s`` to ``seen``: this thread's
     :func:`~npattn.cpu.scratch.forward_scratch`.
 
     One function from the item loop down to the tile's key loop, not a helper per
@@ -63,26 +66,31 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
     keep_scale = reals[Real.KEEP_SCALE]
     out_row_stride = out_strides[2]
     v_row_stride = ints[Int.V_STRIDE_S]
+    splits, split_keys = ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS]
     while True:
         item = next_item(counter)
         if item >= items:
             break
-        b, h, i0, i1 = _query_tile(ints, q_lengths, item)
+        split = item % splits
+        b, h, i0, i1 = _query_tile(ints, q_lengths, item // splits)
         rows = i1 - i0
         if rows <= 0:
             continue
-        # the sink logit enters as a first column of value 0
+        # the sink logit enters as a first column of value 0 (in the first key range)
+        has_sink = ints[Int.HAS_SINK] and split == 0
         for r in range(rows):
-            m[r] = sink[h] if ints[Int.HAS_SINK] else -np.inf
-            total[r] = 1.0 if ints[Int.HAS_SINK] else 0.0
+            m[r] = sink[h] if has_sink else -np.inf
+            total[r] = 1.0 if has_sink else 0.0
             seen[r] = False
-        out_offset = b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
+        out_offset = split * out_strides[3] + b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
         kv_head = h // (heads // ints[Int.KV_HEADS])
         v_base = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H]
 
         sink_end, band_start, band_stop = key_segments(ints, kv_lengths, b, i0, i1)
+        range_start = split * split_keys
         for segment in range(2):
             first, last = (0, sink_end) if segment == 0 else (band_start, band_stop)
+            first, last = larger(first, range_start), smaller(last, range_start + split_keys)
             for j0 in range(first, last, block_k):
                 cols = smaller(block_k, last - j0)
                 pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
@@ -114,7 +122,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                     gemm(False, False, dv, rows, cols, 1.0, v[v_base + j0 * v_row_stride:], v_row_stride,
                          s, ld, 1.0, out[out_offset:], out_row_stride)
 
-        lse_offset = (b * heads + h) * ints[Int.Q_LEN] + i0
+        lse_offset = ((split * ints[Int.BATCH] + b) * heads + h) * ints[Int.Q_LEN] + i0
         for r in range(rows):
             o = out_offset + r * out_row_stride
             if seen[r]:

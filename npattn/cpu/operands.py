@@ -18,6 +18,7 @@ from ..kernel_params import (OPERAND_NAMES, Int, Real, element_strides, lengths_
                              problem_parameters)  # (Int, Real: the kernels import them from here)
 from .microkernels import chunk_columns
 from .simd import lanes_of as vector_lanes
+from .splitting import key_splits
 from .tuning import Tuning, current
 
 
@@ -106,6 +107,7 @@ def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None)
     ints[Int.VECTOR_VALUES] = vector and problem.value_dim % vector_lanes(dtype) == 0
     ints[Int.VECTOR_KEYS] = vector and head_dim % vector_lanes(dtype) == 0
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk_columns(dtype)) * chunk_columns(dtype) if vector else tiles[1]
+    ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = key_splits(problem, tiles) if kind == "forward" else (1, 1)
 
     operands = Operands(q=q, k=k, v=v, bias=bias, mask=mask, alibi=alibi, sink=sink,
                         q_lengths=lengths_or_full(np, problem.q_lengths, batch, q_len),

@@ -1,0 +1,63 @@
+"""Short queries over long keys: each query tile's keys cut into ranges that run as separate
+work items, then merged by their log-sum-exp (the CPU's flash-decoding).
+
+A decode step is one query tile per (batch, kv head) once folded (:mod:`.folding`): one
+work item at B = 1 with MQA, where every core but one would idle through the whole key
+scan. Split into ``n`` ranges, each item computes its range's output rows ``O_c`` and
+``lse_c``, and the merge takes ``lse = log sum_c exp(lse_c)`` and
+``O = sum_c exp(lse_c - lse) O_c``.
+
+The split depends on the shapes only, never on the thread count, and the merge sums the
+ranges in order, so the bits are the same on every run and with any number of threads
+(they differ from the unsplit call's by rounding). Rows with no visible key in a range
+contribute exp(-inf) = 0; rows with none at all keep out 0 and lse -inf.
+
+Not split: calls with more than one query tile per head (enough items already, and the
+ranges' outputs would cost a full extra pass over O), calls that return the weights
+(they need the whole row's lse first) and sink logits (they belong to one range but a
+row that sees no key must still give lse -inf).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# Items enough to keep this many cores busy (like the backward's key chunks): fixed, so
+# that the split, and with it the bits, never depend on the machine.
+SPLIT_ITEMS = 8
+# Keys per range at least, so a range's fixed costs (its rows' set-up, its share of the
+# merge) stay small against its scan: 1024 keys x 128 dims is 0.5 MiB of float32 K.
+MIN_SPLIT_KEYS = 1024
+
+
+def key_splits(problem, tiles) -> tuple[int, int]:
+    """``(ranges, keys per range)`` for ``problem`` with ``tiles`` = (block_q, block_k):
+    ``(1, Sk)`` when it does not split. Ranges are whole key tiles, none empty."""
+    block_q, block_k = tiles
+    kv_len = problem.kv_len
+    whole = (1, max(kv_len, 1))
+    if problem.q_len > block_q or problem.return_weights or problem.sink_logits is not None:
+        return whole
+    items = problem.batch * problem.heads
+    ranges = min(-(-SPLIT_ITEMS // max(items, 1)), kv_len // MIN_SPLIT_KEYS)
+    if ranges < 2:
+        return whole
+    key_tiles = -(-kv_len // block_k)
+    tiles_per_range = -(-key_tiles // ranges)
+    return -(-key_tiles // tiles_per_range), tiles_per_range * block_k
+
+
+def merge(out_parts, lse_parts, out, lse) -> None:
+    """Write the merged ``out`` (B, H, Sq, Dv), any strides, and ``lse`` (B, H, Sq) from
+    ``out_parts`` (n, B, H, Sq, Dv) and ``lse_parts`` (n, B, H, Sq), summing over the n
+    ranges in order."""
+    top = lse_parts.max(axis=0)
+    seen = top > -np.inf
+    shift = np.where(seen, top, 0.0)
+    weights = np.exp(lse_parts - shift)  # exactly 0 for a range that saw no key
+    total = np.zeros_like(top)
+    merged = np.zeros(out_parts.shape[1:], out_parts.dtype)
+    for weight, part in zip(weights, out_parts):  # in range order: the same bits on every run
+        total += weight
+        merged += weight[..., None] * part
+    lse[...] = np.where(seen, shift + np.log(np.where(seen, total, 1.0)), -np.inf)
+    out[...] = merged / np.where(seen, total, 1.0)[..., None]
