@@ -24,7 +24,8 @@ from numba.extending import overload
 
 from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
-from .simd import VECTOR_BYTES, fill, fill_many, load, load_like, never_inline, splat_fma, store_scaled, transpose_square
+from .simd import (VECTOR_BYTES, fill, load_like, never_inline, repeat, splat_fma_rows, store_scaled_rows,
+                   transpose_square)
 
 _BLOCK_ROWS = 6
 # B's share of L1 (48 KiB on the project's machine; 32 KiB is common)
@@ -54,60 +55,40 @@ def chunk_columns(dtype) -> int:
 
 
 @helper
-def _chunk(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
-           accumulate):
-    """:data:`VECTORS_PER_CHUNK` vectors' worth of columns of C, all rows."""
-    zero = fill_many(0.0, c, VECTORS_PER_CHUNK)
-    scale = fill(alpha, c)
-    r0 = 0
-    while r0 + _BLOCK_ROWS <= rows:
-        a0 = a1 = a2 = a3 = a4 = a5 = zero
-        ai = a_offset + r0 * a_row
-        bi = b_offset
-        for _ in range(depth):
-            x = load_like(b, bi, zero)
-            a0 = splat_fma(a, ai, x, a0)
-            a1 = splat_fma(a, ai + a_row, x, a1)
-            a2 = splat_fma(a, ai + 2 * a_row, x, a2)
-            a3 = splat_fma(a, ai + 3 * a_row, x, a3)
-            a4 = splat_fma(a, ai + 4 * a_row, x, a4)
-            a5 = splat_fma(a, ai + 5 * a_row, x, a5)
-            ai += a_col
-            bi += b_row
-        ci = c_offset + r0 * c_row
-        store_scaled(c, ci, a0, scale, accumulate)
-        store_scaled(c, ci + c_row, a1, scale, accumulate)
-        store_scaled(c, ci + 2 * c_row, a2, scale, accumulate)
-        store_scaled(c, ci + 3 * c_row, a3, scale, accumulate)
-        store_scaled(c, ci + 4 * c_row, a4, scale, accumulate)
-        store_scaled(c, ci + 5 * c_row, a5, scale, accumulate)
-        r0 += _BLOCK_ROWS
-    for r in range(r0, rows):
-        acc = zero
-        ai = a_offset + r * a_row
-        bi = b_offset
-        for _ in range(depth):
-            acc = splat_fma(a, ai, load_like(b, bi, zero), acc)
-            ai += a_col
-            bi += b_row
-        store_scaled(c, c_offset + r * c_row, acc, scale, accumulate)
+def _block(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, depth, scale, accumulate, block):
+    """C's rows and columns of ``block`` (a tuple of rows of vectors, zero on entry), held in
+    registers for the whole depth loop."""
+    row = block[0]
+    for _ in range(depth):
+        block = splat_fma_rows(a, a_offset, a_row, load_like(b, b_offset, row), block)
+        a_offset += a_col
+        b_offset += b_row
+    store_scaled_rows(c, c_offset, c_row, block, scale, accumulate)
 
 
 @helper
-def _chunk1(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
-            accumulate):
-    """One vector's worth of columns of C, all rows (the remainder of :func:`product`)."""
-    zero = (fill(0.0, c),)
+def _columns(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
+             accumulate, zero_row):
+    """The columns of ``zero_row``'s vectors, all rows: blocks of 6 rows, then the rest in
+    one block each of 4, 2 and 1 rows where they fit, so a few rows (a decode step's
+    query heads) still keep several independent FMA chains in flight."""
     scale = fill(alpha, c)
-    for r in range(rows):
-        acc = zero
-        ai = a_offset + r * a_row
-        bi = b_offset
-        for _ in range(depth):
-            acc = splat_fma(a, ai, (load(b, bi),), acc)
-            ai += a_col
-            bi += b_row
-        store_scaled(c, c_offset + r * c_row, acc, scale, accumulate)
+    r = 0
+    while r + _BLOCK_ROWS <= rows:
+        _block(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, depth,
+               scale, accumulate, repeat(zero_row, _BLOCK_ROWS))
+        r += _BLOCK_ROWS
+    if rows - r >= 4:
+        _block(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, depth,
+               scale, accumulate, repeat(zero_row, 4))
+        r += 4
+    if rows - r >= 2:
+        _block(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, depth,
+               scale, accumulate, repeat(zero_row, 2))
+        r += 2
+    if rows - r >= 1:
+        _block(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, depth,
+               scale, accumulate, repeat(zero_row, 1))
 
 
 @njit(inline="always")
@@ -136,16 +117,16 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
     depth_block = _L1_BYTES // (chunk * c.itemsize)
     x = 0
     while x < width:
-        four = x + chunk <= width
+        whole = x + chunk <= width
         for j0 in range(0, depth, depth_block):
             j_count = smaller(depth_block, depth - j0)
             args = (a, a_offset + j0 * a_col, a_row, a_col, b, b_offset + j0 * b_row + x, b_row,
                     c, c_offset + x, c_row, rows, j_count, alpha, accumulate or j0 > 0)
-            if four:
-                _chunk(*args)
-            else:
-                _chunk1(*args)
-        x += chunk if four else lanes
+            if whole:
+                _columns(*args, repeat(fill(0.0, c), VECTORS_PER_CHUNK))
+            else:  # the last columns, one vector at a time
+                _columns(*args, repeat(fill(0.0, c), 1))
+        x += chunk if whole else lanes
 
 
 @njit(inline="always")

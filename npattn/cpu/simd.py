@@ -12,9 +12,10 @@ zmm (ymm) register and vectorizes that function's plain loops at that width too.
 
 Use only inside ``@njit`` code::
 
-    acc = fill_many(0.0, c, 4)         # 4 vectors of c.dtype, all 0
-    acc = splat_fma(a, i, load_like(b, j, acc), acc)   # acc[v] += a[i] * b[j + v*lanes :][:lanes]
-    store_scaled(c, k, acc, fill(1.0, c), False)
+    block = repeat(repeat(fill(0.0, c), 4), 6)   # 6 rows of 4 vectors of c.dtype, all 0
+    # block[r][v] += a[i + r * lda] * b[j + v * lanes :][:lanes]
+    block = splat_fma_rows(a, i, lda, load_like(b, j, block[0]), block)
+    store_scaled_rows(c, k, ldc, block, fill(1.0, c), False)
 
 Loads and stores are unaligned and unchecked: ``index + lanes(x) <= len(x)`` is
 the caller's to guarantee. On a CPU with neither AVX-512 nor AVX2, LLVM splits each
@@ -129,20 +130,16 @@ def fill(typingctx, value, like):
 
 
 @intrinsic
-def fill_many(typingctx, value, like, count):
-    """A tuple of ``count`` (a compile-time constant) vectors like :func:`fill`'s: a
-    micro-kernel's row of accumulators."""
-    if not (isinstance(value, (types.Float, types.Integer)) and _check_float_array(like)
-            and isinstance(count, types.IntegerLiteral)):
+def repeat(typingctx, value, count):
+    """A tuple of ``count`` (a compile-time constant) copies of ``value``: a row of
+    accumulators from one vector, a block of rows from one row."""
+    if not isinstance(count, types.IntegerLiteral):
         return None
-    row = types.UniTuple(Vector(like.dtype), count.literal_value)
+    tuple_type = types.UniTuple(value, count.literal_value)
 
     def codegen(context, builder, signature, args):
-        _wide(builder)
-        scalar = context.cast(builder, args[0], signature.args[0], like.dtype)
-        vector = _broadcast(context, builder, row.dtype, scalar)
-        return context.make_tuple(builder, row, [vector] * row.count)
-    return row(value, like, count), codegen
+        return context.make_tuple(builder, tuple_type, [args[0]] * tuple_type.count)
+    return tuple_type(value, count), codegen
 
 
 def _broadcast(context, builder, vector, scalar):
@@ -174,44 +171,60 @@ def load_like(typingctx, array, index, like):
     return like(array, index, like), codegen
 
 
+def _is_block(block, dtype):
+    """Whether ``block`` is a tuple of rows, each a tuple of vectors of ``dtype``."""
+    return (isinstance(block, types.UniTuple) and isinstance(block.dtype, types.UniTuple)
+            and block.dtype.dtype == Vector(dtype))
+
+
 @intrinsic
-def splat_fma(typingctx, a, index, row, acc):
-    """``acc[v] + a[index] * row[v]`` for each vector of the tuples ``row`` and ``acc``
-    (one broadcast, one FMA per vector): a micro-kernel's step for one row of A."""
-    if not (_check_float_array(a) and isinstance(row, types.UniTuple) and row == acc
-            and row.dtype == Vector(a.dtype)):
+def splat_fma_rows(typingctx, a, index, a_row, row, block):
+    """``block[r][v] + a[index + r * a_row] * row[v]`` for every row ``r`` of the block
+    and vector ``v`` of ``row`` (one broadcast per row, one FMA per vector): a
+    micro-kernel's step through the depth."""
+    if not (_check_float_array(a) and isinstance(row, types.UniTuple) and _is_block(block, a.dtype)
+            and block.dtype == row):
         return None
 
     def codegen(context, builder, signature, args):
         _wide(builder)
-        a_value, index_value, row_value, acc_value = args
+        a_value, index_value, a_row_value, row_value, block_value = args
         data = context.make_array(signature.args[0])(context, builder, a_value).data
-        broadcast = _broadcast(context, builder, row.dtype, builder.load(builder.gep(data, [index_value])))
-        terms = zip(cgutils.unpack_tuple(builder, row_value, row.count),
-                    cgutils.unpack_tuple(builder, acc_value, row.count))
-        values = [call_llvm_intrinsic(builder, "fma", broadcast, b, c) for b, c in terms]
-        return context.make_tuple(builder, row, values)
-    return row(a, index, row, acc), codegen
+        b_vectors = cgutils.unpack_tuple(builder, row_value, row.count)
+        rows = []
+        for r, acc in enumerate(cgutils.unpack_tuple(builder, block_value, block.count)):
+            offset = builder.add(index_value, builder.mul(a_row_value, ir.Constant(a_row_value.type, r)))
+            scalar = builder.load(builder.gep(data, [offset]))
+            broadcast = _broadcast(context, builder, row.dtype, scalar)
+            values = [call_llvm_intrinsic(builder, "fma", broadcast, b, c)
+                      for b, c in zip(b_vectors, cgutils.unpack_tuple(builder, acc, row.count))]
+            rows.append(context.make_tuple(builder, row, values))
+        return context.make_tuple(builder, block, rows)
+    return block(a, index, a_row, row, block), codegen
 
 
 @intrinsic
-def store_scaled(typingctx, c, index, acc, scale, accumulate):
-    """``c[index + v * lanes :][:lanes] = [c[...] +] scale * acc[v]`` for each vector of the
-    tuple ``acc``: a micro-kernel's finished row of C (``accumulate`` a bool)."""
-    if not (_check_float_array(c) and isinstance(acc, types.UniTuple) and acc.dtype == Vector(c.dtype)
-            and scale == acc.dtype and isinstance(accumulate, types.Boolean)):
+def store_scaled_rows(typingctx, c, index, c_row, block, scale, accumulate):
+    """``c[index + r * c_row + v * lanes :][:lanes] = [c[...] +] scale * block[r][v]`` for
+    every row and vector of ``block``: a micro-kernel's finished rows of C (``accumulate`` a
+    bool)."""
+    if not (_check_float_array(c) and _is_block(block, c.dtype) and scale == block.dtype.dtype
+            and isinstance(accumulate, types.Boolean)):
         return None
+    vector = block.dtype.dtype
 
     def codegen(context, builder, signature, args):
         _wide(builder)
-        c_value, index_value, acc_value, scale_value, accumulate_value = args
-        vector_type = context.get_value_type(acc.dtype)
+        c_value, index_value, c_row_value, block_value, scale_value, accumulate_value = args
+        vector_type = context.get_value_type(vector)
         align = c.dtype.bitwidth // 8
         pointers, results = [], []
-        for v, value in enumerate(cgutils.unpack_tuple(builder, acc_value, acc.count)):
-            offset = builder.add(index_value, ir.Constant(index_value.type, v * acc.dtype.lanes))
-            pointers.append(_pointer(context, builder, signature.args[0], c_value, offset, vector_type))
-            results.append(builder.fmul(value, scale_value))
+        for r, acc in enumerate(cgutils.unpack_tuple(builder, block_value, block.count)):
+            row_index = builder.add(index_value, builder.mul(c_row_value, ir.Constant(c_row_value.type, r)))
+            for v, value in enumerate(cgutils.unpack_tuple(builder, acc, block.dtype.count)):
+                offset = builder.add(row_index, ir.Constant(row_index.type, v * vector.lanes))
+                pointers.append(_pointer(context, builder, signature.args[0], c_value, offset, vector_type))
+                results.append(builder.fmul(value, scale_value))
         accumulate_bit = context.cast(builder, accumulate_value, accumulate, types.boolean)
         with builder.if_else(builder.icmp_unsigned("!=", accumulate_bit, ir.Constant(accumulate_bit.type, 0))) \
                 as (adding, replacing):
@@ -222,7 +235,7 @@ def store_scaled(typingctx, c, index, acc, scale, accumulate):
                 for pointer, result in zip(pointers, results):
                     builder.store(result, pointer, align=align)
         return context.get_dummy_value()
-    return types.none(c, index, acc, scale, accumulate), codegen
+    return types.none(c, index, c_row, block, scale, accumulate), codegen
 
 
 def call_llvm_intrinsic(builder, stem, *operands):
