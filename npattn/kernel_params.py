@@ -62,6 +62,7 @@ class Int(IntEnum):
     EDGE_BAND = 43       # rows per band of a tile the causal/window edge cuts (tiles.band_keys)
     KEY_SPLITS = 44      # CPU forward: key ranges per query tile, merged by lse (cpu.splitting)
     SPLIT_KEYS = 45      # keys per range, a multiple of BLOCK_K
+    ROW_GROUP = 46       # CPU: query rows per position (GQA heads folded into rows, cpu.folding)
 
 
 # The arrays every kernel takes first, in order, with their CUDA types (T: the storage

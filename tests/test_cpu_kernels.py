@@ -186,30 +186,35 @@ def test_small_calls_run_on_the_calling_thread_and_large_ones_share_the_work(mon
 
 
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (None, 2)}, {"softcap": 2.0, "scale": 0.3},
+                                     {"causal": True, "window": (None, 1)},
                                      {"kv_lengths": np.array([5, 37])}, {"q_lengths": np.array([1, 0])}])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_gqa_decode_steps_fold_query_heads_into_rows_with_the_same_bits(monkeypatch, options, layout):
-    """A decode step (Sq = 1) of GQA runs forward as group rows per kv head
-    (cpu/folding.py): out, lse, weights, and the gradients computed from them, are bit for
-    bit those of the unfolded kernels."""
+@pytest.mark.parametrize("q_len, tiles", [(1, None), (7, None), (7, (28, 5))])
+def test_gqa_forward_folds_query_heads_into_rows_with_the_same_bits(monkeypatch, options, layout, q_len, tiles):
+    """GQA runs forward as Sq x group rows per kv head (cpu/folding.py), the rows of a
+    position side by side: out, lse, weights, and the gradients computed from them, are
+    bit for bit those of the unfolded kernels, also with many key tiles."""
     from npattn.cpu import folding
 
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((2, 12, 1, 16), dtype=np.float32)
+    q = rng.standard_normal((2, 12, q_len, 16), dtype=np.float32)
     k, v = (rng.standard_normal((2, 3, 37, 16), dtype=np.float32) for _ in range(2))
     if layout == "bshd":
         q, k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+    if "q_lengths" in options:
+        options = {"q_lengths": np.array([q_len, q_len // 2])}
 
     def run():
-        (out, lse, weights), vjp = npattn.attention_vjp(q, k, v, layout=layout, return_lse=True,
-                                                        return_weights=True, backend="cpu", **options)
-        return [out, lse, weights, *vjp(np.ones_like(out))]
+        with cpu.tile_sizes(*(tiles or (192, 384))):
+            (out, lse, weights), vjp = npattn.attention_vjp(q, k, v, layout=layout, return_lse=True,
+                                                            return_weights=True, backend="cpu", **options)
+            return [out, lse, weights, *vjp(np.ones_like(out))]
 
     calls = []
     real_fold = folding.fold
     monkeypatch.setattr(folding, "fold", lambda problem: calls.append(1) or real_fold(problem))
     folded = run()
-    assert calls, "the decode step was not folded"
+    assert calls, "the forward was not folded"
     monkeypatch.setattr(folding, "foldable", lambda problem: False)
     for got, expected in zip(folded, run()):
         assert got.shape == expected.shape and got.tobytes() == expected.tobytes()

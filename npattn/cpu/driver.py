@@ -17,16 +17,17 @@ from .operands import Int, build_operands, row_strides
 def forward(problem) -> ForwardResult:
     """out (B, H, Sq, Dv) as a bhsd view of an array in the user's layout, lse (B, H, Sq),
     and weights when asked; ``saved`` keeps (out, lse) for the backward."""
-    if folding.foldable(problem):  # a GQA decode step: the query heads of a group as rows
-        result = _forward(folding.fold(problem))
+    if folding.foldable(problem):  # GQA: the query heads of a group as rows of one kv head
+        result = _forward(folding.fold(problem), rows_per_position=problem.group_size)
         weights = None if result.weights is None else folding.unfold_rows(result.weights, problem)
-        out, lse = folding.unfold_rows(result.out, problem), folding.unfold_rows(result.lse, problem)
+        out = folding.in_layout(folding.unfold_rows(result.out, problem), problem.layout)
+        lse = folding.unfold_rows(result.lse, problem)
         return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
     return _forward(problem)
 
 
-def _forward(problem) -> ForwardResult:
-    ops = build_operands(problem, "forward")
+def _forward(problem, rows_per_position: int = 1) -> ForwardResult:
+    ops = build_operands(problem, "forward", rows_per_position=rows_per_position)
     dtype = problem.accumulate_dtype
     batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
     if problem.layout == "bshd":

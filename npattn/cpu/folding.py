@@ -1,18 +1,27 @@
-"""Decode steps of grouped-query attention as one query head per kv head.
+"""Grouped-query attention forward with each kv head's query heads folded into its rows.
 
-A single query row (Sq = 1, a decode step) of H query heads over Hkv kv heads is the
-same arithmetic as ``group = H / Hkv`` query rows of Hkv heads: query head
-``kv_head * group + g`` becomes row ``g`` of kv head ``kv_head``. Folded, the kernels
-pack each key tile once per kv head rather than once per query head, read each K/V byte
-once per group, and run the products on ``group`` rows at once. Measured on the 2-core
-VM, float32, causal: (1, 32/8, 1 x 4096, 128) 5.9 -> 2.2 ms and (16, 32/8, 1 x 1024, 128)
-16.1 -> 10.9 ms, with the same bits (each row's arithmetic is unchanged).
+The ``group = H / Hkv`` query heads that read one kv head are the same arithmetic as
+``Sq * group`` query rows of that kv head, position-major: folded row ``i * group + g``
+is query head ``kv_head * group + g`` at position ``i``. Folded, the kernels pack each
+key tile once per kv head rather than once per query head, read each K/V byte once per
+group, and run the products on ``group`` times the rows. The kernels read a row's
+position as ``row // group`` (``Int.ROW_GROUP``), so causal, windows, sinks and
+``q_lengths`` (scaled by the group) keep their meaning, and every row's arithmetic is
+unchanged: the bits are those of the unfolded kernels.
 
-Folding applies when nothing depends on the query head or position beyond that: no
-mask, bias, ALiBi, sink logits, dropout or left window bound. A single row sits at the
-last position (bottom-right), so no key lies to its right: causal and a right window
-bound hide nothing and are dropped (and sinks only act with a left bound).
-``q_lengths`` (0 or 1 per batch) scale by the group.
+Measured on the 2-core VM, float32, causal: decode (1, 32/8, 1 x 4096, 128)
+5.9 -> 2.2 ms and (16, 32/8, 1 x 1024, 128) 16.1 -> 10.9 ms; a chunked prefill
+(1, 32/8, 16 x 4096, 128) 8.6 -> 7.0 ms (AVX2: 10.2 -> 7.8 ms). Folding applies while a
+group's rows fit one query tile (Sq x group <= 192 by default): past that each tile
+already reuses its keys over many rows, and 128 x 4 or 2048 x 4 rows ran no faster
+folded (within 3%), so the copies of q and out would be spent for nothing.
+
+It also needs nothing else to depend on the query head (no mask, bias, ALiBi, sink
+logits or dropout) and no left window bound (nor, past one query row, attention sinks):
+their band of keys starts where a tile's first or last row says, so folded tiles could
+cut the keys elsewhere (the same result to rounding, not the same bits). For one query
+row the fold is a view of q; for more, q and out are reordered (a copy of each, small
+beside K and V).
 
 Only the forward folds: the backward's dK/dV would then sum a group's rows in one product
 rather than head by head, a different rounding, and decode steps are rarely trained.
@@ -21,24 +30,38 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..masks import Visibility
+import numpy as np
+
+from .tuning import current
 
 
 def foldable(problem) -> bool:
-    return (problem.q_len == 1 and problem.group_size > 1 and problem.mask is None and problem.bias is None
+    return (problem.group_size > 1 and problem.q_len * problem.group_size <= current().forward[0]
+            and problem.mask is None and problem.bias is None
             and problem.alibi_slopes is None and problem.sink_logits is None and problem.dropout_p == 0
-            and problem.visibility.window_left is None)
+            and problem.visibility.window_left is None and (problem.q_len == 1 or problem.visibility.sinks == 0))
 
 
 def fold(problem):
-    """The folded problem: q (B, Hkv, group, D) as a view of q (B, H, 1, D), bhsd layout."""
-    batch, kv_heads, group = problem.batch, problem.kv_heads, problem.group_size
-    q = problem.q.reshape(batch, kv_heads, group, problem.head_dim)
+    """The folded problem: q (B, Hkv, Sq * group, D), bhsd, rows position-major."""
+    batch, kv_heads, group, q_len = problem.batch, problem.kv_heads, problem.group_size, problem.q_len
+    q = problem.q.reshape(batch, kv_heads, group, q_len, problem.head_dim).swapaxes(2, 3)
+    q = q.reshape(batch, kv_heads, q_len * group, problem.head_dim)
     q_lengths = None if problem.q_lengths is None else problem.q_lengths * group
-    return dataclasses.replace(problem, q=q, layout="bhsd", visibility=Visibility(), q_lengths=q_lengths)
+    return dataclasses.replace(problem, q=q, layout="bhsd", q_lengths=q_lengths)
 
 
 def unfold_rows(array, problem):
-    """A folded (B, Hkv, group, X) or (B, Hkv, group) result as (B, H, 1, X) or (B, H, 1)."""
-    shape = (problem.batch, problem.heads, 1) + tuple(array.shape[3:])
-    return array.reshape(shape)
+    """A folded (B, Hkv, Sq * group, ...) result as (B, H, Sq, ...): a view for Sq = 1."""
+    batch, kv_heads, group, q_len = problem.batch, problem.kv_heads, problem.group_size, problem.q_len
+    rest = tuple(array.shape[3:])
+    split = array.reshape((batch, kv_heads, q_len, group) + rest).swapaxes(2, 3)
+    return split.reshape((batch, problem.heads, q_len) + rest)
+
+
+def in_layout(out, layout: str):
+    """``out`` (B, H, Sq, Dv) as a bhsd view of memory in ``layout``'s order, as the
+    unfolded kernels write it (the user gets a contiguous array back)."""
+    if layout == "bshd" and not out.transpose(0, 2, 1, 3).flags.c_contiguous:
+        return np.ascontiguousarray(out.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    return out

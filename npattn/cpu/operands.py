@@ -66,10 +66,12 @@ def row_strides(array, dtype):
     return flat, (sb, sh, max(sr, width, 1))
 
 
-def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None) -> Operands:
+def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None,
+                   rows_per_position: int = 1) -> Operands:
     """The kernels' operands for ``problem``, with the tiles of ``kind`` ("forward" or
     "backward") and the product path of ``tuning`` (default: the calling context's,
-    :func:`npattn.cpu.tuning.current`)."""
+    :func:`npattn.cpu.tuning.current`); ``rows_per_position`` > 1 for a problem whose
+    query rows are a GQA group's heads folded in (:mod:`npattn.cpu.folding`)."""
     tuning = current() if tuning is None else tuning
     block_q, block_k = tuning.forward if kind == "forward" else tuning.backward
     # A problem smaller than a tile gets a tile of its own size: the same single tile,
@@ -108,6 +110,7 @@ def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None)
     ints[Int.VECTOR_KEYS] = vector and head_dim % vector_lanes(dtype) == 0
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk_columns(dtype)) * chunk_columns(dtype) if vector else tiles[1]
     ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = key_splits(problem, tiles) if kind == "forward" else (1, 1)
+    ints[Int.ROW_GROUP] = rows_per_position
 
     operands = Operands(q=q, k=k, v=v, bias=bias, mask=mask, alibi=alibi, sink=sink,
                         q_lengths=lengths_or_full(np, problem.q_lengths, batch, q_len),

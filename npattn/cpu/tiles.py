@@ -30,10 +30,13 @@ def key_band(ints, kv_lengths, b, i):
     """``(lo, hi, sink_end)`` for query row ``i`` of batch ``b``: the row sees keys in
     ``[lo, hi)`` and in ``[0, sink_end)`` (causal, window, sinks and kv_lengths; see
     :meth:`npattn.masks.Visibility.key_range`). Each bound is nondecreasing in ``i``,
-    which is what lets a tile of rows be bounded by its first and last row."""
+    which is what lets a tile of rows be bounded by its first and last row. Rows
+    ``i`` of a folded problem (:mod:`npattn.cpu.folding`) stand for query position
+    ``i // ROW_GROUP``, which keeps the bounds nondecreasing."""
     kv_valid = kv_lengths[b]
     kv_len, left, right, causal = ints[Int.KV_LEN], ints[Int.WINDOW_LEFT], ints[Int.WINDOW_RIGHT], ints[Int.CAUSAL]
-    position = i + kv_len - ints[Int.Q_LEN]
+    group = ints[Int.ROW_GROUP]
+    position = i // group + kv_len - ints[Int.Q_LEN] // group
     lo = 0 if left < 0 else larger(0, position - left)
     hi = kv_len if right < 0 else smaller(kv_len, position + right + 1)
     if causal:
