@@ -121,25 +121,36 @@ def problem_parameters(problem, dtype):
     """``(ints, reals)`` for ``problem``: int64 (len(Int),) and ``dtype`` (len(Real),) arrays
     with the shapes, options, dropout seed and scalars filled in. The strides, tiles and
     product choices are the backend's to fill (zero here)."""
-    visibility = problem.visibility
-    ints = np.zeros(len(Int), np.int64)
-    ints[[Int.BATCH, Int.HEADS, Int.KV_HEADS, Int.Q_LEN, Int.KV_LEN, Int.HEAD_DIM, Int.VALUE_DIM]] = (
-        problem.batch, problem.heads, problem.kv_heads, problem.q_len, problem.kv_len, problem.head_dim,
-        problem.value_dim)
-    for option in OPTIONS:  # HAS_BIAS, HAS_MASK, ..., CAUSAL: from the options table
-        if option.flag is not None:
-            ints[Int[option.flag]] = option.present(problem)
-    ints[Int.WINDOW_LEFT] = -1 if visibility.window_left is None else visibility.window_left
-    ints[Int.WINDOW_RIGHT] = -1 if visibility.window_right is None else visibility.window_right
-    ints[Int.SINKS] = visibility.sinks
-    ints[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
-    ints[Int.SEED_LO], ints[Int.SEED_HI] = seed_words(problem.seed)
+    return np.array(problem_int_values(problem), np.int64), problem_reals(problem, dtype)
 
-    reals = np.zeros(len(Real), dtype)
-    reals[Real.SCALE] = problem.scale
-    reals[Real.SOFTCAP] = problem.softcap or 0.0
-    reals[Real.KEEP_SCALE] = 1.0 / (1.0 - problem.dropout_p)
-    return ints, reals
+
+def problem_int_values(problem) -> list:
+    """:func:`problem_parameters`'s ints as a list, for a backend that fills in its own
+    entries before making the array once (a small call's every microsecond counts)."""
+    visibility = problem.visibility
+    values = [0] * len(Int)
+    values[Int.BATCH:Int.VALUE_DIM + 1] = (problem.batch, problem.heads, problem.kv_heads, problem.q_len,
+                                           problem.kv_len, problem.head_dim, problem.value_dim)
+    for index, option in _FLAGGED_OPTIONS:  # HAS_BIAS, HAS_MASK, ..., CAUSAL: from the options table
+        values[index] = int(option.present(problem))
+    values[Int.WINDOW_LEFT] = -1 if visibility.window_left is None else visibility.window_left
+    values[Int.WINDOW_RIGHT] = -1 if visibility.window_right is None else visibility.window_right
+    values[Int.SINKS] = visibility.sinks
+    values[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
+    values[Int.SEED_LO], values[Int.SEED_HI] = seed_words(problem.seed)
+    return values
+
+
+def problem_reals(problem, dtype):
+    """:func:`problem_parameters`'s reals."""
+    values = [0.0] * len(Real)
+    values[Real.SCALE] = problem.scale
+    values[Real.SOFTCAP] = problem.softcap or 0.0
+    values[Real.KEEP_SCALE] = 1.0 / (1.0 - problem.dropout_p)
+    return np.array(values, dtype)
+
+
+_FLAGGED_OPTIONS = tuple((Int[option.flag], option) for option in OPTIONS if option.flag is not None)
 
 
 def sink_logits_gradient(xp, problem, lse, delta):

@@ -10,12 +10,13 @@ stride along the head dimension.
 """
 from __future__ import annotations
 
+import functools
 from collections import namedtuple
 
 import numpy as np
 
 from ..kernel_params import (OPERAND_NAMES, Int, Real, element_strides, lengths_or_full,  # noqa: F401
-                             problem_parameters)  # (Int, Real: the kernels import them from here)
+                             problem_int_values, problem_reals)  # (Int, Real: the kernels import them from here)
 from .microkernels import chunk_columns
 from .simd import lanes_of as vector_lanes
 from .splitting import key_splits
@@ -36,6 +37,8 @@ def flat_view(array, dtype, unit_last_axis=False):
 
     Copies only when the dtype differs, a stride is negative or not a whole number of
     elements, or (``unit_last_axis``) the last axis is not contiguous."""
+    if array.dtype == dtype and array.flags.c_contiguous and array.size:  # the common case, first
+        return array.reshape(-1), element_strides(array)
     array = np.asarray(array)
     if array.dtype != dtype:
         array = array.astype(dtype)
@@ -47,7 +50,7 @@ def flat_view(array, dtype, unit_last_axis=False):
     elements = element_strides(array)
     if array.size == 0:
         return np.zeros(1, dtype), elements
-    if array.flags.c_contiguous:  # the common case, without as_strided's cost
+    if array.flags.c_contiguous:
         return array.reshape(-1), elements
     extent = 1 + sum((n - 1) * s for n, s in zip(array.shape, elements))
     flat = np.lib.stride_tricks.as_strided(array, shape=(extent,), strides=(itemsize,), writeable=False)
@@ -82,7 +85,7 @@ def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None,
     q, q_strides = row_strides(problem.q, dtype)
     k, k_strides = row_strides(problem.k, dtype)
     v, v_strides = row_strides(problem.v, dtype)
-    placeholder = np.zeros(1, dtype)
+    placeholder, mask_placeholder = _placeholders(dtype)
     no_strides = (0, 0, 0, 0)
     if problem.bias is not None:
         bias, bias_strides = flat_view(problem.bias, dtype)
@@ -91,12 +94,12 @@ def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None,
     if problem.mask is not None:
         mask, mask_strides = flat_view(problem.mask.view(np.uint8), np.uint8)
     else:
-        mask, mask_strides = np.ones(1, np.uint8), no_strides
+        mask, mask_strides = mask_placeholder, no_strides
     alibi = (placeholder if problem.alibi_slopes is None
              else np.ascontiguousarray(problem.alibi_slopes, dtype=dtype).reshape(-1))
     sink = (placeholder if problem.sink_logits is None
             else np.ascontiguousarray(problem.sink_logits, dtype=dtype))
-    ints, reals = problem_parameters(problem, dtype)
+    ints = problem_int_values(problem)
     ints[Int.Q_STRIDE_B:Int.Q_STRIDE_S + 1] = q_strides
     ints[Int.K_STRIDE_B:Int.K_STRIDE_S + 1] = k_strides
     ints[Int.V_STRIDE_B:Int.V_STRIDE_S + 1] = v_strides
@@ -105,12 +108,14 @@ def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None,
     ints[Int.BLOCK_Q], ints[Int.BLOCK_K] = tiles
     ints[Int.EDGE_BAND] = tuning.edge_band
     vector = tuning.vector_products
+    lanes, chunk = vector_lanes(dtype), chunk_columns(dtype)
     ints[Int.VECTOR_SCORES] = vector
-    ints[Int.VECTOR_VALUES] = vector and problem.value_dim % vector_lanes(dtype) == 0
-    ints[Int.VECTOR_KEYS] = vector and head_dim % vector_lanes(dtype) == 0
-    ints[Int.SCORE_LD] = -(-tiles[1] // chunk_columns(dtype)) * chunk_columns(dtype) if vector else tiles[1]
+    ints[Int.VECTOR_VALUES] = vector and problem.value_dim % lanes == 0
+    ints[Int.VECTOR_KEYS] = vector and head_dim % lanes == 0
+    ints[Int.SCORE_LD] = -(-tiles[1] // chunk) * chunk if vector else tiles[1]
     ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = key_splits(problem, tiles) if kind == "forward" else (1, 1)
     ints[Int.ROW_GROUP] = rows_per_position
+    ints, reals = np.array(ints, np.int64), problem_reals(problem, dtype)
 
     operands = Operands(q=q, k=k, v=v, bias=bias, mask=mask, alibi=alibi, sink=sink,
                         q_lengths=lengths_or_full(np, problem.q_lengths, batch, q_len),
@@ -122,6 +127,16 @@ def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None,
 
 
 def _read_only(array):
+    if not array.flags.writeable:
+        return array
     view = array.view()
     view.flags.writeable = False
     return view
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholders(dtype):
+    """Read-only 1-element stand-ins for absent arrays: ``(dtype, uint8)``, made once."""
+    placeholder, mask = np.zeros(1, dtype), np.ones(1, np.uint8)
+    placeholder.flags.writeable = mask.flags.writeable = False
+    return placeholder, mask
