@@ -98,8 +98,11 @@ def bottom_right_causal(q_len: int, kv_len: int) -> np.ndarray:
 
 # The shapes serving and embedding pipelines run ("serving" suite), as (B, H, Hkv, SQ, SK, D):
 # small calls, a decode step against a cache (one query row), a chunk of a prefill.
+# The last: an MQA decode step, one kv head at B = 1, whose keys npattn splits over the
+# cores (npattn/cpu/splitting.py).
 SERVING_SHAPES = ((1, 8, 8, 16, 16, 64), (1, 8, 8, 128, 128, 64), (8, 12, 12, 128, 128, 64),
-                  (1, 32, 8, 1, 4096, 128), (16, 32, 8, 1, 1024, 128), (1, 32, 8, 16, 4096, 128))
+                  (1, 32, 8, 1, 4096, 128), (16, 32, 8, 1, 1024, 128), (1, 32, 8, 16, 4096, 128),
+                  (1, 8, 1, 1, 16384, 128))
 SUITES = {"prefill": DEFAULT_SHAPES, "serving": SERVING_SHAPES}
 
 
