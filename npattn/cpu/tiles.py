@@ -26,17 +26,24 @@ _MIX_MULTIPLIER_2 = np.uint64(0xC2B2AE35)
 
 
 @helper
+def row_position(ints, i):
+    """The position of query row ``i`` in the key sequence, bottom-right aligned: row
+    ``i`` of a folded problem (:mod:`npattn.cpu.folding`) stands for query
+    ``i // ROW_GROUP``."""
+    group = ints[Int.ROW_GROUP]
+    return i // group + ints[Int.KV_LEN] - ints[Int.Q_LEN] // group
+
+
+@helper
 def key_band(ints, kv_lengths, b, i):
     """``(lo, hi, sink_end)`` for query row ``i`` of batch ``b``: the row sees keys in
     ``[lo, hi)`` and in ``[0, sink_end)`` (causal, window, sinks and kv_lengths; see
     :meth:`npattn.masks.Visibility.key_range`). Each bound is nondecreasing in ``i``,
-    which is what lets a tile of rows be bounded by its first and last row. Rows
-    ``i`` of a folded problem (:mod:`npattn.cpu.folding`) stand for query position
-    ``i // ROW_GROUP``, which keeps the bounds nondecreasing."""
+    which is what lets a tile of rows be bounded by its first and last row (a folded
+    problem's :func:`row_position` is nondecreasing too)."""
     kv_valid = kv_lengths[b]
     kv_len, left, right, causal = ints[Int.KV_LEN], ints[Int.WINDOW_LEFT], ints[Int.WINDOW_RIGHT], ints[Int.CAUSAL]
-    group = ints[Int.ROW_GROUP]
-    position = i // group + kv_len - ints[Int.Q_LEN] // group
+    position = row_position(ints, i)
     lo = 0 if left < 0 else larger(0, position - left)
     hi = kv_len if right < 0 else smaller(kv_len, position + right + 1)
     if causal:
@@ -211,7 +218,7 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
     if ints[Int.HAS_ALIBI]:
         slope = alibi[b * heads + h]
         for r in range(rows):
-            position = i0 + r + ints[Int.KV_LEN] - ints[Int.Q_LEN]
+            position = row_position(ints, i0 + r)
             for c in range(cols):
                 s[as_offset(r * ld + c)] -= slope * abs(position - (j0 + c))
     if not full:
