@@ -40,10 +40,10 @@ def _cpu_isa() -> str:
 
     if cpu.unavailable_reason():
         return "(cpu backend unavailable)"
-    from .cpu import simd
+    from .cpu import isa, simd
 
-    forced = os.environ.get("NPATTN_CPU_ISA")
-    return simd.ISA + (f" (forced by NPATTN_CPU_ISA={forced})" if forced else "")
+    forced = os.environ.get(isa.FORCE_VARIABLE)
+    return simd.ISA + (f" (forced by {isa.FORCE_VARIABLE}={forced})" if forced else "")
 
 
 def demo(size: Size = Size(), dtype=np.float32, repeats: int = 3, out=sys.stdout, plot_path=None) -> list[dict]:
@@ -145,7 +145,9 @@ def main(argv=None) -> int:
         demo(Size(seq_len=args.seq_len, head_dim=args.head_dim), dtype=np.dtype(args.dtype),
              plot_path=args.plot or None)
     else:
-        if args.isa and not args.gpu and os.environ.get(bench_isa_variables(args.isa)[0][0]) != args.isa:
+        from .cpu.isa import FORCE_VARIABLE
+
+        if args.isa and not args.gpu and os.environ.get(FORCE_VARIABLE) != args.isa:  # not yet the child
             return _rerun_with(bench_isa_variables(args.isa), argv)
         from . import bench
 
@@ -182,7 +184,9 @@ def bench_isa_variables(isa: str) -> list[tuple[str, str]]:
     """The environment that makes npattn (Numba), torch (ATen's kernels, and the oneDNN and
     MKL products under them) and OpenBLAS (NumPy's matmul, SciPy's fallback products) all
     run as on a CPU whose widest vectors are ``isa``."""
-    return [("NPATTN_CPU_ISA", isa), ("ATEN_CPU_CAPABILITY", isa), ("ONEDNN_MAX_CPU_ISA", isa.upper()),
+    from .cpu.isa import FORCE_VARIABLE
+
+    return [(FORCE_VARIABLE, isa), ("ATEN_CPU_CAPABILITY", isa), ("ONEDNN_MAX_CPU_ISA", isa.upper()),
             ("MKL_ENABLE_INSTRUCTIONS", isa.upper()), ("OPENBLAS_CORETYPE", "Haswell")]
 
 

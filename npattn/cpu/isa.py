@@ -21,7 +21,6 @@ import os
 
 FORCE_VARIABLE = "NPATTN_CPU_ISA"
 FORCEABLE = ("avx2",)
-ISAS = ("avx512", "avx2", "baseline")
 
 
 def _host_features() -> dict[str, bool]:
@@ -58,18 +57,11 @@ def apply_forced_isa() -> None:
 
 
 def target_features() -> str:
-    """The feature string Numba's CPU target compiles with (its own rule: the configured
-    features, else the host's)."""
-    from numba.core import config
+    """The feature string Numba's CPU target machine was made with (its own rule: the
+    configured features, else the host's; fixed at its first compilation)."""
     from numba.core.registry import cpu_target
 
-    codegen = cpu_target.target_context.codegen()
-    fixed = getattr(codegen, "_tm_features", None)  # set when the target machine was made
-    if isinstance(fixed, str):
-        return fixed
-    if config.CPU_FEATURES is not None:
-        return config.CPU_FEATURES
-    return ",".join(("+" if on else "-") + name for name, on in _host_features().items())
+    return cpu_target.target_context.codegen()._tm_features
 
 
 def compiled_isa() -> str:

@@ -59,15 +59,19 @@ def chunk_columns(dtype) -> int:
 
 
 @helper
-def _block(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, depth, scale, accumulate, block):
-    """C's rows and columns of ``block`` (a tuple of rows of vectors, zero on entry), held in
-    registers for the whole depth loop."""
+def _block(operands, r, block):
+    """C's rows ``[r, r + len(block))`` and the columns of ``block`` (a tuple of rows of
+    vectors, zero on entry), held in registers for the whole depth loop; returns the next
+    row. ``operands``: :func:`_columns`'s, as a tuple."""
+    a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, depth, scale, accumulate = operands
+    a_offset += r * a_row
     row = block[0]
     for _ in range(depth):
         block = splat_fma_rows(a, a_offset, a_row, load_like(b, b_offset, row), block)
         a_offset += a_col
         b_offset += b_row
-    store_scaled_rows(c, c_offset, c_row, block, scale, accumulate)
+    store_scaled_rows(c, c_offset + r * c_row, c_row, block, scale, accumulate)
+    return r + len(block)
 
 
 @helper
@@ -76,23 +80,17 @@ def _columns(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
     """The columns of ``zero_row``'s vectors, all rows: blocks of 6 rows, then the rest in
     one block each of 4, 2 and 1 rows where they fit, so a few rows (a decode step's
     query heads) still keep several independent FMA chains in flight."""
-    scale = fill(alpha, c)
+    operands = (a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, depth, fill(alpha, c),
+                accumulate)
     r = 0
     while r + _BLOCK_ROWS <= rows:
-        _block(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, depth,
-               scale, accumulate, repeat(zero_row, _BLOCK_ROWS))
-        r += _BLOCK_ROWS
+        r = _block(operands, r, repeat(zero_row, _BLOCK_ROWS))
     if rows - r >= 4:
-        _block(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, depth,
-               scale, accumulate, repeat(zero_row, 4))
-        r += 4
+        r = _block(operands, r, repeat(zero_row, 4))
     if rows - r >= 2:
-        _block(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, depth,
-               scale, accumulate, repeat(zero_row, 2))
-        r += 2
+        r = _block(operands, r, repeat(zero_row, 2))
     if rows - r >= 1:
-        _block(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, depth,
-               scale, accumulate, repeat(zero_row, 1))
+        _block(operands, r, repeat(zero_row, 1))
 
 
 @njit(inline="always")
