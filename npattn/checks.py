@@ -45,6 +45,10 @@ def as_array(name, value):
 def as_arrays(reference=None, **named):
     """NumPy/CuPy arrays for each named input; array-likes become NumPy arrays.
     All must be of one kind: the kind of ``reference`` when given, else the first's."""
+    values = list(named.values())
+    if (all(type(a) is np.ndarray and a.dtype.isnative for a in values)
+            and (reference is None or type(reference) is np.ndarray)):
+        return values  # plain NumPy arrays, the common case: nothing to convert or compare
     arrays = [as_array(name, a) for name, a in named.items()]
     first_name, first = next(iter(named)), arrays[0]
     if reference is not None:

@@ -8,6 +8,7 @@ that broadcast to (B, H, Sq, Sk) without being expanded.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,24 @@ class AttentionProblem:
     def dropout_threshold(self) -> int:
         """The integer keep threshold of :mod:`npattn.dropout`."""
         return keep_threshold(self.dropout_p)
+
+
+# The fields that hold arrays (or None) and those that hold plain values: everything a
+# backend derives from a problem, its data aside, is a function of the arrays' shapes,
+# strides and dtypes and of the values (:func:`signature`). tests/test_problem.py keeps
+# the two lists complete.
+ARRAY_FIELDS = ("q", "k", "v", "sink_logits", "mask", "bias", "alibi_slopes", "q_lengths", "kv_lengths")
+VALUE_FIELDS = ("layout", "scale", "visibility", "bias_shape", "softcap", "dropout_p", "seed",
+                "return_lse", "return_weights")
+_arrays_of = operator.attrgetter(*ARRAY_FIELDS)
+_values_of = operator.attrgetter(*VALUE_FIELDS)
+
+
+def signature(problem) -> tuple:
+    """A hashable key equal for two problems exactly when they differ in array contents
+    only: each array's (shape, strides, dtype) or None, then every value field."""
+    return (tuple(None if a is None else (a.shape, a.strides, a.dtype) for a in _arrays_of(problem)),
+            _values_of(problem))
 
 
 def to_user_layout(array_bhsd, layout: str):

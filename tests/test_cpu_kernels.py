@@ -276,3 +276,35 @@ def test_split_decode_steps_give_the_same_bits_on_any_thread_count(monkeypatch, 
                                         backend="reference", **options)
     assert_close(out, exact, np.float32, k.shape[2] + q.shape[3], float(np.abs(v).max()), "out")
     assert_close(lse, exact_lse, np.float32, k.shape[2] + q.shape[3], 1 + float(np.abs(exact_lse).max()), "lse")
+
+
+def test_the_problem_signature_names_every_field():
+    # The parameter cache keys a problem by problem.signature: a field missing from both
+    # lists would let two calls that differ in it share parameters.
+    from npattn import problem
+
+    fields = {f.name for f in dataclasses.fields(problem.AttentionProblem)}
+    assert fields == {"xp", *problem.ARRAY_FIELDS, *problem.VALUE_FIELDS}
+
+
+@given(case=cases(dtypes=("float32", "float64"), dims_strategy=dims(max_len=13)), layout=layouts,
+       kind=st.sampled_from(["forward", "backward"]), tile=tiles)
+@settings(max_examples=60)
+def test_cached_parameters_equal_fresh_ones(case, layout, kind, tile):
+    # Examples share shapes and differ in options: any option the cache key missed would
+    # hand a later example an earlier one's parameters.
+    from npattn.cpu import operands
+    from npattn.validation import build_problem
+
+    q, k, v = (a.transpose(0, 2, 1, 3) if layout == "bshd" else a for a in (case.q, case.k, case.v))
+    options = {name: value for name, value in case.options.items() if name != "dropout_p"}
+    problem = build_problem(q, k, v, layout=layout, **options)
+    with cpu.tile_sizes(*tile):
+        ops = operands.build_operands(problem, kind)
+        again = operands.build_operands(problem, kind)
+        operands._PARAMETERS.clear()
+        fresh = operands.build_operands(problem, kind)
+    for name in ("ints", "reals", "q_lengths", "kv_lengths"):
+        assert np.array_equal(getattr(ops, name), getattr(fresh, name)), name
+        assert getattr(ops, name) is getattr(again, name) or name.endswith("lengths")
+    assert all(not array.flags.writeable for array in ops)  # one compiled kernel for all

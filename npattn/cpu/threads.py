@@ -71,7 +71,8 @@ def run_items(kernel, arguments, items: int, scratch=tuple, flops: float | None 
     calling thread alone when ``flops`` (the call's work, forward FLOPs) is below
     :data:`INLINE_FLOPS`. Which thread runs an item never changes the bits."""
     counter = np.zeros(1, np.int64)
-    threads = 1 if flops is not None and flops < INLINE_FLOPS else min(items, thread_count())
+    inline = (flops is not None and flops < INLINE_FLOPS) or items <= 1
+    threads = 1 if inline else min(items, thread_count())
     if threads <= 1:
         kernel(*arguments, *scratch(), counter, items)
         return
