@@ -22,22 +22,21 @@ from .operands import Int
 _ALIGN_BYTES = 64
 
 
-# Small scratch arrays are kept per calling thread and handed out again, in the same
-# order, by the next call's allocations (see :func:`reused`): a small call's seven
-# allocations cost more than its kernel. Larger ones (a big problem's tiles) are
-# allocated fresh, so a thread keeps at most a few small arrays alive.
+# Small scratch sets are kept per calling thread and handed out again, in the same
+# order, by the next call's requests (see :func:`reused`): a small call's allocations
+# cost more than its kernel. Larger ones (a big problem's tiles) are allocated fresh,
+# so a thread keeps at most a few small sets alive.
 _REUSE_BYTES = 1 << 18
 _ARENA = threading.local()
 
 
 @contextlib.contextmanager
 def reused():
-    """Within the block, this thread's small scratch allocations return the arrays the
-    previous block's allocations made at the same positions (when size and dtype match).
+    """Within the block, this thread's small scratch requests return the sets the
+    previous block's requests made at the same positions (when sizes and dtypes match).
     The kernels that got them must be done when the block ends, as run_items ensures."""
-    arrays = getattr(_ARENA, "arrays", None)
-    if arrays is None:
-        arrays = _ARENA.arrays = []
+    if getattr(_ARENA, "sets", None) is None:
+        _ARENA.sets = []
     _ARENA.cursor = 0
     try:
         yield
@@ -45,22 +44,24 @@ def reused():
         _ARENA.cursor = None
 
 
-def _empty(size: int, dtype) -> np.ndarray:
-    """An uninitialized 1-D array of ``size`` elements whose data starts on a cache line."""
-    dtype = np.dtype(dtype)
+def _scratch_set(specs: tuple) -> tuple:
+    """One uninitialized 1-D array per ``(size, dtype)`` of ``specs``, each starting on
+    a cache line; inside :func:`reused`, the set this position got last time when
+    ``specs`` are the same and small."""
     cursor = getattr(_ARENA, "cursor", None)
-    if cursor is None or size * dtype.itemsize > _REUSE_BYTES:
-        return _allocate(size, dtype)
-    _ARENA.cursor = cursor + 1
-    arrays = _ARENA.arrays
-    if cursor < len(arrays) and arrays[cursor].size == size and arrays[cursor].dtype == dtype:
-        return arrays[cursor]
-    array = _allocate(size, dtype)
-    if cursor < len(arrays):
-        arrays[cursor] = array
+    if cursor is not None:
+        _ARENA.cursor = cursor + 1
+        sets = _ARENA.sets
+        if cursor < len(sets) and sets[cursor][0] == specs:  # only small sets are kept
+            return sets[cursor][1]
+    arrays = tuple(_allocate(size, np.dtype(dtype)) for size, dtype in specs)
+    if cursor is None or sum(array.nbytes for array in arrays) > _REUSE_BYTES:
+        return arrays
+    if cursor < len(sets):
+        sets[cursor] = (specs, arrays)
     else:
-        arrays.append(array)
-    return array
+        sets.append((specs, arrays))
+    return arrays
 
 
 def _allocate(size: int, dtype: np.dtype) -> np.ndarray:
@@ -70,35 +71,49 @@ def _allocate(size: int, dtype: np.dtype) -> np.ndarray:
     return raw[start:start + size * dtype.itemsize].view(dtype)
 
 
+def _score_tile_specs(ints, dtype) -> tuple:
+    size = int(ints[Int.BLOCK_Q] * ints[Int.SCORE_LD])
+    packed = int((ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM]) * ints[Int.SCORE_LD]) if ints[Int.VECTOR_SCORES] else 1
+    return (size, dtype), (size if ints[Int.HAS_SOFTCAP] else 1, dtype), (packed, dtype)
+
+
 def score_tile_scratch(ints, dtype):
     """``(s, tanh, packed)``: scores (BLOCK_Q x SCORE_LD), softcap's tanh of them (the
     same size, or 1 element without softcap), and the packed key tile with its value
     tile after it ((D + Dv) x SCORE_LD; 1 element when products go through BLAS)."""
-    size = int(ints[Int.BLOCK_Q] * ints[Int.SCORE_LD])
-    packed = int((ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM]) * ints[Int.SCORE_LD]) if ints[Int.VECTOR_SCORES] else 1
-    return _empty(size, dtype), _empty(size if ints[Int.HAS_SOFTCAP] else 1, dtype), _empty(packed, dtype)
+    return _scratch_set(_score_tile_specs(ints, dtype))
 
 
 def forward_scratch(ints, dtype):
     """:func:`score_tile_scratch`, then per row of a query tile (BLOCK_Q each) the running
     max ``m``, the running sum ``total``, one tile's sums, and whether any key was seen."""
     rows = int(ints[Int.BLOCK_Q])
-    return (*score_tile_scratch(ints, dtype), _empty(rows, dtype), _empty(rows, dtype), _empty(rows, dtype),
-            _empty(rows, np.bool_))
+    return _scratch_set((*_score_tile_specs(ints, dtype), (rows, dtype), (rows, dtype), (rows, dtype),
+                         (rows, np.bool_)))
+
+
+def _gradient_tile_specs(ints, dtype) -> tuple:
+    score, tanh, packed = _score_tile_specs(ints, dtype)
+    return score, (score[0] if ints[Int.HAS_DROPOUT] else 0, dtype), score, tanh, packed
+
+
+def _without_dropout_copy(arrays: tuple) -> tuple:
+    """``dropped`` is ``p`` itself without dropout (its spec asks for 0 elements)."""
+    p, dropped, *rest = arrays
+    return (p, dropped if dropped.size else p, *rest)
 
 
 def gradient_tile_scratch(ints, dtype):
     """``(p, dropped, ds, tanh, packed)``: probabilities, them after dropout (``p`` itself
     without dropout) and the scores' gradient (BLOCK_Q x SCORE_LD each), and ``tanh``
     and ``packed`` as in :func:`score_tile_scratch`."""
-    p, tanh, packed = score_tile_scratch(ints, dtype)
-    dropped = _empty(p.size, dtype) if ints[Int.HAS_DROPOUT] else p
-    return p, dropped, _empty(p.size, dtype), tanh, packed
+    return _without_dropout_copy(_scratch_set(_gradient_tile_specs(ints, dtype)))
 
 
 def backward_scratch(ints, dtype):
     """:func:`gradient_tile_scratch`, then one key tile's dK and dV sums (BLOCK_K x D and
     BLOCK_K x Dv)."""
     keys = int(ints[Int.BLOCK_K])
-    return (*gradient_tile_scratch(ints, dtype), _empty(keys * int(ints[Int.HEAD_DIM]), dtype),
-            _empty(keys * int(ints[Int.VALUE_DIM]), dtype))
+    return _without_dropout_copy(_scratch_set((*_gradient_tile_specs(ints, dtype),
+                                               (keys * int(ints[Int.HEAD_DIM]), dtype),
+                                               (keys * int(ints[Int.VALUE_DIM]), dtype))))
