@@ -1,7 +1,11 @@
 """The public functions: validate once, pick a backend, run it, hand back the user's layout."""
 from __future__ import annotations
 
+import numpy as np
+
 from . import backends as _backends
+from . import limits as _limits
+from . import nonfinite as _nonfinite
 from . import options as _options
 from ._arrays import array_kind
 from .problem import to_user_layout
@@ -37,13 +41,20 @@ def attention(q, k, v, **options):
         logit, -inf for rows with no visible key; weights (B, H, Sq, Sk) in q's dtype,
         the probabilities after masking and before dropout.
 
-    A row with no visible key outputs zeros, never NaN. Raises ValueError or
-    TypeError naming the argument before any kernel runs. Inputs are never modified.
+    A row with no visible key outputs zeros, never NaN. NaN and inf in the inputs
+    propagate by IEEE arithmetic to exactly the outputs that read them, the same on
+    every backend (see :mod:`npattn.nonfinite`); ``check_finite=True`` rejects them
+    instead. Raises ValueError or
+    TypeError naming the argument before any kernel runs, and MemoryError when the
+    weights (or the reference backend's score arrays) cannot fit in the free memory
+    (:mod:`npattn.limits`). Inputs are never modified.
     """
     backend = options.pop("backend", "auto")
     problem = build_problem(q, k, v, **options)
     implementation = _backends.resolve(backend, array_kind(problem.q))
-    return _public_outputs(problem, implementation.forward(problem))
+    _limits.check_memory(problem, implementation.NAME)
+    result, _ = _nonfinite.forward(problem, implementation)
+    return _public_outputs(problem, result)
 
 
 def attention_vjp(q, k, v, **options):
@@ -65,7 +76,8 @@ def attention_vjp(q, k, v, **options):
     backend = options.pop("backend", "auto")
     problem = build_problem(q, k, v, **options)
     implementation = _backends.resolve(backend, array_kind(problem.q))
-    result = implementation.forward(problem)
+    _limits.check_memory(problem, implementation.NAME)
+    result, implementation = _nonfinite.forward(problem, implementation)
     outputs = _public_outputs(problem, result)
     out_shape = (outputs[0] if isinstance(outputs, tuple) else outputs).shape
 
@@ -73,14 +85,15 @@ def attention_vjp(q, k, v, **options):
         dout = check_cotangent("dout", dout, problem.q, out_shape)
         if problem.layout == "bshd":
             dout = dout.transpose(0, 2, 1, 3)
-        grads = implementation.backward(problem, result.saved, dout)
-        public = [_user_array(problem, grads.dq, problem.q.dtype),
-                  _user_array(problem, grads.dk, problem.k.dtype),
-                  _user_array(problem, grads.dv, problem.v.dtype)]
-        if problem.bias is not None:
-            public.append(grads.dbias.astype(problem.bias.dtype, copy=False))
-        if problem.sink_logits is not None:
-            public.append(grads.dsink_logits.astype(problem.sink_logits.dtype, copy=False))
+        grads = _nonfinite.backward(problem, implementation, result.saved, dout)
+        with np.errstate(over="ignore"):  # as in _public_outputs
+            public = [_user_array(problem, grads.dq, problem.q.dtype),
+                      _user_array(problem, grads.dk, problem.k.dtype),
+                      _user_array(problem, grads.dv, problem.v.dtype)]
+            if problem.bias is not None:
+                public.append(grads.dbias.astype(problem.bias.dtype, copy=False))
+            if problem.sink_logits is not None:
+                public.append(grads.dsink_logits.astype(problem.sink_logits.dtype, copy=False))
         return tuple(public)
 
     return outputs, vjp
@@ -94,12 +107,14 @@ for _function in (attention, attention_vjp):
 
 
 def _public_outputs(problem, result):
-    out = _user_array(problem, result.out, problem.dtype)
-    extras = []
-    if problem.return_lse:
-        extras.append(result.lse.astype(problem.accumulate_dtype, copy=False))
-    if problem.return_weights:
-        extras.append(result.weights.astype(problem.dtype, copy=False))
+    # a float64 reference answer (non-finite inputs) may pass the user dtype's range: inf
+    with np.errstate(over="ignore"):
+        out = _user_array(problem, result.out, problem.dtype)
+        extras = []
+        if problem.return_lse:
+            extras.append(result.lse.astype(problem.accumulate_dtype, copy=False))
+        if problem.return_weights:
+            extras.append(result.weights.astype(problem.dtype, copy=False))
     return (out, *extras) if extras else out
 
 

@@ -173,6 +173,25 @@ def check_finite_values(name, array, compute, reach=1):
     return array
 
 
+def check_all_finite(name, array):
+    """Raise a ValueError naming ``array``'s first NaN or inf (in C order of its own
+    indices), as ``check_finite=True`` asks; None passes. Costs one pass over it."""
+    if array is None:
+        return
+    xp = _arrays.array_module(array)
+    with np.errstate(all="ignore"):
+        if bool(xp.isfinite(array.sum())):  # the common case in one reduction, no mask
+            return
+    finite = _arrays.to_numpy(xp.isfinite(array))
+    if finite.all():  # the sum overflowed, the values are fine
+        return
+    where = np.unravel_index(int(np.argmin(finite)), finite.shape)
+    where = tuple(int(i) for i in where)
+    value = float(_arrays.to_numpy(array[where]))
+    raise ValueError(f"{name} must be finite (check_finite=True), got {name}[{', '.join(map(str, where))}] "
+                     f"= {value!r}")
+
+
 def check_lengths(name, lengths, q, batch, limit, limit_name):
     if lengths is None:
         return None

@@ -72,7 +72,7 @@ class Call:
 class Option:
     """One keyword of ``attention``. ``kind``: "visibility" (which keys a row sees),
     "score" (changes a visible score), "softmax" (changes the normalization), "randomness",
-    "output" (what is returned) or "layout". ``field``: the AttentionProblem field the
+    "output" (what is returned), "layout" or "checking" (checks of the inputs only). ``field``: the AttentionProblem field the
     normalized value fills (None: composed by build_problem, as ``visibility`` is from
     causal, window and sinks). ``present``: when a problem uses it (None: always or
     never matters to the kernels); ``flag``: its ``HAS_*`` position name in
@@ -172,6 +172,10 @@ OPTIONS: tuple[Option, ...] = (
            "bool: also return the weights (B, H, Sq, Sk).",
            lambda value, call: checks.check_bool("return_weights", value),
            field="return_weights"),
+    Option("check_finite", False, "checking",
+           "bool: raise ValueError naming the first NaN or inf in q, k, v or bias (one pass over "
+           "each); off, non-finite values propagate as documented.",
+           lambda value, call: checks.check_bool("check_finite", value)),
 )
 BY_NAME = {option.name: option for option in OPTIONS}
 NAMES = tuple(BY_NAME)

@@ -16,6 +16,12 @@ the API fixes:
 A row with no visible key (or whose visible scores are all -inf) outputs zeros,
 has lse = -inf and passes no gradient. The backward is the analytic derivative
 of these steps (with ``delta = rowsum(dout * out)``), not finite differences.
+
+Non-finite inputs follow IEEE arithmetic through these steps, with one rule of
+dependence: a row reads only the keys it sees. A NaN or +inf among a row's visible
+scores makes its softmax, ``out`` row and lse NaN; a NaN or inf in ``v[j]`` reaches
+every row that sees key j, even at weight 0 (``0 * NaN`` is NaN), and no row that
+does not. The backends compute the same (see :mod:`npattn.nonfinite`).
 """
 from __future__ import annotations
 
@@ -38,7 +44,8 @@ def unavailable_reason(array_kind: str = "numpy") -> str | None:
 def forward(problem) -> ForwardResult:
     """float64 ``out`` (B, H, Sq, Dv), ``lse`` (B, H, Sq) and, when asked, ``weights``
     (B, H, Sq, Sk), the probabilities after masking and before dropout."""
-    state = _forward_state(problem)
+    with np.errstate(all="ignore"):  # non-finite inputs give NaN and inf as documented, silently
+        state = _forward_state(problem)
     return ForwardResult(out=state.out, lse=state.lse,
                          weights=state.probs if problem.return_weights else None)
 
@@ -50,18 +57,25 @@ def backward(problem, saved, dout) -> Gradients:
     it in float64. dk/dv are summed over the query heads that share a kv head; dbias is
     summed over the dimensions the bias was broadcast along.
     """
+    with np.errstate(all="ignore"):  # non-finite inputs give NaN and inf as documented, silently
+        return _backward(problem, dout)
+
+
+def _backward(problem, dout) -> Gradients:
     xp = problem.xp
     state = _forward_state(problem)
     dout = dout.astype(np.float64)
     group = problem.group_size
 
-    dv_per_query_head = _matmul(xp, _transpose_keys(state.dropped_probs), dout)
-    dprobs_dropped = _matmul(xp, dout, _transpose_keys(state.v))
+    visible, visible_t = state.visible, _transpose_keys(state.visible)
+    dv_per_query_head = _visible_matmul(xp, _transpose_keys(state.dropped_probs), dout, visible_t)
+    # a key a row cannot see passes it nothing, not even the NaN of a value
+    dprobs_dropped = xp.where(visible, _matmul(xp, dout, _transpose_keys(state.v)), 0.0)
     dprobs = dprobs_dropped if state.keep_scale is None else dprobs_dropped * state.keep_scale
     # softmax backward: dS = P * (dP - delta), where delta = sum_j P_j dP_j = rowsum(dout * out);
     # the sink column has no value, so dP_sink = 0 and it adds nothing to delta.
     delta = xp.sum(dout * state.out, axis=-1, keepdims=True)
-    dscores = state.probs * (dprobs - delta)
+    dscores = xp.where(visible, state.probs * (dprobs - delta), 0.0)
 
     dbias = None if problem.bias is None else _sum_to_shape(xp, dscores, problem.bias_shape)
     dsink_logits = None
@@ -70,8 +84,8 @@ def backward(problem, saved, dout) -> Gradients:
     if problem.softcap is not None:
         dscores = dscores * (1.0 - state.softcapped_tanh ** 2)
     dscores = dscores * problem.scale
-    dq = _matmul(xp, dscores, state.k)
-    dk_per_query_head = _matmul(xp, _transpose_keys(dscores), state.q)
+    dq = _visible_matmul(xp, dscores, state.k, visible)
+    dk_per_query_head = _visible_matmul(xp, _transpose_keys(dscores), state.q, visible_t)
     return Gradients(dq=dq, dk=_sum_groups(dk_per_query_head, group),
                      dv=_sum_groups(dv_per_query_head, group), dbias=dbias,
                      dsink_logits=dsink_logits)
@@ -91,6 +105,7 @@ class _ForwardState:
     dropped_probs: Any    # probs * keep_scale
     out: Any              # (B, H, Sq, Dv)
     lse: Any              # (B, H, Sq)
+    visible: Any          # (B, H, Sq, Sk) bool: which keys each row sees
 
 
 def _forward_state(problem) -> _ForwardState:
@@ -112,7 +127,12 @@ def _forward_state(problem) -> _ForwardState:
     sink = None
     if problem.sink_logits is not None:
         sink = xp.broadcast_to(problem.sink_logits.astype(np.float64)[None, :, None], scores.shape[:3])
-    probs, sink_probs, lse = _masked_softmax(xp, xp.where(visible_keys(problem), scores, -np.inf), sink)
+    visible = visible_keys(problem)
+    probs, sink_probs, lse = _masked_softmax(xp, xp.where(visible, scores, -np.inf), sink)
+    # a row whose visible scores are all -inf sees nothing: it outputs zeros whatever its
+    # values hold; and unseen keys weigh 0 also in a NaN row
+    visible = visible & (lse != -np.inf)[..., None]
+    probs = xp.where(visible, probs, 0.0)
 
     keep_scale = None
     dropped_probs = probs
@@ -122,7 +142,7 @@ def _forward_state(problem) -> _ForwardState:
         dropped_probs = probs * keep_scale
     return _ForwardState(q=q, k=k, v=v, softcapped_tanh=softcapped_tanh, probs=probs,
                          sink_probs=sink_probs, keep_scale=keep_scale, dropped_probs=dropped_probs,
-                         out=_matmul(xp, dropped_probs, v), lse=lse)
+                         out=_visible_matmul(xp, dropped_probs, v, visible), lse=lse, visible=visible)
 
 
 def visible_keys(problem):
@@ -145,7 +165,7 @@ def _masked_softmax(xp, scores, sink):
     """Softmax over the last axis of ``scores`` (-inf = invisible), with ``sink`` (B, H, Sq)
     as an extra column when given. Returns (probs, sink_probs, lse); empty rows give
     probs 0, sink_probs 0 and lse -inf."""
-    row_has_key = xp.any(scores > -np.inf, axis=-1)
+    row_has_key = xp.any(scores != -np.inf, axis=-1)  # a NaN score counts: its row is NaN
     if scores.shape[-1]:
         row_max = xp.max(scores, axis=-1)
     else:  # no keys at all (Sk = 0): every row is empty
@@ -193,6 +213,25 @@ def _sum_to_shape(xp, x, shape):
 
 def _transpose_keys(x):
     return x.swapaxes(-1, -2)
+
+
+def _visible_matmul(xp, a, b, visible):
+    """``a @ b`` summing, for each row of ``a``, only the terms its ``visible`` entries
+    select: a (..., M, N) with 0 (or anything) where not visible, b (..., N, P),
+    visible (..., M, N). A NaN or inf in a row n of ``b`` reaches exactly the rows m
+    with ``visible[m, n]``, by IEEE arithmetic (``0 * NaN`` is NaN), and no other."""
+    a = xp.where(visible, a, 0.0)
+    finite = xp.isfinite(b)
+    if bool(finite.all()):
+        return _matmul(xp, a, b)
+    result = _matmul(xp, a, xp.where(finite, b, 0.0))
+    non_finite = xp.where(finite, 0.0, b)
+    for index in zip(*xp.nonzero(~finite.all(axis=-1))):  # (..., n) of each row with one
+        *lead, n = (int(i) for i in index)
+        lead = tuple(lead)
+        terms = a[lead][:, n, None] * non_finite[lead][n][None, :]
+        result[lead] = result[lead] + xp.where(visible[lead][:, n, None], terms, 0.0)
+    return result
 
 
 def _matmul(xp, a, b):

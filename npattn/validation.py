@@ -32,6 +32,7 @@ def build_problem(q, k, v, **options) -> AttentionProblem:
         if array.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; "
                             "q, k and v must share one dtype")
+    user_arrays = {"q": q, "k": k, "v": v}
     if layout == "bshd":
         q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
     checks.check_qkv_shapes(q, k, v, layout)
@@ -42,6 +43,11 @@ def build_problem(q, k, v, **options) -> AttentionProblem:
         call.checked[option.name] = option.check(options.get(option.name, option.default), call)
     fields = {option.field: call.checked[option.name] for option in _options.OPTIONS if option.field}
     bias = options.get("bias")
+    if call.checked["check_finite"]:
+        if bias is not None:  # in the user's shape, for the index the error names
+            user_arrays["bias"] = call.checked["bias"].reshape(np.shape(bias))
+        for name, array in user_arrays.items():
+            checks.check_all_finite(name, array)
     return AttentionProblem(xp=_arrays.array_module(q), q=q, k=k, v=v,
                             visibility=_options.visibility(call.checked),
                             bias_shape=None if bias is None else tuple(np.shape(bias)), **fields)

@@ -175,7 +175,10 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
         shift = new_max if new_max > -np.inf else 0.0
         correction = math.exp(m[r] - new_max) if new_max > -np.inf else 1.0
         m[r] = new_max
-        total[r] = total[r] * correction + exp_shifted(s, r * ld, cols, shift)
+        tile_sum = exp_shifted(s, r * ld, cols, shift)
+        if tile_sum != tile_sum:  # a visible NaN score (row_max skips it): the row is NaN
+            seen[r] = True
+        total[r] = total[r] * correction + tile_sum
         if correction != 1.0:
             o = out_offset + r * out_row_stride
             for x in range(as_offset(o), as_offset(o + dv)):

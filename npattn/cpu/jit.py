@@ -16,7 +16,9 @@ from numba import njit
 
 # Never "ninf" or "nnan" on code that meets -inf: -inf is how a score is masked.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
-OPTIONS = {"cache": True, "fastmath": FASTMATH, "nogil": True}
+# error_model "numpy": a float division by zero gives inf or NaN as IEEE says, never a
+# Python ZeroDivisionError from inside a kernel (non-finite inputs reach those divisions)
+OPTIONS = {"cache": True, "fastmath": FASTMATH, "nogil": True, "error_model": "numpy"}
 HELPER_OPTIONS = {**OPTIONS, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
 kernel = njit(**OPTIONS)
 helper = njit(**HELPER_OPTIONS)

@@ -62,8 +62,9 @@ def _exp_float32(typingctx, x, shift):
             return constant(value_type, float(np.float32(number)))
 
         def clamp(value, compare, bound):
-            # compare-and-select, not minnum/maxnum: a NaN becomes the bound
-            return builder.select(builder.fcmp_ordered(compare, value, bound), value, bound)
+            # compare-and-select, not minnum/maxnum, and unordered: a NaN stays NaN (exp of
+            # a NaN score is NaN, so the row it is in becomes NaN, as the reference's)
+            return builder.select(builder.fcmp_unordered(compare, value, bound), value, bound)
 
         exponent = builder.fmul(builder.fsub(args[0], args[1]), floating(LOG2E))
         exponent = clamp(clamp(exponent, ">", floating(_LOWEST)), "<", floating(_HIGHEST))

@@ -1,0 +1,182 @@
+"""NaN and inf in the inputs reach exactly the outputs that read them, alike on every backend.
+
+The reference defines it (IEEE arithmetic, where a row reads only the keys it sees; see
+:mod:`npattn.reference` and :mod:`npattn.nonfinite`): here it is checked against a
+loop over rows, and every backend against the reference with NaN, +inf and -inf
+planted at random places of q, k, v and bias, under every option. The CPU kernels are
+also held to the score rules on their own (no fallback to the reference), and no
+non-finite input may raise from inside a kernel. ``check_finite=True`` names the first
+bad element instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npattn
+from conftest import KERNEL_BACKENDS
+from npattn import cpu, reference
+from npattn.validation import build_problem
+from strategies import ALL_OPTIONS, cases
+from tolerances import bound, gradient_magnitude, output_magnitude, score_magnitude
+
+PLANTS = (np.nan, np.inf, -np.inf)
+PLANTABLE = ("q", "k", "v", "bias")
+
+
+@st.composite
+def planted_cases(draw, into=PLANTABLE, options=ALL_OPTIONS):
+    """A case with 1 to 3 NaN/inf values planted in some of ``into`` (bias when drawn)."""
+    case = draw(cases(options=options, dtypes=("float32", "float64")))
+    arrays = {name: getattr(case, name).copy() for name in ("q", "k", "v")}
+    options = dict(case.options)
+    if "bias" in options:
+        arrays["bias"] = options["bias"].copy()
+    targets = [name for name in into if name in arrays]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    for _ in range(draw(st.integers(1, 3))):
+        target = arrays[draw(st.sampled_from(targets))]
+        if target.size:
+            target[tuple(rng.integers(0, n) for n in target.shape)] = draw(st.sampled_from(PLANTS))
+    if "bias" in arrays:
+        options["bias"] = arrays.pop("bias")
+    return dataclasses.replace(case, options=options, **arrays)
+
+
+def assert_same_values(actual, expected, dtype, length, magnitude, what):
+    """NaN, +inf and -inf in the same places; the finite values within the dtype's bound."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    for kind in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(kind(actual), kind(expected), err_msg=f"{what}: {kind.__name__} places")
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=0,
+                               atol=bound(dtype, length, magnitude), err_msg=what)
+
+
+def _finite_part(array):
+    return np.where(np.isfinite(array), array, 0.0)
+
+
+def _magnitudes(case):
+    """Output and score magnitudes from the finite values (the planted ones are compared
+    by place, not size)."""
+    finite = dataclasses.replace(case, q=_finite_part(case.q), k=_finite_part(case.k), v=_finite_part(case.v))
+    return output_magnitude(finite), score_magnitude(finite)
+
+
+@given(case=planted_cases())
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_every_backend_gives_the_references_non_finite_outputs(backend, case):
+    expected_out, expected_lse = case.run("reference", return_lse=True)
+    out_size, score_size = _magnitudes(case)
+    with cpu.tile_sizes(2, 3):  # many tile edges: the partly visible tiles where 0 * NaN could leak
+        out, lse = case.run(backend, return_lse=True)
+    assert_same_values(out, expected_out, case.dtype, case.dims.kv_len, out_size * (1 + score_size), "out")
+    assert_same_values(lse, expected_lse, case.dtype, case.dims.kv_len, 1 + score_size, "lse")
+
+
+@given(case=planted_cases(), seed=st.integers(0, 2**32 - 1))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_every_backend_gives_the_references_non_finite_gradients(backend, case, seed):
+    dout = np.random.default_rng(seed).uniform(-1, 1, (*case.q.shape[:3], case.v.shape[-1])).astype(case.dtype)
+    (_, expected_vjp), (_, vjp) = case.vjp("reference"), case.vjp(backend)
+    finite_case = dataclasses.replace(case, q=_finite_part(case.q), k=_finite_part(case.k), v=_finite_part(case.v))
+    size = gradient_magnitude(finite_case, dout)
+    length = max(case.dims.q_len, case.dims.kv_len) * case.dims.group
+    for name, got, want in zip(("dq", "dk", "dv", "dbias", "dsink_logits"), vjp(dout), expected_vjp(dout)):
+        assert_same_values(got, want, case.dtype, length, size * length, name)
+
+
+@given(case=planted_cases(into=("q", "k", "bias")))
+def test_the_cpu_kernels_make_rows_with_a_non_finite_score_nan_themselves(case):
+    """Without the reference to fall back on: the kernel's own out and lse."""
+    problem = build_problem(case.q, case.k, case.v, **case.options)
+    expected = reference.forward(problem)
+    with cpu.tile_sizes(2, 3):
+        result = cpu.forward(problem)
+    out_size, score_size = _magnitudes(case)
+    np.testing.assert_array_equal(np.isnan(result.lse), np.isnan(expected.lse))
+    np.testing.assert_array_equal(np.isnan(result.out).any(axis=-1), np.isnan(expected.out).any(axis=-1))
+    rows = ~np.isnan(expected.lse)
+    assert_same_values(result.out[rows], expected.out[rows], case.dtype, case.dims.kv_len,
+                       out_size * (1 + score_size), "out")
+
+
+@pytest.mark.parametrize("planted", ["q inf", "k -inf", "bias +inf", "bias nan", "overflow"])
+def test_no_non_finite_input_raises_from_a_cpu_kernel(planted):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(3))
+    bias = np.zeros((5, 5), np.float32)
+    if planted == "q inf":
+        q[0, 1, 2, 3] = np.inf
+    elif planted == "k -inf":
+        k[0, 0, 4, 0] = -np.inf
+    elif planted == "overflow":
+        q *= np.float32(1e30)
+        k *= np.float32(1e30)
+    else:
+        bias[2, 1] = np.inf if planted == "bias +inf" else np.nan
+    problem = build_problem(q, k, v, bias=bias, causal=True)
+    result = cpu.forward(problem)  # the kernel itself, no reference behind it
+    cpu.backward(problem, result.saved, np.ones_like(result.out))
+    # through the API, float32 scores that overflow (1e60) get the float64 reference's answer
+    out, lse = npattn.attention(q, k, v, bias=bias, causal=True, return_lse=True, backend="cpu")
+    expected = reference.forward(problem)
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(expected.lse))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected.out))
+
+
+def test_values_a_row_cannot_see_never_reach_it():
+    """An uninitialized cache slot holding NaN, hidden by a mask or past kv_lengths."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 6, 8)).astype(np.float32) for _ in range(2))
+    v[0, :, 5] = np.nan
+    mask = np.ones((4, 6), bool)
+    mask[:, 5] = False
+    for backend in ("reference", "cpu"):
+        for options in ({"mask": mask}, {"kv_lengths": np.array([5])}, {"causal": True, "mask": mask}):
+            out = npattn.attention(q, k, v, backend=backend, **options)
+            assert np.isfinite(out).all(), (backend, options)
+        seen = npattn.attention(q, k, v, backend=backend, causal=True)
+        assert np.isnan(seen[0, :, -1]).all() and np.isfinite(seen[0, :, :-1]).all(), backend
+
+
+def test_a_row_of_nan_query_is_nan_and_its_neighbours_are_not():
+    q = np.ones((1, 1, 3, 4), np.float32)
+    q[0, 0, 1, 2] = np.nan
+    for backend in ("reference", "cpu"):
+        ones = np.ones_like(q)
+        out, lse = npattn.attention(q, ones, ones, return_lse=True, backend=backend)
+        assert np.isnan(out[0, 0, 1]).all() and math.isnan(lse[0, 0, 1]), backend
+        assert np.isfinite(out[0, 0, [0, 2]]).all(), backend
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("name", PLANTABLE)
+def test_check_finite_names_the_first_bad_element(name, layout):
+    arrays = {n: np.zeros((1, 3, 3, 4), np.float32) for n in ("q", "k", "v")}  # H = S: both layouts
+    arrays["bias"] = np.zeros((3, 3), np.float32)
+    index, later = ((1, 2), (2, 0)) if name == "bias" else ((0, 1, 1, 2), (0, 2, 0, 0))
+    arrays[name][index] = np.inf
+    arrays[name][later] = np.nan
+    message = f"{name} must be finite (check_finite=True), got {name}[{', '.join(map(str, index))}] = inf"
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        npattn.attention(arrays["q"], arrays["k"], arrays["v"], bias=arrays["bias"], check_finite=True,
+                         layout=layout, backend="reference")
+
+
+def test_check_finite_passes_finite_inputs_and_is_off_by_default():
+    q = np.ones((1, 1, 2, 4), np.float32)
+    bad = q.copy()
+    bad[0, 0, 0, 0] = np.nan
+    np.testing.assert_array_equal(npattn.attention(q, q, q, check_finite=True), npattn.attention(q, q, q))
+    assert np.isnan(npattn.attention(bad, q, q)[0, 0, 0]).all()
+    with pytest.raises(TypeError, match="check_finite must be a bool"):
+        npattn.attention(q, q, q, check_finite="yes")
