@@ -14,7 +14,10 @@ import numpy as np
 import npattn
 from .variants import VARIANTS, Size
 
-_THREAD_VARIABLES = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_THREAD_VARIABLES = ("NPATTN_NUM_THREADS", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                     "MKL_NUM_THREADS")
+# npattn's other switches: the CPU ISA to force (cpu/isa.py) and the GPU's cubin cache (gpu/kernel_cache.py)
+_OTHER_VARIABLES = ("NPATTN_CPU_ISA", "NPATTN_CACHE_DIR")
 
 
 def info() -> str:
@@ -30,6 +33,8 @@ def info() -> str:
     for variable in _THREAD_VARIABLES:
         lines.append(f"  {variable}={os.environ.get(variable, '(unset)')}")
     lines.append(f"cpu isa    {_cpu_isa()}")
+    for variable in _OTHER_VARIABLES:
+        lines.append(f"  {variable}={os.environ.get(variable, '(unset)')}")
     lines.append(f"device     {_device()}")
     return "\n".join(lines)
 
@@ -106,6 +111,7 @@ def _plot_demo_weights(path, size, dtype, out) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m npattn", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"npattn {npattn.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, backends, threads and device")
     demo_parser = commands.add_parser("demo", help="every variant through every available backend")

@@ -370,3 +370,17 @@ def test_a_two_layer_attention_model_learns_under_adam():
     chance = np.log(vocab)
     assert np.mean(losses[:5]) > 0.8 * chance
     assert np.mean(losses[-5:]) < 0.3 * chance
+
+
+def test_a_tensor_hands_its_data_to_numpy_dlpack_and_python_numbers():
+    data = np.arange(6, dtype=np.float32).reshape(2, 3)
+    tensor = Tensor(data, requires_grad=True)
+    assert np.asarray(tensor) is data  # no copy
+    np.testing.assert_array_equal(np.asarray(tensor, dtype=np.float64), data)
+    copied = np.array(tensor, copy=True)
+    assert copied is not data and np.array_equal(copied, data)
+    np.testing.assert_array_equal(np.from_dlpack(tensor), data)
+    loss = (tensor * tensor).sum()
+    assert float(loss) == 55.0 and int(loss) == 55 and loss.item() == 55.0
+    with pytest.raises(ValueError):
+        float(tensor)  # more than one element

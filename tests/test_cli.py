@@ -14,11 +14,21 @@ from tolerances import bound
 def test_info_lists_versions_and_every_backend():
     text = subprocess.run([sys.executable, "-m", "npattn", "info"], capture_output=True, text=True,
                           check=True).stdout
-    for word in ("npattn", "numpy", "reference", "cpu", "gpu", "NUMBA_NUM_THREADS", "device"):
+    for word in ("npattn", "numpy", "reference", "cpu", "gpu", "NUMBA_NUM_THREADS", "NPATTN_NUM_THREADS",
+                 "NPATTN_CPU_ISA", "NPATTN_CACHE_DIR", "device"):
         assert word in text
     from npattn.cpu import isa
 
     assert f"cpu isa    {isa.compiled_isa()}\n" in text
+
+
+def test_version_prints_the_packages_version(capsys):
+    import npattn
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"npattn {npattn.__version__}\n"
 
 
 def test_bench_isa_reruns_itself_with_every_librarys_switch(monkeypatch):
@@ -120,3 +130,12 @@ def test_bench_reads_query_and_key_lengths_and_runs_the_serving_suite(monkeypatc
     assert [(row["shape"], row["causal"]) for row in rows][::2] == [("(1,4/2kv,3x40,16)", False),
                                                                    ("(1,4/2kv,3x40,16)", True)]
     assert all(row["npattn_ms"] > 0 for row in rows)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
+def test_a_bad_thread_count_variable_is_named(monkeypatch, value):
+    from npattn.cpu import threads
+
+    monkeypatch.setenv("NPATTN_NUM_THREADS", value)
+    with pytest.raises(ValueError, match=f"NPATTN_NUM_THREADS must be a positive integer \\(or unset\\), got '{value}'"):
+        threads.thread_count()

@@ -81,7 +81,33 @@ class Tensor:
         return to_numpy(self.data)
 
     def item(self):
+        """The one element as a Python number (raises for more than one element)."""
         return self.data.item()
+
+    # ----- interop: NumPy, DLPack, Python numbers (the data only; the graph stays behind) --
+    def __array__(self, dtype=None, copy=None):
+        """``np.asarray(tensor)``: the data for NumPy data; CuPy data must be fetched
+        explicitly with :meth:`numpy` (as CuPy arrays themselves require)."""
+        if array_module(self.data) is not np:
+            raise TypeError("np.asarray(tensor) of a tensor on the GPU: call tensor.numpy() to copy it "
+                            "to the host")
+        if copy:
+            return np.array(self.data, dtype=dtype, copy=True)
+        return self.data if dtype is None else self.data.astype(dtype, copy=False)
+
+    def __dlpack__(self, *args, **kwargs):
+        """The data through DLPack (``torch.from_dlpack(tensor)``, ``np.from_dlpack``), no copy."""
+        return self.data.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.data.__dlpack_device__()
+
+    def __float__(self):
+        """``float(loss)`` for a one-element tensor."""
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
 
     def detach(self) -> "Tensor":
         """The same data, cut from the graph."""

@@ -31,9 +31,11 @@ _POOL_LOCK = threading.Lock()
 
 def thread_count() -> int:
     """Threads the kernels use: ``NPATTN_NUM_THREADS`` if set, else the usable cores."""
-    configured = os.environ.get("NPATTN_NUM_THREADS")
+    configured = os.environ.get("NPATTN_NUM_THREADS", "").strip()
     if configured:
-        return max(1, int(configured))
+        if not configured.isdigit() or int(configured) < 1:
+            raise ValueError(f"NPATTN_NUM_THREADS must be a positive integer (or unset), got {configured!r}")
+        return int(configured)
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
