@@ -6,8 +6,8 @@ visible scores makes its ``out`` row and lse NaN; a NaN or inf in ``v[j]`` reach
 every row that sees key j (even at weight 0, since ``0 * NaN`` is NaN) and no row
 that does not; gradients likewise.
 
-The CPU kernels follow the score rules themselves (the exp keeps a NaN score NaN and
-a row of NaN scores is not taken for an empty one). What a tile product cannot know
+The CPU and GPU kernels follow the score rules themselves (the exp keeps a NaN score
+NaN, and a row of NaN scores is not taken for an empty one). What a tile product cannot know
 is which zero weights belong to keys a row does not see: ``0 * NaN`` there would leak
 a value the row never reads. So a result is checked after the kernel, at the cost of
 a min and a max over ``out``: finite, it stands; not (a NaN or an inf),

@@ -14,6 +14,7 @@ import npattn
 from npattn.gpu.options import Option
 from strategies import Case, Dims, cases, dims
 from test_backend_equivalence import check_backward, check_forward, check_peaked_backward, peaked_cases, upcast
+from test_nonfinite import check_kernel_marks_non_finite_rows, planted_cases
 from test_odd_views import DEVICE_VIEW_KINDS, check_odd_views, viewed_cases
 
 import gpu_emulation
@@ -255,3 +256,22 @@ def test_emulated_tensor_core_kernels_are_within_a_few_rounding_steps(dtype, hea
         actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
         error = np.abs(actual - expected).max() / np.abs(expected).max()
         assert error <= 8 * eps, f"{name}: {error:.2e} of the largest element (8 eps = {8 * eps:.2e})"
+
+
+@FEWER
+@given(case=planted_cases(into=("q", "k", "bias")))
+def test_emulated_gpu_kernels_make_rows_with_a_non_finite_score_nan_themselves(case):
+    check_kernel_marks_non_finite_rows(npattn.gpu, case)
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(70, 90), (1, 700)])  # prefill; a split decode step
+def test_emulated_tensor_core_kernels_make_rows_with_a_non_finite_score_nan(q_len, kv_len):
+    """The tensor-core forward (float16, D = 64) and the split combine: a row of all-NaN
+    scores (a NaN query), one NaN key and one +inf bias entry."""
+    case = uniform_case(1, 4, 2, q_len, kv_len, 64, 64, values_seed=5, dtype=np.float16, causal=True)
+    q, k = case.q.copy(), case.k.copy()
+    q[0, 1, q_len // 2, 3] = np.nan
+    k[0, 0, kv_len - 2, 7] = np.nan
+    bias = np.zeros((q_len, kv_len), np.float16)
+    bias[q_len - 1, 0] = np.inf
+    check_kernel_marks_non_finite_rows(npattn.gpu, Case(case.dims, q, k, case.v, {**case.options, "bias": bias}))

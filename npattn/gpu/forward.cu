@@ -127,7 +127,8 @@ forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
                     row_correction[r] = correction;
                     row_l[r] = row_l[r] * correction + tile_sum;
                     row_m[r] = new_max;
-                    if (tile_max > negative_infinity<Acc>()) row_seen[r] = 1;
+                    // a visible NaN score (the max skips it) makes the row NaN, not empty
+                    if (tile_max > negative_infinity<Acc>() || tile_sum != tile_sum) row_seen[r] = 1;
                 }
             }
             __syncthreads();

@@ -260,6 +260,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     for (int x = 0; x < 2; ++x) {
         l[x] += __shfl_xor_sync(0xffffffffu, l[x], 1);
         l[x] += __shfl_xor_sync(0xffffffffu, l[x], 2);
+        seen[x] = seen[x] || l[x] != l[x];  // a visible NaN score (the max skips it): a NaN row, not empty
     }
     if (splits > 1) {  // unnormalized rows, max and sum (natural log) for combine_kernel
         for (int x = 0; x < 2; ++x) {
