@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from . import arguments
 from ._arrays import array_module
 
 
@@ -26,9 +27,7 @@ class Optimizer:
         self.parameters = list(parameters)
         if not self.parameters:
             raise ValueError(f"{type(self).__name__}: parameters must not be empty")
-        if not lr > 0:
-            raise ValueError(f"{type(self).__name__}: lr must be positive; got {lr}")
-        self.lr = lr
+        self.lr = arguments.positive(type(self).__name__, "lr", lr)
         self.state = [dict() for _ in self.parameters]
         self.steps = 0
 
@@ -55,8 +54,8 @@ class SGD(Optimizer):
     def __init__(self, parameters, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False):
         super().__init__(parameters, lr)
-        if momentum < 0 or weight_decay < 0:
-            raise ValueError(f"SGD: momentum and weight_decay must be >= 0; got {momentum}, {weight_decay}")
+        momentum = arguments.real("SGD", "momentum", momentum, low=0.0, high=1.0)
+        weight_decay = arguments.real("SGD", "weight_decay", weight_decay, low=0.0)
         if nesterov and momentum == 0:
             raise ValueError("SGD: nesterov needs a momentum > 0")
         self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
@@ -81,12 +80,13 @@ class Adam(Optimizer):
     def __init__(self, parameters, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         super().__init__(parameters, lr)
-        beta1, beta2 = betas
-        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-            raise ValueError(f"{type(self).__name__}: betas must be in [0, 1); got {betas}")
-        if weight_decay < 0 or eps <= 0:
-            raise ValueError(f"{type(self).__name__}: weight_decay must be >= 0 and eps > 0; "
-                             f"got {weight_decay}, {eps}")
+        owner = type(self).__name__
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"{owner}: betas must be a pair (beta1, beta2); got {betas!r}")
+        beta1, beta2 = (arguments.real(owner, f"betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
+                        for i, beta in enumerate(betas))
+        eps = arguments.positive(owner, "eps", eps)
+        weight_decay = arguments.real(owner, "weight_decay", weight_decay, low=0.0)
         self.betas, self.eps, self.weight_decay = (beta1, beta2), eps, weight_decay
 
     def _update(self, parameter, grad, state):
@@ -123,8 +123,7 @@ class AdamW(Adam):
 def clip_grad_norm(parameters, max_norm: float) -> float:
     """Scale every gradient by ``max_norm / total_norm`` when the total 2-norm of all
     gradients together exceeds ``max_norm``; returns the norm before clipping."""
-    if not max_norm > 0:
-        raise ValueError(f"clip_grad_norm: max_norm must be positive; got {max_norm}")
+    max_norm = arguments.positive("clip_grad_norm", "max_norm", max_norm)
     grads = [p for p in parameters if p.grad is not None]
     total = math.sqrt(sum(float((p.grad.astype("float64") ** 2).sum()) for p in grads))
     if total > max_norm:

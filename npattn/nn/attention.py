@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import autograd as ag
+from .. import arguments
 from .layers import LayerNorm, Linear, RMSNorm
 from .module import Module, parameter
 from .multiway import Multiway
@@ -59,20 +60,27 @@ class MultiHeadAttention(Module):
                  xpos_scale_base: float = 512.0, multiway: bool = False, sink_logits: bool = False,
                  dtype="float32", seed=None, backend: str = "auto"):
         super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        owner = type(self).__name__
+        embed_dim, num_heads = arguments.size(owner, "embed_dim", embed_dim), arguments.size(owner, "num_heads", num_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else arguments.size(owner, self._KV_HEADS, num_kv_heads)
+        kdim, vdim = arguments.optional_size(owner, "kdim", kdim), arguments.optional_size(owner, "vdim", vdim)
+        sinks = arguments.size(owner, "sinks", sinks, minimum=0)
+        dropout = arguments.probability(owner, "dropout", dropout)
+        dtype = arguments.float_dtype(owner, "dtype", dtype)
+        xpos_scale_base = arguments.positive(owner, "xpos_scale_base", xpos_scale_base)
+        if softmax_scale is not None:
+            softmax_scale = arguments.positive(owner, "softmax_scale", softmax_scale)
         if embed_dim % num_heads:
-            raise ValueError(f"{type(self).__name__}: embed_dim must be divisible by num_heads "
+            raise ValueError(f"{owner}: embed_dim must be divisible by num_heads "
                              f"({num_heads}); got {embed_dim}")
-        if num_kv_heads < 1 or num_heads % num_kv_heads:
-            raise ValueError(f"{type(self).__name__}: num_kv_heads must divide num_heads ({num_heads}); "
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{owner}: {self._KV_HEADS} must divide num_heads ({num_heads}); "
                              f"got {num_kv_heads}")
         if qk_norm not in (False, None, "layernorm", "rmsnorm"):
             raise ValueError(f"{type(self).__name__}: qk_norm must be False, 'layernorm' or 'rmsnorm'; "
                              f"got {qk_norm!r}")
         if rotary not in (None, "rope", "xpos"):
             raise ValueError(f"{type(self).__name__}: rotary must be None, 'rope' or 'xpos'; got {rotary!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"{type(self).__name__}: dropout must be in [0, 1); got {dropout}")
         if clip_qkv is not None and not clip_qkv > 0:
             raise ValueError(f"{type(self).__name__}: clip_qkv must be positive or None; got {clip_qkv}")
         rng = np.random.default_rng(seed)
@@ -82,6 +90,8 @@ class MultiHeadAttention(Module):
         self.clip_qkv, self.softmax_scale, self.rotary, self.backend = clip_qkv, softmax_scale, rotary, backend
         self.xpos_scale_base, self.multiway, self.dtype = xpos_scale_base, multiway, np.dtype(dtype)
         kv_width = num_kv_heads * self.head_dim
+        self._key_width = embed_dim if kdim is None else kdim
+        self._value_width = embed_dim if vdim is None else vdim
 
         def layer(kind, *args):
             make = lambda: kind(*args, dtype=dtype, seed=rng)
@@ -106,10 +116,22 @@ class MultiHeadAttention(Module):
         if self.sink_logits is not None:
             self.sink_logits.data[...] = 0
 
+    # the constructor's name for the kv head count (GroupedQueryAttention calls it num_groups)
+    _KV_HEADS = "num_kv_heads"
+
+    def _check_inputs(self, query, key, value):
+        """(B, S, features) inputs with the projections' feature counts, before any work."""
+        owner = type(self).__name__
+        arguments.features(owner, "query", query, 3, self.embed_dim, "(B, S, embed_dim)")
+        for name, x, width in (("key", key, self._key_width), ("value", value, self._value_width)):
+            if x is not None:
+                arguments.features(owner, name, x, 3, width, f"(B, S, {'kdim' if name == 'key' else 'vdim'})")
+
     def forward(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None, bias=None,
                 cache=None, causal=None, need_weights: bool = False, average_attn_weights: bool = True,
                 split_position: int = -1):
         query = ag.Tensor(query) if not isinstance(query, ag.Tensor) else query
+        self._check_inputs(query, key, value)
         if self.multiway:
             for _, module in self.named_modules():
                 if isinstance(module, Multiway):
@@ -255,6 +277,8 @@ class MultiQueryAttention(MultiHeadAttention):
 class GroupedQueryAttention(MultiHeadAttention):
     """``num_groups`` key/value heads, each shared by ``num_heads // num_groups`` query heads."""
 
+    _KV_HEADS = "num_groups"
+
     def __init__(self, embed_dim: int, num_heads: int, num_groups: int, **kwargs):
         super().__init__(embed_dim, num_heads, num_kv_heads=num_groups, **kwargs)
 
@@ -264,8 +288,7 @@ class SlidingWindowAttention(MultiHeadAttention):
     ``window_size`` keys, the query's own position included."""
 
     def __init__(self, embed_dim: int, num_heads: int, window_size: int, **kwargs):
-        if window_size < 1:
-            raise ValueError(f"SlidingWindowAttention: window_size must be >= 1; got {window_size}")
+        window_size = arguments.size("SlidingWindowAttention", "window_size", window_size)
         causal = kwargs.get("causal", False)
         window = (window_size - 1, 0) if causal else window_size // 2
         super().__init__(embed_dim, num_heads, window=window, **kwargs)

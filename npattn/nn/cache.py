@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import arguments
+
 
 class KVCache:
     """Keys and values of past positions, (B, capacity, Hkv, D) each ("bshd", the
@@ -28,8 +30,11 @@ class KVCache:
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, capacity: int, dtype="float32",
                  window=None, sinks: int = 0, xp=np):
-        if window is not None and window < 0:
-            raise ValueError(f"KVCache: window must be None or >= 0; got {window}")
+        batch, num_kv_heads = arguments.size("KVCache", "batch", batch), arguments.size("KVCache", "num_kv_heads", num_kv_heads)
+        head_dim, capacity = arguments.size("KVCache", "head_dim", head_dim), arguments.size("KVCache", "capacity", capacity)
+        window = arguments.optional_size("KVCache", "window", window, minimum=0)
+        sinks = arguments.size("KVCache", "sinks", sinks, minimum=0)
+        dtype = arguments.float_dtype("KVCache", "dtype", dtype)
         if window is not None and capacity < sinks + window:
             raise ValueError(f"KVCache: capacity must be at least sinks + window = {sinks + window}; "
                              f"got {capacity}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import arguments
 from .. import autograd as ag
 from .attention import MultiHeadAttention
 from .layers import Linear
@@ -70,8 +71,9 @@ class DisentangledAttention(MultiHeadAttention):
         if not set(pos_att_type) <= {"c2p", "p2c"}:
             raise ValueError(f"DisentangledAttention: pos_att_type must be a subset of ('c2p', 'p2c'); "
                              f"got {pos_att_type!r}")
-        if max_relative_positions < 1:
-            raise ValueError(f"DisentangledAttention: max_relative_positions must be >= 1; got {max_relative_positions}")
+        max_relative_positions = arguments.size("DisentangledAttention", "max_relative_positions",
+                                                max_relative_positions)
+        position_buckets = arguments.size("DisentangledAttention", "position_buckets", position_buckets, minimum=0)
         super().__init__(embed_dim, num_heads, **kwargs)
         self.max_relative_positions, self.position_buckets = max_relative_positions, position_buckets
         self.pos_att_type, self.share_att_key = tuple(pos_att_type), share_att_key
@@ -90,6 +92,7 @@ class DisentangledAttention(MultiHeadAttention):
     def forward(self, hidden_states, rel_embeddings, *, key_padding_mask=None, need_weights: bool = False,
                 average_attn_weights: bool = True):
         x = hidden_states if isinstance(hidden_states, ag.Tensor) else ag.Tensor(hidden_states)
+        self._check_inputs(x, None, None)
         batch, length = x.shape[0], x.shape[1]
         if rel_embeddings.shape[0] < 2 * self.span or rel_embeddings.shape[1] != self.embed_dim:
             raise ValueError(f"DisentangledAttention: rel_embeddings must be (>= {2 * self.span}, {self.embed_dim}); "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import autograd as ag
+from .. import arguments
 from .module import Module, parameter, xavier_uniform
 
 
@@ -18,6 +19,9 @@ class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, dtype="float32",
                  seed=None):
         super().__init__()
+        in_features = arguments.size("Linear", "in_features", in_features)
+        out_features = arguments.size("Linear", "out_features", out_features)
+        dtype = arguments.float_dtype("Linear", "dtype", dtype)
         self.in_features, self.out_features = in_features, out_features
         self.weight = parameter((out_features, in_features), dtype)
         self.bias = parameter((out_features,), dtype) if bias else None
@@ -41,6 +45,9 @@ class Embedding(Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, dtype="float32", seed=None):
         super().__init__()
+        num_embeddings = arguments.size("Embedding", "num_embeddings", num_embeddings)
+        embedding_dim = arguments.size("Embedding", "embedding_dim", embedding_dim)
+        dtype = arguments.float_dtype("Embedding", "dtype", dtype)
         self.weight = parameter((num_embeddings, embedding_dim), dtype)
         self.reset_parameters(seed)
 
@@ -60,6 +67,8 @@ class LayerNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True, *,
                  dtype="float32", seed=None):
         super().__init__()
+        dim, eps = arguments.size("LayerNorm", "dim", dim), arguments.positive("LayerNorm", "eps", eps)
+        dtype = arguments.float_dtype("LayerNorm", "dtype", dtype)
         self.dim, self.eps = dim, eps
         self.weight = parameter((dim,), dtype) if elementwise_affine else None
         self.bias = parameter((dim,), dtype) if elementwise_affine and bias else None
@@ -84,6 +93,8 @@ class RMSNorm(Module):
 
     def __init__(self, dim: int, eps: float | None = None, *, dtype="float32", seed=None):
         super().__init__()
+        dim, dtype = arguments.size("RMSNorm", "dim", dim), arguments.float_dtype("RMSNorm", "dtype", dtype)
+        eps = None if eps is None else arguments.positive("RMSNorm", "eps", eps)
         self.dim, self.eps = dim, eps
         self.weight = parameter((dim,), dtype)
         self.reset_parameters(seed)
@@ -105,9 +116,7 @@ class Dropout(Module):
 
     def __init__(self, p: float = 0.5, *, seed=None):
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"Dropout: p must be in [0, 1); got {p}")
-        self.p = p
+        self.p = arguments.probability("Dropout", "p", p)
         self._rng = np.random.default_rng(seed)
 
     def forward(self, x):
@@ -132,6 +141,8 @@ class MLP(Module):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"MLP: activation must be one of {sorted(_ACTIVATIONS)}; got {activation!r}")
+        dim, hidden_dim = arguments.size("MLP", "dim", dim), arguments.size("MLP", "hidden_dim", hidden_dim)
+        dropout = arguments.probability("MLP", "dropout", dropout)
         rng = np.random.default_rng(seed)
         self.activation = activation
         self.fc1 = Linear(dim, hidden_dim, bias, dtype=dtype, seed=rng)
