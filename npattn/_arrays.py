@@ -26,3 +26,24 @@ def array_kind(array) -> str:
 def to_numpy(array):
     """A NumPy copy of a NumPy or CuPy array (a no-op view for NumPy)."""
     return array.get() if is_cupy(array) else np.asarray(array)
+
+
+def is_torch_bfloat16(value) -> bool:
+    """A torch tensor of dtype bfloat16 (checked without importing torch)."""
+    return type(value).__module__.startswith("torch") and str(getattr(value, "dtype", "")) == "torch.bfloat16"
+
+
+def torch_bfloat16_to_numpy(name: str, tensor):
+    """A CPU torch bfloat16 tensor as a NumPy array of ml_dtypes' bfloat16, sharing its
+    memory (torch's own ``.numpy()`` refuses bfloat16; its bits go through int16)."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(f"{name} is a torch bfloat16 tensor: reading it needs ml_dtypes (pip install ml_dtypes), "
+                        "or pass tensor.float()") from None
+    import torch
+
+    if tensor.device.type != "cpu":
+        raise TypeError(f"{name} is a torch bfloat16 tensor on {tensor.device}: move it to the CPU "
+                        "(tensor.cpu()) or pass a CuPy array")
+    return tensor.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16)

@@ -32,6 +32,8 @@ def as_array(name, value):
     if _arrays.is_cupy(value):
         return value
     if not isinstance(value, np.ndarray):
+        if _arrays.is_torch_bfloat16(value):  # NumPy has no bfloat16 of its own to take it as
+            return _arrays.torch_bfloat16_to_numpy(name, value)
         try:
             value = np.asarray(value)
         except (ValueError, TypeError) as error:

@@ -61,6 +61,12 @@ def demo(size: Size = Size(), dtype=np.float32, repeats: int = 3, out=sys.stdout
     print(f"npattn {npattn.__version__} demo: (B, H, S, D) = "
           f"({size.batch}, {size.heads}, {size.seq_len}, {size.head_dim}), {np.dtype(dtype).name}, "
           f"errors against the float64 reference", file=out)
+    if "cpu" in backends:
+        from .warmup import warmup
+
+        print("compiling the CPU kernels (or loading them from Numba's cache)...", end=" ", file=out, flush=True)
+        seconds = warmup(dtypes=(np.dtype(dtype).name,))
+        print(f"ready in {sum(seconds.values()):.1f} s", file=out)
     print(header, file=out)
     print("-" * len(header), file=out)
     rows = []
@@ -109,14 +115,50 @@ def _plot_demo_weights(path, size, dtype, out) -> None:
         print(f"(no weights plot: {error})", file=out)
 
 
+DESCRIPTION = """npattn: fast, exact attention for NumPy and CuPy arrays.
+
+commands:
+  info      what is installed: versions, backends, threads, CPU vector ISA, GPU
+  demo      every attention variant through every backend, checked against float64
+  bench     npattn's CPU kernels timed beside PyTorch and naive NumPy
+  compile   compile the CPU kernels now, so that the first call does not wait
+
+Run "python -m npattn COMMAND --help" for a command's options."""
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (the error is printed as usage, not a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _check_plot_path(parser, path: str) -> None:
+    """Before the demo runs: the PNG's folder must exist and take a new file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser.error(f"--plot: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"--plot: the folder {folder!r} is not writable")
+    if os.path.isdir(path):
+        parser.error(f"--plot: {path!r} is a folder; give a file name such as attention.png")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m npattn", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m npattn", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"npattn {npattn.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, backends, threads and device")
     demo_parser = commands.add_parser("demo", help="every variant through every available backend")
-    demo_parser.add_argument("--seq-len", type=int, default=Size.seq_len)
-    demo_parser.add_argument("--head-dim", type=int, default=Size.head_dim)
+    demo_parser.add_argument("--seq-len", type=_positive_int, default=Size.seq_len,
+                             help=f"query and key length (default {Size.seq_len})")
+    demo_parser.add_argument("--head-dim", type=_positive_int, default=Size.head_dim,
+                             help=f"head dimension (default {Size.head_dim})")
     demo_parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     demo_parser.add_argument("--plot", default="npattn_demo_attention.png", metavar="PATH",
                              help="where to draw attention weights as PNG (needs matplotlib); '' for none")
@@ -124,8 +166,9 @@ def main(argv=None) -> int:
     bench_parser.add_argument("--shape", action="append", dest="shapes", metavar="B,H[,HKV],S,D",
                               help="a shape to time (repeatable); default: the suite's; B,H,HKV,SQ,SK,D "
                                    "also reads (SQ query rows against SK keys, SQ=1 a decode step)")
-    bench_parser.add_argument("--repeats", type=int, default=5)
-    bench_parser.add_argument("--forward-only", action="store_true")
+    bench_parser.add_argument("--repeats", type=_positive_int, default=5,
+                              help="timed runs per shape; the median is reported (default 5)")
+    bench_parser.add_argument("--forward-only", action="store_true", help="skip the backward passes")
     bench_parser.add_argument("--memory", action="store_true",
                               help="peak memory of one forward at (1, 8, 16384, 64) instead")
     bench_parser.add_argument("--gpu", action="store_true",
@@ -144,10 +187,17 @@ def main(argv=None) -> int:
     bench_parser.add_argument("--products", choices=["vector", "blas"], default=None,
                               help="CPU: npattn's tile products on its micro-kernels or on SciPy's BLAS "
                                    "(default: the micro-kernels where the CPU has AVX-512 or AVX2)")
+    compile_parser = commands.add_parser("compile", help="compile the CPU kernels into Numba's on-disk cache now")
+    compile_parser.add_argument("--dtype", action="append", dest="dtypes", choices=list(warmup_dtypes()),
+                                help="a dtype to compile for (repeatable; default float32 and float64)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
+    elif args.command == "compile":
+        return _compile(args.dtypes or ["float32", "float64"])
     elif args.command == "demo":
+        if args.plot:
+            _check_plot_path(demo_parser, args.plot)
         demo(Size(seq_len=args.seq_len, head_dim=args.head_dim), dtype=np.dtype(args.dtype),
              plot_path=args.plot or None)
     else:
@@ -183,6 +233,27 @@ def main(argv=None) -> int:
             shapes = ([bench.Shape.parse(s) for s in args.shapes] if args.shapes
                       else bench.suite_shapes(args.suite or "prefill"))
             bench.compare(shapes, repeats=args.repeats, backward=not args.forward_only, products=args.products)
+    return 0
+
+
+def warmup_dtypes() -> tuple:
+    from .warmup import DTYPES
+
+    return DTYPES
+
+
+def _compile(dtypes) -> int:
+    """``python -m npattn compile``: warm the CPU kernels, one line per dtype."""
+    from .warmup import warmup
+
+    print("compiling the CPU kernels (or loading them from Numba's cache)...", flush=True)
+    try:
+        for dtype in dtypes:
+            seconds = warmup(dtypes=(dtype,))
+            print(f"  {dtype:<9} ready in {seconds[dtype]:.1f} s", flush=True)
+    except RuntimeError as error:
+        print(f"compile: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,5 +1,6 @@
 """``python -m npattn info`` and ``demo`` run and report what they claim."""
 import io
+import re
 import subprocess
 import sys
 
@@ -139,3 +140,43 @@ def test_a_bad_thread_count_variable_is_named(monkeypatch, value):
     monkeypatch.setenv("NPATTN_NUM_THREADS", value)
     with pytest.raises(ValueError, match=f"NPATTN_NUM_THREADS must be a positive integer \\(or unset\\), got '{value}'"):
         threads.thread_count()
+
+
+def _run_cli(*arguments, cwd=None):
+    return subprocess.run([sys.executable, "-m", "npattn", *arguments], capture_output=True, text=True, cwd=cwd)
+
+
+def test_help_is_written_for_users():
+    result = _run_cli("--help")
+    assert result.returncode == 0
+    for command in ("info", "demo", "bench", "compile"):
+        assert f"\n  {command}" in result.stdout
+    assert "``" not in result.stdout and ":mod:" not in result.stdout
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("demo", "--seq-len", "0"), "argument --seq-len: must be an integer >= 1, got 0"),
+    (("demo", "--head-dim", "x"), "argument --head-dim: must be an integer >= 1, got 'x'"),
+    (("bench", "--repeats", "-1"), "argument --repeats: must be an integer >= 1, got -1"),
+    (("demo", "--plot", "/no/such/folder/weights.png"), "--plot: the folder '/no/such/folder' does not exist"),
+])
+def test_bad_arguments_get_a_usage_error_not_a_traceback(arguments, message):
+    result = _run_cli(*arguments)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_compile_warms_the_kernels_of_each_dtype():
+    result = _run_cli("compile", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    assert "compiling the CPU kernels" in result.stdout
+    assert re.search(r"float32\s+ready in \d+\.\d s", result.stdout)
+
+
+def test_warmup_returns_seconds_per_dtype_and_names_a_bad_one():
+    import npattn
+
+    seconds = npattn.warmup(dtypes=("float32", "float16"), backward=False)
+    assert set(seconds) == {"float32", "float16"} and all(s >= 0 for s in seconds.values())
+    with pytest.raises(ValueError, match="warmup: dtypes must be among float16, bfloat16, float32, float64; got 'int8'"):
+        npattn.warmup(dtypes="int8")
