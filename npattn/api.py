@@ -1,6 +1,8 @@
 """The public functions: validate once, pick a backend, run it, hand back the user's layout."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from . import backends as _backends
@@ -8,11 +10,13 @@ from . import limits as _limits
 from . import nonfinite as _nonfinite
 from . import options as _options
 from ._arrays import array_kind
-from .problem import to_user_layout
+from .problem import AttentionProblem, to_user_layout
+from .results import ForwardResult
+from .types import Array, ArrayLike, Outputs, Vjp
 from .validation import build_problem, check_cotangent
 
 
-def attention(q, k, v, **options):
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outputs:
     """Scaled dot-product attention with every option fused.
 
     Shapes in layout "bhsd" (torch SDPA): q (B, H, Sq, D), k (B, Hkv, Sk, D),
@@ -26,7 +30,7 @@ def attention(q, k, v, **options):
     ``j < kv_lengths[b]`` and ``i < q_lengths[b]``.
 
     Scores: ``s = scale * q.k`` (scale defaults to 1/sqrt(D)); softcap
-    ``s -> softcap * tanh(s / softcap)``; ``+ bias - alibi_slopes[b, h] * |p_i - j|``;
+    ``s -> softcap * tanh(s / softcap)``; ``+ bias - alibi_slopes[b, h] * abs(p_i - j)``;
     invisible keys removed; softmax over keys, with ``sink_logits[h]`` as one extra
     value-less column; dropout with probability ``dropout_p`` (mask a pure function of
     ``(seed, b, h, i, j)``, see :mod:`npattn.dropout`; inverted scaling); then ``@ v``.
@@ -57,7 +61,7 @@ def attention(q, k, v, **options):
     return _public_outputs(problem, result)
 
 
-def attention_vjp(q, k, v, **options):
+def attention_vjp(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> tuple[Outputs, Vjp]:
     """``(outputs, vjp)``: :func:`attention`'s outputs and a function of ``dout``.
 
     ``outputs`` is exactly what ``attention(q, k, v, **options)`` returns. ``vjp(dout)``
@@ -69,7 +73,7 @@ def attention_vjp(q, k, v, **options):
     The dropout mask of the forward is reused, also when ``seed`` was None. lse and
     weights are outputs only: no gradient flows back through them.
 
-    Args (as :func:`attention`'s):
+    Args:
 {arguments}
     """
     options = dict(options)
@@ -81,7 +85,7 @@ def attention_vjp(q, k, v, **options):
     outputs = _public_outputs(problem, result)
     out_shape = (outputs[0] if isinstance(outputs, tuple) else outputs).shape
 
-    def vjp(dout):
+    def vjp(dout: ArrayLike) -> tuple[Array, ...]:
         dout = check_cotangent("dout", dout, problem.q, out_shape)
         if problem.layout == "bshd":
             dout = dout.transpose(0, 2, 1, 3)
@@ -101,12 +105,12 @@ def attention_vjp(q, k, v, **options):
 
 # One list of options, from the table: the signatures help() and IDEs show, and the docs.
 for _function in (attention, attention_vjp):
-    _function.__signature__ = _options.signature()
+    setattr(_function, "__signature__", _options.signature())
     if _function.__doc__:  # None under python -OO
         _function.__doc__ = _function.__doc__.format(arguments=_options.argument_docs(" " * 8))
 
 
-def _public_outputs(problem, result):
+def _public_outputs(problem: AttentionProblem, result: ForwardResult) -> Outputs:
     # a float64 reference answer (non-finite inputs) may pass the user dtype's range: inf
     with np.errstate(over="ignore"):
         out = _user_array(problem, result.out, problem.dtype)
@@ -118,7 +122,7 @@ def _public_outputs(problem, result):
     return (out, *extras) if extras else out
 
 
-def _user_array(problem, array_bhsd, dtype):
+def _user_array(problem: AttentionProblem, array_bhsd: Any, dtype: Any) -> Array:
     """A bhsd-ordered result as a C-contiguous array in the user's layout and ``dtype``
     (no copy when a kernel already wrote it that way)."""
     array = to_user_layout(array_bhsd.astype(dtype, copy=False), problem.layout)

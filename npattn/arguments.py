@@ -49,7 +49,7 @@ def real(owner: str, name: str, value, *, low=-math.inf, high=math.inf, low_open
 
 def positive(owner: str, name: str, value) -> float:
     """A finite real number > 0."""
-    if isinstance(value, Real) and not isinstance(value, (bool, np.bool_)) and not (0 < value < math.inf):
+    if isinstance(value, Real) and not isinstance(value, (bool, np.bool_)) and not 0 < float(value) < math.inf:
         raise ValueError(f"{owner}: {name} must be positive and finite; got {value!r}")
     return real(owner, name, value, low=0.0, low_open=True)
 

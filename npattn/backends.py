@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from types import ModuleType
 
 _MODULES = {
     "reference": "npattn.reference",
@@ -41,7 +42,7 @@ def backends() -> dict[str, BackendStatus]:
     return statuses
 
 
-def resolve(name: str, array_kind: str):
+def resolve(name: str, array_kind: str) -> ModuleType:
     """The backend module that runs ``array_kind`` arrays under the user's ``backend=name``.
 
     "auto" picks the fastest available one for the array kind. Raises ValueError for

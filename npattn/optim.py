@@ -1,5 +1,5 @@
 """Optimizers for :class:`npattn.autograd.Tensor` parameters: SGD, Adam, AdamW, and a
-gradient-norm clip. They follow torch.optim's update rules and defaults.
+gradient-norm clip. They follow torch.optim's update rules and defaults::
 
     optimizer = Adam(model.parameters(), lr=1e-3)
     for batch in data:

@@ -128,7 +128,7 @@ OPTIONS: tuple[Option, ...] = (
                                                           want_bool=False),
            field="bias", present=_has("bias"), flag="HAS_BIAS", gpu_option="BIAS"),
     Option("alibi_slopes", None, "score",
-           "(H,) or (B, H) float: - slope * |p_i - j| added to the scores; finite even "
+           "(H,) or (B, H) float: -slope * abs(p_i - j) added to the scores; finite even "
            "times Sq + Sk in the compute dtype.",
            lambda value, call: _check_alibi(value, call.q, call.batch, call.heads, call.reach,
                                                   call.compute),

@@ -12,13 +12,14 @@ cubins on disk (``NPATTN_CACHE_DIR``); it is not warmed here.
 from __future__ import annotations
 
 import time
+from typing import Any, Iterable
 
 import numpy as np
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def warmup(dtypes=("float32",), backward: bool = True) -> dict:
+def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True) -> dict[str, float]:
     """Compile (or load from the cache) the CPU kernels for each of ``dtypes``: one tiny
     forward, and its backward unless ``backward=False``. Returns the seconds each dtype
     took. float16 and bfloat16 compute in float32, so they share its kernels."""
@@ -42,7 +43,7 @@ def warmup(dtypes=("float32",), backward: bool = True) -> dict:
     return seconds
 
 
-def _dtype(name):
+def _dtype(name: Any) -> Any:
     text = name if isinstance(name, str) else np.dtype(name).name
     if text not in DTYPES:
         raise ValueError(f"warmup: dtypes must be among {', '.join(DTYPES)}; got {name!r}")
