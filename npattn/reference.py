@@ -219,19 +219,26 @@ def _visible_matmul(xp, a, b, visible):
     """``a @ b`` summing, for each row of ``a``, only the terms its ``visible`` entries
     select: a (..., M, N) with 0 (or anything) where not visible, b (..., N, P),
     visible (..., M, N). A NaN or inf in a row n of ``b`` reaches exactly the rows m
-    with ``visible[m, n]``, by IEEE arithmetic (``0 * NaN`` is NaN), and no other."""
+    with ``visible[m, n]``, by IEEE arithmetic (``0 * NaN`` is NaN), and no other: four
+    boolean products find where, so a ``b`` full of NaN costs what a finite one does.
+    (An infinite ``a`` against an infinite ``b`` gives NaN, not inf.)"""
     a = xp.where(visible, a, 0.0)
     finite = xp.isfinite(b)
     if bool(finite.all()):
         return _matmul(xp, a, b)
     result = _matmul(xp, a, xp.where(finite, b, 0.0))
-    non_finite = xp.where(finite, 0.0, b)
-    for index in zip(*xp.nonzero(~finite.all(axis=-1))):  # (..., n) of each row with one
-        *lead, n = (int(i) for i in index)
-        lead = tuple(lead)
-        terms = a[lead][:, n, None] * non_finite[lead][n][None, :]
-        result[lead] = result[lead] + xp.where(visible[lead][:, n, None], terms, 0.0)
-    return result
+
+    def reaches(rows, entries):
+        """Whether some n with ``rows[m, n]`` has ``entries[n, p]``, for every (m, p)."""
+        return _matmul(xp, rows.astype(np.float64), entries.astype(np.float64)) > 0
+
+    # what the non-finite entries of b add, by IEEE: a * NaN and 0 * inf are NaN, a * inf
+    # is inf of a's sign times inf's, and +inf plus -inf is NaN
+    positive, negative = visible & (a > 0), visible & (a < 0)
+    up = reaches(positive, b == np.inf) | reaches(negative, b == -np.inf)
+    down = reaches(positive, b == -np.inf) | reaches(negative, b == np.inf)
+    nan = reaches(visible, xp.isnan(b)) | reaches(visible & (a == 0), xp.isinf(b)) | (up & down)
+    return result + xp.where(nan, np.nan, xp.where(up, np.inf, xp.where(down, -np.inf, 0.0)))
 
 
 def _matmul(xp, a, b):

@@ -186,3 +186,26 @@ def test_check_finite_passes_finite_inputs_and_is_off_by_default():
     assert np.isnan(npattn.attention(bad, q, q)[0, 0, 0]).all()
     with pytest.raises(TypeError, match="check_finite must be a bool"):
         npattn.attention(q, q, q, check_finite="yes")
+
+
+@given(seed=st.integers(0, 2**32 - 1), plants=st.integers(1, 12))
+def test_the_references_visible_product_is_ieee_over_the_visible_terms(seed, plants):
+    """Against a loop over every output element that adds only the visible terms, in
+    Python floats (IEEE: 0 * inf and inf - inf are NaN)."""
+    rng = np.random.default_rng(seed)
+    m, n, p = rng.integers(1, 6, size=3)
+    a = rng.choice([0.0, 0.5, -1.5, 2.0, np.nan], size=(2, m, n), p=[0.3, 0.2, 0.2, 0.2, 0.1])
+    b = rng.standard_normal((2, n, p))
+    for _ in range(plants):
+        b[tuple(rng.integers(0, s) for s in b.shape)] = rng.choice([np.nan, np.inf, -np.inf])
+    visible = rng.random((2, m, n)) < 0.6
+    expected = np.zeros((2, m, p))
+    for lead, row, column in np.ndindex(2, m, p):
+        total = 0.0
+        for key in range(n):
+            if visible[lead, row, key]:
+                total += float(a[lead, row, key]) * float(b[lead, key, column])
+        expected[lead, row, column] = total
+    with np.errstate(all="ignore"):
+        actual = reference._visible_matmul(np, a, b, visible)
+    assert_same_values(actual, expected, np.float64, n, 4.0, "product")
