@@ -22,9 +22,10 @@ from ._arrays import is_cupy
 REFERENCE_SCORE_ARRAYS = 3
 
 
-def check_memory(problem, backend_name: str) -> None:
+def check_memory(problem, backend_name: str, because: str = "") -> None:
     """Raise MemoryError when ``problem``'s weights or the reference's score arrays cannot
-    fit in the free memory of the device its arrays live on (unknown: no check)."""
+    fit in the free memory of the device its arrays live on (unknown: no check);
+    ``because`` starts the message (why the reference runs, when the caller did not ask)."""
     scores = problem.batch * problem.heads * problem.q_len * problem.kv_len
     needs = []
     if problem.return_weights:
@@ -42,9 +43,9 @@ def check_memory(problem, backend_name: str) -> None:
     if available is None or total <= available:
         return
     size, option, what = max(needs)
-    raise MemoryError(f"{option} needs {_readable(size)} for {what}, and {_readable(available)} of memory "
-                      "is free here; ask for return_lse instead of the weights, or pass fewer query rows "
-                      "per call")
+    raise MemoryError(f"{because}{option} needs {_readable(size)} for {what}, and {_readable(available)} of "
+                      "memory is free here; ask for return_lse instead of the weights, or pass fewer query "
+                      "rows per call")
 
 
 def _readable(size: int) -> str:

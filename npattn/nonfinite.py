@@ -12,7 +12,8 @@ is which zero weights belong to keys a row does not see: ``0 * NaN`` there would
 a value the row never reads. So a result is checked after the kernel, at the cost of
 a min and a max over ``out``: finite, it stands; not (a NaN or an inf),
 the call is answered by the float64 reference, and its vjp by the reference's
-backward. Backends whose kernels do not follow the score rules (``NAN_SCORES_EXACT``
+backward (a MemoryError says so first when the reference's S x S arrays cannot fit:
+:mod:`npattn.limits`). Backends whose kernels do not follow the score rules (``NAN_SCORES_EXACT``
 unset) also have q, k and bias checked, since a row of NaN scores could come back
 as an empty row's zeros. Finite inputs pay a min and a max over out (and over dout
 and the gradients in the backward) and get the kernels' results.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from . import reference
+from . import limits, reference
 
 
 def forward(problem, implementation):
@@ -31,6 +32,7 @@ def forward(problem, implementation):
     result = implementation.forward(problem)
     if implementation is reference or _all_finite(problem, result.out, implementation):
         return result, implementation
+    limits.check_memory(problem, reference.NAME, because=_WHY_REFERENCE)
     return reference.forward(problem), reference
 
 
@@ -41,7 +43,12 @@ def backward(problem, implementation, saved, dout):
         grads = implementation.backward(problem, saved, dout)
         if all(_finite(g) for g in (grads.dq, grads.dk, grads.dv, grads.dbias, grads.dsink_logits)):
             return grads
+    limits.check_memory(problem, reference.NAME, because=_WHY_REFERENCE)
     return reference.backward(problem, None, dout)
+
+
+_WHY_REFERENCE = ("the result holds NaN or inf (from non-finite inputs, or float32 overflow), which the "
+                  "float64 reference recomputes exactly; check_finite=True names a non-finite input. ")
 
 
 def _all_finite(problem, out, implementation) -> bool:

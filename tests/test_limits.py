@@ -45,3 +45,13 @@ def test_an_unknown_amount_of_memory_checks_nothing(monkeypatch):
 def test_free_bytes_reads_this_machine():
     free = limits.free_bytes(np.zeros(1))
     assert free is None or free > 0
+
+
+def test_a_non_finite_result_too_large_for_the_reference_says_why(monkeypatch):
+    monkeypatch.setattr(limits, "free_bytes", lambda array: 1000)
+    q = np.ones((1, 1, 100, 2), np.float32)
+    v = q.copy()
+    v[0, 0, 3, 1] = np.nan
+    npattn.attention(q, q, q, backend="cpu")  # finite: the kernels' answer, no reference, no check
+    with pytest.raises(MemoryError, match=r"the result holds NaN or inf .* backend='reference' needs 234\.4 KiB"):
+        npattn.attention(q, q, v, backend="cpu")
