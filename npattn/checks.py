@@ -177,16 +177,10 @@ def check_finite_values(name, array, compute, reach=1):
 
 def check_all_finite(name, array):
     """Raise a ValueError naming ``array``'s first NaN or inf (in C order of its own
-    indices), as ``check_finite=True`` asks; None passes. Costs one pass over it."""
-    if array is None:
+    indices), as ``check_finite=True`` asks; None passes. Costs a min and a max over it."""
+    if _arrays.all_finite(array):  # the common case, without a mask
         return
-    xp = _arrays.array_module(array)
-    with np.errstate(all="ignore"):
-        if bool(xp.isfinite(array.sum())):  # the common case in one reduction, no mask
-            return
-    finite = _arrays.to_numpy(xp.isfinite(array))
-    if finite.all():  # the sum overflowed, the values are fine
-        return
+    finite = _arrays.to_numpy(_arrays.array_module(array).isfinite(array))
     where = np.unravel_index(int(np.argmin(finite)), finite.shape)
     where = tuple(int(i) for i in where)
     value = float(_arrays.to_numpy(array[where]))

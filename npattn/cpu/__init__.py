@@ -16,9 +16,6 @@ import functools
 import importlib.util
 
 NAME = "cpu"
-# A visible NaN or +inf score makes its row NaN in the kernels themselves (see
-# :mod:`npattn.nonfinite`, which then needs no scan of q, k and bias).
-NAN_SCORES_EXACT = True
 _REQUIRED = ("numba", "scipy")
 
 

@@ -18,9 +18,6 @@ from __future__ import annotations
 import importlib.util
 
 NAME = "gpu"
-# A visible NaN or +inf score makes its row NaN in the kernels themselves (see
-# :mod:`npattn.nonfinite`, which then needs no scan of q, k and bias).
-NAN_SCORES_EXACT = True
 
 
 def unavailable_reason(array_kind: str = "cupy") -> str | None:
