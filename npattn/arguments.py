@@ -13,9 +13,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
-# What parameters and caches may hold: the float dtypes the kernels compute with
-# (bfloat16 through ml_dtypes, when installed, by its NumPy name).
-_FLOAT_KINDS = ("float16", "bfloat16", "float32", "float64")
+from .checks import FLOAT_DTYPE_NAMES
 
 
 def size(owner: str, name: str, value, minimum: int = 1) -> int:
@@ -39,7 +37,9 @@ def real(owner: str, name: str, value, *, low=-math.inf, high=math.inf, low_open
     below = value <= low if low_open else value < low
     above = value >= high if high_open else value > high
     if not math.isfinite(value) or below or above:
-        if math.isinf(high):
+        if math.isinf(high) and low == 0 and low_open:
+            wanted = "positive and finite"
+        elif math.isinf(high):
             wanted = f"finite and {'>' if low_open else '>='} {low:g}"
         else:
             wanted = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
@@ -49,8 +49,6 @@ def real(owner: str, name: str, value, *, low=-math.inf, high=math.inf, low_open
 
 def positive(owner: str, name: str, value) -> float:
     """A finite real number > 0."""
-    if isinstance(value, Real) and not isinstance(value, (bool, np.bool_)) and not 0 < float(value) < math.inf:
-        raise ValueError(f"{owner}: {name} must be positive and finite; got {value!r}")
     return real(owner, name, value, low=0.0, low_open=True)
 
 
@@ -64,16 +62,10 @@ def float_dtype(owner: str, name: str, value) -> np.dtype:
     try:
         dtype = np.dtype(value)
     except TypeError:
-        raise TypeError(f"{owner}: {name} must be one of {', '.join(_FLOAT_KINDS)}; got {value!r}") from None
-    if dtype.name not in _FLOAT_KINDS:
-        raise TypeError(f"{owner}: {name} must be one of {', '.join(_FLOAT_KINDS)}; got {dtype.name}")
+        raise TypeError(f"{owner}: {name} must be one of {', '.join(FLOAT_DTYPE_NAMES)}; got {value!r}") from None
+    if dtype.name not in FLOAT_DTYPE_NAMES:
+        raise TypeError(f"{owner}: {name} must be one of {', '.join(FLOAT_DTYPE_NAMES)}; got {dtype.name}")
     return dtype
-
-
-def divides(owner: str, name: str, value: int, other_name: str, other: int) -> None:
-    """``value`` divides ``other``."""
-    if other % value:
-        raise ValueError(f"{owner}: {name} ({value}) must divide {other_name} ({other})")
 
 
 def features(owner: str, name: str, x, ndim: int, last: int, described: str) -> None:

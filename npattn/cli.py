@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 import npattn
+from .checks import FLOAT_DTYPE_NAMES
 from .variants import VARIANTS, Size
 
 _THREAD_VARIABLES = ("NPATTN_NUM_THREADS", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
                               help="CPU: npattn's tile products on its micro-kernels or on SciPy's BLAS "
                                    "(default: the micro-kernels where the CPU has AVX-512 or AVX2)")
     compile_parser = commands.add_parser("compile", help="compile the CPU kernels into Numba's on-disk cache now")
-    compile_parser.add_argument("--dtype", action="append", dest="dtypes", choices=list(warmup_dtypes()),
+    compile_parser.add_argument("--dtype", action="append", dest="dtypes", choices=list(FLOAT_DTYPE_NAMES),
                                 help="a dtype to compile for (repeatable; default float32 and float64)")
     args = parser.parse_args(argv)
     if args.command == "info":
@@ -234,12 +235,6 @@ def main(argv=None) -> int:
                       else bench.suite_shapes(args.suite or "prefill"))
             bench.compare(shapes, repeats=args.repeats, backward=not args.forward_only, products=args.products)
     return 0
-
-
-def warmup_dtypes() -> tuple:
-    from .warmup import DTYPES
-
-    return DTYPES
 
 
 def _compile(dtypes) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+from .checks import FLOAT_DTYPE_NAMES as DTYPES
 
 
 def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True) -> dict[str, float]:

@@ -77,12 +77,12 @@ class MultiHeadAttention(Module):
             raise ValueError(f"{owner}: {self._KV_HEADS} must divide num_heads ({num_heads}); "
                              f"got {num_kv_heads}")
         if qk_norm not in (False, None, "layernorm", "rmsnorm"):
-            raise ValueError(f"{type(self).__name__}: qk_norm must be False, 'layernorm' or 'rmsnorm'; "
+            raise ValueError(f"{owner}: qk_norm must be False, 'layernorm' or 'rmsnorm'; "
                              f"got {qk_norm!r}")
         if rotary not in (None, "rope", "xpos"):
-            raise ValueError(f"{type(self).__name__}: rotary must be None, 'rope' or 'xpos'; got {rotary!r}")
+            raise ValueError(f"{owner}: rotary must be None, 'rope' or 'xpos'; got {rotary!r}")
         if clip_qkv is not None and not clip_qkv > 0:
-            raise ValueError(f"{type(self).__name__}: clip_qkv must be positive or None; got {clip_qkv}")
+            raise ValueError(f"{owner}: clip_qkv must be positive or None; got {clip_qkv}")
         rng = np.random.default_rng(seed)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
