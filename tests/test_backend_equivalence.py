@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from conftest import KERNEL_BACKENDS
 from strategies import cases
-from tolerances import assert_close, gradient_magnitude, output_magnitude, score_magnitude
+from tolerances import assert_close, gradient_bound_terms, output_bound_terms, score_magnitude
 
 pytestmark = pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 layouts = st.sampled_from(["bhsd", "bshd"])
@@ -37,8 +37,7 @@ def check_forward(backend, case, layout):
                                                            return_weights=True)
     d, amplification = case.dims, 1 + score_magnitude(case)
     assert out.dtype == case.dtype and weights.dtype == case.dtype
-    assert_close(out, exact_out, case.dtype, d.kv_len + d.head_dim,
-                 output_magnitude(case) * amplification / (1 - case.options.get("dropout_p", 0)), "out")
+    assert_close(out, exact_out, case.dtype, *output_bound_terms(case), "out")
     assert_close(lse, exact_lse, case.dtype, d.kv_len + d.head_dim, amplification + np.abs(
         exact_lse[np.isfinite(exact_lse)]).max(initial=0), "lse")
     assert_close(weights, exact_weights, case.dtype, d.kv_len + d.head_dim, amplification, "weights")
@@ -50,13 +49,10 @@ def check_backward(backend, case, layout):
     dout = np.random.default_rng(0).normal(size=out.shape).astype(case.dtype)
     grads = vjp(dout)
     exact = upcast(case).vjp("reference", layout=layout)[1](dout.astype(np.float64))
-    d = case.dims
-    length = d.q_len * d.group + d.kv_len + d.head_dim + d.value_dim
-    magnitude = gradient_magnitude(case, dout) / (1 - case.options.get("dropout_p", 0))
     names = ["dq", "dk", "dv"] + ["d" + n for n in ("bias", "sink_logits") if n in case.options]
     assert len(grads) == len(exact) == len(names)
     for name, grad, expected in zip(names, grads, exact):
-        assert_close(grad, expected, case.dtype, length, magnitude * max(1, d.q_len), name)
+        assert_close(grad, expected, case.dtype, *gradient_bound_terms(case, dout), name)
 
 
 @st.composite
@@ -95,10 +91,8 @@ def check_peaked_backward(backend, case, layout):
     spread = float((1 - weights.max(axis=-1))[live].max(initial=0.0))
     eps = float(np.finfo(np.float32).eps)
     amplification = 1 + score_magnitude(case) * min(1.0, spread / eps)
-    d = case.dims
-    length = d.q_len * d.group + d.kv_len + d.head_dim + d.value_dim
+    length, usual = gradient_bound_terms(case, dout)
     magnitude = (float(np.abs(dout).max(initial=1) * np.abs(case.v).max(initial=1)) * amplification
-                 / (1 - case.options.get("dropout_p", 0)))
-    usual = gradient_magnitude(case, dout) / (1 - case.options.get("dropout_p", 0))
+                 / (1 - case.options.get("dropout_p", 0)) * max(1, case.dims.q_len))
     for name, grad, expected in zip(("dq", "dk", "dv"), grads, exact):
-        assert_close(grad, expected, case.dtype, length, (usual if name == "dv" else magnitude) * max(1, d.q_len), name)
+        assert_close(grad, expected, case.dtype, length, usual if name == "dv" else magnitude, name)

@@ -23,7 +23,7 @@ from conftest import KERNEL_BACKENDS
 from npattn import cpu, reference
 from npattn.validation import build_problem
 from strategies import ALL_OPTIONS, cases
-from tolerances import bound, gradient_magnitude, output_magnitude, score_magnitude
+from tolerances import bound, gradient_bound_terms, output_bound_terms, score_magnitude
 
 PLANTS = (np.nan, np.inf, -np.inf)
 PLANTABLE = ("q", "k", "v", "bias")
@@ -63,22 +63,23 @@ def _finite_part(array):
     return np.where(np.isfinite(array), array, 0.0)
 
 
-def _magnitudes(case):
-    """Output and score magnitudes from the finite values (the planted ones are compared
-    by place, not size)."""
-    finite = dataclasses.replace(case, q=_finite_part(case.q), k=_finite_part(case.k), v=_finite_part(case.v))
-    return output_magnitude(finite), score_magnitude(finite)
+def _finite_values(case):
+    """``case`` with its planted values set to 0: the sizes the bounds are derived from
+    (the planted ones are compared by place, not size)."""
+    return dataclasses.replace(case, q=_finite_part(case.q), k=_finite_part(case.k), v=_finite_part(case.v))
 
 
 @given(case=planted_cases())
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_every_backend_gives_the_references_non_finite_outputs(backend, case):
     expected_out, expected_lse = case.run("reference", return_lse=True)
-    out_size, score_size = _magnitudes(case)
     with cpu.tile_sizes(2, 3):  # many tile edges: the partly visible tiles where 0 * NaN could leak
         out, lse = case.run(backend, return_lse=True)
-    assert_same_values(out, expected_out, case.dtype, case.dims.kv_len, out_size * (1 + score_size), "out")
-    assert_same_values(lse, expected_lse, case.dtype, case.dims.kv_len, 1 + score_size, "lse")
+    finite = _finite_values(case)
+    length = output_bound_terms(finite)[0]
+    assert_same_values(out, expected_out, case.dtype, *output_bound_terms(finite), "out")
+    lse_size = 1 + score_magnitude(finite) + np.abs(expected_lse[np.isfinite(expected_lse)]).max(initial=0)
+    assert_same_values(lse, expected_lse, case.dtype, length, lse_size, "lse")
 
 
 @given(case=planted_cases(), seed=st.integers(0, 2**32 - 1))
@@ -86,11 +87,9 @@ def test_every_backend_gives_the_references_non_finite_outputs(backend, case):
 def test_every_backend_gives_the_references_non_finite_gradients(backend, case, seed):
     dout = np.random.default_rng(seed).uniform(-1, 1, (*case.q.shape[:3], case.v.shape[-1])).astype(case.dtype)
     (_, expected_vjp), (_, vjp) = case.vjp("reference"), case.vjp(backend)
-    finite_case = dataclasses.replace(case, q=_finite_part(case.q), k=_finite_part(case.k), v=_finite_part(case.v))
-    size = gradient_magnitude(finite_case, dout)
-    length = max(case.dims.q_len, case.dims.kv_len) * case.dims.group
+    terms = gradient_bound_terms(_finite_values(case), dout)
     for name, got, want in zip(("dq", "dk", "dv", "dbias", "dsink_logits"), vjp(dout), expected_vjp(dout)):
-        assert_same_values(got, want, case.dtype, length, size * length, name)
+        assert_same_values(got, want, case.dtype, *terms, name)
 
 
 def check_kernel_marks_non_finite_rows(backend, case):
@@ -100,12 +99,10 @@ def check_kernel_marks_non_finite_rows(backend, case):
     expected = reference.forward(problem)
     result = backend.forward(problem)
     out, lse = (np.asarray(a, np.float64) for a in (result.out, result.lse))
-    out_size, score_size = _magnitudes(case)
     np.testing.assert_array_equal(np.isnan(lse), np.isnan(expected.lse))
     np.testing.assert_array_equal(np.isnan(out).any(axis=-1), np.isnan(expected.out).any(axis=-1))
     rows = ~np.isnan(expected.lse)
-    assert_same_values(out[rows], expected.out[rows], case.dtype, case.dims.kv_len + case.dims.head_dim,
-                       out_size * (1 + score_size), "out")
+    assert_same_values(out[rows], expected.out[rows], case.dtype, *output_bound_terms(_finite_values(case)), "out")
 
 
 @given(case=planted_cases(into=("q", "k", "bias")))

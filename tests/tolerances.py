@@ -62,3 +62,22 @@ def output_magnitude(case):
 def gradient_magnitude(case, dout):
     """Size of the terms summed into a gradient: |dout| |v| and scaled |q| |k| products."""
     return float(np.abs(dout).max(initial=1)) * float(np.abs(case.v).max(initial=1)) * (1 + score_magnitude(case))
+
+
+def output_bound_terms(case):
+    """``(length, magnitude)`` of :func:`bound` for a forward's ``out``: a sum over the keys
+    after a dot product over D, of values of the size of v, amplified by the scores'
+    rounding and by dropout's 1 / (1 - p)."""
+    d = case.dims
+    magnitude = output_magnitude(case) * (1 + score_magnitude(case)) / (1 - case.options.get("dropout_p", 0))
+    return d.kv_len + d.head_dim, magnitude
+
+
+def gradient_bound_terms(case, dout):
+    """``(length, magnitude)`` of :func:`bound` for the gradients: sums over the query rows of
+    a group, the keys and both head dimensions, of :func:`gradient_magnitude`'s terms
+    (times dropout's 1 / (1 - p)), and up to Sq of them add into one dk or dv element."""
+    d = case.dims
+    length = d.q_len * d.group + d.kv_len + d.head_dim + d.value_dim
+    magnitude = gradient_magnitude(case, dout) / (1 - case.options.get("dropout_p", 0))
+    return length, magnitude * max(1, d.q_len)
