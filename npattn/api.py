@@ -29,8 +29,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     or ``j < sinks`` (window), ``mask[b, h, i, j]`` (True = may attend),
     ``j < kv_lengths[b]`` and ``i < q_lengths[b]``.
 
-    Scores: ``s = scale * q.k`` (scale defaults to 1/sqrt(D)); softcap
-    ``s -> softcap * tanh(s / softcap)``; ``+ bias - alibi_slopes[b, h] * abs(p_i - j)``;
+    Scores: {scores};
     invisible keys removed; softmax over keys, with ``sink_logits[h]`` as one extra
     value-less column; dropout with probability ``dropout_p`` (mask a pure function of
     ``(seed, b, h, i, j)``, see :mod:`npattn.dropout`; inverted scaling); then ``@ v``.
@@ -107,7 +106,8 @@ def attention_vjp(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> t
 for _function in (attention, attention_vjp):
     setattr(_function, "__signature__", _options.signature())
     if _function.__doc__:  # None under python -OO
-        _function.__doc__ = _function.__doc__.format(arguments=_options.argument_docs(" " * 8))
+        _function.__doc__ = _function.__doc__.format(arguments=_options.argument_docs(" " * 8),
+                                                      scores=_options.score_steps_doc())
 
 
 def _public_outputs(problem: AttentionProblem, result: ForwardResult) -> Outputs:

@@ -12,57 +12,39 @@ from .dropout import seed_words
 from .options import OPTIONS
 
 
-class Int(IntEnum):
-    """Positions in the kernels' int64 parameter array (flat arrays of scalars compile
-    several times faster in Numba than a named tuple of them)."""
+def _positions(name: str, names) -> type[IntEnum]:
+    """An IntEnum numbering ``names`` 0, 1, ... (an enum's member is a compile-time
+    constant to Numba, and each becomes a ``#define`` of the CUDA sources)."""
+    return IntEnum(name, [(member, position) for position, member in enumerate(names)])  # type: ignore[return-value]
 
-    BATCH = 0
-    HEADS = 1
-    KV_HEADS = 2
-    Q_LEN = 3
-    KV_LEN = 4
-    HEAD_DIM = 5
-    VALUE_DIM = 6
-    Q_STRIDE_B = 7    # element strides of the bhsd views; the last axis is unit
-    Q_STRIDE_H = 8
-    Q_STRIDE_S = 9
-    K_STRIDE_B = 10
-    K_STRIDE_H = 11
-    K_STRIDE_S = 12
-    V_STRIDE_B = 13
-    V_STRIDE_H = 14
-    V_STRIDE_S = 15
-    BIAS_STRIDE_B = 16  # 0 along broadcast axes
-    BIAS_STRIDE_H = 17
-    BIAS_STRIDE_Q = 18
-    BIAS_STRIDE_K = 19
-    MASK_STRIDE_B = 20
-    MASK_STRIDE_H = 21
-    MASK_STRIDE_Q = 22
-    MASK_STRIDE_K = 23
-    HAS_BIAS = 24
-    HAS_MASK = 25
-    HAS_ALIBI = 26
-    HAS_SINK = 27
-    HAS_SOFTCAP = 28
-    HAS_DROPOUT = 29
-    CAUSAL = 30
-    WINDOW_LEFT = 31    # -1 = unbounded
-    WINDOW_RIGHT = 32
-    SINKS = 33
-    DROPOUT_THRESHOLD = 34
-    SEED_LO = 35
-    SEED_HI = 36
-    BLOCK_Q = 37
-    BLOCK_K = 38
-    SCORE_LD = 39        # row stride of score tiles: BLOCK_K, or it rounded up to whole vectors
-    VECTOR_SCORES = 40   # scores through :mod:`npattn.cpu.microkernels` (else BLAS)
-    VECTOR_VALUES = 41   # P V and dV through them too (needs Dv a whole number of vectors)
-    VECTOR_KEYS = 42     # dQ and dK through them too (needs D a whole number of vectors)
-    EDGE_BAND = 43       # rows per band of a tile the causal/window edge cuts (tiles.band_keys)
-    KEY_SPLITS = 44      # CPU forward: key ranges per query tile, merged by lse (cpu.splitting)
-    SPLIT_KEYS = 45      # keys per range, a multiple of BLOCK_K
-    ROW_GROUP = 46       # CPU: query rows per position (GQA heads folded into rows, cpu.folding)
+
+# Positions in the kernels' int64 parameter array (flat arrays of scalars compile several
+# times faster in Numba than a named tuple of them): the shapes and strides, a HAS_* flag
+# (or CAUSAL) per option of the table that names one, the visibility and dropout scalars,
+# then what the backend's tuning fills in.
+Int = _positions("Int", (
+    "BATCH", "HEADS", "KV_HEADS", "Q_LEN", "KV_LEN", "HEAD_DIM", "VALUE_DIM",
+    # element strides of the bhsd views (the last axis is unit); 0 along broadcast axes
+    "Q_STRIDE_B", "Q_STRIDE_H", "Q_STRIDE_S", "K_STRIDE_B", "K_STRIDE_H", "K_STRIDE_S",
+    "V_STRIDE_B", "V_STRIDE_H", "V_STRIDE_S", "BIAS_STRIDE_B", "BIAS_STRIDE_H", "BIAS_STRIDE_Q",
+    "BIAS_STRIDE_K", "MASK_STRIDE_B", "MASK_STRIDE_H", "MASK_STRIDE_Q", "MASK_STRIDE_K",
+    *(option.flag for option in OPTIONS if option.flag is not None),
+    "WINDOW_LEFT", "WINDOW_RIGHT",  # -1 = unbounded
+    "SINKS", "DROPOUT_THRESHOLD", "SEED_LO", "SEED_HI",
+    "BLOCK_Q", "BLOCK_K",
+    "SCORE_LD",       # row stride of score tiles: BLOCK_K, or it rounded up to whole vectors
+    "VECTOR_SCORES",  # scores through :mod:`npattn.cpu.microkernels` (else BLAS)
+    "VECTOR_VALUES",  # P V and dV through them too (needs Dv a whole number of vectors)
+    "VECTOR_KEYS",    # dQ and dK through them too (needs D a whole number of vectors)
+    "EDGE_BAND",      # rows per band of a tile the causal/window edge cuts (tiles.band_keys)
+    "KEY_SPLITS",     # CPU forward: key ranges per query tile, merged by lse (cpu.splitting)
+    "SPLIT_KEYS",     # keys per range, a multiple of BLOCK_K
+    "ROW_GROUP",      # CPU: query rows per position (GQA heads folded into rows, cpu.folding)
+))
+
+# Positions in the kernels' parameter array of the compute dtype: one per option of the
+# table that names a real slot (SCALE, SOFTCAP with 0 = off, KEEP_SCALE = 1 / (1 - p)).
+Real = _positions("Real", tuple(option.real[0] for option in OPTIONS if option.real is not None))
 
 
 # The arrays every kernel takes first, in order, with their CUDA types (T: the storage
@@ -93,14 +75,6 @@ def operand_defines() -> list[str]:
     return [f"#define NPATTN_OPERAND_FIELDS {fields}",
             f"#define NPATTN_OPERAND_PARAMS {params}",
             f"#define NPATTN_OPERANDS {{{', '.join(OPERAND_NAMES)}}}"]
-
-
-class Real(IntEnum):
-    """Positions in the kernels' parameter array of the compute dtype."""
-
-    SCALE = 0
-    SOFTCAP = 1       # 0 = off
-    KEEP_SCALE = 2    # 1 / (1 - dropout_p)
 
 
 def element_strides(array) -> tuple:
@@ -143,14 +117,11 @@ def problem_int_values(problem) -> list:
 
 def problem_reals(problem, dtype):
     """:func:`problem_parameters`'s reals."""
-    values = [0.0] * len(Real)
-    values[Real.SCALE] = problem.scale
-    values[Real.SOFTCAP] = problem.softcap or 0.0
-    values[Real.KEEP_SCALE] = 1.0 / (1.0 - problem.dropout_p)
-    return np.array(values, dtype)
+    return np.array([value(problem) for _, value in _REAL_OPTIONS], dtype)
 
 
 _FLAGGED_OPTIONS = tuple((Int[option.flag], option) for option in OPTIONS if option.flag is not None)
+_REAL_OPTIONS = tuple(option.real for option in OPTIONS if option.real is not None)  # in Real's order
 
 
 def sink_logits_gradient(xp, problem, lse, delta):

@@ -76,8 +76,12 @@ class Option:
     normalized value fills (None: composed by build_problem, as ``visibility`` is from
     causal, window and sinks). ``present``: when a problem uses it (None: always or
     never matters to the kernels); ``flag``: its ``HAS_*`` position name in
-    :class:`npattn.kernel_params.Int`; ``gpu_option``: its bit name in
-    :class:`npattn.gpu.options.Option`."""
+    :class:`npattn.kernel_params.Int`; ``real``: its slot name in
+    :class:`npattn.kernel_params.Real` and the slot's value for a problem;
+    ``gpu_option``: its bit name in :class:`npattn.gpu.options.Option` (options may
+    share one); ``per_score``: the GPU's ``finish_score`` reads it at every score, so a
+    tile inside the visible band may skip that step only when no such option is
+    compiled in."""
 
     name: str
     default: Any
@@ -87,7 +91,9 @@ class Option:
     field: str | None = None
     present: Callable | None = None
     flag: str | None = None
+    real: tuple[str, Callable[[Any], float]] | None = None
     gpu_option: str | None = None
+    per_score: bool = False
 
 
 def _has(field):
@@ -121,18 +127,19 @@ OPTIONS: tuple[Option, ...] = (
            "bool, broadcastable to (B, H, Sq, Sk); True = may attend.",
            lambda value, call: checks.check_broadcastable("mask", value, call.q, call.scores_shape,
                                                           want_bool=True),
-           field="mask", present=_has("mask"), flag="HAS_MASK", gpu_option="MASK"),
+           field="mask", present=_has("mask"), flag="HAS_MASK", gpu_option="MASK", per_score=True),
     Option("bias", None, "score",
            "float, broadcastable to (B, H, Sq, Sk), added to the scores (-inf hides a key).",
            lambda value, call: checks.check_broadcastable("bias", value, call.q, call.scores_shape,
                                                           want_bool=False),
-           field="bias", present=_has("bias"), flag="HAS_BIAS", gpu_option="BIAS"),
+           field="bias", present=_has("bias"), flag="HAS_BIAS", gpu_option="BIAS", per_score=True),
     Option("alibi_slopes", None, "score",
            "(H,) or (B, H) float: -slope * abs(p_i - j) added to the scores; finite even "
            "times Sq + Sk in the compute dtype.",
            lambda value, call: _check_alibi(value, call.q, call.batch, call.heads, call.reach,
                                                   call.compute),
-           field="alibi_slopes", present=_has("alibi_slopes"), flag="HAS_ALIBI", gpu_option="ALIBI"),
+           field="alibi_slopes", present=_has("alibi_slopes"), flag="HAS_ALIBI", gpu_option="ALIBI",
+           per_score=True),
     Option("q_lengths", None, "visibility",
            "int (B,): rows past q_lengths[b] are padding and output zeros.",
            lambda value, call: checks.check_lengths("q_lengths", value, call.q, call.batch, call.q_len, "Sq"),
@@ -145,17 +152,18 @@ OPTIONS: tuple[Option, ...] = (
            "float, finite in the compute dtype (float32, or float64 for float64 inputs); "
            "None: 1/sqrt(D).",
            lambda value, call: _check_scale(value, call.head_dim, call.compute),
-           field="scale"),
+           field="scale", real=("SCALE", lambda problem: problem.scale)),
     Option("softcap", None, "score",
            "None or 0 for none, else positive and a normal number of the compute dtype: "
            "s -> softcap * tanh(s / softcap).",
            lambda value, call: _check_softcap(value, call.compute),
-           field="softcap", present=_has("softcap"), flag="HAS_SOFTCAP", gpu_option="SOFTCAP"),
+           field="softcap", present=_has("softcap"), flag="HAS_SOFTCAP", gpu_option="SOFTCAP", per_score=True,
+           real=("SOFTCAP", lambda problem: problem.softcap or 0.0)),  # 0 = off
     Option("dropout_p", 0.0, "randomness",
            "float in [0, 1): the probability of dropping each weight (inverted scaling).",
            lambda value, call: _check_dropout_p(value),
            field="dropout_p", present=lambda problem: problem.dropout_p > 0, flag="HAS_DROPOUT",
-           gpu_option="DROPOUT"),
+           gpu_option="DROPOUT", real=("KEEP_SCALE", lambda problem: 1.0 / (1.0 - problem.dropout_p))),
     Option("seed", None, "randomness",
            "int, or None for a fresh random seed (remembered by attention_vjp).",
            lambda value, call: _check_seed(value, call.checked["dropout_p"]),
@@ -176,6 +184,12 @@ OPTIONS: tuple[Option, ...] = (
            "bool: raise ValueError naming the first NaN or inf in q, k, v or bias (one pass over "
            "each); off, non-finite values propagate as documented.",
            lambda value, call: checks.check_bool("check_finite", value)),
+)
+# The score pipeline, in the order every backend applies it (the docs of ``attention``).
+SCORE_STEPS = (
+    "``s = scale * q.k`` (scale defaults to 1/sqrt(D))",
+    "softcap ``s -> softcap * tanh(s / softcap)``",
+    "``+ bias - alibi_slopes[b, h] * abs(p_i - j)``",
 )
 BY_NAME = {option.name: option for option in OPTIONS}
 NAMES = tuple(BY_NAME)
@@ -205,6 +219,11 @@ def signature(*, with_backend: bool = True) -> inspect.Signature:
     if with_backend:
         keywords.append(inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default="auto"))
     return inspect.Signature(positional + keywords)
+
+
+def score_steps_doc() -> str:
+    """:data:`SCORE_STEPS` as one phrase."""
+    return "; ".join(SCORE_STEPS)
 
 
 def argument_docs(indent: str = "    ") -> str:

@@ -8,6 +8,7 @@ that broadcast to (B, H, Sq, Sk) without being expanded.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -101,13 +102,13 @@ class AttentionProblem:
         return keep_threshold(self.dropout_p)
 
 
-# The fields that hold arrays (or None) and those that hold plain values: everything a
-# backend derives from a problem, its data aside, is a function of the arrays' shapes,
-# strides and dtypes and of the values (:func:`signature`). tests/test_problem.py keeps
-# the two lists complete.
+# The fields that hold arrays (or None) and those that hold plain values (every other
+# field but the module ``xp``): everything a backend derives from a problem, its data
+# aside, is a function of the arrays' shapes, strides and dtypes and of the values
+# (:func:`signature`). tests/test_problem.py keeps ARRAY_FIELDS complete.
 ARRAY_FIELDS = ("q", "k", "v", "sink_logits", "mask", "bias", "alibi_slopes", "q_lengths", "kv_lengths")
-VALUE_FIELDS = ("layout", "scale", "visibility", "bias_shape", "softcap", "dropout_p", "seed",
-                "return_lse", "return_weights")
+VALUE_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionProblem)
+                     if field.name not in ("xp", *ARRAY_FIELDS))
 _arrays_of = operator.attrgetter(*ARRAY_FIELDS)
 _values_of = operator.attrgetter(*VALUE_FIELDS)
 

@@ -160,3 +160,26 @@ _OPTION_DRAWERS = {
     "dropout": lambda draw, rng, d, dtype: {"dropout_p": draw(st.sampled_from([0.1, 0.5, 0.8])),
                                              "seed": draw(st.integers(-2**70, 2**70))},
 }
+
+
+# One decisive example per option that changes what is computed, as (baseline options,
+# the option's change) for q (B, H, Sq, D) and k, v (B, Hkv, Sk, D) of EXAMPLE_DIMS:
+# tests/test_options.py checks that the change moves every backend's output and
+# gradients, and fails when an option of the table has no entry here.
+EXAMPLE_DIMS = B, H, HKV, SQ, SK, D = 2, 2, 1, 5, 7, 4
+_RNG = np.random.default_rng(3)
+DECISIVE_EXAMPLES = {
+    "causal": ({}, {"causal": True}),
+    "window": ({}, {"window": 1}),
+    "sinks": ({"window": 1}, {"sinks": 2}),
+    "sink_logits": ({}, {"sink_logits": np.array([1.0, -0.5])}),
+    "mask": ({}, {"mask": np.c_[np.ones((SQ, 1), bool), _RNG.random((SQ, SK - 1)) < 0.5]}),
+    "bias": ({}, {"bias": _RNG.normal(size=(B, H, SQ, SK))}),
+    "alibi_slopes": ({}, {"alibi_slopes": np.array([0.5, 0.25])}),
+    "q_lengths": ({}, {"q_lengths": np.array([3, SQ])}),
+    "kv_lengths": ({}, {"kv_lengths": np.array([4, SK])}),
+    "scale": ({}, {"scale": 0.3}),
+    "softcap": ({}, {"softcap": 0.5}),
+    "dropout_p": ({}, {"dropout_p": 0.3, "seed": 1}),
+    "seed": ({"dropout_p": 0.3, "seed": 1}, {"seed": 2}),
+}

@@ -278,13 +278,22 @@ def test_split_decode_steps_give_the_same_bits_on_any_thread_count(monkeypatch, 
     assert_close(lse, exact_lse, np.float32, k.shape[2] + q.shape[3], 1 + float(np.abs(exact_lse).max()), "lse")
 
 
-def test_the_problem_signature_names_every_field():
-    # The parameter cache keys a problem by problem.signature: a field missing from both
-    # lists would let two calls that differ in it share parameters.
+def test_the_problem_signature_keys_arrays_by_layout_and_values_by_value():
+    # The parameter cache keys a problem by problem.signature: every field is in it, the
+    # arrays (keyed by shape, strides and dtype) in ARRAY_FIELDS, and no array among the
+    # values (where it would be keyed by identity, or not be hashable).
     from npattn import problem
+    from npattn.validation import build_problem
 
+    q = np.zeros((2, 2, 3, 4))
+    built = build_problem(q, q, q, mask=np.ones((3, 3), bool), bias=np.zeros((3, 3)),
+                          alibi_slopes=np.ones(2), sink_logits=np.zeros(2), q_lengths=np.array([3, 2]),
+                          kv_lengths=np.array([1, 3]), softcap=2.0, dropout_p=0.1, seed=1)
     fields = {f.name for f in dataclasses.fields(problem.AttentionProblem)}
     assert fields == {"xp", *problem.ARRAY_FIELDS, *problem.VALUE_FIELDS}
+    assert all(hasattr(getattr(built, name), "shape") for name in problem.ARRAY_FIELDS)
+    assert not any(hasattr(getattr(built, name), "shape") for name in problem.VALUE_FIELDS)
+    hash(problem.signature(built))
 
 
 @given(case=cases(dtypes=("float32", "float64"), dims_strategy=dims(max_len=13)), layout=layouts,

@@ -137,7 +137,7 @@ def test_options_name_what_a_call_needs():
     assert options_of(build_problem(odd, odd, odd), (odd, odd, odd)) == Option.UNALIGNED
     sliced = q[..., 1:7]  # rows that start 2 bytes into a 16-byte line
     assert options_of(build_problem(q, q, q), (sliced, q, q)) & Option.UNALIGNED
-    assert describe(Option.BIAS | Option.BAND) == "BIAS|BAND" and describe(0) == "none"
+    assert describe(Option.BIAS | Option.BAND) == "BAND|BIAS" and describe(0) == "none"
 
 
 def test_tensor_core_backward_fits_an_sm80_block_and_is_routed_by_dtype_and_width():

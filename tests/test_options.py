@@ -13,41 +13,26 @@ from npattn import options as table
 from conftest import NUMPY_BACKENDS
 import strategies
 
-B, H, HKV, SQ, SK, D = 2, 2, 1, 5, 7, 4
-# Options that change what is computed, each as (baseline options, the option's change):
-# the change must move every backend's output and gradients. An option of these kinds
-# missing here fails test_every_computing_option_has_an_example.
+# Options that change what is computed ("visibility", "score", "softmax", "randomness")
+# each have a decisive example in strategies.DECISIVE_EXAMPLES: the change must move every
+# backend's output and gradients.
 COMPUTING_KINDS = ("visibility", "score", "softmax", "randomness")
-_RNG = np.random.default_rng(3)
-EXAMPLES = {
-    "causal": ({}, {"causal": True}),
-    "window": ({}, {"window": 1}),
-    "sinks": ({"window": 1}, {"sinks": 2}),
-    "sink_logits": ({}, {"sink_logits": np.array([1.0, -0.5])}),
-    "mask": ({}, {"mask": np.c_[np.ones((SQ, 1), bool), _RNG.random((SQ, SK - 1)) < 0.5]}),
-    "bias": ({}, {"bias": _RNG.normal(size=(B, H, SQ, SK))}),
-    "alibi_slopes": ({}, {"alibi_slopes": np.array([0.5, 0.25])}),
-    "q_lengths": ({}, {"q_lengths": np.array([3, SQ])}),
-    "kv_lengths": ({}, {"kv_lengths": np.array([4, SK])}),
-    "scale": ({}, {"scale": 0.3}),
-    "softcap": ({}, {"softcap": 0.5}),
-    "dropout_p": ({}, {"dropout_p": 0.3, "seed": 1}),
-    "seed": ({"dropout_p": 0.3, "seed": 1}, {"seed": 2}),
-}
+B, H, HKV, SQ, SK, D = strategies.EXAMPLE_DIMS
+EXAMPLES = strategies.DECISIVE_EXAMPLES
 
 
-def _run(backend, options):
+def _run(backend, options, dtype):
     rng = np.random.default_rng(0)
-    q = rng.normal(size=(B, H, SQ, D))
-    k, v = rng.normal(size=(B, HKV, SK, D)), rng.normal(size=(B, HKV, SK, D))
+    q = rng.normal(size=(B, H, SQ, D)).astype(dtype)
+    k, v = (rng.normal(size=(B, HKV, SK, D)).astype(dtype) for _ in "kv")
     out, vjp = npattn.attention_vjp(q, k, v, backend=backend, **options)
     return (out, *vjp(np.ones_like(out))[:3])
 
 
-def check_option_is_read(backend, name):
-    """``name``'s example changes ``backend``'s out, dq, dk and dv."""
+def check_option_is_read(backend, name, dtype="float64"):
+    """``name``'s example changes ``backend``'s out, dq, dk and dv for inputs of ``dtype``."""
     baseline, change = EXAMPLES[name]
-    without, with_ = _run(backend, baseline), _run(backend, {**baseline, **change})
+    without, with_ = _run(backend, baseline, dtype), _run(backend, {**baseline, **change}, dtype)
     for what, a, b in zip(("out", "dq", "dk", "dv"), without, with_):
         # an ignored option leaves the same computation, so the same bits
         assert not np.array_equal(a, b), f"{backend} ignores {name} in {what}"

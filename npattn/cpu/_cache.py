@@ -3,8 +3,8 @@
 Numba stamps a cached function with the hash of *its own* source file only, so a
 kernel in ``forward_kernel.py`` would keep its stale machine code after a change to
 ``tiles.py``, which it calls. This module registers a cache locator that, for files
-of this package, stamps with the hash of every module here (then defers to Numba's
-usual locations). Import it before any ``@njit(cache=True)`` of the package.
+of this package, stamps with the hash of every module here and of the two outside it
+that number the kernels' parameters (then defers to Numba's usual locations). Import it before any ``@njit(cache=True)`` of the package.
 
 It also applies ``NPATTN_CPU_ISA`` (:mod:`.isa`) before that first ``@njit``. Numba
 keys each cached entry by its target CPU's features, so AVX-512 and AVX2 machine
@@ -23,9 +23,16 @@ from .isa import apply_forced_isa
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# Outside this package, the kernels read the parameter positions of kernel_params.py,
+# which the options table (options.py) numbers: a change there moves them.
+_KERNEL_INPUTS = ("kernel_params.py", "options.py")
+
+
 def _package_digest() -> str:
     digest = hashlib.sha256()
-    for path in sorted(glob.glob(os.path.join(_HERE, "*.py"))):
+    parent = os.path.dirname(_HERE)
+    for path in [*sorted(glob.glob(os.path.join(_HERE, "*.py"))),
+                 *(os.path.join(parent, name) for name in _KERNEL_INPUTS)]:
         with open(path, "rb") as source:
             digest.update(source.read())
     return digest.hexdigest()

@@ -85,12 +85,12 @@ __device__ inline void load_key_side(const Operands<T, Acc>& in, BackwardTiles<A
 }
 
 // With the four tiles loaded: t.p = probabilities after dropout (P~, what dV needs) and
-// t.ds = the gradient of the scores after softcap, bias and ALiBi (what dbias needs), or,
-// with `through_softcap`, of the scaled scores before softcap (what dK and dQ need,
-// before the scale). Zero outside the tile. Ends with a barrier.
+// t.ds = the gradient of the final scores, after every score option (what dbias needs),
+// or, with `to_raw_scores`, of the scaled scores before them (what dK and dQ need, before
+// the scale; score_gradient applies the options' derivatives). Zero outside the tile. Ends with a barrier.
 template <typename T, typename Acc>
 __device__ inline void gradient_tile(const Operands<T, Acc>& in, BackwardTiles<Acc>& t, i64 b, i64 h, i64 i0,
-                                     int rows, i64 j0, int cols, bool through_softcap,
+                                     int rows, i64 j0, int cols, bool to_raw_scores,
                                      const DominantKey<T, Acc, Acc>& dominant) {
     const i64* ints = in.ints;
     const int value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
@@ -105,7 +105,7 @@ __device__ inline void gradient_tile(const Operands<T, Acc>& in, BackwardTiles<A
         Acc dp = 0;
         for (int d = 0; d < value_dim; ++d) dp += t.o[r * t.at.ld_o + d] * t.v[c * t.at.ld_v + d];
         t.ds[at] = score_gradient(ints, in.reals, b, h, i0 + r, j0 + c, r < rows && c < cols, probability, dp,
-                                  t.delta[r], t.tanh[at], through_softcap, &t.p[at], dominant);
+                                  t.delta[r], t.tanh[at], to_raw_scores, &t.p[at], dominant);
     }
     __syncthreads();
 }

@@ -389,11 +389,11 @@ template <typename Acc> struct DominantLookup {
 // One score's gradient from its probability P, dP = dO_i . v_j, the row's delta =
 // rowsum(dO * O) and softcap's tanh t: dS = P (dP~ - delta), where dP~ is dP times the
 // dropout keep factor (for a key with P > 3/4, dominant.gradient: see DominantKey);
-// times 1 - t^2 (softcap's derivative) with `through_softcap`. *dropped gets P after
+// times 1 - t^2 (softcap's derivative) with `to_raw_scores`. *dropped gets P after
 // dropout (what dV sums). `valid`: (i, j) lies inside the problem.
 template <typename Acc, typename Dominant>
 __device__ inline Acc score_gradient(const i64* ints, const Acc* reals, i64 b, i64 h, i64 i, i64 j, bool valid,
-                                     Acc probability, Acc dp, Acc delta, Acc t, bool through_softcap, Acc* dropped,
+                                     Acc probability, Acc dp, Acc delta, Acc t, bool to_raw_scores, Acc* dropped,
                                      const Dominant& dominant) {
     *dropped = probability;
     Acc factor = 1;
@@ -407,7 +407,7 @@ __device__ inline Acc score_gradient(const i64* ints, const Acc* reals, i64 b, i
     if (valid && probability > (Acc)NPATTN_DOMINANT_PROBABILITY) {
         gradient = dominant.gradient(b, h, i, j, factor, probability, gradient);
     }
-    if (through_softcap && ints[NPATTN_INT_HAS_SOFTCAP]) gradient *= (Acc)1 - t * t;
+    if (to_raw_scores && ints[NPATTN_INT_HAS_SOFTCAP]) gradient *= (Acc)1 - t * t;
     return gradient;
 }
 

@@ -68,8 +68,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     constexpr int KEY_BLOCKS = BK / 8;       // 8-key column blocks of S
     constexpr int VALUE_BLOCKS = MAX_D / 8;  // 8-column blocks of O
     constexpr bool ASYNC = !(OPTIONS & NPATTN_OPTION_UNALIGNED);
-    constexpr bool SCORE_OPTIONS =
-        (OPTIONS & (NPATTN_OPTION_MASK | NPATTN_OPTION_BIAS | NPATTN_OPTION_ALIBI | NPATTN_OPTION_SOFTCAP)) != 0;
+    constexpr bool SCORE_OPTIONS = (OPTIONS & NPATTN_OPTION_PER_SCORE) != 0;
     const Operands<T, Acc> in = NPATTN_OPERANDS;
     const i64 heads = ints[NPATTN_INT_HEADS], kv_heads = ints[NPATTN_INT_KV_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
     const i64 group = heads / kv_heads;

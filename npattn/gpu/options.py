@@ -14,26 +14,36 @@ from enum import IntFlag
 from .. import options as _table
 
 
-class Option(IntFlag):
-    MASK = 1        # a boolean mask
-    BIAS = 2        # an additive bias
-    ALIBI = 4       # ALiBi slopes
-    SOFTCAP = 8     # softcap * tanh(s / softcap)
-    DROPOUT = 16    # the dropout hash
-    SINK = 32       # learned sink logits
-    BAND = 64       # causal, a window (with sinks) or kv_lengths: keys a row may not see
-    UNALIGNED = 128  # rows that are not 16-byte aligned: plain loads instead of cp.async
-    NARROW = 256    # head dims (rounded up to 16) below the kernel's bound: loops test them
+def _bits(names) -> type[IntFlag]:
+    return IntFlag("Option", [(name, 1 << position) for position, name in enumerate(names)])  # type: ignore[return-value]
+
+
+# One bit per ``gpu_option`` of the options table (MASK, BIAS, ALIBI, SOFTCAP, DROPOUT,
+# SINK and BAND: causal, a window with sinks or kv_lengths, keys a row may not see; an
+# entry's doc says what each does), then two of the operands' layout: UNALIGNED (rows
+# not 16-byte aligned: plain loads instead of cp.async) and NARROW (head dims, rounded
+# up to 16, below the kernel's bound: loops test them).
+Option = _bits(dict.fromkeys([*(option.gpu_option for option in _table.OPTIONS if option.gpu_option),
+                              "UNALIGNED", "NARROW"]))
+
+
+def _union(selected) -> IntFlag:
+    bits = Option(0)
+    for name in dict.fromkeys(option.gpu_option for option in _table.OPTIONS if option.gpu_option and selected(option)):
+        bits |= Option[name]
+    return bits
 
 
 # every option that changes a score or its visibility (the SIMT kernels compile them all)
-ALL = Option.MASK | Option.BIAS | Option.ALIBI | Option.SOFTCAP | Option.DROPOUT | Option.SINK | Option.BAND
+ALL = _union(lambda option: True)
+# those ``finish_score`` reads at every score (a tile inside the band without them is plain)
+PER_SCORE = _union(lambda option: option.per_score)
 
 
 def defines() -> list[str]:
     """The ``#define NPATTN_OPTION_*`` lines of the CUDA source."""
     lines = [f"#define NPATTN_OPTION_{member.name} {member.value}u" for member in Option]
-    return lines + [f"#define NPATTN_OPTION_ALL {ALL.value}u"]
+    return lines + [f"#define NPATTN_OPTION_ALL {ALL.value}u", f"#define NPATTN_OPTION_PER_SCORE {PER_SCORE.value}u"]
 
 
 def _aligned(array) -> bool:
