@@ -458,3 +458,45 @@ def split(a, sections, axis: int = 0) -> list:
         index[axis] = slice(lo, hi)
         pieces.append(getitem(a, tuple(index)))
     return pieces
+
+
+# ----- Tensor's operators and array methods ---------------------------------------------
+# Installed on the class here (as JAX installs its array methods from its numpy layer),
+# so the dependency runs one way: ops -> function -> tensor.
+
+def _shape_argument(shape):
+    return shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+
+
+def _reshape_method(self, *shape):
+    return reshape(self, _shape_argument(shape))
+
+
+def _transpose_method(self, *axes):
+    return transpose(self, _shape_argument(axes) or None)
+
+
+def _reduction_method(reduce):
+    def method(self, axis=None, keepdims=False):
+        return reduce(self, axis=axis, keepdims=keepdims)
+    method.__doc__ = reduce.__doc__
+    return method
+
+
+def _reflected(operation):
+    def method(self, other):
+        return operation(other, self)
+    return method
+
+
+_METHODS = {
+    "__add__": add, "__radd__": _reflected(add), "__sub__": sub, "__rsub__": _reflected(sub),
+    "__mul__": mul, "__rmul__": _reflected(mul), "__truediv__": div, "__rtruediv__": _reflected(div),
+    "__pow__": power, "__rpow__": _reflected(power), "__matmul__": matmul, "__rmatmul__": _reflected(matmul),
+    "__neg__": neg, "__getitem__": getitem, "exp": exp, "log": log,
+    "reshape": _reshape_method, "transpose": _transpose_method,
+    "sum": _reduction_method(sum), "mean": _reduction_method(mean), "max": _reduction_method(max),
+    "T": property(lambda self: transpose(self), doc="All axes reversed (NumPy's ``.T``)."),
+}
+for _name, _method in _METHODS.items():
+    setattr(Tensor, _name, _method)

@@ -168,75 +168,8 @@ class Tensor:
                 pending[key] = parent_grad if key not in pending else pending[key] + parent_grad
             ctx.release()
 
-    # ----- operators (defined in ops.py) -------------------------------------------------
-    def __add__(self, other):
-        return ops.add(self, other)
-
-    def __radd__(self, other):
-        return ops.add(other, self)
-
-    def __sub__(self, other):
-        return ops.sub(self, other)
-
-    def __rsub__(self, other):
-        return ops.sub(other, self)
-
-    def __mul__(self, other):
-        return ops.mul(self, other)
-
-    def __rmul__(self, other):
-        return ops.mul(other, self)
-
-    def __truediv__(self, other):
-        return ops.div(self, other)
-
-    def __rtruediv__(self, other):
-        return ops.div(other, self)
-
-    def __pow__(self, other):
-        return ops.power(self, other)
-
-    def __rpow__(self, other):
-        return ops.power(other, self)
-
-    def __matmul__(self, other):
-        return ops.matmul(self, other)
-
-    def __rmatmul__(self, other):
-        return ops.matmul(other, self)
-
-    def __neg__(self):
-        return ops.neg(self)
-
-    def __getitem__(self, index):
-        return ops.getitem(self, index)
-
-    @property
-    def T(self):
-        """All axes reversed (NumPy's ``.T``)."""
-        return ops.transpose(self)
-
-    def reshape(self, *shape):
-        return ops.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
-
-    def transpose(self, *axes):
-        return ops.transpose(self, axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else
-                             (axes or None))
-
-    def sum(self, axis=None, keepdims=False):
-        return ops.sum(self, axis=axis, keepdims=keepdims)
-
-    def mean(self, axis=None, keepdims=False):
-        return ops.mean(self, axis=axis, keepdims=keepdims)
-
-    def max(self, axis=None, keepdims=False):
-        return ops.max(self, axis=axis, keepdims=keepdims)
-
-    def exp(self):
-        return ops.exp(self)
-
-    def log(self):
-        return ops.log(self)
+    # The operators (+, @, [], ...) and array methods (sum, reshape, T, ...) are installed
+    # by ops.py, where the operations are: this module imports nothing of it.
 
 
 def _topological_order(root: Tensor) -> list:
@@ -262,5 +195,3 @@ def _topological_order(root: Tensor) -> list:
                                "pass; recompute the forward to differentiate again")
     return order
 
-
-from . import ops  # noqa: E402  (ops builds on Tensor; Tensor's operators call ops)
