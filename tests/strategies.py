@@ -14,8 +14,6 @@ from hypothesis import strategies as st
 
 import npattn
 
-ALL_OPTIONS = ("causal", "window", "sinks", "sink_logits", "mask", "bias", "alibi_slopes",
-               "q_lengths", "kv_lengths", "scale", "softcap", "dropout")
 # Options that tie a key to its index; without them, keys may be permuted freely.
 POSITIONAL_OPTIONS = ("causal", "window", "sinks", "alibi_slopes", "kv_lengths", "dropout")
 VALUE_RANGE = 2.0
@@ -88,8 +86,10 @@ def dims(draw, max_batch=2, max_kv_heads=2, max_group=3, min_len=1, max_len=9, m
 
 
 @st.composite
-def cases(draw, options=ALL_OPTIONS, dtypes=("float64",), dims_strategy=None):
-    """A :class:`Case` whose options are a random subset of ``options``."""
+def cases(draw, options=None, dtypes=("float64",), dims_strategy=None):
+    """A :class:`Case` whose options are a random subset of ``options`` (names of
+    :data:`ALL_OPTIONS`; None: all of them)."""
+    options = ALL_OPTIONS if options is None else options
     d = draw(dims_strategy if dims_strategy is not None else dims())
     dtype = np.dtype(draw(st.sampled_from(dtypes)))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -160,6 +160,9 @@ _OPTION_DRAWERS = {
     "dropout": lambda draw, rng, d, dtype: {"dropout_p": draw(st.sampled_from([0.1, 0.5, 0.8])),
                                              "seed": draw(st.integers(-2**70, 2**70))},
 }
+# every option a case may draw (dropout draws dropout_p and seed together): a drawer added
+# above is drawn by every property test that does not exclude it
+ALL_OPTIONS = tuple(_OPTION_DRAWERS)
 
 
 # One decisive example per option that changes what is computed, as (baseline options,
