@@ -16,13 +16,15 @@ hand-written once per backend; ``tests/test_options.py`` fails when an option of
 table changes nothing in some backend's output or gradients, or is missing from the
 test strategies.
 
-Adding an option: an entry here, its maths in ``reference.py``, the CPU score step
-(``cpu/tiles.py``) and gradient step (``cpu/backward_kernel.py``), the GPU's
-``finish_score``/``score_gradient`` (``gpu/common.cuh``), its field in ``problem.py``, a
-scalar slot in ``kernel_params.py`` and a bit in ``gpu/options.py`` if it has them, and a
-drawer in ``tests/strategies.py``.
+The kernels' parameter positions (:class:`npattn.kernel_params.Int` and ``Real``) and
+the GPU's option bits are numbered from it too.
 
-Imports nothing from npattn but :mod:`.checks` and :mod:`.masks`.
+Adding an option: an entry here, its field in ``problem.py``, its maths in
+``reference.py``, the CPU score step (``cpu/tiles.py``) and gradient step
+(``cpu/backward_kernel.py``), the GPU's ``finish_score``/``score_gradient``
+(``gpu/common.cuh``), and a drawer and decisive example in ``tests/strategies.py``.
+
+Imports nothing from npattn but :mod:`.checks`, :mod:`._arrays` and :mod:`.masks`.
 """
 from __future__ import annotations
 
