@@ -29,6 +29,7 @@ Int = _positions("Int", (
     "V_STRIDE_B", "V_STRIDE_H", "V_STRIDE_S", "BIAS_STRIDE_B", "BIAS_STRIDE_H", "BIAS_STRIDE_Q",
     "BIAS_STRIDE_K", "MASK_STRIDE_B", "MASK_STRIDE_H", "MASK_STRIDE_Q", "MASK_STRIDE_K",
     *(option.flag for option in OPTIONS if option.flag is not None),
+    "SAVES_SCORES",  # some option present keeps a value per score (Option.saves_score)
     "WINDOW_LEFT", "WINDOW_RIGHT",  # -1 = unbounded
     "SINKS", "DROPOUT_THRESHOLD", "SEED_LO", "SEED_HI",
     "BLOCK_Q", "BLOCK_K",
@@ -107,6 +108,7 @@ def problem_int_values(problem) -> list:
                                            problem.kv_len, problem.head_dim, problem.value_dim)
     for index, option in _FLAGGED_OPTIONS:  # HAS_BIAS, HAS_MASK, ..., CAUSAL: from the options table
         values[index] = int(option.present(problem))
+    values[Int.SAVES_SCORES] = int(any(option.present(problem) for option in _SAVING_OPTIONS))
     values[Int.WINDOW_LEFT] = -1 if visibility.window_left is None else visibility.window_left
     values[Int.WINDOW_RIGHT] = -1 if visibility.window_right is None else visibility.window_right
     values[Int.SINKS] = visibility.sinks
@@ -121,6 +123,7 @@ def problem_reals(problem, dtype):
 
 
 _FLAGGED_OPTIONS = tuple((Int[option.flag], option) for option in OPTIONS if option.flag is not None)
+_SAVING_OPTIONS = tuple(option for option in OPTIONS if option.saves_score)
 _REAL_OPTIONS = tuple(option.real for option in OPTIONS if option.real is not None)  # in Real's order
 
 

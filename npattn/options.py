@@ -83,7 +83,9 @@ class Option:
     ``gpu_option``: its bit name in :class:`npattn.gpu.options.Option` (options may
     share one); ``per_score``: the GPU's ``finish_score`` reads it at every score, so a
     tile inside the visible band may skip that step only when no such option is
-    compiled in."""
+    compiled in; ``saves_score``: its CPU score step keeps a value per score for its
+    gradient step (softcap: the tanh), in a scratch tile allocated only then
+    (``Int.SAVES_SCORES``)."""
 
     name: str
     default: Any
@@ -96,6 +98,7 @@ class Option:
     real: tuple[str, Callable[[Any], float]] | None = None
     gpu_option: str | None = None
     per_score: bool = False
+    saves_score: bool = False
 
 
 def _has(field):
@@ -159,7 +162,7 @@ OPTIONS: tuple[Option, ...] = (
            "None or 0 for none, else positive and a normal number of the compute dtype: "
            "s -> softcap * tanh(s / softcap).",
            lambda value, call: _check_softcap(value, call.compute),
-           field="softcap", present=_has("softcap"), flag="HAS_SOFTCAP", gpu_option="SOFTCAP", per_score=True,
+           field="softcap", present=_has("softcap"), flag="HAS_SOFTCAP", gpu_option="SOFTCAP", per_score=True, saves_score=True,
            real=("SOFTCAP", lambda problem: problem.softcap or 0.0)),  # 0 = off
     Option("dropout_p", 0.0, "randomness",
            "float in [0, 1): the probability of dropping each weight (inverted scaling).",

@@ -74,13 +74,14 @@ def _allocate(size: int, dtype: np.dtype) -> np.ndarray:
 def _score_tile_specs(ints, dtype) -> tuple:
     size = int(ints[Int.BLOCK_Q] * ints[Int.SCORE_LD])
     packed = int((ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM]) * ints[Int.SCORE_LD]) if ints[Int.VECTOR_SCORES] else 1
-    return (size, dtype), (size, dtype), (packed, dtype)
+    return (size, dtype), (size if ints[Int.SAVES_SCORES] else 1, dtype), (packed, dtype)
 
 
 def score_tile_scratch(ints, dtype):
     """``(s, tanh, packed)``: scores (BLOCK_Q x SCORE_LD), the value the score step keeps
-    of each for the gradient step (the same size; written only by an option that needs
-    one, and memory never touched costs nothing), and the packed key tile with its value
+    of each for the gradient step (the same size where an option needs one, else 1
+    element: a small call's scratch stays small enough to be reused), and the packed key
+    tile with its value
     tile after it ((D + Dv) x SCORE_LD; 1 element when products go through BLAS)."""
     return _scratch_set(_score_tile_specs(ints, dtype))
 
