@@ -81,7 +81,7 @@ def options_of(problem, arrays=(), bound: int = 0) -> Option:
 
 
 def describe(options: int) -> str:
-    """``options`` as names, for messages: "BIAS|BAND", or "none"."""
+    """``options`` as names, for messages: "BAND|BIAS", or "none"."""
     names = [member.name for member in Option if options & member]
     return "|".join(names) if names else "none"
 
