@@ -37,6 +37,7 @@ Int = _positions("Int", (
     "VECTOR_SCORES",  # scores through :mod:`npattn.cpu.microkernels` (else BLAS)
     "VECTOR_VALUES",  # P V and dV through them too (needs Dv a whole number of vectors)
     "VECTOR_KEYS",    # dQ and dK through them too (needs D a whole number of vectors)
+    "DOT_SCORES",     # CPU forward: scores as dot products of the key rows, no packed keys
     "EDGE_BAND",      # rows per band of a tile the causal/window edge cuts (tiles.band_keys)
     "KEY_SPLITS",     # CPU forward: key ranges per query tile, merged by lse (cpu.splitting)
     "SPLIT_KEYS",     # keys per range, a multiple of BLOCK_K

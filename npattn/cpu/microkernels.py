@@ -24,8 +24,8 @@ from numba.extending import overload
 
 from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
-from .simd import (VECTOR_BYTES, fill, load_like, never_inline, repeat, splat_fma_rows, store_scaled_rows,
-                   transpose_square)
+from .simd import (VECTOR_BYTES, fill, horizontal_sum, load, load_like, multiply_add, never_inline, repeat,
+                   splat_fma_rows, store_scaled_rows, transpose_square)
 
 _BLOCK_ROWS = 6
 # B's share of L1 (48 KiB on the project's machine; 32 KiB is common)
@@ -145,6 +145,63 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
             else:  # the last columns, one vector at a time
                 _columns(*args, repeat(fill(0.0, c), 1))
         x += chunk if whole else lanes
+
+
+@njit(inline="always")
+def dot_products(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, cols, depth, alpha):
+    """``C[r, j] = alpha * sum_x A[r, x] B[j, x]`` for r < rows, j < cols, where
+    ``A[r, x] = a[a_offset + r * a_row + x]``, ``B[j, x] = b[b_offset + j * b_row + x]`` and
+    ``C[r, j] = c[c_offset + r * c_row + j]``; ``depth`` a multiple of the vector's lanes.
+
+    The scores of a tile of few query rows (a decode step) straight from the key rows:
+    :func:`pack_transposed` would copy each key once for a handful of products with it,
+    and on such a tile the copy cost more than the products."""
+    _dot_products(as_readonly(a), plain_int(a_offset), plain_int(a_row), as_readonly(b), plain_int(b_offset),
+                  plain_int(b_row), c, plain_int(c_offset), plain_int(c_row), plain_int(rows), plain_int(cols),
+                  plain_int(depth), scalar_like(alpha, c))
+
+
+@helper
+def _dot_products(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, cols, depth, alpha):
+    """8 keys at a time (8 independent FMA chains: enough to cover the FMA latency), each
+    row of A against them while their rows sit in L1; then the keys left one by one."""
+    never_inline()
+    lanes = VECTOR_BYTES // c.itemsize
+    j = 0
+    while j + 8 <= cols:
+        k = b_offset + j * b_row
+        for r in range(rows):
+            q = a_offset + r * a_row
+            s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = fill(0.0, c)
+            for x in range(0, depth, lanes):
+                row = load(a, q + x)
+                s0 = multiply_add(row, load(b, k + x), s0)
+                s1 = multiply_add(row, load(b, k + b_row + x), s1)
+                s2 = multiply_add(row, load(b, k + 2 * b_row + x), s2)
+                s3 = multiply_add(row, load(b, k + 3 * b_row + x), s3)
+                s4 = multiply_add(row, load(b, k + 4 * b_row + x), s4)
+                s5 = multiply_add(row, load(b, k + 5 * b_row + x), s5)
+                s6 = multiply_add(row, load(b, k + 6 * b_row + x), s6)
+                s7 = multiply_add(row, load(b, k + 7 * b_row + x), s7)
+            out = c_offset + r * c_row + j
+            c[out] = alpha * horizontal_sum(s0)
+            c[out + 1] = alpha * horizontal_sum(s1)
+            c[out + 2] = alpha * horizontal_sum(s2)
+            c[out + 3] = alpha * horizontal_sum(s3)
+            c[out + 4] = alpha * horizontal_sum(s4)
+            c[out + 5] = alpha * horizontal_sum(s5)
+            c[out + 6] = alpha * horizontal_sum(s6)
+            c[out + 7] = alpha * horizontal_sum(s7)
+        j += 8
+    while j < cols:
+        k = b_offset + j * b_row
+        for r in range(rows):
+            q = a_offset + r * a_row
+            s0 = fill(0.0, c)
+            for x in range(0, depth, lanes):
+                s0 = multiply_add(load(a, q + x), load(b, k + x), s0)
+            c[c_offset + r * c_row + j] = alpha * horizontal_sum(s0)
+        j += 1
 
 
 @njit(inline="always")

@@ -140,6 +140,10 @@ def _parameters(problem, kind, tuning, rows_per_position, strides):
     ints[Int.VECTOR_SCORES] = vector
     ints[Int.VECTOR_VALUES] = vector and problem.value_dim % lanes == 0
     ints[Int.VECTOR_KEYS] = vector and problem.head_dim % lanes == 0
+    # rows counted as Sq x group both folded (Sq * group rows, group 1) and not (Sq rows
+    # per head): the same problem takes the same path, so folding keeps the bits
+    ints[Int.DOT_SCORES] = (kind == "forward" and ints[Int.VECTOR_KEYS]
+                            and problem.q_len * problem.group_size <= tuning.dot_rows)
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk) * chunk if vector else tiles[1]
     ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = key_splits(problem, tiles) if kind == "forward" else (1, 1)
     ints[Int.ROW_GROUP] = rows_per_position

@@ -266,6 +266,18 @@ def _lane_by_lane(build, doc):
 add = _lane_by_lane("fadd", "``a + b`` lane by lane.")
 
 
+@intrinsic
+def multiply_add(typingctx, a, b, c):
+    """``a * b + c`` lane by lane, fused (one rounding)."""
+    if not (isinstance(a, Vector) and a == b == c):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        return call_llvm_intrinsic(builder, "fma", *args)
+    return a(a, b, c), codegen
+
+
 def select_greater(builder, a, b):
     """``a > b ? a : b`` lane by lane (``b`` where either is NaN): one vmax instruction."""
     return builder.select(builder.fcmp_ordered(">", a, b), a, b)

@@ -15,7 +15,7 @@ from numba import njit
 
 from .blas import gemm
 from .jit import helper
-from .microkernels import pack_transposed, padded_width, product
+from .microkernels import dot_products, pack_transposed, padded_width, product
 from .operands import Int, Real
 from .signatures import as_offset, larger, plain_int, scalar_like, smaller
 
@@ -142,7 +142,7 @@ def pack_key_tile(k, ints, b, kv_head, j0, cols, packed):
     """Keys ``[j0, j0 + cols)`` of ``kv_head`` as K^T (D x SCORE_LD) at the start of
     ``packed``, zero-padded to whole vector chunks: the B operand of Q K^T. A no-op
     when the products go through BLAS."""
-    if not ints[Int.VECTOR_SCORES]:
+    if not ints[Int.VECTOR_SCORES] or ints[Int.DOT_SCORES]:
         return
     k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
     pack_transposed(k, k_offset, ints[Int.K_STRIDE_S], cols, ints[Int.HEAD_DIM], packed, ints[Int.SCORE_LD],
@@ -183,14 +183,23 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
         # and nothing reads them. On a tile the causal or window edge cuts, each band of
         # rows stops at its last visible key; the scores past it get a finite 0 (softcap's
         # tanh must not meet stale NaNs) and -inf below.
+        # With DOT_SCORES (few rows), from the key rows themselves, unpadded.
         q_row = ints[Int.Q_STRIDE_S]
         band = rows if full else ints[Int.EDGE_BAND]
+        kv_head = h // (heads // ints[Int.KV_HEADS])
+        k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
         for r0 in range(0, rows, band):
             band_rows = smaller(band, rows - r0)
-            width = padded_width(band_keys(ints, kv_lengths, b, i0 + r0 + band_rows - 1, j0, cols, full), s)
-            if width > 0:
-                product(q, q_offset + r0 * q_row, q_row, 1, packed, 0, ld, s, r0 * ld, ld, band_rows,
-                        head_dim, width, reals[Real.SCALE], False)
+            width = band_keys(ints, kv_lengths, b, i0 + r0 + band_rows - 1, j0, cols, full)
+            if ints[Int.DOT_SCORES]:
+                if width > 0:
+                    dot_products(q, q_offset + r0 * q_row, q_row, k, k_offset, ints[Int.K_STRIDE_S], s, r0 * ld,
+                                 ld, band_rows, width, head_dim, reals[Real.SCALE])
+            else:
+                width = padded_width(width, s)
+                if width > 0:
+                    product(q, q_offset + r0 * q_row, q_row, 1, packed, 0, ld, s, r0 * ld, ld, band_rows,
+                            head_dim, width, reals[Real.SCALE], False)
             for r in range(r0, r0 + band_rows):
                 for x in range(as_offset(r * ld + width), as_offset(r * ld + cols)):
                     s[x] = 0.0

@@ -27,17 +27,31 @@ from dataclasses import dataclass
 # against 64 x 192 won 5 of 6 runs, by 3-12%: 135-156 against 151-165 ms at
 # (1, 8, 2048, 64), 289-344 against 293-354 at (4, 16, 1024, 64), 1079-1168 against
 # 1109-1226 at GQA (1, 32/8, 2048, 128) (the one loss: 1168 against 1109).
+# Query tiles of at most DOT_ROWS rows take their scores from microkernels.dot_products.
+# Measured on one core of the AVX2 VM, the forward kernel alone over 1024 cache-resident
+# keys, ns per key with packed key tiles -> dot products, by rows per tile (GQA heads
+# folded into rows), two runs: D = 128: 1 row 52-69 -> 25-39, 2 rows 67-83 -> 33-53,
+# 4 rows 70-98 -> 45-53, 8 rows 104-109 -> 82-98, 12 rows 120-129 -> 107-124, 16 rows
+# 157-161 -> 142-222 (a loss in one run); D = 64: 1 row 37 -> 22, 4 rows 38 -> 27,
+# 8 rows 64 -> 57, 12 rows 62 -> 61, 16 rows 81 -> 89.
+DOT_ROWS = 8
+
+
 @dataclass(frozen=True)
 class Tuning:
     """``forward`` / ``backward``: (query rows, keys) per tile; ``edge_band``: rows per band
     of a tile the causal or window edge cuts; ``vector``: products on the register-blocked
     micro-kernels (True), SciPy's BLAS (False), or None: the micro-kernels where the CPU
-    has AVX-512 or AVX2 (:data:`npattn.cpu.simd.MICROKERNELS`)."""
+    has AVX-512 or AVX2 (:data:`npattn.cpu.simd.MICROKERNELS`); ``dot_rows``: forwards of
+    at most this many rows per kv head (Sq x H / Hkv: a decode step, the GQA heads of a
+    group folded in) take their scores as dot products of the key rows, with no packed
+    key tile (0: never)."""
 
     forward: tuple = (192, 384)
     backward: tuple = (96, 192)
     edge_band: int = 48
     vector: bool | None = None
+    dot_rows: int = DOT_ROWS
 
     @property
     def vector_products(self) -> bool:
