@@ -37,6 +37,11 @@ def _product(a, b, c, rows, depth, width):
 
 
 @njit  # not cached, as above
+def _dot_products(a, b, c, rows, cols, depth, b_row, alpha):
+    microkernels.dot_products(a, 0, depth, b, 0, b_row, c, 0, cols, rows, cols, depth, alpha)
+
+
+@njit  # not cached, as above
 def _pack(x, rows, cols, packed, ld):
     microkernels.pack_transposed(x, 0, cols, rows, cols, packed, ld, ld)
 
@@ -56,6 +61,27 @@ def test_micro_kernel_products_match_numpy(rows, depth, vectors, dtype):
     assert_close(c, exact, dtype, depth, float(np.abs(a).max() * np.abs(b).max()), what="product")
 
 
+# (rows, keys, depth in vectors): 8-key blocks and the keys left after them, one-vector
+# depths, and key rows farther apart than the depth (a bhsd head's rows inside a wider row)
+@pytest.mark.parametrize("rows, cols, vectors", [(1, 1, 1), (1, 8, 1), (3, 7, 2), (8, 17, 16), (5, 40, 3)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dot_products_match_numpy_and_each_score_is_one_fixed_sum(rows, cols, vectors, dtype):
+    rng = np.random.default_rng(rows * cols)
+    depth = vectors * simd.lanes_of(np.dtype(dtype))
+    b_row = depth + 3
+    a = rng.standard_normal((rows, depth)).astype(dtype)
+    b = rng.standard_normal((cols, b_row)).astype(dtype)
+    c = np.full((rows, cols), np.nan, dtype)
+    _dot_products(a.ravel(), b.ravel(), c.ravel(), rows, cols, depth, b_row, 0.5)
+    exact = 0.5 * a.astype(np.float64) @ b[:, :depth].T.astype(np.float64)
+    assert_close(c, exact, dtype, depth, 0.5 * float(np.abs(a).max() * np.abs(b).max()), what="dot_products")
+    # a key's score does not depend on where its block starts: the same bits one key at a time
+    alone = np.full((rows, 1), np.nan, dtype)
+    for j in range(cols):
+        _dot_products(a.ravel(), b[j:].ravel(), alone.ravel(), rows, 1, depth, b_row, 0.5)
+        np.testing.assert_array_equal(alone[:, 0], c[:, j])
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_packed_transposes_are_exact_and_zero_padded(dtype):
     lanes = simd.lanes_of(np.dtype(dtype))
@@ -72,6 +98,7 @@ def test_forced_avx2_kernels_pass_the_vector_width_properties(tmp_path):
     child = _run_child(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                         "tests/test_cpu_isa.py::test_micro_kernel_products_match_numpy",
                         "tests/test_cpu_isa.py::test_packed_transposes_are_exact_and_zero_padded",
+                        "tests/test_cpu_isa.py::test_dot_products_match_numpy_and_each_score_is_one_fixed_sum",
                         "tests/test_cpu_isa.py::test_the_child_compiles_for_avx2",
                         "tests/test_cpu_kernels.py::test_vector_products_match_the_reference_at_vector_widths"],
                        tmp_path)

@@ -14,7 +14,9 @@ ISA's register file:
   broadcast): 12 FMAs for 8 loads, the shape of the classic 6 x 16 sgemm kernel.
 
 :func:`pack_transposed` lays a key tile out with the head dimension first, so the
-scores ``S = Q K^T`` are such a product too.
+scores ``S = Q K^T`` are such a product too. For a few query rows (a decode step) that
+copy costs more than the products: :func:`dot_products` takes their scores straight
+from the key rows, one fixed sum per score.
 """
 from __future__ import annotations
 
