@@ -174,8 +174,9 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
     backward), bias, ALiBi, then -inf where the key is invisible. ``packed`` holds
     the key tile from :func:`pack_key_tile`. Returns whether every row sees every key
     of the tile (:func:`tile_fully_visible`), which the caller's own products reuse."""
-    heads = ints[Int.HEADS]
     q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
+    kv_head = h // (ints[Int.HEADS] // ints[Int.KV_HEADS])
+    k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
     head_dim = ints[Int.HEAD_DIM]
     full = tile_fully_visible(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols)
     if ints[Int.VECTOR_SCORES]:
@@ -186,8 +187,6 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
         # With DOT_SCORES (few rows), from the key rows themselves, unpadded.
         q_row = ints[Int.Q_STRIDE_S]
         band = rows if full else ints[Int.EDGE_BAND]
-        kv_head = h // (heads // ints[Int.KV_HEADS])
-        k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
         for r0 in range(0, rows, band):
             band_rows = smaller(band, rows - r0)
             width = band_keys(ints, kv_lengths, b, i0 + r0 + band_rows - 1, j0, cols, full)
@@ -204,8 +203,6 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
                 for x in range(as_offset(r * ld + width), as_offset(r * ld + cols)):
                     s[x] = 0.0
     else:  # column-major: S^T (cols x rows) = K (cols x D) . Q^T (D x rows)
-        kv_head = h // (heads // ints[Int.KV_HEADS])
-        k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
         gemm(True, False, cols, rows, head_dim, reals[Real.SCALE], k[k_offset:],
              ints[Int.K_STRIDE_S], q[q_offset:], ints[Int.Q_STRIDE_S], 0.0, s, ld)
     if ints[Int.HAS_SOFTCAP]:
@@ -225,7 +222,7 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
             for c in range(as_offset(cols)):
                 s[row + c] += bias[base + c * step]
     if ints[Int.HAS_ALIBI]:
-        slope = alibi[b * heads + h]
+        slope = alibi[b * ints[Int.HEADS] + h]
         for r in range(rows):
             position = row_position(ints, i0 + r)
             for c in range(cols):
