@@ -74,9 +74,9 @@ class Call:
 class Option:
     """One keyword of ``attention``. ``kind``: "visibility" (which keys a row sees),
     "score" (changes a visible score), "softmax" (changes the normalization), "randomness",
-    "output" (what is returned), "layout" or "checking" (checks of the inputs only). ``field``: the AttentionProblem field the
-    normalized value fills (None: composed by build_problem, as ``visibility`` is from
-    causal, window and sinks). ``present``: when a problem uses it (None: always or
+    "output" (what is returned), "layout" or "checking" (checks of the inputs only).
+    ``field``: the AttentionProblem field the normalized value fills (None: composed by
+    build_problem, as ``visibility`` is from causal, window and sinks). ``present``: when a problem uses it (None: always or
     never matters to the kernels); ``flag``: its ``HAS_*`` position name in
     :class:`npattn.kernel_params.Int`; ``real``: its slot name in
     :class:`npattn.kernel_params.Real` and the slot's value for a problem;
@@ -162,7 +162,8 @@ OPTIONS: tuple[Option, ...] = (
            "None or 0 for none, else positive and a normal number of the compute dtype: "
            "s -> softcap * tanh(s / softcap).",
            lambda value, call: _check_softcap(value, call.compute),
-           field="softcap", present=_has("softcap"), flag="HAS_SOFTCAP", gpu_option="SOFTCAP", per_score=True, saves_score=True,
+           field="softcap", present=_has("softcap"), flag="HAS_SOFTCAP", gpu_option="SOFTCAP",
+           per_score=True, saves_score=True,
            real=("SOFTCAP", lambda problem: problem.softcap or 0.0)),  # 0 = off
     Option("dropout_p", 0.0, "randomness",
            "float in [0, 1): the probability of dropping each weight (inverted scaling).",

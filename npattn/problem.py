@@ -105,7 +105,7 @@ class AttentionProblem:
 # The fields that hold arrays (or None) and those that hold plain values (every other
 # field but the module ``xp``): everything a backend derives from a problem, its data
 # aside, is a function of the arrays' shapes, strides and dtypes and of the values
-# (:func:`signature`). tests/test_problem.py keeps ARRAY_FIELDS complete.
+# (:func:`signature`). tests/test_cpu_kernels.py keeps ARRAY_FIELDS complete.
 ARRAY_FIELDS = ("q", "k", "v", "sink_logits", "mask", "bias", "alibi_slopes", "q_lengths", "kv_lengths")
 VALUE_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionProblem)
                      if field.name not in ("xp", *ARRAY_FIELDS))

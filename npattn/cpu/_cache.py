@@ -4,7 +4,8 @@ Numba stamps a cached function with the hash of *its own* source file only, so a
 kernel in ``forward_kernel.py`` would keep its stale machine code after a change to
 ``tiles.py``, which it calls. This module registers a cache locator that, for files
 of this package, stamps with the hash of every module here and of the two outside it
-that number the kernels' parameters (then defers to Numba's usual locations). Import it before any ``@njit(cache=True)`` of the package.
+that number the kernels' parameters (then defers to Numba's usual locations). Import
+it before any ``@njit(cache=True)`` of the package.
 
 It also applies ``NPATTN_CPU_ISA`` (:mod:`.isa`) before that first ``@njit``. Numba
 keys each cached entry by its target CPU's features, so AVX-512 and AVX2 machine

@@ -15,7 +15,8 @@ from .. import options as _table
 
 
 def _bits(names) -> type[IntFlag]:
-    return IntFlag("Option", [(name, 1 << position) for position, name in enumerate(names)])  # type: ignore[return-value]
+    bits = [(name, 1 << position) for position, name in enumerate(names)]
+    return IntFlag("Option", bits)  # type: ignore[return-value]
 
 
 # One bit per ``gpu_option`` of the options table (MASK, BIAS, ALIBI, SOFTCAP, DROPOUT,
@@ -29,8 +30,9 @@ Option = _bits(dict.fromkeys([*(option.gpu_option for option in _table.OPTIONS i
 
 def _union(selected) -> IntFlag:
     bits = Option(0)
-    for name in dict.fromkeys(option.gpu_option for option in _table.OPTIONS if option.gpu_option and selected(option)):
-        bits |= Option[name]
+    for option in _table.OPTIONS:
+        if option.gpu_option and selected(option):
+            bits |= Option[option.gpu_option]
     return bits
 
 
