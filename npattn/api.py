@@ -1,7 +1,7 @@
 """The public functions: validate once, pick a backend, run it, hand back the user's layout."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -9,7 +9,8 @@ from . import backends as _backends
 from . import limits as _limits
 from . import nonfinite as _nonfinite
 from . import options as _options
-from ._arrays import array_kind
+from . import plans as _plans
+from ._arrays import all_finite, array_kind
 from .problem import AttentionProblem, to_user_layout
 from .results import ForwardResult
 from .types import Array, ArrayLike, Outputs, Vjp
@@ -52,12 +53,20 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     weights (or the reference backend's score arrays) cannot fit in the free memory
     (:mod:`npattn.limits`). Inputs are never modified.
     """
+    key = _plans.call_key(q, k, v, options)
+    if key is not None:  # a call like an earlier one: its checks' outcome is known
+        plan = _plans.lookup(key)
+        outputs = None if plan is None else plan(q, k, v)
+        if outputs is not None:
+            return outputs
     backend = options.pop("backend", "auto")
     problem = build_problem(q, k, v, **options)
     implementation = _backends.resolve(backend, array_kind(problem.q))
     _limits.check_memory(problem, implementation.NAME)
-    result, _ = _nonfinite.forward(problem, implementation)
-    return _public_outputs(problem, result)
+    result, used = _nonfinite.forward(problem, implementation)
+    if key is not None and used is implementation:
+        _plans.remember(key, _repeated_forward(problem, implementation))
+    return _public_outputs(OutputForm.of(problem), result)
 
 
 def attention_vjp(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> tuple[Outputs, Vjp]:
@@ -81,7 +90,7 @@ def attention_vjp(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> t
     implementation = _backends.resolve(backend, array_kind(problem.q))
     _limits.check_memory(problem, implementation.NAME)
     result, implementation = _nonfinite.forward(problem, implementation)
-    outputs = _public_outputs(problem, result)
+    outputs = _public_outputs(OutputForm.of(problem), result)
     out_shape = (outputs[0] if isinstance(outputs, tuple) else outputs).shape
 
     def vjp(dout: ArrayLike) -> tuple[Array, ...]:
@@ -89,10 +98,11 @@ def attention_vjp(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> t
         if problem.layout == "bshd":
             dout = dout.transpose(0, 2, 1, 3)
         grads = _nonfinite.backward(problem, implementation, result.saved, dout)
+        form = OutputForm.of(problem)
         with np.errstate(over="ignore"):  # as in _public_outputs
-            public = [_user_array(problem, grads.dq, problem.q.dtype),
-                      _user_array(problem, grads.dk, problem.k.dtype),
-                      _user_array(problem, grads.dv, problem.v.dtype)]
+            public = [_user_array(form, grads.dq, problem.q.dtype),
+                      _user_array(form, grads.dk, problem.k.dtype),
+                      _user_array(form, grads.dv, problem.v.dtype)]
             if problem.bias is not None:
                 public.append(grads.dbias.astype(problem.bias.dtype, copy=False))
             if problem.sink_logits is not None:
@@ -110,20 +120,60 @@ for _function in (attention, attention_vjp):
                                                       scores=_options.score_steps_doc())
 
 
-def _public_outputs(problem: AttentionProblem, result: ForwardResult) -> Outputs:
+class OutputForm(NamedTuple):
+    """What the user gets back, as decided by the call's checks: the array module, the
+    layout, out's dtype (q's), lse's (the compute dtype) and which extras."""
+
+    xp: Any
+    layout: str
+    dtype: Any
+    lse_dtype: Any
+    return_lse: bool
+    return_weights: bool
+
+    @classmethod
+    def of(cls, problem: AttentionProblem) -> "OutputForm":
+        return cls(problem.xp, problem.layout, problem.dtype, problem.accumulate_dtype, problem.return_lse,
+                   problem.return_weights)
+
+
+def _public_outputs(form: OutputForm, result: ForwardResult) -> Outputs:
     # a float64 reference answer (non-finite inputs) may pass the user dtype's range: inf
     with np.errstate(over="ignore"):
-        out = _user_array(problem, result.out, problem.dtype)
+        out = _user_array(form, result.out, form.dtype)
         extras = []
-        if problem.return_lse:
-            extras.append(result.lse.astype(problem.accumulate_dtype, copy=False))
-        if problem.return_weights:
-            extras.append(result.weights.astype(problem.dtype, copy=False))
+        if form.return_lse:
+            extras.append(result.lse.astype(form.lse_dtype, copy=False))
+        if form.return_weights:
+            extras.append(result.weights.astype(form.dtype, copy=False))
     return (out, *extras) if extras else out
 
 
-def _user_array(problem: AttentionProblem, array_bhsd: Any, dtype: Any) -> Array:
+def _user_array(form: OutputForm, array_bhsd: Any, dtype: Any) -> Array:
     """A bhsd-ordered result as a C-contiguous array in the user's layout and ``dtype``
     (no copy when a kernel already wrote it that way)."""
-    array = to_user_layout(array_bhsd.astype(dtype, copy=False), problem.layout)
-    return problem.xp.ascontiguousarray(array)
+    array = to_user_layout(array_bhsd.astype(dtype, copy=False), form.layout)
+    return form.xp.ascontiguousarray(array)
+
+
+def _repeated_forward(problem: AttentionProblem, implementation: Any) -> Callable[..., Outputs | None] | None:
+    """What a later call of ``problem``'s structure runs (:mod:`npattn.plans`): the
+    backend's forward plan between the user's layout and outputs; None for a backend
+    without plans."""
+    planner = getattr(implementation, "forward_plan", None)
+    backend_plan = None if planner is None else planner(problem)
+    if backend_plan is None:
+        return None
+    form = OutputForm.of(problem)
+    bshd = problem.layout == "bshd"
+
+    def forward(q: Any, k: Any, v: Any) -> Outputs | None:
+        """``attention``'s outputs, or None where the full path must answer (a result that
+        is not all finite, or a plan made under another tuning)."""
+        if bshd:
+            q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        result = backend_plan(q, k, v)
+        if result is None or not all_finite(result.out):
+            return None
+        return _public_outputs(form, result)
+    return forward

@@ -114,7 +114,8 @@ def problem_int_values(problem) -> list:
     values[Int.WINDOW_RIGHT] = -1 if visibility.window_right is None else visibility.window_right
     values[Int.SINKS] = visibility.sinks
     values[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
-    values[Int.SEED_LO], values[Int.SEED_HI] = seed_words(problem.seed)
+    if problem.dropout_p:  # the seed means nothing without dropout: problems differing in it alone share ints
+        values[Int.SEED_LO], values[Int.SEED_HI] = seed_words(problem.seed)
     return values
 
 

@@ -22,6 +22,13 @@ settings.load_profile(os.environ.get("NPATTN_HYPOTHESIS_PROFILE", "ci"))
 _STATUS = npattn.backends()
 
 
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Every test starts with no plans kept (npattn/plans.py): a test that changes a
+    module's constants or functions gets calls planned under them, not an earlier test's."""
+    npattn.plans.clear()
+
+
 def backend_params(names=None):
     """pytest params for backends, each skipped with its reason where it cannot run here.
     A new backend is held to every parametrized property by being registered in npattn."""

@@ -17,6 +17,7 @@ import npattn
 # Options that tie a key to its index; without them, keys may be permuted freely.
 POSITIONAL_OPTIONS = ("causal", "window", "sinks", "alibi_slopes", "kv_lengths", "dropout")
 VALUE_RANGE = 2.0
+layouts = st.sampled_from(["bhsd", "bshd"])
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import KERNEL_BACKENDS
-from strategies import cases
+from strategies import cases, layouts
 from tolerances import assert_close, gradient_bound_terms, output_bound_terms, score_magnitude
 
 pytestmark = pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-layouts = st.sampled_from(["bhsd", "bshd"])
 
 
 def upcast(case):

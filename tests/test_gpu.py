@@ -19,14 +19,13 @@ from npattn.gpu.options import ALL, Option, describe, options_of
 from npattn.kernel_params import Int, Real
 
 from conftest import backend_params, nvrtc_or_skip
-from strategies import Case, Dims, cases, to_layout
+from strategies import Case, Dims, cases, layouts, to_layout
 from test_backend_equivalence import check_backward, check_forward
 
 # sm_80's largest opt-in block of shared memory (163 KiB); sm_90 allows 227 KiB
 _SM80_SHARED_BYTES = 163 * 1024
 
 GPU = backend_params(["gpu"])
-layouts = st.sampled_from(["bhsd", "bshd"])
 
 
 # ---- without a GPU ------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import npattn
 from npattn.gpu.options import Option
-from strategies import DECISIVE_EXAMPLES, Case, Dims, cases, dims
+from strategies import DECISIVE_EXAMPLES, Case, Dims, cases, dims, layouts
 from test_backend_equivalence import check_backward, check_forward, check_peaked_backward, peaked_cases, upcast
 from test_nonfinite import check_kernel_marks_non_finite_rows, planted_cases
 from test_odd_views import DEVICE_VIEW_KINDS, check_odd_views, viewed_cases
@@ -21,7 +21,6 @@ from test_options import check_option_is_read
 import gpu_emulation
 
 pytestmark = pytest.mark.skipif(gpu_emulation.compiler() is None, reason="needs g++ to build the emulation")
-layouts = st.sampled_from(["bhsd", "bshd"])
 ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
 # The shared strategies draw lengths up to 9: one tile of the GPU kernels (16 query rows,
 # 16-32 keys; 64 x 64 on tensor cores). Lengths up to 80 cover several query and key

@@ -41,6 +41,14 @@ def forward(problem):
     return run(problem)
 
 
+def forward_plan(problem):
+    """A callable ``(q, k, v) -> ForwardResult | None`` running the forward of any problem
+    of ``problem``'s signature without option arrays (see :mod:`npattn.plans`)."""
+    from .driver import forward_plan as plan
+    from .tuning import current
+    return plan(problem, current())
+
+
 def backward(problem, saved, dout):
     from .driver import backward as run
     return run(problem, saved, dout)

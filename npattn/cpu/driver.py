@@ -6,56 +6,127 @@ import contextlib
 import numpy as np
 
 from ..kernel_params import sink_logits_gradient
+from ..plans import PlanCache
+from ..problem import signature
 from ..results import ForwardResult, Gradients
 from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from . import folding, splitting
 from .blas import single_threaded_blas
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
-from .scratch import backward_scratch, forward_scratch, gradient_tile_scratch, reused, score_tile_scratch
-from .operands import Int, build_operands, row_strides
+from .scratch import (backward_scratch, begin_reuse, end_reuse, forward_scratch_specs, gradient_tile_scratch,
+                      reused, scratch_set, score_tile_specs)
+from .operands import Int, _read_only, build_operands, operand_plan, row_strides
+from .tuning import Tuning, current
 
 
 def forward(problem) -> ForwardResult:
     """out (B, H, Sq, Dv) as a bhsd view of an array in the user's layout, lse (B, H, Sq),
     and weights when asked; ``saved`` keeps (out, lse) for the backward."""
-    if folding.foldable(problem):  # GQA: the query heads of a group as rows of one kv head
-        result = _forward(folding.fold(problem), rows_per_position=problem.group_size)
-        weights = None if result.weights is None else folding.unfold_rows(result.weights, problem)
-        out = folding.in_layout(folding.unfold_rows(result.out, problem), problem.layout)
-        lse = folding.unfold_rows(result.lse, problem)
+    return forward_plan(problem, current())(problem.q, problem.k, problem.v, problem)
+
+
+def forward_plan(problem, tuning: Tuning) -> "ForwardPlan":
+    """The :class:`ForwardPlan` of ``problem``'s signature under ``tuning``, made on first
+    use and kept (the newest 256)."""
+    key = (tuning, signature(problem, seed=False))
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:
+        plan = ForwardPlan(problem, tuning)
+        _FORWARD_PLANS.put(key, plan)
+    return plan
+
+
+_FORWARD_PLANS = PlanCache()
+
+
+class ForwardPlan:
+    """Everything a forward derives from its problem's signature (shapes, strides, dtypes,
+    option values) under one tuning, worked out once: whether GQA heads fold into rows,
+    the kernels' parameters, the work items, the scratch sizes, the outputs' shapes. A
+    call (:meth:`__call__`) then only views its arrays, allocates the outputs and runs the
+    kernels: a small call's cost is the kernel's, not Python's."""
+
+    def __init__(self, problem, tuning: Tuning):
+        self.tuning = tuning
+        self.dtype = dtype = problem.accumulate_dtype
+        self.group = problem.group_size if folding.foldable(problem, tuning) else 1
+        self.layout = problem.layout
+        self.fold_shape = None
+        if self.group > 1:  # GQA: the query heads of a group as rows of one kv head
+            self.fold_shape = (problem.batch, problem.kv_heads, problem.group_size, problem.q_len, problem.head_dim)
+            problem = folding.fold(problem)
+        self.operands = operand_plan(problem, "forward", tuning, self.group)
+        ints = self.operands.ints
+        self.items = int(forward_items(ints))
+        self.splits = int(ints[Int.KEY_SPLITS])
+        self.blas = not (ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES] and ints[Int.VECTOR_KEYS])
+        self.flops = _forward_flops(problem)
+        self.scratch_specs = forward_scratch_specs(ints, dtype)
+        self.weights_specs = score_tile_specs(ints, dtype)
+        self.weights = problem.return_weights
+        self.bshd = problem.layout == "bshd"
+        batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
+        self.out_shape = (batch, q_len, heads, value_dim) if self.bshd else (batch, heads, q_len, value_dim)
+        self.lse_shape = (batch, heads, q_len)
+        self.weights_shape = (batch, heads, q_len, problem.kv_len)
+        # each key range's rows go to their own (out, lse) slice, merged after the kernel
+        self.parts_shape = (self.splits, batch, heads, q_len, value_dim)
+        if self.splits > 1:
+            parts_strides = np.zeros(self.parts_shape, dtype).strides
+            strides = [*parts_strides[1:4], parts_strides[0]]
+        else:
+            out = np.zeros(self.out_shape, dtype)
+            strides = [*(out.transpose(0, 2, 1, 3) if self.bshd else out).strides[:3], 0]
+        self.out_strides = _read_only(np.array([stride // dtype.itemsize for stride in strides], np.int64))
+
+    def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
+        """The forward of bhsd ``q``, ``k``, ``v`` (this plan's shapes, strides and dtypes)
+        with the option arrays and seed of ``arrays`` (a problem of this plan's signature;
+        None: no option arrays). None when the calling context's tuning is no longer the
+        plan's (the caller plans again)."""
+        tuning = current()
+        if tuning is not self.tuning and tuning != self.tuning:
+            return None
+        dtype = self.dtype
+        q_lengths = None if arrays is None else arrays.q_lengths
+        if self.group > 1:
+            q = folding.fold_rows(q, self.fold_shape)
+            if q_lengths is not None:
+                arrays = folding.FoldedArrays(q_lengths * self.group, arrays.kv_lengths)
+        ops = self.operands.operands(q, k, v, arrays)
+        out = np.zeros(self.out_shape, dtype)
+        lse = np.full(self.lse_shape, -np.inf, dtype)
+        if self.splits > 1:
+            out_parts = np.zeros(self.parts_shape, dtype)
+            lse_parts = np.full(self.parts_shape[:-1], -np.inf, dtype)
+        else:
+            out_parts, lse_parts = out, lse
+        pin = single_threaded_blas() if self.blas else _NO_PIN
+        with pin:
+            begin_reuse()
+            try:
+                run_items(forward_kernel, (*ops, out_parts.reshape(-1), self.out_strides, lse_parts.reshape(-1)),
+                          self.items, lambda: scratch_set(self.scratch_specs), self.flops)
+                if self.bshd:
+                    out = out.transpose(0, 2, 1, 3)
+                if self.splits > 1:
+                    splitting.merge(out_parts, lse_parts, out, lse)
+                weights = None
+                if self.weights:
+                    weights = np.zeros(self.weights_shape, dtype)
+                    run_items(weights_kernel, (*ops, lse.reshape(-1), weights.reshape(-1)), self.items,
+                              lambda: scratch_set(self.weights_specs), self.flops)
+            finally:
+                end_reuse()
+        if self.group > 1:
+            weights = None if weights is None else folding.unfold_rows(weights, self.fold_shape)
+            out = folding.in_layout(folding.unfold_rows(out, self.fold_shape), self.layout)
+            lse = folding.unfold_rows(lse, self.fold_shape)
         return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
-    return _forward(problem)
 
 
-def _forward(problem, rows_per_position: int = 1) -> ForwardResult:
-    ops = build_operands(problem, "forward", rows_per_position=rows_per_position)
-    dtype = problem.accumulate_dtype
-    batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
-    if problem.layout == "bshd":
-        out = np.zeros((batch, q_len, heads, value_dim), dtype).transpose(0, 2, 1, 3)
-    else:
-        out = np.zeros((batch, heads, q_len, value_dim), dtype)
-    lse = np.full((batch, heads, q_len), -np.inf, dtype)
-    splits = int(ops.ints[Int.KEY_SPLITS])
-    # each key range's rows go to their own (out, lse) slice, merged after the kernel
-    out_parts = out if splits == 1 else np.zeros((splits, batch, heads, q_len, value_dim), dtype)
-    lse_parts = lse if splits == 1 else np.full((splits, batch, heads, q_len), -np.inf, dtype)
-    out_strides = np.array([s // dtype.itemsize for s in out_parts.strides[-4:-1]]
-                           + [out_parts.strides[0] // dtype.itemsize if splits > 1 else 0], np.int64)
-    with _blas_pinned(ops.ints), reused():
-        items = forward_items(ops.ints)
-        flops = _forward_flops(problem)
-        run_items(forward_kernel, (*ops, _flat(out_parts), out_strides, lse_parts.reshape(-1)), items,
-                  lambda: forward_scratch(ops.ints, dtype), flops)
-        if splits > 1:
-            splitting.merge(out_parts, lse_parts, out, lse)
-        weights = None
-        if problem.return_weights:
-            weights = np.zeros((batch, heads, q_len, problem.kv_len), dtype)
-            run_items(weights_kernel, (*ops, lse.reshape(-1), weights.reshape(-1)), items,
-                      lambda: score_tile_scratch(ops.ints, dtype), flops)
-    return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
+_NO_PIN = contextlib.nullcontext()
 
 
 def _blas_pinned(ints):

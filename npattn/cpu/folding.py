@@ -29,14 +29,14 @@ rather than head by head, a different rounding, and decode steps are rarely trai
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from .tuning import current
 
-
-def foldable(problem) -> bool:
-    return (problem.group_size > 1 and problem.q_len * problem.group_size <= current().forward[0]
+def foldable(problem, tuning) -> bool:
+    """Whether ``problem``'s forward folds under ``tuning`` (its query tile's rows)."""
+    return (problem.group_size > 1 and problem.q_len * problem.group_size <= tuning.forward[0]
             and problem.mask is None and problem.bias is None
             and problem.alibi_slopes is None and problem.sink_logits is None and problem.dropout_p == 0
             and problem.visibility.window_left is None and (problem.q_len == 1 or problem.visibility.sinks == 0))
@@ -44,19 +44,43 @@ def foldable(problem) -> bool:
 
 def fold(problem):
     """The folded problem: q (B, Hkv, Sq * group, D), bhsd, rows position-major."""
-    batch, kv_heads, group, q_len = problem.batch, problem.kv_heads, problem.group_size, problem.q_len
-    q = problem.q.reshape(batch, kv_heads, group, q_len, problem.head_dim).swapaxes(2, 3)
-    q = q.reshape(batch, kv_heads, q_len * group, problem.head_dim)
-    q_lengths = None if problem.q_lengths is None else problem.q_lengths * group
+    q = fold_rows(problem.q, fold_shape(problem))
+    q_lengths = None if problem.q_lengths is None else problem.q_lengths * problem.group_size
     return dataclasses.replace(problem, q=q, layout="bhsd", q_lengths=q_lengths)
 
 
-def unfold_rows(array, problem):
-    """A folded (B, Hkv, Sq * group, ...) result as (B, H, Sq, ...): a view for Sq = 1."""
-    batch, kv_heads, group, q_len = problem.batch, problem.kv_heads, problem.group_size, problem.q_len
+def fold_shape(problem) -> tuple:
+    """(B, Hkv, group, Sq, D): q's shape with its heads split into kv heads and groups."""
+    return (problem.batch, problem.kv_heads, problem.group_size, problem.q_len, problem.head_dim)
+
+
+def fold_rows(q, shape):
+    """q (B, H, Sq, D) as (B, Hkv, Sq * group, D), rows position-major; ``shape``:
+    :func:`fold_shape`. A view for Sq = 1, else a copy."""
+    batch, kv_heads, group, q_len, head_dim = shape
+    return q.reshape(shape).swapaxes(2, 3).reshape(batch, kv_heads, q_len * group, head_dim)
+
+
+class FoldedArrays(NamedTuple):
+    """The option arrays a foldable problem can have, its q_lengths counted in folded rows
+    (what :meth:`npattn.cpu.operands.OperandPlan.operands` reads of a problem)."""
+
+    q_lengths: Any
+    kv_lengths: Any
+    bias: None = None
+    mask: None = None
+    alibi_slopes: None = None
+    sink_logits: None = None
+    seed: int = 0
+
+
+def unfold_rows(array, shape):
+    """A folded (B, Hkv, Sq * group, ...) result as (B, H, Sq, ...): a view for Sq = 1;
+    ``shape``: :func:`fold_shape`."""
+    batch, kv_heads, group, q_len, _ = shape
     rest = tuple(array.shape[3:])
     split = array.reshape((batch, kv_heads, q_len, group) + rest).swapaxes(2, 3)
-    return split.reshape((batch, problem.heads, q_len) + rest)
+    return split.reshape((batch, kv_heads * group, q_len) + rest)
 
 
 def in_layout(out, layout: str):

@@ -11,13 +11,14 @@ stride along the head dimension.
 from __future__ import annotations
 
 import functools
-import threading
 from collections import namedtuple
 
 import numpy as np
 
+from ..dropout import seed_words
 from ..kernel_params import (OPERAND_NAMES, Int, Real, element_strides, lengths_or_full,  # noqa: F401
                              problem_int_values, problem_reals)  # (Int, Real: the kernels import them from here)
+from ..plans import PlanCache
 from ..problem import signature
 from .microkernels import chunk_columns
 from .simd import lanes_of as vector_lanes
@@ -40,8 +41,9 @@ def flat_view(array, dtype, unit_last_axis=False):
 
     Copies only when the dtype differs, a stride is negative or not a whole number of
     elements, or (``unit_last_axis``) the last axis is not contiguous."""
-    if array.dtype == dtype and array.flags.c_contiguous and array.size:  # the common case, first
-        return _frozen(array.reshape(-1)), element_strides(array)
+    order = memory_order(array, dtype, unit_last_axis)
+    if order is not None:  # the common cases, first: no copy, no stride arithmetic
+        return flat_memory(array, order), element_strides(array)
     array = np.asarray(array)
     if array.dtype != dtype:
         array = array.astype(dtype)
@@ -53,11 +55,35 @@ def flat_view(array, dtype, unit_last_axis=False):
     elements = element_strides(array)
     if array.size == 0:
         return _placeholders(np.dtype(dtype))[0], elements
-    if array.flags.c_contiguous:
-        return _frozen(array.reshape(-1)), elements
+    order = memory_order(array, dtype, unit_last_axis)
+    if order is not None:
+        return flat_memory(array, order), elements
     extent = 1 + sum((n - 1) * s for n, s in zip(array.shape, elements))
     flat = np.lib.stride_tricks.as_strided(array, shape=(extent,), strides=(itemsize,), writeable=False)
     return flat, elements
+
+
+def memory_order(array, dtype, unit_last_axis=False):
+    """The axis order in which ``array`` is C-contiguous (``()`` for its own order), or None
+    when it is in none, is empty or is not of ``dtype``: then :func:`flat_memory` cannot
+    view it. A bshd array seen as bhsd, the usual case besides plain bhsd, is (0, 2, 1, 3).
+    With ``unit_last_axis``, also None unless the last axis has unit stride."""
+    if array.dtype != dtype or not array.size:
+        return None
+    if array.flags.c_contiguous:
+        return ()
+    if unit_last_axis and array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
+        return None
+    # size-1 axes have no stride that matters: keep them in place, order the rest by stride
+    order = tuple(sorted(range(array.ndim), key=lambda axis: (-array.strides[axis] if array.shape[axis] > 1
+                                                                else -np.inf, axis)))
+    return order if array.transpose(order).flags.c_contiguous else None
+
+
+def flat_memory(array, order):
+    """A read-only 1-D view of the memory of ``array``, C-contiguous in axis ``order``
+    (:func:`memory_order`), starting at its first element."""
+    return _frozen((array.transpose(order) if order else array).reshape(-1))
 
 
 def row_strides(array, dtype):
@@ -81,40 +107,74 @@ def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None,
 
     Every operand is read-only: Numba types read-only and writable arrays differently,
     so placeholders and views share one compiled kernel."""
-    tuning = current() if tuning is None else tuning
-    dtype = problem.accumulate_dtype  # the kernels compute in it: float32 for float16 inputs
-    q, q_strides = row_strides(problem.q, dtype)
-    k, k_strides = row_strides(problem.k, dtype)
-    v, v_strides = row_strides(problem.v, dtype)
-    placeholder, mask_placeholder = _placeholders(dtype)
-    no_strides = (0, 0, 0, 0)
-    if problem.bias is not None:
-        bias, bias_strides = flat_view(problem.bias, dtype)
-    else:
-        bias, bias_strides = placeholder, no_strides
-    if problem.mask is not None:
-        mask, mask_strides = flat_view(problem.mask.view(np.uint8), np.uint8)
-    else:
-        mask, mask_strides = mask_placeholder, no_strides
-    alibi = (placeholder if problem.alibi_slopes is None
-             else _read_only(np.ascontiguousarray(problem.alibi_slopes, dtype=dtype).reshape(-1)))
-    sink = (placeholder if problem.sink_logits is None
-            else _read_only(np.ascontiguousarray(problem.sink_logits, dtype=dtype)))
+    plan = operand_plan(problem, kind, current() if tuning is None else tuning, rows_per_position)
+    return plan.operands(problem.q, problem.k, problem.v, problem)
 
-    # Everything else is a function of the shapes, strides and options: looked up for a
-    # call like an earlier one. Dropout draws a fresh seed per call, so it is not kept.
-    key = None if problem.dropout_p else (kind, tuning, rows_per_position, signature(problem))
-    parameters = _PARAMETERS.get(key) if key is not None else None
-    if parameters is None:
-        strides = (q_strides, k_strides, v_strides, bias_strides, mask_strides)
-        parameters = _parameters(problem, kind, tuning, rows_per_position, strides)
-        if key is not None:
-            _remember(key, parameters)
-    ints, reals, all_rows, all_keys = parameters
-    q_lengths = all_rows if problem.q_lengths is None else _lengths(problem.q_lengths)
-    kv_lengths = all_keys if problem.kv_lengths is None else _lengths(problem.kv_lengths)
-    return Operands(q=q, k=k, v=v, bias=bias, mask=mask, alibi=alibi, sink=sink,
-                    q_lengths=q_lengths, kv_lengths=kv_lengths, ints=ints, reals=reals)
+
+class OperandPlan:
+    """What the kernels take for every problem of one :func:`~npattn.problem.signature`
+    (shapes, strides, dtypes and option values), made once: the parameter arrays, the
+    lengths a problem without q_lengths / kv_lengths gets, and how q, k and v are viewed
+    flat. :meth:`operands` adds a call's arrays."""
+
+    def __init__(self, problem, kind, tuning, rows_per_position):
+        self.dtype = dtype = problem.accumulate_dtype  # float32 for float16 inputs
+        flat = [row_strides(problem.q, dtype), row_strides(problem.k, dtype), row_strides(problem.v, dtype)]
+        no_strides = (0, 0, 0, 0)
+        flat.append(no_strides if problem.bias is None else flat_view(problem.bias, dtype))
+        flat.append(no_strides if problem.mask is None else flat_view(problem.mask.view(np.uint8), np.uint8))
+        strides = tuple(entry if entry is no_strides else entry[1] for entry in flat)
+        self.ints, self.reals, self.all_rows, self.all_keys = _parameters(problem, kind, tuning,
+                                                                          rows_per_position, strides)
+        # q, k, v read in place (the usual case), else through row_strides on every call
+        self.orders = tuple(_row_order(array, dtype) for array in (problem.q, problem.k, problem.v))
+        self.dropout = bool(problem.dropout_p)
+
+    def operands(self, q, k, v, arrays=None) -> Operands:
+        """The operands for bhsd ``q``, ``k``, ``v`` of this plan's shapes, strides and
+        dtype, with the bias, mask, ALiBi slopes, sink logits, lengths and seed of
+        ``arrays`` (a problem of this plan's signature; None: none of them, no dropout)."""
+        dtype = self.dtype
+        q, k, v = (flat_memory(x, order) if order is not None else row_strides(x, dtype)[0]
+                   for x, order in zip((q, k, v), self.orders))
+        placeholder, mask_placeholder = _placeholders(dtype)
+        if arrays is None:
+            return Operands(q, k, v, placeholder, mask_placeholder, placeholder, placeholder,
+                            self.all_rows, self.all_keys, self.ints, self.reals)
+        bias = placeholder if arrays.bias is None else flat_view(arrays.bias, dtype)[0]
+        mask = mask_placeholder if arrays.mask is None else flat_view(arrays.mask.view(np.uint8), np.uint8)[0]
+        alibi = (placeholder if arrays.alibi_slopes is None
+                 else _read_only(np.ascontiguousarray(arrays.alibi_slopes, dtype=dtype).reshape(-1)))
+        sink = (placeholder if arrays.sink_logits is None
+                else _read_only(np.ascontiguousarray(arrays.sink_logits, dtype=dtype)))
+        q_lengths = self.all_rows if arrays.q_lengths is None else _lengths(arrays.q_lengths)
+        kv_lengths = self.all_keys if arrays.kv_lengths is None else _lengths(arrays.kv_lengths)
+        ints = self.ints
+        if self.dropout:  # the seed is the one per-call value among the parameters
+            ints = ints.copy()
+            ints[Int.SEED_LO], ints[Int.SEED_HI] = seed_words(arrays.seed)
+            ints = _frozen(ints)
+        return Operands(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, self.reals)
+
+
+def operand_plan(problem, kind: str, tuning: Tuning, rows_per_position: int = 1) -> OperandPlan:
+    """The :class:`OperandPlan` of ``problem``'s signature, made on first use and kept
+    (the newest 256); dropout seeds share one (:meth:`OperandPlan.operands` sets it)."""
+    key = (kind, tuning, rows_per_position, signature(problem, seed=False))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = OperandPlan(problem, kind, tuning, rows_per_position)
+        _PLANS.put(key, plan)
+    return plan
+
+
+def _row_order(array, dtype):
+    """:func:`memory_order` for an array whose rows feed the products, None where
+    :func:`row_strides` would copy it (overlapping rows)."""
+    rows, width = array.shape[-2], array.shape[-1]
+    if rows > 1 and 0 <= array.strides[-2] < width * array.itemsize:
+        return None
+    return memory_order(array, dtype, unit_last_axis=True)
 
 
 def _parameters(problem, kind, tuning, rows_per_position, strides):
@@ -153,18 +213,8 @@ def _parameters(problem, kind, tuning, rows_per_position, strides):
                  (np.array(ints, np.int64), problem_reals(problem, dtype), all_rows, all_keys))
 
 
-# Parameters by (kind, tuning, rows per position, problem signature), oldest dropped first
-# past the limit: a serving loop's few shapes stay, a sweep over shapes cannot grow it.
-_PARAMETERS: dict = {}
-_PARAMETERS_LIMIT = 256
-_PARAMETERS_LOCK = threading.Lock()
-
-
-def _remember(key, parameters) -> None:
-    with _PARAMETERS_LOCK:
-        while len(_PARAMETERS) >= _PARAMETERS_LIMIT:
-            del _PARAMETERS[next(iter(_PARAMETERS))]
-        _PARAMETERS[key] = parameters
+# Plans by (kind, tuning, rows per position, problem signature without the seed)
+_PLANS = PlanCache()
 
 
 def _lengths(lengths):

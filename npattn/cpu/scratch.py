@@ -30,24 +30,35 @@ _REUSE_BYTES = 1 << 18
 _ARENA = threading.local()
 
 
-@contextlib.contextmanager
-def reused():
-    """Within the block, this thread's small scratch requests return the sets the
-    previous block's requests made at the same positions (when sizes and dtypes match).
-    The kernels that got them must be done when the block ends, as run_items ensures."""
+def begin_reuse() -> None:
+    """From here until :func:`end_reuse`, this thread's small scratch requests return the
+    sets the previous such span's requests made at the same positions (when sizes and
+    dtypes match). The kernels that got them must be done by :func:`end_reuse`, as
+    run_items ensures. (Two calls rather than a context manager: a ``with`` of
+    contextlib costs a small call 3 us.)"""
     if getattr(_ARENA, "sets", None) is None:
         _ARENA.sets = []
     _ARENA.cursor = 0
+
+
+def end_reuse() -> None:
+    _ARENA.cursor = None
+
+
+@contextlib.contextmanager
+def reused():
+    """:func:`begin_reuse` and :func:`end_reuse` around the block."""
+    begin_reuse()
     try:
         yield
     finally:
-        _ARENA.cursor = None
+        end_reuse()
 
 
-def _scratch_set(specs: tuple) -> tuple:
+def scratch_set(specs: tuple) -> tuple:
     """One uninitialized 1-D array per ``(size, dtype)`` of ``specs``, each starting on
-    a cache line; inside :func:`reused`, the set this position got last time when
-    ``specs`` are the same and small."""
+    a cache line; between :func:`begin_reuse` and :func:`end_reuse`, the set this
+    position got last time when ``specs`` are the same and small."""
     cursor = getattr(_ARENA, "cursor", None)
     if cursor is not None:
         _ARENA.cursor = cursor + 1
@@ -71,7 +82,8 @@ def _allocate(size: int, dtype: np.dtype) -> np.ndarray:
     return raw[start:start + size * dtype.itemsize].view(dtype)
 
 
-def _score_tile_specs(ints, dtype) -> tuple:
+def score_tile_specs(ints, dtype) -> tuple:
+    """The ``(size, dtype)`` of each array of :func:`score_tile_scratch`."""
     size = int(ints[Int.BLOCK_Q] * ints[Int.SCORE_LD])
     packed = int((ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM]) * ints[Int.SCORE_LD]) if ints[Int.VECTOR_SCORES] else 1
     return (size, dtype), (size if ints[Int.SAVES_SCORES] else 1, dtype), (packed, dtype)
@@ -83,19 +95,23 @@ def score_tile_scratch(ints, dtype):
     element: a small call's scratch stays small enough to be reused), and the packed key
     tile with its value
     tile after it ((D + Dv) x SCORE_LD; 1 element when products go through BLAS)."""
-    return _scratch_set(_score_tile_specs(ints, dtype))
+    return scratch_set(score_tile_specs(ints, dtype))
 
 
 def forward_scratch(ints, dtype):
     """:func:`score_tile_scratch`, then per row of a query tile (BLOCK_Q each) the running
     max ``m``, the running sum ``total``, one tile's sums, and whether any key was seen."""
+    return scratch_set(forward_scratch_specs(ints, dtype))
+
+
+def forward_scratch_specs(ints, dtype) -> tuple:
+    """The ``(size, dtype)`` of each array of :func:`forward_scratch`."""
     rows = int(ints[Int.BLOCK_Q])
-    return _scratch_set((*_score_tile_specs(ints, dtype), (rows, dtype), (rows, dtype), (rows, dtype),
-                         (rows, np.bool_)))
+    return (*score_tile_specs(ints, dtype), (rows, dtype), (rows, dtype), (rows, dtype), (rows, np.bool_))
 
 
 def _gradient_tile_specs(ints, dtype) -> tuple:
-    score, tanh, packed = _score_tile_specs(ints, dtype)
+    score, tanh, packed = score_tile_specs(ints, dtype)
     return score, (score[0] if ints[Int.HAS_DROPOUT] else 0, dtype), score, tanh, packed
 
 
@@ -109,13 +125,13 @@ def gradient_tile_scratch(ints, dtype):
     """``(p, dropped, ds, tanh, packed)``: probabilities, them after dropout (``p`` itself
     without dropout) and the scores' gradient (BLOCK_Q x SCORE_LD each), and ``tanh``
     and ``packed`` as in :func:`score_tile_scratch`."""
-    return _without_dropout_copy(_scratch_set(_gradient_tile_specs(ints, dtype)))
+    return _without_dropout_copy(scratch_set(_gradient_tile_specs(ints, dtype)))
 
 
 def backward_scratch(ints, dtype):
     """:func:`gradient_tile_scratch`, then one key tile's dK and dV sums (BLOCK_K x D and
     BLOCK_K x Dv)."""
     keys = int(ints[Int.BLOCK_K])
-    return _without_dropout_copy(_scratch_set((*_gradient_tile_specs(ints, dtype),
+    return _without_dropout_copy(scratch_set((*_gradient_tile_specs(ints, dtype),
                                                (keys * int(ints[Int.HEAD_DIM]), dtype),
                                                (keys * int(ints[Int.VALUE_DIM]), dtype))))

@@ -1,0 +1,124 @@
+"""Calls like an earlier call reuse what it worked out: the plan caches.
+
+Everything :func:`npattn.validation.build_problem` decides about a call, and
+everything a backend derives from the problem before its kernels run (parameter
+arrays, tiles, work items, scratch sizes), is a function of the call's *structure*:
+the array type, dtype, shape and strides of q, k and v, and the option values. Two
+calls of one structure differ only in their arrays' contents. So a call whose
+structure an earlier successful call had goes straight to the plan that call left
+(:func:`lookup`), skipping the checks whose outcome is already known: serving loops
+and embedding pipelines repeat a handful of structures, and on a small call those
+checks and that set-up cost more than the kernel.
+
+A structure is only cached when every check of the call depends on nothing else
+(:func:`call_key`): NumPy arrays of native byte order, options of plain values
+(None, bools, ints, floats, strings, tuples of ints and None). Array options (masks,
+biases, lengths, ALiBi slopes, sink logits) have their values checked on every call,
+dropout draws a fresh seed, ``check_finite=True`` reads every value and
+``return_weights=True`` checks the free memory: such calls take the full path.
+
+:class:`PlanCache` is the bounded, thread-safe dictionary the API and the CPU backend
+keep their plans in; :func:`clear` empties every one (tests that change a module's
+constants call it).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+
+from . import options as _options
+
+_CACHES: weakref.WeakSet = weakref.WeakSet()
+
+
+class PlanCache:
+    """A dict from keys to plans holding the newest ``limit`` (oldest dropped first: a
+    loop's few structures stay, a sweep over shapes cannot grow it). Reads take no lock
+    (a dict lookup is atomic); writes take one."""
+
+    def __init__(self, limit: int = 256):
+        self.limit = limit
+        self._plans: dict = {}
+        self._lock = threading.Lock()
+        _CACHES.add(self)
+
+    def get(self, key):
+        return self._plans.get(key)
+
+    def put(self, key, plan) -> None:
+        with self._lock:
+            while len(self._plans) >= self.limit:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+
+def clear() -> None:
+    """Empty every :class:`PlanCache` (the next call of each structure plans again)."""
+    for cache in list(_CACHES):
+        cache.clear()
+
+
+# ---- the API's cache: a call's structure -> what to run -------------------------------------
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _plain(value) -> bool:
+    kind = type(value)
+    return kind in _PLAIN or (kind is tuple and all(type(item) in (type(None), int) for item in value))
+
+
+def _repeatable(name: str, value) -> bool:
+    """Whether the checks of option ``name`` given ``value`` read nothing but the value:
+    plain values only, and none of dropout, check_finite or return_weights switched on."""
+    if not _plain(value):
+        return False
+    if name in _SWITCHED_OFF_ONLY:
+        return not value
+    return True
+
+
+# Options whose checks read more than their value when on (see the module's docstring)
+_SWITCHED_OFF_ONLY = ("dropout_p", "check_finite", "return_weights")
+assert all(name in _options.BY_NAME for name in _SWITCHED_OFF_ONLY)
+
+
+def call_key(q, k, v, options: dict) -> tuple | None:
+    """The structure of ``attention(q, k, v, **options)`` as a hashable key, or None when
+    the call is not cacheable. Each option value is keyed with its type: ``causal=1`` is
+    not ``causal=True`` (the checks reject the first)."""
+    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+        return None
+    q_dtype, k_dtype, v_dtype = q.dtype, k.dtype, v.dtype
+    if not (q_dtype.isnative and k_dtype.isnative and v_dtype.isnative):
+        return None
+    key: list = [q.shape, q.strides, q_dtype, k.shape, k.strides, k_dtype, v.shape, v.strides, v_dtype]
+    for name, value in options.items():
+        if not _repeatable(name, value):
+            return None
+        key += (name, type(value), value)
+    return tuple(key)
+
+
+_FORWARD = PlanCache()
+
+
+def lookup(key) -> Callable[[Any, Any, Any], Any] | None:
+    """The forward plan a call of structure ``key`` left, or None."""
+    return _FORWARD.get(key)
+
+
+def remember(key, plan) -> None:
+    """Keep ``plan`` for later calls of structure ``key`` (None: nothing to keep)."""
+    if key is not None and plan is not None:
+        _FORWARD.put(key, plan)

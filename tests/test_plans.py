@@ -1,0 +1,198 @@
+"""A call like an earlier one (npattn/plans.py) skips the checks whose outcome is known and
+runs the plan the earlier call left: it must answer exactly as a first call would, and
+every call the checks would reject must still be rejected."""
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import npattn
+from npattn import cpu, plans
+from strategies import cases, dims, layouts, to_layout
+
+pytestmark = pytest.mark.skipif(not npattn.backends()["cpu"], reason="needs the cpu backend")
+
+# the options a repeated call can skip the checks of: plain values, nothing per call
+_PLAIN_OPTIONS = ("causal", "window", "sinks", "scale", "softcap")
+
+
+def _same(a, b):
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape and x.flags.c_contiguous == y.flags.c_contiguous
+        assert x.tobytes() == y.tobytes()
+
+
+@settings(max_examples=40)
+@given(case=cases(options=_PLAIN_OPTIONS, dtypes=("float32", "float64", "float16"),
+                  dims_strategy=dims(max_group=4, max_len=20, max_dim=16)),
+       layout=layouts, return_lse=st.booleans())
+def test_a_repeated_call_answers_as_a_first_call(case, layout, return_lse):
+    q, k, v = (to_layout(a, layout) for a in (case.q, case.k, case.v))
+    options = {**case.options, "layout": layout, "return_lse": return_lse}
+    plans.clear()
+    first = npattn.attention(q, k, v, **options)
+    key = plans.call_key(q, k, v, options)
+    assert key is not None and plans.lookup(key) is not None, "the call left no plan"
+    again = npattn.attention(q, k, v, **options)
+    _same(first, again)
+    # new arrays of the same structure, other values: the plan serves them too
+    rng = np.random.default_rng(1)
+    q2, k2, v2 = (np.ascontiguousarray(rng.standard_normal(a.shape).astype(a.dtype)) for a in (case.q, case.k, case.v))
+    q2, k2, v2 = (to_layout(a, layout) for a in (q2, k2, v2))
+    planned = npattn.attention(q2, k2, v2, **options)
+    plans.clear()
+    _same(planned, npattn.attention(q2, k2, v2, **options))
+
+
+@pytest.mark.parametrize("shapes, options", [
+    (((1, 8, 16, 64), (1, 8, 16, 64)), {}),
+    (((2, 8, 1, 32), (2, 2, 300, 32)), {"causal": True}),  # GQA folded into rows
+    (((1, 8, 1, 32), (1, 1, 5000, 32)), {}),               # keys split into ranges
+    (((1, 8, 3, 32), (1, 2, 40, 32)), {"window": (4, 0), "sinks": 2}),
+])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_repeated_calls_of_each_cpu_path_give_the_same_bits(shapes, options, layout):
+    rng = np.random.default_rng(0)
+    (q_shape, kv_shape) = shapes
+    q = rng.standard_normal(q_shape, dtype=np.float32)
+    k, v = (rng.standard_normal(kv_shape, dtype=np.float32) for _ in "kv")
+    q, k, v = (to_layout(a, layout) for a in (q, k, v))
+    results = [npattn.attention(q, k, v, layout=layout, return_lse=True, **options) for _ in range(3)]
+    for result in results[1:]:
+        _same(results[0], result)
+
+
+def _arrays(shape=(1, 2, 4, 8), dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return tuple(rng.standard_normal(shape).astype(dtype) for _ in "qkv")
+
+
+@pytest.mark.parametrize("good, bad, error", [
+    ({"causal": True}, {"causal": 1}, TypeError),            # 1 == True, but not a bool
+    ({"window": (2, 1)}, {"window": (2, True)}, TypeError),
+    ({"window": 2}, {"window": 2.0}, TypeError),
+    ({"scale": 0.5}, {"scale": float("nan")}, ValueError),
+    ({"softcap": 5.0}, {"softcap": -5.0}, ValueError),
+    ({"sinks": 1}, {"sinks": -1}, ValueError),
+    ({"layout": "bhsd"}, {"layout": "BHSD"}, ValueError),
+    ({}, {"windows": 2}, TypeError),
+    ({"backend": "cpu"}, {"backend": "cpus"}, ValueError),
+])
+def test_a_call_the_checks_reject_is_rejected_after_a_good_one(good, bad, error):
+    q, k, v = _arrays()
+    npattn.attention(q, k, v, **good)
+    npattn.attention(q, k, v, **good)  # planned now
+    with pytest.raises(error):
+        npattn.attention(q, k, v, **bad)
+
+
+def test_other_arrays_of_a_planned_structure_are_checked():
+    q, k, v = _arrays()
+    npattn.attention(q, k, v)
+    with pytest.raises(TypeError, match="dtype"):
+        npattn.attention(q, k, v.astype(np.float64))
+    with pytest.raises(ValueError):
+        npattn.attention(q, k[:, :1, :3], v)
+    with pytest.raises(TypeError):
+        npattn.attention(q, k, v.astype(np.int32))
+    # subclasses and other byte orders take the full path, with its checks
+    expected = npattn.attention(q, k, v)
+
+    class Sub(np.ndarray):
+        pass
+
+    assert plans.call_key(q.view(Sub), k, v, {}) is None
+    np.testing.assert_array_equal(npattn.attention(q.view(Sub), k, v), expected)
+    swapped = q.astype(q.dtype.newbyteorder())
+    assert plans.call_key(swapped, k, v, {}) is None
+    np.testing.assert_array_equal(npattn.attention(swapped, k, v), expected)
+
+
+def test_options_with_arrays_or_per_call_work_are_not_planned():
+    q, k, v = _arrays()
+    for options in ({"mask": np.ones((4, 4), bool)}, {"bias": np.zeros((4, 4), np.float32)},
+                    {"kv_lengths": np.array([3])}, {"sink_logits": np.zeros(2, np.float32)},
+                    {"dropout_p": 0.1}, {"check_finite": True}, {"return_weights": True},
+                    {"window": [2, 1]}, {"scale": np.float32(0.5)}):
+        assert plans.call_key(q, k, v, options) is None, options
+    for options in ({"dropout_p": 0.0}, {"check_finite": False}, {"return_weights": False}, {"window": (None, 2)}):
+        assert plans.call_key(q, k, v, options) is not None, options
+
+
+def test_non_finite_inputs_after_a_planned_call_get_the_references_answer():
+    q, k, v = _arrays()
+    npattn.attention(q, k, v)
+    npattn.attention(q, k, v)
+    bad = q.copy()
+    bad[0, 1, 2, 3] = np.nan
+    out = npattn.attention(bad, k, v)
+    assert np.isnan(out[0, 1, 2]).all() and np.isfinite(np.delete(out.reshape(-1, 8), 6, axis=0)).all()
+
+
+def test_a_plan_keeps_no_input_alive():
+    q, k, v = _arrays((1, 2, 64, 16))
+    npattn.attention(q, k, v)
+    npattn.attention(q, k, v)
+    refs = [weakref.ref(a) for a in (q, k, v)]
+    del q, k, v
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
+def test_a_plan_made_under_other_tile_sizes_is_not_used():
+    q, k, v = _arrays((1, 2, 40, 16))
+    untiled = npattn.attention(q, k, v, causal=True)
+    with cpu.tile_sizes(4, 8):
+        tiled = npattn.attention(q, k, v, causal=True)
+        tiled_again = npattn.attention(q, k, v, causal=True)
+    plans.clear()
+    with cpu.tile_sizes(4, 8):
+        fresh = npattn.attention(q, k, v, causal=True)
+    _same(tiled, fresh)
+    _same(tiled_again, fresh)
+    _same(untiled, npattn.attention(q, k, v, causal=True))
+    assert not np.array_equal(tiled, untiled)  # other tiles round otherwise: the test can tell
+
+
+def test_inputs_are_not_modified_and_outputs_are_fresh():
+    q, k, v = _arrays()
+    copies = [a.copy() for a in (q, k, v)]
+    first = npattn.attention(q, k, v)
+    second = npattn.attention(q, k, v)
+    assert first is not second and not np.shares_memory(first, second)
+    for a, b in zip((q, k, v), copies):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_threads_sharing_plans_get_their_own_answers():
+    rng = np.random.default_rng(0)
+    inputs = [tuple(rng.standard_normal((1, 4, 24, 16), dtype=np.float32) for _ in "qkv") for _ in range(4)]
+    expected = [npattn.attention(*arrays, causal=True) for arrays in inputs]
+    failures = []
+
+    def caller(index):
+        for _ in range(50):
+            if not np.array_equal(npattn.attention(*inputs[index], causal=True), expected[index]):
+                failures.append(index)
+
+    callers = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join()
+    assert not failures
+
+
+def test_the_caches_stay_bounded():
+    cache = plans.PlanCache(limit=3)
+    for key in range(10):
+        cache.put(key, str(key))
+    assert len(cache) == 3 and cache.get(9) == "9" and cache.get(0) is None
