@@ -12,7 +12,7 @@ from . import options as _options
 from . import plans as _plans
 from ._arrays import all_finite, array_kind
 from .problem import AttentionProblem, to_user_layout
-from .results import ForwardResult
+from .results import ForwardResult, Gradients
 from .types import Array, ArrayLike, Outputs, Vjp
 from .validation import build_problem, check_cotangent
 
@@ -55,17 +55,11 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     """
     key = _plans.call_key(q, k, v, options)
     if key is not None:  # a call like an earlier one: its checks' outcome is known
-        plan = _plans.lookup(key)
-        outputs = None if plan is None else plan(q, k, v)
-        if outputs is not None:
-            return outputs
-    backend = options.pop("backend", "auto")
-    problem = build_problem(q, k, v, **options)
-    implementation = _backends.resolve(backend, array_kind(problem.q))
-    _limits.check_memory(problem, implementation.NAME)
-    result, used = _nonfinite.forward(problem, implementation)
-    if key is not None and used is implementation:
-        _plans.remember(key, _repeated_forward(problem, implementation))
+        planned = _plans.lookup(key)
+        result = None if planned is None else planned.forward(q, k, v)
+        if result is not None:
+            return _public_outputs(planned.form, result)
+    problem, _, result = _checked_forward(q, k, v, options, key, backward=False)
     return _public_outputs(OutputForm.of(problem), result)
 
 
@@ -84,29 +78,72 @@ def attention_vjp(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> t
     Args:
 {arguments}
     """
+    key = _plans.call_key(q, k, v, options)
+    if key is not None:
+        planned = _plans.lookup(key)
+        result = None if planned is None or planned.backward_plan is None else planned.forward(q, k, v)
+        if result is not None:
+            return _planned_vjp(planned, result, q, k, v, options)
+    problem, implementation, result = _checked_forward(q, k, v, options, key, backward=True)
+    dtypes = (problem.q.dtype, problem.k.dtype, problem.v.dtype,
+              None if problem.bias is None else problem.bias.dtype,
+              None if problem.sink_logits is None else problem.sink_logits.dtype)
+    return _with_vjp(OutputForm.of(problem), result, problem.q,
+                     lambda dout: _nonfinite.backward(problem, implementation, result.saved, dout), dtypes)
+
+
+def _planned_vjp(planned: "_Planned", result: ForwardResult, q: Any, k: Any, v: Any,
+                 options: dict) -> tuple[Outputs, Vjp]:
+    """attention_vjp's answer for a planned call: its outputs, and a vjp on the backward plan."""
+    def gradients(dout: Any) -> Gradients:
+        grads = planned.gradients(q, k, v, result.saved, dout)
+        if grads is not None:
+            return grads
+        # a non-finite dout or gradient, or other tuning: the full path answers
+        problem = build_problem(q, k, v, **{name: o for name, o in options.items() if name != "backend"})
+        implementation = _backends.resolve(options.get("backend", "auto"), array_kind(problem.q))
+        return _nonfinite.backward(problem, implementation, result.saved, dout)
+    dtype = planned.form.dtype
+    return _with_vjp(planned.form, result, q, gradients, (dtype, dtype, dtype, None, None))
+
+
+def _checked_forward(q: Any, k: Any, v: Any, options: dict, key: tuple | None,
+                     backward: bool) -> tuple[AttentionProblem, Any, ForwardResult]:
+    """The full path: check everything, pick the backend, run it (the reference where the
+    result is not finite); then plan the structure ``key`` for later calls (``backward``:
+    their gradients too). Returns (problem, the backend that ran, result)."""
     options = dict(options)
     backend = options.pop("backend", "auto")
     problem = build_problem(q, k, v, **options)
     implementation = _backends.resolve(backend, array_kind(problem.q))
     _limits.check_memory(problem, implementation.NAME)
-    result, implementation = _nonfinite.forward(problem, implementation)
-    outputs = _public_outputs(OutputForm.of(problem), result)
+    result, used = _nonfinite.forward(problem, implementation)
+    if key is not None and used is implementation:
+        _plans.remember(key, _Planned.of(problem, implementation, backward))
+    return problem, used, result
+
+
+def _with_vjp(form: "OutputForm", result: ForwardResult, q_like: Any, gradients: Callable[[Any], Gradients],
+              dtypes: tuple) -> tuple[Outputs, Vjp]:
+    """``(outputs, vjp)``: the public outputs of ``result``, and the vjp that checks dout
+    against them (an array of ``q_like``'s kind), takes ``gradients(dout as bhsd)`` and
+    hands them back in the user's layout, in ``dtypes`` (q, k, v, bias, sink logits)."""
+    outputs = _public_outputs(form, result)
     out_shape = (outputs[0] if isinstance(outputs, tuple) else outputs).shape
 
     def vjp(dout: ArrayLike) -> tuple[Array, ...]:
-        dout = check_cotangent("dout", dout, problem.q, out_shape)
-        if problem.layout == "bshd":
+        dout = check_cotangent("dout", dout, q_like, out_shape)
+        if form.layout == "bshd":
             dout = dout.transpose(0, 2, 1, 3)
-        grads = _nonfinite.backward(problem, implementation, result.saved, dout)
-        form = OutputForm.of(problem)
+        grads = gradients(dout)
+        q_dtype, k_dtype, v_dtype, bias_dtype, sink_dtype = dtypes
         with np.errstate(over="ignore"):  # as in _public_outputs
-            public = [_user_array(form, grads.dq, problem.q.dtype),
-                      _user_array(form, grads.dk, problem.k.dtype),
-                      _user_array(form, grads.dv, problem.v.dtype)]
-            if problem.bias is not None:
-                public.append(grads.dbias.astype(problem.bias.dtype, copy=False))
-            if problem.sink_logits is not None:
-                public.append(grads.dsink_logits.astype(problem.sink_logits.dtype, copy=False))
+            public = [_user_array(form, grads.dq, q_dtype), _user_array(form, grads.dk, k_dtype),
+                      _user_array(form, grads.dv, v_dtype)]
+            if bias_dtype is not None:
+                public.append(grads.dbias.astype(bias_dtype, copy=False))
+            if sink_dtype is not None:
+                public.append(grads.dsink_logits.astype(sink_dtype, copy=False))
         return tuple(public)
 
     return outputs, vjp
@@ -156,24 +193,39 @@ def _user_array(form: OutputForm, array_bhsd: Any, dtype: Any) -> Array:
     return form.xp.ascontiguousarray(array)
 
 
-def _repeated_forward(problem: AttentionProblem, implementation: Any) -> Callable[..., Outputs | None] | None:
-    """What a later call of ``problem``'s structure runs (:mod:`npattn.plans`): the
-    backend's forward plan between the user's layout and outputs; None for a backend
-    without plans."""
-    planner = getattr(implementation, "forward_plan", None)
-    backend_plan = None if planner is None else planner(problem)
-    if backend_plan is None:
-        return None
-    form = OutputForm.of(problem)
-    bshd = problem.layout == "bshd"
+class _Planned(NamedTuple):
+    """What a later call of a planned structure runs (:mod:`npattn.plans`): the backend's
+    forward (and backward) plans between the user's layout and outputs."""
 
-    def forward(q: Any, k: Any, v: Any) -> Outputs | None:
-        """``attention``'s outputs, or None where the full path must answer (a result that
-        is not all finite, or a plan made under another tuning)."""
-        if bshd:
+    form: OutputForm
+    forward_plan: Callable[..., Any]
+    backward_plan: Callable[..., Any] | None
+
+    @classmethod
+    def of(cls, problem: AttentionProblem, implementation: Any, backward: bool) -> "_Planned | None":
+        """The plans of ``problem``'s structure; None for a backend without plans."""
+        if not hasattr(implementation, "forward_plan"):
+            return None
+        return cls(OutputForm.of(problem), implementation.forward_plan(problem),
+                   implementation.backward_plan(problem) if backward else None)
+
+    def forward(self, q: Any, k: Any, v: Any) -> ForwardResult | None:
+        """The forward's result, or None where the full path must answer (a result that is
+        not all finite, or plans made under another tuning)."""
+        if self.form.layout == "bshd":
             q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        result = backend_plan(q, k, v)
+        result = self.forward_plan(q, k, v)
         if result is None or not all_finite(result.out):
             return None
-        return _public_outputs(form, result)
-    return forward
+        return result
+
+    def gradients(self, q: Any, k: Any, v: Any, saved: Any, dout: Any) -> Gradients | None:
+        """The gradients for bhsd ``dout``, or None where the full path must answer."""
+        if not all_finite(dout):
+            return None
+        if self.form.layout == "bshd":
+            q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        grads = None if self.backward_plan is None else self.backward_plan(q, k, v, saved, dout)
+        if grads is None or not (all_finite(grads.dq) and all_finite(grads.dk) and all_finite(grads.dv)):
+            return None
+        return grads

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -113,8 +113,8 @@ def call_key(q, k, v, options: dict) -> tuple | None:
 _FORWARD = PlanCache()
 
 
-def lookup(key) -> Callable[[Any, Any, Any], Any] | None:
-    """The forward plan a call of structure ``key`` left, or None."""
+def lookup(key) -> Any:
+    """What a call of structure ``key`` left to run (the API's plans), or None."""
     return _FORWARD.get(key)
 
 

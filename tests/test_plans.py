@@ -52,6 +52,54 @@ def test_a_repeated_call_answers_as_a_first_call(case, layout, return_lse):
     _same(planned, npattn.attention(q2, k2, v2, **options))
 
 
+@settings(max_examples=30)
+@given(case=cases(options=_PLAIN_OPTIONS, dtypes=("float32", "float64"),
+                  dims_strategy=dims(max_group=4, max_len=20, max_dim=16)),
+       layout=layouts)
+def test_a_repeated_vjp_answers_as_a_first_one(case, layout):
+    q, k, v = (to_layout(a, layout) for a in (case.q, case.k, case.v))
+    options = {**case.options, "layout": layout}
+    rng = np.random.default_rng(2)
+
+    def run():
+        out, vjp = npattn.attention_vjp(q, k, v, **options)
+        dout = rng.standard_normal(out.shape).astype(out.dtype)
+        return (out, *vjp(dout))
+
+    plans.clear()
+    rng = np.random.default_rng(2)
+    first = run()
+    assert plans.lookup(plans.call_key(q, k, v, options)).backward_plan is not None
+    rng = np.random.default_rng(2)
+    _same(first, run())
+
+
+def test_a_forward_plan_alone_is_completed_by_the_first_vjp():
+    q, k, v = _arrays()
+    npattn.attention(q, k, v)
+    assert plans.lookup(plans.call_key(q, k, v, {})).backward_plan is None
+    out, vjp = npattn.attention_vjp(q, k, v)
+    grads = vjp(np.ones_like(out))
+    assert plans.lookup(plans.call_key(q, k, v, {})).backward_plan is not None
+    out2, vjp2 = npattn.attention_vjp(q, k, v)
+    _same((out, *grads), (out2, *vjp2(np.ones_like(out))))
+
+
+def test_a_non_finite_dout_after_a_planned_vjp_gets_the_references_gradients():
+    q, k, v = _arrays()
+    for _ in range(2):
+        out, vjp = npattn.attention_vjp(q, k, v)
+    dout = np.ones_like(out)
+    dout[0, 1, 2, 3] = np.inf
+    dq, dk, dv = vjp(dout)
+    expected = npattn.attention_vjp(q, k, v, backend="reference")[1](dout)
+    for got, want in zip((dq, dk, dv), expected):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(dq).any()
+    with pytest.raises(ValueError, match="dout"):
+        vjp(np.ones((1, 2, 4, 7), np.float32))
+
+
 @pytest.mark.parametrize("shapes, options", [
     (((1, 8, 16, 64), (1, 8, 16, 64)), {}),
     (((2, 8, 1, 32), (2, 2, 300, 32)), {"causal": True}),  # GQA folded into rows

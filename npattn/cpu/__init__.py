@@ -49,6 +49,14 @@ def forward_plan(problem):
     return plan(problem, current())
 
 
+def backward_plan(problem):
+    """A callable ``(q, k, v, saved, dout) -> Gradients | None``: :func:`forward_plan`'s
+    counterpart for the backward."""
+    from .driver import backward_plan as plan
+    from .tuning import current
+    return plan(problem, current())
+
+
 def backward(problem, saved, dout):
     from .driver import backward as run
     return run(problem, saved, dout)

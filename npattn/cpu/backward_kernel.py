@@ -133,7 +133,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
                     p, dropped, ds, tanh, packed, dk_tile, dv_tile, counter, items):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
     all C-contiguous in the compute dtype and zero on entry. ``p`` to ``dv_tile``: this
-    thread's :func:`~npattn.cpu.scratch.backward_scratch`.
+    thread's :func:`~npattn.cpu.scratch.backward_scratch_specs`.
 
     The key tile's body is written here, not in a helper: each level of calls costs the
     first call's compile a pass of Numba's optimizer and code emitter over everything
@@ -216,7 +216,7 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
     """dbias: flat C-contiguous ``dbias_shape`` (Bb, Hb, Sqb, Skb), each 1 or full, zero on
     entry. Item = (bias batch, bias head, query tile or all rows, key tile or all keys);
     it sums dS over the batches, heads, rows and keys that broadcast onto its elements.
-    ``p`` to ``packed``: this thread's :func:`~npattn.cpu.scratch.gradient_tile_scratch`."""
+    ``p`` to ``packed``: this thread's :func:`~npattn.cpu.scratch.gradient_tile_specs`."""
     block_q, block_k = ints[Int.BLOCK_Q], ints[Int.BLOCK_K]
     batch, heads, q_len, kv_len = ints[Int.BATCH], ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
     bias_b, bias_h, bias_q, bias_k = dbias_shape[0], dbias_shape[1], dbias_shape[2], dbias_shape[3]

@@ -14,9 +14,9 @@ from . import folding, splitting
 from .blas import single_threaded_blas
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
-from .scratch import (backward_scratch, begin_reuse, end_reuse, forward_scratch_specs, gradient_tile_scratch,
-                      reused, scratch_set, score_tile_specs)
-from .operands import Int, _read_only, build_operands, operand_plan, row_strides
+from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, gradient_tile_specs,
+                      scratch_set, score_tile_specs, with_dropout_copy)
+from .operands import Int, _read_only, operand_plan, row_strides
 from .tuning import Tuning, current
 
 
@@ -129,23 +129,9 @@ class ForwardPlan:
 _NO_PIN = contextlib.nullcontext()
 
 
-def _blas_pinned(ints):
-    """:func:`single_threaded_blas` where some product of the kernels runs on BLAS; a no-op
-    (2 us saved on a small call) where the micro-kernels do them all."""
-    if ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES] and ints[Int.VECTOR_KEYS]:
-        return contextlib.nullcontext()
-    return single_threaded_blas()
-
-
 def _forward_flops(problem) -> float:
     """The forward's dense work, 2 B H Sq Sk (D + Dv): what decides running inline."""
     return 2.0 * problem.batch * problem.heads * problem.q_len * problem.kv_len * (problem.head_dim + problem.value_dim)
-
-
-def _flat(array):
-    """A writable 1-D view of the whole memory behind a (possibly transposed) contiguous array."""
-    base = array if array.flags.c_contiguous else array.transpose(0, 2, 1, 3)
-    return base.reshape(-1)
 
 
 # Enough (batch, kv head, key chunk) items to keep this many cores busy, fixed so that
@@ -155,37 +141,85 @@ _BACKWARD_ITEMS = 8
 
 def backward(problem, saved, dout) -> Gradients:
     """Gradients of ``sum(out * dout)`` from the saved (out, lse); ``dout`` is bhsd."""
-    out, lse = saved
-    ops = build_operands(problem, "backward")
-    dtype = problem.accumulate_dtype
-    batch, heads, q_len, head_dim = problem.q.shape
-    kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim
-    dout_flat, dout_strides = row_strides(dout, dtype)
-    dout_strides = np.array(dout_strides, np.int64)
-    out_flat, out_strides = row_strides(out, dtype)
-    out_strides = np.array(out_strides, np.int64)
-    # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
-    delta = np.einsum("bhsd,bhsd->bhs", dout.astype(dtype, copy=False), out)
-    key_tiles = -(-kv_len // int(ops.ints[Int.BLOCK_K]))
-    chunks = max(1, min(key_tiles, -(-_BACKWARD_ITEMS // max(1, batch * kv_heads))))
-    dq = np.zeros((chunks, batch, heads, q_len, head_dim), dtype)
-    dk = np.zeros((batch, kv_heads, kv_len, head_dim), dtype)
-    dv = np.zeros((batch, kv_heads, kv_len, value_dim), dtype)
-    common = (*ops, dout_flat, dout_strides, out_flat, out_strides, lse.reshape(-1), delta.reshape(-1))
-    flops = _forward_flops(problem)
-    with _blas_pinned(ops.ints), reused():
-        run_items(backward_kernel, (*common, dq.reshape(-1), dk.reshape(-1), dv.reshape(-1), chunks),
-                  backward_items(ops.ints, chunks), lambda: backward_scratch(ops.ints, dtype), flops)
-        dbias = None
-        if problem.bias is not None:
-            dbias_shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)
-            dbias = np.zeros(dbias_shape, dtype)
-            shape = np.array(dbias_shape, np.int64)
-            items = (shape[0] * shape[1] * (-(-q_len // int(ops.ints[Int.BLOCK_Q])) if shape[2] > 1 else 1)
+    return backward_plan(problem, current())(problem.q, problem.k, problem.v, saved, dout, problem)
+
+
+def backward_plan(problem, tuning: Tuning) -> "BackwardPlan":
+    """The :class:`BackwardPlan` of ``problem``'s signature under ``tuning``, made on first
+    use and kept (the newest 256)."""
+    key = (tuning, signature(problem, seed=False))
+    plan = _BACKWARD_PLANS.get(key)
+    if plan is None:
+        plan = BackwardPlan(problem, tuning)
+        _BACKWARD_PLANS.put(key, plan)
+    return plan
+
+
+_BACKWARD_PLANS = PlanCache()
+
+
+class BackwardPlan:
+    """The backward's counterpart of :class:`ForwardPlan`: parameters, key chunks, work
+    items, scratch sizes and gradient shapes of one signature under one tuning."""
+
+    def __init__(self, problem, tuning: Tuning):
+        self.tuning = tuning
+        self.dtype = dtype = problem.accumulate_dtype
+        self.operands = operand_plan(problem, "backward", tuning)
+        ints = self.operands.ints
+        batch, heads, q_len, head_dim = problem.batch, problem.heads, problem.q_len, problem.head_dim
+        kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim
+        key_tiles = -(-kv_len // int(ints[Int.BLOCK_K]))
+        self.chunks = chunks = max(1, min(key_tiles, -(-_BACKWARD_ITEMS // max(1, batch * kv_heads))))
+        self.items = int(backward_items(ints, chunks))
+        self.blas = not (ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES] and ints[Int.VECTOR_KEYS])
+        self.flops = _forward_flops(problem)
+        self.scratch_specs = backward_scratch_specs(ints, dtype)
+        self.dq_shape = (chunks, batch, heads, q_len, head_dim)
+        self.dk_shape = (batch, kv_heads, kv_len, head_dim)
+        self.dv_shape = (batch, kv_heads, kv_len, value_dim)
+        self.dbias = None
+        if problem.bias is not None:  # (shape as 4-D, its array for the kernel, items, user shape)
+            shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)
+            items = (shape[0] * shape[1] * (-(-q_len // int(ints[Int.BLOCK_Q])) if shape[2] > 1 else 1)
                      * (key_tiles if shape[3] > 1 else 1))
-            run_items(dbias_kernel, (*common, dbias.reshape(-1), shape), int(items),
-                      lambda: gradient_tile_scratch(ops.ints, dtype), flops)
-            dbias = dbias.reshape(problem.bias_shape)
-    dsink_logits = None if problem.sink_logits is None else sink_logits_gradient(np, problem, lse, delta)
-    return Gradients(dq=dq.sum(axis=0) if chunks > 1 else dq[0], dk=dk, dv=dv, dbias=dbias,
-                     dsink_logits=dsink_logits)
+            self.dbias = (shape, _read_only(np.array(shape, np.int64)), int(items), tuple(problem.bias_shape),
+                          gradient_tile_specs(ints, dtype))
+
+    def __call__(self, q, k, v, saved, dout, arrays=None) -> Gradients | None:
+        """The gradients for bhsd ``q``, ``k``, ``v``, the forward's ``saved`` (out, lse)
+        and bhsd ``dout``, with the option arrays and seed of ``arrays`` (as for
+        :meth:`ForwardPlan.__call__`; None when the tuning changed since planning)."""
+        tuning = current()
+        if tuning is not self.tuning and tuning != self.tuning:
+            return None
+        out, lse = saved
+        dtype = self.dtype
+        ops = self.operands.operands(q, k, v, arrays)
+        dout_flat, dout_strides = row_strides(dout, dtype)
+        out_flat, out_strides = row_strides(out, dtype)
+        # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
+        delta = np.einsum("bhsd,bhsd->bhs", dout.astype(dtype, copy=False), out)
+        dq = np.zeros(self.dq_shape, dtype)
+        dk = np.zeros(self.dk_shape, dtype)
+        dv = np.zeros(self.dv_shape, dtype)
+        common = (*ops, dout_flat, np.array(dout_strides, np.int64), out_flat, np.array(out_strides, np.int64),
+                  lse.reshape(-1), delta.reshape(-1))
+        dbias = None
+        with single_threaded_blas() if self.blas else _NO_PIN:
+            begin_reuse()
+            try:
+                run_items(backward_kernel, (*common, dq.reshape(-1), dk.reshape(-1), dv.reshape(-1), self.chunks),
+                          self.items, lambda: with_dropout_copy(scratch_set(self.scratch_specs)), self.flops)
+                if self.dbias is not None:
+                    shape, shape_array, items, user_shape, specs = self.dbias
+                    dbias = np.zeros(shape, dtype)
+                    run_items(dbias_kernel, (*common, dbias.reshape(-1), shape_array), items,
+                              lambda: with_dropout_copy(scratch_set(specs)), self.flops)
+                    dbias = dbias.reshape(user_shape)
+            finally:
+                end_reuse()
+        dsink_logits = (None if arrays is None or arrays.sink_logits is None
+                        else sink_logits_gradient(np, arrays, lse, delta))
+        return Gradients(dq=dq.sum(axis=0) if self.chunks > 1 else dq[0], dk=dk, dv=dv, dbias=dbias,
+                         dsink_logits=dsink_logits)

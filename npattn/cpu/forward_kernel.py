@@ -55,7 +55,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
     """Fill ``out`` (a flat view with element strides ``out_strides``, int64 (4,): batch,
     head, row, key range; zero on entry) and ``lse`` (flat (ranges, B, H, Sq), -inf on
     entry). Rows past ``q_lengths`` stay as they are. ``s`` to ``seen``: this thread's
-    :func:`~npattn.cpu.scratch.forward_scratch`.
+    :func:`~npattn.cpu.scratch.forward_scratch_specs`.
 
     One function from the item loop down to the tile's key loop, not a helper per
     tile: Numba optimizes and emits machine code for a function together with every
@@ -190,7 +190,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                    lse, weights, s, tanh, packed, counter, items):
     """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
     ``exp(s - lse)``: the exact probabilities, after masking and before dropout.
-    ``s``, ``tanh``, ``packed``: this thread's :func:`~npattn.cpu.scratch.score_tile_scratch`."""
+    ``s``, ``tanh``, ``packed``: this thread's :func:`~npattn.cpu.scratch.score_tile_specs`."""
     block_k, ld = ints[Int.BLOCK_K], ints[Int.SCORE_LD]
     heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
     while True:

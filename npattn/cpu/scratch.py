@@ -22,27 +22,28 @@ from .operands import Int
 _ALIGN_BYTES = 64
 
 
-# Small scratch sets are kept per calling thread and handed out again, in the same
-# order, by the next call's requests (see :func:`reused`): a small call's allocations
+# Small scratch sets are kept per calling thread and handed out again by the next call's
+# requests for the same sizes (see :func:`begin_reuse`): a small call's allocations
 # cost more than its kernel. Larger ones (a big problem's tiles) are allocated fresh,
-# so a thread keeps at most a few small sets alive.
+# and a thread keeps the sets of its _REUSE_KINDS most recent sizes only.
 _REUSE_BYTES = 1 << 18
+_REUSE_KINDS = 8
 _ARENA = threading.local()
 
 
 def begin_reuse() -> None:
-    """From here until :func:`end_reuse`, this thread's small scratch requests return the
-    sets the previous such span's requests made at the same positions (when sizes and
-    dtypes match). The kernels that got them must be done by :func:`end_reuse`, as
-    run_items ensures. (Two calls rather than a context manager: a ``with`` of
-    contextlib costs a small call 3 us.)"""
+    """From here until :func:`end_reuse`, this thread's small scratch requests return sets
+    made by earlier requests of the same sizes: the n-th request for some sizes gets the
+    n-th set ever made for them. The kernels that got them must be done by
+    :func:`end_reuse`, as run_items ensures. (Two calls rather than a context manager: a
+    ``with`` of contextlib costs a small call 3 us.)"""
     if getattr(_ARENA, "sets", None) is None:
-        _ARENA.sets = []
-    _ARENA.cursor = 0
+        _ARENA.sets = {}  # specs -> [set, set, ...], the most recently used specs last
+    _ARENA.taken = {}     # specs -> sets handed out since begin_reuse
 
 
 def end_reuse() -> None:
-    _ARENA.cursor = None
+    _ARENA.taken = None
 
 
 @contextlib.contextmanager
@@ -57,21 +58,24 @@ def reused():
 
 def scratch_set(specs: tuple) -> tuple:
     """One uninitialized 1-D array per ``(size, dtype)`` of ``specs``, each starting on
-    a cache line; between :func:`begin_reuse` and :func:`end_reuse`, the set this
-    position got last time when ``specs`` are the same and small."""
-    cursor = getattr(_ARENA, "cursor", None)
-    if cursor is not None:
-        _ARENA.cursor = cursor + 1
-        sets = _ARENA.sets
-        if cursor < len(sets) and sets[cursor][0] == specs:  # only small sets are kept
-            return sets[cursor][1]
+    a cache line; between :func:`begin_reuse` and :func:`end_reuse`, a kept set of these
+    sizes that this span has not handed out yet, when there is one and they are small."""
+    taken = getattr(_ARENA, "taken", None)
+    if taken is not None:
+        index = taken.get(specs, 0)
+        taken[specs] = index + 1
+        kept = _ARENA.sets.get(specs)
+        if kept is not None and index < len(kept):
+            return kept[index]
     arrays = tuple(_allocate(size, np.dtype(dtype)) for size, dtype in specs)
-    if cursor is None or sum(array.nbytes for array in arrays) > _REUSE_BYTES:
+    if taken is None or sum(array.nbytes for array in arrays) > _REUSE_BYTES:
         return arrays
-    if cursor < len(sets):
-        sets[cursor] = (specs, arrays)
-    else:
-        sets.append((specs, arrays))
+    sets = _ARENA.sets
+    kept = sets.pop(specs, [])
+    kept.append(arrays)
+    sets[specs] = kept  # most recent last
+    while len(sets) > _REUSE_KINDS:
+        del sets[next(iter(sets))]
     return arrays
 
 
@@ -83,55 +87,42 @@ def _allocate(size: int, dtype: np.dtype) -> np.ndarray:
 
 
 def score_tile_specs(ints, dtype) -> tuple:
-    """The ``(size, dtype)`` of each array of :func:`score_tile_scratch`."""
+    """``(s, tanh, packed)``: scores (BLOCK_Q x SCORE_LD), the value the score step keeps
+    of each for the gradient step (the same size where an option needs one, else 1
+    element: a small call's scratch stays small enough to be reused), and the packed key
+    tile with its value tile after it ((D + Dv) x SCORE_LD; 1 element when products go
+    through BLAS). Like every ``*_specs`` here: a ``(size, dtype)`` per array, for
+    :func:`scratch_set`."""
     size = int(ints[Int.BLOCK_Q] * ints[Int.SCORE_LD])
     packed = int((ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM]) * ints[Int.SCORE_LD]) if ints[Int.VECTOR_SCORES] else 1
     return (size, dtype), (size if ints[Int.SAVES_SCORES] else 1, dtype), (packed, dtype)
 
 
-def score_tile_scratch(ints, dtype):
-    """``(s, tanh, packed)``: scores (BLOCK_Q x SCORE_LD), the value the score step keeps
-    of each for the gradient step (the same size where an option needs one, else 1
-    element: a small call's scratch stays small enough to be reused), and the packed key
-    tile with its value
-    tile after it ((D + Dv) x SCORE_LD; 1 element when products go through BLAS)."""
-    return scratch_set(score_tile_specs(ints, dtype))
-
-
-def forward_scratch(ints, dtype):
-    """:func:`score_tile_scratch`, then per row of a query tile (BLOCK_Q each) the running
-    max ``m``, the running sum ``total``, one tile's sums, and whether any key was seen."""
-    return scratch_set(forward_scratch_specs(ints, dtype))
-
-
 def forward_scratch_specs(ints, dtype) -> tuple:
-    """The ``(size, dtype)`` of each array of :func:`forward_scratch`."""
+    """:func:`score_tile_specs`, then per row of a query tile (BLOCK_Q each) the running
+    max ``m``, the running sum ``total``, one tile's sums, and whether any key was seen."""
     rows = int(ints[Int.BLOCK_Q])
     return (*score_tile_specs(ints, dtype), (rows, dtype), (rows, dtype), (rows, dtype), (rows, np.bool_))
 
 
-def _gradient_tile_specs(ints, dtype) -> tuple:
+def gradient_tile_specs(ints, dtype) -> tuple:
+    """``(p, dropped, ds, tanh, packed)``: probabilities, them after dropout (0 elements
+    without dropout: see :func:`with_dropout_copy`) and the scores' gradient (BLOCK_Q x
+    SCORE_LD each), and ``tanh`` and ``packed`` as in :func:`score_tile_specs`."""
     score, tanh, packed = score_tile_specs(ints, dtype)
     return score, (score[0] if ints[Int.HAS_DROPOUT] else 0, dtype), score, tanh, packed
 
 
-def _without_dropout_copy(arrays: tuple) -> tuple:
-    """``dropped`` is ``p`` itself without dropout (its spec asks for 0 elements)."""
-    p, dropped, *rest = arrays
-    return (p, dropped if dropped.size else p, *rest)
-
-
-def gradient_tile_scratch(ints, dtype):
-    """``(p, dropped, ds, tanh, packed)``: probabilities, them after dropout (``p`` itself
-    without dropout) and the scores' gradient (BLOCK_Q x SCORE_LD each), and ``tanh``
-    and ``packed`` as in :func:`score_tile_scratch`."""
-    return _without_dropout_copy(scratch_set(_gradient_tile_specs(ints, dtype)))
-
-
-def backward_scratch(ints, dtype):
-    """:func:`gradient_tile_scratch`, then one key tile's dK and dV sums (BLOCK_K x D and
+def backward_scratch_specs(ints, dtype) -> tuple:
+    """:func:`gradient_tile_specs`, then one key tile's dK and dV sums (BLOCK_K x D and
     BLOCK_K x Dv)."""
     keys = int(ints[Int.BLOCK_K])
-    return _without_dropout_copy(scratch_set((*_gradient_tile_specs(ints, dtype),
-                                               (keys * int(ints[Int.HEAD_DIM]), dtype),
-                                               (keys * int(ints[Int.VALUE_DIM]), dtype))))
+    return (*gradient_tile_specs(ints, dtype), (keys * int(ints[Int.HEAD_DIM]), dtype),
+            (keys * int(ints[Int.VALUE_DIM]), dtype))
+
+
+def with_dropout_copy(arrays: tuple) -> tuple:
+    """A scratch set of :func:`gradient_tile_specs` (or :func:`backward_scratch_specs`) as
+    the kernels take it: ``dropped`` is ``p`` itself without dropout."""
+    p, dropped, *rest = arrays
+    return (p, dropped if dropped.size else p, *rest)

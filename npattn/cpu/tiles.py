@@ -162,7 +162,7 @@ def pack_value_tile(v, ints, b, kv_head, j0, cols, packed):
 
 @njit(inline="always")
 def packed_values(ints, packed):
-    """The V^T part of a packed tile (see :func:`npattn.cpu.scratch.score_tile_scratch`)."""
+    """The V^T part of a packed tile (see :func:`npattn.cpu.scratch.score_tile_specs`)."""
     return packed[ints[Int.HEAD_DIM] * ints[Int.SCORE_LD]:]
 
 
