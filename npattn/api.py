@@ -57,8 +57,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     if key is not None:  # a call like an earlier one: its checks' outcome is known
         planned = _plans.lookup(key)
         result = None if planned is None else planned.forward(q, k, v)
-        if result is not None:
-            return _public_outputs(planned.form, result)
+        if result is not None:  # finite, from the kernels: out is a mean of v's rows, in v's range
+            return _public_outputs(planned.form, result, finite=True)
     problem, _, result = _checked_forward(q, k, v, options, key, backward=False)
     return _public_outputs(OutputForm.of(problem), result)
 
@@ -174,15 +174,18 @@ class OutputForm(NamedTuple):
                    problem.return_weights)
 
 
-def _public_outputs(form: OutputForm, result: ForwardResult) -> Outputs:
-    # a float64 reference answer (non-finite inputs) may pass the user dtype's range: inf
-    with np.errstate(over="ignore"):
-        out = _user_array(form, result.out, form.dtype)
-        extras = []
-        if form.return_lse:
-            extras.append(result.lse.astype(form.lse_dtype, copy=False))
-        if form.return_weights:
-            extras.append(result.weights.astype(form.dtype, copy=False))
+def _public_outputs(form: OutputForm, result: ForwardResult, finite: bool = False) -> Outputs:
+    """``result`` as the user gets it. Not ``finite`` (unknown), a float64 reference answer
+    (non-finite inputs) may pass the user dtype's range: inf, without a warning."""
+    if not finite:
+        with np.errstate(over="ignore"):
+            return _public_outputs(form, result, finite=True)
+    out = _user_array(form, result.out, form.dtype)
+    extras = []
+    if form.return_lse:
+        extras.append(result.lse.astype(form.lse_dtype, copy=False))
+    if form.return_weights:
+        extras.append(result.weights.astype(form.dtype, copy=False))
     return (out, *extras) if extras else out
 
 

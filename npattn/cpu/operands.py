@@ -64,14 +64,14 @@ def flat_view(array, dtype, unit_last_axis=False):
 
 
 def memory_order(array, dtype, unit_last_axis=False):
-    """The axis order in which ``array`` is C-contiguous (``()`` for its own order), or None
+    """The axis order in which ``array`` is C-contiguous (``(0, 1, 2, 3)`` for its own), or None
     when it is in none, is empty or is not of ``dtype``: then :func:`flat_memory` cannot
     view it. A bshd array seen as bhsd, the usual case besides plain bhsd, is (0, 2, 1, 3).
     With ``unit_last_axis``, also None unless the last axis has unit stride."""
     if array.dtype != dtype or not array.size:
         return None
     if array.flags.c_contiguous:
-        return ()
+        return tuple(range(array.ndim))
     if unit_last_axis and array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
         return None
     # size-1 axes have no stride that matters: keep them in place, order the rest by stride
@@ -83,7 +83,7 @@ def memory_order(array, dtype, unit_last_axis=False):
 def flat_memory(array, order):
     """A read-only 1-D view of the memory of ``array``, C-contiguous in axis ``order``
     (:func:`memory_order`), starting at its first element."""
-    return _frozen((array.transpose(order) if order else array).reshape(-1))
+    return _frozen(array.transpose(order).reshape(-1))
 
 
 def row_strides(array, dtype):
@@ -127,7 +127,9 @@ class OperandPlan:
         self.ints, self.reals, self.all_rows, self.all_keys = _parameters(problem, kind, tuning,
                                                                           rows_per_position, strides)
         # q, k, v read in place (the usual case), else through row_strides on every call
+        # (:func:`flat_memory` written out in :meth:`operands`: a small call's every us counts)
         self.orders = tuple(_row_order(array, dtype) for array in (problem.q, problem.k, problem.v))
+        self.placeholders = _placeholders(dtype)
         self.dropout = bool(problem.dropout_p)
 
     def operands(self, q, k, v, arrays=None) -> Operands:
@@ -135,9 +137,11 @@ class OperandPlan:
         dtype, with the bias, mask, ALiBi slopes, sink logits, lengths and seed of
         ``arrays`` (a problem of this plan's signature; None: none of them, no dropout)."""
         dtype = self.dtype
-        q, k, v = (flat_memory(x, order) if order is not None else row_strides(x, dtype)[0]
-                   for x, order in zip((q, k, v), self.orders))
-        placeholder, mask_placeholder = _placeholders(dtype)
+        q_order, k_order, v_order = self.orders
+        q = _frozen(q.transpose(q_order).reshape(-1)) if q_order is not None else row_strides(q, dtype)[0]
+        k = _frozen(k.transpose(k_order).reshape(-1)) if k_order is not None else row_strides(k, dtype)[0]
+        v = _frozen(v.transpose(v_order).reshape(-1)) if v_order is not None else row_strides(v, dtype)[0]
+        placeholder, mask_placeholder = self.placeholders
         if arrays is None:
             return Operands(q, k, v, placeholder, mask_placeholder, placeholder, placeholder,
                             self.all_rows, self.all_keys, self.ints, self.reals)
