@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -47,6 +47,14 @@ class PlanCache:
 
     def get(self, key):
         return self._plans.get(key)
+
+    def get_or_make(self, key, make: Callable[[], Any]) -> Any:
+        """The plan kept for ``key``, else ``make()``, kept."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = make()
+            self.put(key, plan)
+        return plan
 
     def put(self, key, plan) -> None:
         with self._lock:

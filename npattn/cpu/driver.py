@@ -29,12 +29,8 @@ def forward(problem) -> ForwardResult:
 def forward_plan(problem, tuning: Tuning) -> "ForwardPlan":
     """The :class:`ForwardPlan` of ``problem``'s signature under ``tuning``, made on first
     use and kept (the newest 256)."""
-    key = (tuning, signature(problem, seed=False))
-    plan = _FORWARD_PLANS.get(key)
-    if plan is None:
-        plan = ForwardPlan(problem, tuning)
-        _FORWARD_PLANS.put(key, plan)
-    return plan
+    return _FORWARD_PLANS.get_or_make((tuning, signature(problem, seed=False)),
+                                      lambda: ForwardPlan(problem, tuning))
 
 
 _FORWARD_PLANS = PlanCache()
@@ -148,12 +144,8 @@ def backward(problem, saved, dout) -> Gradients:
 def backward_plan(problem, tuning: Tuning) -> "BackwardPlan":
     """The :class:`BackwardPlan` of ``problem``'s signature under ``tuning``, made on first
     use and kept (the newest 256)."""
-    key = (tuning, signature(problem, seed=False))
-    plan = _BACKWARD_PLANS.get(key)
-    if plan is None:
-        plan = BackwardPlan(problem, tuning)
-        _BACKWARD_PLANS.put(key, plan)
-    return plan
+    return _BACKWARD_PLANS.get_or_make((tuning, signature(problem, seed=False)),
+                                       lambda: BackwardPlan(problem, tuning))
 
 
 _BACKWARD_PLANS = PlanCache()

@@ -164,12 +164,8 @@ class OperandPlan:
 def operand_plan(problem, kind: str, tuning: Tuning, rows_per_position: int = 1) -> OperandPlan:
     """The :class:`OperandPlan` of ``problem``'s signature, made on first use and kept
     (the newest 256); dropout seeds share one (:meth:`OperandPlan.operands` sets it)."""
-    key = (kind, tuning, rows_per_position, signature(problem, seed=False))
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = OperandPlan(problem, kind, tuning, rows_per_position)
-        _PLANS.put(key, plan)
-    return plan
+    return _PLANS.get_or_make((kind, tuning, rows_per_position, signature(problem, seed=False)),
+                              lambda: OperandPlan(problem, kind, tuning, rows_per_position))
 
 
 def _row_order(array, dtype):
