@@ -118,6 +118,30 @@ def test_repeated_calls_of_each_cpu_path_give_the_same_bits(shapes, options, lay
         _same(results[0], result)
 
 
+@pytest.mark.parametrize("view", ["reversed", "broadcast", "sliced", "float16"])
+def test_repeated_calls_on_odd_views_answer_as_first_calls(view):
+    """Views whose flat memory cannot be read in place are copied on every call, the
+    plan's strides those of the copy."""
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((2, 3, 12, 16)).astype(np.float32)
+    q, k, v = {"reversed": (base[:, :, ::-1], base[:, :, ::-1], base),
+               "broadcast": (base, np.broadcast_to(base[:, :, :1], base.shape), base),
+               "sliced": (base[:, :, ::2, ::2], base[:, :, 1::2, ::2], base[:, :, ::2, 1::2]),
+               "float16": tuple(base.astype(np.float16) for _ in "qkv")}[view]
+    first = npattn.attention(q, k, v, causal=True)
+    second = npattn.attention(q, k, v, causal=True)
+    other = np.ascontiguousarray(base[::-1])
+    changed = {"reversed": (other[:, :, ::-1], other[:, :, ::-1], other),
+               "broadcast": (other, np.broadcast_to(other[:, :, :1], other.shape), other),
+               "sliced": (other[:, :, ::2, ::2], other[:, :, 1::2, ::2], other[:, :, ::2, 1::2]),
+               "float16": tuple(other.astype(np.float16) for _ in "qkv")}[view]
+    planned = npattn.attention(*changed, causal=True)
+    plans.clear()
+    _same(first, second)
+    _same(planned, npattn.attention(*changed, causal=True))
+    assert not np.array_equal(first, planned)
+
+
 def _arrays(shape=(1, 2, 4, 8), dtype=np.float32):
     rng = np.random.default_rng(0)
     return tuple(rng.standard_normal(shape).astype(dtype) for _ in "qkv")
