@@ -119,7 +119,7 @@ def _checked_forward(q: Any, k: Any, v: Any, options: dict, key: tuple | None,
     _limits.check_memory(problem, implementation.NAME)
     result, used = _nonfinite.forward(problem, implementation)
     if key is not None and used is implementation:
-        _plans.remember(key, _Planned.of(problem, implementation, backward))
+        _plans.remember(key, lambda: _Planned.of(problem, implementation, backward))
     return problem, used, result
 
 

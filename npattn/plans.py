@@ -5,10 +5,11 @@ everything a backend derives from the problem before its kernels run (parameter
 arrays, tiles, work items, scratch sizes), is a function of the call's *structure*:
 the array type, dtype, shape and strides of q, k and v, and the option values. Two
 calls of one structure differ only in their arrays' contents. So a call whose
-structure an earlier successful call had goes straight to the plan that call left
-(:func:`lookup`), skipping the checks whose outcome is already known: serving loops
-and embedding pipelines repeat a handful of structures, and on a small call those
-checks and that set-up cost more than the kernel.
+structure earlier successful calls had (a structure is planned at its second call)
+goes straight to the plan they left (:func:`lookup`), skipping the checks whose
+outcome is already known: serving loops and embedding pipelines repeat a handful of
+structures, and on a small call those checks and that set-up cost more than the
+kernel. A decode loop whose key count grows every step repeats none, and makes none.
 
 A structure is only cached when every check of the call depends on nothing else
 (:func:`call_key`): NumPy arrays of native byte order, options of plain values
@@ -126,7 +127,20 @@ def lookup(key) -> Any:
     return _FORWARD.get(key)
 
 
-def remember(key, plan) -> None:
-    """Keep ``plan`` for later calls of structure ``key`` (None: nothing to keep)."""
-    if key is not None and plan is not None:
+# Structures seen once and not planned yet: a structure is planned at its second call, so
+# that calls whose structure never repeats (a decode loop's growing key count) do not pay
+# for making plans no later call will use.
+_SEEN = PlanCache()
+
+
+def remember(key, make: Callable[[], Any]) -> None:
+    """Note that a call of structure ``key`` was answered by the full path; from the second
+    such call on, keep ``make()`` (when not None) for later calls of it."""
+    if key is None:
+        return
+    if _FORWARD.get(key) is None and _SEEN.get(key) is None:
+        _SEEN.put(key, True)
+        return
+    plan = make()
+    if plan is not None:
         _FORWARD.put(key, plan)

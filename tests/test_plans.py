@@ -40,8 +40,11 @@ def test_a_repeated_call_answers_as_a_first_call(case, layout, return_lse):
     plans.clear()
     first = npattn.attention(q, k, v, **options)
     key = plans.call_key(q, k, v, options)
-    assert key is not None and plans.lookup(key) is not None, "the call left no plan"
+    assert key is not None and plans.lookup(key) is None, "planned at the first call"
+    second = npattn.attention(q, k, v, **options)
+    assert plans.lookup(key) is not None, "two calls left no plan"
     again = npattn.attention(q, k, v, **options)
+    _same(first, second)
     _same(first, again)
     # new arrays of the same structure, other values: the plan serves them too
     rng = np.random.default_rng(1)
@@ -69,6 +72,8 @@ def test_a_repeated_vjp_answers_as_a_first_one(case, layout):
     plans.clear()
     rng = np.random.default_rng(2)
     first = run()
+    rng = np.random.default_rng(2)
+    _same(first, run())
     assert plans.lookup(plans.call_key(q, k, v, options)).backward_plan is not None
     rng = np.random.default_rng(2)
     _same(first, run())
@@ -76,6 +81,7 @@ def test_a_repeated_vjp_answers_as_a_first_one(case, layout):
 
 def test_a_forward_plan_alone_is_completed_by_the_first_vjp():
     q, k, v = _arrays()
+    npattn.attention(q, k, v)
     npattn.attention(q, k, v)
     assert plans.lookup(plans.call_key(q, k, v, {})).backward_plan is None
     out, vjp = npattn.attention_vjp(q, k, v)
@@ -261,6 +267,15 @@ def test_threads_sharing_plans_get_their_own_answers():
     for thread in callers:
         thread.join()
     assert not failures
+
+
+def test_a_structure_that_never_repeats_is_never_planned():
+    rng = np.random.default_rng(0)
+    cache = rng.standard_normal((1, 2, 40, 8)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
+    for length in range(1, 40):  # a decode loop: one more key each step
+        npattn.attention(q, cache[:, :, :length], cache[:, :, :length], causal=True)
+    assert len(plans._FORWARD) == 0
 
 
 def test_the_caches_stay_bounded():

@@ -68,13 +68,14 @@ class ForwardPlan:
         self.weights_shape = (batch, heads, q_len, problem.kv_len)
         # each key range's rows go to their own (out, lse) slice, merged after the kernel
         self.parts_shape = (self.splits, batch, heads, q_len, value_dim)
+        # element strides of out's batch, head and row, and of a key range's slice
         if self.splits > 1:
-            parts_strides = np.zeros(self.parts_shape, dtype).strides
-            strides = [*parts_strides[1:4], parts_strides[0]]
+            strides = [heads * q_len * value_dim, q_len * value_dim, value_dim, batch * heads * q_len * value_dim]
+        elif self.bshd:
+            strides = [q_len * heads * value_dim, value_dim, heads * value_dim, 0]
         else:
-            out = np.zeros(self.out_shape, dtype)
-            strides = [*(out.transpose(0, 2, 1, 3) if self.bshd else out).strides[:3], 0]
-        self.out_strides = _read_only(np.array([stride // dtype.itemsize for stride in strides], np.int64))
+            strides = [heads * q_len * value_dim, q_len * value_dim, value_dim, 0]
+        self.out_strides = _read_only(np.array(strides, np.int64))
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
         """The forward of bhsd ``q``, ``k``, ``v`` (this plan's shapes, strides and dtypes)

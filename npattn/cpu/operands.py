@@ -55,29 +55,48 @@ def flat_view(array, dtype, unit_last_axis=False):
     elements = element_strides(array)
     if array.size == 0:
         return _placeholders(np.dtype(dtype))[0], elements
-    order = memory_order(array, dtype, unit_last_axis)
-    if order is not None:
-        return flat_memory(array, order), elements
+    if array.flags.c_contiguous:  # a copy made above, or a contiguous view of another dtype's
+        return _frozen(array.reshape(-1)), elements
     extent = 1 + sum((n - 1) * s for n, s in zip(array.shape, elements))
-    flat = np.lib.stride_tricks.as_strided(array, shape=(extent,), strides=(itemsize,), writeable=False)
+    flat = _within_base(array, extent)
+    if flat is None:
+        flat = np.lib.stride_tricks.as_strided(array, shape=(extent,), strides=(itemsize,), writeable=False)
     return flat, elements
 
 
+def _within_base(array, extent):
+    """``extent`` elements from ``array``'s first, as a read-only slice of the contiguous
+    array it is a view of (a KV cache's filled part, ``cache[:, :, :n]``), or None where it
+    is no such view. A slice costs a few us; ``as_strided``, the general way, 20."""
+    base = array
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    if base is array or base.dtype != array.dtype or not base.flags.c_contiguous:
+        return None
+    start, rest = divmod(array.__array_interface__["data"][0] - base.__array_interface__["data"][0],
+                         array.itemsize)
+    if rest or start < 0 or start + extent > base.size:
+        return None
+    return _frozen(base.reshape(-1)[start:start + extent])
+
+
+_BSHD = (0, 2, 1, 3)
+
+
 def memory_order(array, dtype, unit_last_axis=False):
-    """The axis order in which ``array`` is C-contiguous (``(0, 1, 2, 3)`` for its own), or None
-    when it is in none, is empty or is not of ``dtype``: then :func:`flat_memory` cannot
-    view it. A bshd array seen as bhsd, the usual case besides plain bhsd, is (0, 2, 1, 3).
-    With ``unit_last_axis``, also None unless the last axis has unit stride."""
+    """The axis order in which ``array`` is C-contiguous: ``(0, 1, 2, 3)`` for its own, or
+    (0, 2, 1, 3) for a bshd array seen as bhsd (the usual cases); None otherwise, or when it
+    is empty or not of ``dtype``: then :func:`flat_memory` cannot view it. With
+    ``unit_last_axis``, also None unless the last axis has unit stride."""
     if array.dtype != dtype or not array.size:
         return None
     if array.flags.c_contiguous:
         return tuple(range(array.ndim))
     if unit_last_axis and array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
         return None
-    # size-1 axes have no stride that matters: keep them in place, order the rest by stride
-    order = tuple(sorted(range(array.ndim), key=lambda axis: (-array.strides[axis] if array.shape[axis] > 1
-                                                                else -np.inf, axis)))
-    return order if array.transpose(order).flags.c_contiguous else None
+    if array.ndim == 4 and array.transpose(_BSHD).flags.c_contiguous:
+        return _BSHD
+    return None  # other orders (views into a larger array) are read by flat_view's slower path
 
 
 def flat_memory(array, order):
@@ -96,6 +115,25 @@ def row_strides(array, dtype):
         array = np.ascontiguousarray(array)
     flat, (sb, sh, sr, _) = flat_view(array, dtype, unit_last_axis=True)
     return flat, (sb, sh, max(sr, width, 1))
+
+
+def view_strides(array, dtype, unit_last_axis=False) -> tuple:
+    """``flat_view(array, dtype, unit_last_axis)[1]``, without making the view where it
+    would copy nothing (a plan for a new structure needs the strides only)."""
+    itemsize = array.itemsize
+    if (array.dtype == dtype and array.size and all(s >= 0 and s % itemsize == 0 for s in array.strides)
+            and not (unit_last_axis and array.shape[-1] > 1 and array.strides[-1] != itemsize)):
+        return element_strides(array)
+    return flat_view(array, dtype, unit_last_axis)[1]
+
+
+def row_view_strides(array, dtype) -> tuple:
+    """``row_strides(array, dtype)[1]``, without the view where it would copy nothing."""
+    rows, width = array.shape[-2], array.shape[-1]
+    if rows > 1 and 0 <= array.strides[-2] < width * array.itemsize:
+        return row_strides(array, dtype)[1]
+    sb, sh, sr, _ = view_strides(array, dtype, unit_last_axis=True)
+    return sb, sh, max(sr, width, 1)
 
 
 def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None,
@@ -119,11 +157,11 @@ class OperandPlan:
 
     def __init__(self, problem, kind, tuning, rows_per_position):
         self.dtype = dtype = problem.accumulate_dtype  # float32 for float16 inputs
-        flat = [row_strides(problem.q, dtype), row_strides(problem.k, dtype), row_strides(problem.v, dtype)]
         no_strides = (0, 0, 0, 0)
-        flat.append(no_strides if problem.bias is None else flat_view(problem.bias, dtype))
-        flat.append(no_strides if problem.mask is None else flat_view(problem.mask.view(np.uint8), np.uint8))
-        strides = tuple(entry if entry is no_strides else entry[1] for entry in flat)
+        strides = (row_view_strides(problem.q, dtype), row_view_strides(problem.k, dtype),
+                   row_view_strides(problem.v, dtype),
+                   no_strides if problem.bias is None else view_strides(problem.bias, dtype),
+                   no_strides if problem.mask is None else view_strides(problem.mask.view(np.uint8), np.uint8))
         self.ints, self.reals, self.all_rows, self.all_keys = _parameters(problem, kind, tuning,
                                                                           rows_per_position, strides)
         # q, k, v read in place (the usual case), else through row_strides on every call
