@@ -85,7 +85,9 @@ class Option:
     tile inside the visible band may skip that step only when no such option is
     compiled in; ``saves_score``: its CPU score step keeps a value per score for its
     gradient step (softcap: the tanh), in a scratch tile allocated only then
-    (``Int.SAVES_SCORES``)."""
+    (``Int.SAVES_SCORES``); ``repeatable``: for which plain values the check and the
+    backends read nothing but the value and the call's structure, so that a repeated call
+    may skip them (:mod:`npattn.plans`; None: every plain value)."""
 
     name: str
     default: Any
@@ -99,6 +101,7 @@ class Option:
     gpu_option: str | None = None
     per_score: bool = False
     saves_score: bool = False
+    repeatable: Callable[[Any], bool] | None = None
 
 
 def _has(field):
@@ -169,7 +172,8 @@ OPTIONS: tuple[Option, ...] = (
            "float in [0, 1): the probability of dropping each weight (inverted scaling).",
            lambda value, call: _check_dropout_p(value),
            field="dropout_p", present=lambda problem: problem.dropout_p > 0, flag="HAS_DROPOUT",
-           gpu_option="DROPOUT", real=("KEEP_SCALE", lambda problem: 1.0 / (1.0 - problem.dropout_p))),
+           gpu_option="DROPOUT", real=("KEEP_SCALE", lambda problem: 1.0 / (1.0 - problem.dropout_p)),
+           repeatable=lambda value: not value),  # on: a fresh seed per call
     Option("seed", None, "randomness",
            "int, or None for a fresh random seed (remembered by attention_vjp).",
            lambda value, call: _check_seed(value, call.checked["dropout_p"]),
@@ -185,11 +189,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("return_weights", False, "output",
            "bool: also return the weights (B, H, Sq, Sk).",
            lambda value, call: checks.check_bool("return_weights", value),
-           field="return_weights"),
+           field="return_weights", repeatable=lambda value: not value),  # on: checks the free memory
     Option("check_finite", False, "checking",
            "bool: raise ValueError naming the first NaN or inf in q, k, v or bias (one pass over "
            "each); off, non-finite values propagate as documented.",
-           lambda value, call: checks.check_bool("check_finite", value)),
+           lambda value, call: checks.check_bool("check_finite", value),
+           repeatable=lambda value: not value),  # on: reads every input value
 )
 # The score pipeline, in the order every backend applies it (the docs of ``attention``).
 SCORE_STEPS = (

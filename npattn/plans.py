@@ -88,18 +88,13 @@ def _plain(value) -> bool:
 
 
 def _repeatable(name: str, value) -> bool:
-    """Whether the checks of option ``name`` given ``value`` read nothing but the value:
-    plain values only, and none of dropout, check_finite or return_weights switched on."""
-    if not _plain(value):
-        return False
-    if name in _SWITCHED_OFF_ONLY:
-        return not value
-    return True
-
-
-# Options whose checks read more than their value when on (see the module's docstring)
-_SWITCHED_OFF_ONLY = ("dropout_p", "check_finite", "return_weights")
-assert all(name in _options.BY_NAME for name in _SWITCHED_OFF_ONLY)
+    """Whether a repeated call may skip the checks of option ``name`` given ``value``: a
+    plain value that its table entry (:attr:`npattn.options.Option.repeatable`) allows;
+    never for a name that is not an option (the full path raises)."""
+    option = _options.BY_NAME.get(name)
+    if option is None:
+        return name == "backend" and type(value) is str
+    return _plain(value) and (option.repeatable is None or option.repeatable(value))
 
 
 def call_key(q, k, v, options: dict) -> tuple | None:

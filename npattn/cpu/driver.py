@@ -16,7 +16,7 @@ from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
 from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, gradient_tile_specs,
                       scratch_set, score_tile_specs, with_dropout_copy)
-from .operands import Int, _read_only, operand_plan, row_strides
+from .operands import Int, read_only, operand_plan, row_strides
 from .tuning import Tuning, current
 
 
@@ -75,7 +75,7 @@ class ForwardPlan:
             strides = [q_len * heads * value_dim, value_dim, heads * value_dim, 0]
         else:
             strides = [heads * q_len * value_dim, q_len * value_dim, value_dim, 0]
-        self.out_strides = _read_only(np.array(strides, np.int64))
+        self.out_strides = read_only(np.array(strides, np.int64))
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
         """The forward of bhsd ``q``, ``k``, ``v`` (this plan's shapes, strides and dtypes)
@@ -177,7 +177,7 @@ class BackwardPlan:
             shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)
             items = (shape[0] * shape[1] * (-(-q_len // int(ints[Int.BLOCK_Q])) if shape[2] > 1 else 1)
                      * (key_tiles if shape[3] > 1 else 1))
-            self.dbias = (shape, _read_only(np.array(shape, np.int64)), int(items), tuple(problem.bias_shape),
+            self.dbias = (shape, read_only(np.array(shape, np.int64)), int(items), tuple(problem.bias_shape),
                           gradient_tile_specs(ints, dtype))
 
     def __call__(self, q, k, v, saved, dout, arrays=None) -> Gradients | None:

@@ -186,9 +186,9 @@ class OperandPlan:
         bias = placeholder if arrays.bias is None else flat_view(arrays.bias, dtype)[0]
         mask = mask_placeholder if arrays.mask is None else flat_view(arrays.mask.view(np.uint8), np.uint8)[0]
         alibi = (placeholder if arrays.alibi_slopes is None
-                 else _read_only(np.ascontiguousarray(arrays.alibi_slopes, dtype=dtype).reshape(-1)))
+                 else read_only(np.ascontiguousarray(arrays.alibi_slopes, dtype=dtype).reshape(-1)))
         sink = (placeholder if arrays.sink_logits is None
-                else _read_only(np.ascontiguousarray(arrays.sink_logits, dtype=dtype)))
+                else read_only(np.ascontiguousarray(arrays.sink_logits, dtype=dtype)))
         q_lengths = self.all_rows if arrays.q_lengths is None else _lengths(arrays.q_lengths)
         kv_lengths = self.all_keys if arrays.kv_lengths is None else _lengths(arrays.kv_lengths)
         ints = self.ints
@@ -256,7 +256,7 @@ _PLANS = PlanCache()
 
 
 def _lengths(lengths):
-    return _read_only(np.ascontiguousarray(lengths, dtype=np.int64))
+    return read_only(np.ascontiguousarray(lengths, dtype=np.int64))
 
 
 def _frozen(fresh_view):
@@ -265,7 +265,7 @@ def _frozen(fresh_view):
     return fresh_view
 
 
-def _read_only(array):
+def read_only(array):
     """``array`` if read-only, else a read-only view of it (the caller's flags untouched)."""
     if not array.flags.writeable:
         return array

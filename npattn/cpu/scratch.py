@@ -9,7 +9,6 @@ function of its own that every kernel links and optimizes again.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import numpy as np
@@ -44,16 +43,6 @@ def begin_reuse() -> None:
 
 def end_reuse() -> None:
     _ARENA.taken = None
-
-
-@contextlib.contextmanager
-def reused():
-    """:func:`begin_reuse` and :func:`end_reuse` around the block."""
-    begin_reuse()
-    try:
-        yield
-    finally:
-        end_reuse()
 
 
 def scratch_set(specs: tuple) -> tuple:
