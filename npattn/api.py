@@ -100,11 +100,18 @@ def _planned_vjp(planned: "_Planned", result: ForwardResult, q: Any, k: Any, v: 
         if grads is not None:
             return grads
         # a non-finite dout or gradient, or other tuning: the full path answers
-        problem = build_problem(q, k, v, **{name: o for name, o in options.items() if name != "backend"})
-        implementation = _backends.resolve(options.get("backend", "auto"), array_kind(problem.q))
+        problem, implementation = _checked_problem(q, k, v, options)
         return _nonfinite.backward(problem, implementation, result.saved, dout)
     dtype = planned.form.dtype
-    return _with_vjp(planned.form, result, q, gradients, (dtype, dtype, dtype, None, None))
+    return _with_vjp(planned.form, result, q, gradients, (dtype, dtype, dtype, None, None), finite=True)
+
+
+def _checked_problem(q: Any, k: Any, v: Any, options: dict) -> tuple[AttentionProblem, Any]:
+    """Every check of the call, then the backend module that runs it."""
+    options = dict(options)
+    backend = options.pop("backend", "auto")
+    problem = build_problem(q, k, v, **options)
+    return problem, _backends.resolve(backend, array_kind(problem.q))
 
 
 def _checked_forward(q: Any, k: Any, v: Any, options: dict, key: tuple | None,
@@ -112,10 +119,7 @@ def _checked_forward(q: Any, k: Any, v: Any, options: dict, key: tuple | None,
     """The full path: check everything, pick the backend, run it (the reference where the
     result is not finite); then plan the structure ``key`` for later calls (``backward``:
     their gradients too). Returns (problem, the backend that ran, result)."""
-    options = dict(options)
-    backend = options.pop("backend", "auto")
-    problem = build_problem(q, k, v, **options)
-    implementation = _backends.resolve(backend, array_kind(problem.q))
+    problem, implementation = _checked_problem(q, k, v, options)
     _limits.check_memory(problem, implementation.NAME)
     result, used = _nonfinite.forward(problem, implementation)
     if key is not None and used is implementation:
@@ -124,11 +128,12 @@ def _checked_forward(q: Any, k: Any, v: Any, options: dict, key: tuple | None,
 
 
 def _with_vjp(form: "OutputForm", result: ForwardResult, q_like: Any, gradients: Callable[[Any], Gradients],
-              dtypes: tuple) -> tuple[Outputs, Vjp]:
-    """``(outputs, vjp)``: the public outputs of ``result``, and the vjp that checks dout
-    against them (an array of ``q_like``'s kind), takes ``gradients(dout as bhsd)`` and
-    hands them back in the user's layout, in ``dtypes`` (q, k, v, bias, sink logits)."""
-    outputs = _public_outputs(form, result)
+              dtypes: tuple, finite: bool = False) -> tuple[Outputs, Vjp]:
+    """``(outputs, vjp)``: the public outputs of ``result`` (``finite``: as for
+    :func:`_public_outputs`), and the vjp that checks dout against them (an array of
+    ``q_like``'s kind), takes ``gradients(dout as bhsd)`` and hands them back in the
+    user's layout, in ``dtypes`` (q, k, v, bias, sink logits)."""
+    outputs = _public_outputs(form, result, finite)
     out_shape = (outputs[0] if isinstance(outputs, tuple) else outputs).shape
 
     def vjp(dout: ArrayLike) -> tuple[Array, ...]:
