@@ -50,7 +50,7 @@ class ForwardPlan:
         self.layout = problem.layout
         self.fold_shape = None
         if self.group > 1:  # GQA: the query heads of a group as rows of one kv head
-            self.fold_shape = (problem.batch, problem.kv_heads, problem.group_size, problem.q_len, problem.head_dim)
+            self.fold_shape = folding.fold_shape(problem)
             problem = folding.fold(problem)
         self.operands = operand_plan(problem, "forward", tuning, self.group)
         ints = self.operands.ints
