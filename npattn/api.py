@@ -14,6 +14,7 @@ from ._arrays import all_finite, array_kind
 from .problem import AttentionProblem, to_user_layout
 from .results import ForwardResult, Gradients
 from .types import Array, ArrayLike, Outputs, Vjp
+from .adapters import arrays as _foreign
 from .validation import build_problem, check_cotangent
 
 
@@ -52,7 +53,15 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     TypeError naming the argument before any kernel runs, and MemoryError when the
     weights (or the reference backend's score arrays) cannot fit in the free memory
     (:mod:`npattn.limits`). Inputs are never modified.
+
+    Arrays of other kinds that speak DLPack (torch tensors, JAX arrays) run on the
+    backend of their memory (host: cpu, CUDA: gpu) and the outputs come back in q's
+    kind, on its device (:mod:`npattn.adapters.arrays`); a torch tensor that requires
+    grad goes through :func:`npattn.torch.attention`, a JAX tracer (under ``jit``,
+    ``grad``, ``vmap``) through :func:`npattn.jax.attention`.
     """
+    if type(q) is not np.ndarray and (kind := _foreign.foreign_kind(q)) is not None:
+        return _foreign.attention(kind, attention, q, k, v, options)
     key = _plans.call_key(q, k, v, options)
     if key is not None:  # a call like an earlier one: its checks' outcome is known
         planned = _plans.lookup(key)
@@ -73,11 +82,15 @@ def attention_vjp(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> t
     layout and dtype of its input: dk and dv have the kv head count (summed over the
     query heads of a group), dbias is summed over the dimensions it was broadcast along.
     The dropout mask of the forward is reused, also when ``seed`` was None. lse and
-    weights are outputs only: no gradient flows back through them.
+    weights are outputs only: no gradient flows back through them. Arrays of other
+    kinds than NumPy and CuPy get outputs and gradients of their own kind, as for
+    :func:`attention`.
 
     Args:
 {arguments}
     """
+    if type(q) is not np.ndarray and (kind := _foreign.foreign_kind(q)) is not None:
+        return _foreign.attention_vjp(kind, attention_vjp, q, k, v, options)
     key = _plans.call_key(q, k, v, options)
     if key is not None:
         planned = _plans.lookup(key)
@@ -138,20 +151,65 @@ def _with_vjp(form: "OutputForm", result: ForwardResult, q_like: Any, gradients:
 
     def vjp(dout: ArrayLike) -> tuple[Array, ...]:
         dout = check_cotangent("dout", dout, q_like, out_shape)
-        if form.layout == "bshd":
-            dout = dout.transpose(0, 2, 1, 3)
-        grads = gradients(dout)
-        q_dtype, k_dtype, v_dtype, bias_dtype, sink_dtype = dtypes
-        with np.errstate(over="ignore"):  # as in _public_outputs
-            public = [_user_array(form, grads.dq, q_dtype), _user_array(form, grads.dk, k_dtype),
-                      _user_array(form, grads.dv, v_dtype)]
-            if bias_dtype is not None:
-                public.append(grads.dbias.astype(bias_dtype, copy=False))
-            if sink_dtype is not None:
-                public.append(grads.dsink_logits.astype(sink_dtype, copy=False))
-        return tuple(public)
+        return _public_gradients(form, gradients(_to_bhsd(form, dout)), dtypes)
 
     return outputs, vjp
+
+
+def _to_bhsd(form: "OutputForm", array: Any) -> Any:
+    """A (B, ., ., D) array of the user's layout as a bhsd view."""
+    return array.transpose(0, 2, 1, 3) if form.layout == "bshd" else array
+
+
+def _public_gradients(form: "OutputForm", grads: Gradients, dtypes: tuple) -> tuple[Array, ...]:
+    """``grads`` as the user gets them: (dq, dk, dv, dbias?, dsink_logits?) in the user's
+    layout and ``dtypes`` (q, k, v, bias, sink logits; None: no such gradient)."""
+    q_dtype, k_dtype, v_dtype, bias_dtype, sink_dtype = dtypes
+    with np.errstate(over="ignore"):  # as in _public_outputs
+        public = [_user_array(form, grads.dq, q_dtype), _user_array(form, grads.dk, k_dtype),
+                  _user_array(form, grads.dv, v_dtype)]
+        if bias_dtype is not None:
+            public.append(grads.dbias.astype(bias_dtype, copy=False))
+        if sink_dtype is not None:
+            public.append(grads.dsink_logits.astype(sink_dtype, copy=False))
+    return tuple(public)
+
+
+def attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike,
+                       dout: ArrayLike, **options: Any) -> tuple[Array, ...]:
+    """The gradients ``attention_vjp(q, k, v, **options)[1](dout)`` returns, from the
+    forward's ``out`` and ``lse`` instead of a closure: for frameworks that keep arrays,
+    not functions, between a forward and its backward (:mod:`npattn.torch`,
+    :mod:`npattn.jax`).
+
+    ``out`` and ``lse`` are what ``attention(q, k, v, return_lse=True, **options)``
+    returned: out (q's shape with v's last dimension, in q's layout), lse (B, H, Sq).
+    ``dout`` has out's shape. Returns ``(dq, dk, dv)``, then ``dbias`` and
+    ``dsink_logits`` when those options were given, as :func:`attention_vjp`'s vjp.
+    With ``dropout_p > 0``, ``seed`` must be the forward's (an int): the backward
+    regenerates its mask. ``return_lse`` and ``return_weights`` are ignored.
+
+    The kernels' backward reads out in the compute dtype; out given in float16 or
+    bfloat16 is widened, so gradients may differ from the vjp's by out's rounding.
+    """
+    options = {name: value for name, value in options.items() if name not in ("return_lse", "return_weights")}
+    if options.get("dropout_p", 0) and options.get("seed") is None:
+        raise ValueError("attention_backward with dropout_p > 0 needs seed, the forward's int seed: "
+                         "it regenerates the forward's dropout mask")
+    problem, implementation = _checked_problem(q, k, v, options)
+    form = OutputForm.of(problem)
+    user_shape = to_user_layout(problem.q, form.layout).shape
+    out_shape = (*user_shape[:3], problem.value_dim)
+    out = _to_bhsd(form, check_cotangent("out", out, problem.q, out_shape))
+    dout = _to_bhsd(form, check_cotangent("dout", dout, problem.q, out_shape))
+    lse = check_cotangent("lse", lse, problem.q, (problem.batch, problem.heads, problem.q_len))
+    compute = problem.accumulate_dtype
+    saved = (out.astype(compute, copy=False), lse.astype(compute, copy=False))
+    grads = _nonfinite.backward(problem, implementation, saved, dout)
+    dtypes = (problem.q.dtype, problem.k.dtype, problem.v.dtype,
+              None if problem.bias is None else problem.bias.dtype,
+              None if problem.sink_logits is None else problem.sink_logits.dtype)
+    return _public_gradients(form, grads, dtypes)
 
 
 # One list of options, from the table: the signatures help() and IDEs show, and the docs.

@@ -1,0 +1,148 @@
+"""Any array in, the caller's kind out.
+
+npattn's backends run on NumPy arrays (host memory: the cpu backend) and CuPy arrays (CUDA
+memory: the gpu backend). An array of any other kind that speaks DLPack (torch tensors,
+JAX arrays, and whatever else exports ``__dlpack__``) is viewed as one of these, by its
+device, without a copy where the memory allows; the results go back through the caller's
+own ``from_dlpack``, onto the caller's device. The caller's namespace is its array API
+namespace (``x.__array_namespace__()``) where it has one, else the top-level module of
+its type when that module has ``from_dlpack`` (torch).
+
+bfloat16, which NumPy's DLPack cannot carry, crosses as int16 bits (the host side holds
+it as ml_dtypes' bfloat16, which the cpu backend reads).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import _arrays
+from .. import options as _options
+from ..problem import ARRAY_FIELDS
+
+# The options given as arrays, in table order (the framework adapters pass them as
+# array inputs, the rest as static values), and those with gradients, in the order
+# attention_vjp returns them after dq, dk, dv.
+ARRAY_OPTIONS = tuple(option.name for option in _options.OPTIONS if option.field in ARRAY_FIELDS)
+DIFFERENTIABLE = ("bias", "sink_logits")
+
+# DLPack device types (dlpack.h): host memory, and CUDA memory CuPy can view
+_HOST = frozenset({1, 3})  # kDLCPU, kDLCUDAHost
+_CUDA = frozenset({2, 13})  # kDLCUDA, kDLCUDAManaged
+
+
+def is_native(value: Any) -> bool:
+    """A NumPy or CuPy array: what the backends take as it is."""
+    return isinstance(value, np.ndarray) or _arrays.is_cupy(value)
+
+
+class ForeignKind(NamedTuple):
+    """The kind of the caller's arrays: their namespace, which has ``from_dlpack``."""
+
+    namespace: Any
+
+    @property
+    def name(self) -> str:
+        return self.namespace.__name__.split(".")[0]
+
+    def native(self, name: str, value: Any) -> Any:
+        """``value`` as a NumPy (host) or CuPy (CUDA) array sharing its memory; values of
+        other kinds (NumPy, lists, None, scalars) pass through unchanged."""
+        if is_native(value) or not hasattr(value, "__dlpack__"):
+            return value
+        value = value.detach() if hasattr(value, "detach") else value  # torch: no autograd through here
+        device, _ = value.__dlpack_device__()
+        if device in _CUDA:
+            try:
+                import cupy
+            except ImportError:
+                raise TypeError(f"{name} is a {self.name} array in CUDA memory: running it needs CuPy "
+                                "(pip install 'npattn[gpu]')") from None
+            return cupy.from_dlpack(value)
+        if device not in _HOST:
+            raise TypeError(f"{name} is a {self.name} array on DLPack device type {int(device)}; npattn runs "
+                            "arrays in host memory (cpu backend) or CUDA memory (gpu backend)")
+        try:
+            return np.from_dlpack(value)
+        except (BufferError, TypeError, RuntimeError):  # bfloat16 and other dtypes NumPy's DLPack lacks
+            if _arrays.is_torch_bfloat16(value):
+                return _arrays.torch_bfloat16_to_numpy(name, value)
+            return np.asarray(value)  # JAX hands bfloat16 over as ml_dtypes' bfloat16
+
+    def back(self, array: Any) -> Any:
+        """A NumPy or CuPy result as the caller's kind, on the device of its memory."""
+        if array is None:
+            return None
+        if array.dtype.name == "bfloat16":  # DLPack of NumPy has no bfloat16: cross as int16 bits
+            bits = self.namespace.from_dlpack(array.view(np.int16))
+            return bits.view(self.namespace.bfloat16)
+        return self.namespace.from_dlpack(array)
+
+    def back_all(self, arrays: Any) -> Any:
+        """:meth:`back` over an output or a tuple of them."""
+        if isinstance(arrays, tuple):
+            return tuple(self.back(array) for array in arrays)
+        return self.back(arrays)
+
+
+def foreign_kind(value: Any) -> ForeignKind | None:
+    """The kind of ``value`` when it is an array npattn must convert (it exports DLPack
+    and is neither NumPy nor CuPy); None otherwise."""
+    if is_native(value) or not hasattr(value, "__dlpack__"):
+        return None
+    if hasattr(value, "__array_namespace__"):
+        namespace = value.__array_namespace__()
+    else:
+        namespace = sys.modules.get(type(value).__module__.split(".")[0])
+    if namespace is None or not hasattr(namespace, "from_dlpack"):
+        return None  # no way back to the caller's kind: NumPy's array-like path takes it
+    return ForeignKind(namespace)
+
+
+def native_options(kind: ForeignKind, options: dict) -> dict:
+    """``options`` with every array value of the caller's kind viewed natively."""
+    return {name: kind.native(name, value) for name, value in options.items()}
+
+
+# The framework adapters that take over a call their arrays need (autograd, tracing):
+# by namespace name, each module's ``takes(values)`` says when.
+_FRAMEWORK_ADAPTERS = {"torch": "npattn.adapters.torch", "jax": "npattn.adapters.jax"}
+
+
+def _framework_adapter(kind: ForeignKind, values: tuple) -> Any:
+    """The framework adapter module that must run a call on ``values``, or None."""
+    module_name = _FRAMEWORK_ADAPTERS.get(kind.name)
+    if module_name is None:
+        return None
+    import importlib
+
+    adapter = importlib.import_module(module_name)
+    return adapter if adapter.takes(values) else None
+
+
+def attention(kind: ForeignKind, run: Any, q: Any, k: Any, v: Any, options: dict) -> Any:
+    """``run(q, k, v, **options)`` (:func:`npattn.attention`) on arrays of ``kind``:
+    through its framework's adapter where autograd or tracing needs one, else on native
+    views, with the outputs handed back in ``kind``."""
+    adapter = _framework_adapter(kind, (q, k, v, *options.values()))
+    if adapter is not None:
+        return adapter.attention(q, k, v, **options)
+    outputs = run(kind.native("q", q), kind.native("k", k), kind.native("v", v), **native_options(kind, options))
+    return kind.back_all(outputs)
+
+
+def attention_vjp(kind: ForeignKind, run: Any, q: Any, k: Any, v: Any, options: dict) -> tuple[Any, Any]:
+    """``run(q, k, v, **options)`` (:func:`npattn.attention_vjp`) on arrays of ``kind``:
+    outputs, and a vjp taking and returning arrays of ``kind``."""
+    if kind.name == "jax" and _framework_adapter(kind, (q, k, v, *options.values())) is not None:
+        raise TypeError("attention_vjp got JAX tracers (inside jit, grad or vmap): use npattn.jax.attention, "
+                        "which JAX differentiates itself")
+    outputs, vjp = run(kind.native("q", q), kind.native("k", k), kind.native("v", v),
+                       **native_options(kind, options))
+
+    def foreign_vjp(dout: Any) -> tuple:
+        return kind.back_all(vjp(kind.native("dout", dout)))
+
+    return kind.back_all(outputs), foreign_vjp

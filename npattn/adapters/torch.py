@@ -1,0 +1,165 @@
+"""npattn as a torch operator: ``npattn.torch.attention(q, k, v, **options)``.
+
+Two ``torch.library`` custom ops, ``npattn::attention_forward`` and
+``npattn::attention_backward``, joined by a registered autograd formula, so torch
+differentiates through npattn's fused, deterministic backward (not through a
+recomputed forward). Each has a fake implementation (shapes and dtypes only), so the
+op traces under ``torch.compile`` and ``torch.export`` as one opaque call.
+
+Tensors cross to npattn without a copy (DLPack, :mod:`npattn.adapters.arrays`): CPU
+tensors run on the cpu backend, CUDA tensors on the gpu backend (CuPy needed). An
+option given as an array becomes a tensor input of the op; ``bias`` and
+``sink_logits`` get gradients when they require them. The other options cross as a
+string (a dict's repr), the op's one non-tensor input.
+
+Imported only when used (``import npattn.torch``, or npattn.attention given a tensor
+that requires grad); it imports torch.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import api as _api
+from .. import options as _options
+from .arrays import ARRAY_OPTIONS, DIFFERENTIABLE, ForeignKind
+_KIND = ForeignKind(torch)
+_OUTPUT_FLAGS = ("return_lse", "return_weights")
+
+
+def takes(values: tuple) -> bool:
+    """Whether a call on ``values`` must run as the op: autograd is recording a tensor of them."""
+    return torch.is_grad_enabled() and any(isinstance(value, torch.Tensor) and value.requires_grad
+                                           for value in values)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> Any:
+    """:func:`npattn.attention` on torch tensors, differentiable by torch's autograd.
+
+    Takes the options of :func:`npattn.attention` (arrays may be tensors, NumPy arrays or
+    lists) and returns what it returns, as tensors on q's device: ``out``, or
+    ``(out, lse?, weights?)``. Gradients flow to q, k, v, and to ``bias`` and
+    ``sink_logits`` when they require grad; lse and weights are outputs only. With
+    dropout and ``seed=None``, the seed is drawn from torch's generator
+    (``torch.manual_seed`` makes it repeatable), and the backward reuses its mask.
+    """
+    _options.check_names(options)
+    arrays = [_tensor(name, options.pop(name, None), q) for name in ARRAY_OPTIONS]
+    wanted = [bool(options.pop(flag, False)) for flag in _OUTPUT_FLAGS]
+    if options.get("dropout_p") and options.get("seed") is None:
+        options["seed"] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    settings = repr({name: _plain(value) for name, value in {**options, "return_weights": wanted[1]}.items()})
+    out, lse, weights = torch.ops.npattn.attention_forward(q, k, v, *arrays, settings)
+    extras = [array for array, want in zip((lse, weights), wanted) if want]
+    return (out, *extras) if extras else out
+
+
+def _tensor(name: str, value: Any, q: torch.Tensor) -> torch.Tensor | None:
+    """An option's array as a tensor (None stays None), for the op's ``arrays`` input."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(np.asarray(value), device=q.device)
+
+
+def _plain(value: Any) -> Any:
+    """A value the settings string can carry: Python's own scalars, None, strings and
+    tuples of them (a NumPy scalar becomes its Python value)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(item) for item in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"npattn.torch.attention: an option of type {type(value).__name__} cannot be passed "
+                    f"to the op: {value!r}")
+
+
+def _settings(text: str) -> dict:
+    """The options of a settings string (a dict's repr: torch.compile traces repr, not json)."""
+    return ast.literal_eval(text)
+
+
+def _native_call(arrays: list, settings: str) -> dict:
+    """npattn's keyword options from the op's inputs: native views of the arrays, then the settings."""
+    options = {name: _KIND.native(name, array) for name, array in zip(ARRAY_OPTIONS, arrays)
+               if array is not None}
+    options.update(_settings(settings))
+    return options
+
+
+# The ops' schemas, one optional tensor per array option (a list of optional tensors
+# would not do: torch's autograd wrapper flattens such a list in the gradients but not
+# in the inputs).
+_ARRAY_PARAMETERS = ", ".join(f"Tensor? {name}" for name in ARRAY_OPTIONS)
+torch.library.define("npattn::attention_forward",
+                     f"(Tensor q, Tensor k, Tensor v, {_ARRAY_PARAMETERS}, str settings) -> (Tensor, Tensor, Tensor)")
+torch.library.define("npattn::attention_backward",
+                     f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_ARRAY_PARAMETERS}, "
+                     "str settings) -> Tensor[]")
+
+
+@torch.library.impl("npattn::attention_forward", "CompositeExplicitAutograd")
+def _forward(q, k, v, *arrays_and_settings):
+    """(out, lse, weights): weights is empty unless the settings ask for them."""
+    *arrays, settings = arrays_and_settings
+    options = _native_call(arrays, settings)
+    results = _api.attention(_KIND.native("q", q), _KIND.native("k", k), _KIND.native("v", v),
+                             return_lse=True, **options)
+    out, lse = (_KIND.back(array) for array in results[:2])
+    weights = _KIND.back(results[2]) if options["return_weights"] else q.new_empty(0)
+    return out, lse, weights
+
+
+@torch.library.register_fake("npattn::attention_forward")
+def _forward_shapes(q, k, v, *arrays_and_settings):
+    settings = _settings(arrays_and_settings[-1])
+    layout = settings.get("layout", "bhsd")
+    batch, heads, q_len = (q.shape[0], q.shape[2], q.shape[1]) if layout == "bshd" else q.shape[:3]
+    kv_len = k.shape[1] if layout == "bshd" else k.shape[2]
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_empty((batch, heads, q_len), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    weights = q.new_empty((batch, heads, q_len, kv_len) if settings["return_weights"] else (0,))
+    return out, lse, weights
+
+
+@torch.library.impl("npattn::attention_backward", "CompositeExplicitAutograd")
+def _backward(dout, q, k, v, out, lse, *arrays_and_settings):
+    """[dq, dk, dv, dbias?, dsink_logits?]: npattn.attention_backward's gradients."""
+    *arrays, settings = arrays_and_settings
+    grads = _api.attention_backward(*(_KIND.native(name, tensor) for name, tensor in
+                                      (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
+                                       ("dout", dout))),
+                                    **_native_call(arrays, settings))
+    return [_KIND.back(grad) for grad in grads]
+
+
+@torch.library.register_fake("npattn::attention_backward")
+def _backward_shapes(dout, q, k, v, out, lse, *arrays_and_settings):
+    given = dict(zip(ARRAY_OPTIONS, arrays_and_settings))
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            *(torch.empty_like(given[name]) for name in DIFFERENTIABLE if given[name] is not None)]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *arrays, settings = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.arrays, ctx.settings = arrays, settings
+
+
+def _backward_formula(ctx, dout, dlse, dweights):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # only lse or weights were used: no gradient flows through them
+        dout = torch.zeros_like(out)
+    grads = iter(torch.ops.npattn.attention_backward(dout.contiguous(), q, k, v, out, lse, *ctx.arrays,
+                                                     ctx.settings))
+    dq, dk, dv = next(grads), next(grads), next(grads)
+    given = dict(zip(ARRAY_OPTIONS, ctx.arrays))
+    option_grads = {name: next(grads) for name in DIFFERENTIABLE if given[name] is not None}
+    return (dq, dk, dv, *(option_grads.get(name) for name in ARRAY_OPTIONS), None)
+
+
+torch.library.register_autograd("npattn::attention_forward", _backward_formula, setup_context=_setup_context)

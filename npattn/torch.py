@@ -1,0 +1,7 @@
+"""npattn inside torch programs: :func:`attention` as a torch operator with autograd.
+
+See :mod:`npattn.adapters.torch`. Importing this module imports torch.
+"""
+from .adapters.torch import attention
+
+__all__ = ["attention"]
