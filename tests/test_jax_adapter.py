@@ -145,3 +145,13 @@ def test_dropout_needs_a_seed():
     (q, k, v, bias, sinks), options = every_option()
     with pytest.raises(ValueError, match="seed"):
         npattn.jax.attention(q, k, v, dropout_p=0.1)
+
+
+def test_modules_hand_back_jax_arrays():
+    from npattn.nn import MultiHeadAttention
+
+    module = MultiHeadAttention(8, 2, dtype="float32", seed=0)
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    out = module(jnp.asarray(x), attn_mask=jnp.asarray(np.tril(np.ones((3, 3), bool))))
+    assert isinstance(out, jax.Array) and out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), module(x, attn_mask=np.tril(np.ones((3, 3), bool))).data)

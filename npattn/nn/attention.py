@@ -17,6 +17,7 @@ from .multiway import Multiway
 from .rotary import apply_rope, apply_xpos
 
 _NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+MASK_CONVENTIONS = ("allow", "torch")
 
 
 class MultiHeadAttention(Module):
@@ -41,12 +42,16 @@ class MultiHeadAttention(Module):
         multiway: two sets of projections (and subln norms), ``A`` for positions before
             the call's ``split_position`` and ``B`` after (torchscale's multiway).
         sink_logits: learn one sink logit per head (parameter ``sink_logits``, zeros).
+        mask_convention: what True means in a boolean ``attn_mask``: "allow" (may attend,
+            as :func:`npattn.attention` and torch's ``scaled_dot_product_attention``) or
+            "torch" (masked out, as ``torch.nn.MultiheadAttention`` and
+            ``torch.nn.TransformerEncoderLayer``; :func:`~npattn.nn.from_torch` sets it).
         dtype, seed: parameter dtype; ``reset_parameters(seed)`` at construction.
         backend: the backend of the attention call.
 
     Call: ``mha(query (B, Sq, E), key (B, Sk, kdim) = query, value (B, Sk, vdim) = key,
-    *, key_padding_mask (B, Sk) bool True = padding, attn_mask bool True = may attend
-    or float additive (broadcastable to (B, H, Sq, Sk)), bias (same), cache=None,
+    *, key_padding_mask (B, Sk) bool True = padding, attn_mask bool (True = may attend,
+    or masked out with ``mask_convention="torch"``) or float additive (broadcastable to (B, H, Sq, Sk)), bias (same), cache=None,
     causal=None, need_weights=False, average_attn_weights=True)`` -> out (B, Sq, E), or
     ``(out, weights)`` with weights (B, Sq, Sk) averaged over heads or (B, H, Sq, Sk).
     With ``cache`` (a :class:`~npattn.nn.KVCache`, self-attention only) the new positions'
@@ -58,7 +63,7 @@ class MultiHeadAttention(Module):
                  bias: bool = True, dropout: float = 0.0, causal: bool = False, window=None, sinks: int = 0,
                  qk_norm=False, clip_qkv=None, softmax_scale=None, subln: bool = False, rotary=None,
                  xpos_scale_base: float = 512.0, multiway: bool = False, sink_logits: bool = False,
-                 dtype="float32", seed=None, backend: str = "auto"):
+                 mask_convention: str = "allow", dtype="float32", seed=None, backend: str = "auto"):
         super().__init__()
         owner = type(self).__name__
         embed_dim, num_heads = arguments.size(owner, "embed_dim", embed_dim), arguments.size(owner, "num_heads", num_heads)
@@ -79,6 +84,8 @@ class MultiHeadAttention(Module):
         if qk_norm not in (False, None, "layernorm", "rmsnorm"):
             raise ValueError(f"{owner}: qk_norm must be False, 'layernorm' or 'rmsnorm'; "
                              f"got {qk_norm!r}")
+        if mask_convention not in MASK_CONVENTIONS:
+            raise ValueError(f"{owner}: mask_convention must be one of {MASK_CONVENTIONS}; got {mask_convention!r}")
         if rotary not in (None, "rope", "xpos"):
             raise ValueError(f"{owner}: rotary must be None, 'rope' or 'xpos'; got {rotary!r}")
         if clip_qkv is not None and not clip_qkv > 0:
@@ -89,6 +96,7 @@ class MultiHeadAttention(Module):
         self.dropout, self.causal, self.window, self.sinks = dropout, causal, window, sinks
         self.clip_qkv, self.softmax_scale, self.rotary, self.backend = clip_qkv, softmax_scale, rotary, backend
         self.xpos_scale_base, self.multiway, self.dtype = xpos_scale_base, multiway, np.dtype(dtype)
+        self.mask_convention = mask_convention
         kv_width = num_kv_heads * self.head_dim
         self._key_width = embed_dim if kdim is None else kdim
         self._value_width = embed_dim if vdim is None else vdim
@@ -257,14 +265,17 @@ class MultiHeadAttention(Module):
         if attn_mask is not None:
             attn_mask = attn_mask.data if isinstance(attn_mask, ag.Tensor) else xp.asarray(attn_mask)
             if attn_mask.dtype == bool:
+                if self.mask_convention == "torch":  # True = masked out
+                    attn_mask = ~attn_mask
                 mask = attn_mask if mask is None else mask & attn_mask
             else:
                 bias = attn_mask if bias is None else ag.add(bias, attn_mask)
         return mask, bias
 
     def extra_repr(self):
+        convention = "" if self.mask_convention == "allow" else f", mask_convention={self.mask_convention!r}"
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, causal={self.causal}")
+                f"num_kv_heads={self.num_kv_heads}, causal={self.causal}{convention}")
 
 
 class MultiQueryAttention(MultiHeadAttention):

@@ -4,12 +4,18 @@ Assigning a :class:`~npattn.autograd.Tensor` that requires gradients to an attri
 registers it as a parameter; assigning a Module registers a submodule. Names are
 dotted paths (``q_proj.weight``), in assignment order, so ``state_dict`` keys match
 torch's for the same layout of attributes.
+
+Called with arrays of another kind that speaks DLPack (torch tensors, JAX arrays), a
+module computes on views of them and returns its arrays in that kind
+(:mod:`npattn.adapters.arrays`); its own autograd does not reach into the caller's
+framework (use :mod:`npattn.torch` or :mod:`npattn.jax` for that).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .._arrays import array_module, to_numpy
+from ..adapters import arrays as _foreign
 from ..autograd import Tensor
 
 
@@ -35,7 +41,12 @@ class Module:
         object.__setattr__(self, name, value)
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        kind = next((kind for kind in map(_foreign.foreign_kind, (*args, *kwargs.values())) if kind is not None), None)
+        if kind is None:
+            return self.forward(*args, **kwargs)
+        args = [kind.native(f"{type(self).__name__} argument {index}", value) for index, value in enumerate(args)]
+        kwargs = {name: kind.native(name, value) for name, value in kwargs.items()}
+        return _in_kind(kind, self.forward(*args, **kwargs))
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError
@@ -129,6 +140,15 @@ class Module:
 
     def extra_repr(self) -> str:
         return ""
+
+
+def _in_kind(kind, result):
+    """A forward's result (a Tensor, an array or a tuple of them) as arrays of ``kind``."""
+    if isinstance(result, tuple):
+        return tuple(_in_kind(kind, item) for item in result)
+    if isinstance(result, Tensor):
+        return kind.back(result.data)
+    return kind.back(result) if _foreign.is_native(result) else result
 
 
 def parameter(shape, dtype) -> Tensor:
