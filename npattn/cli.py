@@ -172,6 +172,9 @@ def main(argv=None) -> int:
     bench_parser.add_argument("--forward-only", action="store_true", help="skip the backward passes")
     bench_parser.add_argument("--memory", action="store_true",
                               help="peak memory of one forward at (1, 8, 16384, 64) instead")
+    bench_parser.add_argument("--adapters", action="store_true",
+                              help="npattn called on torch tensors and JAX arrays against the same call on "
+                                   "NumPy instead (the adapters' cost; one shape, default 1,8,512,64)")
     bench_parser.add_argument("--gpu", action="store_true",
                               help="the CUDA kernels against torch SDPA's fastest backend on the GPU instead")
     bench_parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
@@ -227,6 +230,11 @@ def main(argv=None) -> int:
                               suite=suite, json_path=args.json)
         elif args.memory:
             bench.memory()
+        elif args.adapters:
+            from . import bench_adapters
+
+            shape = bench.Shape.parse(args.shapes[0]) if args.shapes else bench_adapters.DEFAULT_SHAPE
+            bench_adapters.compare(shape, repeats=max(args.repeats, 15))
         else:
             if args.suite == "decode":
                 print("bench: the CPU suites are prefill, serving and all", file=sys.stderr)

@@ -1,4 +1,5 @@
 """``python -m npattn info`` and ``demo`` run and report what they claim."""
+import importlib.util
 import io
 import re
 import subprocess
@@ -180,3 +181,21 @@ def test_warmup_returns_seconds_per_dtype_and_names_a_bad_one():
     assert set(seconds) == {"float32", "float16"} and all(s >= 0 for s in seconds.values())
     with pytest.raises(ValueError, match="warmup: dtypes must be among float16, bfloat16, float32, float64; got 'int8'"):
         npattn.warmup(dtypes="int8")
+
+
+def test_bench_adapters_times_each_way_of_calling_against_numpy(monkeypatch, capsys):
+    """One tiny shape, one round: numpy's own ratio is 1, and a row for each framework
+    importable here, forward and (but for the plain array calls) forward+backward."""
+    from npattn import bench, bench_adapters
+
+    monkeypatch.setattr(bench, "_RUN_S", 0.0)
+    results = bench_adapters.compare(bench.Shape(1, 2, 2, 16, 8), repeats=1)
+    assert results[("numpy", "forward")][1] == 1.0 and results[("numpy", "fwd+bwd")][1] == 1.0
+    expected = {("numpy", "forward"), ("numpy", "fwd+bwd")}
+    for module, plain, differentiated in (("torch", "torch tensors", "torch autograd"),
+                                          ("jax", "jax arrays", "jax jit")):
+        if importlib.util.find_spec(module) is not None:
+            expected |= {(plain, "forward"), (differentiated, "forward"), (differentiated, "fwd+bwd")}
+    assert set(results) == expected
+    assert all(ms > 0 for ms, _ in results.values())
+    assert "(1,2,16,8) causal float32" in capsys.readouterr().out

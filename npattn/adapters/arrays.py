@@ -28,6 +28,9 @@ from ..problem import ARRAY_FIELDS
 ARRAY_OPTIONS = tuple(option.name for option in _options.OPTIONS if option.field in ARRAY_FIELDS)
 DIFFERENTIABLE = ("bias", "sink_logits")
 
+# NumPy dtypes DLPack carries (compared directly: dtype.name builds a string, 5 us)
+_DLPACK_DTYPES = frozenset(np.dtype(name) for name in ("float16", "float32", "float64", "bool", "int32", "int64"))
+
 # DLPack device types (dlpack.h): host memory, and CUDA memory CuPy can view
 _HOST = frozenset({1, 3})  # kDLCPU, kDLCUDAHost
 _CUDA = frozenset({2, 13})  # kDLCUDA, kDLCUDAManaged
@@ -75,7 +78,8 @@ class ForeignKind(NamedTuple):
         """A NumPy or CuPy result as the caller's kind, on the device of its memory."""
         if array is None:
             return None
-        if array.dtype.name == "bfloat16":  # DLPack of NumPy has no bfloat16: cross as int16 bits
+        if array.dtype not in _DLPACK_DTYPES and array.dtype.name == "bfloat16":
+            # DLPack of NumPy has no bfloat16: cross as int16 bits
             bits = self.namespace.from_dlpack(array.view(np.int16))
             return bits.view(self.namespace.bfloat16)
         return self.namespace.from_dlpack(array)

@@ -14,8 +14,8 @@ from . import folding, splitting
 from .blas import single_threaded_blas
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
-from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, gradient_tile_specs,
-                      scratch_set, score_tile_specs, with_dropout_copy)
+from .scratch import (aligned_zeros, backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs,
+                      gradient_tile_specs, scratch_set, score_tile_specs, with_dropout_copy)
 from .operands import Int, read_only, operand_plan, row_strides
 from .tuning import Tuning, current
 
@@ -92,7 +92,7 @@ class ForwardPlan:
             if q_lengths is not None:
                 arrays = folding.FoldedArrays(q_lengths * self.group, arrays.kv_lengths)
         ops = self.operands.operands(q, k, v, arrays)
-        out = np.zeros(self.out_shape, dtype)
+        out = aligned_zeros(self.out_shape, dtype)
         lse = np.empty(self.lse_shape, dtype)
         lse.fill(-np.inf)  # (np.full, in Python, costs a small call 4 us more)
         if self.splits > 1:

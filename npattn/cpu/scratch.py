@@ -75,6 +75,16 @@ def _allocate(size: int, dtype: np.dtype) -> np.ndarray:
     return raw[start:start + size * dtype.itemsize].view(dtype)
 
 
+def aligned_zeros(shape: tuple, dtype) -> np.ndarray:
+    """``np.zeros(shape, dtype)`` starting on a cache line: a result array the kernels
+    store whole vectors into, and that JAX takes without a copy (it copies a buffer off
+    a 64-byte boundary; NumPy's own arrays start 16 bytes past one)."""
+    dtype = np.dtype(dtype)
+    array = _allocate(int(np.prod(shape)), dtype).reshape(shape)
+    array.fill(0)
+    return array
+
+
 def score_tile_specs(ints, dtype) -> tuple:
     """``(s, tanh, packed)``: scores (BLOCK_Q x SCORE_LD), the value the score step keeps
     of each for the gradient step (the same size where an option needs one, else 1
