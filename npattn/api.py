@@ -193,10 +193,19 @@ def attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
     bfloat16 is widened, so gradients may differ from the vjp's by out's rounding.
     """
     options = {name: value for name, value in options.items() if name not in ("return_lse", "return_weights")}
+    key = _plans.call_key(q, k, v, options)
+    if key is not None:  # a structure seen before: its plans, when out, lse and dout are as they were
+        planned = _plans.lookup(key)
+        if planned is not None and planned.backward_plan is not None:
+            grads = planned.saved_gradients(q, k, v, out, lse, dout)
+            if grads is not None:
+                dtype = planned.form.dtype
+                return _public_gradients(planned.form, grads, (dtype, dtype, dtype, None, None))
     if options.get("dropout_p", 0) and options.get("seed") is None:
         raise ValueError("attention_backward with dropout_p > 0 needs seed, the forward's int seed: "
                          "it regenerates the forward's dropout mask")
     problem, implementation = _checked_problem(q, k, v, options)
+    _plans.remember(key, lambda: _Planned.of(problem, implementation, backward=True))
     form = OutputForm.of(problem)
     user_shape = to_user_layout(problem.q, form.layout).shape
     out_shape = (*user_shape[:3], problem.value_dim)
@@ -284,6 +293,21 @@ class _Planned(NamedTuple):
         if result is None or not all_finite(result.out):
             return None
         return result
+
+    def saved_gradients(self, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any) -> Gradients | None:
+        """:meth:`gradients` from the user's ``out``, ``lse`` and ``dout`` (as
+        :func:`attention_backward` takes them), or None where the full path must answer:
+        any of them not a NumPy array of the shape and dtype the structure's forward gives."""
+        form = self.form
+        out_shape = (*q.shape[:-1], v.shape[-1])
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if form.layout == "bshd" else q.shape[:3]
+        for array, shape, dtype in ((out, out_shape, form.dtype), (dout, out_shape, form.dtype),
+                                    (lse, lse_shape, form.lse_dtype)):
+            if type(array) is not np.ndarray or array.shape != shape or array.dtype != dtype:
+                return None
+        compute = form.lse_dtype
+        saved = (_to_bhsd(form, out).astype(compute, copy=False), lse)
+        return self.gradients(q, k, v, saved, _to_bhsd(form, dout))
 
     def gradients(self, q: Any, k: Any, v: Any, saved: Any, dout: Any) -> Gradients | None:
         """The gradients for bhsd ``dout``, or None where the full path must answer."""

@@ -32,4 +32,4 @@ def test_every_code_block_runs(page):
 
 
 def test_the_tutorials_have_code():
-    assert {p.stem for p in PAGES if _code_blocks(p)} >= {"arrays", "training", "decoding", "oracle"}
+    assert {p.stem for p in PAGES if _code_blocks(p)} >= {"arrays", "training", "decoding", "oracle", "frameworks"}

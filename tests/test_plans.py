@@ -283,3 +283,38 @@ def test_the_caches_stay_bounded():
     for key in range(10):
         cache.put(key, str(key))
     assert len(cache) == 3 and cache.get(9) == "9" and cache.get(0) is None
+
+
+@settings(max_examples=30)
+@given(case=cases(options=_PLAIN_OPTIONS, dtypes=("float32", "float64", "float16"),
+                  dims_strategy=dims(max_group=4, max_len=20, max_dim=16)),
+       layout=layouts)
+def test_a_repeated_attention_backward_answers_as_a_first_one(case, layout):
+    q, k, v = (to_layout(a, layout) for a in (case.q, case.k, case.v))
+    options = {**case.options, "layout": layout}
+    out, lse = npattn.attention(q, k, v, return_lse=True, **options)
+    dout = np.random.default_rng(3).standard_normal(out.shape).astype(out.dtype)
+    plans.clear()
+    first = npattn.attention_backward(q, k, v, out, lse, dout, **options)
+    for _ in range(2):
+        _same(first, npattn.attention_backward(q, k, v, out, lse, dout, **options))
+    assert plans.lookup(plans.call_key(q, k, v, options)).backward_plan is not None
+
+
+def test_attention_backward_checks_out_lse_and_dout_after_a_planned_call():
+    q, k, v = _arrays()
+    out, lse = npattn.attention(q, k, v, return_lse=True)
+    for _ in range(3):
+        npattn.attention_backward(q, k, v, out, lse, np.ones_like(out))
+    with pytest.raises(ValueError, match="out must have the output's shape"):
+        npattn.attention_backward(q, k, v, out[:, :, :-1], lse, np.ones_like(out))
+    with pytest.raises(ValueError, match="lse must have the output's shape"):
+        npattn.attention_backward(q, k, v, out, lse[..., :-1], np.ones_like(out))
+    with pytest.raises(ValueError, match="dout must have the output's shape"):
+        npattn.attention_backward(q, k, v, out, lse, np.ones_like(out)[:, :, :-1])
+    with pytest.raises(ValueError, match="needs seed"):
+        npattn.attention_backward(q, k, v, out, lse, np.ones_like(out), dropout_p=0.1)
+    # other dtypes of out and dout take the full path, and give its answer
+    expected = npattn.attention_backward(q, k, v, out, lse, np.ones_like(out))
+    wide = npattn.attention_backward(q, k, v, out.astype(np.float64), lse, np.ones(out.shape))
+    _same(expected, wide)
