@@ -19,7 +19,7 @@ row that sees no key must still give lse -inf).
 """
 from __future__ import annotations
 
-import numpy as np
+from ..merging import merge  # noqa: F401  (the driver's merge of the ranges)
 
 # Items enough to keep this many cores busy (like the backward's key chunks): fixed, so
 # that the split, and with it the bits, never depend on the machine.
@@ -44,20 +44,3 @@ def key_splits(problem, tiles) -> tuple[int, int]:
     key_tiles = -(-kv_len // block_k)
     tiles_per_range = -(-key_tiles // ranges)
     return -(-key_tiles // tiles_per_range), tiles_per_range * block_k
-
-
-def merge(out_parts, lse_parts, out, lse) -> None:
-    """Write the merged ``out`` (B, H, Sq, Dv), any strides, and ``lse`` (B, H, Sq) from
-    ``out_parts`` (n, B, H, Sq, Dv) and ``lse_parts`` (n, B, H, Sq), summing over the n
-    ranges in order."""
-    top = lse_parts.max(axis=0)
-    seen = top > -np.inf
-    shift = np.where(seen, top, 0.0)
-    weights = np.exp(lse_parts - shift)  # exactly 0 for a range that saw no key
-    total = np.zeros_like(top)
-    merged = np.zeros(out_parts.shape[1:], out_parts.dtype)
-    for weight, part in zip(weights, out_parts):  # in range order: the same bits on every run
-        total += weight
-        merged += weight[..., None] * part
-    lse[...] = np.where(seen, shift + np.log(np.where(seen, total, 1.0)), -np.inf)
-    out[...] = merged / np.where(seen, total, 1.0)[..., None]

@@ -1,0 +1,367 @@
+"""Ring attention: exact attention over a sequence split across MPI processes.
+
+Each rank holds its shard of the sequence (:mod:`.sharding`): q, k and v for the same
+positions. The ranks pass their K/V blocks around the ring; while a block travels on to the
+next rank (non-blocking send and receive), the rank attends its queries to the block in
+hand, one npattn call per pair of chunks, and folds the partial result into its running
+output by log-sum-exp (:func:`npattn.merging.merge`), in a fixed order: step by step, the
+block owners in ring order. So the result never depends on timing, and differs from the
+one-process call only by rounding.
+
+Under ``causal`` a pair of chunks is either the same chunk (a causal call), a key chunk
+wholly before the query chunk (an unmasked call), or wholly after (skipped): chunks never
+overlap in part, since every rank's query and key chunks are the same positions.
+
+The backward (:func:`ring_attention_vjp`) sends the blocks around again, each with its dK
+and dV sums, to which every rank adds its queries' share
+(:func:`npattn.attention_backward` from the final out and lse); after a full turn they
+reach their owners. dq sums in step order, dk and dv in ring order: deterministic too.
+
+Before any work, the ranks exchange what they were given (shapes, dtypes, options,
+whether the inputs are finite) and every rank checks every rank's, so a mismatched shard
+raises the same error on every rank instead of hanging; every wait on a peer has a
+timeout that raises ``TimeoutError`` naming it.
+"""
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from .. import _arrays
+from ..api import attention, attention_backward
+from ..merging import merge
+from ..problem import to_user_layout
+from .sharding import Chunk, check_sharding, chunks
+
+# Options that count key positions from the sequence's start: a rank's npattn call would
+# count them from its block's start. They need position offsets in the kernels.
+_POSITIONAL = {"window": None, "sinks": 0, "alibi_slopes": None, "dropout_p": 0.0}
+_PER_ROW_ARRAYS = ("mask", "bias")
+_LENGTHS = ("q_lengths", "kv_lengths")
+
+
+def ring_attention(q, k, v, comm, *, sharding: str = "contiguous", timeout: float = 300.0, **options):
+    """:func:`npattn.attention` over a sequence sharded across the ranks of ``comm`` (an
+    mpi4py communicator). Collective: every rank calls it with its own shard.
+
+    q, k, v: the rank's shard, in layout "bhsd" (B, H, S_local, D) or "bshd", holding the
+    positions ``sharding`` gives it ("contiguous": after the lower ranks' positions;
+    "zigzag": chunks r and 2R-1-r of 2R equal chunks, see :mod:`npattn.distributed.sharding`).
+    Options as :func:`npattn.attention`, counting positions over the whole sequence:
+    ``causal``, ``scale``, ``softcap``, ``sink_logits`` (the same on every rank),
+    ``q_lengths`` and ``kv_lengths`` (global lengths), ``mask`` and ``bias`` as the rank's own
+    query rows of the whole problem's (broadcastable to (B, H, S_local, S)), ``layout``,
+    ``return_lse``, ``backend``. ``window``, ``sinks``, ``alibi_slopes`` and dropout raise
+    ValueError (they need position offsets the kernels do not take yet), as does
+    ``return_weights`` (S_local x S per rank).
+
+    Returns the rank's rows of what the one-process call returns: ``out`` (and ``lse``).
+    Raises the same ValueError on every rank when the shards disagree (shapes, dtypes,
+    options) or an input is not finite, and TimeoutError when a peer does not answer within
+    ``timeout`` seconds.
+    """
+    outputs, _ = _ring(q, k, v, comm, sharding, timeout, options, backward=False)
+    return outputs
+
+
+def ring_attention_vjp(q, k, v, comm, *, sharding: str = "contiguous", timeout: float = 300.0, **options):
+    """``(outputs, vjp)`` as :func:`npattn.attention_vjp`, over the ring: ``vjp(dout)``
+    (collective; dout the rank's rows) returns the rank's ``(dq, dk, dv)``, then ``dbias``
+    and ``dsink_logits`` when given. dk and dv are the gradients of the rank's own keys and
+    values, summed over every rank's queries. ``dsink_logits`` is summed over all ranks
+    (the logits are shared), as is ``dbias`` where the bias has one query row (it then
+    broadcasts over every rank's rows: with one position per rank, a rank's own single row
+    counts as such); a bias of the rank's own rows gets the rank's own gradient."""
+    return _ring(q, k, v, comm, sharding, timeout, options, backward=True)
+
+
+class _Ring:
+    """The communicator seen as a ring: each rank sends to the next and receives from the
+    previous, every wait bounded by ``timeout``."""
+
+    def __init__(self, comm, timeout: float):
+        from mpi4py import MPI
+
+        self.MPI, self.comm, self.timeout = MPI, comm, float(timeout)
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.next, self.previous = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def shift(self, arrays: list, shapes: list, tag: int) -> tuple[list, list]:
+        """Start sending ``arrays`` (C-contiguous) to the next rank and receiving arrays of
+        ``shapes`` (and the same dtypes) from the previous one; returns (the receiving
+        arrays, the requests to :meth:`wait` on)."""
+        received = [np.empty(shape, array.dtype) for array, shape in zip(arrays, shapes)]
+        requests = []
+        for index, (sent, into) in enumerate(zip(arrays, received)):
+            requests.append(self.comm.Irecv(into, source=self.previous, tag=tag + index))
+            requests.append(self.comm.Isend(sent, dest=self.next, tag=tag + index))
+        return received, requests
+
+    def wait(self, requests: list, what: str) -> None:
+        self._poll(lambda: self.MPI.Request.Testall(requests),
+                   f"{what} (from rank {self.previous}, to rank {self.next})")
+
+    def _poll(self, done: Callable[[], bool], what: str) -> None:
+        """Wait until ``done()``, polling (an MPI wait cannot time out), with a back-off from
+        50 us to 5 ms, so that a long wait does not take a core from the ranks' kernels."""
+        deadline, pause = time.monotonic() + self.timeout, 5e-5
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ring attention: rank {self.rank} waited {self.timeout:g} s for {what}; a peer "
+                                   "failed or did not make the same call. The communicator still holds the "
+                                   "unanswered operation: end the job (comm.Abort()) rather than reuse it")
+            time.sleep(pause)
+            pause = min(2 * pause, 5e-3)
+
+    def gather(self, value: Any) -> list:
+        """Every rank's ``value`` (a small picklable object), in rank order, within the
+        timeout: its pickle's size, then the pickles, through non-blocking all-gathers."""
+        data = np.frombuffer(pickle.dumps(value), np.uint8)
+        sizes = np.zeros(self.size, np.int64)
+        request = self.comm.Iallgather(np.array([data.size], np.int64), sizes)
+        self._poll(request.Test, "every rank to make the same call")
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        gathered = np.empty(int(sizes.sum()), np.uint8)
+        request = self.comm.Iallgatherv(data, [gathered, sizes, offsets, self.MPI.BYTE])
+        self._poll(request.Test, "every rank's description of its call")
+        return [pickle.loads(gathered[start:start + size].tobytes()) for start, size in zip(offsets, sizes)]
+
+
+class _Plan(NamedTuple):
+    """What every rank agreed on: the ranks' chunks and the options of the pair calls."""
+
+    chunks: list            # rank -> [Chunk]
+    kv_shapes: list         # rank -> (k shape, v shape), bhsd
+    causal: bool
+    plain: dict             # options passed to every pair call as they are
+    arrays: dict            # name -> array option (mask, bias, lengths, sink logits)
+
+
+def _ring(q, k, v, comm, sharding, timeout, options, backward):
+    ring = _Ring(comm, timeout)
+    layout = options.get("layout", "bhsd")
+    qb, kb, vb = (_bhsd(x, layout) for x in (q, k, v))
+    plan = _agree(ring, qb, kb, vb, sharding, options)
+    compute = np.dtype(np.float64) if qb.dtype == np.float64 else np.dtype(np.float32)
+    qc, kc, vc = (np.ascontiguousarray(x, dtype=compute) for x in (qb, kb, vb))
+    out, lse = _forward(ring, plan, qc, kc, vc)
+    user_out = np.ascontiguousarray(to_user_layout(out, layout)).astype(qb.dtype, copy=False)
+    outputs = (user_out, lse.astype(compute, copy=False)) if options.get("return_lse") else user_out
+    if not backward:
+        return outputs, None
+
+    def vjp(dout):
+        dout_b = np.ascontiguousarray(_bhsd(np.asarray(dout), layout), dtype=compute)
+        if dout_b.shape != out.shape:
+            raise ValueError(f"dout must have out's shape {tuple(user_out.shape)}, got {tuple(np.shape(dout))}")
+        grads = _backward(ring, plan, qc, kc, vc, out, lse, dout_b)
+        dq, dk, dv = (np.ascontiguousarray(to_user_layout(g, layout)).astype(x.dtype, copy=False)
+                      for g, x in zip(grads[:3], (qb, kb, vb)))
+        return (dq, dk, dv, *grads[3:])
+    return outputs, vjp
+
+
+def _bhsd(array, layout):
+    return array.transpose(0, 2, 1, 3) if layout == "bshd" else array
+
+
+def _agree(ring: _Ring, q, k, v, sharding, options) -> _Plan:
+    """Exchange what every rank was given; raise the same error on every rank when they
+    disagree or ask for what the ring cannot do. Returns the plan all ranks share."""
+    given = {name: value for name, value in options.items() if name not in (*_PER_ROW_ARRAYS, *_LENGTHS, "sink_logits")}
+    arrays = {name: np.asarray(options[name]) for name in (*_PER_ROW_ARRAYS, *_LENGTHS, "sink_logits")
+              if options.get(name) is not None}
+    mine = {
+        "shapes": (q.shape, k.shape, v.shape), "dtype": str(q.dtype), "kv_dtypes": (str(k.dtype), str(v.dtype)),
+        "sharding": sharding, "options": repr(sorted(given.items())),
+        "shared": {name: arrays[name].tolist() for name in (*_LENGTHS, "sink_logits") if name in arrays},
+        "row_shapes": {name: arrays[name].shape for name in _PER_ROW_ARRAYS if name in arrays},
+        "finite": all(_arrays.all_finite(x) for x in (q, k, v, *arrays.values()) if x.dtype.kind == "f"),
+    }
+    everyone = ring.gather(mine)
+    check_sharding(sharding)
+    for rank, theirs in enumerate(everyone):
+        for field in ("dtype", "kv_dtypes", "sharding", "options", "shared"):
+            if theirs[field] != everyone[0][field]:
+                raise ValueError(f"ring attention: rank {rank}'s {field} differs from rank 0's: "
+                                 f"{theirs[field]!r} against {everyone[0][field]!r}; every rank must make the same call")
+        (q_shape, k_shape, v_shape), (q0, k0, v0) = theirs["shapes"], everyone[0]["shapes"]
+        if (q_shape[:2], q_shape[3], k_shape[:2], k_shape[3], v_shape[:2], v_shape[3]) != \
+                (q0[:2], q0[3], k0[:2], k0[3], v0[:2], v0[3]):
+            raise ValueError(f"ring attention: rank {rank}'s q, k, v shapes (bhsd) {theirs['shapes']} differ from "
+                             f"rank 0's {everyone[0]['shapes']} in more than their sequence lengths")
+        if not q_shape[2] == k_shape[2] == v_shape[2]:
+            raise ValueError(f"ring attention: rank {rank}'s q, k and v hold {q_shape[2]}, {k_shape[2]} and "
+                             f"{v_shape[2]} positions; a shard holds q, k and v for the same positions")
+        if sharding == "zigzag" and (q_shape[2] % 2 or q_shape[2] != q0[2]):
+            raise ValueError(f"ring attention: zigzag shards are two equal chunks of one length on every rank; "
+                             f"rank {rank} holds {q_shape[2]} positions, rank 0 {q0[2]}")
+        if not theirs["finite"]:
+            raise ValueError(f"ring attention: rank {rank}'s inputs hold NaN or inf; the ring takes finite inputs")
+    for name, default in _POSITIONAL.items():
+        value = options.get(name)
+        if value is not None and (default is None or value != default):
+            raise ValueError(f"ring attention does not take {name} yet: it counts key positions from the "
+                             "sequence's start, and the kernels count them from a block's")
+    if options.get("return_weights"):
+        raise ValueError("ring attention does not return weights: they are S_local x S per rank")
+    lengths = [theirs["shapes"][0][2] for theirs in everyone]
+    total = sum(lengths)
+    for rank, theirs in enumerate(everyone):
+        for name, shape in theirs["row_shapes"].items():
+            shape = (1,) * (4 - len(shape)) + tuple(shape)
+            if len(shape) > 4 or shape[2] not in (1, lengths[rank]) or shape[3] not in (1, total):
+                raise ValueError(f"ring attention: rank {rank}'s {name} has shape {theirs['row_shapes'][name]}; "
+                                 f"it must broadcast to the rank's rows of the whole problem, (B, H, {lengths[rank]}, "
+                                 f"{total})")
+    plain = {name: value for name, value in given.items() if name not in ("layout", "return_lse", "causal")}
+    return _Plan(chunks=[chunks(rank, lengths, sharding) for rank in range(ring.size)],
+                 kv_shapes=[(theirs["shapes"][1], theirs["shapes"][2]) for theirs in everyone],
+                 causal=bool(options.get("causal", False)), plain=plain,
+                 arrays={name: (_four_d(array) if name in _PER_ROW_ARRAYS else array)
+                         for name, array in arrays.items()})
+
+
+def _four_d(array):
+    return array.reshape((1,) * (4 - array.ndim) + array.shape)
+
+
+def _pairs(plan: _Plan, rank: int, owner: int, step: int):
+    """The (query chunk, key chunk, options) calls rank ``rank`` makes on ``owner``'s block
+    at ``step``, in a fixed order; skipped pairs left out."""
+    for q_chunk in plan.chunks[rank]:
+        for k_chunk in plan.chunks[owner]:
+            same = q_chunk.global_start == k_chunk.global_start
+            if plan.causal and not same and k_chunk.global_start > q_chunk.global_start:
+                continue  # keys wholly after the queries
+            yield q_chunk, k_chunk, _pair_options(plan, q_chunk, k_chunk, causal=plan.causal and same)
+
+
+def _pair_options(plan: _Plan, q_chunk: Chunk, k_chunk: Chunk, causal: bool) -> dict:
+    options = dict(plan.plain, causal=causal)
+    rows = slice(q_chunk.local_start, q_chunk.local_start + q_chunk.length)
+    columns = slice(k_chunk.global_start, k_chunk.global_start + k_chunk.length)
+    for name in _PER_ROW_ARRAYS:
+        if name in plan.arrays:
+            array = plan.arrays[name]
+            array = array[:, :, rows] if array.shape[2] > 1 else array
+            options[name] = array[..., columns] if array.shape[3] > 1 else array
+    if "q_lengths" in plan.arrays:
+        options["q_lengths"] = np.clip(plan.arrays["q_lengths"] - q_chunk.global_start, 0, q_chunk.length)
+    if "kv_lengths" in plan.arrays:
+        options["kv_lengths"] = np.clip(plan.arrays["kv_lengths"] - k_chunk.global_start, 0, k_chunk.length)
+    return options
+
+
+def _rows(array, chunk: Chunk):
+    return array[:, :, chunk.local_start:chunk.local_start + chunk.length]
+
+
+def _around(ring: _Ring, blocks: list, sums: list, visit: Callable, shapes_of: Callable, tag: int) -> list:
+    """Send the rank's own ``blocks`` once around the ring. At each step: start passing the
+    blocks in hand on, ``visit(step, owner, blocks, sums)`` them, pass ``sums`` (that
+    owner's running sums, which the visit adds to) on, and wait for the next. After the
+    last step the sums go one rank further, which brings each home. ``shapes_of(owner)``
+    gives the shapes of an owner's blocks (and of its sums). Returns the rank's own sums."""
+    for step in range(ring.size):
+        owner = (ring.rank - step) % ring.size
+        following = (owner - 1) % ring.size  # whose block arrives next
+        last = step == ring.size - 1
+        if not last:
+            incoming, requests = ring.shift(blocks, shapes_of(following), tag + 8 * step)
+        visit(step, owner, blocks, sums)
+        if sums:
+            sums, sum_requests = ring.shift(sums, shapes_of(following), tag + 8 * step + 4)
+            ring.wait(sum_requests, f"the gradient sums of rank {following}'s block")
+        if not last:
+            ring.wait(requests, f"the K/V block of rank {following}")
+            blocks = incoming
+    return sums
+
+
+def _forward(ring: _Ring, plan: _Plan, q, k, v):
+    """The rank's (out, lse), bhsd, in the compute dtype."""
+    batch, heads, _, _ = q.shape
+    parts: dict = {}  # query chunk -> (out, lse) merged so far
+
+    def visit(step, owner, blocks, sums):
+        key_block, value_block = blocks
+        for q_chunk, k_chunk, options in _pairs(plan, ring.rank, owner, step):
+            out, lse = attention(_rows(q, q_chunk), _rows(key_block, k_chunk), _rows(value_block, k_chunk),
+                                 return_lse=True, **options)
+            if q_chunk not in parts:
+                parts[q_chunk] = (out, lse)
+            else:  # fold in, in the fixed order of steps and chunks
+                merged_out, merged_lse = parts[q_chunk]
+                merge(np.stack([merged_out, out]), np.stack([merged_lse, lse]), merged_out, merged_lse)
+
+    _around(ring, [k, v], [], visit, lambda owner: plan.kv_shapes[owner], tag=100)
+    out = np.concatenate([parts[chunk][0] for chunk in plan.chunks[ring.rank]], axis=2)
+    lse = np.concatenate([parts[chunk][1] for chunk in plan.chunks[ring.rank]], axis=2)
+    if "sink_logits" in plan.arrays:
+        # the sink is one more, value-less part of every row that saw a key, merged last:
+        # given to one pair's call instead, it would be lost where that pair hides the row's keys
+        seen = lse > -np.inf
+        sink = np.where(seen, plan.arrays["sink_logits"].astype(lse.dtype)[None, :, None], -np.inf)
+        merge(np.stack([out, np.zeros_like(out)]), np.stack([lse, sink]), out, lse)
+    return out, lse
+
+
+def _backward(ring: _Ring, plan: _Plan, q, k, v, out, lse, dout):
+    """The rank's gradients: [dq, dk, dv] bhsd in the compute dtype, then dbias and
+    dsink_logits when given."""
+    dq = np.zeros_like(q)
+    dbias = np.zeros(plan.arrays["bias"].shape, q.dtype) if "bias" in plan.arrays else None
+
+    def visit(step, owner, blocks, sums):
+        key_block, value_block = blocks
+        dk_sum, dv_sum = sums
+        for q_chunk, k_chunk, options in _pairs(plan, ring.rank, owner, step):
+            grads = attention_backward(_rows(q, q_chunk), _rows(key_block, k_chunk), _rows(value_block, k_chunk),
+                                       _rows(out, q_chunk), _rows(lse, q_chunk), _rows(dout, q_chunk), **options)
+            _rows(dq, q_chunk)[...] += grads[0]
+            _rows(dk_sum, k_chunk)[...] += grads[1]
+            _rows(dv_sum, k_chunk)[...] += grads[2]
+            if dbias is not None:
+                _add_bias_gradient(dbias, grads[3], q_chunk, k_chunk)
+
+    # dK and dV sums travel with their block and reach its owner one step after the turn
+    home = _around(ring, [k, v], [np.zeros_like(k), np.zeros_like(v)], visit, lambda owner: plan.kv_shapes[owner],
+                   tag=1000)
+    grads = [dq, *home]
+    if dbias is not None:
+        grads.append(_shared_sum(ring, dbias) if dbias.shape[2] == 1 else dbias)
+    if "sink_logits" in plan.arrays:
+        grads.append(_shared_sum(ring, _sink_gradient(plan.arrays["sink_logits"].astype(q.dtype), out, lse, dout)))
+    return grads
+
+
+def _sink_gradient(sink_logits, out, lse, dout):
+    """The rank's rows' share of d(sum(out * dout)) / d(sink_logits): a value-less column of
+    probability ``P = exp(sink - lse)`` scales every other weight by ``1 - P``, so each row
+    adds ``-P * rowsum(dout * out)``; rows that saw no key (lse -inf) add nothing."""
+    seen = lse > -np.inf
+    probability = np.exp(np.where(seen, sink_logits[None, :, None] - np.where(seen, lse, 0.0), -np.inf))
+    delta = np.einsum("bhsd,bhsd->bhs", dout, out)
+    return -(probability * delta).sum(axis=(0, 2))
+
+
+def _add_bias_gradient(dbias, grad, q_chunk: Chunk, k_chunk: Chunk) -> None:
+    """Add a pair call's bias gradient (the pair's slice of the bias, as given) into the rank's."""
+    grad = _four_d(grad)
+    target = dbias[:, :, q_chunk.local_start:q_chunk.local_start + q_chunk.length] if dbias.shape[2] > 1 else dbias
+    if dbias.shape[3] > 1:
+        target = target[..., k_chunk.global_start:k_chunk.global_start + k_chunk.length]
+    target += grad
+
+
+def _shared_sum(ring: _Ring, array):
+    """The sum over the ranks of ``array`` (the gradient of a value all ranks share), in
+    rank order: the same bits on every rank and every run."""
+    total = np.zeros_like(array)
+    for part in ring.gather(array):
+        total += part
+    return total

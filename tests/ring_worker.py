@@ -1,0 +1,157 @@
+"""Run by tests/test_ring.py under ``mpiexec -n R``: each rank runs ring attention on its
+shard of cases drawn from a seed, and compares with the one-process call it computes
+itself. Exits non-zero (with the case and the error) on any difference beyond the dtype's
+rounding bound; prints one "ok" line per rank at the end.
+
+Usage: ring_worker.py correctness SEED CASES | mismatch | silent-peer | refusals
+"""
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import npattn
+from npattn.distributed import ring_attention, ring_attention_vjp, shard
+from tolerances import bound
+
+COMM = MPI.COMM_WORLD
+RANK, RANKS = COMM.Get_rank(), COMM.Get_size()
+OPTION_NAMES = ("causal", "scale", "softcap", "sink_logits", "mask", "bias", "q_lengths", "kv_lengths")
+
+
+def draw_case(rng):
+    """dims, dtype, layout, sharding and a random subset of the ring's options."""
+    sharding = ["contiguous", "zigzag"][rng.integers(2)]
+    chunk = int(rng.integers(1, 5))
+    length = chunk * RANKS * (2 if sharding == "zigzag" else 1)
+    kv_heads = int(rng.integers(1, 3))
+    heads = kv_heads * int(rng.integers(1, 3))
+    batch, head_dim, value_dim = int(rng.integers(1, 3)), int(rng.integers(1, 9)), int(rng.integers(1, 9))
+    dtype = np.dtype(["float64", "float32", "float16"][rng.integers(3)])
+    layout = ["bhsd", "bshd"][rng.integers(2)]
+    q = rng.uniform(-2, 2, (batch, heads, length, head_dim)).astype(dtype)
+    k = rng.uniform(-2, 2, (batch, kv_heads, length, head_dim)).astype(dtype)
+    v = rng.uniform(-2, 2, (batch, kv_heads, length, value_dim)).astype(dtype)
+    options = {}
+    for name in OPTION_NAMES:
+        if rng.random() < 0.5:
+            continue
+        if name == "causal":
+            options["causal"] = True
+        elif name == "scale":
+            options["scale"] = float(rng.uniform(0.1, 1.0))
+        elif name == "softcap":
+            options["softcap"] = float(rng.uniform(0.5, 5.0))
+        elif name == "sink_logits":
+            options["sink_logits"] = rng.normal(0, 2, heads)
+        elif name == "mask":
+            options["mask"] = rng.random((batch, 1, length, length)) < 0.7
+        elif name == "bias":
+            # one row broadcasts over all query rows (its gradient summed over the ranks); with
+            # one position per rank a rank's own row would look the same, so draw those only
+            # where ranks hold more
+            rows = [1, length][rng.integers(2)] if length > RANKS else 1
+            options["bias"] = rng.normal(0, 1, (1, heads, rows, length))
+        elif name == "q_lengths":
+            options["q_lengths"] = rng.integers(0, length + 1, batch)
+        elif name == "kv_lengths":
+            options["kv_lengths"] = rng.integers(0, length + 1, batch)
+    return q, k, v, dtype, layout, sharding, options
+
+
+def rank_part(array, sharding, axis):
+    return shard(array, RANK, RANKS, axis, sharding)
+
+
+def to_layout(array, layout):
+    return np.ascontiguousarray(array.transpose(0, 2, 1, 3)) if layout == "bshd" else array
+
+
+def check(name, ours, expected, dtype, length, magnitude, case):
+    ours, expected = np.asarray(ours, np.float64), np.asarray(expected, np.float64)
+    tolerance = bound(dtype, length, magnitude)
+    if ours.shape != expected.shape:
+        raise AssertionError(f"rank {RANK}: {name} has shape {ours.shape}, not {expected.shape}, in {case}")
+    both_inf = np.isneginf(ours) & np.isneginf(expected)
+    difference = np.abs(np.where(both_inf, 0.0, ours) - np.where(both_inf, 0.0, expected))
+    if not (difference <= tolerance).all():
+        difference = difference.max()
+        raise AssertionError(f"rank {RANK}: {name} differs by {difference} (tolerance {tolerance:.3g}) in {case}")
+
+
+def correctness(seed, cases):
+    rng = np.random.default_rng(seed)
+    for index in range(cases):
+        q, k, v, dtype, layout, sharding, options = draw_case(rng)
+        dout = rng.uniform(-1, 1, (*q.shape[:3], v.shape[-1])).astype(dtype)
+        user = [to_layout(x, layout) for x in (q, k, v, dout)]
+        (out, lse), vjp = npattn.attention_vjp(*user[:3], return_lse=True, layout=layout, **options)
+        expected = vjp(user[3])
+        seq = 2 if layout == "bhsd" else 1
+        local = {name: (rank_part(value, sharding, 2) if name in ("mask", "bias") and value.shape[2] > 1 else value)
+                 for name, value in options.items()}
+        (ring_out, ring_lse), ring_vjp = ring_attention_vjp(
+            *(rank_part(x, sharding, seq) for x in user[:3]), COMM, sharding=sharding, return_lse=True,
+            layout=layout, **local)
+        grads = ring_vjp(rank_part(user[3], sharding, seq))
+        case = f"case {index}: {dtype} {layout} {sharding} shapes {q.shape} {k.shape} {v.shape} options {sorted(options)}"
+        length, magnitude = q.shape[2] + q.shape[3] + v.shape[3], 4.0 * (1 + 4 * q.shape[3])
+        check("out", ring_out, rank_part(out, sharding, seq), dtype, length, magnitude, case)
+        check("lse", ring_lse, rank_part(lse, sharding, 2), np.float32 if dtype != np.float64 else dtype, length,
+              magnitude, case)
+        for name, ours, theirs in zip(("dq", "dk", "dv"), grads, expected):
+            check(name, ours, rank_part(theirs, sharding, seq), dtype, 4 * length, 4 * magnitude * q.shape[2], case)
+        compute = np.float64 if dtype == np.float64 else np.float32  # dbias and dsink_logits: in it, then widened
+        extra = iter(zip(grads[3:], expected[3:]))
+        if "bias" in options:
+            ours, theirs = next(extra)
+            theirs = rank_part(theirs, sharding, 2) if theirs.shape[2] > 1 else theirs
+            check("dbias", ours, theirs, compute, 4 * length, 4 * magnitude * q.shape[2], case)
+        if "sink_logits" in options:
+            ours, theirs = next(extra)
+            check("dsink_logits", ours, theirs, compute, 4 * length, 4 * magnitude * q.shape[2] * q.shape[0], case)
+    print(f"ok rank {RANK} of {RANKS}: {cases} cases", flush=True)
+
+
+def mismatch():
+    """Rank 1 passes a shard with another head count: every rank must raise the same error."""
+    q = np.ones((1, 2 if RANK != 1 else 4, 3, 4))
+    try:
+        ring_attention(q, q, q, COMM, timeout=60)
+    except ValueError as error:
+        print(f"raised rank {RANK}: {error}", flush=True)
+
+
+def silent_peer():
+    """Rank 0 never makes the call: the others must time out, naming the wait. Then every
+    rank leaves without MPI_Finalize, which would wait forever on the unanswered call, once
+    all have had time to say what they caught (mpiexec ends the rest when one leaves so)."""
+    q = np.ones((1, 2, 3, 4))
+    start = time.monotonic()
+    if RANK != 0:
+        try:
+            ring_attention(q, q, q, COMM, timeout=1.0)
+        except TimeoutError as error:
+            print(f"timed out rank {RANK}: {error}", flush=True)
+    time.sleep(max(0.0, start + 5 - time.monotonic()))
+    os._exit(0)
+
+
+def refusals():
+    """Options that count positions from the sequence's start, and the weights, are refused
+    by name on every rank."""
+    q = np.ones((1, 2, 4, 4))
+    for options in ({"window": 2}, {"sinks": 1}, {"alibi_slopes": np.ones(2)}, {"dropout_p": 0.1, "seed": 1},
+                    {"return_weights": True}):
+        try:
+            ring_attention(q, q, q, COMM, timeout=60, **options)
+        except ValueError as error:
+            print(f"refused rank {RANK}: {error}", flush=True)
+
+
+if __name__ == "__main__":
+    MODES = {"correctness": lambda: correctness(int(sys.argv[2]), int(sys.argv[3])), "mismatch": mismatch,
+             "silent-peer": silent_peer, "refusals": refusals}
+    MODES[sys.argv[1]]()

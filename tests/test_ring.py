@@ -1,0 +1,74 @@
+"""Ring attention over MPI (npattn.distributed): ``mpiexec -n 2, 3, 4`` on loopback, each
+rank comparing its outputs and gradients with the one-process call (tests/ring_worker.py).
+Needs mpi4py and an MPI launcher (the test extra installs mpi4py and the MPICH wheel)."""
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from npattn.distributed import shard, unshard
+
+pytest.importorskip("mpi4py")
+WORKER = pathlib.Path(__file__).resolve().parent / "ring_worker.py"
+# the launcher of the MPI that mpi4py was built against sits beside the interpreter in a venv
+MPIEXEC = shutil.which("mpiexec", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("mpiexec")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+
+
+def run(ranks, *arguments, timeout=300):
+    result = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, str(WORKER), *map(str, arguments)],
+                            capture_output=True, text=True, timeout=timeout, cwd=WORKER.parent,
+                            env={**os.environ, "NPATTN_NUM_THREADS": "1"})
+    return result
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_outputs_and_gradients_equal_the_one_process_call(ranks):
+    result = run(ranks, "correctness", ranks, 25)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # the ranks' lines share one pipe and may run into each other: read them by pattern
+    assert sorted(re.findall(r"ok rank (\d+) of", result.stdout)) == [str(rank) for rank in range(ranks)]
+
+
+def test_a_mismatched_shard_raises_the_same_error_on_every_rank():
+    result = run(3, "mismatch")
+    assert result.returncode == 0, result.stdout + result.stderr
+    raised = re.findall(r"raised rank (\d): (ring attention: .*? lengths)", result.stdout)
+    assert sorted(rank for rank, _ in raised) == ["0", "1", "2"], result.stdout
+    assert len({message for _, message in raised}) == 1 and "rank 1's q, k, v shapes" in raised[0][1]
+
+
+def test_a_peer_that_never_calls_makes_the_others_time_out_naming_the_wait():
+    result = run(3, "silent-peer")
+    timed_out = re.findall(r"timed out rank (\d): ring attention: rank \d waited 1 s for every rank to make the "
+                           r"same call", result.stdout)
+    assert sorted(timed_out) == ["1", "2"], result.stdout + result.stderr
+
+
+def test_options_counting_positions_from_the_start_are_refused_by_name():
+    result = run(2, "refusals")
+    assert result.returncode == 0, result.stdout + result.stderr
+    refused = re.findall(r"refused rank 0: ring attention does not (?:take (\w+) yet|return (weights))", result.stdout)
+    assert ["".join(names) for names in refused] == ["window", "sinks", "alibi_slopes", "dropout_p", "weights"]
+
+
+@pytest.mark.parametrize("sharding, length", [("contiguous", 10), ("zigzag", 12)])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_shard_and_unshard_are_inverse(sharding, length, ranks):
+    array = np.arange(2 * length * 3).reshape(2, length, 3)
+    parts = [shard(array, rank, ranks, 1, sharding) for rank in range(ranks)]
+    np.testing.assert_array_equal(unshard(parts, 1, sharding), array)
+    if sharding == "zigzag":  # rank r holds chunks r and 2R-1-r
+        chunk = length // (2 * ranks)
+        np.testing.assert_array_equal(parts[0][:, :chunk], array[:, :chunk])
+        np.testing.assert_array_equal(parts[0][:, chunk:], array[:, length - chunk:])
+
+
+def test_zigzag_needs_equal_chunks():
+    with pytest.raises(ValueError, match="2 x 3 equal chunks"):
+        shard(np.zeros((1, 10)), 0, 3, 1, "zigzag")
