@@ -175,6 +175,9 @@ def main(argv=None) -> int:
     bench_parser.add_argument("--adapters", action="store_true",
                               help="npattn called on torch tensors and JAX arrays against the same call on "
                                    "NumPy instead (the adapters' cost; one shape, default 1,8,512,64)")
+    bench_parser.add_argument("--ring", type=_positive_int, metavar="N",
+                              help="ring attention on N MPI ranks against one process instead (one thread "
+                                   "each; one shape B,H,S,D, default 1,8,8192,64, causal, zigzag shards)")
     bench_parser.add_argument("--gpu", action="store_true",
                               help="the CUDA kernels against torch SDPA's fastest backend on the GPU instead")
     bench_parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
@@ -230,6 +233,17 @@ def main(argv=None) -> int:
                               suite=suite, json_path=args.json)
         elif args.memory:
             bench.memory()
+        elif args.ring:
+            from . import bench_ring
+
+            shape = tuple(int(x) for x in args.shapes[0].split(",")) if args.shapes else bench_ring.DEFAULT_SHAPE
+            if len(shape) != 4:
+                bench_parser.error(f"--ring takes a shape B,H,S,D; got {args.shapes[0]!r}")
+            try:
+                bench_ring.compare(args.ring, shape, repeats=args.repeats, backward=not args.forward_only)
+            except RuntimeError as error:
+                print(error, file=sys.stderr)
+                return 2
         elif args.adapters:
             from . import bench_adapters
 

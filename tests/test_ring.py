@@ -72,3 +72,16 @@ def test_shard_and_unshard_are_inverse(sharding, length, ranks):
 def test_zigzag_needs_equal_chunks():
     with pytest.raises(ValueError, match="2 x 3 equal chunks"):
         shard(np.zeros((1, 10)), 0, 3, 1, "zigzag")
+
+
+def test_bench_ring_times_the_ring_against_one_process():
+    import io
+
+    from npattn import bench_ring
+
+    printed = io.StringIO()
+    results = bench_ring.compare(2, (1, 2, 32, 8), repeats=1, out=printed)
+    assert set(results["ring"]) == set(results["one process"]) == {"forward", "fwd+bwd"}
+    for key, ratio in results["ratio"].items():
+        assert ratio == pytest.approx(results["ring"][key] / results["one process"][key])
+    assert "2 ranks (zigzag)" in printed.getvalue() and "0.500x" in printed.getvalue()
