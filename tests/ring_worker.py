@@ -3,7 +3,7 @@ shard of cases drawn from a seed, and compares with the one-process call it comp
 itself. Exits non-zero (with the case and the error) on any difference beyond the dtype's
 rounding bound; prints one "ok" line per rank at the end.
 
-Usage: ring_worker.py correctness SEED CASES | mismatch | silent-peer | refusals
+Usage: ring_worker.py correctness ring|heads SEED CASES | mismatch | silent-peer | refusals
 """
 import os
 import sys
@@ -18,15 +18,17 @@ from tolerances import bound
 
 COMM = MPI.COMM_WORLD
 RANK, RANKS = COMM.Get_rank(), COMM.Get_size()
-OPTION_NAMES = ("causal", "scale", "softcap", "sink_logits", "mask", "bias", "q_lengths", "kv_lengths")
+OPTION_NAMES = {"ring": ("causal", "scale", "softcap", "sink_logits", "mask", "bias", "q_lengths", "kv_lengths"),
+                "heads": ("causal", "scale", "softcap", "sink_logits", "q_lengths", "kv_lengths", "window", "sinks",
+                          "alibi_slopes")}
 
 
-def draw_case(rng):
-    """dims, dtype, layout, sharding and a random subset of the ring's options."""
+def draw_case(rng, strategy):
+    """dims, dtype, layout, sharding and a random subset of the strategy's options."""
     sharding = ["contiguous", "zigzag"][rng.integers(2)]
     chunk = int(rng.integers(1, 5))
     length = chunk * RANKS * (2 if sharding == "zigzag" else 1)
-    kv_heads = int(rng.integers(1, 3))
+    kv_heads = int(rng.integers(1, 3)) * (RANKS if strategy == "heads" else 1)
     heads = kv_heads * int(rng.integers(1, 3))
     batch, head_dim, value_dim = int(rng.integers(1, 3)), int(rng.integers(1, 9)), int(rng.integers(1, 9))
     dtype = np.dtype(["float64", "float32", "float16"][rng.integers(3)])
@@ -35,7 +37,7 @@ def draw_case(rng):
     k = rng.uniform(-2, 2, (batch, kv_heads, length, head_dim)).astype(dtype)
     v = rng.uniform(-2, 2, (batch, kv_heads, length, value_dim)).astype(dtype)
     options = {}
-    for name in OPTION_NAMES:
+    for name in OPTION_NAMES[strategy]:
         if rng.random() < 0.5:
             continue
         if name == "causal":
@@ -58,6 +60,12 @@ def draw_case(rng):
             options["q_lengths"] = rng.integers(0, length + 1, batch)
         elif name == "kv_lengths":
             options["kv_lengths"] = rng.integers(0, length + 1, batch)
+        elif name == "window":
+            options["window"] = (int(rng.integers(0, length)), int(rng.integers(0, length)))
+        elif name == "sinks":
+            options["sinks"] = int(rng.integers(0, 3))
+        elif name == "alibi_slopes":
+            options["alibi_slopes"] = rng.uniform(0, 1, heads)
     return q, k, v, dtype, layout, sharding, options
 
 
@@ -81,10 +89,10 @@ def check(name, ours, expected, dtype, length, magnitude, case):
         raise AssertionError(f"rank {RANK}: {name} differs by {difference} (tolerance {tolerance:.3g}) in {case}")
 
 
-def correctness(seed, cases):
+def correctness(strategy, seed, cases):
     rng = np.random.default_rng(seed)
     for index in range(cases):
-        q, k, v, dtype, layout, sharding, options = draw_case(rng)
+        q, k, v, dtype, layout, sharding, options = draw_case(rng, strategy)
         dout = rng.uniform(-1, 1, (*q.shape[:3], v.shape[-1])).astype(dtype)
         user = [to_layout(x, layout) for x in (q, k, v, dout)]
         (out, lse), vjp = npattn.attention_vjp(*user[:3], return_lse=True, layout=layout, **options)
@@ -93,8 +101,8 @@ def correctness(seed, cases):
         local = {name: (rank_part(value, sharding, 2) if name in ("mask", "bias") and value.shape[2] > 1 else value)
                  for name, value in options.items()}
         (ring_out, ring_lse), ring_vjp = ring_attention_vjp(
-            *(rank_part(x, sharding, seq) for x in user[:3]), COMM, sharding=sharding, return_lse=True,
-            layout=layout, **local)
+            *(rank_part(x, sharding, seq) for x in user[:3]), COMM, sharding=sharding, strategy=strategy,
+            return_lse=True, layout=layout, **local)
         grads = ring_vjp(rank_part(user[3], sharding, seq))
         case = f"case {index}: {dtype} {layout} {sharding} shapes {q.shape} {k.shape} {v.shape} options {sorted(options)}"
         length, magnitude = q.shape[2] + q.shape[3] + v.shape[3], 4.0 * (1 + 4 * q.shape[3])
@@ -112,7 +120,7 @@ def correctness(seed, cases):
         if "sink_logits" in options:
             ours, theirs = next(extra)
             check("dsink_logits", ours, theirs, compute, 4 * length, 4 * magnitude * q.shape[2] * q.shape[0], case)
-    print(f"ok rank {RANK} of {RANKS}: {cases} cases", flush=True)
+    print(f"ok rank {RANK} of {RANKS}: {cases} {strategy} cases", flush=True)
 
 
 def mismatch():
@@ -140,18 +148,21 @@ def silent_peer():
 
 
 def refusals():
-    """Options that count positions from the sequence's start, and the weights, are refused
-    by name on every rank."""
+    """Options that count positions from the sequence's start (by the ring), what the head
+    split cannot do, and the weights, are refused by name on every rank."""
     q = np.ones((1, 2, 4, 4))
-    for options in ({"window": 2}, {"sinks": 1}, {"alibi_slopes": np.ones(2)}, {"dropout_p": 0.1, "seed": 1},
-                    {"return_weights": True}):
+    for strategy, options in (("ring", {"window": 2}), ("ring", {"sinks": 1}), ("ring", {"alibi_slopes": np.ones(2)}),
+                              ("ring", {"dropout_p": 0.1, "seed": 1}), ("ring", {"return_weights": True}),
+                              ("heads", {"mask": np.ones((4, 8), bool)}), ("heads", {"dropout_p": 0.1, "seed": 1}),
+                              ("heads", {"kv_heads": 1})):
+        kv = q[:, :options.pop("kv_heads", 2)]
         try:
-            ring_attention(q, q, q, COMM, timeout=60, **options)
+            ring_attention(q, kv, kv, COMM, strategy=strategy, timeout=60, **options)
         except ValueError as error:
             print(f"refused rank {RANK}: {error}", flush=True)
 
 
 if __name__ == "__main__":
-    MODES = {"correctness": lambda: correctness(int(sys.argv[2]), int(sys.argv[3])), "mismatch": mismatch,
+    MODES = {"correctness": lambda: correctness(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])), "mismatch": mismatch,
              "silent-peer": silent_peer, "refusals": refusals}
     MODES[sys.argv[1]]()

@@ -27,9 +27,9 @@ def run(ranks, *arguments, timeout=300):
     return result
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_outputs_and_gradients_equal_the_one_process_call(ranks):
-    result = run(ranks, "correctness", ranks, 25)
+@pytest.mark.parametrize("strategy, ranks", [("ring", 2), ("ring", 3), ("ring", 4), ("heads", 2), ("heads", 3)])
+def test_outputs_and_gradients_equal_the_one_process_call(strategy, ranks):
+    result = run(ranks, "correctness", strategy, ranks, 25)
     assert result.returncode == 0, result.stdout + result.stderr
     # the ranks' lines share one pipe and may run into each other: read them by pattern
     assert sorted(re.findall(r"ok rank (\d+) of", result.stdout)) == [str(rank) for rank in range(ranks)]
@@ -53,8 +53,10 @@ def test_a_peer_that_never_calls_makes_the_others_time_out_naming_the_wait():
 def test_options_counting_positions_from_the_start_are_refused_by_name():
     result = run(2, "refusals")
     assert result.returncode == 0, result.stdout + result.stderr
-    refused = re.findall(r"refused rank 0: ring attention does not (?:take (\w+) yet|return (weights))", result.stdout)
-    assert ["".join(names) for names in refused] == ["window", "sinks", "alibi_slopes", "dropout_p", "weights"]
+    refused = re.findall(r"refused rank 0: (?:ring attention does not (?:take (\w+) yet|return (weights))|"
+                         r"strategy='heads' (?:does not take (\w+)|splits the heads: (H) ))", result.stdout)
+    assert ["".join(names) for names in refused] == ["window", "sinks", "alibi_slopes", "dropout_p", "weights",
+                                                     "mask", "dropout_p", "H"], result.stdout
 
 
 @pytest.mark.parametrize("sharding, length", [("contiguous", 10), ("zigzag", 12)])

@@ -2,6 +2,7 @@
 
 - ``ring.py``: :func:`ring_attention` and :func:`ring_attention_vjp`, mirroring
   :func:`npattn.attention` and :func:`npattn.attention_vjp` for a rank's shard.
+- ``heads.py``: the head-parallel strategy (``strategy="heads"``), all-to-all.
 - ``sharding.py``: which positions each rank holds ("contiguous" or "zigzag"), and
   :func:`shard` / :func:`unshard` between whole arrays and a rank's part.
 

@@ -43,7 +43,8 @@ _PER_ROW_ARRAYS = ("mask", "bias")
 _LENGTHS = ("q_lengths", "kv_lengths")
 
 
-def ring_attention(q, k, v, comm, *, sharding: str = "contiguous", timeout: float = 300.0, **options):
+def ring_attention(q, k, v, comm, *, sharding: str = "contiguous", strategy: str = "ring", timeout: float = 300.0,
+                   **options):
     """:func:`npattn.attention` over a sequence sharded across the ranks of ``comm`` (an
     mpi4py communicator). Collective: every rank calls it with its own shard.
 
@@ -58,16 +59,22 @@ def ring_attention(q, k, v, comm, *, sharding: str = "contiguous", timeout: floa
     ValueError (they need position offsets the kernels do not take yet), as does
     ``return_weights`` (S_local x S per rank).
 
+    ``strategy="heads"`` (DeepSpeed-Ulysses, :mod:`npattn.distributed.heads`) exchanges the
+    shards all-to-all so that each rank runs whole sequences of H/R heads: it takes
+    ``window``, ``sinks`` and ``alibi_slopes`` too, but not ``mask``, ``bias`` or dropout, and
+    needs H and Hkv divisible by the number of ranks.
+
     Returns the rank's rows of what the one-process call returns: ``out`` (and ``lse``).
     Raises the same ValueError on every rank when the shards disagree (shapes, dtypes,
     options) or an input is not finite, and TimeoutError when a peer does not answer within
     ``timeout`` seconds.
     """
-    outputs, _ = _ring(q, k, v, comm, sharding, timeout, options, backward=False)
+    outputs, _ = _ring(q, k, v, comm, sharding, strategy, timeout, options, backward=False)
     return outputs
 
 
-def ring_attention_vjp(q, k, v, comm, *, sharding: str = "contiguous", timeout: float = 300.0, **options):
+def ring_attention_vjp(q, k, v, comm, *, sharding: str = "contiguous", strategy: str = "ring",
+                       timeout: float = 300.0, **options):
     """``(outputs, vjp)`` as :func:`npattn.attention_vjp`, over the ring: ``vjp(dout)``
     (collective; dout the rank's rows) returns the rank's ``(dq, dk, dv)``, then ``dbias``
     and ``dsink_logits`` when given. dk and dv are the gradients of the rank's own keys and
@@ -75,7 +82,7 @@ def ring_attention_vjp(q, k, v, comm, *, sharding: str = "contiguous", timeout: 
     (the logits are shared), as is ``dbias`` where the bias has one query row (it then
     broadcasts over every rank's rows: with one position per rank, a rank's own single row
     counts as such); a bias of the rank's own rows gets the rank's own gradient."""
-    return _ring(q, k, v, comm, sharding, timeout, options, backward=True)
+    return _ring(q, k, v, comm, sharding, strategy, timeout, options, backward=True)
 
 
 class _Ring:
@@ -99,6 +106,20 @@ class _Ring:
             requests.append(self.comm.Irecv(into, source=self.previous, tag=tag + index))
             requests.append(self.comm.Isend(sent, dest=self.next, tag=tag + index))
         return received, requests
+
+    def exchange(self, sends: list, shapes: list, dtype, tag: int) -> list:
+        """All-to-all: ``sends[j]`` (C-contiguous) to rank j, an array of ``shapes[j]`` from
+        each rank j back (this rank's own is copied), in rank order."""
+        received = [np.empty(shape, dtype) for shape in shapes]
+        requests = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                received[peer][...] = sends[peer]
+                continue
+            requests.append(self.comm.Irecv(received[peer], source=peer, tag=tag))
+            requests.append(self.comm.Isend(sends[peer], dest=peer, tag=tag))
+        self._poll(lambda: self.MPI.Request.Testall(requests), "the all-to-all exchange of head groups")
+        return received
 
     def wait(self, requests: list, what: str) -> None:
         self._poll(lambda: self.MPI.Request.Testall(requests),
@@ -140,14 +161,20 @@ class _Plan(NamedTuple):
     arrays: dict            # name -> array option (mask, bias, lengths, sink logits)
 
 
-def _ring(q, k, v, comm, sharding, timeout, options, backward):
+def _ring(q, k, v, comm, sharding, strategy, timeout, options, backward):
     ring = _Ring(comm, timeout)
     layout = options.get("layout", "bhsd")
     qb, kb, vb = (_bhsd(x, layout) for x in (q, k, v))
-    plan = _agree(ring, qb, kb, vb, sharding, options)
+    plan = _agree(ring, qb, kb, vb, sharding, strategy, options)
     compute = np.dtype(np.float64) if qb.dtype == np.float64 else np.dtype(np.float32)
     qc, kc, vc = (np.ascontiguousarray(x, dtype=compute) for x in (qb, kb, vb))
-    out, lse = _forward(ring, plan, qc, kc, vc)
+    if strategy == "heads":
+        from . import heads
+
+        out, lse, backward_of = heads.forward(ring, plan, qc, kc, vc, options, backward)
+    else:
+        out, lse = _forward(ring, plan, qc, kc, vc)
+        backward_of = lambda dout: _backward(ring, plan, qc, kc, vc, out, lse, dout)  # noqa: E731
     user_out = np.ascontiguousarray(to_user_layout(out, layout)).astype(qb.dtype, copy=False)
     outputs = (user_out, lse.astype(compute, copy=False)) if options.get("return_lse") else user_out
     if not backward:
@@ -157,7 +184,7 @@ def _ring(q, k, v, comm, sharding, timeout, options, backward):
         dout_b = np.ascontiguousarray(_bhsd(np.asarray(dout), layout), dtype=compute)
         if dout_b.shape != out.shape:
             raise ValueError(f"dout must have out's shape {tuple(user_out.shape)}, got {tuple(np.shape(dout))}")
-        grads = _backward(ring, plan, qc, kc, vc, out, lse, dout_b)
+        grads = backward_of(dout_b)
         dq, dk, dv = (np.ascontiguousarray(to_user_layout(g, layout)).astype(x.dtype, copy=False)
                       for g, x in zip(grads[:3], (qb, kb, vb)))
         return (dq, dk, dv, *grads[3:])
@@ -168,7 +195,10 @@ def _bhsd(array, layout):
     return array.transpose(0, 2, 1, 3) if layout == "bshd" else array
 
 
-def _agree(ring: _Ring, q, k, v, sharding, options) -> _Plan:
+STRATEGIES = ("ring", "heads")
+
+
+def _agree(ring: _Ring, q, k, v, sharding, strategy, options) -> _Plan:
     """Exchange what every rank was given; raise the same error on every rank when they
     disagree or ask for what the ring cannot do. Returns the plan all ranks share."""
     given = {name: value for name, value in options.items() if name not in (*_PER_ROW_ARRAYS, *_LENGTHS, "sink_logits")}
@@ -176,15 +206,17 @@ def _agree(ring: _Ring, q, k, v, sharding, options) -> _Plan:
               if options.get(name) is not None}
     mine = {
         "shapes": (q.shape, k.shape, v.shape), "dtype": str(q.dtype), "kv_dtypes": (str(k.dtype), str(v.dtype)),
-        "sharding": sharding, "options": repr(sorted(given.items())),
+        "sharding": sharding, "strategy": strategy, "options": repr(sorted(given.items())),
         "shared": {name: arrays[name].tolist() for name in (*_LENGTHS, "sink_logits") if name in arrays},
         "row_shapes": {name: arrays[name].shape for name in _PER_ROW_ARRAYS if name in arrays},
         "finite": all(_arrays.all_finite(x) for x in (q, k, v, *arrays.values()) if x.dtype.kind == "f"),
     }
     everyone = ring.gather(mine)
     check_sharding(sharding)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     for rank, theirs in enumerate(everyone):
-        for field in ("dtype", "kv_dtypes", "sharding", "options", "shared"):
+        for field in ("dtype", "kv_dtypes", "sharding", "strategy", "options", "shared"):
             if theirs[field] != everyone[0][field]:
                 raise ValueError(f"ring attention: rank {rank}'s {field} differs from rank 0's: "
                                  f"{theirs[field]!r} against {everyone[0][field]!r}; every rank must make the same call")
@@ -201,11 +233,17 @@ def _agree(ring: _Ring, q, k, v, sharding, options) -> _Plan:
                              f"rank {rank} holds {q_shape[2]} positions, rank 0 {q0[2]}")
         if not theirs["finite"]:
             raise ValueError(f"ring attention: rank {rank}'s inputs hold NaN or inf; the ring takes finite inputs")
-    for name, default in _POSITIONAL.items():
-        value = options.get(name)
-        if value is not None and (default is None or value != default):
-            raise ValueError(f"ring attention does not take {name} yet: it counts key positions from the "
-                             "sequence's start, and the kernels count them from a block's")
+    if strategy == "ring":
+        for name, default in _POSITIONAL.items():
+            value = options.get(name)
+            if value is not None and (default is None or value != default):
+                raise ValueError(f"ring attention does not take {name} yet: it counts key positions from the "
+                                 "sequence's start, and the kernels count them from a block's "
+                                 "(strategy='heads' takes it)")
+    else:
+        from .heads import check_heads
+
+        check_heads(ring.size, q.shape[1], k.shape[1], options)
     if options.get("return_weights"):
         raise ValueError("ring attention does not return weights: they are S_local x S per rank")
     lengths = [theirs["shapes"][0][2] for theirs in everyone]
