@@ -185,7 +185,7 @@ def test_warmup_returns_seconds_per_dtype_and_names_a_bad_one():
 
 def test_bench_adapters_times_each_way_of_calling_against_numpy(monkeypatch, capsys):
     """One tiny shape, one round: numpy's own ratio is 1, and a row for each framework
-    importable here, forward and (but for the plain array calls) forward+backward."""
+    importable here, forward and forward+backward."""
     from npattn import bench, bench_adapters
 
     monkeypatch.setattr(bench, "_RUN_S", 0.0)
@@ -195,7 +195,7 @@ def test_bench_adapters_times_each_way_of_calling_against_numpy(monkeypatch, cap
     for module, plain, differentiated in (("torch", "torch tensors", "torch autograd"),
                                           ("jax", "jax arrays", "jax jit")):
         if importlib.util.find_spec(module) is not None:
-            expected |= {(plain, "forward"), (differentiated, "forward"), (differentiated, "fwd+bwd")}
+            expected |= {(name, run) for name in (plain, differentiated) for run in ("forward", "fwd+bwd")}
     assert set(results) == expected
     assert all(ms > 0 for ms, _ in results.values())
     assert "(1,2,16,8) causal float32" in capsys.readouterr().out

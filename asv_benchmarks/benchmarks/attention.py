@@ -173,3 +173,27 @@ class Variants:
 def to_device_options(backend, options):
     arrays = {name: value for name, value in options.items() if isinstance(value, np.ndarray)}
     return dict(zip(arrays, to_device(backend, list(arrays.values()))))
+
+
+class Adapters:
+    """npattn called through torch and JAX against the same call on NumPy, at (1, 8, 512, 64)
+    causal float32 (:mod:`npattn.bench_adapters`; a framework not installed is skipped)."""
+
+    params = (["numpy", "torch tensors", "torch autograd", "jax arrays", "jax jit"],)
+    param_names = ["called_as"]
+    timeout = 300
+
+    def setup(self, called_as):
+        from npattn import bench_adapters
+
+        runs = bench_adapters.contenders()
+        if called_as not in runs:
+            raise NotImplementedError(f"{called_as}: its framework is not installed")
+        self.forward, self.forward_backward = runs[called_as]
+        self.forward()  # compile and plan outside the timing
+
+    def time_forward(self, called_as):
+        self.forward()
+
+    def time_forward_backward(self, called_as):
+        self.forward_backward()
