@@ -26,7 +26,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     likewise. ``H % Hkv == 0``; query head h reads kv head ``h // (H // Hkv)``
     (Hkv == H: MHA, Hkv == 1: MQA, between: GQA).
 
-    Query row i sits at position ``p_i = i + Sk - Sq`` (bottom-right alignment);
+    Query row i sits at position ``p_i = i + Sk - Sq`` (bottom-right alignment;
+    ``p_i = i + q_offset`` when given, 0 for top-left);
     key j is visible to it when ``j <= p_i`` (causal), ``p_i - left <= j <= p_i + right``
     or ``j < sinks`` (window), ``mask[b, h, i, j]`` (True = may attend),
     ``j < kv_lengths[b]`` and ``i < q_lengths[b]``.

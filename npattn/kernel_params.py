@@ -31,7 +31,8 @@ Int = _positions("Int", (
     *(option.flag for option in OPTIONS if option.flag is not None),
     "SAVES_SCORES",  # some option present keeps a value per score (Option.saves_score)
     "WINDOW_LEFT", "WINDOW_RIGHT",  # -1 = unbounded
-    "SINKS", "DROPOUT_THRESHOLD", "SEED_LO", "SEED_HI",
+    "SINKS", "POSITION_SHIFT",  # query row i sits at key position i + POSITION_SHIFT
+    "DROPOUT_THRESHOLD", "SEED_LO", "SEED_HI",
     "BLOCK_Q", "BLOCK_K",
     "SCORE_LD",       # row stride of score tiles: BLOCK_K, or it rounded up to whole vectors
     "VECTOR_SCORES",  # scores through :mod:`npattn.cpu.microkernels` (else BLAS)
@@ -113,6 +114,7 @@ def problem_int_values(problem) -> list:
     values[Int.WINDOW_LEFT] = -1 if visibility.window_left is None else visibility.window_left
     values[Int.WINDOW_RIGHT] = -1 if visibility.window_right is None else visibility.window_right
     values[Int.SINKS] = visibility.sinks
+    values[Int.POSITION_SHIFT] = visibility.shift(problem.q_len, problem.kv_len)
     values[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
     if problem.dropout_p:  # the seed means nothing without dropout: problems differing in it alone share ints
         values[Int.SEED_LO], values[Int.SEED_HI] = seed_words(problem.seed)

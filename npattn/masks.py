@@ -1,9 +1,11 @@
 """One description of which keys a query row may see, shared by every backend.
 
-Positions are bottom-right aligned (FlashAttention's convention): query row ``i``
-of ``q_len`` rows sits at position ``p_i = i + kv_len - q_len``, so the last
-query row is level with the last key. That is what KV-cache decoding and
-chunked prefill need; with ``q_len == kv_len`` it is the ordinary alignment.
+Positions are bottom-right aligned by default (FlashAttention's convention): query
+row ``i`` of ``q_len`` rows sits at position ``p_i = i + kv_len - q_len``, so the last
+query row is level with the last key. That is what KV-cache decoding and chunked
+prefill need; with ``q_len == kv_len`` it is the ordinary alignment. ``q_offset``
+places row 0 elsewhere: ``p_i = i + q_offset`` (0: top-left, torch's ``is_causal``;
+a block of a longer sequence: its query start minus its key start).
 
 Key ``j`` is visible to row ``i`` when all of these hold:
 
@@ -34,9 +36,10 @@ class Visibility:
     window_left: int | None = None
     window_right: int | None = None
     sinks: int = 0
+    q_offset: int | None = None  # None: bottom-right, kv_len - q_len
 
     @classmethod
-    def from_options(cls, causal: bool, window, sinks: int) -> "Visibility":
+    def from_options(cls, causal: bool, window, sinks: int, q_offset: int | None = None) -> "Visibility":
         """Normalize API options. ``window`` is None, an int ``w`` (``(w, w)``, or
         ``(w, 0)`` when causal) or a ``(left, right)`` pair whose entries may be None.
         Validation of types and signs happens in :mod:`npattn.validation`."""
@@ -48,7 +51,11 @@ class Visibility:
             left, right = window, (0 if causal else window)
         if causal:
             right = 0 if right is None else min(right, 0)
-        return cls(bool(causal), left, right, int(sinks))
+        return cls(bool(causal), left, right, int(sinks), q_offset)
+
+    def shift(self, q_len: int, kv_len: int) -> int:
+        """Where query row 0 sits among the keys: ``p_i = i + shift``."""
+        return kv_len - q_len if self.q_offset is None else self.q_offset
 
     @property
     def is_full(self) -> bool:
@@ -63,8 +70,8 @@ class Visibility:
         """Half-open band ``[lo, hi)`` of keys that causal and window allow row ``row``
         to see, clipped to ``[0, kv_len)``; empty when ``lo >= hi``. Keys ``j < sinks``
         are visible in addition whenever a window is set (see :meth:`sink_end`)."""
-        position = row + kv_len - q_len
-        lo = 0 if self.window_left is None else max(0, position - self.window_left)
+        position = row + self.shift(q_len, kv_len)
+        lo = 0 if self.window_left is None else min(kv_len, max(0, position - self.window_left))
         hi = kv_len if self.window_right is None else min(kv_len, position + self.window_right + 1)
         if self.causal:
             hi = min(hi, position + 1)
@@ -77,12 +84,12 @@ class Visibility:
             return 0
         end = min(self.sinks, kv_len)
         if self.causal:
-            end = min(end, max(0, row + kv_len - q_len + 1))
+            end = min(end, max(0, row + self.shift(q_len, kv_len) + 1))
         return end
 
     def matrix(self, xp, q_len: int, kv_len: int):
         """Boolean (q_len, kv_len) array of module ``xp``: True where causal/window/sinks allow."""
-        position = xp.arange(q_len)[:, None] + (kv_len - q_len)
+        position = xp.arange(q_len)[:, None] + self.shift(q_len, kv_len)
         key = xp.arange(kv_len)[None, :]
         allowed = xp.ones((q_len, kv_len), dtype=bool)
         if self.window_left is not None:

@@ -60,10 +60,10 @@ class Call:
 
     @property
     def reach(self) -> int:
-        """Sq + Sk: more than any query-key distance, so a window past it bounds nothing.
-        Clamping to it keeps the kernels' int64 (and the GPU's int32) positions from
-        overflowing."""
-        return self.q_len + self.kv_len
+        """Sq + Sk (plus ``|q_offset|``): more than any query-key distance, so a window past
+        it bounds nothing. Clamping to it keeps the kernels' int64 (and the GPU's int32)
+        positions from overflowing."""
+        return self.q_len + self.kv_len + abs(self.checked.get("q_offset") or 0)
 
     @property
     def scores_shape(self) -> tuple:
@@ -117,6 +117,10 @@ OPTIONS: tuple[Option, ...] = (
            "bool: row i sees keys j <= p_i (bottom-right alignment).",
            lambda value, call: checks.check_bool("causal", value),
            present=lambda problem: problem.visibility.causal, flag="CAUSAL", gpu_option="BAND"),
+    Option("q_offset", None, "visibility",
+           "None or int: query row i sits at key position p_i = i + q_offset (None: Sk - Sq, "
+           "bottom-right; 0: top-left, as torch's is_causal).",
+           lambda value, call: _check_q_offset(value)),
     Option("window", None, "visibility",
            "None, int w (-> (w, w), or (w, 0) when causal) or (left, right) with None for an "
            "unbounded side; bounds past Sq + Sk mean none.",
@@ -209,8 +213,8 @@ BACKEND_DOC = ('"auto" (cpu for NumPy, gpu for CuPy, else reference), "reference
 
 
 def visibility(checked: dict) -> Visibility:
-    """The :class:`~npattn.masks.Visibility` of the normalized causal, window and sinks."""
-    return Visibility.from_options(checked["causal"], checked["window"], checked["sinks"])
+    """The :class:`~npattn.masks.Visibility` of the normalized causal, q_offset, window and sinks."""
+    return Visibility.from_options(checked["causal"], checked["window"], checked["sinks"], checked["q_offset"])
 
 
 def check_names(options: dict) -> None:
@@ -293,6 +297,22 @@ def _check_dropout_p(dropout_p):
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return dropout_p
+
+
+# |q_offset| at most this: positions, and the window bounds clamped to Sq + Sk + |q_offset|,
+# stay far inside the GPU kernels' int32 arithmetic
+Q_OFFSET_LIMIT = 2 ** 29
+
+
+def _check_q_offset(value):
+    """None, or an int within +-:data:`Q_OFFSET_LIMIT`."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
+        raise TypeError(f"q_offset must be an int or None, got {type(value).__name__} {value!r}")
+    if abs(value) > Q_OFFSET_LIMIT:
+        raise ValueError(f"q_offset must be within +-{Q_OFFSET_LIMIT}, got {value}")
+    return int(value)
 
 
 def _check_seed(seed, dropout_p):

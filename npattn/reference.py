@@ -187,8 +187,8 @@ def _masked_softmax(xp, scores, sink):
 
 
 def _alibi(xp, problem):
-    """``slope[b, h] * |p_i - j|`` as (B, H, Sq, Sk), with ``p_i = i + Sk - Sq``."""
-    positions = xp.arange(problem.q_len, dtype=np.float64) + (problem.kv_len - problem.q_len)
+    """``slope[b, h] * |p_i - j|`` as (B, H, Sq, Sk), with ``p_i = i + Sk - Sq`` (or ``i + q_offset``)."""
+    positions = xp.arange(problem.q_len, dtype=np.float64) + problem.visibility.shift(problem.q_len, problem.kv_len)
     distance = xp.abs(positions[:, None] - xp.arange(problem.kv_len, dtype=np.float64)[None, :])
     return problem.alibi_slopes.astype(np.float64)[:, :, None, None] * distance
 

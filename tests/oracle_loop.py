@@ -51,8 +51,8 @@ def _logsumexp(values):
     return m + math.log(math.fsum(math.exp(x - m) for x in values))
 
 
-def loop_attention(q, k, v, *, causal=False, window=None, sinks=0, sink_logits=None, mask=None, bias=None,
-                   alibi_slopes=None, q_lengths=None, kv_lengths=None, scale=None, softcap=None,
+def loop_attention(q, k, v, *, causal=False, q_offset=None, window=None, sinks=0, sink_logits=None, mask=None,
+                   bias=None, alibi_slopes=None, q_lengths=None, kv_lengths=None, scale=None, softcap=None,
                    dropout_p=0.0, seed=None, layout="bhsd"):
     """returns (out, lse, weights) as float64 NumPy arrays, always in bhsd logical shapes:
     out (B,H,Sq,Dv), lse (B,H,Sq), weights (B,H,Sq,Sk)"""
@@ -91,7 +91,7 @@ def loop_attention(q, k, v, *, causal=False, window=None, sinks=0, sink_logits=N
             for i in range(Sq):
                 if q_lengths is not None and i >= q_lengths[b]:
                     continue
-                p = i + Sk - Sq
+                p = i + (Sk - Sq if q_offset is None else q_offset)
                 cols, scores = [], []
                 for j in range(Sk):
                     if causal and j > p:

@@ -18,9 +18,10 @@ from tolerances import bound
 
 COMM = MPI.COMM_WORLD
 RANK, RANKS = COMM.Get_rank(), COMM.Get_size()
-OPTION_NAMES = {"ring": ("causal", "scale", "softcap", "sink_logits", "mask", "bias", "q_lengths", "kv_lengths"),
+OPTION_NAMES = {"ring": ("causal", "scale", "softcap", "sink_logits", "mask", "bias", "q_lengths", "kv_lengths",
+                         "window", "sinks", "alibi_slopes", "q_offset"),
                 "heads": ("causal", "scale", "softcap", "sink_logits", "q_lengths", "kv_lengths", "window", "sinks",
-                          "alibi_slopes")}
+                          "alibi_slopes", "q_offset")}
 
 
 def draw_case(rng, strategy):
@@ -66,6 +67,8 @@ def draw_case(rng, strategy):
             options["sinks"] = int(rng.integers(0, 3))
         elif name == "alibi_slopes":
             options["alibi_slopes"] = rng.uniform(0, 1, heads)
+        elif name == "q_offset":
+            options["q_offset"] = int(rng.integers(-3, 4))
     return q, k, v, dtype, layout, sharding, options
 
 
@@ -148,11 +151,10 @@ def silent_peer():
 
 
 def refusals():
-    """Options that count positions from the sequence's start (by the ring), what the head
-    split cannot do, and the weights, are refused by name on every rank."""
+    """Dropout, what the head split cannot do, and the weights are refused by name on every
+    rank."""
     q = np.ones((1, 2, 4, 4))
-    for strategy, options in (("ring", {"window": 2}), ("ring", {"sinks": 1}), ("ring", {"alibi_slopes": np.ones(2)}),
-                              ("ring", {"dropout_p": 0.1, "seed": 1}), ("ring", {"return_weights": True}),
+    for strategy, options in (("ring", {"dropout_p": 0.1, "seed": 1}), ("ring", {"return_weights": True}),
                               ("heads", {"mask": np.ones((4, 8), bool)}), ("heads", {"dropout_p": 0.1, "seed": 1}),
                               ("heads", {"kv_heads": 1})):
         kv = q[:, :options.pop("kv_heads", 2)]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import npattn
 
 # Options that tie a key to its index; without them, keys may be permuted freely.
-POSITIONAL_OPTIONS = ("causal", "window", "sinks", "alibi_slopes", "kv_lengths", "dropout")
+POSITIONAL_OPTIONS = ("causal", "q_offset", "window", "sinks", "alibi_slopes", "kv_lengths", "dropout")
 VALUE_RANGE = 2.0
 layouts = st.sampled_from(["bhsd", "bshd"])
 
@@ -148,6 +148,7 @@ def _draw_lengths(name, size_attr):
 
 _OPTION_DRAWERS = {
     "causal": lambda draw, rng, d, dtype: {"causal": True},
+    "q_offset": lambda draw, rng, d, dtype: {"q_offset": draw(st.integers(-d.q_len - 2, d.kv_len + 2))},
     "window": _draw_window,
     "sinks": lambda draw, rng, d, dtype: {"sinks": draw(st.integers(0, 3))},
     "sink_logits": lambda draw, rng, d, dtype: {"sink_logits": rng.normal(0.0, 2.0, d.heads)},
@@ -174,6 +175,7 @@ EXAMPLE_DIMS = B, H, HKV, SQ, SK, D = 2, 2, 1, 5, 7, 4
 _RNG = np.random.default_rng(3)
 DECISIVE_EXAMPLES = {
     "causal": ({}, {"causal": True}),
+    "q_offset": ({"causal": True}, {"causal": True, "q_offset": 0}),
     "window": ({}, {"window": 1}),
     "sinks": ({"window": 1}, {"sinks": 2}),
     "sink_logits": ({}, {"sink_logits": np.array([1.0, -0.5])}),

@@ -10,9 +10,11 @@ windows = st.none() | st.integers(0, 12) | st.tuples(bounds, bounds)
 
 
 @given(causal=st.booleans(), window=windows, sinks=st.integers(0, 5),
-       q_len=st.integers(0, 12), kv_len=st.integers(0, 12))
-def test_key_range_and_sinks_describe_the_matrix(causal, window, sinks, q_len, kv_len):
-    visibility = Visibility.from_options(causal, window, sinks)
+       q_len=st.integers(0, 12), kv_len=st.integers(0, 12), q_offset=st.none() | st.integers(-15, 15))
+def test_key_range_and_sinks_describe_the_matrix(causal, window, sinks, q_len, kv_len, q_offset):
+    """Also for rows a q_offset puts before the first key or past the last: the band stays
+    inside [0, kv_len], which the kernels' tile loops rely on."""
+    visibility = Visibility.from_options(causal, window, sinks, q_offset)
     matrix = visibility.matrix(np, q_len, kv_len)
     for row in range(q_len):
         lo, hi = visibility.key_range(row, q_len, kv_len)

@@ -20,9 +20,10 @@ NON_POSITIONAL = tuple(o for o in ALL_OPTIONS if o not in POSITIONAL_OPTIONS)
 pytestmark = pytest.mark.parametrize("backend", NUMPY_BACKENDS)
 
 
-def positions(q_len, kv_len):
-    """p_i = i + Sk - Sq as a column, key indices as a row."""
-    return np.arange(q_len)[:, None] + kv_len - q_len, np.arange(kv_len)[None, :]
+def positions(q_len, kv_len, q_offset=None):
+    """p_i = i + Sk - Sq (or i + q_offset) as a column, key indices as a row."""
+    shift = kv_len - q_len if q_offset is None else q_offset
+    return np.arange(q_len)[:, None] + shift, np.arange(kv_len)[None, :]
 
 
 @given(case=cases(dtypes=DTYPES))
@@ -89,7 +90,7 @@ def test_grouped_query_equals_multi_head_with_repeated_kv(backend, case):
 
 @given(case=cases(options=[o for o in ALL_OPTIONS if o not in ("causal", "window", "sinks")], dtypes=DTYPES))
 def test_causal_equals_its_bottom_right_mask(backend, case):
-    i, j = positions(case.dims.q_len, case.dims.kv_len)
+    i, j = positions(case.dims.q_len, case.dims.kv_len, case.options.get("q_offset"))
     mask = case.options.get("mask", True) & (j <= i)
     assert_close(case.run(backend, causal=True), case.run(backend, mask=mask), case.dtype,
                  case.dims.kv_len, output_magnitude(case))
@@ -102,7 +103,7 @@ def test_window_and_sinks_equal_their_band_mask(backend, case, data):
     left, right = data.draw(st.tuples(bound, bound))
     sinks = data.draw(st.integers(0, d.kv_len))
     causal = case.options.get("causal", False)
-    i, j = positions(d.q_len, d.kv_len)
+    i, j = positions(d.q_len, d.kv_len, case.options.get("q_offset"))
     band = np.ones((d.q_len, d.kv_len), bool)
     if left is not None:
         band &= j >= i - left
@@ -140,7 +141,7 @@ def test_lengths_equal_padding_masks(backend, case, data):
 def test_alibi_equals_its_explicit_bias(backend, case, data):
     d = case.dims
     slopes = np.random.default_rng(data.draw(st.integers(0, 99))).uniform(0, 1, (d.batch, d.heads))
-    i, j = positions(d.q_len, d.kv_len)
+    i, j = positions(d.q_len, d.kv_len, case.options.get("q_offset"))
     bias = case.options.get("bias", 0.0) - slopes[:, :, None, None] * np.abs(i - j)
     per_head = case.run(backend, alibi_slopes=slopes[0]) if d.batch == 1 else None
     assert_close(case.run(backend, alibi_slopes=slopes), case.run(backend, bias=bias), case.dtype,
@@ -277,7 +278,7 @@ def test_inputs_are_never_modified(backend, case):
 def explicit_visibility(case):
     """The API's visibility rule, spelled out independently of npattn.masks: (B, H, Sq, Sk)."""
     d, o = case.dims, case.options
-    i, j = positions(d.q_len, d.kv_len)
+    i, j = positions(d.q_len, d.kv_len, o.get("q_offset"))
     visible = np.ones(d.scores_shape, bool) & o.get("mask", True)
     if o.get("causal"):
         visible &= j <= i

@@ -211,3 +211,15 @@ def test_a_small_model_trains_as_with_torch_sdpa():
     history = np.array(history)
     np.testing.assert_allclose(history[:, 0], history[:, 1], rtol=1e-9)
     assert history[-1, 0] < 0.5 * history[0, 0]
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(3, 7), (7, 3), (5, 5)])
+def test_q_offset_zero_is_torch_is_causal_when_lengths_differ(q_len, kv_len):
+    """torch aligns is_causal top-left; q_offset=0 is that alignment, the default is not."""
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 2, q_len, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, kv_len, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(npattn.attention(q, k, v, causal=True, q_offset=0), expected)
+    if q_len != kv_len:
+        assert not torch.allclose(npattn.attention(q, k, v, causal=True), expected)

@@ -46,7 +46,10 @@ def fold(problem):
     """The folded problem: q (B, Hkv, Sq * group, D), bhsd, rows position-major."""
     q = fold_rows(problem.q, fold_shape(problem))
     q_lengths = None if problem.q_lengths is None else problem.q_lengths * problem.group_size
-    return dataclasses.replace(problem, q=q, layout="bhsd", q_lengths=q_lengths)
+    # positions stay those of the unfolded rows: the shift is fixed before q_len grows
+    visibility = dataclasses.replace(problem.visibility,
+                                     q_offset=problem.visibility.shift(problem.q_len, problem.kv_len))
+    return dataclasses.replace(problem, q=q, layout="bhsd", q_lengths=q_lengths, visibility=visibility)
 
 
 def fold_shape(problem) -> tuple:

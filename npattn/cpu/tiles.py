@@ -27,11 +27,10 @@ _MIX_MULTIPLIER_2 = np.uint64(0xC2B2AE35)
 
 @helper
 def row_position(ints, i):
-    """The position of query row ``i`` in the key sequence, bottom-right aligned: row
-    ``i`` of a folded problem (:mod:`npattn.cpu.folding`) stands for query
-    ``i // ROW_GROUP``."""
-    group = ints[Int.ROW_GROUP]
-    return i // group + ints[Int.KV_LEN] - ints[Int.Q_LEN] // group
+    """The position of query row ``i`` in the key sequence (``i + POSITION_SHIFT``;
+    bottom-right aligned by default): row ``i`` of a folded problem
+    (:mod:`npattn.cpu.folding`) stands for query ``i // ROW_GROUP``."""
+    return i // ints[Int.ROW_GROUP] + ints[Int.POSITION_SHIFT]
 
 
 @helper
@@ -44,7 +43,8 @@ def key_band(ints, kv_lengths, b, i):
     kv_valid = kv_lengths[b]
     kv_len, left, right, causal = ints[Int.KV_LEN], ints[Int.WINDOW_LEFT], ints[Int.WINDOW_RIGHT], ints[Int.CAUSAL]
     position = row_position(ints, i)
-    lo = 0 if left < 0 else larger(0, position - left)
+    # clipped to the keys: with q_offset a row may sit past the last key
+    lo = 0 if left < 0 else smaller(kv_len, larger(0, position - left))
     hi = kv_len if right < 0 else smaller(kv_len, position + right + 1)
     if causal:
         hi = smaller(hi, position + 1)

@@ -8,9 +8,10 @@ output by log-sum-exp (:func:`npattn.merging.merge`), in a fixed order: step by 
 block owners in ring order. So the result never depends on timing, and differs from the
 one-process call only by rounding.
 
-Under ``causal`` a pair of chunks is either the same chunk (a causal call), a key chunk
-wholly before the query chunk (an unmasked call), or wholly after (skipped): chunks never
-overlap in part, since every rank's query and key chunks are the same positions.
+Each pair of chunks is one npattn call whose ``q_offset`` puts its query rows where the
+whole sequence has them relative to its keys, so causal, windows, sinks and ALiBi
+distances are the whole sequence's; a pair whose rows see none of its keys (a key chunk
+after the query chunk under ``causal``, or outside the window) is skipped.
 
 The backward (:func:`ring_attention_vjp`) sends the blocks around again, each with its dK
 and dV sums, to which every rank adds its queries' share
@@ -24,6 +25,7 @@ timeout that raises ``TimeoutError`` naming it.
 """
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import time
 from typing import Any, Callable, NamedTuple
@@ -32,13 +34,14 @@ import numpy as np
 
 from .. import _arrays
 from ..api import attention, attention_backward
+from ..masks import Visibility
 from ..merging import merge
 from ..problem import to_user_layout
 from .sharding import Chunk, check_sharding, chunks
 
-# Options that count key positions from the sequence's start: a rank's npattn call would
-# count them from its block's start. They need position offsets in the kernels.
-_POSITIONAL = {"window": None, "sinks": 0, "alibi_slopes": None, "dropout_p": 0.0}
+# Options the ring cannot split: dropout's mask hashes row and key indices, which each
+# pair's call counts from its own blocks' starts.
+_RING_REFUSES = {"dropout_p": 0.0}
 _PER_ROW_ARRAYS = ("mask", "bias")
 _LENGTHS = ("q_lengths", "kv_lengths")
 
@@ -52,17 +55,18 @@ def ring_attention(q, k, v, comm, *, sharding: str = "contiguous", strategy: str
     positions ``sharding`` gives it ("contiguous": after the lower ranks' positions;
     "zigzag": chunks r and 2R-1-r of 2R equal chunks, see :mod:`npattn.distributed.sharding`).
     Options as :func:`npattn.attention`, counting positions over the whole sequence:
-    ``causal``, ``scale``, ``softcap``, ``sink_logits`` (the same on every rank),
-    ``q_lengths`` and ``kv_lengths`` (global lengths), ``mask`` and ``bias`` as the rank's own
-    query rows of the whole problem's (broadcastable to (B, H, S_local, S)), ``layout``,
-    ``return_lse``, ``backend``. ``window``, ``sinks``, ``alibi_slopes`` and dropout raise
-    ValueError (they need position offsets the kernels do not take yet), as does
-    ``return_weights`` (S_local x S per rank).
+    ``causal``, ``q_offset``, ``window``, ``sinks``, ``alibi_slopes``, ``scale``,
+    ``softcap``, ``sink_logits`` (the same on every rank), ``q_lengths`` and ``kv_lengths``
+    (global lengths), ``mask`` and ``bias`` as the rank's own query rows of the whole
+    problem's (broadcastable to (B, H, S_local, S)), ``layout``, ``return_lse``,
+    ``backend``. Each pair of chunks runs with its own ``q_offset`` (its query start minus
+    its key start) and its share of the sinks; pairs that see no key are skipped. Dropout
+    raises ValueError (its mask hashes indices that each call counts from its own block),
+    as does ``return_weights`` (S_local x S per rank).
 
     ``strategy="heads"`` (DeepSpeed-Ulysses, :mod:`npattn.distributed.heads`) exchanges the
-    shards all-to-all so that each rank runs whole sequences of H/R heads: it takes
-    ``window``, ``sinks`` and ``alibi_slopes`` too, but not ``mask``, ``bias`` or dropout, and
-    needs H and Hkv divisible by the number of ranks.
+    shards all-to-all so that each rank runs whole sequences of H/R heads: not ``mask``,
+    ``bias`` or dropout, and H and Hkv must divide by the number of ranks.
 
     Returns the rank's rows of what the one-process call returns: ``out`` (and ``lse``).
     Raises the same ValueError on every rank when the shards disagree (shapes, dtypes,
@@ -156,7 +160,8 @@ class _Plan(NamedTuple):
 
     chunks: list            # rank -> [Chunk]
     kv_shapes: list         # rank -> (k shape, v shape), bhsd
-    causal: bool
+    visibility: Visibility  # causal, window and sinks over the whole sequence
+    q_offset: int           # the whole sequence's: query position i + q_offset (Sq == Sk: 0 by default)
     plain: dict             # options passed to every pair call as they are
     arrays: dict            # name -> array option (mask, bias, lengths, sink logits)
 
@@ -234,12 +239,11 @@ def _agree(ring: _Ring, q, k, v, sharding, strategy, options) -> _Plan:
         if not theirs["finite"]:
             raise ValueError(f"ring attention: rank {rank}'s inputs hold NaN or inf; the ring takes finite inputs")
     if strategy == "ring":
-        for name, default in _POSITIONAL.items():
+        for name, default in _RING_REFUSES.items():
             value = options.get(name)
-            if value is not None and (default is None or value != default):
-                raise ValueError(f"ring attention does not take {name} yet: it counts key positions from the "
-                                 "sequence's start, and the kernels count them from a block's "
-                                 "(strategy='heads' takes it)")
+            if value is not None and value != default:
+                raise ValueError(f"ring attention does not take {name} yet: dropout's mask hashes the row and "
+                                 "key indices, which each block's call counts from its own start")
     else:
         from .heads import check_heads
 
@@ -255,10 +259,13 @@ def _agree(ring: _Ring, q, k, v, sharding, strategy, options) -> _Plan:
                 raise ValueError(f"ring attention: rank {rank}'s {name} has shape {theirs['row_shapes'][name]}; "
                                  f"it must broadcast to the rank's rows of the whole problem, (B, H, {lengths[rank]}, "
                                  f"{total})")
-    plain = {name: value for name, value in given.items() if name not in ("layout", "return_lse", "causal")}
+    plain = {name: value for name, value in given.items()
+             if name not in ("layout", "return_lse", "causal", "q_offset", "window", "sinks")}
     return _Plan(chunks=[chunks(rank, lengths, sharding) for rank in range(ring.size)],
                  kv_shapes=[(theirs["shapes"][1], theirs["shapes"][2]) for theirs in everyone],
-                 causal=bool(options.get("causal", False)), plain=plain,
+                 visibility=Visibility.from_options(bool(options.get("causal", False)), options.get("window"),
+                                                    int(options.get("sinks", 0))),
+                 q_offset=int(options.get("q_offset") or 0), plain=plain,
                  arrays={name: (_four_d(array) if name in _PER_ROW_ARRAYS else array)
                          for name, array in arrays.items()})
 
@@ -269,17 +276,36 @@ def _four_d(array):
 
 def _pairs(plan: _Plan, rank: int, owner: int, step: int):
     """The (query chunk, key chunk, options) calls rank ``rank`` makes on ``owner``'s block
-    at ``step``, in a fixed order; skipped pairs left out."""
+    at ``step``, in a fixed order; pairs with no visible key left out."""
     for q_chunk in plan.chunks[rank]:
         for k_chunk in plan.chunks[owner]:
-            same = q_chunk.global_start == k_chunk.global_start
-            if plan.causal and not same and k_chunk.global_start > q_chunk.global_start:
-                continue  # keys wholly after the queries
-            yield q_chunk, k_chunk, _pair_options(plan, q_chunk, k_chunk, causal=plan.causal and same)
+            visibility = _pair_visibility(plan, q_chunk, k_chunk)
+            if _sees_a_key(visibility, q_chunk.length, k_chunk.length):
+                yield q_chunk, k_chunk, _pair_options(plan, q_chunk, k_chunk, visibility)
 
 
-def _pair_options(plan: _Plan, q_chunk: Chunk, k_chunk: Chunk, causal: bool) -> dict:
-    options = dict(plan.plain, causal=causal)
+def _pair_visibility(plan: _Plan, q_chunk: Chunk, k_chunk: Chunk) -> Visibility:
+    """Causal, window and sinks as the pair's call sees them: its query row i sits at
+    ``i + q_offset`` among its keys, where the whole sequence puts it, and the sinks are
+    the first keys of the whole sequence that fall in its key chunk."""
+    whole = plan.visibility
+    return dataclasses.replace(
+        whole, q_offset=plan.q_offset + q_chunk.global_start - k_chunk.global_start,
+        sinks=max(0, min(whole.sinks - k_chunk.global_start, k_chunk.length)))
+
+
+def _sees_a_key(visibility: Visibility, q_len: int, kv_len: int) -> bool:
+    """Whether causal, window and sinks leave some row of the pair a key (bounds are
+    monotone in the row: the first row's low and the last row's high bound the rest)."""
+    lo, _ = visibility.key_range(0, q_len, kv_len)
+    _, hi = visibility.key_range(q_len - 1, q_len, kv_len)
+    return lo < hi or visibility.sink_end(q_len - 1, q_len, kv_len) > 0
+
+
+def _pair_options(plan: _Plan, q_chunk: Chunk, k_chunk: Chunk, visibility: Visibility) -> dict:
+    window = (visibility.window_left, visibility.window_right) if visibility.has_window else None
+    options = dict(plan.plain, causal=visibility.causal, q_offset=visibility.q_offset, window=window,
+                   sinks=visibility.sinks)
     rows = slice(q_chunk.local_start, q_chunk.local_start + q_chunk.length)
     columns = slice(k_chunk.global_start, k_chunk.global_start + k_chunk.length)
     for name in _PER_ROW_ARRAYS:
@@ -337,6 +363,10 @@ def _forward(ring: _Ring, plan: _Plan, q, k, v):
                 merge(np.stack([merged_out, out]), np.stack([merged_lse, lse]), merged_out, merged_lse)
 
     _around(ring, [k, v], [], visit, lambda owner: plan.kv_shapes[owner], tag=100)
+    for chunk in plan.chunks[ring.rank]:  # rows no pair gave a key: out 0, lse -inf
+        if chunk not in parts:
+            parts[chunk] = (np.zeros((batch, heads, chunk.length, v.shape[3]), q.dtype),
+                            np.full((batch, heads, chunk.length), -np.inf, q.dtype))
     out = np.concatenate([parts[chunk][0] for chunk in plan.chunks[ring.rank]], axis=2)
     lse = np.concatenate([parts[chunk][1] for chunk in plan.chunks[ring.rank]], axis=2)
     if "sink_logits" in plan.arrays:

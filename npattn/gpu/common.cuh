@@ -93,9 +93,9 @@ __device__ inline KeyBand key_band(const i64* ints, const i64* kv_lengths, i64 b
     const i64 kv_valid = kv_lengths[b];
     const i64 kv_len = ints[NPATTN_INT_KV_LEN];
     const i64 left = ints[NPATTN_INT_WINDOW_LEFT], right = ints[NPATTN_INT_WINDOW_RIGHT];
-    const i64 position = i + kv_len - ints[NPATTN_INT_Q_LEN];
+    const i64 position = i + ints[NPATTN_INT_POSITION_SHIFT];
     KeyBand band;
-    band.lo = left < 0 ? 0 : larger(0, position - left);
+    band.lo = left < 0 ? 0 : smaller(kv_len, larger(0, position - left));  // a row may sit past the last key
     band.hi = right < 0 ? kv_len : smaller(kv_len, position + right + 1);
     if (ints[NPATTN_INT_CAUSAL]) band.hi = smaller(band.hi, position + 1);
     band.hi = larger(band.lo, smaller(band.hi, kv_valid));
@@ -254,7 +254,7 @@ template <typename T, typename Acc, unsigned OPTIONS = NPATTN_OPTION_ALL> struct
                        i * ints[NPATTN_INT_BIAS_STRIDE_Q];
         }
         bias_stride = ints[NPATTN_INT_BIAS_STRIDE_K];
-        position = i + ints[NPATTN_INT_KV_LEN] - ints[NPATTN_INT_Q_LEN];
+        position = i + ints[NPATTN_INT_POSITION_SHIFT];
         scale = in.reals[NPATTN_REAL_SCALE];
         softcap = ((OPTIONS & NPATTN_OPTION_SOFTCAP) && ints[NPATTN_INT_HAS_SOFTCAP]) ? in.reals[NPATTN_REAL_SOFTCAP]
                                                                                       : (Acc)0;
