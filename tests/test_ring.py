@@ -86,3 +86,13 @@ def test_bench_ring_times_the_ring_against_one_process():
     for key, ratio in results["ratio"].items():
         assert ratio == pytest.approx(results["ring"][key] / results["one process"][key])
     assert "2 ranks (zigzag)" in printed.getvalue() and "0.500x" in printed.getvalue()
+
+
+def test_the_readmes_mpi_example_runs_on_two_ranks(tmp_path):
+    readme = (WORKER.parent.parent / "README.md").read_text()
+    (block,) = re.findall(r"```python mpi\n(.*?)```", readme, flags=re.S)
+    script = tmp_path / "readme_ring.py"
+    script.write_text(block)
+    result = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "NPATTN_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
