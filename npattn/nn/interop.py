@@ -44,7 +44,7 @@ def _array(tensor):
 
 
 def _float_dtype(tensor) -> str:
-    dtype = str(_array(tensor).dtype)
+    dtype = str(tensor.dtype).removeprefix("torch.")
     if dtype not in ("float32", "float64"):
         raise ValueError(f"from_torch: the module's weights must be float32 or float64; got {dtype}")
     return dtype
