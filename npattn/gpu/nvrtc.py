@@ -23,13 +23,15 @@ class CompileError(RuntimeError):
 
 
 def nvrtc_library_path() -> str | None:
-    """libnvrtc from the ``nvidia-cuda-nvrtc-cu12`` wheel, else from ``CUDA_PATH`` /
-    ``CUDA_HOME``, else None."""
+    """libnvrtc from the ``nvidia-cuda-nvrtc-cu12`` (or CUDA 13) wheel, else from
+    ``CUDA_PATH`` / ``CUDA_HOME``, else None."""
     candidates = []
     spec = importlib.util.find_spec("nvidia")
     if spec is not None and spec.submodule_search_locations:
         for root in spec.submodule_search_locations:
-            candidates += sorted(glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so*")))
+            # nvidia-cuda-nvrtc-cu12 puts it in cuda_nvrtc/lib; the CUDA 13 wheels in cu13/lib
+            for folder in ("cuda_nvrtc", "cu1[3-9]"):
+                candidates += sorted(glob.glob(os.path.join(root, folder, "lib", "libnvrtc.so*")))
     for variable in ("CUDA_PATH", "CUDA_HOME"):
         if os.environ.get(variable):
             candidates += sorted(glob.glob(os.path.join(os.environ[variable], "lib64", "libnvrtc.so*")))
