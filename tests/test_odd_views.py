@@ -1,6 +1,7 @@
 """Inputs with unusual memory give what their contiguous copies give: broadcast views
 (stride 0, as ``np.broadcast_to`` makes), negative strides, Fortran order, big-endian,
-read-only and misaligned buffers, for q, k, v, bias, mask and dout. Every backend either
+read-only and misaligned buffers, for q, k, v, bias, mask and dout, and for the out and
+lse that ``attention_backward`` is given. Every backend either
 reads such an array as it lies or copies it once; none reads past its buffer, and none
 writes to it.
 """
@@ -19,7 +20,7 @@ from tolerances import assert_close, gradient_magnitude, output_magnitude, score
 VIEW_KINDS = ("contiguous", "broadcast", "reversed", "fortran", "big_endian", "read_only", "misaligned")
 # CuPy has no big-endian arrays, and a GPU cannot load an element from a misaligned address
 DEVICE_VIEW_KINDS = ("contiguous", "broadcast", "reversed", "fortran", "read_only")
-VIEWED = ("q", "k", "v", "bias", "mask", "dout")
+VIEWED = ("q", "k", "v", "bias", "mask", "dout", "out", "lse")
 
 
 def odd_view(array, kind):
@@ -81,6 +82,22 @@ def check_odd_views(backend, case, kinds):
     for grad, expected in zip(grads, exact_grads):
         assert_close(grad, expected, case.dtype, length, gradient_magnitude(case, plain["dout"]) * max(1, d.q_len),
                      "gradient")
+
+    # attention_backward reads a forward's out and lse as they lie too (a slice of a longer
+    # lse, as ring attention passes, is not contiguous)
+    saved = {"out": odd_view(exact_out, kinds["out"]), "lse": odd_view(exact_lse, kinds["lse"])}
+    saved_before = {name: array.tobytes() for name, array in saved.items()}
+    options = {**case.options, **{n: viewed[n] for n in ("bias", "mask") if n in viewed}}
+    grads = npattn.attention_backward(viewed["q"], viewed["k"], viewed["v"], saved["out"], saved["lse"],
+                                      viewed["dout"], backend=backend, **options)
+    exact_grads = npattn.attention_backward(plain["q"], plain["k"], plain["v"], np.ascontiguousarray(saved["out"]),
+                                            np.ascontiguousarray(saved["lse"]), plain["dout"], backend=backend,
+                                            **{**case.options, **{n: plain[n] for n in ("bias", "mask") if n in plain}})
+    for name, array in saved.items():
+        assert array.tobytes() == saved_before[name], f"{name} was modified"
+    for grad, expected in zip(grads, exact_grads):
+        assert_close(grad, expected, case.dtype, length, gradient_magnitude(case, plain["dout"]) * max(1, d.q_len),
+                     "attention_backward's gradient")
 
 
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)

@@ -137,6 +137,8 @@ def backward(problem, saved, dout) -> Gradients:
     """Gradients of ``sum(out * dout)`` from the saved (out, lse); ``dout`` is bhsd."""
     cp = problem.xp
     out, lse = saved
+    # the kernels index lse as (B, H, Sq) C-contiguous; attention_backward's may be any view
+    lse = cp.ascontiguousarray(lse)
     bound = head_dim_bound(problem.head_dim, problem.value_dim)
     dtype = problem.accumulate_dtype
     batch, heads, q_len, head_dim = problem.q.shape
