@@ -2,7 +2,9 @@
 
 The keep/drop decision for one attention probability is a pure function of
 ``(seed, b, h, i, j)``: the batch index, the *query* head index, the query row
-index and the key index (0-based array indices, the same in both layouts).
+index and the key index (0-based array indices, the same in both layouts), each plus
+the call's ``dropout_offset`` (0 by default; a block of a larger problem passes its
+place in it, so that it draws the larger problem's mask, as ring attention's blocks do).
 No random state is carried between calls, so the reference, the CPU kernels
 and the CUDA kernels reproduce one another bit for bit, tile order does not
 matter, and the backward pass regenerates the forward's mask instead of
@@ -16,6 +18,7 @@ Specification (all arithmetic on unsigned 32-bit integers, wrapping mod 2**32)::
         x ^= x >> 16;  return x
 
     seed_lo = seed mod 2**32;  seed_hi = (seed >> 32) mod 2**32   # seed taken mod 2**64
+    b, h, i, j = (b, h, i, j) + dropout_offset, each mod 2**32
     x = 0
     for word in (seed_lo, seed_hi, b, h, i, j):
         x = fmix32((x ^ word) + 0x9E3779B9)
@@ -65,17 +68,21 @@ def absorb(xp, state, word):
     return fmix32(xp, (state ^ word) + xp.uint32(MIX_INCREMENT))
 
 
-def keep_mask(xp, seed: int, dropout_p: float, batch: int, heads: int, q_len: int, kv_len: int):
-    """Boolean keep mask of shape (batch, heads, q_len, kv_len) for array module ``xp``."""
+def keep_mask(xp, seed: int, dropout_p: float, batch: int, heads: int, q_len: int, kv_len: int,
+              offset=(0, 0, 0, 0)):
+    """Boolean keep mask of shape (batch, heads, q_len, kv_len) for array module ``xp``;
+    ``offset`` (the ``dropout_offset`` option) is added to (b, h, i, j) before hashing."""
     seed_lo, seed_hi = seed_words(seed)
     with _wrapping_uint32(xp):
         state = xp.zeros((1, 1, 1, 1), dtype=xp.uint32)
         state = absorb(xp, state, xp.uint32(seed_lo))
         state = absorb(xp, state, xp.uint32(seed_hi))
-        for axis, size in enumerate((batch, heads, q_len, kv_len)):
+        for axis, (size, start) in enumerate(zip((batch, heads, q_len, kv_len), offset)):
             shape = [1, 1, 1, 1]
             shape[axis] = size
-            index = xp.arange(size, dtype=xp.uint32).reshape(shape)
+            # uint64 first: an offset near 2**32 wraps mod 2**32, as the spec's words do
+            index = ((xp.arange(size, dtype=xp.uint64) + xp.uint64(start)) & xp.uint64(_MASK32)).astype(xp.uint32)
+            index = index.reshape(shape)
             state = absorb(xp, state, index)
     return (state >> xp.uint32(8)) >= keep_threshold(dropout_p)
 

@@ -33,6 +33,8 @@ Int = _positions("Int", (
     "WINDOW_LEFT", "WINDOW_RIGHT",  # -1 = unbounded
     "SINKS", "POSITION_SHIFT",  # query row i sits at key position i + POSITION_SHIFT
     "DROPOUT_THRESHOLD", "SEED_LO", "SEED_HI",
+    # added to (b, h, i, j) before the dropout hash takes them (the dropout_offset option)
+    "DROPOUT_OFFSET_B", "DROPOUT_OFFSET_H", "DROPOUT_OFFSET_I", "DROPOUT_OFFSET_J",
     "BLOCK_Q", "BLOCK_K",
     "SCORE_LD",       # row stride of score tiles: BLOCK_K, or it rounded up to whole vectors
     "VECTOR_SCORES",  # scores through :mod:`npattn.cpu.microkernels` (else BLAS)
@@ -118,6 +120,7 @@ def problem_int_values(problem) -> list:
     values[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
     if problem.dropout_p:  # the seed means nothing without dropout: problems differing in it alone share ints
         values[Int.SEED_LO], values[Int.SEED_HI] = seed_words(problem.seed)
+        values[Int.DROPOUT_OFFSET_B:Int.DROPOUT_OFFSET_J + 1] = problem.dropout_offset
     return values
 
 

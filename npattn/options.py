@@ -182,6 +182,11 @@ OPTIONS: tuple[Option, ...] = (
            "int, or None for a fresh random seed (remembered by attention_vjp).",
            lambda value, call: _check_seed(value, call.checked["dropout_p"]),
            field="seed"),
+    Option("dropout_offset", (0, 0, 0, 0), "randomness",
+           "(b, h, i, j) ints >= 0: added to the batch, head, row and key indices the dropout "
+           "mask hashes, so a block of a larger problem draws that problem's mask.",
+           lambda value, call: _check_dropout_offset(value),
+           field="dropout_offset"),
     Option("layout", "bhsd", "layout",
            '"bhsd" (B, H, S, D) or "bshd" (B, S, H, D), for q, k, v and out.',
            lambda value, call: checks.check_layout(value),
@@ -297,6 +302,22 @@ def _check_dropout_p(dropout_p):
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return dropout_p
+
+
+# the dropout hash takes 32-bit words: an index plus its offset wraps past 2**32 - 1
+DROPOUT_OFFSET_LIMIT = 2 ** 32 - 1
+
+
+def _check_dropout_offset(value):
+    """Four ints in [0, 2**32): the offsets of the batch, head, row and key indices."""
+    if not isinstance(value, (tuple, list)) or len(value) != 4:
+        raise ValueError(f"dropout_offset must be a (b, h, i, j) tuple of 4 ints, got {value!r}")
+    for name, offset in zip("bhij", value):
+        if isinstance(offset, (bool, np.bool_)) or not isinstance(offset, Integral):
+            raise TypeError(f"dropout_offset must hold ints, got {type(offset).__name__} {offset!r} for {name}")
+        if not 0 <= offset <= DROPOUT_OFFSET_LIMIT:
+            raise ValueError(f"dropout_offset's {name} must be in [0, 2**32), got {offset}")
+    return tuple(int(offset) for offset in value)
 
 
 # |q_offset| at most this: positions, and the window bounds clamped to Sq + Sk + |q_offset|,

@@ -51,6 +51,7 @@ class AttentionProblem:
     softcap: float | None = None
     dropout_p: float = 0.0
     seed: int = 0
+    dropout_offset: tuple = (0, 0, 0, 0)
     return_lse: bool = False
     return_weights: bool = False
 

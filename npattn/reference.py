@@ -137,7 +137,7 @@ def _forward_state(problem) -> _ForwardState:
     keep_scale = None
     dropped_probs = probs
     if problem.dropout_p > 0:
-        keep = keep_mask(xp, problem.seed, problem.dropout_p, *probs.shape)
+        keep = keep_mask(xp, problem.seed, problem.dropout_p, *probs.shape, offset=problem.dropout_offset)
         keep_scale = keep / (1.0 - problem.dropout_p)
         dropped_probs = probs * keep_scale
     return _ForwardState(q=q, k=k, v=v, softcapped_tanh=softcapped_tanh, probs=probs,

@@ -53,7 +53,7 @@ def _logsumexp(values):
 
 def loop_attention(q, k, v, *, causal=False, q_offset=None, window=None, sinks=0, sink_logits=None, mask=None,
                    bias=None, alibi_slopes=None, q_lengths=None, kv_lengths=None, scale=None, softcap=None,
-                   dropout_p=0.0, seed=None, layout="bhsd"):
+                   dropout_p=0.0, seed=None, dropout_offset=(0, 0, 0, 0), layout="bhsd"):
     """returns (out, lse, weights) as float64 NumPy arrays, always in bhsd logical shapes:
     out (B,H,Sq,Dv), lse (B,H,Sq), weights (B,H,Sq,Sk)"""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
@@ -124,7 +124,8 @@ def loop_attention(q, k, v, *, causal=False, q_offset=None, window=None, sinks=0
                     w = math.exp(s - row_lse)
                     weights[b, h, i, j] = w
                     if dropout_p > 0:
-                        if not keep(seed, dropout_p, b, h, i, j):
+                        hashed = (index + offset for index, offset in zip((b, h, i, j), dropout_offset))
+                        if not keep(seed, dropout_p, *hashed):
                             continue
                         w = w / (1.0 - dropout_p)
                     for d in range(Dv):

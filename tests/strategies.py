@@ -146,6 +146,10 @@ def _draw_lengths(name, size_attr):
     return draw_lengths
 
 
+# offsets near 2**32 make the indices wrap, as the hash's 32-bit words do
+_dropout_offsets = st.one_of(st.just((0, 0, 0, 0)),
+                             st.tuples(*[st.sampled_from([0, 1, 5, 2**31, 2**32 - 3])] * 4))
+
 _OPTION_DRAWERS = {
     "causal": lambda draw, rng, d, dtype: {"causal": True},
     "q_offset": lambda draw, rng, d, dtype: {"q_offset": draw(st.integers(-d.q_len - 2, d.kv_len + 2))},
@@ -160,7 +164,8 @@ _OPTION_DRAWERS = {
     "scale": lambda draw, rng, d, dtype: {"scale": float(rng.uniform(0.05, 1.0))},
     "softcap": lambda draw, rng, d, dtype: {"softcap": float(rng.uniform(0.5, 5.0))},
     "dropout": lambda draw, rng, d, dtype: {"dropout_p": draw(st.sampled_from([0.1, 0.5, 0.8])),
-                                             "seed": draw(st.integers(-2**70, 2**70))},
+                                             "seed": draw(st.integers(-2**70, 2**70)),
+                                             "dropout_offset": draw(_dropout_offsets)},
 }
 # every option a case may draw (dropout draws dropout_p and seed together): a drawer added
 # above is drawn by every property test that does not exclude it
@@ -188,4 +193,5 @@ DECISIVE_EXAMPLES = {
     "softcap": ({}, {"softcap": 0.5}),
     "dropout_p": ({}, {"dropout_p": 0.3, "seed": 1}),
     "seed": ({"dropout_p": 0.3, "seed": 1}, {"seed": 2}),
+    "dropout_offset": ({"dropout_p": 0.3, "seed": 1}, {"dropout_offset": (0, 1, 2, 3)}),
 }

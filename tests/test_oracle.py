@@ -258,3 +258,9 @@ def test_dropout_hash_matches_keep_mask():
     expected = [[[[keep(2**33 + 5, 0.4, b, h, i, j) for j in range(5)] for i in range(4)] for h in range(3)]
                 for b in range(2)]
     np.testing.assert_array_equal(mask, np.array(expected))
+    # with dropout_offset: the indices plus the offsets, wrapping mod 2**32
+    offset = (1, 2**32 - 2, 7, 2**31)
+    mask = keep_mask(np, 99, 0.5, 2, 3, 4, 5, offset=offset)
+    expected = [[[[keep(99, 0.5, b + 1, h + 2**32 - 2, i + 7, j + 2**31) for j in range(5)] for i in range(4)]
+                 for h in range(3)] for b in range(2)]
+    np.testing.assert_array_equal(mask, np.array(expected))

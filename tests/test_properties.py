@@ -178,18 +178,51 @@ def test_sink_logits_equal_an_extra_zero_valued_key(backend, case):
 
 
 @given(case=cases(options=[o for o in ALL_OPTIONS if o != "dropout"], dtypes=DTYPES),
-       p=st.sampled_from([0.1, 0.3, 0.7]), seed=st.integers(-2**65, 2**65))
-def test_dropout_mask_is_the_specified_hash(backend, case, p, seed):
-    """With one-hot values, out[i, j] = P[i, j] * keep / (1 - p) exposes the mask itself."""
+       p=st.sampled_from([0.1, 0.3, 0.7]), seed=st.integers(-2**65, 2**65),
+       offset=st.one_of(st.just((0, 0, 0, 0)), st.tuples(*[st.integers(0, 2**32 - 1)] * 4)))
+def test_dropout_mask_is_the_specified_hash(backend, case, p, seed, offset):
+    """With one-hot values, out[i, j] = P[i, j] * keep / (1 - p) exposes the mask itself
+    (with ``dropout_offset``: the mask of the indices plus the offset)."""
     d = case.dims
     eye = np.broadcast_to(np.eye(d.kv_len, dtype=case.dtype), (d.batch, d.kv_heads, d.kv_len, d.kv_len))
     one_hot = type(case)(case.dims, case.q, case.k, eye, case.options)
     weights = one_hot.run(backend, return_weights=True)[1].astype(np.float64)
-    dropped = one_hot.run(backend, dropout_p=p, seed=seed).astype(np.float64)
-    expected = weights * keep_mask(np, seed, p, *d.scores_shape) / (1 - p)
+    dropped = one_hot.run(backend, dropout_p=p, seed=seed, dropout_offset=offset).astype(np.float64)
+    expected = weights * keep_mask(np, seed, p, *d.scores_shape, offset=offset) / (1 - p)
     assert_close(dropped, expected, case.dtype, d.kv_len, 1 / (1 - p))
     np.testing.assert_array_equal(one_hot.run(backend, dropout_p=0.0, seed=seed), one_hot.run(backend))
-    np.testing.assert_array_equal(one_hot.run(backend, dropout_p=p, seed=seed), dropped.astype(case.dtype))
+    np.testing.assert_array_equal(one_hot.run(backend, dropout_p=p, seed=seed, dropout_offset=offset),
+                                  dropped.astype(case.dtype))
+
+
+@given(case=cases(options=["scale", "softcap", "bias"], dtypes=DTYPES), data=st.data())
+def test_a_block_given_its_dropout_offset_draws_the_whole_problems_mask(backend, case, data):
+    """Batches b0.., kv-head groups from h0, rows i0.. and keys [j0, j1) called alone with
+    ``dropout_offset=(b0, h0, i0, j0)`` give the whole call's outputs and gradients on those
+    rows when the whole call hides the other keys: one problem's mask, drawn in blocks (as
+    ring attention draws it)."""
+    d = case.dims
+    b0 = data.draw(st.integers(0, d.batch - 1))
+    g0 = data.draw(st.integers(0, d.kv_heads - 1))
+    i0 = data.draw(st.integers(0, d.q_len - 1))
+    j0 = data.draw(st.integers(0, d.kv_len - 1))
+    j1 = data.draw(st.integers(j0 + 1, d.kv_len))
+    h0 = g0 * d.group
+    dropout = dict(dropout_p=0.5, seed=data.draw(st.integers(0, 2**64 - 1)))
+    mask = np.zeros((d.q_len, d.kv_len), bool)
+    mask[:, j0:j1] = True
+    bias = case.options.get("bias")
+    whole = case.with_options(mask=mask, **dropout)
+    block_bias = None if bias is None else np.broadcast_to(bias, d.scores_shape)[b0:, h0:, i0:, j0:j1]
+    block = type(case)(d, case.q[b0:, h0:, i0:], case.k[b0:, g0:, j0:j1], case.v[b0:, g0:, j0:j1],
+                       {**case.options, "bias": block_bias, **dropout, "dropout_offset": (b0, h0, i0, j0)})
+    (out, vjp), (block_out, block_vjp) = whole.vjp(backend), block.vjp(backend)
+    rows = np.s_[b0:, h0:, i0:]
+    assert_close(block_out, out[rows], case.dtype, j1 - j0, output_magnitude(case))
+    dout = np.random.default_rng(0).normal(size=out.shape).astype(case.dtype)
+    dq = vjp(dout)[0]
+    dq_block = block_vjp(np.ascontiguousarray(dout[rows]))[0]
+    assert_close(dq_block, dq[rows], case.dtype, j1 - j0, gradient_magnitude(case, dout))
 
 
 def test_dropout_keeps_the_expected_fraction(backend):

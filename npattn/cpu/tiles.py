@@ -112,9 +112,9 @@ def dropout_row_state(ints, b, h, i):
     """The hash state after absorbing (seed_lo, seed_hi, b, h, i): one per query row."""
     state = absorb(np.uint64(0), np.uint64(ints[Int.SEED_LO]))
     state = absorb(state, np.uint64(ints[Int.SEED_HI]))
-    state = absorb(state, np.uint64(b))
-    state = absorb(state, np.uint64(h))
-    return absorb(state, np.uint64(i))
+    state = absorb(state, np.uint64(b + ints[Int.DROPOUT_OFFSET_B]) & _MASK32)
+    state = absorb(state, np.uint64(h + ints[Int.DROPOUT_OFFSET_H]) & _MASK32)
+    return absorb(state, np.uint64(i + ints[Int.DROPOUT_OFFSET_I]) & _MASK32)
 
 
 @njit(inline="always")
@@ -128,12 +128,12 @@ def apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 @helper
 def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
     threshold = np.uint64(ints[Int.DROPOUT_THRESHOLD])
-    first_key = as_offset(j0)
+    first_key = as_offset(j0 + ints[Int.DROPOUT_OFFSET_J])
     for r in range(rows):
         state = dropout_row_state(ints, b, h, i0 + r)
         row = as_offset(r * ld)
         for c in range(as_offset(cols)):
-            kept = (absorb(state, first_key + c) >> np.uint64(8)) >= threshold
+            kept = (absorb(state, np.uint64(first_key + c) & _MASK32) >> np.uint64(8)) >= threshold
             s[row + c] = s[row + c] * keep_scale if kept else 0.0
 
 

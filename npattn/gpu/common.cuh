@@ -175,13 +175,15 @@ __device__ inline u32 absorb(u32 state, u32 word) { return fmix32((state ^ word)
 __device__ inline u32 dropout_row_state(const i64* ints, i64 b, i64 h, i64 i) {
     u32 state = absorb(0u, (u32)ints[NPATTN_INT_SEED_LO]);
     state = absorb(state, (u32)ints[NPATTN_INT_SEED_HI]);
-    state = absorb(state, (u32)b);
-    state = absorb(state, (u32)h);
-    return absorb(state, (u32)i);
+    state = absorb(state, (u32)(b + ints[NPATTN_INT_DROPOUT_OFFSET_B]));
+    state = absorb(state, (u32)(h + ints[NPATTN_INT_DROPOUT_OFFSET_H]));
+    return absorb(state, (u32)(i + ints[NPATTN_INT_DROPOUT_OFFSET_I]));
 }
 
+// j: the key's index in the call; the dropout_offset option's key offset is added here
 __device__ inline bool dropout_keeps(const i64* ints, u32 row_state, i64 j) {
-    return (absorb(row_state, (u32)j) >> 8) >= (u32)ints[NPATTN_INT_DROPOUT_THRESHOLD];
+    return (absorb(row_state, (u32)(j + ints[NPATTN_INT_DROPOUT_OFFSET_J])) >> 8)
+           >= (u32)ints[NPATTN_INT_DROPOUT_THRESHOLD];
 }
 
 // ---- operands -------------------------------------------------------------------------
