@@ -11,20 +11,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._arrays import array_module
+
 
 def merge(out_parts, lse_parts, out, lse) -> None:
     """Write the merged ``out`` (B, H, Sq, Dv), any strides, and ``lse`` (B, H, Sq) from
     ``out_parts`` (n, B, H, Sq, Dv) and ``lse_parts`` (n, B, H, Sq), summing over the n
     parts in order. ``out`` and ``lse`` may share memory with the parts: every part is
-    read before either is written."""
+    read before either is written. NumPy or CuPy arrays, all of one kind."""
+    xp = array_module(out_parts)
     top = lse_parts.max(axis=0)
     seen = top > -np.inf
-    shift = np.where(seen, top, 0.0)
-    weights = np.exp(lse_parts - shift)  # exactly 0 for a part that saw no key
-    total = np.zeros_like(top)
-    merged = np.zeros(out_parts.shape[1:], out_parts.dtype)
+    shift = xp.where(seen, top, 0.0)
+    weights = xp.exp(lse_parts - shift)  # exactly 0 for a part that saw no key
+    total = xp.zeros_like(top)
+    merged = xp.zeros(out_parts.shape[1:], out_parts.dtype)
     for weight, part in zip(weights, out_parts):  # in part order: the same bits on every run
         total += weight
         merged += weight[..., None] * part
-    lse[...] = np.where(seen, shift + np.log(np.where(seen, total, 1.0)), -np.inf)
-    out[...] = merged / np.where(seen, total, 1.0)[..., None]
+    lse[...] = xp.where(seen, shift + xp.log(xp.where(seen, total, 1.0)), -np.inf)
+    out[...] = merged / xp.where(seen, total, 1.0)[..., None]

@@ -3,7 +3,9 @@ shard of cases drawn from a seed, and compares with the one-process call it comp
 itself. Exits non-zero (with the case and the error) on any difference beyond the dtype's
 rounding bound; prints one "ok" line per rank at the end.
 
-Usage: ring_worker.py correctness ring|heads SEED CASES | mismatch | silent-peer | refusals
+Usage: ring_worker.py correctness ring|heads SEED CASES [cupy] | mismatch | silent-peer | refusals
+(with "cupy", the ranks' shards and options are CuPy arrays on the one GPU they share, and
+their outputs come back as CuPy arrays: the gpu backend, host-staged transfers.)
 """
 import os
 import sys
@@ -19,9 +21,9 @@ from tolerances import bound
 COMM = MPI.COMM_WORLD
 RANK, RANKS = COMM.Get_rank(), COMM.Get_size()
 OPTION_NAMES = {"ring": ("causal", "scale", "softcap", "sink_logits", "mask", "bias", "q_lengths", "kv_lengths",
-                         "window", "sinks", "alibi_slopes", "q_offset"),
+                         "window", "sinks", "alibi_slopes", "q_offset", "dropout"),
                 "heads": ("causal", "scale", "softcap", "sink_logits", "q_lengths", "kv_lengths", "window", "sinks",
-                          "alibi_slopes", "q_offset")}
+                          "alibi_slopes", "q_offset", "dropout")}
 
 
 def draw_case(rng, strategy):
@@ -69,6 +71,10 @@ def draw_case(rng, strategy):
             options["alibi_slopes"] = rng.uniform(0, 1, heads)
         elif name == "q_offset":
             options["q_offset"] = int(rng.integers(-3, 4))
+        elif name == "dropout":  # the one-process call's mask, drawn block by block
+            options.update(dropout_p=float(rng.choice([0.2, 0.5])), seed=int(rng.integers(0, 2**63)))
+            if rng.random() < 0.5:
+                options["dropout_offset"] = tuple(int(x) for x in rng.integers(0, 2**32, 4))
     return q, k, v, dtype, layout, sharding, options
 
 
@@ -92,7 +98,21 @@ def check(name, ours, expected, dtype, length, magnitude, case):
         raise AssertionError(f"rank {RANK}: {name} differs by {difference} (tolerance {tolerance:.3g}) in {case}")
 
 
-def correctness(strategy, seed, cases):
+def on_device(value, device):
+    """``value`` as a CuPy array when ``device`` (arrays only), else unchanged."""
+    if not device or not isinstance(value, np.ndarray):
+        return value
+    import cupy
+
+    return cupy.asarray(value)
+
+
+def to_host(value):
+    """A NumPy array of a CuPy or NumPy one, insisting on CuPy's kind where the input had it."""
+    return value.get() if hasattr(value, "get") else value
+
+
+def correctness(strategy, seed, cases, device=False):
     rng = np.random.default_rng(seed)
     for index in range(cases):
         q, k, v, dtype, layout, sharding, options = draw_case(rng, strategy)
@@ -103,10 +123,15 @@ def correctness(strategy, seed, cases):
         seq = 2 if layout == "bhsd" else 1
         local = {name: (rank_part(value, sharding, 2) if name in ("mask", "bias") and value.shape[2] > 1 else value)
                  for name, value in options.items()}
+        local = {name: on_device(value, device) for name, value in local.items()}
         (ring_out, ring_lse), ring_vjp = ring_attention_vjp(
-            *(rank_part(x, sharding, seq) for x in user[:3]), COMM, sharding=sharding, strategy=strategy,
-            return_lse=True, layout=layout, **local)
-        grads = ring_vjp(rank_part(user[3], sharding, seq))
+            *(on_device(rank_part(x, sharding, seq), device) for x in user[:3]), COMM, sharding=sharding,
+            strategy=strategy, return_lse=True, layout=layout, **local)
+        grads = ring_vjp(on_device(rank_part(user[3], sharding, seq), device))
+        if device:  # the caller's kind back, then compared on the host
+            kinds = {type(x).__module__.split(".")[0] for x in (ring_out, ring_lse, *grads)}
+            assert kinds == {"cupy"}, f"rank {RANK}: CuPy inputs gave {kinds}"
+        ring_out, ring_lse, *grads = (to_host(x) for x in (ring_out, ring_lse, *grads))
         case = f"case {index}: {dtype} {layout} {sharding} shapes {q.shape} {k.shape} {v.shape} options {sorted(options)}"
         length, magnitude = q.shape[2] + q.shape[3] + v.shape[3], 4.0 * (1 + 4 * q.shape[3])
         check("out", ring_out, rank_part(out, sharding, seq), dtype, length, magnitude, case)
@@ -151,11 +176,9 @@ def silent_peer():
 
 
 def refusals():
-    """Dropout, what the head split cannot do, and the weights are refused by name on every
-    rank."""
+    """The weights, and what the head split cannot do, are refused by name on every rank."""
     q = np.ones((1, 2, 4, 4))
-    for strategy, options in (("ring", {"dropout_p": 0.1, "seed": 1}), ("ring", {"return_weights": True}),
-                              ("heads", {"mask": np.ones((4, 8), bool)}), ("heads", {"dropout_p": 0.1, "seed": 1}),
+    for strategy, options in (("ring", {"return_weights": True}), ("heads", {"mask": np.ones((4, 8), bool)}),
                               ("heads", {"kv_heads": 1})):
         kv = q[:, :options.pop("kv_heads", 2)]
         try:
@@ -165,6 +188,8 @@ def refusals():
 
 
 if __name__ == "__main__":
-    MODES = {"correctness": lambda: correctness(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])), "mismatch": mismatch,
+    MODES = {"correctness": lambda: correctness(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                                                device=sys.argv[5:] == ["cupy"]),
+             "mismatch": mismatch,
              "silent-peer": silent_peer, "refusals": refusals}
     MODES[sys.argv[1]]()

@@ -6,18 +6,18 @@ Each rank sees whole sequences, so every option that counts positions works as i
 process: causal, windows, sinks, ALiBi, lengths. It needs H and Hkv divisible by the number
 of ranks, and moves q, k, v, out (and in the backward dout and the gradients) across the
 ranks once each, where the ring moves K/V R - 1 times but never q. Refused: dense ``mask``
-and ``bias`` (a rank would need whole S x S rows of its heads) and dropout (its mask hashes
-the head index, which the split renumbers).
+and ``bias`` (a rank would need whole S x S rows of its heads). Dropout draws the
+one-process mask: each rank's call hashes its heads' global indices (``dropout_offset``).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .._arrays import array_module
 from ..api import attention, attention_vjp
 
 _REFUSED = {"mask": "a rank would need whole S x S rows of its heads; strategy='ring' takes it",
-            "bias": "a rank would need whole S x S rows of its heads; strategy='ring' takes it",
-            "dropout_p": "dropout's mask hashes the head index, which the split renumbers"}
+            "bias": "a rank would need whole S x S rows of its heads; strategy='ring' takes it"}
 
 
 def check_heads(ranks: int, heads: int, kv_heads: int, options: dict) -> None:
@@ -28,7 +28,7 @@ def check_heads(ranks: int, heads: int, kv_heads: int, options: dict) -> None:
                          f"must divide by the {ranks} ranks, over which it splits them")
     for name, what in _REFUSED.items():
         value = options.get(name)
-        if value is not None and not (name == "dropout_p" and value == 0):
+        if value is not None:
             raise ValueError(f"strategy='heads' does not take {name}: {what}")
 
 
@@ -36,11 +36,11 @@ def _to_heads(ring, plan, x, tag):
     """(B, H', S_local, ...) sequence shards -> (B, H'/R, S, ...): this rank's head group,
     the whole sequence in global order."""
     group = x.shape[1] // ring.size
-    sends = [np.ascontiguousarray(x[:, peer * group:(peer + 1) * group]) for peer in range(ring.size)]
+    sends = [x[:, peer * group:(peer + 1) * group] for peer in range(ring.size)]
     shapes = [(x.shape[0], group, sum(c.length for c in plan.chunks[peer]), *x.shape[3:]) for peer in range(ring.size)]
     received = ring.exchange(sends, shapes, x.dtype, tag)
     total = sum(shape[2] for shape in shapes)
-    whole = np.empty((x.shape[0], group, total, *x.shape[3:]), x.dtype)
+    whole = array_module(x).empty((x.shape[0], group, total, *x.shape[3:]), x.dtype)
     for peer, part in enumerate(received):
         for chunk in plan.chunks[peer]:
             whole[:, :, chunk.global_start:chunk.global_start + chunk.length] = \
@@ -50,12 +50,12 @@ def _to_heads(ring, plan, x, tag):
 
 def _to_sequence(ring, plan, y, tag):
     """:func:`_to_heads`'s inverse: (B, H'/R, S, ...) -> this rank's (B, H', S_local, ...)."""
-    sends = [np.ascontiguousarray(np.concatenate(
-        [y[:, :, c.global_start:c.global_start + c.length] for c in plan.chunks[peer]], axis=2))
-        for peer in range(ring.size)]
+    xp = array_module(y)
+    sends = [xp.concatenate([y[:, :, c.global_start:c.global_start + c.length] for c in plan.chunks[peer]], axis=2)
+             for peer in range(ring.size)]
     local = sum(c.length for c in plan.chunks[ring.rank])
     shapes = [(y.shape[0], y.shape[1], local, *y.shape[3:])] * ring.size
-    return np.concatenate(ring.exchange(sends, shapes, y.dtype, tag), axis=1)
+    return xp.concatenate(ring.exchange(sends, shapes, y.dtype, tag), axis=1)
 
 
 def _head_options(ring, heads: int, options: dict) -> dict:
@@ -64,9 +64,12 @@ def _head_options(ring, heads: int, options: dict) -> dict:
     mine = slice(ring.rank * group, (ring.rank + 1) * group)
     result = {name: value for name, value in options.items() if name not in ("layout", "return_lse", "return_weights")}
     if options.get("sink_logits") is not None:
-        result["sink_logits"] = np.asarray(options["sink_logits"])[mine]
+        result["sink_logits"] = ring.xp.asarray(options["sink_logits"])[mine]
     if options.get("alibi_slopes") is not None:
-        result["alibi_slopes"] = np.asarray(options["alibi_slopes"])[..., mine]
+        result["alibi_slopes"] = ring.xp.asarray(options["alibi_slopes"])[..., mine]
+    if options.get("dropout_p"):  # the rank's heads hash as their global indices
+        b, h, i, j = options.get("dropout_offset") or (0, 0, 0, 0)
+        result["dropout_offset"] = (b, h + mine.start, i, j)
     return result
 
 
@@ -87,6 +90,6 @@ def forward(ring, plan, q, k, v, options: dict, backward: bool):
         grads = vjp(_to_heads(ring, plan, dout, tag=220))
         result = [_to_sequence(ring, plan, grad, tag=221 + index) for index, grad in enumerate(grads[:3])]
         if options.get("sink_logits") is not None:  # each rank's slice, gathered whole
-            result.append(np.concatenate(ring.gather(grads[3])))
+            result.append(ring.xp.asarray(np.concatenate(ring.gather(ring.host(grads[3])))))
         return result
     return out, lse, gradients

@@ -39,9 +39,6 @@ from ..merging import merge
 from ..problem import to_user_layout
 from .sharding import Chunk, check_sharding, chunks
 
-# Options the ring cannot split: dropout's mask hashes row and key indices, which each
-# pair's call counts from its own blocks' starts.
-_RING_REFUSES = {"dropout_p": 0.0}
 _PER_ROW_ARRAYS = ("mask", "bias")
 _LENGTHS = ("q_lengths", "kv_lengths")
 
@@ -60,13 +57,15 @@ def ring_attention(q, k, v, comm, *, sharding: str = "contiguous", strategy: str
     (global lengths), ``mask`` and ``bias`` as the rank's own query rows of the whole
     problem's (broadcastable to (B, H, S_local, S)), ``layout``, ``return_lse``,
     ``backend``. Each pair of chunks runs with its own ``q_offset`` (its query start minus
-    its key start) and its share of the sinks; pairs that see no key are skipped. Dropout
-    raises ValueError (its mask hashes indices that each call counts from its own block),
-    as does ``return_weights`` (S_local x S per rank).
+    its key start) and its share of the sinks; pairs that see no key are skipped.
+    ``dropout_p``: each pair's call draws the one-process call's mask (its
+    ``dropout_offset`` is its place in the whole problem); with ``seed=None`` rank 0 draws
+    the seed, and every rank uses it. ``return_weights`` raises ValueError (S_local x S
+    per rank).
 
     ``strategy="heads"`` (DeepSpeed-Ulysses, :mod:`npattn.distributed.heads`) exchanges the
-    shards all-to-all so that each rank runs whole sequences of H/R heads: not ``mask``,
-    ``bias`` or dropout, and H and Hkv must divide by the number of ranks.
+    shards all-to-all so that each rank runs whole sequences of H/R heads: not ``mask``
+    or ``bias``, and H and Hkv must divide by the number of ranks.
 
     Returns the rank's rows of what the one-process call returns: ``out`` (and ``lse``).
     Raises the same ValueError on every rank when the shards disagree (shapes, dtypes,
@@ -91,19 +90,31 @@ def ring_attention_vjp(q, k, v, comm, *, sharding: str = "contiguous", strategy:
 
 class _Ring:
     """The communicator seen as a ring: each rank sends to the next and receives from the
-    previous, every wait bounded by ``timeout``."""
+    previous, every wait bounded by ``timeout``. ``xp``: the module of the ranks' arrays;
+    CuPy arrays travel through host memory (a copy to the host before each send, to the
+    device once received: :meth:`arrived`), so any MPI will do, CUDA-aware or not."""
 
-    def __init__(self, comm, timeout: float):
+    def __init__(self, comm, timeout: float, xp=np):
         from mpi4py import MPI
 
-        self.MPI, self.comm, self.timeout = MPI, comm, float(timeout)
+        self.MPI, self.comm, self.timeout, self.xp = MPI, comm, float(timeout), xp
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.next, self.previous = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def host(self, array):
+        """``array`` in host memory, C-contiguous (a copy for a device array)."""
+        return np.ascontiguousarray(_arrays.to_numpy(array))
+
+    def arrived(self, arrays: list) -> list:
+        """Received (host) arrays as arrays of the ranks' module, once their requests are done."""
+        return [self.xp.asarray(array) for array in arrays]
 
     def shift(self, arrays: list, shapes: list, tag: int) -> tuple[list, list]:
         """Start sending ``arrays`` (C-contiguous) to the next rank and receiving arrays of
         ``shapes`` (and the same dtypes) from the previous one; returns (the receiving
-        arrays, the requests to :meth:`wait` on)."""
+        arrays, in host memory: :meth:`arrived` gives them back in the ranks' module, and
+        the requests to :meth:`wait` on)."""
+        arrays = [self.host(array) for array in arrays]  # kept alive by their requests
         received = [np.empty(shape, array.dtype) for array, shape in zip(arrays, shapes)]
         requests = []
         for index, (sent, into) in enumerate(zip(arrays, received)):
@@ -113,7 +124,8 @@ class _Ring:
 
     def exchange(self, sends: list, shapes: list, dtype, tag: int) -> list:
         """All-to-all: ``sends[j]`` (C-contiguous) to rank j, an array of ``shapes[j]`` from
-        each rank j back (this rank's own is copied), in rank order."""
+        each rank j back (this rank's own is copied), in rank order, in the ranks' module."""
+        sends = [self.host(array) for array in sends]
         received = [np.empty(shape, dtype) for shape in shapes]
         requests = []
         for peer in range(self.size):
@@ -123,7 +135,7 @@ class _Ring:
             requests.append(self.comm.Irecv(received[peer], source=peer, tag=tag))
             requests.append(self.comm.Isend(sends[peer], dest=peer, tag=tag))
         self._poll(lambda: self.MPI.Request.Testall(requests), "the all-to-all exchange of head groups")
-        return received
+        return self.arrived(received)
 
     def wait(self, requests: list, what: str) -> None:
         self._poll(lambda: self.MPI.Request.Testall(requests),
@@ -162,35 +174,39 @@ class _Plan(NamedTuple):
     kv_shapes: list         # rank -> (k shape, v shape), bhsd
     visibility: Visibility  # causal, window and sinks over the whole sequence
     q_offset: int           # the whole sequence's: query position i + q_offset (Sq == Sk: 0 by default)
-    plain: dict             # options passed to every pair call as they are
+    dropout_offset: tuple   # the whole problem's (b, h, i, j) offsets of the dropout hash
+    xp: Any                 # numpy or cupy: the module of the shards and the array options
+    plain: dict             # options passed to every pair call as they are (the agreed seed included)
     arrays: dict            # name -> array option (mask, bias, lengths, sink logits)
 
 
 def _ring(q, k, v, comm, sharding, strategy, timeout, options, backward):
-    ring = _Ring(comm, timeout)
+    xp = _arrays.array_module(q)
+    ring = _Ring(comm, timeout, xp)
     layout = options.get("layout", "bhsd")
     qb, kb, vb = (_bhsd(x, layout) for x in (q, k, v))
     plan = _agree(ring, qb, kb, vb, sharding, strategy, options)
     compute = np.dtype(np.float64) if qb.dtype == np.float64 else np.dtype(np.float32)
-    qc, kc, vc = (np.ascontiguousarray(x, dtype=compute) for x in (qb, kb, vb))
+    qc, kc, vc = (xp.ascontiguousarray(x, dtype=compute) for x in (qb, kb, vb))
     if strategy == "heads":
         from . import heads
 
-        out, lse, backward_of = heads.forward(ring, plan, qc, kc, vc, options, backward)
+        agreed = {"seed": plan.plain["seed"]} if "seed" in plan.plain else {}
+        out, lse, backward_of = heads.forward(ring, plan, qc, kc, vc, {**options, **agreed}, backward)
     else:
         out, lse = _forward(ring, plan, qc, kc, vc)
         backward_of = lambda dout: _backward(ring, plan, qc, kc, vc, out, lse, dout)  # noqa: E731
-    user_out = np.ascontiguousarray(to_user_layout(out, layout)).astype(qb.dtype, copy=False)
+    user_out = xp.ascontiguousarray(to_user_layout(out, layout)).astype(qb.dtype, copy=False)
     outputs = (user_out, lse.astype(compute, copy=False)) if options.get("return_lse") else user_out
     if not backward:
         return outputs, None
 
     def vjp(dout):
-        dout_b = np.ascontiguousarray(_bhsd(np.asarray(dout), layout), dtype=compute)
+        dout_b = xp.ascontiguousarray(_bhsd(xp.asarray(dout), layout), dtype=compute)
         if dout_b.shape != out.shape:
-            raise ValueError(f"dout must have out's shape {tuple(user_out.shape)}, got {tuple(np.shape(dout))}")
+            raise ValueError(f"dout must have out's shape {tuple(user_out.shape)}, got {tuple(dout.shape)}")
         grads = backward_of(dout_b)
-        dq, dk, dv = (np.ascontiguousarray(to_user_layout(g, layout)).astype(x.dtype, copy=False)
+        dq, dk, dv = (xp.ascontiguousarray(to_user_layout(g, layout)).astype(x.dtype, copy=False)
                       for g, x in zip(grads[:3], (qb, kb, vb)))
         return (dq, dk, dv, *grads[3:])
     return outputs, vjp
@@ -207,7 +223,7 @@ def _agree(ring: _Ring, q, k, v, sharding, strategy, options) -> _Plan:
     """Exchange what every rank was given; raise the same error on every rank when they
     disagree or ask for what the ring cannot do. Returns the plan all ranks share."""
     given = {name: value for name, value in options.items() if name not in (*_PER_ROW_ARRAYS, *_LENGTHS, "sink_logits")}
-    arrays = {name: np.asarray(options[name]) for name in (*_PER_ROW_ARRAYS, *_LENGTHS, "sink_logits")
+    arrays = {name: ring.xp.asarray(options[name]) for name in (*_PER_ROW_ARRAYS, *_LENGTHS, "sink_logits")
               if options.get(name) is not None}
     mine = {
         "shapes": (q.shape, k.shape, v.shape), "dtype": str(q.dtype), "kv_dtypes": (str(k.dtype), str(v.dtype)),
@@ -215,6 +231,8 @@ def _agree(ring: _Ring, q, k, v, sharding, strategy, options) -> _Plan:
         "shared": {name: arrays[name].tolist() for name in (*_LENGTHS, "sink_logits") if name in arrays},
         "row_shapes": {name: arrays[name].shape for name in _PER_ROW_ARRAYS if name in arrays},
         "finite": all(_arrays.all_finite(x) for x in (q, k, v, *arrays.values()) if x.dtype.kind == "f"),
+        # dropout with seed=None: rank 0's draw becomes every rank's seed
+        "drawn_seed": int(np.random.SeedSequence().generate_state(1, np.uint64)[0]),
     }
     everyone = ring.gather(mine)
     check_sharding(sharding)
@@ -238,13 +256,7 @@ def _agree(ring: _Ring, q, k, v, sharding, strategy, options) -> _Plan:
                              f"rank {rank} holds {q_shape[2]} positions, rank 0 {q0[2]}")
         if not theirs["finite"]:
             raise ValueError(f"ring attention: rank {rank}'s inputs hold NaN or inf; the ring takes finite inputs")
-    if strategy == "ring":
-        for name, default in _RING_REFUSES.items():
-            value = options.get(name)
-            if value is not None and value != default:
-                raise ValueError(f"ring attention does not take {name} yet: dropout's mask hashes the row and "
-                                 "key indices, which each block's call counts from its own start")
-    else:
+    if strategy == "heads":
         from .heads import check_heads
 
         check_heads(ring.size, q.shape[1], k.shape[1], options)
@@ -260,12 +272,15 @@ def _agree(ring: _Ring, q, k, v, sharding, strategy, options) -> _Plan:
                                  f"it must broadcast to the rank's rows of the whole problem, (B, H, {lengths[rank]}, "
                                  f"{total})")
     plain = {name: value for name, value in given.items()
-             if name not in ("layout", "return_lse", "causal", "q_offset", "window", "sinks")}
+             if name not in ("layout", "return_lse", "causal", "q_offset", "window", "sinks", "dropout_offset")}
+    if options.get("dropout_p") and options.get("seed") is None:
+        plain["seed"] = everyone[0]["drawn_seed"]
     return _Plan(chunks=[chunks(rank, lengths, sharding) for rank in range(ring.size)],
                  kv_shapes=[(theirs["shapes"][1], theirs["shapes"][2]) for theirs in everyone],
                  visibility=Visibility.from_options(bool(options.get("causal", False)), options.get("window"),
                                                     int(options.get("sinks", 0))),
-                 q_offset=int(options.get("q_offset") or 0), plain=plain,
+                 q_offset=int(options.get("q_offset") or 0),
+                 dropout_offset=tuple(options.get("dropout_offset") or (0, 0, 0, 0)), xp=ring.xp, plain=plain,
                  arrays={name: (_four_d(array) if name in _PER_ROW_ARRAYS else array)
                          for name, array in arrays.items()})
 
@@ -306,6 +321,9 @@ def _pair_options(plan: _Plan, q_chunk: Chunk, k_chunk: Chunk, visibility: Visib
     window = (visibility.window_left, visibility.window_right) if visibility.has_window else None
     options = dict(plan.plain, causal=visibility.causal, q_offset=visibility.q_offset, window=window,
                    sinks=visibility.sinks)
+    if plan.plain.get("dropout_p"):  # the pair's rows and keys hash as the whole problem's
+        b, h, i, j = plan.dropout_offset
+        options["dropout_offset"] = (b, h, i + q_chunk.global_start, j + k_chunk.global_start)
     rows = slice(q_chunk.local_start, q_chunk.local_start + q_chunk.length)
     columns = slice(k_chunk.global_start, k_chunk.global_start + k_chunk.length)
     for name in _PER_ROW_ARRAYS:
@@ -314,9 +332,9 @@ def _pair_options(plan: _Plan, q_chunk: Chunk, k_chunk: Chunk, visibility: Visib
             array = array[:, :, rows] if array.shape[2] > 1 else array
             options[name] = array[..., columns] if array.shape[3] > 1 else array
     if "q_lengths" in plan.arrays:
-        options["q_lengths"] = np.clip(plan.arrays["q_lengths"] - q_chunk.global_start, 0, q_chunk.length)
+        options["q_lengths"] = plan.xp.clip(plan.arrays["q_lengths"] - q_chunk.global_start, 0, q_chunk.length)
     if "kv_lengths" in plan.arrays:
-        options["kv_lengths"] = np.clip(plan.arrays["kv_lengths"] - k_chunk.global_start, 0, k_chunk.length)
+        options["kv_lengths"] = plan.xp.clip(plan.arrays["kv_lengths"] - k_chunk.global_start, 0, k_chunk.length)
     return options
 
 
@@ -340,14 +358,16 @@ def _around(ring: _Ring, blocks: list, sums: list, visit: Callable, shapes_of: C
         if sums:
             sums, sum_requests = ring.shift(sums, shapes_of(following), tag + 8 * step + 4)
             ring.wait(sum_requests, f"the gradient sums of rank {following}'s block")
+            sums = ring.arrived(sums)
         if not last:
             ring.wait(requests, f"the K/V block of rank {following}")
-            blocks = incoming
+            blocks = ring.arrived(incoming)
     return sums
 
 
 def _forward(ring: _Ring, plan: _Plan, q, k, v):
     """The rank's (out, lse), bhsd, in the compute dtype."""
+    xp = plan.xp
     batch, heads, _, _ = q.shape
     parts: dict = {}  # query chunk -> (out, lse) merged so far
 
@@ -360,29 +380,30 @@ def _forward(ring: _Ring, plan: _Plan, q, k, v):
                 parts[q_chunk] = (out, lse)
             else:  # fold in, in the fixed order of steps and chunks
                 merged_out, merged_lse = parts[q_chunk]
-                merge(np.stack([merged_out, out]), np.stack([merged_lse, lse]), merged_out, merged_lse)
+                merge(xp.stack([merged_out, out]), xp.stack([merged_lse, lse]), merged_out, merged_lse)
 
     _around(ring, [k, v], [], visit, lambda owner: plan.kv_shapes[owner], tag=100)
     for chunk in plan.chunks[ring.rank]:  # rows no pair gave a key: out 0, lse -inf
         if chunk not in parts:
-            parts[chunk] = (np.zeros((batch, heads, chunk.length, v.shape[3]), q.dtype),
-                            np.full((batch, heads, chunk.length), -np.inf, q.dtype))
-    out = np.concatenate([parts[chunk][0] for chunk in plan.chunks[ring.rank]], axis=2)
-    lse = np.concatenate([parts[chunk][1] for chunk in plan.chunks[ring.rank]], axis=2)
+            parts[chunk] = (xp.zeros((batch, heads, chunk.length, v.shape[3]), q.dtype),
+                            xp.full((batch, heads, chunk.length), -np.inf, q.dtype))
+    out = xp.concatenate([parts[chunk][0] for chunk in plan.chunks[ring.rank]], axis=2)
+    lse = xp.concatenate([parts[chunk][1] for chunk in plan.chunks[ring.rank]], axis=2)
     if "sink_logits" in plan.arrays:
         # the sink is one more, value-less part of every row that saw a key, merged last:
         # given to one pair's call instead, it would be lost where that pair hides the row's keys
         seen = lse > -np.inf
-        sink = np.where(seen, plan.arrays["sink_logits"].astype(lse.dtype)[None, :, None], -np.inf)
-        merge(np.stack([out, np.zeros_like(out)]), np.stack([lse, sink]), out, lse)
+        sink = xp.where(seen, plan.arrays["sink_logits"].astype(lse.dtype)[None, :, None], -np.inf)
+        merge(xp.stack([out, xp.zeros_like(out)]), xp.stack([lse, sink]), out, lse)
     return out, lse
 
 
 def _backward(ring: _Ring, plan: _Plan, q, k, v, out, lse, dout):
     """The rank's gradients: [dq, dk, dv] bhsd in the compute dtype, then dbias and
     dsink_logits when given."""
-    dq = np.zeros_like(q)
-    dbias = np.zeros(plan.arrays["bias"].shape, q.dtype) if "bias" in plan.arrays else None
+    xp = plan.xp
+    dq = xp.zeros_like(q)
+    dbias = xp.zeros(plan.arrays["bias"].shape, q.dtype) if "bias" in plan.arrays else None
 
     def visit(step, owner, blocks, sums):
         key_block, value_block = blocks
@@ -397,7 +418,7 @@ def _backward(ring: _Ring, plan: _Plan, q, k, v, out, lse, dout):
                 _add_bias_gradient(dbias, grads[3], q_chunk, k_chunk)
 
     # dK and dV sums travel with their block and reach its owner one step after the turn
-    home = _around(ring, [k, v], [np.zeros_like(k), np.zeros_like(v)], visit, lambda owner: plan.kv_shapes[owner],
+    home = _around(ring, [k, v], [xp.zeros_like(k), xp.zeros_like(v)], visit, lambda owner: plan.kv_shapes[owner],
                    tag=1000)
     grads = [dq, *home]
     if dbias is not None:
@@ -411,9 +432,10 @@ def _sink_gradient(sink_logits, out, lse, dout):
     """The rank's rows' share of d(sum(out * dout)) / d(sink_logits): a value-less column of
     probability ``P = exp(sink - lse)`` scales every other weight by ``1 - P``, so each row
     adds ``-P * rowsum(dout * out)``; rows that saw no key (lse -inf) add nothing."""
+    xp = _arrays.array_module(out)
     seen = lse > -np.inf
-    probability = np.exp(np.where(seen, sink_logits[None, :, None] - np.where(seen, lse, 0.0), -np.inf))
-    delta = np.einsum("bhsd,bhsd->bhs", dout, out)
+    probability = xp.exp(xp.where(seen, sink_logits[None, :, None] - xp.where(seen, lse, 0.0), -np.inf))
+    delta = (dout * out).sum(axis=-1)
     return -(probability * delta).sum(axis=(0, 2))
 
 
@@ -429,7 +451,7 @@ def _add_bias_gradient(dbias, grad, q_chunk: Chunk, k_chunk: Chunk) -> None:
 def _shared_sum(ring: _Ring, array):
     """The sum over the ranks of ``array`` (the gradient of a value all ranks share), in
     rank order: the same bits on every rank and every run."""
-    total = np.zeros_like(array)
-    for part in ring.gather(array):
+    total = np.zeros(array.shape, array.dtype)
+    for part in ring.gather(ring.host(array)):
         total += part
-    return total
+    return ring.xp.asarray(total)
