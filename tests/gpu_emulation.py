@@ -35,6 +35,8 @@ FORWARD_TC_OPTIONS = {64: (0, Option.BAND, ALL, _NARROW, Option.BAND | _NARROW, 
                            ALL | _NARROW | _UNALIGNED),
                       128: (ALL | _NARROW, ALL | _NARROW | _UNALIGNED),
                       256: (ALL | _NARROW, ALL | _NARROW | _UNALIGNED)}
+# option sets of the tensor-core backward built: plain, the band alone, and everything
+BACKWARD_TC_OPTIONS = (0, Option.BAND, ALL)
 
 
 def compiler() -> str | None:
@@ -55,6 +57,11 @@ def _names():
                 names += [sources.kernel_name(kind, dtype_name, bound, warps=warps, block_k=block_k, options=options)
                           for warps, block_k, options in _forward_tc_configs(dtype_name, bound)]
                 continue
+            if kind in ("dkdv_tc", "dq_tc"):
+                if bound in sources.TENSOR_CORE_BACKWARD_BOUNDS and dtype_name in sources.TENSOR_CORE_STORAGE:
+                    names += [sources.kernel_name(kind, dtype_name, bound, options=options)
+                              for options in BACKWARD_TC_OPTIONS]
+                continue
             name = sources.kernel_name(kind, dtype_name, bound)
             if name in sources.name_expressions() and name not in names:
                 names.append(name)
@@ -68,6 +75,12 @@ def _built_name(launchers, kind, storage, bound, config):
     that include the asked-for ones (an option compiled in but off at run time is a no-op)."""
     candidates = []
     for candidate in sorted(b for b in sources.HEAD_DIM_BOUNDS if b >= bound):
+        if kind in ("dkdv_tc", "dq_tc"):  # the fewest options that include the asked-for ones
+            wanted = int(config["options"])
+            for options in sorted((o for o in BACKWARD_TC_OPTIONS if int(o) & wanted == wanted),
+                                  key=lambda o: bin(int(o)).count("1")):
+                candidates.append(sources.kernel_name(kind, storage, candidate, options=options))
+            continue
         if kind != "forward_tc":
             candidates.append(sources.kernel_name(kind, storage, candidate))
             continue

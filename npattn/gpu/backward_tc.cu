@@ -26,14 +26,16 @@
 #define NPATTN_TC_BQ 64
 #define NPATTN_TC_BK 64
 
-// P = exp(score - lse) of one recomputed score, from q_i . k_j (finish_score's saved value in *t);
-// 0 outside the problem (`valid` false) and in a row with no visible key.
-template <typename T>
-__device__ inline float recomputed_probability(const Operands<T, float>& in, i64 b, i64 h, i64 i, i64 j, bool valid,
-                                               float dot, float row_lse, float* t) {
+// P = exp(score - lse) of one recomputed score of row i and key j, from the dot q_i . k_j
+// (softcap's tanh in *t); 0 outside the problem (`valid` false) and in a row with no
+// visible key. `row`: row i's ScoreRow, compiled for the kernel's OPTIONS (a plain kernel's
+// score is scale * dot, with no per-score reads).
+template <typename T, unsigned OPTIONS>
+__device__ inline float recomputed_probability(const ScoreRow<T, float, OPTIONS>& row, i64 j, bool valid, float dot,
+                                               float row_lse, float* t) {
     *t = 0.0f;
     if (!valid || !(row_lse > negative_infinity<float>())) return 0.0f;
-    return exp_of(finish_score(in, b, h, i, j, dot, t) - row_lse);
+    return exp_of(row.score(j, dot, t) - row_lse);
 }
 
 // The A fragment of a 16 x 16 block held as the accumulators of two 8-column blocks
@@ -134,7 +136,7 @@ __device__ inline void stage_rows(bool aligned, unsigned short* tile, int ld, co
 // dk and dv (float, C-contiguous (B, Hkv, Sk, D) / (.., Dv)) of 64 keys; warp w owns keys
 // 16 w .. 16 w + 15. Per live (head, query tile), 16 queries at a time: S^T = K Q^T,
 // dP^T = V dO^T, then dV += P~^T dO, dK += dS^T Q.
-template <typename T, typename Acc, int MAX_D>
+template <typename T, typename Acc, int MAX_D, unsigned OPTIONS>
 __global__ void __launch_bounds__(NPATTN_TC_WARPS * 32)
 dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, const Acc* lse, const Acc* delta,
                const unsigned long long* dominant_gradients, Acc* dk, Acc* dv) {
@@ -221,10 +223,10 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, co
                         const int key = e < 2 ? key0 : key1, r = kb * 16 + n * 8 + 2 * member + (e & 1);
                         const bool valid = r < rows && key < cols;
                         float t;
-                        const float p =
-                            recomputed_probability(in, b, h, i0 + r, j0 + key, valid, s[n][e], row_lse[r], &t);
-                        dp[n][e] = score_gradient(ints, in.reals, b, h, i0 + r, j0 + key, valid, p, dp[n][e],
-                                                  row_delta[r], t, true, &s[n][e], dominant);
+                        const ScoreRow<T, Acc, OPTIONS> row(in, b, h, i0 + (r < rows ? r : rows - 1));
+                        const float p = recomputed_probability(row, j0 + key, valid, s[n][e], row_lse[r], &t);
+                        dp[n][e] = score_gradient<OPTIONS>(ints, in.reals, b, h, i0 + r, j0 + key, valid, p,
+                                                           dp[n][e], row_delta[r], t, true, &s[n][e], dominant);
                     }
                 }
                 // dV += P~^T dO, dK += dS^T Q (k = these 16 queries)
@@ -258,8 +260,8 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, co
 // dq (float, C-contiguous (B, H, Sq, D)) of 64 query rows; warp w owns rows 16 w ..
 // 16 w + 15. Per live key tile, 16 keys at a time: S = Q K^T, dP = dO V^T, then
 // dQ += dS K.
-template <typename T, typename Acc, int MAX_D>
-__global__ void __launch_bounds__(NPATTN_TC_WARPS * 32)
+template <typename T, typename Acc, int MAX_D, unsigned OPTIONS>
+__global__ void __launch_bounds__(NPATTN_TC_WARPS * 32, 1)
 dq_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, const Acc* lse, const Acc* delta,
              const T* out, unsigned long long* dominant_gradients, Acc* dq) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
@@ -332,10 +334,10 @@ dq_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, cons
                         const int x = e / 2, r = x ? row1 : row0, c = kb * 16 + n * 8 + 2 * member + (e & 1);
                         const bool valid = r < rows && c < cols;
                         float t, dropped;
-                        const float p =
-                            recomputed_probability(in, b, h, i0 + r, j0 + c, valid, s[n][e], my_lse[x], &t);
-                        dp[n][e] = score_gradient(ints, in.reals, b, h, i0 + r, j0 + c, valid, p, dp[n][e],
-                                                  my_delta[x], t, true, &dropped, dominant);
+                        const ScoreRow<T, Acc, OPTIONS> row(in, b, h, i0 + (r < rows ? r : rows - 1));
+                        const float p = recomputed_probability(row, j0 + c, valid, s[n][e], my_lse[x], &t);
+                        dp[n][e] = score_gradient<OPTIONS>(ints, in.reals, b, h, i0 + r, j0 + c, valid, p, dp[n][e],
+                                                           my_delta[x], t, true, &dropped, dominant);
                     }
                 }
                 // dQ += dS K (k = these 16 keys)

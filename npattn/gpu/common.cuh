@@ -392,14 +392,15 @@ template <typename Acc> struct DominantLookup {
 // rowsum(dO * O) and softcap's tanh t: dS = P (dP~ - delta), where dP~ is dP times the
 // dropout keep factor (for a key with P > 3/4, dominant.gradient: see DominantKey);
 // times 1 - t^2 (softcap's derivative) with `to_raw_scores`. *dropped gets P after
-// dropout (what dV sums). `valid`: (i, j) lies inside the problem.
-template <typename Acc, typename Dominant>
+// dropout (what dV sums). `valid`: (i, j) lies inside the problem. OPTIONS (as ScoreRow's)
+// compiles in dropout and softcap only where the call may have them.
+template <unsigned OPTIONS = NPATTN_OPTION_ALL, typename Acc, typename Dominant>
 __device__ inline Acc score_gradient(const i64* ints, const Acc* reals, i64 b, i64 h, i64 i, i64 j, bool valid,
                                      Acc probability, Acc dp, Acc delta, Acc t, bool to_raw_scores, Acc* dropped,
                                      const Dominant& dominant) {
     *dropped = probability;
     Acc factor = 1;
-    if (ints[NPATTN_INT_HAS_DROPOUT]) {
+    if ((OPTIONS & NPATTN_OPTION_DROPOUT) && ints[NPATTN_INT_HAS_DROPOUT]) {
         const bool kept = valid && dropout_keeps(ints, dropout_row_state(ints, b, h, i), j);
         factor = kept ? reals[NPATTN_REAL_KEEP_SCALE] : (Acc)0;
         *dropped *= factor;
@@ -409,7 +410,7 @@ __device__ inline Acc score_gradient(const i64* ints, const Acc* reals, i64 b, i
     if (valid && probability > (Acc)NPATTN_DOMINANT_PROBABILITY) {
         gradient = dominant.gradient(b, h, i, j, factor, probability, gradient);
     }
-    if (to_raw_scores && ints[NPATTN_INT_HAS_SOFTCAP]) gradient *= (Acc)1 - t * t;
+    if ((OPTIONS & NPATTN_OPTION_SOFTCAP) && to_raw_scores && ints[NPATTN_INT_HAS_SOFTCAP]) gradient *= (Acc)1 - t * t;
     return gradient;
 }
 

@@ -16,7 +16,7 @@ from ..kernel_params import (OPERAND_NAMES, Int, element_strides, lengths_or_ful
                              sink_logits_gradient)
 from ..results import ForwardResult, Gradients
 from . import launch
-from .options import options_of
+from .options import ALL, options_of
 from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS, backward_kinds,
                       forward_kind, forward_tc_config, head_dim_bound)
 
@@ -170,12 +170,14 @@ def backward(problem, saved, dout) -> Gradients:
             # the dQ pass records the gradient of each row's key with P > 3/4, which the
             # dK/dV pass then reads instead of computing (see DominantLookup): dQ goes first
             dominant_gradients = cp.zeros((batch, heads, q_len), np.uint64)
+            # compiled with the score options the call has (a plain call runs none of their code)
+            options = options_of(problem) & ALL
             launch.run(dq_kind, storage, bound, batch * heads * -(-q_len // block),
                        launch.backward_tc_shared_bytes(dq_kind, head_dim, value_dim),
-                       (*tc_common, out_rounded, dominant_gradients, dq))
+                       (*tc_common, out_rounded, dominant_gradients, dq), options=options)
             launch.run(dkdv_kind, storage, bound, batch * kv_heads * -(-kv_len // block),
                        launch.backward_tc_shared_bytes(dkdv_kind, head_dim, value_dim),
-                       (*tc_common, dominant_gradients, dk, dv))
+                       (*tc_common, dominant_gradients, dk, dv), options=options)
         else:
             launch.run(dkdv_kind, storage, bound, batch * kv_heads * key_tiles, shared, (*common, dk, dv))
             launch.run(dq_kind, storage, bound, batch * heads * query_tiles, shared, (*common, dq))

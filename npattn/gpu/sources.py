@@ -101,15 +101,16 @@ def kernel_name(kind: str, dtype_name: str, bound: int = 0, *, warps: int = 8, b
     """The name expression of one instantiation: ``kind`` is one of :data:`KINDS`;
     ``dtype_name`` a key of :data:`STORAGE`; ``bound`` a value of
     :data:`HEAD_DIM_BOUNDS` (used by the kinds of :data:`BOUNDED_KINDS` only);
-    ``warps``, ``block_k`` and ``options`` (an :class:`~npattn.gpu.options.Option` set)
-    configure the tensor-core forward only."""
+    ``warps`` and ``block_k`` configure the tensor-core forward; ``options`` (an
+    :class:`~npattn.gpu.options.Option` set) the tensor-core kernels, of which the backward
+    takes the score options only (it checks its rows' alignment at run time)."""
     storage, accumulate = STORAGE[dtype_name]
     simt_block_k = FORWARD_BLOCK_K[accumulate]
     arguments = {
         "forward": f"{storage}, {accumulate}, {bound}, {simt_block_k}",
         "forward_tc": f"{storage}, {accumulate}, {bound}, {warps}, {block_k}, {int(options)}u",
-        "dkdv_tc": f"{storage}, {accumulate}, {bound}",
-        "dq_tc": f"{storage}, {accumulate}, {bound}",
+        "dkdv_tc": f"{storage}, {accumulate}, {bound}, {int(options & _options.ALL)}u",
+        "dq_tc": f"{storage}, {accumulate}, {bound}, {int(options & _options.ALL)}u",
         "weights": f"{storage}, {accumulate}, {simt_block_k}",
         "dkdv": f"{storage}, {accumulate}, {bound}",
         "dq": f"{storage}, {accumulate}, {bound}",
@@ -150,6 +151,9 @@ def name_expressions() -> tuple[str, ...]:
                 bounds = TENSOR_CORE_BACKWARD_BOUNDS
             if kind == "forward_tc":
                 names += [name for bound in bounds for name in forward_tc_names(dtype_name, bound)]
+            elif kind in ("dkdv_tc", "dq_tc"):  # plain and with every option, as the forward
+                names += [kernel_name(kind, dtype_name, bound, options=options) for bound in bounds
+                          for options in (0, _options.ALL)]
             else:
                 names += [kernel_name(kind, dtype_name, bound) for bound in bounds]
     return tuple(names)
@@ -162,8 +166,8 @@ def name_expressions() -> tuple[str, ...]:
 MACHINE_CODE_CHECKED = tuple(
     [name for dtype_name in TENSOR_CORE_STORAGE for bound in (64, 128)
      for name in forward_tc_names(dtype_name, bound) if not name.endswith(f", {int(_EVERY_OPTION)}u>")]
-    + [kernel_name(kind, dtype_name, bound) for dtype_name in TENSOR_CORE_STORAGE for kind in ("dkdv_tc", "dq_tc")
-       for bound in TENSOR_CORE_BACKWARD_BOUNDS])
+    + [kernel_name(kind, dtype_name, bound, options=options) for dtype_name in TENSOR_CORE_STORAGE
+       for kind in ("dkdv_tc", "dq_tc") for bound in TENSOR_CORE_BACKWARD_BOUNDS for options in (0, _options.ALL)])
 
 
 def backward_kinds(dtype_name: str, bound: int) -> tuple[str, str]:
