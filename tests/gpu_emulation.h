@@ -30,7 +30,7 @@
 #define NPATTN_HOST_EMULATION 1
 #define __global__
 #define __device__
-#define __launch_bounds__(threads)
+#define __launch_bounds__(...)
 #define __noinline__ __attribute__((noinline))
 #define __align__(bytes) alignas(bytes)
 
