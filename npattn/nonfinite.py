@@ -20,7 +20,7 @@ the gradients in the backward) and get the kernels' results.
 from __future__ import annotations
 
 from . import limits, reference
-from ._arrays import all_finite
+from ._arrays import all_finite, all_finite_arrays
 
 
 def forward(problem, implementation):
@@ -39,7 +39,7 @@ def backward(problem, implementation, saved, dout):
     ``dout`` or a gradient is not all finite."""
     if implementation is not reference and all_finite(dout):
         grads = implementation.backward(problem, saved, dout)
-        if all(all_finite(g) for g in (grads.dq, grads.dk, grads.dv, grads.dbias, grads.dsink_logits)):
+        if all_finite_arrays((grads.dq, grads.dk, grads.dv, grads.dbias, grads.dsink_logits)):
             return grads
     limits.check_memory(problem, reference.NAME, because=_WHY_REFERENCE)
     return reference.backward(problem, None, dout)

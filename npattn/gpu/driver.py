@@ -28,6 +28,44 @@ def _on_device(problem):
     return problem.xp.cuda.Device(device.id) if hasattr(device, "id") else contextlib.nullcontext()
 
 
+# Small read-only device arrays the kernels take, kept per device and value: placeholders,
+# full lengths, parameter and stride arrays. Each CuPy upload or fill costs 20-60 us of
+# host time, which a decode step or a small call pays several times over otherwise. The
+# kernels never write them (their parameters are const). Bounded: cleared when full.
+_CONSTANTS: dict = {}
+_CONSTANTS_LIMIT = 4096
+
+
+def _constant(cp, key, make):
+    """The device array ``make()`` gives for ``key`` on the current device, made once
+    (``cp`` NumPy: the tests' host emulation)."""
+    cuda = getattr(cp, "cuda", None)
+    key = (None if cuda is None else cuda.Device().id, *key)
+    array = _CONSTANTS.get(key)
+    if array is None:
+        if len(_CONSTANTS) >= _CONSTANTS_LIMIT:
+            _CONSTANTS.clear()
+        array = _CONSTANTS[key] = make()
+    return array
+
+
+def _int64s(cp, values):
+    """``values`` (ints) as a device int64 array, uploaded once per value."""
+    values = tuple(int(x) for x in values)
+    return _constant(cp, ("int64", values), lambda: cp.asarray(np.array(values, np.int64)))
+
+
+def _parameters(cp, ints, reals):
+    """The device copies of the kernels' ``ints`` and ``reals``: one upload of both (packed
+    into one buffer, reals 8-byte aligned after the int64s), kept per value."""
+    packed = np.concatenate([ints.view(np.uint8), reals.view(np.uint8)])
+
+    def upload():
+        device = cp.asarray(packed)
+        return device[:ints.nbytes].view(cp.int64), device[ints.nbytes:].view(reals.dtype)
+    return _constant(cp, ("parameters", reals.dtype.str, packed.tobytes()), upload)
+
+
 def _unit_last_axis(cp, array):
     if array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
         return cp.ascontiguousarray(array)
@@ -46,12 +84,12 @@ def _operands(problem):
     ints[Int.Q_STRIDE_B:Int.Q_STRIDE_S + 1] = element_strides(q)[:3]
     ints[Int.K_STRIDE_B:Int.K_STRIDE_S + 1] = element_strides(k)[:3]
     ints[Int.V_STRIDE_B:Int.V_STRIDE_S + 1] = element_strides(v)[:3]
-    placeholder = cp.zeros(1, dtype)
+    placeholder = _constant(cp, ("zeros", np.dtype(dtype).str), lambda: cp.zeros(1, dtype))
     bias = placeholder
     if problem.bias is not None:
         bias = problem.bias.astype(dtype, copy=False)
         ints[Int.BIAS_STRIDE_B:Int.BIAS_STRIDE_K + 1] = element_strides(bias)
-    mask = cp.ones(1, cp.uint8)
+    mask = _constant(cp, ("ones", "u1"), lambda: cp.ones(1, cp.uint8))
     if problem.mask is not None:
         mask = problem.mask.view(cp.uint8)
         ints[Int.MASK_STRIDE_B:Int.MASK_STRIDE_K + 1] = element_strides(mask)
@@ -59,11 +97,20 @@ def _operands(problem):
              else cp.ascontiguousarray(problem.alibi_slopes.astype(dtype, copy=False)).reshape(-1))
     sink = (placeholder if problem.sink_logits is None
             else cp.ascontiguousarray(problem.sink_logits.astype(dtype, copy=False)))
+    ints_on_device, reals_on_device = _parameters(cp, ints, reals)
     named = dict(q=q, k=k, v=v, bias=bias, mask=mask, alibi=alibi, sink=sink,
-                 q_lengths=lengths_or_full(cp, problem.q_lengths, problem.batch, problem.q_len),
-                 kv_lengths=lengths_or_full(cp, problem.kv_lengths, problem.batch, problem.kv_len),
-                 ints=cp.asarray(ints), reals=cp.asarray(reals))
+                 q_lengths=_lengths(cp, problem.q_lengths, problem.batch, problem.q_len),
+                 kv_lengths=_lengths(cp, problem.kv_lengths, problem.batch, problem.kv_len),
+                 ints=ints_on_device, reals=reals_on_device)
     return q.dtype.name, tuple(named[name] for name in OPERAND_NAMES)  # the kernels' order
+
+
+def _lengths(cp, lengths, batch, full):
+    """q_lengths / kv_lengths as the kernels take them; ``full`` everywhere, when None,
+    from the constants."""
+    if lengths is None:
+        return _int64s(cp, (full,) * batch)
+    return lengths_or_full(cp, lengths, batch, full)
 
 
 # Split-KV decoding: aim for this many warps (8 per SM on a 132-SM H100: enough loads
@@ -146,7 +193,7 @@ def backward(problem, saved, dout) -> Gradients:
     with _on_device(problem):
         storage, operands = _operands(problem)
         dout = _unit_last_axis(cp, dout.astype(dtype, copy=False))
-        dout_strides = cp.asarray(np.array(element_strides(dout)[:3], np.int64))
+        dout_strides = _int64s(cp, element_strides(dout)[:3])
         # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
         delta = cp.ascontiguousarray((dout * out).sum(axis=-1))
         # O in the input's dtype (as the forward rounded it), (B, H, Sq, Dv) C-contiguous:
@@ -164,7 +211,7 @@ def backward(problem, saved, dout) -> Gradients:
             # the tensor-core kernels stage dO like Q (cp.async into 16-bit tiles): pass it
             # in the input's dtype, C-contiguous (rows 16-byte aligned when Dv % 8 == 0)
             dout_bits = cp.ascontiguousarray(dout.astype(problem.q.dtype))
-            bits_strides = cp.asarray(np.array(element_strides(dout_bits)[:3], np.int64))
+            bits_strides = _int64s(cp, element_strides(dout_bits)[:3])
             tc_common = (*operands, dout_bits, bits_strides, lse, delta)
             block = TENSOR_CORE_BLOCK
             # the dQ pass records the gradient of each row's key with P > 3/4, which the
@@ -188,7 +235,7 @@ def backward(problem, saved, dout) -> Gradients:
             blocks = (shape[0] * shape[1] * (query_tiles if shape[2] > 1 else 1)
                       * (key_tiles if shape[3] > 1 else 1))
             launch.run("dbias", storage, 0, blocks, shared,
-                       (*common, dbias, cp.asarray(np.array(shape, np.int64))))
+                       (*common, dbias, _int64s(cp, shape)))
             dbias = dbias.reshape(problem.bias_shape)
         dsink_logits = None if problem.sink_logits is None else sink_logits_gradient(cp, problem, lse, delta)
     return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink_logits=dsink_logits)
