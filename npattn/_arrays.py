@@ -43,19 +43,22 @@ def all_finite_arrays(arrays) -> bool:
     """:func:`all_finite` of every array of ``arrays`` (None entries pass); CuPy arrays
     are reduced on the device side by side and read back together: one synchronization
     for them all, where a min and a max each would wait for the device."""
-    device_flags = []
+    on_device = []
     for array in arrays:
         if array is None or array.size == 0:
             continue
         if is_cupy(array) and array.dtype.kind == "f":
-            device_flags.append(_device_all_finite()(array))
+            on_device.append(array)
         elif not (math.isfinite(array.min()) and math.isfinite(array.max())):
             return False
-    if not device_flags:
-        return True
+    if len(on_device) <= 1:
+        return not on_device or bool(_device_all_finite()(on_device[0]))
     import cupy
 
-    return bool(cupy.stack(device_flags).all())
+    flags = cupy.empty(len(on_device), bool)  # one flag each, read back in one copy
+    for index, array in enumerate(on_device):
+        _device_all_finite()(array, out=flags[index])
+    return bool(flags.get().all())
 
 
 @functools.lru_cache(maxsize=None)

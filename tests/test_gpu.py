@@ -279,3 +279,25 @@ def test_compiled_kernels_are_kept_on_disk_per_instantiation(tmp_path, monkeypat
     assert kernel_cache.cubin("sm_80", name) == (path, symbol)
     assert kernel_cache.key("sm_90", name) != kernel_cache.key("sm_80", name)
     assert kernel_cache.key("sm_80", sources.kernel_name("combine", "float64")) != kernel_cache.key("sm_80", name)
+
+
+@pytest.mark.parametrize("backend", GPU)
+def test_gpu_results_of_non_finite_inputs_are_the_references(backend):
+    """A NaN in v reaches exactly the rows that see its key (the non-finite check on the
+    device, one fused reduction per output, sends the call to the reference), forward and
+    backward."""
+    import cupy
+
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.normal(size=(1, 2, 6, 8)).astype(np.float32) for _ in range(3))
+    v[0, 1, 2, 3] = np.nan
+    dout = rng.normal(size=(1, 2, 6, 8)).astype(np.float32)
+    out, vjp = npattn.attention_vjp(*(cupy.asarray(x) for x in (q, k, v)), causal=True, backend=backend)
+    grads = vjp(cupy.asarray(dout))
+    expected_out, expected_vjp = npattn.attention_vjp(q, k, v, causal=True, backend="reference")
+    for got, expected in zip((out, *grads), (expected_out, *expected_vjp(dout))):
+        got = cupy.asnumpy(got)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+        finite = ~np.isnan(expected)
+        np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-5, atol=1e-5)
+    assert np.isnan(cupy.asnumpy(out)[0, 1, 2:]).all() and not np.isnan(cupy.asnumpy(out)[0, 1, :2]).any()
