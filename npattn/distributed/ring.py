@@ -13,10 +13,14 @@ whole sequence has them relative to its keys, so causal, windows, sinks and ALiB
 distances are the whole sequence's; a pair whose rows see none of its keys (a key chunk
 after the query chunk under ``causal``, or outside the window) is skipped.
 
-The backward (:func:`ring_attention_vjp`) sends the blocks around again, each with its dK
-and dV sums, to which every rank adds its queries' share
-(:func:`npattn.attention_backward` from the final out and lse); after a full turn they
-reach their owners. dq sums in step order, dk and dv in ring order: deterministic too.
+The backward (:func:`ring_attention_vjp`) sends the blocks around again, each followed by
+its dK and dV sums, to which every rank adds its queries' share
+(:func:`npattn.attention_backward` from the final out and lse; the share is computed while
+the sums so far are still on their way); after a full turn they reach their owners. dq
+sums in step order, dk and dv in ring order: deterministic too.
+
+NumPy shards run on the cpu backend; CuPy shards on the gpu backend, their blocks and sums
+staged through host memory for the transfers (any MPI build, CUDA-aware or not).
 
 Before any work, the ranks exchange what they were given (shapes, dtypes, options,
 whether the inputs are finite) and every rank checks every rank's, so a mismatched shard
@@ -344,24 +348,38 @@ def _rows(array, chunk: Chunk):
 
 def _around(ring: _Ring, blocks: list, sums: list, visit: Callable, shapes_of: Callable, tag: int) -> list:
     """Send the rank's own ``blocks`` once around the ring. At each step: start passing the
-    blocks in hand on, ``visit(step, owner, blocks, sums)`` them, pass ``sums`` (that
-    owner's running sums, which the visit adds to) on, and wait for the next. After the
-    last step the sums go one rank further, which brings each home. ``shapes_of(owner)``
-    gives the shapes of an owner's blocks (and of its sums). Returns the rank's own sums."""
+    blocks in hand on, ``visit(step, owner, blocks, parts)`` them, and wait for the next.
+
+    With running ``sums`` (zeros of the blocks' shapes: dK and dV), the visit adds this
+    rank's share of the owner's sums into ``parts``, fresh zeros; the owner's running sums
+    meanwhile travel from the previous rank, which finished its share a step earlier. Once
+    they are in, the rank adds its parts and passes the sums on without waiting for them to
+    arrive: their transfer overlaps the next step's visit. After the last step the sums go
+    one rank further, which brings each home. The sums add in ring order, whatever the
+    timing. ``shapes_of(owner)`` gives the shapes of an owner's blocks (and of its sums).
+    Returns the rank's own sums."""
+    dtypes = [total.dtype for total in sums]
+    sum_requests, received = None, None
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
         following = (owner - 1) % ring.size  # whose block arrives next
         last = step == ring.size - 1
         if not last:
             incoming, requests = ring.shift(blocks, shapes_of(following), tag + 8 * step)
-        visit(step, owner, blocks, sums)
+        parts = [ring.xp.zeros(shape, dtype) for shape, dtype in zip(shapes_of(owner), dtypes)] if sums else []
+        visit(step, owner, blocks, parts)
         if sums:
-            sums, sum_requests = ring.shift(sums, shapes_of(following), tag + 8 * step + 4)
-            ring.wait(sum_requests, f"the gradient sums of rank {following}'s block")
-            sums = ring.arrived(sums)
+            totals = parts  # step 0: the rank's own block, whose sums start here
+            if sum_requests is not None:  # the owner's sums so far, from the previous rank
+                ring.wait(sum_requests, f"the gradient sums of rank {owner}'s block")
+                totals = [total + part for total, part in zip(ring.arrived(received), parts)]
+            received, sum_requests = ring.shift(totals, shapes_of(following), tag + 8 * step + 4)
         if not last:
             ring.wait(requests, f"the K/V block of rank {following}")
             blocks = ring.arrived(incoming)
+    if sums:
+        ring.wait(sum_requests, "the gradient sums of this rank's own block")
+        return ring.arrived(received)
     return sums
 
 
