@@ -184,13 +184,13 @@ def backward(problem, saved, dout) -> Gradients:
     """Gradients of ``sum(out * dout)`` from the saved (out, lse); ``dout`` is bhsd."""
     cp = problem.xp
     out, lse = saved
-    # the kernels index lse as (B, H, Sq) C-contiguous; attention_backward's may be any view
-    lse = cp.ascontiguousarray(lse)
     bound = head_dim_bound(problem.head_dim, problem.value_dim)
     dtype = problem.accumulate_dtype
     batch, heads, q_len, head_dim = problem.q.shape
     kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim
     with _on_device(problem):
+        # the kernels index lse as (B, H, Sq) C-contiguous; attention_backward's may be any view
+        lse = cp.ascontiguousarray(lse)
         storage, operands = _operands(problem)
         dout = _unit_last_axis(cp, dout.astype(dtype, copy=False))
         dout_strides = _int64s(cp, element_strides(dout)[:3])
