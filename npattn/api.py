@@ -128,17 +128,42 @@ def _checked_problem(q: Any, k: Any, v: Any, options: dict) -> tuple[AttentionPr
     return problem, _backends.resolve(backend, array_kind(problem.q))
 
 
+def checked_problem(q: Any, k: Any, v: Any, options: dict) -> tuple[AttentionProblem, Any]:
+    """``(problem, backend)``: every check of ``attention(q, k, v, **options)`` (NumPy or
+    CuPy arrays), nothing run; :func:`checked_forward_outputs` runs it. For calls that must
+    know a call is valid before they act (:func:`npattn.attention_with_kvcache` writes
+    its cache only then)."""
+    return _checked_problem(q, k, v, options)
+
+
+def checked_forward_outputs(problem: AttentionProblem, implementation: Any) -> Outputs:
+    """What :func:`attention` returns for a problem of :func:`checked_problem`, whose arrays
+    hold the call's values now."""
+    _limits.check_memory(problem, implementation.NAME)
+    result, _ = _nonfinite.forward(problem, implementation)
+    return _public_outputs(OutputForm.of(problem), result)
+
+
 def _checked_forward(q: Any, k: Any, v: Any, options: dict, key: tuple | None,
                      backward: bool) -> tuple[AttentionProblem, Any, ForwardResult]:
     """The full path: check everything, pick the backend, run it (the reference where the
     result is not finite); then plan the structure ``key`` for later calls (``backward``:
     their gradients too). Returns (problem, the backend that ran, result)."""
     problem, implementation = _checked_problem(q, k, v, options)
+    if backward:
+        _forward_only(problem)
     _limits.check_memory(problem, implementation.NAME)
     result, used = _nonfinite.forward(problem, implementation)
     if key is not None and used is implementation:
         _plans.remember(key, lambda: _Planned.of(problem, implementation, backward))
     return problem, used, result
+
+
+def _forward_only(problem: AttentionProblem) -> None:
+    """Reject gradients of a call that has none: paged k and v (``block_table``)."""
+    if problem.block_table is not None:
+        raise TypeError("block_table (paged k and v) is for the forward only: attention_vjp and "
+                        "attention_backward need k and v as (B, Hkv, Sk, D) arrays")
 
 
 def _with_vjp(form: "OutputForm", result: ForwardResult, q_like: Any, gradients: Callable[[Any], Gradients],
@@ -206,6 +231,7 @@ def attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
         raise ValueError("attention_backward with dropout_p > 0 needs seed, the forward's int seed: "
                          "it regenerates the forward's dropout mask")
     problem, implementation = _checked_problem(q, k, v, options)
+    _forward_only(problem)
     _plans.remember(key, lambda: _Planned.of(problem, implementation, backward=True))
     form = OutputForm.of(problem)
     user_shape = to_user_layout(problem.q, form.layout).shape

@@ -75,14 +75,17 @@ def check_float_dtype(name, array):
                         f"got dtype {array.dtype}")
 
 
-def check_qkv_shapes(q, k, v, layout):
-    """Shape agreement, with shapes reported back in the user's layout."""
+def check_qkv_shapes(q, k, v, layout, paged=False):
+    """Shape agreement, with shapes reported back in the user's layout (``paged``: k and v
+    are pools of pages, whose first axis counts pages, not batch entries)."""
     def user(shape):
         return tuple(shape[i] for i in ((0, 2, 1, 3) if layout == "bshd" else (0, 1, 2, 3)))
 
     batch, heads, _, head_dim = q.shape
+    if paged and v.shape[0] != k.shape[0]:
+        raise ValueError(f"v has {v.shape[0]} pages but k has {k.shape[0]}; they must match")
     for name, array in (("k", k), ("v", v)):
-        if array.shape[0] != batch:
+        if not paged and array.shape[0] != batch:
             raise ValueError(f"{name} has batch size {array.shape[0]} but q has {batch} "
                              f"(q {user(q.shape)}, {name} {user(array.shape)})")
     if heads < 1 or k.shape[1] < 1:
@@ -92,7 +95,8 @@ def check_qkv_shapes(q, k, v, layout):
     if v.shape[1] != k.shape[1]:
         raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}; they must match")
     if v.shape[2] != k.shape[2]:
-        raise ValueError(f"v has {v.shape[2]} keys (Sk) but k has {k.shape[2]}; they must match")
+        what = "keys per page" if paged else "keys (Sk)"
+        raise ValueError(f"v has {v.shape[2]} {what} but k has {k.shape[2]}; they must match")
     if k.shape[3] != head_dim:
         raise ValueError(f"k has head dim {k.shape[3]} but q has {head_dim}; they must match")
     if head_dim < 1 or v.shape[3] < 1:

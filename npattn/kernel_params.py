@@ -8,6 +8,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from . import _arrays
 from .dropout import seed_words
 from .options import OPTIONS
 
@@ -31,7 +32,10 @@ Int = _positions("Int", (
     *(option.flag for option in OPTIONS if option.flag is not None),
     "SAVES_SCORES",  # some option present keeps a value per score (Option.saves_score)
     "WINDOW_LEFT", "WINDOW_RIGHT",  # -1 = unbounded
-    "SINKS", "POSITION_SHIFT",  # query row i sits at key position i + POSITION_SHIFT
+    "SINKS",
+    # key j of entry b sits in page pages[b * PAGES + j // PAGE_SIZE], row j % PAGE_SIZE
+    # (not paged: one page of all keys per entry, page b)
+    "PAGES", "PAGE_SIZE",
     "DROPOUT_THRESHOLD", "SEED_LO", "SEED_HI",
     # added to (b, h, i, j) before the dropout hash takes them (the dropout_offset option)
     "DROPOUT_OFFSET_B", "DROPOUT_OFFSET_H", "DROPOUT_OFFSET_I", "DROPOUT_OFFSET_J",
@@ -46,6 +50,12 @@ Int = _positions("Int", (
     "SPLIT_KEYS",     # keys per range, a multiple of BLOCK_K
     "ROW_GROUP",      # CPU: query rows per position (GQA heads folded into rows, cpu.folding)
 ))
+
+# Columns of the kernels' ``spans`` operand, int64 (B, len(Span)) C-contiguous: per batch
+# entry, its live query rows [Q_START, Q_STOP), its live keys [KV_START, KV_STOP) and the
+# key position of its query row 0 (row i sits at i + SHIFT). See :func:`problem_spans`.
+Span = _positions("Span", ("Q_START", "Q_STOP", "KV_START", "KV_STOP", "SHIFT"))
+SPAN_FIELDS = len(Span)
 
 # Positions in the kernels' parameter array of the compute dtype: one per option of the
 # table that names a real slot (SCALE, SOFTCAP with 0 = off, KEEP_SCALE = 1 / (1 - p)).
@@ -64,8 +74,8 @@ OPERANDS = (
     ("mask", "const unsigned char*", "bool as bytes, or a placeholder"),
     ("alibi", "const Acc*", "(B * H,) slopes, or a placeholder"),
     ("sink", "const Acc*", "(H,) sink logits, or a placeholder"),
-    ("q_lengths", "const i64*", "(B,)"),
-    ("kv_lengths", "const i64*", "(B,)"),
+    ("spans", "const i64*", "(B, SPAN_FIELDS): live rows and keys and row 0's position, per batch entry"),
+    ("pages", "const i64*", "(B, PAGES): the page of k and v (their batch index) of each entry's key block"),
     ("ints", "const i64*", "NPATTN_INT_* / Int"),
     ("reals", "const Acc*", "NPATTN_REAL_* / Real"),
 )
@@ -88,12 +98,51 @@ def element_strides(array) -> tuple:
     return tuple(0 if n == 1 else s // array.itemsize for n, s in zip(array.shape, array.strides))
 
 
-def lengths_or_full(xp, lengths, batch: int, full: int):
-    """int64 (batch,) contiguous array of module ``xp``: ``lengths``, or ``full`` everywhere
-    when None (q_lengths / kv_lengths as the kernels take them)."""
-    if lengths is None:
-        return xp.full(batch, full, xp.int64)
-    return xp.ascontiguousarray(xp.asarray(lengths).astype(xp.int64, copy=False))
+def problem_spans(problem):
+    """The kernels' ``spans`` for ``problem``: int64 (B, SPAN_FIELDS) C-contiguous NumPy
+    (the GPU backend uploads it): q_start (0), q_lengths (Sq), kv_start (0), kv_lengths
+    (Sk) and the row shift (``row_shifts``, else the visibility's one shift)."""
+    return spans_with(default_spans(problem), problem)
+
+
+def default_spans(problem):
+    """:func:`problem_spans` of a problem with no lengths, starts or per-entry shifts:
+    a function of the shapes and the visibility alone (so, of the problem's signature)."""
+    spans = np.zeros((problem.batch, SPAN_FIELDS), np.int64)
+    spans[:, Span.Q_STOP], spans[:, Span.KV_STOP] = problem.q_len, problem.kv_len
+    spans[:, Span.SHIFT] = problem.visibility.shift(problem.q_len, problem.kv_len)
+    return spans
+
+
+def spans_with(defaults, arrays):
+    """``defaults`` (from :func:`default_spans`) with the columns ``arrays`` (a problem, or
+    anything with its q_start, q_lengths, kv_start, kv_lengths and row_shifts) gives; the
+    defaults themselves when it gives none."""
+    given = [(column, getattr(arrays, name)) for column, name in _SPAN_ARRAYS if getattr(arrays, name) is not None]
+    if not given:
+        return defaults
+    spans = defaults.copy()
+    for column, values in given:
+        spans[:, column] = _arrays.to_numpy(values)
+    return spans
+
+
+def problem_pages(problem):
+    """The kernels' ``pages``: int64 (B * PAGES,) NumPy, ``block_table`` flat, or
+    ``arange(B)`` (one page per entry: its own batch index) when not paged."""
+    if problem.block_table is None:
+        return np.arange(problem.batch, dtype=np.int64)
+    return np.ascontiguousarray(_arrays.to_numpy(problem.block_table), dtype=np.int64).reshape(-1)
+
+
+def spans_are_default(problem) -> bool:
+    """Whether ``problem``'s spans are the whole rows and keys with one shift (no
+    lengths, starts or per-entry shifts): then :func:`default_spans` gives them."""
+    return all(getattr(problem, name) is None for _, name in _SPAN_ARRAYS)
+
+
+_SPAN_ARRAYS = ((Span.Q_START, "q_start"), (Span.Q_STOP, "q_lengths"), (Span.KV_START, "kv_start"),
+                (Span.KV_STOP, "kv_lengths"), (Span.SHIFT, "row_shifts"))
 
 
 def problem_parameters(problem, dtype):
@@ -116,7 +165,10 @@ def problem_int_values(problem) -> list:
     values[Int.WINDOW_LEFT] = -1 if visibility.window_left is None else visibility.window_left
     values[Int.WINDOW_RIGHT] = -1 if visibility.window_right is None else visibility.window_right
     values[Int.SINKS] = visibility.sinks
-    values[Int.POSITION_SHIFT] = visibility.shift(problem.q_len, problem.kv_len)
+    if problem.block_table is None:
+        values[Int.PAGES], values[Int.PAGE_SIZE] = 1, max(problem.kv_len, 1)
+    else:
+        values[Int.PAGES], values[Int.PAGE_SIZE] = problem.block_table.shape[1], problem.page_size
     values[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
     if problem.dropout_p:  # the seed means nothing without dropout: problems differing in it alone share ints
         values[Int.SEED_LO], values[Int.SEED_HI] = seed_words(problem.seed)

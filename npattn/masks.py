@@ -12,7 +12,14 @@ Key ``j`` is visible to row ``i`` when all of these hold:
 - causal: ``j <= p_i``;
 - window ``(left, right)``: ``p_i - left <= j <= p_i + right``, or ``j < sinks``
   (either bound may be ``None``: unbounded on that side);
-- the user's boolean mask, ``kv_lengths`` and ``q_lengths`` (applied by the backends).
+- the user's boolean mask, ``kv_lengths`` and ``q_lengths`` (applied by the backends);
+- left padding: ``kv_start[b] <= j`` and ``q_start[b] <= i``; the sinks are then the keys
+  ``kv_start[b] <= j < kv_start[b] + sinks``.
+
+Positions are array indices. Left padding leaves the default (bottom-right) alignment
+as it is (the last real row is still level with the last key); a ``q_offset`` counts
+from each entry's first real row and key, so batch entry ``b`` places row ``i`` at
+``i + q_offset[b] + kv_start[b] - q_start[b]`` (:func:`row_shifts`).
 
 The structural part (causal, window, sinks) is described by :class:`Visibility`.
 Its :meth:`Visibility.key_range` gives, per row, the contiguous band of keys
@@ -22,6 +29,10 @@ the band is an interval and the sinks a separate prefix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays
 
 
 @dataclass(frozen=True)
@@ -89,15 +100,37 @@ class Visibility:
 
     def matrix(self, xp, q_len: int, kv_len: int):
         """Boolean (q_len, kv_len) array of module ``xp``: True where causal/window/sinks allow."""
-        position = xp.arange(q_len)[:, None] + self.shift(q_len, kv_len)
-        key = xp.arange(kv_len)[None, :]
-        allowed = xp.ones((q_len, kv_len), dtype=bool)
+        return self.allowed(xp, xp.arange(q_len)[:, None] + self.shift(q_len, kv_len), xp.arange(kv_len)[None, :])
+
+    def allowed(self, xp, position, key, sink_start=0):
+        """Boolean array of module ``xp``, the broadcast shape of integer arrays ``position``
+        (rows' key positions) and ``key`` (key indices): True where causal, window and
+        sinks allow, the sinks being the keys ``[sink_start, sink_start + sinks)``."""
+        shape = np.broadcast_shapes(position.shape, key.shape, getattr(sink_start, "shape", ()))
+        allowed = xp.ones(shape, dtype=bool)
         if self.window_left is not None:
             allowed &= key >= position - self.window_left
         if self.window_right is not None:
             allowed &= key <= position + self.window_right
         if self.has_window and self.sinks:
-            allowed |= key < self.sinks
+            allowed |= (key >= sink_start) & (key < sink_start + self.sinks)
         if self.causal:
             allowed &= key <= position
         return allowed
+
+
+def row_shifts(q_offset, q_start, kv_start):
+    """int64 (B,) NumPy array: where query row 0 of each batch entry sits among the keys
+    (row i at ``i + shift[b]``), for a per-entry ``q_offset`` (int (B,)) or one counted
+    from the first real row and key; None when one shift serves every entry (no
+    q_offset, or an int one without q_start / kv_start): then
+    :meth:`Visibility.shift` gives it. Arrays may be CuPy's (read back here, once)."""
+    if q_offset is None or (isinstance(q_offset, int) and q_start is None and kv_start is None):
+        return None
+    shifts = np.asarray(_arrays.to_numpy(q_offset) if not isinstance(q_offset, int) else q_offset, np.int64)
+    if kv_start is not None:
+        shifts = shifts + _arrays.to_numpy(kv_start).astype(np.int64)
+    if q_start is not None:
+        shifts = shifts - _arrays.to_numpy(q_start).astype(np.int64)
+    batch = next(len(a) for a in (q_offset, q_start, kv_start) if a is not None and not isinstance(a, int))
+    return np.ascontiguousarray(np.broadcast_to(shifts, (batch,)))

@@ -57,13 +57,20 @@ class Call:
     head_dim: int
     compute: np.dtype
     checked: dict
+    pages: int = 0  # with block_table: the pools' page count (k's first axis)
 
     @property
     def reach(self) -> int:
-        """Sq + Sk (plus ``|q_offset|``): more than any query-key distance, so a window past
-        it bounds nothing. Clamping to it keeps the kernels' int64 (and the GPU's int32)
+        """Sq + Sk, plus the largest ``|q_offset|`` and, with q_start or kv_start, Sq + Sk
+        again: more than any query-key distance, so a window past it bounds nothing. Clamping to it keeps the kernels' int64 (and the GPU's int32)
         positions from overflowing."""
-        return self.q_len + self.kv_len + abs(self.checked.get("q_offset") or 0)
+        offset = self.checked.get("q_offset")
+        if offset is None:
+            return self.q_len + self.kv_len
+        largest = int(np.abs(_arrays.to_numpy(offset)).max(initial=0))
+        # counted from the first real row and key, a row's position moves by up to Sq + Sk more
+        starts = self.checked.get("q_start") is not None or self.checked.get("kv_start") is not None
+        return (2 if starts else 1) * (self.q_len + self.kv_len) + largest
 
     @property
     def scores_shape(self) -> tuple:
@@ -114,13 +121,26 @@ def _window_set(problem):
 
 OPTIONS: tuple[Option, ...] = (
     Option("causal", False, "visibility",
-           "bool: row i sees keys j <= p_i (bottom-right alignment).",
-           lambda value, call: checks.check_bool("causal", value),
+           'bool, "bottom_right" or "top_left": row i sees keys j <= p_i. True and "bottom_right" '
+           'put the last row level with the last key (FlashAttention); "top_left" puts the first '
+           "row level with the first key (torch and JAX is_causal; the same as q_offset=0).",
+           lambda value, call: _check_causal(value),
            present=lambda problem: problem.visibility.causal, flag="CAUSAL", gpu_option="BAND"),
     Option("q_offset", None, "visibility",
-           "None or int: query row i sits at key position p_i = i + q_offset (None: Sk - Sq, "
-           "bottom-right; 0: top-left, as torch's is_causal).",
-           lambda value, call: _check_q_offset(value)),
+           "None, int or int (B,): query row i sits at key position p_i = i + q_offset (an array: "
+           "per batch entry; None: Sk - Sq, bottom-right; 0: top left). With q_start / kv_start "
+           "it counts from each entry's first real row and key.",
+           lambda value, call: _check_q_offset(value, call)),
+    Option("q_start", None, "visibility",
+           "int (B,): rows before q_start[b] are left padding and output zeros; positions count "
+           "from the first real row.",
+           lambda value, call: checks.check_lengths("q_start", value, call.q, call.batch, call.q_len, "Sq"),
+           field="q_start", present=_has("q_start"), gpu_option="BAND"),
+    Option("kv_start", None, "visibility",
+           "int (B,): keys before kv_start[b] are left padding and never seen; the sinks are the "
+           "first real keys.",
+           lambda value, call: checks.check_lengths("kv_start", value, call.q, call.batch, call.kv_len, "Sk"),
+           field="kv_start", present=_has("kv_start"), gpu_option="BAND"),
     Option("window", None, "visibility",
            "None, int w (-> (w, w), or (w, 0) when causal) or (left, right) with None for an "
            "unbounded side; bounds past Sq + Sk mean none.",
@@ -187,6 +207,12 @@ OPTIONS: tuple[Option, ...] = (
            "mask hashes, so a block of a larger problem draws that problem's mask.",
            lambda value, call: _check_dropout_offset(value),
            field="dropout_offset"),
+    Option("block_table", None, "layout",
+           "int (B, P): k and v are pools of pages, (pages, page_size, Hkv, D) in layout "
+           '"bshd", and batch entry b\'s key j is row j % page_size of page '
+           "block_table[b, j // page_size] (Sk = P * page_size). Forward only.",
+           lambda value, call: _check_block_table(value, call),
+           field="block_table", present=_has("block_table"), gpu_option="PAGED"),
     Option("layout", "bhsd", "layout",
            '"bhsd" (B, H, S, D) or "bshd" (B, S, H, D), for q, k, v and out.',
            lambda value, call: checks.check_layout(value),
@@ -218,8 +244,11 @@ BACKEND_DOC = ('"auto" (cpu for NumPy, gpu for CuPy, else reference), "reference
 
 
 def visibility(checked: dict) -> Visibility:
-    """The :class:`~npattn.masks.Visibility` of the normalized causal, q_offset, window and sinks."""
-    return Visibility.from_options(checked["causal"], checked["window"], checked["sinks"], checked["q_offset"])
+    """The :class:`~npattn.masks.Visibility` of the normalized causal, q_offset, window and
+    sinks (a per-entry q_offset is the problem's ``row_shifts``, not part of it)."""
+    offset = checked["q_offset"]
+    return Visibility.from_options(bool(checked["causal"]), checked["window"], checked["sinks"],
+                                   offset if offset is None or isinstance(offset, int) else None)
 
 
 def check_names(options: dict) -> None:
@@ -325,15 +354,49 @@ def _check_dropout_offset(value):
 Q_OFFSET_LIMIT = 2 ** 29
 
 
-def _check_q_offset(value):
-    """None, or an int within +-:data:`Q_OFFSET_LIMIT`."""
+def _check_q_offset(value, call):
+    """None, an int or an int (B,) array (of q's kind), within +-:data:`Q_OFFSET_LIMIT`;
+    ``causal="top_left"`` means 0 and takes no q_offset of its own."""
+    if call.checked["causal"] == "top_left":
+        if value is not None:
+            raise ValueError(f'causal="top_left" already places the rows (q_offset=0); got q_offset={value!r} '
+                             'too: pass causal=True with q_offset instead')
+        return 0
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
-        raise TypeError(f"q_offset must be an int or None, got {type(value).__name__} {value!r}")
-    if abs(value) > Q_OFFSET_LIMIT:
-        raise ValueError(f"q_offset must be within +-{Q_OFFSET_LIMIT}, got {value}")
-    return int(value)
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"q_offset must be an int, an int array of shape (B,) or None, got bool {value!r}")
+    if isinstance(value, Integral):
+        if abs(value) > Q_OFFSET_LIMIT:
+            raise ValueError(f"q_offset must be within +-{Q_OFFSET_LIMIT}, got {value}")
+        return int(value)
+    if not hasattr(value, "shape") and not isinstance(value, (list, tuple)):
+        raise TypeError(f"q_offset must be an int, an int array of shape (B,) or None, "
+                        f"got {type(value).__name__} {value!r}")
+    (offsets,) = checks.as_arrays(q_offset=value, reference=call.q)
+    if offsets.dtype.kind not in "iu":
+        raise TypeError(f"q_offset must be an int, an int array of shape (B,) or None, got dtype {offsets.dtype}")
+    if tuple(offsets.shape) != (call.batch,):
+        raise ValueError(f"q_offset as an array must have shape (B,) = ({call.batch},), got {tuple(offsets.shape)}")
+    host = _arrays.to_numpy(offsets).astype(np.int64)
+    bad = np.flatnonzero(np.abs(host) > Q_OFFSET_LIMIT)
+    if bad.size:
+        raise ValueError(f"q_offset must be within +-{Q_OFFSET_LIMIT}, got q_offset[{bad[0]}] = {host[bad[0]]}")
+    return offsets.astype(np.int64)
+
+
+CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def _check_causal(value):
+    """False, True / "bottom_right" (-> "bottom_right") or "top_left"."""
+    if isinstance(value, str):
+        if value not in CAUSAL_ALIGNMENTS:
+            raise ValueError(f'causal must be a bool, "bottom_right" or "top_left", got {value!r}')
+        return value
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f'causal must be a bool, "bottom_right" or "top_left", got {type(value).__name__} {value!r}')
+    return "bottom_right" if value else False
 
 
 def _check_seed(seed, dropout_p):
@@ -358,3 +421,22 @@ def _check_alibi(slopes, q, batch, heads, reach, compute):
     checks.check_finite_values("alibi_slopes", slopes, compute, reach)
     xp = _arrays.array_module(slopes)
     return xp.broadcast_to(slopes, (batch, heads))
+
+
+def _check_block_table(value, call):
+    """None, or an int (B, P) array (of q's kind) of page indices below the pool's page count."""
+    if value is None:
+        return None
+    (table,) = checks.as_arrays(block_table=value, reference=call.q)
+    if table.dtype.kind not in "iu":
+        raise TypeError(f"block_table must be an integer array (B, pages per entry), got dtype {table.dtype}")
+    if table.ndim != 2 or table.shape[0] != call.batch:
+        raise ValueError(f"block_table must have shape (B, pages per entry) = ({call.batch}, P), "
+                         f"got {tuple(table.shape)}")
+    host = _arrays.to_numpy(table)
+    bad = np.argwhere((host < 0) | (host >= call.pages))
+    if bad.size:
+        b, page = (int(x) for x in bad[0])
+        raise ValueError(f"block_table must hold page indices in [0, {call.pages}) (the pool's pages), "
+                         f"got block_table[{b}, {page}] = {host[b, page]}")
+    return table.astype(np.int64)

@@ -29,9 +29,20 @@ def accumulate_dtype_of(dtype) -> np.dtype:
 class AttentionProblem:
     """Shapes, in bhsd order: q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv).
 
+    With ``block_table`` int64 (B, P), k and v are pools of pages: (pages, Hkv, page_size,
+    D/Dv) bhsd views, and Sk = P * page_size (entry b's key j: row j % page_size of page
+    block_table[b, j // page_size]).
+
     Optional arrays: ``mask`` bool and ``bias`` float, both 4-D and broadcastable to
     (B, H, Sq, Sk); ``sink_logits`` (H,); ``alibi_slopes`` (B, H) (a broadcast view
-    of a (H,) input); ``q_lengths`` / ``kv_lengths`` int64 (B,).
+    of a (H,) input); ``q_lengths`` / ``kv_lengths`` / ``q_start`` / ``kv_start`` int64
+    (B,). Batch entry b's live rows are ``[q_start[b], q_lengths[b])``, its live keys
+    ``[kv_start[b], kv_lengths[b])`` (0 and Sq / Sk where None).
+
+    ``row_shifts``: None when query row i of every batch entry sits at key position
+    ``i + visibility.shift(Sq, Sk)``; else int64 (B,) NumPy, row i of entry b at
+    ``i + row_shifts[b]`` (a per-entry ``q_offset``, or one counted from the first real
+    row and key; see :func:`npattn.masks.row_shifts`).
     """
 
     xp: Any
@@ -48,6 +59,10 @@ class AttentionProblem:
     alibi_slopes: Any = None
     q_lengths: Any = None
     kv_lengths: Any = None
+    q_start: Any = None
+    kv_start: Any = None
+    row_shifts: Any = None
+    block_table: Any = None
     softcap: float | None = None
     dropout_p: float = 0.0
     seed: int = 0
@@ -78,7 +93,13 @@ class AttentionProblem:
 
     @property
     def kv_len(self) -> int:
-        return self.k.shape[2]
+        """Sk: k's keys, or with ``block_table`` the pages per entry times the page size."""
+        return self.k.shape[2] if self.block_table is None else self.block_table.shape[1] * self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        """Keys per page of a paged k and v (``block_table``); 0 when not paged."""
+        return 0 if self.block_table is None else self.k.shape[2]
 
     @property
     def head_dim(self) -> int:
@@ -107,7 +128,8 @@ class AttentionProblem:
 # field but the module ``xp``): everything a backend derives from a problem, its data
 # aside, is a function of the arrays' shapes, strides and dtypes and of the values
 # (:func:`signature`). tests/test_cpu_kernels.py keeps ARRAY_FIELDS complete.
-ARRAY_FIELDS = ("q", "k", "v", "sink_logits", "mask", "bias", "alibi_slopes", "q_lengths", "kv_lengths")
+ARRAY_FIELDS = ("q", "k", "v", "sink_logits", "mask", "bias", "alibi_slopes", "q_lengths", "kv_lengths",
+                "q_start", "kv_start", "row_shifts", "block_table")
 VALUE_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionProblem)
                      if field.name not in ("xp", *ARRAY_FIELDS))
 _arrays_of = operator.attrgetter(*ARRAY_FIELDS)
@@ -130,3 +152,16 @@ _SEED = VALUE_FIELDS.index("seed")
 def to_user_layout(array_bhsd, layout: str):
     """The inverse of the bhsd view taken on input: a (B, H, S, X) array as the user's layout."""
     return array_bhsd.transpose(0, 2, 1, 3) if layout == "bshd" else array_bhsd
+
+
+def dense_keys(xp, problem):
+    """``(k, v)`` of ``problem`` as (B, Hkv, Sk, D/Dv) arrays: views, or with
+    ``block_table`` each entry's pages gathered in order (a copy)."""
+    if problem.block_table is None:
+        return problem.k, problem.v
+
+    def gather(pool):  # (pages, Hkv, page_size, X) -> (B, Hkv, P * page_size, X)
+        pages = pool[problem.block_table]  # (B, P, Hkv, page_size, X)
+        batch, count, heads, size, width = pages.shape
+        return pages.transpose(0, 2, 1, 3, 4).reshape(batch, heads, count * size, width)
+    return gather(problem.k), gather(problem.v)

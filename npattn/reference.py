@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .dropout import keep_mask
+from .problem import dense_keys
 from .results import ForwardResult, Gradients
 
 NAME = "reference"
@@ -111,8 +112,9 @@ class _ForwardState:
 def _forward_state(problem) -> _ForwardState:
     xp = problem.xp
     q = xp.ascontiguousarray(problem.q, dtype=np.float64)
-    k = _repeat_kv_heads(xp, problem.k.astype(np.float64), problem.group_size)
-    v = _repeat_kv_heads(xp, problem.v.astype(np.float64), problem.group_size)
+    k, v = dense_keys(xp, problem)
+    k = _repeat_kv_heads(xp, k.astype(np.float64), problem.group_size)
+    v = _repeat_kv_heads(xp, v.astype(np.float64), problem.group_size)
 
     scores = problem.scale * _matmul(xp, q, _transpose_keys(k))
     softcapped_tanh = None
@@ -146,19 +148,34 @@ def _forward_state(problem) -> _ForwardState:
 
 
 def visible_keys(problem):
-    """Boolean (B, H, Sq, Sk): causal, window and sinks, the mask, and both lengths."""
+    """Boolean (B, H, Sq, Sk): causal, window and sinks at each row's position, the mask,
+    the lengths and the left padding."""
     xp = problem.xp
     shape = (problem.batch, problem.heads, problem.q_len, problem.kv_len)
-    visible = problem.visibility.matrix(xp, problem.q_len, problem.kv_len)[None, None]
+    row = xp.arange(problem.q_len)[None, :, None]             # (1, Sq, 1)
+    key = xp.arange(problem.kv_len)[None, None, :]            # (1, 1, Sk)
+    key_start = _per_entry(xp, problem.kv_start, 0)           # (B or 1, 1, 1)
+    visible = problem.visibility.allowed(xp, row_positions(problem)[:, :, None], key, key_start)
+    visible = visible & (key >= key_start) & (key < _per_entry(xp, problem.kv_lengths, problem.kv_len))
+    visible = visible & (row >= _per_entry(xp, problem.q_start, 0)) & (row < _per_entry(xp, problem.q_lengths,
+                                                                                         problem.q_len))
+    visible = visible[:, None]                                # (B or 1, 1, Sq, Sk)
     if problem.mask is not None:
         visible = visible & problem.mask
-    if problem.kv_lengths is not None:
-        visible = visible & (xp.arange(problem.kv_len)[None, None, None, :]
-                             < problem.kv_lengths[:, None, None, None])
-    if problem.q_lengths is not None:
-        visible = visible & (xp.arange(problem.q_len)[None, None, :, None]
-                             < problem.q_lengths[:, None, None, None])
     return xp.broadcast_to(visible, shape)
+
+
+def row_positions(problem):
+    """int64 (B or 1, Sq): the key position of each query row (see :mod:`npattn.masks`)."""
+    xp = problem.xp
+    shift = (problem.visibility.shift(problem.q_len, problem.kv_len) if problem.row_shifts is None
+             else xp.asarray(problem.row_shifts)[:, None])
+    return xp.arange(problem.q_len)[None, :] + shift
+
+
+def _per_entry(xp, values, default):
+    """A per-batch-entry int array (B,) as (B, 1, 1), or ``default`` as (1, 1, 1)."""
+    return xp.full((1, 1, 1), default) if values is None else xp.asarray(values)[:, None, None]
 
 
 def _masked_softmax(xp, scores, sink):
@@ -187,9 +204,10 @@ def _masked_softmax(xp, scores, sink):
 
 
 def _alibi(xp, problem):
-    """``slope[b, h] * |p_i - j|`` as (B, H, Sq, Sk), with ``p_i = i + Sk - Sq`` (or ``i + q_offset``)."""
-    positions = xp.arange(problem.q_len, dtype=np.float64) + problem.visibility.shift(problem.q_len, problem.kv_len)
-    distance = xp.abs(positions[:, None] - xp.arange(problem.kv_len, dtype=np.float64)[None, :])
+    """``slope[b, h] * |p_i - j|`` as (B, H, Sq, Sk), with p_i the row's key position
+    (:func:`row_positions`)."""
+    positions = row_positions(problem).astype(np.float64)[:, None, :, None]
+    distance = xp.abs(positions - xp.arange(problem.kv_len, dtype=np.float64))
     return problem.alibi_slopes.astype(np.float64)[:, :, None, None] * distance
 
 

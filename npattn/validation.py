@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _arrays, checks
 from . import options as _options
+from .masks import row_shifts
 from .problem import AttentionProblem, accumulate_dtype_of
 
 _AXES = {"bhsd": "(B, H, S, D)", "bshd": "(B, S, H, D)"}
@@ -35,13 +36,19 @@ def build_problem(q, k, v, **options) -> AttentionProblem:
     user_arrays = {"q": q, "k": k, "v": v}
     if layout == "bshd":
         q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-    checks.check_qkv_shapes(q, k, v, layout)
+    paged = options.get("block_table") is not None  # k and v are pools of pages: (pages, Hkv, page_size, D)
+    checks.check_qkv_shapes(q, k, v, layout, paged)
     batch, heads, q_len, head_dim = q.shape
-    call = _options.Call(q=q, batch=batch, heads=heads, q_len=q_len, kv_len=k.shape[2], head_dim=head_dim,
-                         compute=accumulate_dtype_of(q.dtype), checked={})
+    kv_len = k.shape[2]
+    if paged:
+        table_shape = np.shape(options["block_table"])
+        kv_len *= table_shape[1] if len(table_shape) == 2 else 0  # (the option's check names a bad shape)
+    call = _options.Call(q=q, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                         compute=accumulate_dtype_of(q.dtype), checked={}, pages=k.shape[0] if paged else 0)
     for option in _options.OPTIONS:
         call.checked[option.name] = option.check(options.get(option.name, option.default), call)
     fields = {option.field: call.checked[option.name] for option in _options.OPTIONS if option.field}
+    fields["row_shifts"] = row_shifts(call.checked["q_offset"], call.checked["q_start"], call.checked["kv_start"])
     bias = options.get("bias")
     if call.checked["check_finite"]:
         if bias is not None:  # in the user's shape, for the index the error names

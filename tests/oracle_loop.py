@@ -52,8 +52,8 @@ def _logsumexp(values):
 
 
 def loop_attention(q, k, v, *, causal=False, q_offset=None, window=None, sinks=0, sink_logits=None, mask=None,
-                   bias=None, alibi_slopes=None, q_lengths=None, kv_lengths=None, scale=None, softcap=None,
-                   dropout_p=0.0, seed=None, dropout_offset=(0, 0, 0, 0), layout="bhsd"):
+                   bias=None, alibi_slopes=None, q_lengths=None, kv_lengths=None, q_start=None, kv_start=None,
+                   scale=None, softcap=None, dropout_p=0.0, seed=None, dropout_offset=(0, 0, 0, 0), layout="bhsd"):
     """returns (out, lse, weights) as float64 NumPy arrays, always in bhsd logical shapes:
     out (B,H,Sq,Dv), lse (B,H,Sq), weights (B,H,Sq,Sk)"""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
@@ -66,6 +66,8 @@ def loop_attention(q, k, v, *, causal=False, q_offset=None, window=None, sinks=0
     group = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
 
+    if causal == "top_left":  # the first row level with the first (real) key
+        q_offset = 0
     if window is None:
         left = right = None
     elif isinstance(window, (tuple, list)):
@@ -91,13 +93,21 @@ def loop_attention(q, k, v, *, causal=False, q_offset=None, window=None, sinks=0
             for i in range(Sq):
                 if q_lengths is not None and i >= q_lengths[b]:
                     continue
-                p = i + (Sk - Sq if q_offset is None else q_offset)
+                first_row = 0 if q_start is None else int(q_start[b])  # left padding
+                first_key = 0 if kv_start is None else int(kv_start[b])
+                if i < first_row:
+                    continue
+                if q_offset is None:  # bottom-right: the last row level with the last key
+                    p = i + Sk - Sq
+                else:  # row i - first_row of the real rows at key q_offset of the real keys
+                    offset = q_offset if np.ndim(q_offset) == 0 else q_offset[b]
+                    p = (i - first_row) + int(offset) + first_key
                 cols, scores = [], []
-                for j in range(Sk):
+                for j in range(first_key, Sk):
                     if causal and j > p:
                         continue
                     in_window = (left is None or p - left <= j) and (right is None or j <= p + right)
-                    if not (in_window or j < sinks):
+                    if not (in_window or j - first_key < sinks):
                         continue
                     if mask is not None and not mask[b, h, i, j]:
                         continue

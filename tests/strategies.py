@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 import npattn
 
 # Options that tie a key to its index; without them, keys may be permuted freely.
-POSITIONAL_OPTIONS = ("causal", "q_offset", "window", "sinks", "alibi_slopes", "kv_lengths", "dropout")
+POSITIONAL_OPTIONS = ("causal", "q_offset", "window", "sinks", "alibi_slopes", "kv_lengths", "q_start", "kv_start",
+                      "dropout")
 VALUE_RANGE = 2.0
 layouts = st.sampled_from(["bhsd", "bshd"])
 
@@ -105,6 +106,8 @@ def cases(draw, options=None, dtypes=("float64",), dims_strategy=None):
     for name in options:
         if draw(st.booleans()):
             chosen.update(_OPTION_DRAWERS[name](draw, rng, d, dtype))
+    if chosen.get("causal") == "top_left" and "q_offset" in chosen:  # both place the rows: one must go
+        chosen["causal"] = True
     return Case(d, q, k, v, chosen)
 
 
@@ -151,8 +154,10 @@ _dropout_offsets = st.one_of(st.just((0, 0, 0, 0)),
                              st.tuples(*[st.sampled_from([0, 1, 5, 2**31, 2**32 - 3])] * 4))
 
 _OPTION_DRAWERS = {
-    "causal": lambda draw, rng, d, dtype: {"causal": True},
-    "q_offset": lambda draw, rng, d, dtype: {"q_offset": draw(st.integers(-d.q_len - 2, d.kv_len + 2))},
+    "causal": lambda draw, rng, d, dtype: {"causal": draw(st.sampled_from([True, "bottom_right", "top_left"]))},
+    "q_offset": lambda draw, rng, d, dtype: {"q_offset": draw(
+        st.integers(-d.q_len - 2, d.kv_len + 2)
+        | st.lists(st.integers(-d.q_len - 2, d.kv_len + 2), min_size=d.batch, max_size=d.batch).map(np.array))},
     "window": _draw_window,
     "sinks": lambda draw, rng, d, dtype: {"sinks": draw(st.integers(0, 3))},
     "sink_logits": lambda draw, rng, d, dtype: {"sink_logits": rng.normal(0.0, 2.0, d.heads)},
@@ -161,6 +166,8 @@ _OPTION_DRAWERS = {
     "alibi_slopes": _draw_alibi,
     "q_lengths": _draw_lengths("q_lengths", "q_len"),
     "kv_lengths": _draw_lengths("kv_lengths", "kv_len"),
+    "q_start": _draw_lengths("q_start", "q_len"),
+    "kv_start": _draw_lengths("kv_start", "kv_len"),
     "scale": lambda draw, rng, d, dtype: {"scale": float(rng.uniform(0.05, 1.0))},
     "softcap": lambda draw, rng, d, dtype: {"softcap": float(rng.uniform(0.5, 5.0))},
     "dropout": lambda draw, rng, d, dtype: {"dropout_p": draw(st.sampled_from([0.1, 0.5, 0.8])),
@@ -189,6 +196,8 @@ DECISIVE_EXAMPLES = {
     "alibi_slopes": ({}, {"alibi_slopes": np.array([0.5, 0.25])}),
     "q_lengths": ({}, {"q_lengths": np.array([3, SQ])}),
     "kv_lengths": ({}, {"kv_lengths": np.array([4, SK])}),
+    "q_start": ({}, {"q_start": np.array([2, 0])}),
+    "kv_start": ({}, {"kv_start": np.array([3, 1])}),
     "scale": ({}, {"scale": 0.3}),
     "softcap": ({}, {"softcap": 0.5}),
     "dropout_p": ({}, {"dropout_p": 0.3, "seed": 1}),

@@ -298,7 +298,9 @@ def test_the_problem_signature_keys_arrays_by_layout_and_values_by_value():
     q = np.zeros((2, 2, 3, 4))
     built = build_problem(q, q, q, mask=np.ones((3, 3), bool), bias=np.zeros((3, 3)),
                           alibi_slopes=np.ones(2), sink_logits=np.zeros(2), q_lengths=np.array([3, 2]),
-                          kv_lengths=np.array([1, 3]), softcap=2.0, dropout_p=0.1, seed=1)
+                          kv_lengths=np.array([1, 3]), q_start=np.array([1, 0]), kv_start=np.array([0, 1]),
+                          q_offset=np.array([0, 2]), block_table=np.array([[1], [0]]), softcap=2.0, dropout_p=0.1,
+                          seed=1)
     fields = {f.name for f in dataclasses.fields(problem.AttentionProblem)}
     assert fields == {"xp", *problem.ARRAY_FIELDS, *problem.VALUE_FIELDS}
     assert all(hasattr(getattr(built, name), "shape") for name in problem.ARRAY_FIELDS)
@@ -323,7 +325,7 @@ def test_cached_parameters_equal_fresh_ones(case, layout, kind, tile):
         again = operands.build_operands(problem, kind)
         npattn.plans.clear()
         fresh = operands.build_operands(problem, kind)
-    for name in ("ints", "reals", "q_lengths", "kv_lengths"):
+    for name in ("ints", "reals", "spans"):
         assert np.array_equal(getattr(ops, name), getattr(fresh, name)), name
-        assert getattr(ops, name) is getattr(again, name) or name.endswith("lengths")
+        assert getattr(ops, name) is getattr(again, name) or name == "spans"
     assert all(not array.flags.writeable for array in ops)  # one compiled kernel for all

@@ -17,6 +17,7 @@ from test_backend_equivalence import check_backward, check_forward, check_peaked
 from test_nonfinite import check_kernel_marks_non_finite_rows, planted_cases
 from test_odd_views import DEVICE_VIEW_KINDS, check_odd_views, viewed_cases
 from test_options import check_option_is_read
+from test_serving import check_paged_forward, paged_cases
 
 import gpu_emulation
 
@@ -283,3 +284,11 @@ def test_emulated_tensor_core_kernels_make_rows_with_a_non_finite_score_nan(q_le
     bias = np.zeros((q_len, kv_len), np.float16)
     bias[q_len - 1, 0] = np.inf
     check_kernel_marks_non_finite_rows(npattn.gpu, Case(case.dims, q, k, case.v, {**case.options, "bias": bias}))
+
+
+# paged keys: the SIMT forward (float32) and the tensor-core one (float16, PAGED built)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@FEWER
+@given(case=paged_cases(), seed=st.integers(0, 2**32 - 1))
+def test_emulated_gpu_reads_paged_keys(dtype, case, seed):
+    check_paged_forward("gpu", case, seed, dtype)

@@ -28,8 +28,8 @@ from hypothesis.extra import numpy as hnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from oracle_loop import dropout_hash, keep, loop_attention  # noqa: E402
 
-ALL_OPTIONS = ("causal", "window", "sinks", "sink_logits", "mask", "bias", "alibi", "q_lengths",
-               "kv_lengths", "scale", "softcap", "dropout", "layout")
+ALL_OPTIONS = ("causal", "q_offset", "window", "sinks", "sink_logits", "mask", "bias", "alibi", "q_lengths",
+               "kv_lengths", "q_start", "kv_start", "scale", "softcap", "dropout", "layout")
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -75,7 +75,10 @@ def problems(draw, dtype=np.float64, options=ALL_OPTIONS):
     kw = {}
     q, k, v = arr((B, H, Sq, D)), arr((B, Hkv, Sk, D)), arr((B, Hkv, Sk, Dv))
     if on["causal"]:
-        kw["causal"] = True
+        kw["causal"] = draw(st.sampled_from([True, "bottom_right", "top_left"]))
+    if on["q_offset"] and kw.get("causal") != "top_left":
+        kw["q_offset"] = draw(st.integers(-Sq - 2, Sk + 2)
+                              | st.lists(st.integers(-Sq - 2, Sk + 2), min_size=B, max_size=B).map(np.array))
     if on["window"]:
         kw["window"] = draw(window_values())
     if on["sinks"]:
@@ -101,6 +104,10 @@ def problems(draw, dtype=np.float64, options=ALL_OPTIONS):
         kw["q_lengths"] = np.array(draw(st.lists(st.integers(0, Sq), min_size=B, max_size=B)), dtype=np.int64)
     if on["kv_lengths"]:
         kw["kv_lengths"] = np.array(draw(st.lists(st.integers(0, Sk), min_size=B, max_size=B)), dtype=np.int64)
+    if on["q_start"]:
+        kw["q_start"] = np.array(draw(st.lists(st.integers(0, Sq), min_size=B, max_size=B)), dtype=np.int64)
+    if on["kv_start"]:
+        kw["kv_start"] = np.array(draw(st.lists(st.integers(0, Sk), min_size=B, max_size=B)), dtype=np.int64)
     if on["scale"]:
         kw["scale"] = draw(st.floats(0.05, 2.0))
     if on["softcap"]:

@@ -20,10 +20,26 @@ NON_POSITIONAL = tuple(o for o in ALL_OPTIONS if o not in POSITIONAL_OPTIONS)
 pytestmark = pytest.mark.parametrize("backend", NUMPY_BACKENDS)
 
 
-def positions(q_len, kv_len, q_offset=None):
-    """p_i = i + Sk - Sq (or i + q_offset) as a column, key indices as a row."""
-    shift = kv_len - q_len if q_offset is None else q_offset
-    return np.arange(q_len)[:, None] + shift, np.arange(kv_len)[None, :]
+def positions(case):
+    """p_i as (B or 1, 1, Sq, 1) and the key indices as (1, 1, 1, Sk): p_i = i + Sk - Sq,
+    or, with q_offset (0 for causal="top_left"), row i - q_start[b] of the real rows at
+    key q_offset[b] of the real keys (which start at kv_start[b])."""
+    d, o = case.dims, case.options
+    offset = 0 if o.get("causal") == "top_left" else o.get("q_offset")
+    if offset is None:
+        shift = np.array(d.kv_len - d.q_len)
+    else:
+        shift = (np.asarray(offset) + o.get("kv_start", np.zeros(d.batch, int))
+                 - o.get("q_start", np.zeros(d.batch, int)))
+    return (np.arange(d.q_len)[None, None, :, None] + shift.reshape(-1, 1, 1, 1),
+            np.arange(d.kv_len)[None, None, None, :])
+
+
+def sink_keys(case, sinks):
+    """(B or 1, 1, 1, Sk): the keys the first ``sinks`` real keys are (from kv_start[b])."""
+    start = np.asarray(case.options.get("kv_start", 0)).reshape(-1, 1, 1, 1)
+    j = np.arange(case.dims.kv_len)[None, None, None, :]
+    return (j >= start) & (j < start + sinks)
 
 
 @given(case=cases(dtypes=DTYPES))
@@ -90,7 +106,7 @@ def test_grouped_query_equals_multi_head_with_repeated_kv(backend, case):
 
 @given(case=cases(options=[o for o in ALL_OPTIONS if o not in ("causal", "window", "sinks")], dtypes=DTYPES))
 def test_causal_equals_its_bottom_right_mask(backend, case):
-    i, j = positions(case.dims.q_len, case.dims.kv_len, case.options.get("q_offset"))
+    i, j = positions(case)
     mask = case.options.get("mask", True) & (j <= i)
     assert_close(case.run(backend, causal=True), case.run(backend, mask=mask), case.dtype,
                  case.dims.kv_len, output_magnitude(case))
@@ -103,14 +119,14 @@ def test_window_and_sinks_equal_their_band_mask(backend, case, data):
     left, right = data.draw(st.tuples(bound, bound))
     sinks = data.draw(st.integers(0, d.kv_len))
     causal = case.options.get("causal", False)
-    i, j = positions(d.q_len, d.kv_len, case.options.get("q_offset"))
-    band = np.ones((d.q_len, d.kv_len), bool)
+    i, j = positions(case)
+    band = np.ones(np.broadcast_shapes(i.shape, j.shape), bool)
     if left is not None:
-        band &= j >= i - left
+        band = band & (j >= i - left)
     if right is not None:
-        band &= j <= i + right
+        band = band & (j <= i + right)
     if left is not None or right is not None:
-        band |= j < sinks
+        band = band | sink_keys(case, sinks)
     mask = case.options.get("mask", True) & band
     windowed = case.run(backend, window=(left, right), sinks=sinks)
     assert_close(windowed, case.run(backend, mask=mask, window=None, sinks=0), case.dtype, d.kv_len,
@@ -141,7 +157,7 @@ def test_lengths_equal_padding_masks(backend, case, data):
 def test_alibi_equals_its_explicit_bias(backend, case, data):
     d = case.dims
     slopes = np.random.default_rng(data.draw(st.integers(0, 99))).uniform(0, 1, (d.batch, d.heads))
-    i, j = positions(d.q_len, d.kv_len, case.options.get("q_offset"))
+    i, j = positions(case)
     bias = case.options.get("bias", 0.0) - slopes[:, :, None, None] * np.abs(i - j)
     per_head = case.run(backend, alibi_slopes=slopes[0]) if d.batch == 1 else None
     assert_close(case.run(backend, alibi_slopes=slopes), case.run(backend, bias=bias), case.dtype,
@@ -311,7 +327,7 @@ def test_inputs_are_never_modified(backend, case):
 def explicit_visibility(case):
     """The API's visibility rule, spelled out independently of npattn.masks: (B, H, Sq, Sk)."""
     d, o = case.dims, case.options
-    i, j = positions(d.q_len, d.kv_len, o.get("q_offset"))
+    i, j = positions(case)
     visible = np.ones(d.scores_shape, bool) & o.get("mask", True)
     if o.get("causal"):
         visible &= j <= i
@@ -320,16 +336,20 @@ def explicit_visibility(case):
         left, right = window if isinstance(window, tuple) else (window, 0 if o.get("causal") else window)
         band = np.ones_like(j <= i)
         if left is not None:
-            band &= j >= i - left
+            band = band & (j >= i - left)
         if right is not None:
-            band &= j <= i + right
+            band = band & (j <= i + right)
         if left is not None or right is not None:
-            band |= j < o.get("sinks", 0)
+            band = band | sink_keys(case, o.get("sinks", 0))
         visible &= band
     if "kv_lengths" in o:
-        visible &= j[None, None] < o["kv_lengths"][:, None, None, None]
+        visible &= j < o["kv_lengths"][:, None, None, None]
     if "q_lengths" in o:
         visible &= np.arange(d.q_len)[None, None, :, None] < o["q_lengths"][:, None, None, None]
+    if "kv_start" in o:
+        visible &= j >= o["kv_start"][:, None, None, None]
+    if "q_start" in o:
+        visible &= np.arange(d.q_len)[None, None, :, None] >= o["q_start"][:, None, None, None]
     if "bias" in o:
         visible &= ~np.isneginf(o["bias"])
     return visible

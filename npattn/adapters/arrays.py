@@ -28,6 +28,16 @@ from ..problem import ARRAY_FIELDS
 ARRAY_OPTIONS = tuple(option.name for option in _options.OPTIONS if option.field in ARRAY_FIELDS)
 DIFFERENTIABLE = ("bias", "sink_logits")
 
+
+def with_plain_offsets(options: dict) -> dict:
+    """``options`` with a per-entry ``q_offset`` (an int array or tensor (B,)) as a tuple of
+    ints: a value the adapters can carry as a setting (torch's op schema, JAX's static
+    arguments), which npattn reads as the same (B,) offsets."""
+    offset = options.get("q_offset")
+    if offset is not None and getattr(offset, "ndim", 0) == 1 and hasattr(offset, "tolist"):
+        return {**options, "q_offset": tuple(int(x) for x in offset.tolist())}
+    return options
+
 # NumPy dtypes DLPack carries (compared directly: dtype.name builds a string, 5 us)
 _DLPACK_DTYPES = frozenset(np.dtype(name) for name in ("float16", "float32", "float64", "bool", "int32", "int64"))
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import api as _api
 from .. import options as _options
-from .arrays import ARRAY_OPTIONS, DIFFERENTIABLE
+from .arrays import ARRAY_OPTIONS, DIFFERENTIABLE, with_plain_offsets
 
 _OUTPUT_FLAGS = ("return_lse", "return_weights")
 
@@ -44,6 +44,7 @@ def attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
     if options.get("dropout_p") and options.get("seed") is None:
         raise ValueError("npattn.jax.attention with dropout_p > 0 needs seed, an int: under jit a seed "
                          "drawn at trace time would repeat at every call")
+    options = with_plain_offsets(options)
     names = tuple(name for name in ARRAY_OPTIONS if options.get(name) is not None)
     arrays = tuple(jnp.asarray(options.pop(name)) for name in names)
     for name in ARRAY_OPTIONS:

@@ -26,7 +26,7 @@ import torch
 
 from .. import api as _api
 from .. import options as _options
-from .arrays import ARRAY_OPTIONS, DIFFERENTIABLE, ForeignKind
+from .arrays import ARRAY_OPTIONS, DIFFERENTIABLE, ForeignKind, with_plain_offsets
 _KIND = ForeignKind(torch)
 _OUTPUT_FLAGS = ("return_lse", "return_weights")
 
@@ -48,6 +48,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any)
     (``torch.manual_seed`` makes it repeatable), and the backward reuses its mask.
     """
     _options.check_names(options)
+    options = with_plain_offsets(options)
     arrays = [_tensor(name, options.pop(name, None), q) for name in ARRAY_OPTIONS]
     wanted = [bool(options.pop(flag, False)) for flag in _OUTPUT_FLAGS]
     if options.get("dropout_p") and options.get("seed") is None:

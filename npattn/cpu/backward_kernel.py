@@ -24,12 +24,13 @@ from numba import njit
 
 from .blas import gemm
 from .jit import FASTMATH, HELPER_OPTIONS, helper, kernel
-from .signatures import as_offset, smaller
+from .signatures import as_offset, larger, smaller
 from .threads import next_item
-from .operands import Int, Real
+from .operands import Int, Real, Span
 from .rowmath import exp_shifted, row_max
 from .microkernels import padded_width, product
-from .tiles import apply_dropout, key_segments, pack_key_tile, pack_value_tile, packed_values, score_tile
+from .tiles import (apply_dropout, k_row, key_segments, pack_key_tile, pack_value_tile, packed_values, score_tile,
+                    span, v_row)
 
 
 
@@ -40,21 +41,21 @@ DOMINANT_PROBABILITY = 0.75
 
 
 @helper
-def tile_is_live(ints, kv_lengths, b, i0, i1, j0, j1):
+def tile_is_live(ints, spans, b, i0, i1, j0, j1):
     """True when some row of ``[i0, i1)`` may see some key of ``[j0, j1)``."""
-    sink_end, start, stop = key_segments(ints, kv_lengths, b, i0, i1)
-    return j0 < sink_end or (j0 < stop and start < j1)
+    sink_start, sink_end, start, stop = key_segments(ints, spans, b, i0, i1)
+    return (j0 < sink_end and sink_start < j1) or (j0 < stop and start < j1)
 
 
 @helper
-def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout, dout_strides,
+def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, dout, dout_strides,
                         out, out_strides, lse, delta, p, dropped, ds, tanh, packed, b, h, i0, rows, j0, cols):
     """For one tile: ``p`` = probabilities, ``dropped`` = p after dropout (``p`` itself when
     there is none), ``ds`` = gradient of the scores after softcap, bias and ALiBi (what
     dbias needs; the caller applies softcap's derivative and the scale)."""
     ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
-    score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
+    score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
     row_offset = (b * heads + h) * ints[Int.Q_LEN] + i0
     for r in range(rows):
         row_lse = lse[row_offset + r]
@@ -69,8 +70,7 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
         product(dout, o_offset, dout_strides[2], 1, packed_values(ints, packed), 0, ld, ds, 0, ld,
                 rows, ints[Int.VALUE_DIM], padded_width(cols, ds), 1.0, False)
     else:  # column-major: dP^T (cols x rows) = V (cols x Dv) . dO^T (Dv x rows)
-        kv_head = h // (heads // ints[Int.KV_HEADS])
-        v_offset = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + j0 * ints[Int.V_STRIDE_S]
+        v_offset = v_row(ints, pages, b, h // (heads // ints[Int.KV_HEADS]), j0)
         gemm(True, False, cols, rows, ints[Int.VALUE_DIM], 1.0, v[v_offset:], ints[Int.V_STRIDE_S],
              dout[o_offset:], dout_strides[2], 0.0, ds, ld)
     if ints[Int.HAS_DROPOUT]:
@@ -85,12 +85,12 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dou
             ds[x] = p[x] * (ds[x] - row_delta)
     for r in range(rows):
         if row_max(p, r * ld, cols) > DOMINANT_PROBABILITY:
-            dominant_key_gradient(v, ints, reals, dout, dout_strides, out, out_strides, p, dropped, ds,
+            dominant_key_gradient(v, pages, ints, reals, dout, dout_strides, out, out_strides, p, dropped, ds,
                                   b, h, i0, r, j0, cols)
 
 
 @njit(**{**HELPER_OPTIONS, "fastmath": FASTMATH - {"contract"}})
-def dominant_key_gradient(v, ints, reals, dout, dout_strides, out, out_strides, p, dropped, ds,
+def dominant_key_gradient(v, pages, ints, reals, dout, dout_strides, out, out_strides, p, dropped, ds,
                           b, h, i0, r, j0, cols):
     """``ds`` of row ``r``'s key with ``P > 3/4`` (there is at most one) as
     ``P dO . (z v - O)``, with ``z`` dropout's keep factor (1 without dropout).
@@ -110,7 +110,7 @@ def dominant_key_gradient(v, ints, reals, dout, dout_strides, out, out_strides, 
     for c in range(cols):
         x = r * ld + c
         if p[x] > DOMINANT_PROBABILITY:
-            v_row = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + (j0 + c) * ints[Int.V_STRIDE_S]
+            value_row = v_row(ints, pages, b, kv_head, j0 + c)
             # z: the keep scale (exactly 1 without dropout), or 0 where dropout dropped the key;
             # both in the compute dtype, so z v is the forward's product
             keep = reals[Real.KEEP_SCALE]
@@ -118,7 +118,7 @@ def dominant_key_gradient(v, ints, reals, dout, dout_strides, out, out_strides, 
                 keep = keep - keep
             total = 0.0
             for d in range(value_dim):
-                total += dout[o_row + d] * (keep * v[v_row + d] - out[out_row + d])
+                total += dout[o_row + d] * (keep * v[value_row + d] - out[out_row + d])
             ds[x] = p[x] * total
             return
 
@@ -128,7 +128,7 @@ def backward_items(ints, chunks):
 
 
 @kernel
-def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
+def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                     dout, dout_strides, out, out_strides, lse, delta, dq, dk, dv, chunks,
                     p, dropped, ds, tanh, packed, dk_tile, dv_tile, counter, items):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
@@ -154,24 +154,25 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
         kv_head = (item // chunks) % kv_heads
         chunk = item % chunks
         first = chunk * tiles_per_chunk * block_k
-        last = smaller(smaller(kv_len, kv_lengths[b]), first + tiles_per_chunk * block_k)
-        rows_valid = smaller(q_len, q_lengths[b])
+        last = smaller(smaller(kv_len, span(spans, b, Span.KV_STOP)), first + tiles_per_chunk * block_k)
+        first = larger(first, span(spans, b, Span.KV_START))
+        rows_first, rows_valid = span(spans, b, Span.Q_START), smaller(q_len, span(spans, b, Span.Q_STOP))
         for j0 in range(first, last, block_k):
             cols = smaller(block_k, last - j0)
             for x in range(as_offset(cols * head_dim)):
                 dk_tile[x] = 0.0
             for x in range(as_offset(cols * value_dim)):
                 dv_tile[x] = 0.0
-            k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
+            k_offset = k_row(ints, pages, b, kv_head, j0)
             # once for every query tile
-            pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
-            pack_value_tile(v, ints, b, kv_head, j0, cols, packed)
+            pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed)
+            pack_value_tile(v, pages, ints, b, kv_head, j0, cols, packed)
             for h in range(kv_head * group, (kv_head + 1) * group):
-                for i0 in range(0, rows_valid, block_q):
+                for i0 in range(rows_first, rows_valid, block_q):
                     rows = smaller(block_q, rows_valid - i0)
-                    if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
+                    if not tile_is_live(ints, spans, b, i0, i0 + rows, j0, j0 + cols):
                         continue
-                    score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals, dout,
+                    score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, dout,
                                         dout_strides, out, out_strides, lse, delta, p, dropped, ds, tanh,
                                         packed, b, h, i0, rows, j0, cols)
                     o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
@@ -209,7 +210,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, int
 
 
 @kernel
-def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
+def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                  dout, dout_strides, out, out_strides, lse, delta, dbias, dbias_shape, p, dropped, ds,
                  tanh, packed,
                  counter, items):
@@ -234,19 +235,21 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, 
         i_first, i_last = (q_item * block_q, smaller(q_len, (q_item + 1) * block_q)) if bias_q > 1 else (0, q_len)
         j_first, j_last = (k_item * block_k, smaller(kv_len, (k_item + 1) * block_k)) if bias_k > 1 else (0, kv_len)
         for b in range(batch) if bias_b == 1 else range(bb, bb + 1):
-            rows_valid = smaller(i_last, q_lengths[b])
-            keys_valid = smaller(j_last, kv_lengths[b])
+            rows_valid = smaller(i_last, span(spans, b, Span.Q_STOP))
+            keys_valid = smaller(j_last, span(spans, b, Span.KV_STOP))
+            rows_first = larger(i_first, span(spans, b, Span.Q_START))
+            keys_first = larger(j_first, span(spans, b, Span.KV_START))
             for h in range(heads) if bias_h == 1 else range(hb, hb + 1):
-                for i0 in range(i_first, rows_valid, block_q):
+                for i0 in range(rows_first, rows_valid, block_q):
                     rows = smaller(block_q, rows_valid - i0)
-                    for j0 in range(j_first, keys_valid, block_k):
+                    for j0 in range(keys_first, keys_valid, block_k):
                         cols = smaller(block_k, keys_valid - j0)
-                        if not tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols):
+                        if not tile_is_live(ints, spans, b, i0, i0 + rows, j0, j0 + cols):
                             continue
                         kv_head = h // (heads // ints[Int.KV_HEADS])
-                        pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
-                        pack_value_tile(v, ints, b, kv_head, j0, cols, packed)
-                        score_gradient_tile(q, k, v, bias, mask, alibi, kv_lengths, ints, reals,
+                        pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed)
+                        pack_value_tile(v, pages, ints, b, kv_head, j0, cols, packed)
+                        score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals,
                                             dout, dout_strides, out, out_strides, lse, delta, p, dropped,
                                             ds, tanh, packed, b, h, i0, rows, j0, cols)
                         for r in range(rows):

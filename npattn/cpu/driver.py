@@ -86,11 +86,10 @@ class ForwardPlan:
         if tuning is not self.tuning and tuning != self.tuning:
             return None
         dtype = self.dtype
-        q_lengths = None if arrays is None else arrays.q_lengths
         if self.group > 1:
             q = folding.fold_rows(q, self.fold_shape)
-            if q_lengths is not None:
-                arrays = folding.FoldedArrays(q_lengths * self.group, arrays.kv_lengths)
+            if arrays is not None:
+                arrays = folding.FoldedArrays.of(arrays, self.group)
         ops = self.operands.operands(q, k, v, arrays)
         out = aligned_zeros(self.out_shape, dtype)
         lse = np.empty(self.lse_shape, dtype)

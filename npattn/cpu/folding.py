@@ -6,7 +6,7 @@ is query head ``kv_head * group + g`` at position ``i``. Folded, the kernels pac
 key tile once per kv head rather than once per query head, read each K/V byte once per
 group, and run the products on ``group`` times the rows. The kernels read a row's
 position as ``row // group`` (``Int.ROW_GROUP``), so causal, windows, sinks and
-``q_lengths`` (scaled by the group) keep their meaning, and every row's arithmetic is
+``q_lengths`` and ``q_start`` (scaled by the group) keep their meaning, and every row's arithmetic is
 unchanged: the bits are those of the unfolded kernels.
 
 Measured on the 2-core VM, float32, causal: decode (1, 32/8, 1 x 4096, 128)
@@ -45,11 +45,11 @@ def foldable(problem, tuning) -> bool:
 def fold(problem):
     """The folded problem: q (B, Hkv, Sq * group, D), bhsd, rows position-major."""
     q = fold_rows(problem.q, fold_shape(problem))
-    q_lengths = None if problem.q_lengths is None else problem.q_lengths * problem.group_size
     # positions stay those of the unfolded rows: the shift is fixed before q_len grows
     visibility = dataclasses.replace(problem.visibility,
                                      q_offset=problem.visibility.shift(problem.q_len, problem.kv_len))
-    return dataclasses.replace(problem, q=q, layout="bhsd", q_lengths=q_lengths, visibility=visibility)
+    return dataclasses.replace(problem, q=q, layout="bhsd", visibility=visibility,
+                               **FoldedArrays.of(problem, problem.group_size)._asdict())
 
 
 def fold_shape(problem) -> tuple:
@@ -65,16 +65,28 @@ def fold_rows(q, shape):
 
 
 class FoldedArrays(NamedTuple):
-    """The option arrays a foldable problem can have, its q_lengths counted in folded rows
-    (what :meth:`npattn.cpu.operands.OperandPlan.operands` reads of a problem)."""
+    """The option arrays a foldable problem can have, its q_lengths and q_start counted in
+    folded rows (what :meth:`npattn.cpu.operands.OperandPlan.operands` reads of a
+    problem); row shifts stay in positions, which a folded row's index divides into."""
 
     q_lengths: Any
     kv_lengths: Any
-    bias: None = None
-    mask: None = None
-    alibi_slopes: None = None
-    sink_logits: None = None
-    seed: int = 0
+    q_start: Any
+    kv_start: Any
+    row_shifts: Any
+    block_table: Any
+
+    @classmethod
+    def of(cls, arrays, group: int) -> "FoldedArrays":
+        """``arrays``' (a problem's) with its rows counted ``group`` to a position."""
+        def rows(values):
+            return None if values is None else values * group
+        return cls(rows(arrays.q_lengths), arrays.kv_lengths, rows(arrays.q_start), arrays.kv_start,
+                   arrays.row_shifts, arrays.block_table)
+
+    # what a foldable problem never has (foldable)
+    bias = mask = alibi_slopes = sink_logits = None
+    seed = 0
 
 
 def unfold_rows(array, shape):

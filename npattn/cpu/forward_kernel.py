@@ -28,7 +28,8 @@ from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
 from .microkernels import product
-from .tiles import apply_dropout, band_keys, key_segments, pack_key_tile, score_tile
+from .tiles import apply_dropout, band_keys, key_segments, pack_key_tile, score_tile, span, tile_keys, v_row
+from .operands import Span
 
 
 def forward_items(ints):
@@ -38,30 +39,31 @@ def forward_items(ints):
 
 
 @helper
-def _query_tile(ints, q_lengths, item):
-    """Work item -> ``(b, h, i0, i1)``: its batch, head and rows ``[i0, i1)``, cut at
-    ``q_lengths[b]`` (empty when the whole tile is padding)."""
+def _query_tile(ints, spans, item):
+    """Work item -> ``(b, h, i0, i1)``: its batch, head and rows ``[i0, i1)``, cut to the
+    entry's live rows ``[Q_START, Q_STOP)`` (empty when the whole tile is padding)."""
     heads, q_len, block_q = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.BLOCK_Q]
     tiles = (q_len + block_q - 1) // block_q
     b = item // (heads * tiles)
     h = (item // tiles) % heads
     i0 = (item % tiles) * block_q
-    return b, h, i0, smaller(smaller(q_len, i0 + block_q), q_lengths[b])
+    i1 = smaller(smaller(q_len, i0 + block_q), span(spans, b, Span.Q_STOP))
+    return b, h, larger(i0, span(spans, b, Span.Q_START)), i1
 
 
 @kernel
-def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
+def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                    out, out_strides, lse, s, tanh, packed, m, total, sums, seen, counter, items):
     """Fill ``out`` (a flat view with element strides ``out_strides``, int64 (4,): batch,
     head, row, key range; zero on entry) and ``lse`` (flat (ranges, B, H, Sq), -inf on
-    entry). Rows past ``q_lengths`` stay as they are. ``s`` to ``seen``: this thread's
+    entry). Rows outside the live ones (``spans``) stay as they are. ``s`` to ``seen``: this thread's
     :func:`~npattn.cpu.scratch.forward_scratch_specs`.
 
     One function from the item loop down to the tile's key loop, not a helper per
     tile: Numba optimizes and emits machine code for a function together with every
     helper it calls, once per level of calls, so a level less saves about 1.5 s of the
     first call's compile."""
-    block_k, dv = ints[Int.BLOCK_K], ints[Int.VALUE_DIM]
+    dv = ints[Int.VALUE_DIM]
     heads, ld = ints[Int.HEADS], ints[Int.SCORE_LD]
     keep_scale = reals[Real.KEEP_SCALE]
     out_row_stride = out_strides[2]
@@ -72,7 +74,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
         if item >= items:
             break
         split = item % splits
-        b, h, i0, i1 = _query_tile(ints, q_lengths, item // splits)
+        b, h, i0, i1 = _query_tile(ints, spans, item // splits)
         rows = i1 - i0
         if rows <= 0:
             continue
@@ -84,24 +86,24 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
             seen[r] = False
         out_offset = split * out_strides[3] + b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
         kv_head = h // (heads // ints[Int.KV_HEADS])
-        v_base = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H]
 
-        sink_end, band_start, band_stop = key_segments(ints, kv_lengths, b, i0, i1)
+        sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
         range_start = split * split_keys
         for segment in range(2):
-            first, last = (0, sink_end) if segment == 0 else (band_start, band_stop)
+            first, last = (sink_start, sink_end) if segment == 0 else (band_start, band_stop)
             first, last = larger(first, range_start), smaller(last, range_start + split_keys)
-            for j0 in range(first, last, block_k):
-                cols = smaller(block_k, last - j0)
-                pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
-                full = score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
+            j0 = first
+            while j0 < last:
+                cols = tile_keys(ints, j0, last)
+                pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed)
+                full = score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
                                   b, h, i0, rows, j0, cols)
                 outcome = _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums)
                 if outcome != _DONE:
                     if outcome == _OVERWRITTEN:
                         # a score rose more than _HEADROOM above its row's max (rare: the running
                         # max is usually set by the first tile): recompute the scores
-                        score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
+                        score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
                                    b, h, i0, rows, j0, cols)
                     _exp_with_new_max(s, ld, rows, cols, m, total, seen, out,
                                       out_offset, out_row_stride, dv)
@@ -110,17 +112,19 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                 # O (rows x dv) += P (rows x cols) . V (cols x dv); on a tile the causal or
                 # window edge cuts, each band of rows stops at its last visible key (the
                 # probabilities past it are exact zeros)
+                v_offset = v_row(ints, pages, b, kv_head, j0)
                 if ints[Int.VECTOR_VALUES]:
                     band = rows if full else ints[Int.EDGE_BAND]
                     for r0 in range(0, rows, band):
                         band_rows = smaller(band, rows - r0)
-                        depth = band_keys(ints, kv_lengths, b, i0 + r0 + band_rows - 1, j0, cols, full)
-                        product(s, r0 * ld, ld, 1, v, v_base + j0 * v_row_stride, v_row_stride, out,
+                        depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
+                        product(s, r0 * ld, ld, 1, v, v_offset, v_row_stride, out,
                                 out_offset + r0 * out_row_stride, out_row_stride, band_rows, depth, dv,
                                 1.0, True)
                 else:  # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
-                    gemm(False, False, dv, rows, cols, 1.0, v[v_base + j0 * v_row_stride:], v_row_stride,
+                    gemm(False, False, dv, rows, cols, 1.0, v[v_offset:], v_row_stride,
                          s, ld, 1.0, out[out_offset:], out_row_stride)
+                j0 += cols
 
         lse_offset = ((split * ints[Int.BATCH] + b) * heads + h) * ints[Int.Q_LEN] + i0
         for r in range(rows):
@@ -186,30 +190,31 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
 
 
 @kernel
-def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, reals,
+def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                    lse, weights, s, tanh, packed, counter, items):
     """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
     ``exp(s - lse)``: the exact probabilities, after masking and before dropout.
     ``s``, ``tanh``, ``packed``: this thread's :func:`~npattn.cpu.scratch.score_tile_specs`."""
-    block_k, ld = ints[Int.BLOCK_K], ints[Int.SCORE_LD]
+    ld = ints[Int.SCORE_LD]
     heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
     while True:
         item = next_item(counter)
         if item >= items:
             break
-        b, h, i0, i1 = _query_tile(ints, q_lengths, item)
+        b, h, i0, i1 = _query_tile(ints, spans, item)
         rows = i1 - i0
         if rows <= 0:
             continue
         row_offset = (b * heads + h) * q_len + i0
         kv_head = h // (heads // ints[Int.KV_HEADS])
-        sink_end, band_start, band_stop = key_segments(ints, kv_lengths, b, i0, i1)
+        sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
         for segment in range(2):
-            first, last = (0, sink_end) if segment == 0 else (band_start, band_stop)
-            for j0 in range(first, last, block_k):
-                cols = smaller(block_k, last - j0)
-                pack_key_tile(k, ints, b, kv_head, j0, cols, packed)
-                score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed,
+            first, last = (sink_start, sink_end) if segment == 0 else (band_start, band_stop)
+            j0 = first
+            while j0 < last:
+                cols = tile_keys(ints, j0, last)
+                pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed)
+                score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
                            b, h, i0, rows, j0, cols)
                 for r in range(rows):
                     row_lse = lse[row_offset + r]
@@ -218,3 +223,4 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints
                         w, row = as_offset((row_offset + r) * kv_len + j0), as_offset(r * ld)
                         for c in range(as_offset(cols)):  # not a slice copy: its shape check compiles str()
                             weights[w + c] = s[row + c]
+                j0 += cols

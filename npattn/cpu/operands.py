@@ -16,8 +16,9 @@ from collections import namedtuple
 import numpy as np
 
 from ..dropout import seed_words
-from ..kernel_params import (OPERAND_NAMES, Int, Real, element_strides, lengths_or_full,  # noqa: F401
-                             problem_int_values, problem_reals)  # (Int, Real: the kernels import them from here)
+from ..kernel_params import (OPERAND_NAMES, SPAN_FIELDS, Int, Real, Span, default_spans,  # noqa: F401
+                             element_strides, problem_int_values, problem_pages, problem_reals,
+                             spans_with)  # (Int, Real, Span: the kernels import them from here)
 from ..plans import PlanCache
 from ..problem import signature
 from .microkernels import chunk_columns
@@ -30,8 +31,9 @@ from .tuning import Tuning, current
 # What every kernel takes first, in :data:`npattn.kernel_params.OPERANDS` order
 # (``kernel(*operands, ...)``): q, k, v, bias, mask as flat views (strides in ``ints``);
 # bias in the compute dtype, mask as uint8, alibi (B * H,) and sink (H,), each a
-# 1-element placeholder when absent; q_lengths, kv_lengths int64 (B,), Sq / Sk where not
-# given; ints (int64, by :class:`Int`) and reals (compute dtype, by :class:`Real`).
+# 1-element placeholder when absent; spans int64 (B * SPAN_FIELDS,) (the live rows and
+# keys and row 0's position per batch entry, :func:`npattn.kernel_params.problem_spans`);
+# pages int64 (B * PAGES,) (:func:`npattn.kernel_params.problem_pages`); ints (int64, by :class:`Int`) and reals (compute dtype, by :class:`Real`).
 Operands = namedtuple("Operands", OPERAND_NAMES)
 
 
@@ -152,7 +154,7 @@ def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None,
 class OperandPlan:
     """What the kernels take for every problem of one :func:`~npattn.problem.signature`
     (shapes, strides, dtypes and option values), made once: the parameter arrays, the
-    lengths a problem without q_lengths / kv_lengths gets, and how q, k and v are viewed
+    spans of a problem without lengths or starts, and how q, k and v are viewed
     flat. :meth:`operands` adds a call's arrays."""
 
     def __init__(self, problem, kind, tuning, rows_per_position):
@@ -162,8 +164,10 @@ class OperandPlan:
                    row_view_strides(problem.v, dtype),
                    no_strides if problem.bias is None else view_strides(problem.bias, dtype),
                    no_strides if problem.mask is None else view_strides(problem.mask.view(np.uint8), np.uint8))
-        self.ints, self.reals, self.all_rows, self.all_keys = _parameters(problem, kind, tuning,
-                                                                          rows_per_position, strides)
+        self.ints, self.reals = _parameters(problem, kind, tuning, rows_per_position, strides)
+        self.spans = default_spans(problem)  # with the call's lengths and starts, per call
+        self.plain_spans = _frozen(self.spans.reshape(-1))
+        self.plain_pages = _frozen(np.arange(problem.batch, dtype=np.int64))  # not paged: entry b's keys in k[b]
         # q, k, v read in place (the usual case), else through row_strides on every call
         # (:func:`flat_memory` written out in :meth:`operands`: a small call's every us counts)
         self.orders = tuple(_row_order(array, dtype) for array in (problem.q, problem.k, problem.v))
@@ -182,21 +186,22 @@ class OperandPlan:
         placeholder, mask_placeholder = self.placeholders
         if arrays is None:
             return Operands(q, k, v, placeholder, mask_placeholder, placeholder, placeholder,
-                            self.all_rows, self.all_keys, self.ints, self.reals)
+                            self.plain_spans, self.plain_pages, self.ints, self.reals)
         bias = placeholder if arrays.bias is None else flat_view(arrays.bias, dtype)[0]
         mask = mask_placeholder if arrays.mask is None else flat_view(arrays.mask.view(np.uint8), np.uint8)[0]
         alibi = (placeholder if arrays.alibi_slopes is None
                  else read_only(np.ascontiguousarray(arrays.alibi_slopes, dtype=dtype).reshape(-1)))
         sink = (placeholder if arrays.sink_logits is None
                 else read_only(np.ascontiguousarray(arrays.sink_logits, dtype=dtype)))
-        q_lengths = self.all_rows if arrays.q_lengths is None else _lengths(arrays.q_lengths)
-        kv_lengths = self.all_keys if arrays.kv_lengths is None else _lengths(arrays.kv_lengths)
+        spans = spans_with(self.spans, arrays)
+        spans = self.plain_spans if spans is self.spans else _frozen(spans.reshape(-1))
+        pages = self.plain_pages if arrays.block_table is None else _frozen(problem_pages(arrays))
         ints = self.ints
         if self.dropout:  # the seed is the one per-call value among the parameters
             ints = ints.copy()
             ints[Int.SEED_LO], ints[Int.SEED_HI] = seed_words(arrays.seed)
             ints = _frozen(ints)
-        return Operands(q, k, v, bias, mask, alibi, sink, q_lengths, kv_lengths, ints, self.reals)
+        return Operands(q, k, v, bias, mask, alibi, sink, spans, pages, ints, self.reals)
 
 
 def operand_plan(problem, kind: str, tuning: Tuning, rows_per_position: int = 1) -> OperandPlan:
@@ -216,9 +221,8 @@ def _row_order(array, dtype):
 
 
 def _parameters(problem, kind, tuning, rows_per_position, strides):
-    """``(ints, reals, q_lengths, kv_lengths)``, read-only, the lengths for a problem with
-    none given (Sq and Sk for every batch entry); ``strides``: the element strides of the
-    flat views of q, k, v (3 each), bias and mask (4 each)."""
+    """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
+    q, k, v (3 each), bias and mask (4 each)."""
     block_q, block_k = tuning.forward if kind == "forward" else tuning.backward
     # A problem smaller than a tile gets a tile of its own size: the same single tile,
     # so the same arithmetic, with scratch a small call can allocate in microseconds
@@ -245,18 +249,11 @@ def _parameters(problem, kind, tuning, rows_per_position, strides):
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk) * chunk if vector else tiles[1]
     ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = key_splits(problem, tiles) if kind == "forward" else (1, 1)
     ints[Int.ROW_GROUP] = rows_per_position
-    all_rows = lengths_or_full(np, None, problem.batch, problem.q_len)
-    all_keys = lengths_or_full(np, None, problem.batch, problem.kv_len)
-    return tuple(_frozen(array) for array in
-                 (np.array(ints, np.int64), problem_reals(problem, dtype), all_rows, all_keys))
+    return _frozen(np.array(ints, np.int64)), _frozen(problem_reals(problem, dtype))
 
 
 # Plans by (kind, tuning, rows per position, problem signature without the seed)
 _PLANS = PlanCache()
-
-
-def _lengths(lengths):
-    return read_only(np.ascontiguousarray(lengths, dtype=np.int64))
 
 
 def _frozen(fresh_view):

@@ -16,7 +16,7 @@ from numba import njit
 from .blas import gemm
 from .jit import helper
 from .microkernels import dot_products, pack_transposed, padded_width, product
-from .operands import Int, Real
+from .operands import SPAN_FIELDS, Int, Real, Span
 from .signatures import as_offset, larger, plain_int, scalar_like, smaller
 
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -26,59 +26,97 @@ _MIX_MULTIPLIER_2 = np.uint64(0xC2B2AE35)
 
 
 @helper
-def row_position(ints, i):
-    """The position of query row ``i`` in the key sequence (``i + POSITION_SHIFT``;
-    bottom-right aligned by default): row ``i`` of a folded problem
-    (:mod:`npattn.cpu.folding`) stands for query ``i // ROW_GROUP``."""
-    return i // ints[Int.ROW_GROUP] + ints[Int.POSITION_SHIFT]
+def span(spans, b, column):
+    """Batch entry ``b``'s entry ``column`` (a :class:`~npattn.kernel_params.Span`) of the
+    flat spans operand."""
+    return spans[b * SPAN_FIELDS + column]
 
 
 @helper
-def key_band(ints, kv_lengths, b, i):
+def key_row(ints, pages, b, head, j, stride_b, stride_h, stride_s):
+    """Element offset of key ``j``'s row of ``head`` in batch entry ``b`` of k or v (whose
+    strides are given): row ``j % PAGE_SIZE`` of page ``pages[b * PAGES + j // PAGE_SIZE]``
+    (not paged: row j of batch entry b)."""
+    page_size = ints[Int.PAGE_SIZE]
+    block = j // page_size
+    return pages[b * ints[Int.PAGES] + block] * stride_b + head * stride_h + (j - block * page_size) * stride_s
+
+
+@helper
+def k_row(ints, pages, b, head, j):
+    return key_row(ints, pages, b, head, j, ints[Int.K_STRIDE_B], ints[Int.K_STRIDE_H], ints[Int.K_STRIDE_S])
+
+
+@helper
+def v_row(ints, pages, b, head, j):
+    return key_row(ints, pages, b, head, j, ints[Int.V_STRIDE_B], ints[Int.V_STRIDE_H], ints[Int.V_STRIDE_S])
+
+
+@helper
+def tile_keys(ints, j0, last):
+    """How many keys the tile starting at ``j0`` takes: up to BLOCK_K, ``last`` and the end
+    of ``j0``'s page (a tile's keys are rows of one page, so one stride reaches them all)."""
+    page_size = ints[Int.PAGE_SIZE]
+    return smaller(smaller(ints[Int.BLOCK_K], last - j0), (j0 // page_size + 1) * page_size - j0)
+
+
+@helper
+def row_position(ints, spans, b, i):
+    """The position of query row ``i`` of batch entry ``b`` in the key sequence
+    (``i + SHIFT``; bottom-right aligned by default): row ``i`` of a folded problem
+    (:mod:`npattn.cpu.folding`) stands for query ``i // ROW_GROUP``."""
+    return i // ints[Int.ROW_GROUP] + span(spans, b, Span.SHIFT)
+
+
+@helper
+def key_band(ints, spans, b, i):
     """``(lo, hi, sink_end)`` for query row ``i`` of batch ``b``: the row sees keys in
-    ``[lo, hi)`` and in ``[0, sink_end)`` (causal, window, sinks and kv_lengths; see
-    :meth:`npattn.masks.Visibility.key_range`). Each bound is nondecreasing in ``i``,
+    ``[lo, hi)`` and in ``[KV_START, sink_end)`` (causal, window, sinks, the live keys;
+    see :meth:`npattn.masks.Visibility.allowed`). Each bound is nondecreasing in ``i``,
     which is what lets a tile of rows be bounded by its first and last row (a folded
     problem's :func:`row_position` is nondecreasing too)."""
-    kv_valid = kv_lengths[b]
+    kv_first, kv_valid = span(spans, b, Span.KV_START), span(spans, b, Span.KV_STOP)
     kv_len, left, right, causal = ints[Int.KV_LEN], ints[Int.WINDOW_LEFT], ints[Int.WINDOW_RIGHT], ints[Int.CAUSAL]
-    position = row_position(ints, i)
+    position = row_position(ints, spans, b, i)
     # clipped to the keys: with q_offset a row may sit past the last key
-    lo = 0 if left < 0 else smaller(kv_len, larger(0, position - left))
+    lo = kv_first if left < 0 else smaller(kv_len, larger(kv_first, position - left))
     hi = kv_len if right < 0 else smaller(kv_len, position + right + 1)
     if causal:
         hi = smaller(hi, position + 1)
     hi = larger(lo, smaller(hi, kv_valid))
-    sink_end = 0
+    sink_end = kv_first
     if left >= 0 or right >= 0:
-        sink_end = smaller(ints[Int.SINKS], kv_valid)
+        sink_end = smaller(kv_first + ints[Int.SINKS], kv_valid)
         if causal:
-            sink_end = smaller(sink_end, larger(0, position + 1))
+            sink_end = smaller(sink_end, position + 1)
+        sink_end = larger(kv_first, sink_end)
+    if i < span(spans, b, Span.Q_START):  # left padding sees no key (the kernels skip it anyway)
+        hi = lo
     return lo, hi, sink_end
 
 
 @helper
-def key_segments(ints, kv_lengths, b, i0, i1):
+def key_segments(ints, spans, b, i0, i1):
     """The keys rows ``[i0, i1)`` may see, as two disjoint half-open segments
-    ``(0, sink_end)`` and ``(start, stop)`` (either may be empty): whole key tiles
-    outside them are never computed."""
-    lo_first, _, _ = key_band(ints, kv_lengths, b, i0)
-    _, hi_last, sink_last = key_band(ints, kv_lengths, b, i1 - 1)
+    ``(sink_start, sink_end)`` and ``(start, stop)`` (either may be empty): whole key
+    tiles outside them are never computed."""
+    lo_first, _, _ = key_band(ints, spans, b, i0)
+    _, hi_last, sink_last = key_band(ints, spans, b, i1 - 1)
     start = larger(lo_first, sink_last)
-    return sink_last, start, larger(start, hi_last)
+    return span(spans, b, Span.KV_START), sink_last, start, larger(start, hi_last)
 
 
 @helper
-def tile_fully_visible(ints, kv_lengths, b, i0, i1, j0, j1):
+def tile_fully_visible(ints, spans, b, i0, i1, j0, j1):
     """True when every row of ``[i0, i1)`` sees every key of ``[j0, j1)`` through causal,
-    window, sinks and lengths (bounds are monotone, so the first and last rows decide)."""
-    lo_first, hi_first, sink_first = key_band(ints, kv_lengths, b, i0)
-    lo_last, _, _ = key_band(ints, kv_lengths, b, i1 - 1)
-    return j1 <= sink_first or (lo_last <= j0 and j1 <= hi_first)
+    window, sinks and the live keys (bounds are monotone, so the first and last rows decide)."""
+    lo_first, hi_first, sink_first = key_band(ints, spans, b, i0)
+    lo_last, _, _ = key_band(ints, spans, b, i1 - 1)
+    return (span(spans, b, Span.KV_START) <= j0 and j1 <= sink_first) or (lo_last <= j0 and j1 <= hi_first)
 
 
 @helper
-def band_keys(ints, kv_lengths, b, i_last, j0, cols, full):
+def band_keys(ints, spans, b, i_last, j0, cols, full):
     """How many keys of ``[j0, j0 + cols)`` rows up to ``i_last`` may see: ``cols`` for a
     fully visible tile (``full``), else up to the end of row ``i_last``'s band or sinks
     (both nondecreasing in the row, so no earlier row sees a key past them).
@@ -88,7 +126,7 @@ def band_keys(ints, kv_lengths, b, i_last, j0, cols, full):
     diagonal tiles of a causal problem that skips most of the masked upper triangle."""
     if full:
         return cols
-    _, hi, sink_end = key_band(ints, kv_lengths, b, i_last)
+    _, hi, sink_end = key_band(ints, spans, b, i_last)
     return larger(0, smaller(cols, larger(hi, sink_end) - j0))
 
 
@@ -138,24 +176,24 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 
 
 @helper
-def pack_key_tile(k, ints, b, kv_head, j0, cols, packed):
+def pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed):
     """Keys ``[j0, j0 + cols)`` of ``kv_head`` as K^T (D x SCORE_LD) at the start of
     ``packed``, zero-padded to whole vector chunks: the B operand of Q K^T. A no-op
     when the products go through BLAS."""
     if not ints[Int.VECTOR_SCORES] or ints[Int.DOT_SCORES]:
         return
-    k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
+    k_offset = k_row(ints, pages, b, kv_head, j0)
     pack_transposed(k, k_offset, ints[Int.K_STRIDE_S], cols, ints[Int.HEAD_DIM], packed, ints[Int.SCORE_LD],
                     padded_width(cols, packed))
 
 
 @helper
-def pack_value_tile(v, ints, b, kv_head, j0, cols, packed):
+def pack_value_tile(v, pages, ints, b, kv_head, j0, cols, packed):
     """Values ``[j0, j0 + cols)`` of ``kv_head`` as V^T (Dv x SCORE_LD) after the key tile
     in ``packed`` (see :func:`packed_values`): the B operand of dO V^T."""
     if not ints[Int.VECTOR_SCORES]:
         return
-    v_offset = b * ints[Int.V_STRIDE_B] + kv_head * ints[Int.V_STRIDE_H] + j0 * ints[Int.V_STRIDE_S]
+    v_offset = v_row(ints, pages, b, kv_head, j0)
     pack_transposed(v, v_offset, ints[Int.V_STRIDE_S], cols, ints[Int.VALUE_DIM],
                     packed_values(ints, packed), ints[Int.SCORE_LD], padded_width(cols, packed))
 
@@ -167,18 +205,19 @@ def packed_values(ints, packed):
 
 
 @helper
-def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, packed, b, h, i0, rows,
+def score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows,
                j0, cols):
     """Scores of rows ``[i0, i0 + rows)`` against keys ``[j0, j0 + cols)`` of head ``h``
     into ``s[r * ld + c]``: ``scale * q.k``, softcap (its tanh kept in ``tanh`` for the
     backward), bias, ALiBi, then -inf where the key is invisible. ``packed`` holds
-    the key tile from :func:`pack_key_tile`. Returns whether every row sees every key
+    the key tile from :func:`pack_key_tile`; the keys are rows of one page
+    (:func:`tile_keys`). Returns whether every row sees every key
     of the tile (:func:`tile_fully_visible`), which the caller's own products reuse."""
     q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
     kv_head = h // (ints[Int.HEADS] // ints[Int.KV_HEADS])
-    k_offset = b * ints[Int.K_STRIDE_B] + kv_head * ints[Int.K_STRIDE_H] + j0 * ints[Int.K_STRIDE_S]
+    k_offset = k_row(ints, pages, b, kv_head, j0)
     head_dim = ints[Int.HEAD_DIM]
-    full = tile_fully_visible(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols)
+    full = tile_fully_visible(ints, spans, b, i0, i0 + rows, j0, j0 + cols)
     if ints[Int.VECTOR_SCORES]:
         # S (rows x cols) = Q (rows x D) . K^T (D x cols); the padding columns get zeros,
         # and nothing reads them. On a tile the causal or window edge cuts, each band of
@@ -189,7 +228,7 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
         band = rows if full else ints[Int.EDGE_BAND]
         for r0 in range(0, rows, band):
             band_rows = smaller(band, rows - r0)
-            width = band_keys(ints, kv_lengths, b, i0 + r0 + band_rows - 1, j0, cols, full)
+            width = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
             if ints[Int.DOT_SCORES]:
                 if width > 0:
                     dot_products(q, q_offset + r0 * q_row, q_row, k, k_offset, ints[Int.K_STRIDE_S], s, r0 * ld,
@@ -224,18 +263,21 @@ def score_tile(q, k, bias, mask, alibi, kv_lengths, ints, reals, s, ld, tanh, pa
     if ints[Int.HAS_ALIBI]:
         slope = alibi[b * ints[Int.HEADS] + h]
         for r in range(rows):
-            position = row_position(ints, i0 + r)
+            position = row_position(ints, spans, b, i0 + r)
             for c in range(cols):
                 s[as_offset(r * ld + c)] -= slope * abs(position - (j0 + c))
     if not full:
+        head_stop = larger(0, smaller(cols, span(spans, b, Span.KV_START) - j0))
         for r in range(rows):
-            # key j is hidden iff j >= sink_end and not lo <= j < hi: two runs of columns,
-            # filled as runs (a per-column test cost as much as the tile's product on the
-            # diagonal tiles of a causal problem)
-            lo, hi, sink_end = key_band(ints, kv_lengths, b, i0 + r)
-            gap_start = larger(0, smaller(cols, sink_end - j0))
+            # key j is hidden iff j < KV_START, or j >= sink_end and not lo <= j < hi: three
+            # runs of columns, filled as runs (a per-column test cost as much as the tile's
+            # product on the diagonal tiles of a causal problem)
+            lo, hi, sink_end = key_band(ints, spans, b, i0 + r)
+            gap_start = larger(head_stop, smaller(cols, sink_end - j0))
             gap_stop = larger(gap_start, smaller(cols, lo - j0))
             tail_start = larger(0, smaller(cols, larger(sink_end, hi) - j0))
+            for x in range(as_offset(r * ld), as_offset(r * ld + head_stop)):
+                s[x] = -np.inf
             for x in range(as_offset(r * ld + gap_start), as_offset(r * ld + gap_stop)):
                 s[x] = -np.inf
             for x in range(as_offset(r * ld + tail_start), as_offset(r * ld + cols)):

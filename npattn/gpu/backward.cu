@@ -110,8 +110,10 @@ __device__ inline void gradient_tile(const Operands<T, Acc>& in, BackwardTiles<A
     __syncthreads();
 }
 
-__device__ inline int query_rows(const i64* ints, const i64* q_lengths, i64 b, i64 i0) {
-    return (int)(smaller(smaller(ints[NPATTN_INT_Q_LEN], i0 + NPATTN_BQ), q_lengths[b]) - i0);
+// The rows of [i0, i0 + BQ) before the entry's Q_STOP (rows before Q_START among them
+// see no key: key_band).
+__device__ inline int query_rows(const i64* ints, const i64* spans, i64 b, i64 i0) {
+    return (int)(smaller(smaller(ints[NPATTN_INT_Q_LEN], i0 + NPATTN_BQ), span(spans, b, NPATTN_SPAN_Q_STOP)) - i0);
 }
 
 // dk (Acc, C-contiguous (B, Hkv, Sk, D)) and dv (likewise with Dv) of one tile of BK keys.
@@ -127,7 +129,7 @@ dkdv_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, con
     const i64 b = blockIdx.x / (kv_heads * key_tiles);
     const i64 kv_head = (blockIdx.x / key_tiles) % kv_heads;
     const i64 j0 = (blockIdx.x % key_tiles) * NPATTN_BK;
-    const int cols = (int)smaller(NPATTN_BK, smaller(kv_len, kv_lengths[b]) - j0);
+    const int cols = (int)smaller(NPATTN_BK, smaller(kv_len, span(spans, b, NPATTN_SPAN_KV_STOP)) - j0);
     const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM], value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
     const int my_key = threadIdx.x / 8, my_column = threadIdx.x % 8;
     Acc dk_acc[MAX_D / 8], dv_acc[MAX_D / 8];
@@ -141,9 +143,9 @@ dkdv_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, con
         load_key_side(in, t, b, kv_head, j0, cols);
         for (i64 h = kv_head * group; h < (kv_head + 1) * group; ++h) {
             for (i64 i0 = 0; i0 < ints[NPATTN_INT_Q_LEN]; i0 += NPATTN_BQ) {
-                const int rows = query_rows(ints, q_lengths, b, i0);
+                const int rows = query_rows(ints, spans, b, i0);
                 if (rows <= 0) break;
-                if (!tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols)) continue;
+                if (!tile_is_live(ints, spans, b, i0, i0 + rows, j0, j0 + cols)) continue;
                 load_query_side(in, dout, dout_strides, lse, delta, t, b, h, i0, rows);
                 gradient_tile(in, t, b, h, i0, rows, j0, cols, true, dominant);
                 for (int r = 0; r < rows; ++r) {
@@ -184,7 +186,7 @@ dq_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, const
     const i64 tiles = (q_len + NPATTN_BQ - 1) / NPATTN_BQ;
     const i64 b = blockIdx.x / (heads * tiles), h = (blockIdx.x / tiles) % heads;
     const i64 i0 = (blockIdx.x % tiles) * NPATTN_BQ;
-    const int rows = query_rows(ints, q_lengths, b, i0);
+    const int rows = query_rows(ints, spans, b, i0);
     if (rows <= 0) return;  // padding rows keep dq's zeros
     const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM], value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
     NPATTN_DYNAMIC_SHARED(shared_bytes);
@@ -195,7 +197,7 @@ dq_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, const
     for (int x = 0; x < MAX_D / 8; ++x) acc[x] = 0;
     const i64 kv_head = h / (heads / ints[NPATTN_INT_KV_HEADS]);
     load_query_side(in, dout, dout_strides, lse, delta, t, b, h, i0, rows);
-    const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, NPATTN_BK, 0, 1);
+    const KeyRanges keys = key_ranges(ints, spans, b, i0, i0 + rows, NPATTN_BK, 0, 1);
     for (int segment = 0; segment < 2; ++segment) {
         for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += NPATTN_BK) {
             const int cols = (int)smaller(NPATTN_BK, keys.last[segment] - j0);
@@ -255,14 +257,14 @@ dbias_kernel(NPATTN_OPERAND_PARAMS, const Acc* dout, const i64* dout_strides, co
             const i64 i_first = shape[2] > 1 ? q_tile * NPATTN_BQ : 0;
             const i64 i_last = shape[2] > 1 ? i_first + NPATTN_BQ : q_len;
             for (i64 i0 = i_first; i0 < i_last; i0 += NPATTN_BQ) {
-                const int rows = query_rows(ints, q_lengths, b, i0);
+                const int rows = query_rows(ints, spans, b, i0);
                 if (rows <= 0) break;
                 bool loaded = false;
                 const i64 j_first = shape[3] > 1 ? k_tile * NPATTN_BK : 0;
                 const i64 j_last = shape[3] > 1 ? smaller(kv_len, j_first + NPATTN_BK) : kv_len;
                 for (i64 j0 = j_first; j0 < j_last; j0 += NPATTN_BK) {
                     const int cols = (int)smaller(NPATTN_BK, j_last - j0);
-                    if (!tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols)) continue;
+                    if (!tile_is_live(ints, spans, b, i0, i0 + rows, j0, j0 + cols)) continue;
                     if (!loaded) {
                         load_query_side(in, dout, dout_strides, lse, delta, t, b, h, i0, rows);
                         loaded = true;

@@ -151,7 +151,7 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, co
     const i64 key_tiles = (kv_len + NPATTN_TC_BK - 1) / NPATTN_TC_BK;
     const i64 b = blockIdx.x / (kv_heads * key_tiles), kv_head = (blockIdx.x / key_tiles) % kv_heads;
     const i64 j0 = (blockIdx.x % key_tiles) * NPATTN_TC_BK;
-    const int cols = (int)smaller(NPATTN_TC_BK, smaller(kv_len, kv_lengths[b]) - j0);
+    const int cols = (int)smaller(NPATTN_TC_BK, smaller(kv_len, span(spans, b, NPATTN_SPAN_KV_STOP)) - j0);
     if (cols <= 0) return;  // keys past kv_lengths keep their zero gradients
     const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM], value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
@@ -186,9 +186,9 @@ dkdv_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, co
     for (int member_head = 0; member_head < group_size; ++member_head) {
         const i64 h = kv_head * group_size + member_head;
         for (i64 i0 = 0; i0 < q_len; i0 += NPATTN_TC_BQ) {
-            const int rows = (int)(smaller(smaller(q_len, i0 + NPATTN_TC_BQ), q_lengths[b]) - i0);
+            const int rows = (int)(smaller(smaller(q_len, i0 + NPATTN_TC_BQ), span(spans, b, NPATTN_SPAN_Q_STOP)) - i0);
             if (rows <= 0) break;
-            if (!tile_is_live(ints, kv_lengths, b, i0, i0 + rows, j0, j0 + cols)) continue;
+            if (!tile_is_live(ints, spans, b, i0, i0 + rows, j0, j0 + cols)) continue;
             __syncthreads();  // every warp is done with the previous query tile
             stage_rows(aligned, qs, at.ld_qk, q, q_row(ints, b, h, i0), ints[NPATTN_INT_Q_STRIDE_S], rows, head_dim,
                        at.head_dim);
@@ -276,7 +276,7 @@ dq_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, cons
     const i64 q_tiles = (q_len + NPATTN_TC_BQ - 1) / NPATTN_TC_BQ;
     const i64 b = blockIdx.x / (heads * q_tiles), h = (blockIdx.x / q_tiles) % heads;
     const i64 i0 = (blockIdx.x % q_tiles) * NPATTN_TC_BQ;
-    const int rows = (int)(smaller(smaller(q_len, i0 + NPATTN_TC_BQ), q_lengths[b]) - i0);
+    const int rows = (int)(smaller(smaller(q_len, i0 + NPATTN_TC_BQ), span(spans, b, NPATTN_SPAN_Q_STOP)) - i0);
     if (rows <= 0) return;  // padding rows keep dq's zeros
     const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM], value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
     NPATTN_DYNAMIC_SHARED(shared_bytes);
@@ -304,7 +304,7 @@ dq_tc_kernel(NPATTN_OPERAND_PARAMS, const T* dout, const i64* dout_strides, cons
 #pragma unroll
     for (int n = 0; n < D_BLOCKS; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.0f;
     const i64 kv_head = h / (heads / ints[NPATTN_INT_KV_HEADS]);
-    const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, NPATTN_TC_BK, 0, 1);
+    const KeyRanges keys = key_ranges(ints, spans, b, i0, i0 + rows, NPATTN_TC_BK, 0, 1);
     for (int segment = 0; segment < 2; ++segment) {
         const i64 first = segment ? keys.first[1] : keys.first[0], last = segment ? keys.last[1] : keys.last[0];
         for (i64 j0 = first; j0 < last; j0 += NPATTN_TC_BK) {

@@ -85,39 +85,49 @@ __device__ inline i64 larger(i64 a, i64 b) { return a > b ? a : b; }
 
 // ---- which keys a row sees (npattn.masks.Visibility; tiles.key_band) ------------------
 
-struct KeyBand { i64 lo, hi, sink_end; };
+struct KeyBand { i64 lo, hi, sink_start, sink_end; };
 
-// Row i of batch b sees keys in [lo, hi) and in [0, sink_end). Each bound is
-// nondecreasing in i, so a tile of rows is bounded by its first and last row.
-__device__ inline KeyBand key_band(const i64* ints, const i64* kv_lengths, i64 b, i64 i) {
-    const i64 kv_valid = kv_lengths[b];
+// Entry `column` (NPATTN_SPAN_*) of batch entry b in the spans operand
+// (npattn.kernel_params.Span: live rows and keys, row 0's position).
+__device__ inline i64 span(const i64* spans, i64 b, int column) { return spans[b * NPATTN_SPAN_FIELDS + column]; }
+
+// Row i of batch b sees keys in [lo, hi) and in [sink_start, sink_end) (causal, window,
+// sinks, the live keys of spans); a row before Q_START sees none. Each bound is nondecreasing in i, so a tile of rows is
+// bounded by its first and last row.
+__device__ inline KeyBand key_band(const i64* ints, const i64* spans, i64 b, i64 i) {
+    const i64 kv_first = span(spans, b, NPATTN_SPAN_KV_START), kv_valid = span(spans, b, NPATTN_SPAN_KV_STOP);
     const i64 kv_len = ints[NPATTN_INT_KV_LEN];
     const i64 left = ints[NPATTN_INT_WINDOW_LEFT], right = ints[NPATTN_INT_WINDOW_RIGHT];
-    const i64 position = i + ints[NPATTN_INT_POSITION_SHIFT];
+    const i64 position = i + span(spans, b, NPATTN_SPAN_SHIFT);
     KeyBand band;
-    band.lo = left < 0 ? 0 : smaller(kv_len, larger(0, position - left));  // a row may sit past the last key
+    band.lo = left < 0 ? kv_first : smaller(kv_len, larger(kv_first, position - left));  // a row may sit past the last key
     band.hi = right < 0 ? kv_len : smaller(kv_len, position + right + 1);
     if (ints[NPATTN_INT_CAUSAL]) band.hi = smaller(band.hi, position + 1);
     band.hi = larger(band.lo, smaller(band.hi, kv_valid));
-    band.sink_end = 0;
+    band.sink_start = kv_first;
+    band.sink_end = kv_first;
     if (left >= 0 || right >= 0) {
-        band.sink_end = smaller(ints[NPATTN_INT_SINKS], kv_valid);
-        if (ints[NPATTN_INT_CAUSAL]) band.sink_end = smaller(band.sink_end, larger(0, position + 1));
+        band.sink_end = smaller(kv_first + ints[NPATTN_INT_SINKS], kv_valid);
+        if (ints[NPATTN_INT_CAUSAL]) band.sink_end = smaller(band.sink_end, position + 1);
+        band.sink_end = larger(kv_first, band.sink_end);
     }
+    if (i < span(spans, b, NPATTN_SPAN_Q_START)) band.hi = band.lo;  // left padding sees no key
     return band;
 }
 
 __device__ inline bool key_visible(const KeyBand& band, i64 j) {
-    return j < band.sink_end || (band.lo <= j && j < band.hi);
+    return (band.sink_start <= j && j < band.sink_end) || (band.lo <= j && j < band.hi);
 }
 
-// The keys rows [i0, i1) may see, as two disjoint segments [0, sink_end) and [start, stop).
-struct KeySegments { i64 sink_end, start, stop; };
+// The keys rows [i0, i1) may see, as two disjoint segments [sink_start, sink_end) and
+// [start, stop).
+struct KeySegments { i64 sink_start, sink_end, start, stop; };
 
-__device__ inline KeySegments key_segments(const i64* ints, const i64* kv_lengths, i64 b, i64 i0, i64 i1) {
-    const KeyBand first = key_band(ints, kv_lengths, b, i0);
-    const KeyBand last = key_band(ints, kv_lengths, b, i1 - 1);
+__device__ inline KeySegments key_segments(const i64* ints, const i64* spans, i64 b, i64 i0, i64 i1) {
+    const KeyBand first = key_band(ints, spans, b, i0);
+    const KeyBand last = key_band(ints, spans, b, i1 - 1);
     KeySegments segments;
+    segments.sink_start = last.sink_start;
     segments.sink_end = last.sink_end;
     segments.start = larger(first.lo, last.sink_end);
     segments.stop = larger(segments.start, last.hi);
@@ -129,14 +139,14 @@ __device__ inline KeySegments key_segments(const i64* ints, const i64* kv_length
 // block_k keys, as even a share as can be; splits == 1: every key).
 struct KeyRanges { i64 first[2], last[2]; };
 
-__device__ inline KeyRanges key_ranges(const i64* ints, const i64* kv_lengths, i64 b, i64 i0, i64 i1, int block_k,
+__device__ inline KeyRanges key_ranges(const i64* ints, const i64* spans, i64 b, i64 i0, i64 i1, int block_k,
                                        i64 split, i64 splits) {
     const i64 tiles = (ints[NPATTN_INT_KV_LEN] + block_k - 1) / block_k;
     const i64 per_split = (tiles + splits - 1) / splits;
     const i64 lo = split * per_split * block_k, hi = (split + 1) * per_split * block_k;
-    const KeySegments segments = key_segments(ints, kv_lengths, b, i0, i1);
+    const KeySegments segments = key_segments(ints, spans, b, i0, i1);
     KeyRanges ranges;
-    ranges.first[0] = lo;
+    ranges.first[0] = larger(lo, segments.sink_start);
     ranges.last[0] = smaller(hi, segments.sink_end);
     ranges.first[1] = larger(lo, segments.start);
     ranges.last[1] = smaller(hi, segments.stop);
@@ -144,19 +154,31 @@ __device__ inline KeyRanges key_ranges(const i64* ints, const i64* kv_lengths, i
 }
 
 // True when every row of [i0, i1) sees every key of [j0, j1) through causal, window,
-// sinks and kv_lengths (bounds are monotone, so the first and last rows decide).
-__device__ inline bool tile_fully_visible(const i64* ints, const i64* kv_lengths, i64 b, i64 i0, i64 i1, i64 j0,
+// sinks and the live keys (bounds are monotone, so the first and last rows decide).
+__device__ inline bool tile_fully_visible(const i64* ints, const i64* spans, i64 b, i64 i0, i64 i1, i64 j0,
                                           i64 j1) {
-    const KeyBand first = key_band(ints, kv_lengths, b, i0);
-    const KeyBand last = key_band(ints, kv_lengths, b, i1 - 1);
-    return j1 <= first.sink_end || (last.lo <= j0 && j1 <= first.hi);
+    const KeyBand first = key_band(ints, spans, b, i0);
+    const KeyBand last = key_band(ints, spans, b, i1 - 1);
+    return (first.sink_start <= j0 && j1 <= first.sink_end) || (last.lo <= j0 && j1 <= first.hi);
 }
 
 // True when some row of [i0, i1) may see some key of [j0, j1).
-__device__ inline bool tile_is_live(const i64* ints, const i64* kv_lengths, i64 b, i64 i0, i64 i1,
+__device__ inline bool tile_is_live(const i64* ints, const i64* spans, i64 b, i64 i0, i64 i1,
                                     i64 j0, i64 j1) {
-    const KeySegments s = key_segments(ints, kv_lengths, b, i0, i1);
-    return j0 < s.sink_end || (j0 < s.stop && s.start < j1);
+    const KeySegments s = key_segments(ints, spans, b, i0, i1);
+    return (j0 < s.sink_end && s.sink_start < j1) || (j0 < s.stop && s.start < j1);
+}
+
+// The live rows of batch entry b among [i0, i0 + block_rows), cut to Sq: their first
+// row (i0, or Q_START when later) and how many (<= 0: none, all padding).
+struct LiveRows { i64 first; int rows; };
+
+__device__ inline LiveRows live_rows(const i64* ints, const i64* spans, i64 b, i64 i0, i64 block_rows) {
+    LiveRows live;
+    live.first = larger(i0, span(spans, b, NPATTN_SPAN_Q_START));
+    live.rows = (int)(smaller(smaller(ints[NPATTN_INT_Q_LEN], i0 + block_rows), span(spans, b, NPATTN_SPAN_Q_STOP))
+                      - live.first);
+    return live;
 }
 
 // ---- the dropout hash (npattn/dropout.py) -----------------------------------------------
@@ -203,11 +225,36 @@ template <typename T, typename Acc> struct Operands {
 __device__ inline i64 q_row(const i64* ints, i64 b, i64 h, i64 i) {
     return b * ints[NPATTN_INT_Q_STRIDE_B] + h * ints[NPATTN_INT_Q_STRIDE_H] + i * ints[NPATTN_INT_Q_STRIDE_S];
 }
+// (k_row and v_row: k and v as (B, Hkv, Sk, D) arrays, as the backward takes them; the
+// forward reads them through paged_k_row and paged_v_row.)
 __device__ inline i64 k_row(const i64* ints, i64 b, i64 h, i64 j) {
     return b * ints[NPATTN_INT_K_STRIDE_B] + h * ints[NPATTN_INT_K_STRIDE_H] + j * ints[NPATTN_INT_K_STRIDE_S];
 }
 __device__ inline i64 v_row(const i64* ints, i64 b, i64 h, i64 j) {
     return b * ints[NPATTN_INT_V_STRIDE_B] + h * ints[NPATTN_INT_V_STRIDE_H] + j * ints[NPATTN_INT_V_STRIDE_S];
+}
+
+// Element offset of key j's row of head h in batch entry b of k or v (strides sb, sh, ss):
+// row j % PAGE_SIZE of page pages[b * PAGES + j / PAGE_SIZE] (npattn.kernel_params; not
+// paged, entry b's one page is b and PAGE_SIZE covers every key).
+__device__ inline i64 key_row(const i64* ints, const i64* pages, i64 b, i64 h, i64 j, i64 sb, i64 sh, i64 ss) {
+    const i64 page_size = ints[NPATTN_INT_PAGE_SIZE], block = j / page_size;
+    return pages[b * ints[NPATTN_INT_PAGES] + block] * sb + h * sh + (j - block * page_size) * ss;
+}
+__device__ inline i64 paged_k_row(const i64* ints, const i64* pages, i64 b, i64 h, i64 j) {
+    return key_row(ints, pages, b, h, j, ints[NPATTN_INT_K_STRIDE_B], ints[NPATTN_INT_K_STRIDE_H],
+                   ints[NPATTN_INT_K_STRIDE_S]);
+}
+__device__ inline i64 paged_v_row(const i64* ints, const i64* pages, i64 b, i64 h, i64 j) {
+    return key_row(ints, pages, b, h, j, ints[NPATTN_INT_V_STRIDE_B], ints[NPATTN_INT_V_STRIDE_H],
+                   ints[NPATTN_INT_V_STRIDE_S]);
+}
+
+// Keys of the tile starting at key j0: up to block_k, `last` and the end of j0's page (so
+// one stride reaches every key of the tile).
+__device__ inline int tile_keys(const i64* ints, i64 j0, i64 last, int block_k) {
+    const i64 page_size = ints[NPATTN_INT_PAGE_SIZE];
+    return (int)smaller(smaller((i64)block_k, last - j0), (j0 / page_size + 1) * page_size - j0);
 }
 
 // ---- tiles in shared memory -------------------------------------------------------------
@@ -228,12 +275,12 @@ __device__ inline void load_tile(const T* x, i64 offset, i64 row_stride, int row
 
 // The score pipeline of one query row i of head h in batch b: scale, softcap (its tanh
 // in *tanh_out), bias, ALiBi, then -inf where key j is invisible to the row (causal,
-// window, sinks, kv_lengths, mask). Every kernel's scores go through here, whatever
+// window, sinks, the live keys, mask). Every kernel's scores go through here, whatever
 // computed the dot q_i . k_j. OPTIONS (NPATTN_OPTION_* bits, from npattn.gpu.options)
 // says which options the code is compiled for: an option outside it is assumed off
 // (the driver picks an instantiation whose OPTIONS cover the call's), so a plain call
-// runs none of their code. NPATTN_OPTION_BAND covers causal, windows, sinks and
-// kv_lengths; without it every key below kv_len is visible.
+// runs none of their code. NPATTN_OPTION_BAND covers causal, windows, sinks,
+// kv_lengths and kv_start; without it every key below kv_len is visible.
 template <typename T, typename Acc, unsigned OPTIONS = NPATTN_OPTION_ALL> struct ScoreRow {
     KeyBand band;
     const unsigned char* mask_row;
@@ -243,7 +290,7 @@ template <typename T, typename Acc, unsigned OPTIONS = NPATTN_OPTION_ALL> struct
 
     __device__ ScoreRow(const Operands<T, Acc>& in, i64 b, i64 h, i64 i) {
         const i64* ints = in.ints;
-        if (OPTIONS & NPATTN_OPTION_BAND) band = key_band(ints, in.kv_lengths, b, i);
+        if (OPTIONS & NPATTN_OPTION_BAND) band = key_band(ints, in.spans, b, i);
         mask_row = nullptr;
         bias_row = nullptr;
         if ((OPTIONS & NPATTN_OPTION_MASK) && ints[NPATTN_INT_HAS_MASK]) {
@@ -256,7 +303,7 @@ template <typename T, typename Acc, unsigned OPTIONS = NPATTN_OPTION_ALL> struct
                        i * ints[NPATTN_INT_BIAS_STRIDE_Q];
         }
         bias_stride = ints[NPATTN_INT_BIAS_STRIDE_K];
-        position = i + ints[NPATTN_INT_POSITION_SHIFT];
+        position = i + span(in.spans, b, NPATTN_SPAN_SHIFT);
         scale = in.reals[NPATTN_REAL_SCALE];
         softcap = ((OPTIONS & NPATTN_OPTION_SOFTCAP) && ints[NPATTN_INT_HAS_SOFTCAP]) ? in.reals[NPATTN_REAL_SOFTCAP]
                                                                                       : (Acc)0;

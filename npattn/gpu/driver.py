@@ -12,8 +12,8 @@ import contextlib
 
 import numpy as np
 
-from ..kernel_params import (OPERAND_NAMES, Int, element_strides, lengths_or_full, problem_parameters,
-                             sink_logits_gradient)
+from ..kernel_params import (OPERAND_NAMES, Int, default_spans, element_strides, problem_pages, problem_parameters,
+                             problem_spans, sink_logits_gradient, spans_are_default)
 from ..results import ForwardResult, Gradients
 from . import launch
 from .options import ALL, options_of
@@ -98,19 +98,21 @@ def _operands(problem):
     sink = (placeholder if problem.sink_logits is None
             else cp.ascontiguousarray(problem.sink_logits.astype(dtype, copy=False)))
     ints_on_device, reals_on_device = _parameters(cp, ints, reals)
+    pages = (_constant(cp, ("pages", problem.batch), lambda: cp.arange(problem.batch, dtype=cp.int64))
+             if problem.block_table is None else cp.asarray(problem_pages(problem)))
     named = dict(q=q, k=k, v=v, bias=bias, mask=mask, alibi=alibi, sink=sink,
-                 q_lengths=_lengths(cp, problem.q_lengths, problem.batch, problem.q_len),
-                 kv_lengths=_lengths(cp, problem.kv_lengths, problem.batch, problem.kv_len),
-                 ints=ints_on_device, reals=reals_on_device)
+                 spans=_spans(cp, problem), pages=pages, ints=ints_on_device, reals=reals_on_device)
     return q.dtype.name, tuple(named[name] for name in OPERAND_NAMES)  # the kernels' order
 
 
-def _lengths(cp, lengths, batch, full):
-    """q_lengths / kv_lengths as the kernels take them; ``full`` everywhere, when None,
-    from the constants."""
-    if lengths is None:
-        return _int64s(cp, (full,) * batch)
-    return lengths_or_full(cp, lengths, batch, full)
+def _spans(cp, problem):
+    """The kernels' spans (:func:`npattn.kernel_params.problem_spans`) on the device: one
+    upload, kept per value when the problem has no lengths, starts or per-entry shifts."""
+    if spans_are_default(problem):
+        shift = problem.visibility.shift(problem.q_len, problem.kv_len)
+        return _constant(cp, ("spans", problem.batch, problem.q_len, problem.kv_len, shift),
+                         lambda: cp.asarray(default_spans(problem).reshape(-1)))
+    return cp.asarray(problem_spans(problem).reshape(-1))
 
 
 # Split-KV decoding: aim for this many warps (8 per SM on a 132-SM H100: enough loads

@@ -34,15 +34,16 @@ struct ForwardLayout {
 
 struct QueryTile { i64 b, h, i0; int rows; };
 
-// Work item -> (b, h, first row, rows), cut at q_lengths[b] (rows <= 0: all padding).
-__device__ inline QueryTile query_tile(const i64* ints, const i64* q_lengths, i64 item) {
+// Work item -> (b, h, first row, rows), cut to the entry's live rows (rows <= 0: all padding).
+__device__ inline QueryTile query_tile(const i64* ints, const i64* spans, i64 item) {
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
     const i64 tiles = (q_len + NPATTN_BQ - 1) / NPATTN_BQ;
     QueryTile tile;
     tile.b = item / (heads * tiles);
     tile.h = (item / tiles) % heads;
-    tile.i0 = (item % tiles) * NPATTN_BQ;
-    tile.rows = (int)(smaller(smaller(q_len, tile.i0 + NPATTN_BQ), q_lengths[tile.b]) - tile.i0);
+    const LiveRows live = live_rows(ints, spans, tile.b, (item % tiles) * NPATTN_BQ, NPATTN_BQ);
+    tile.i0 = live.first;
+    tile.rows = live.rows;
     return tile;
 }
 
@@ -51,8 +52,8 @@ __device__ inline i64 kv_head_of(const i64* ints, i64 h) {
 }
 
 // Fill out (Acc, element strides out_sb/out_sh/out_ss, zero on entry) and lse
-// (flat (B, H, Sq), -inf on entry) for one query tile. Rows past q_lengths stay as
-// they are. Each thread owns row threadIdx.x / 8 and every 8th output column.
+// (flat (B, H, Sq), -inf on entry) for one query tile. Rows outside the live ones
+// (spans) stay as they are. Each thread owns row threadIdx.x / 8 and every 8th output column.
 //
 // Split-KV (splits > 1, for short queries against a long cache, where B * H query
 // tiles cannot fill the GPU): block x handles query tile x / splits against the keys
@@ -66,7 +67,7 @@ forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
                Acc* partial) {
     const Operands<T, Acc> in = NPATTN_OPERANDS;
     const i64 split = blockIdx.x % splits;
-    const QueryTile tile = query_tile(ints, q_lengths, blockIdx.x / splits);
+    const QueryTile tile = query_tile(ints, spans, blockIdx.x / splits);
     if (tile.rows <= 0) return;  // the same for the whole block
     const i64 b = tile.b, h = tile.h, i0 = tile.i0;
     const int rows = tile.rows;
@@ -96,13 +97,14 @@ forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
     for (int x = 0; x < MAX_D / 8; ++x) acc[x] = 0;
     __syncthreads();
 
-    const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, BK, split, splits);
+    const KeyRanges keys = key_ranges(ints, spans, b, i0, i0 + rows, BK, split, splits);
     for (int segment = 0; segment < 2; ++segment) {
-        for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += BK) {
-            const int cols = (int)smaller(BK, keys.last[segment] - j0);
-            load_tile(k, k_row(ints, b, kv_head, j0), ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
+        for (i64 j0 = keys.first[segment], next; j0 < keys.last[segment]; j0 = next) {
+            const int cols = tile_keys(ints, j0, keys.last[segment], BK);  // within one page
+            next = j0 + cols;
+            load_tile(k, paged_k_row(ints, pages, b, kv_head, j0), ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
                       head_dim, ks, at.ld_k);
-            load_tile(v, v_row(ints, b, kv_head, j0), ints[NPATTN_INT_V_STRIDE_S], cols, value_dim, BK,
+            load_tile(v, paged_v_row(ints, pages, b, kv_head, j0), ints[NPATTN_INT_V_STRIDE_S], cols, value_dim, BK,
                       value_dim, vs, at.ld_v);
             __syncthreads();
             score_tile<T, Acc, NPATTN_BQ, BK>(in, qs, at.ld_q, ks, at.ld_k, s, at.ld_s, nullptr, b, h, i0, rows, j0,
@@ -188,7 +190,7 @@ template <typename T, typename Acc, int BK>
 __global__ void __launch_bounds__(NPATTN_THREADS)
 weights_kernel(NPATTN_OPERAND_PARAMS, const Acc* lse, Acc* weights) {
     const Operands<T, Acc> in = NPATTN_OPERANDS;
-    const QueryTile tile = query_tile(ints, q_lengths, blockIdx.x);
+    const QueryTile tile = query_tile(ints, spans, blockIdx.x);
     if (tile.rows <= 0) return;
     const i64 b = tile.b, h = tile.h, i0 = tile.i0;
     const int rows = tile.rows;
@@ -202,11 +204,12 @@ weights_kernel(NPATTN_OPERAND_PARAMS, const Acc* lse, Acc* weights) {
     const i64 row_offset = (b * ints[NPATTN_INT_HEADS] + h) * ints[NPATTN_INT_Q_LEN] + i0;
     load_tile(q, q_row(ints, b, h, i0),
               ints[NPATTN_INT_Q_STRIDE_S], rows, head_dim, NPATTN_BQ, head_dim, qs, at.ld_q);
-    const KeyRanges keys = key_ranges(ints, kv_lengths, b, i0, i0 + rows, BK, 0, 1);
+    const KeyRanges keys = key_ranges(ints, spans, b, i0, i0 + rows, BK, 0, 1);
     for (int segment = 0; segment < 2; ++segment) {
-        for (i64 j0 = keys.first[segment]; j0 < keys.last[segment]; j0 += BK) {
-            const int cols = (int)smaller(BK, keys.last[segment] - j0);
-            load_tile(k, k_row(ints, b, kv_head, j0), ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
+        for (i64 j0 = keys.first[segment], next; j0 < keys.last[segment]; j0 = next) {
+            const int cols = tile_keys(ints, j0, keys.last[segment], BK);  // within one page
+            next = j0 + cols;
+            load_tile(k, paged_k_row(ints, pages, b, kv_head, j0), ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
                       head_dim, ks, at.ld_k);
             __syncthreads();
             score_tile<T, Acc, NPATTN_BQ, BK>(in, qs, at.ld_q, ks, at.ld_k, s, at.ld_s, nullptr, b, h, i0, rows, j0,
@@ -235,7 +238,7 @@ combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
     const int lane = threadIdx.x % 32;
     if (row >= ints[NPATTN_INT_BATCH] * heads * q_len) return;  // whole warps
     const i64 b = row / (heads * q_len), h = (row / q_len) % heads, i = row % q_len;
-    if (i >= q_lengths[b]) return;  // padding keeps its zeros and -inf
+    if (i < span(spans, b, NPATTN_SPAN_Q_START) || i >= span(spans, b, NPATTN_SPAN_Q_STOP)) return;  // padding keeps its zeros and -inf
     const i64 value_dim = ints[NPATTN_INT_VALUE_DIM], value_dim3 = value_dim + 3;
     const Acc* parts = partial + row * splits * value_dim3;
     const bool has_sink = ints[NPATTN_INT_HAS_SINK] != 0;

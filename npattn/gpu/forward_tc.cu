@@ -77,8 +77,10 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     const i64 b = item / (kv_heads * tiles), kv_head = (item / tiles) % kv_heads;
     // the last row tiles first: under causal masking they see the most keys, and a wave
     // that starts with the longest blocks ends with the shortest ones (less tail)
-    const i64 p0 = (tiles - 1 - item % tiles) * BQ;
-    const int rows = (int)(smaller(smaller(q_len, q_lengths[b]) * group, p0 + BQ) - p0);
+    const i64 tile_p0 = (tiles - 1 - item % tiles) * BQ;
+    // its live packed rows: those of the entry's live queries [Q_START, Q_STOP)
+    const i64 p0 = larger(tile_p0, span(spans, b, NPATTN_SPAN_Q_START) * group);
+    const int rows = (int)(smaller(smaller(q_len, span(spans, b, NPATTN_SPAN_Q_STOP)) * group, tile_p0 + BQ) - p0);
     if (rows <= 0) return;  // the same for the whole block
     const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM], value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
     NPATTN_DYNAMIC_SHARED(shared_bytes);
@@ -131,21 +133,28 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     const float scale_log2 = (float)in.reals[NPATTN_REAL_SCALE] * NPATTN_LOG2E;
 
     const i64 i_first = p0 / group, i_last = (p0 + rows - 1) / group;
-    const KeyTiles key_tiles(key_ranges(ints, kv_lengths, b, i_first, i_last + 1, BK, split, splits), BK);
+    const KeyTiles key_tiles(key_ranges(ints, spans, b, i_first, i_last + 1, BK, split, splits), BK);
     const i64 tile_count = key_tiles.total();
-    // key tile t of K or V (element offset `row` of its first key, `row_stride` between keys)
-    auto stage_keys = [&](const T* x, i64 row, i64 row_stride, unsigned short* tile, int ld, int width, int chunks,
+    // key tile t of K or V (strides sb, sh, ss): one stride from its first key's row, or
+    // with PAGED, each key's row looked up in its page
+    auto stage_keys = [&](const T* x, i64 sb, i64 sh, i64 ss, unsigned short* tile, int ld, int width, int chunks,
                           i64 t) {
-        stage_tile<ASYNC>(tile, ld, x, [&](int r) { return row + r * row_stride; }, key_tiles.keys(t), width, BK,
-                          chunks);
+        const i64 j0 = key_tiles.start(t);
+        if constexpr ((OPTIONS & NPATTN_OPTION_PAGED) != 0) {
+            stage_tile<ASYNC>(tile, ld, x, [&](int r) { return key_row(ints, pages, b, kv_head, j0 + r, sb, sh, ss); },
+                              key_tiles.keys(t), width, BK, chunks);
+        } else {
+            const i64 row = b * sb + kv_head * sh + j0 * ss;
+            stage_tile<ASYNC>(tile, ld, x, [&](int r) { return row + r * ss; }, key_tiles.keys(t), width, BK, chunks);
+        }
     };
     auto stage_k = [&](i64 t) {
-        stage_keys(k, k_row(ints, b, kv_head, key_tiles.start(t)), ints[NPATTN_INT_K_STRIDE_S], ks, at.ld_qk, head_dim,
-                   qk_chunks, t);
+        stage_keys(k, ints[NPATTN_INT_K_STRIDE_B], ints[NPATTN_INT_K_STRIDE_H], ints[NPATTN_INT_K_STRIDE_S], ks,
+                   at.ld_qk, head_dim, qk_chunks, t);
     };
     auto stage_v = [&](i64 t) {
-        stage_keys(v, v_row(ints, b, kv_head, key_tiles.start(t)), ints[NPATTN_INT_V_STRIDE_S], vs, at.ld_v,
-                   value_dim, v_chunks, t);
+        stage_keys(v, ints[NPATTN_INT_V_STRIDE_B], ints[NPATTN_INT_V_STRIDE_H], ints[NPATTN_INT_V_STRIDE_S], vs,
+                   at.ld_v, value_dim, v_chunks, t);
     };
     if (tile_count > 0) stage_k(0);
     cp_async_commit();
@@ -183,7 +192,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         // scores in base 2, then the online softmax of this lane's two rows
         bool plain_tile = !SCORE_OPTIONS;
         if (plain_tile && (OPTIONS & NPATTN_OPTION_BAND)) {
-            plain_tile = tile_fully_visible(ints, kv_lengths, b, i_first, i_last + 1, j0, j0 + cols);
+            plain_tile = tile_fully_visible(ints, spans, b, i_first, i_last + 1, j0, j0 + cols);
         }
         float tile_max[2] = {lowest, lowest};
 #pragma unroll
