@@ -8,14 +8,15 @@
   :class:`GroupedQueryAttention` and :class:`SlidingWindowAttention` variants.
 - ``rotary.py``: rotary position embeddings ("rope", "xpos").
 - ``multiway.py``: :class:`Multiway` (torchscale's two-way projections).
-- ``cache.py``: :class:`KVCache` for decoding (prefix or rolling with sinks).
+- ``cache.py``: :class:`KVCache` for decoding (prefix or rolling with sinks) and
+  :class:`PagedKVCache`, a pool of pages shared by sequences that come and go.
 - ``transformer.py``: :class:`TransformerEncoderLayer`, :class:`TransformerDecoderLayer`.
 - ``interop.py``: :func:`from_torch` (a ``torch.nn.MultiheadAttention``'s weights).
 - ``disentangled.py``: :class:`DisentangledAttention` (DeBERTa-v2, as HF computes it).
 - ``registry.py``: :func:`get_attention` (a module by name).
 """
 from .attention import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention
-from .cache import KVCache
+from .cache import KVCache, PagedKVCache
 from .disentangled import DisentangledAttention
 from .interop import from_torch
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear, RMSNorm
@@ -25,4 +26,4 @@ from .registry import get_attention
 from .transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
 __all__ = ["Module", "Multiway", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP",
-           "MultiHeadAttention", "KVCache", "get_attention", "from_torch", "DisentangledAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]
+           "MultiHeadAttention", "KVCache", "PagedKVCache", "get_attention", "from_torch", "DisentangledAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]

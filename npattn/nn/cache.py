@@ -1,4 +1,5 @@
-"""KVCache: preallocated keys and values for token-by-token decoding.
+"""KVCache: preallocated keys and values for token-by-token decoding; PagedKVCache: a
+pool of pages shared by sequences that start and finish at different times.
 
 Without a window the cache is a plain prefix: appends write in place after the
 entries already there, and attention reads the filled part as a view. With a window
@@ -7,12 +8,17 @@ buffer: the sinks sit in their own slots, later keys go to slot
 ``sinks + (position - sinks) % window``, and attention gets the retained keys in
 position order with an explicit mask built from absolute positions, so every query
 of a multi-token append sees exactly what a full causal pass would show it.
+
+Both caches also decode through :func:`npattn.attention_with_kvcache` (``attend``): each
+sequence (cache row, or page list) keeps its own length, the new keys are written in
+place, and the kernels read the cache where it lies, pages included.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import arguments
+from ..kvcache import attention_with_kvcache
 
 
 class KVCache:
@@ -44,6 +50,7 @@ class KVCache:
         self.keys = xp.zeros(shape, dtype)
         self.values = xp.zeros(shape, dtype)
         self.position = 0          # positions appended so far; the next one's index
+        self.lengths = np.zeros(batch, np.int64)  # per row: positions held (attend moves rows apart)
         self._xp = xp
 
     @property
@@ -62,6 +69,9 @@ class KVCache:
         if (batch, num_kv_heads, head_dim) != expected:
             raise ValueError(f"KVCache: holds (batch, kv heads, head dim) {expected}; the module gives "
                              f"{(batch, num_kv_heads, head_dim)}")
+        if (self.lengths != self.position).any():
+            raise ValueError("KVCache: its rows hold different lengths (from attend); a module appends to "
+                             "every row at once: keep decoding it through attend, or reset() it")
         if self.window is None and self.position + new > self.capacity:
             raise ValueError(f"KVCache: capacity {self.capacity} cannot take {new} more positions after "
                              f"{self.position}")
@@ -93,6 +103,34 @@ class KVCache:
                     self.keys[:, slot] = keys[:, offset]
                     self.values[:, slot] = values[:, offset]
         self.position += new
+        self.lengths[:] = self.position
+
+    def attend(self, q, k=None, v=None, *, rows=None, **options):
+        """One step of :func:`npattn.attention_with_kvcache` on this cache: q (B', Sq, H, D)
+        of the sequences in cache ``rows`` (B' ints; default every row, in order), their
+        new k and v (B', Sn, Hkv, D) appended in place at each row's own length, then
+        attention with row i of sequence b at position ``lengths[b] + i``. ``options``:
+        those of attention_with_kvcache (``causal``, ``rotary_cos``, ...). Returns what it
+        returns. Not for a rolling cache (``window``)."""
+        if self.window is not None:
+            raise ValueError("KVCache.attend: a rolling cache (window) decodes through the modules only")
+        rows = np.arange(self.batch) if rows is None else np.asarray(rows, np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.batch or np.unique(rows).size != rows.size):
+            raise ValueError(f"KVCache.attend: rows must be distinct rows of the cache's {self.batch}; got "
+                             f"{rows.tolist()}")
+        result = attention_with_kvcache(q, self.keys, self.values, k, v, cache_seqlens=self.lengths[rows],
+                                        cache_batch_idx=self._xp.asarray(rows), **options)
+        if k is not None:
+            self.lengths[rows] += np.shape(k)[1]
+        self.position = int(self.lengths.max(initial=0))
+        return result
+
+    def reset(self, rows=None) -> None:
+        """Forget what ``rows`` (default: every row) hold, for new sequences (their stale
+        keys are never read: each row reads only its own length)."""
+        rows = slice(None) if rows is None else np.asarray(rows, np.int64)
+        self.lengths[rows] = 0
+        self.position = int(self.lengths.max(initial=0))
 
     def _slot_of(self, position: int) -> int:
         if position < self.sinks:
@@ -104,3 +142,93 @@ class KVCache:
         sinks = np.arange(min(self.position, self.sinks))
         rolling = min(max(self.position - self.sinks, 0), self.window)
         return np.concatenate([sinks, np.arange(self.position - rolling, self.position)]).astype(np.int64)
+
+
+class PagedKVCache:
+    """Keys and values of many sequences in one pool of fixed-size pages, (pages,
+    page_size, Hkv, D) each: a sequence takes pages as it grows and gives them back when
+    it finishes, so sequences of any lengths share the memory without padding
+    (continuous batching; see ``examples/continuous_batching.py``).
+
+    Args:
+        num_pages, page_size: the pool's size.
+        num_kv_heads, head_dim: the shape of the keys and values it stores.
+        dtype: the stored dtype. xp: ``numpy`` (default) or ``cupy``.
+
+    Sequences are named by any hashable id: :meth:`add` one, :meth:`attend` with a list
+    of ids (each step's batch), :meth:`free` it when done.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype="float32", xp=np):
+        owner = "PagedKVCache"
+        num_pages, page_size = arguments.size(owner, "num_pages", num_pages), arguments.size(owner, "page_size", page_size)
+        num_kv_heads = arguments.size(owner, "num_kv_heads", num_kv_heads)
+        head_dim = arguments.size(owner, "head_dim", head_dim)
+        dtype = arguments.float_dtype(owner, "dtype", dtype)
+        self.page_size, self.num_kv_heads, self.head_dim = page_size, num_kv_heads, head_dim
+        self.keys = xp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype)
+        self.values = xp.zeros_like(self.keys)
+        self._free = list(range(num_pages - 1, -1, -1))  # pages not in use, the next one last
+        self._pages: dict = {}     # sequence id -> its pages, in order
+        self._lengths: dict = {}   # sequence id -> keys held
+        self._xp = xp
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def sequences(self) -> tuple:
+        return tuple(self._pages)
+
+    def length(self, sequence) -> int:
+        """Keys held for ``sequence``."""
+        return self._lengths[self._known(sequence)]
+
+    def add(self, sequence) -> None:
+        """Start an empty sequence named ``sequence``."""
+        if sequence in self._pages:
+            raise ValueError(f"PagedKVCache: sequence {sequence!r} is already in the cache")
+        self._pages[sequence], self._lengths[sequence] = [], 0
+
+    def free(self, sequence) -> None:
+        """Drop ``sequence`` and give its pages back to the pool."""
+        self._free.extend(reversed(self._pages.pop(self._known(sequence))))
+        del self._lengths[sequence]
+
+    def block_table(self, sequences):
+        """int64 (len(sequences), most pages held) NumPy: each sequence's pages, padded
+        with page 0 (never read: each sequence reads its own length)."""
+        pages = [self._pages[self._known(s)] for s in sequences]
+        table = np.zeros((len(pages), max((len(p) for p in pages), default=0)), np.int64)
+        for row, held in enumerate(pages):
+            table[row, :len(held)] = held
+        return table
+
+    def attend(self, sequences, q, k=None, v=None, **options):
+        """One step of :func:`npattn.attention_with_kvcache` for ``sequences`` (B ids, one
+        per row of q (B, Sq, H, D)): their new k and v (B, Sn, Hkv, D) go into pages of
+        the pool (taken as needed), then every row attends to its sequence's keys, row i
+        at position ``length + i``. ``options``: those of attention_with_kvcache. Raises
+        MemoryError, before writing anything, when the pool has too few free pages."""
+        sequences = list(sequences)
+        if len(set(sequences)) != len(sequences):
+            raise ValueError(f"PagedKVCache.attend: sequences must be distinct; got {sequences!r}")
+        new = 0 if k is None else int(np.shape(k)[1])
+        wanted = [max(0, -(-(self.length(s) + new) // self.page_size) - len(self._pages[s])) for s in sequences]
+        if sum(wanted) > len(self._free):
+            raise MemoryError(f"PagedKVCache: {sum(wanted)} more pages needed, {len(self._free)} free "
+                              f"(free finished sequences, or make the pool larger)")
+        for sequence, count in zip(sequences, wanted):
+            self._pages[sequence] += [self._free.pop() for _ in range(count)]
+        lengths = np.array([self._lengths[s] for s in sequences], np.int64)
+        result = attention_with_kvcache(q, self.keys, self.values, k, v, cache_seqlens=lengths,
+                                        block_table=self._xp.asarray(self.block_table(sequences)), **options)
+        for sequence in sequences:
+            self._lengths[sequence] += new
+        return result
+
+    def _known(self, sequence):
+        if sequence not in self._pages:
+            raise KeyError(f"PagedKVCache: no sequence {sequence!r} (add it first)")
+        return sequence

@@ -1,0 +1,176 @@
+"""Packed variable-length batches (FlashAttention's ``flash_attn_varlen_func``): the
+sequences of a batch laid end to end, with no padding.
+
+q (Tq, H, D), k (Tk, Hkv, D) and v (Tk, Hkv, Dv) hold the tokens of B sequences one
+after the other; ``cu_seqlens_q`` and ``cu_seqlens_k`` (B + 1,) are the cumulative
+lengths (``[0, L_0, L_0 + L_1, ..., T]``): sequence b's queries are rows
+``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and its keys rows ``cu_seqlens_k[b]:...``.
+Each sequence attends to its own keys only, with every option applied within it (causal
+and windows align at its own bottom-right corner, ALiBi counts its own positions, its
+dropout mask is the one batch entry b of a padded call would draw): the answer is that
+of each sequence called alone. Nothing is padded or materialized: the work and the
+memory are those of the sequences themselves.
+
+Each sequence runs as one call of the backend's kernels on views of the packed arrays;
+the outputs go straight into one packed array.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from . import _arrays, checks
+from .api import attention, attention_vjp
+from .types import Array
+
+# Options that describe a padded batch, which a packed one replaces.
+_RESERVED = ("layout", "q_lengths", "kv_lengths", "q_start", "kv_start", "mask", "bias")
+
+
+def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int | None = None,
+                     max_seqlen_k: int | None = None, **options: Any) -> Any:
+    """Attention over the packed sequences of ``q``, ``k``, ``v`` (see :mod:`npattn.varlen`).
+
+    q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv); ``cu_seqlens_q`` and ``cu_seqlens_k``
+    int (B + 1,), nondecreasing from 0 to Tq and Tk (a sequence may be empty).
+    ``max_seqlen_q`` / ``max_seqlen_k``, when given, must bound the lengths (checked; the
+    kernels need no padded size). ``options`` are :func:`npattn.attention`'s, per
+    sequence: ``alibi_slopes`` (H,) or (B, H), ``q_offset`` an int or int (B,), a
+    ``dropout_offset`` added to each sequence's (b, 0, 0, 0); not ``layout``, the
+    lengths or starts, ``mask`` or ``bias`` (a padded batch's).
+
+    Returns out (Tq, H, Dv) in q's dtype, or with ``return_lse`` the tuple
+    ``(out, lse)``, lse (H, Tq) in the compute dtype (FlashAttention's layout).
+    """
+    plan = _Plan.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    return plan.run(lambda qb, kb, vb, opts: (attention(qb, kb, vb, **opts), None))[0]
+
+
+def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                         max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                         **options: Any) -> tuple[Any, Callable[[Any], tuple[Array, ...]]]:
+    """``(outputs, vjp)``: :func:`attention_varlen`'s outputs and the function of ``dout``
+    (Tq, H, Dv) that returns ``(dq, dk, dv)`` packed like q, k and v, then
+    ``dsink_logits`` (H,) when ``sink_logits`` was given. A dropout mask is reused."""
+    plan = _Plan.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    outputs, vjps = plan.run(lambda qb, kb, vb, opts: attention_vjp(qb, kb, vb, **opts))
+    out = outputs[0] if isinstance(outputs, tuple) else outputs
+
+    def vjp(dout: Any) -> tuple[Array, ...]:
+        (dout,) = checks.as_arrays(dout=dout, reference=plan.q)
+        checks.check_float_dtype("dout", dout)
+        if tuple(dout.shape) != tuple(out.shape):
+            raise ValueError(f"dout must have the output's shape {tuple(out.shape)}, got {tuple(dout.shape)}")
+        xp = plan.xp
+        dq, dk, dv = xp.zeros_like(plan.q), xp.zeros_like(plan.k), xp.zeros_like(plan.v)
+        dsink = None if plan.options.get("sink_logits") is None else 0
+        for b, sequence_vjp in vjps:
+            q0, q1, k0, k1 = plan.bounds(b)
+            grads = sequence_vjp(dout[None, q0:q1])
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = grads[0][0], grads[1][0], grads[2][0]
+            if dsink is not None:
+                dsink = dsink + grads[3]
+        if dsink is not None:
+            sink = plan.options["sink_logits"]
+            dsink = (dsink if not isinstance(dsink, int) else xp.zeros(np.shape(sink))).astype(
+                getattr(sink, "dtype", np.float64), copy=False)
+            return dq, dk, dv, dsink
+        return dq, dk, dv
+
+    return outputs, vjp
+
+
+class _Plan:
+    """A checked packed call: the arrays, the sequences' bounds, and the options of each."""
+
+    def __init__(self, q, k, v, starts_q, starts_k, options):
+        self.q, self.k, self.v = q, k, v
+        self.xp = _arrays.array_module(q)
+        self.starts_q, self.starts_k = starts_q, starts_k
+        self.options = options
+
+    @classmethod
+    def of(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options) -> "_Plan":
+        for name in _RESERVED:
+            if name in options:
+                raise TypeError(f"attention_varlen does not take {name}: packed sequences replace a padded batch "
+                                f"(got {name}={options[name]!r})")
+        q, k, v = checks.as_arrays(q=q, k=k, v=v)
+        for name, array, described in (("q", q, "(Tq, H, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, Dv)")):
+            checks.check_float_dtype(name, array)
+            if array.ndim != 3:
+                raise ValueError(f"{name} must be 3-D {described} (packed tokens), got shape {tuple(array.shape)}")
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"k and v must hold the same tokens, got {k.shape[0]} and {v.shape[0]}")
+        starts_q = _cumulative("cu_seqlens_q", cu_seqlens_q, q.shape[0], "Tq", max_seqlen_q, "max_seqlen_q")
+        starts_k = _cumulative("cu_seqlens_k", cu_seqlens_k, k.shape[0], "Tk", max_seqlen_k, "max_seqlen_k")
+        if len(starts_q) != len(starts_k):
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
+                             f"{len(starts_q) - 1} and {len(starts_k) - 1}")
+        options = dict(options)
+        if options.get("dropout_p", 0) and options.get("seed") is None:  # one seed for every sequence
+            options["seed"] = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
+        return cls(q, k, v, starts_q, starts_k, options)
+
+    @property
+    def sequences(self) -> int:
+        return len(self.starts_q) - 1
+
+    def bounds(self, b: int) -> tuple[int, int, int, int]:
+        """Sequence b's query rows [q0, q1) and key rows [k0, k1)."""
+        return (int(self.starts_q[b]), int(self.starts_q[b + 1]), int(self.starts_k[b]), int(self.starts_k[b + 1]))
+
+    def sequence_options(self, b: int) -> dict:
+        """The options of sequence b's call: per-sequence entries picked, its dropout offset."""
+        options = dict(self.options, layout="bshd")
+        offset = options.get("dropout_offset", (0, 0, 0, 0))
+        options["dropout_offset"] = (offset[0] + b, *offset[1:])
+        slopes = options.get("alibi_slopes")
+        if slopes is not None and np.ndim(slopes) == 2:
+            options["alibi_slopes"] = slopes[b]
+        q_offset = options.get("q_offset")
+        if q_offset is not None and np.ndim(q_offset) == 1:
+            options["q_offset"] = int(q_offset[b])
+        return options
+
+    def run(self, call):
+        """``call(q_b, k_b, v_b, options_b)`` -> ``(outputs, extra)`` for every nonempty
+        sequence b (views as one "bshd" batch entry); returns (the packed outputs,
+        [(b, extra), ...])."""
+        xp, q, v = self.xp, self.q, self.v
+        compute = np.float64 if q.dtype == np.float64 else np.float32
+        out = xp.zeros((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
+        want_lse = bool(self.options.get("return_lse"))
+        lse = xp.full((q.shape[1], q.shape[0]), -np.inf, compute) if want_lse else None
+        extras = []
+        for b in range(self.sequences):
+            q0, q1, k0, k1 = self.bounds(b)
+            if q1 == q0:
+                continue
+            outputs, extra = call(q[None, q0:q1], self.k[None, k0:k1], v[None, k0:k1], self.sequence_options(b))
+            out[q0:q1] = (outputs[0] if want_lse else outputs)[0]
+            if want_lse:
+                lse[:, q0:q1] = outputs[1][0]
+            extras.append((b, extra))
+        return ((out, lse) if want_lse else out), extras
+
+
+def _cumulative(name, values, total, total_name, bound, bound_name):
+    """``values`` as an int64 NumPy (B + 1,) array: 0 first, nondecreasing, ``total`` last,
+    every step at most ``bound`` (when given)."""
+    host = _arrays.to_numpy(values) if hasattr(values, "shape") else np.asarray(values)
+    if host.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array (B + 1,), got dtype {host.dtype}")
+    if host.ndim != 1 or host.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D (B + 1,), got shape {host.shape}")
+    host = host.astype(np.int64)
+    if host[0] != 0 or host[-1] != total:
+        raise ValueError(f"{name} must run from 0 to {total_name} = {total}, got {host[0]} ... {host[-1]}")
+    steps = np.diff(host)
+    if (steps < 0).any():
+        b = int(np.flatnonzero(steps < 0)[0])
+        raise ValueError(f"{name} must be nondecreasing, got {name}[{b}] = {host[b]} > {name}[{b + 1}] = {host[b + 1]}")
+    if bound is not None and steps.size and steps.max() > bound:
+        raise ValueError(f"{bound_name} = {bound} is less than sequence {int(steps.argmax())}'s length {steps.max()}")
+    return host

@@ -1,0 +1,413 @@
+"""The serving calls against the dense reference on the unpacked, masked problem:
+packed variable-length batches (attention_varlen), decoding against contiguous and paged
+KV caches (attention_with_kvcache), left padding (q_start / kv_start) and the causal
+alignments, forward and backward, with hypothesis drawing the lengths (zeros included)
+and the page layouts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import npattn
+from npattn.kvcache import apply_rotary
+from conftest import NUMPY_BACKENDS
+import tolerances
+
+DTYPES = ("float64", "float32")
+
+
+def assert_close(actual, expected, dtype, length=32):
+    """Within the dtype's bound for sums of ``length`` terms (the problems here sum fewer)
+    of the size of the largest expected value (or 1), with room for the scores' size."""
+    expected = np.asarray(expected, np.float64)
+    finite = expected[np.isfinite(expected)]
+    magnitude = 8.0 * max(1.0, float(np.abs(finite).max(initial=0.0)))
+    tolerances.assert_close(actual, expected, dtype, length, magnitude)
+
+
+def _normal(rng, shape, dtype):
+    return rng.normal(size=shape).astype(dtype)
+
+
+@st.composite
+def packed_batches(draw):
+    """(lengths_q, lengths_k, H, Hkv, D, Dv, options) for a packed batch of 1-4 sequences."""
+    sequences = draw(st.integers(1, 4))
+    lengths_q = draw(st.lists(st.integers(0, 9), min_size=sequences, max_size=sequences))
+    lengths_k = draw(st.lists(st.integers(0, 9), min_size=sequences, max_size=sequences))
+    kv_heads = draw(st.integers(1, 2))
+    heads = kv_heads * draw(st.integers(1, 2))
+    options = {}
+    if draw(st.booleans()):
+        options["causal"] = draw(st.sampled_from([True, "top_left"]))
+    if draw(st.booleans()):
+        options["window"] = draw(st.integers(0, 4))
+        options["sinks"] = draw(st.integers(0, 2))
+    if draw(st.booleans()):
+        options["alibi_slopes"] = draw(st.sampled_from([(heads,), (sequences, heads)]))
+    if draw(st.booleans()):
+        options["softcap"] = 2.0
+    if draw(st.booleans()):
+        options["sink_logits"] = (heads,)
+    if draw(st.booleans()):
+        options.update(dropout_p=0.3, seed=draw(st.integers(0, 2**40)))
+    return lengths_q, lengths_k, heads, kv_heads, draw(st.integers(1, 8)), draw(st.integers(1, 8)), options
+
+
+def _padded(packed, starts, width):
+    """Packed (T, H, X) rows as a zero-padded (B, width, H, X) batch."""
+    batch = len(starts) - 1
+    padded = np.zeros((batch, width) + packed.shape[1:], packed.dtype)
+    for b in range(batch):
+        padded[b, :starts[b + 1] - starts[b]] = packed[starts[b]:starts[b + 1]]
+    return padded
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(case=packed_batches(), seed=st.integers(0, 2**32 - 1))
+def test_varlen_equals_the_padded_reference_forward_and_backward(backend, dtype, case, seed):
+    lengths_q, lengths_k, heads, kv_heads, head_dim, value_dim, options = case
+    rng = np.random.default_rng(seed)
+    cu_q, cu_k = np.r_[0, np.cumsum(lengths_q)], np.r_[0, np.cumsum(lengths_k)]
+    q = _normal(rng, (cu_q[-1], heads, head_dim), dtype)
+    k = _normal(rng, (cu_k[-1], kv_heads, head_dim), dtype)
+    v = _normal(rng, (cu_k[-1], kv_heads, value_dim), dtype)
+    options = {name: (rng.uniform(0.1, 1.0, value) if name == "alibi_slopes" else
+                      rng.normal(size=value) if name == "sink_logits" else value) for name, value in options.items()}
+    (out, lse), vjp = npattn.attention_varlen_vjp(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                   return_lse=True, backend=backend, **options)
+    dout = _normal(rng, out.shape, dtype)
+    grads = vjp(dout)
+
+    # the unpacked problem: padded rows and keys hidden by lengths, each sequence aligned
+    # at its own bottom-right corner (q_offset = Lk - Lq) unless top-left
+    lengths_q, lengths_k = np.array(lengths_q), np.array(lengths_k)
+    width_q, width_k = max(1, lengths_q.max()), max(1, lengths_k.max())
+    dense = dict(options)
+    if dense.get("alibi_slopes") is not None and dense["alibi_slopes"].ndim == 1:
+        dense["alibi_slopes"] = np.broadcast_to(dense["alibi_slopes"], (len(lengths_q), heads))
+    if dense.get("causal") == "top_left":
+        dense["causal"] = True
+        dense["q_offset"] = np.zeros(len(lengths_q), np.int64)
+    else:
+        dense["q_offset"] = lengths_k - lengths_q
+    (expected, expected_lse), expected_vjp = npattn.attention_vjp(
+        _padded(q, cu_q, width_q), _padded(k, cu_k, width_k), _padded(v, cu_k, width_k), layout="bshd",
+        q_lengths=lengths_q, kv_lengths=lengths_k, return_lse=True, backend="reference", **dense)
+    expected_grads = expected_vjp(_padded(dout, cu_q, width_q))
+    for b in range(len(lengths_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        assert_close(out[rows], expected[b, :lengths_q[b]], dtype)
+        assert_close(lse[:, rows], expected_lse[b, :, :lengths_q[b]], dtype)
+        assert_close(grads[0][rows], expected_grads[0][b, :lengths_q[b]], dtype)
+        assert_close(grads[1][keys], expected_grads[1][b, :lengths_k[b]], dtype)
+        assert_close(grads[2][keys], expected_grads[2][b, :lengths_k[b]], dtype)
+    if "sink_logits" in options:
+        assert_close(grads[3], expected_grads[3], dtype)
+
+
+@st.composite
+def paged_cases(draw):
+    """(batch, heads, kv_heads, q_len, page_size, pages per entry, pool pages, D, options)."""
+    kv_heads = draw(st.integers(1, 2))
+    options = {}
+    if draw(st.booleans()):
+        options["causal"] = True
+    if draw(st.booleans()):
+        options["window"] = draw(st.integers(0, 9))
+    if draw(st.booleans()):
+        options["kv_lengths"] = True
+    if draw(st.booleans()):
+        options["alibi_slopes"] = True
+    batch, per_entry = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    return (batch, kv_heads * draw(st.integers(1, 3)), kv_heads, draw(st.integers(1, 5)),
+            draw(st.sampled_from([1, 2, 3, 8, 16, 40])), per_entry, batch * per_entry + draw(st.integers(0, 3)),
+            draw(st.sampled_from([4, 8, 16])), options)
+
+
+def check_paged_forward(backend, case, seed, dtype):
+    """attention with ``block_table`` on pools of pages equals it on each entry's pages
+    gathered into (B, Sk, Hkv, D) keys and values (the reference)."""
+    batch, heads, kv_heads, q_len, page_size, per_entry, pool, head_dim, options = case
+    rng = np.random.default_rng(seed)
+    q = _normal(rng, (batch, q_len, heads, head_dim), dtype)
+    k_pool = _normal(rng, (pool, page_size, kv_heads, head_dim), dtype)
+    v_pool = _normal(rng, (pool, page_size, kv_heads, head_dim), dtype)
+    table = rng.permutation(pool)[:batch * per_entry].reshape(batch, per_entry)
+    kv_len = per_entry * page_size
+    options = dict(options)
+    if options.pop("kv_lengths", None):
+        options["kv_lengths"] = rng.integers(0, kv_len + 1, batch)
+    if options.pop("alibi_slopes", None):
+        options["alibi_slopes"] = rng.uniform(0.1, 1.0, heads)
+    out, lse = npattn.attention(q, k_pool, v_pool, block_table=table, layout="bshd", return_lse=True,
+                                backend=backend, **options)
+    keys = k_pool[table].reshape(batch, kv_len, kv_heads, head_dim)
+    values = v_pool[table].reshape(batch, kv_len, kv_heads, head_dim)
+    expected, expected_lse = npattn.attention(q, keys, values, layout="bshd", return_lse=True, backend="reference",
+                                              **options)
+    assert_close(out, expected, dtype, kv_len)
+    assert_close(lse, expected_lse, dtype, kv_len)
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(case=paged_cases(), seed=st.integers(0, 2**32 - 1))
+def test_paged_keys_equal_their_gathered_copy(backend, dtype, case, seed):
+    check_paged_forward(backend, case, seed, dtype)
+
+
+@st.composite
+def cache_cases(draw):
+    batch = draw(st.integers(1, 3))
+    new = draw(st.integers(0, 3))
+    queries = draw(st.integers(1, 3))
+    cached = draw(st.lists(st.integers(0, 7), min_size=batch, max_size=batch))
+    page_size = draw(st.sampled_from([None, 1, 2, 4]))
+    options = {}
+    if draw(st.booleans()):
+        options["causal"] = True
+    if draw(st.booleans()):
+        options["window"] = draw(st.integers(0, 3))
+    if draw(st.booleans()):
+        options["alibi_slopes"] = True
+    rotary = draw(st.sampled_from([None, False, True]))  # None: no rotary; else interleaved or not
+    slots = draw(st.booleans())  # contiguous cache rows picked by cache_batch_idx
+    return batch, new, queries, cached, page_size, options, rotary, slots
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+@given(case=cache_cases(), seed=st.integers(0, 2**32 - 1))
+def test_kvcache_appends_in_place_and_equals_the_reference(backend, case, seed):
+    batch, new, queries, cached, page_size, options, rotary, slots = case
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, head_dim, capacity = 4, 2, 6, 12
+    cached = np.array(cached)
+    q = rng.normal(size=(batch, queries, heads, head_dim))
+    k_new = rng.normal(size=(batch, new, kv_heads, head_dim)) if new else None
+    v_new = rng.normal(size=(batch, new, kv_heads, head_dim)) if new else None
+    # every sequence's keys as one contiguous (capacity) row: what the cache should hold
+    logical_k = rng.normal(size=(batch, capacity, kv_heads, head_dim))
+    logical_v = rng.normal(size=(batch, capacity, kv_heads, head_dim))
+    if options.pop("alibi_slopes", None):
+        options["alibi_slopes"] = rng.uniform(0.1, 1.0, heads)
+    call = {}
+    if page_size is None:
+        rows = rng.permutation(batch + 2)[:batch] if slots else np.arange(batch)
+        k_cache = rng.normal(size=(batch + 2 if slots else batch, capacity, kv_heads, head_dim))
+        v_cache = rng.normal(size=k_cache.shape)
+        k_cache[rows], v_cache[rows] = logical_k, logical_v
+        if slots:
+            call["cache_batch_idx"] = rows
+
+        def read(cache):
+            return cache[rows]
+    else:
+        pages_per_sequence = capacity // page_size
+        table = rng.permutation(batch * pages_per_sequence + 3)[:batch * pages_per_sequence]
+        table = table.reshape(batch, pages_per_sequence)
+        k_cache = rng.normal(size=(batch * pages_per_sequence + 3, page_size, kv_heads, head_dim))
+        v_cache = rng.normal(size=k_cache.shape)
+        k_cache[table] = logical_k.reshape(batch, pages_per_sequence, page_size, kv_heads, head_dim)
+        v_cache[table] = logical_v.reshape(batch, pages_per_sequence, page_size, kv_heads, head_dim)
+        call["block_table"] = table
+
+        def read(cache):
+            return cache[table].reshape(batch, capacity, kv_heads, head_dim)
+    if rotary is not None:
+        angles = np.arange(capacity)[:, None] * rng.uniform(0.01, 1.0, 2)[None, :]
+        call.update(rotary_cos=np.cos(angles), rotary_sin=np.sin(angles), rotary_interleaved=rotary)
+    untouched = k_cache.copy(), v_cache.copy()
+    inputs = [None if x is None else x.copy() for x in (q, k_new, v_new)]
+
+    out, lse = npattn.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
+                                             return_lse=True, backend=backend, **call, **options)
+
+    for before, after in zip(inputs, (q, k_new, v_new)):
+        assert before is None or np.array_equal(before, after)  # q, k, v are never modified
+    q_rotated, k_rotated = q, k_new
+    if rotary is not None:
+        q_rotated = apply_rotary(q, cached, call["rotary_cos"], call["rotary_sin"], rotary)
+        k_rotated = None if k_new is None else apply_rotary(k_new, cached, call["rotary_cos"], call["rotary_sin"],
+                                                             rotary)
+    expected_k, expected_v = logical_k.copy(), logical_v.copy()
+    for b in range(batch):
+        if new:
+            expected_k[b, cached[b]:cached[b] + new] = k_rotated[b]
+            expected_v[b, cached[b]:cached[b] + new] = v_new[b]
+    np.testing.assert_array_equal(read(k_cache), expected_k)  # appended at each sequence's own length
+    np.testing.assert_array_equal(read(v_cache), expected_v)
+    if page_size is None and slots:  # the rows no sequence uses are untouched
+        others = np.setdiff1d(np.arange(k_cache.shape[0]), call["cache_batch_idx"])
+        np.testing.assert_array_equal(k_cache[others], untouched[0][others])
+    elif page_size is not None:
+        others = np.setdiff1d(np.arange(k_cache.shape[0]), call["block_table"])
+        np.testing.assert_array_equal(k_cache[others], untouched[0][others])
+    for b in range(batch):  # each sequence alone, its rows at positions cached[b] + i
+        keys = cached[b] + new
+        expected, expected_lse = npattn.attention(
+            q_rotated[b:b + 1], expected_k[b:b + 1, :keys], expected_v[b:b + 1, :keys], layout="bshd",
+            q_offset=int(cached[b]), return_lse=True, backend="reference", **options)
+        assert_close(out[b:b + 1], expected, "float64")
+        assert_close(lse[b:b + 1], expected_lse, "float64")
+
+
+def test_kvcache_rotary_turns_scores_into_functions_of_the_distance():
+    # a key rotated at position p and a query at p + 3 score as at positions 0 and 3
+    rng = np.random.default_rng(1)
+    angles = np.arange(16)[:, None] * np.array([0.3, 0.05])[None, :]
+    cos, sin = np.cos(angles), np.sin(angles)
+    x = rng.normal(size=(1, 1, 1, 4))
+    y = rng.normal(size=(1, 1, 1, 4))
+    for interleaved in (False, True):
+        near = (apply_rotary(x, np.array([0]), cos, sin, interleaved) *
+                apply_rotary(y, np.array([3]), cos, sin, interleaved)).sum()
+        far = (apply_rotary(x, np.array([9]), cos, sin, interleaved) *
+               apply_rotary(y, np.array([12]), cos, sin, interleaved)).sum()
+        assert abs(near - far) < 1e-12
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+def test_causal_top_left_is_torchs_is_causal_and_differs_from_bottom_right(backend):
+    rng = np.random.default_rng(2)
+    q, k, v = rng.normal(size=(1, 2, 4, 3)), rng.normal(size=(1, 2, 8, 3)), rng.normal(size=(1, 2, 8, 3))
+    top_left_mask = np.tril(np.ones((4, 8), bool))        # torch's is_causal: key j <= row i
+    bottom_right_mask = np.tril(np.ones((4, 8), bool), 4)  # key j <= i + Sk - Sq
+    for causal, mask in (("top_left", top_left_mask), ("bottom_right", bottom_right_mask), (True, bottom_right_mask)):
+        assert_close(npattn.attention(q, k, v, causal=causal, backend=backend),
+                     npattn.attention(q, k, v, mask=mask, backend="reference"), "float64")
+    assert np.abs(npattn.attention(q, k, v, causal="top_left", backend=backend)
+                  - npattn.attention(q, k, v, causal=True, backend=backend)).max() > 0.1
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+@given(seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_left_padding_equals_each_sequence_alone(backend, seed, data):
+    rng = np.random.default_rng(seed)
+    batch, q_len, kv_len = 2, 6, 8
+    q_start = np.array(data.draw(st.lists(st.integers(0, q_len), min_size=batch, max_size=batch)))
+    kv_start = np.array(data.draw(st.lists(st.integers(0, kv_len), min_size=batch, max_size=batch)))
+    options = data.draw(st.sampled_from([{}, {"causal": True}, {"causal": "top_left"},
+                                         {"causal": True, "window": 2, "sinks": 1},
+                                         {"alibi_slopes": np.array([0.5, 0.25])}]))
+    q, k, v = (rng.normal(size=(batch, 2, n, 4)) for n in (q_len, kv_len, kv_len))
+    out, vjp = npattn.attention_vjp(q, k, v, q_start=q_start, kv_start=kv_start, backend=backend, **options)
+    dout = rng.normal(size=out.shape)
+    dq, dk, dv = vjp(dout)
+    for b in range(batch):
+        rows, keys = slice(q_start[b], None), slice(kv_start[b], None)
+        alone, alone_vjp = npattn.attention_vjp(q[b:b + 1, :, rows], k[b:b + 1, :, keys], v[b:b + 1, :, keys],
+                                                backend="reference", **options)
+        alone_dq, alone_dk, alone_dv = alone_vjp(dout[b:b + 1, :, rows])
+        assert_close(out[b:b + 1, :, rows], alone, "float64")
+        assert_close(dq[b:b + 1, :, rows], alone_dq, "float64")
+        assert_close(dk[b:b + 1, :, keys], alone_dk, "float64")
+        assert_close(dv[b:b + 1, :, keys], alone_dv, "float64")
+        # the padding outputs zeros and takes no gradient
+        assert not out[b, :, :q_start[b]].any() and not dq[b, :, :q_start[b]].any()
+        assert not dk[b, :, :kv_start[b]].any() and not dv[b, :, :kv_start[b]].any()
+
+
+def test_serving_calls_reject_bad_input_by_name():
+    q, kv = np.zeros((2, 1, 2, 4)), np.zeros((2, 5, 1, 4))
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] \+ 1 new keys = 6 exceeds the cache's 5"):
+        npattn.attention_with_kvcache(q, kv, kv.copy(), np.zeros((2, 1, 1, 4)), np.zeros((2, 1, 1, 4)),
+                                      cache_seqlens=np.array([0, 5]))
+    with pytest.raises(TypeError, match="sets q_offset itself"):
+        npattn.attention_with_kvcache(q, kv, kv, cache_seqlens=1, q_offset=0)
+    with pytest.raises(ValueError, match="k_cache has 3 rows but q has batch 2"):
+        npattn.attention_with_kvcache(q, np.zeros((3, 5, 1, 4)), np.zeros((3, 5, 1, 4)), cache_seqlens=1)
+    with pytest.raises(ValueError, match=r"block_table must lie in \[0, 3\]"):
+        npattn.attention_with_kvcache(q, np.zeros((4, 2, 1, 4)), np.zeros((4, 2, 1, 4)), cache_seqlens=1,
+                                      block_table=np.array([[0, 4], [1, 2]]))
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        npattn.attention_with_kvcache(q, kv, kv, np.zeros((2, 1, 1, 4)), cache_seqlens=1)
+    with pytest.raises(ValueError, match="rotary_cos has 3 positions"):
+        npattn.attention_with_kvcache(q, kv, kv, cache_seqlens=3, rotary_cos=np.ones((3, 2)),
+                                      rotary_sin=np.ones((3, 2)))
+    packed = np.zeros((5, 1, 4))
+    with pytest.raises(ValueError, match="cu_seqlens_q must run from 0 to Tq = 5"):
+        npattn.attention_varlen(packed, packed, packed, [0, 2, 4], [0, 2, 5])
+    with pytest.raises(ValueError, match="cu_seqlens_k must be nondecreasing"):
+        npattn.attention_varlen(packed, packed, packed, [0, 2, 5], [0, 3, 2, 5])
+    with pytest.raises(ValueError, match="max_seqlen_q = 2 is less than sequence 1's length 3"):
+        npattn.attention_varlen(packed, packed, packed, [0, 2, 5], [0, 2, 5], max_seqlen_q=2)
+    with pytest.raises(TypeError, match="attention_varlen does not take mask"):
+        npattn.attention_varlen(packed, packed, packed, [0, 5], [0, 5], mask=np.ones((5, 5), bool))
+    with pytest.raises(ValueError, match='causal="top_left" already places the rows'):
+        npattn.attention(q, q, q, causal="top_left", q_offset=1)
+    with pytest.raises(ValueError, match='causal must be a bool, "bottom_right" or "top_left"'):
+        npattn.attention(q, q, q, causal="top-left")
+    with pytest.raises(ValueError, match=r"q_offset as an array must have shape \(B,\) = \(2,\)"):
+        npattn.attention(q, q, q, q_offset=np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"block_table must hold page indices in \[0, 2\)"):
+        npattn.attention(q, kv[:, :1], kv[:, :1], layout="bshd", block_table=np.array([[0, 2], [1, 1]]))
+    with pytest.raises(TypeError, match="block_table .* is for the forward only"):
+        npattn.attention_vjp(q, kv[:, :1], kv[:, :1], layout="bshd", block_table=np.array([[0], [1]]))
+    with pytest.raises(ValueError, match=r"q_start must lie in \[0, Sq\] = \[0, 2\]"):
+        npattn.attention(q, q, q, q_start=np.array([0, 3]))
+
+
+def test_a_call_that_raises_leaves_the_cache_as_it_was():
+    rng = np.random.default_rng(3)
+    q, k, v = rng.normal(size=(2, 1, 2, 4)), rng.normal(size=(2, 1, 1, 4)), rng.normal(size=(2, 1, 1, 4))
+    k_cache, v_cache = rng.normal(size=(2, 5, 1, 4)), rng.normal(size=(2, 5, 1, 4))
+    before = k_cache.copy(), v_cache.copy()
+    with pytest.raises(ValueError, match="window must be non-negative"):
+        npattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.array([1, 2]), window=-1)
+    np.testing.assert_array_equal(k_cache, before[0])
+    np.testing.assert_array_equal(v_cache, before[1])
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+def test_kvcache_attend_keeps_a_length_per_row(backend):
+    from npattn.nn import KVCache
+
+    rng = np.random.default_rng(4)
+    cache = KVCache(3, 1, 4, capacity=8, dtype="float64")
+    first = rng.normal(size=(3, 2, 2, 4)), rng.normal(size=(3, 2, 1, 4)), rng.normal(size=(3, 2, 1, 4))
+    cache.attend(*first, causal=True, backend=backend)
+    later = rng.normal(size=(2, 1, 2, 4)), rng.normal(size=(2, 1, 1, 4)), rng.normal(size=(2, 1, 1, 4))
+    out = cache.attend(*later, rows=[2, 0], causal=True, backend=backend)  # rows 2 and 0 move on, row 1 waits
+    assert cache.lengths.tolist() == [3, 2, 3] and cache.position == 3
+    for index, row in enumerate((2, 0)):
+        keys = np.concatenate([first[1][row], later[1][index]])[None]
+        values = np.concatenate([first[2][row], later[2][index]])[None]
+        expected = npattn.attention(later[0][index:index + 1], keys, values, causal=True, layout="bshd",
+                                    backend="reference")
+        assert_close(out[index:index + 1], expected, "float64")
+    with pytest.raises(ValueError, match="rows hold different lengths"):
+        cache.check(3, 1, 4, 1)
+    cache.reset([0, 2])
+    assert cache.lengths.tolist() == [0, 2, 0]
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+def test_paged_cache_takes_and_gives_back_pages(backend):
+    from npattn.nn import PagedKVCache
+
+    rng = np.random.default_rng(5)
+    cache = PagedKVCache(num_pages=5, page_size=2, num_kv_heads=1, head_dim=4, dtype="float64")
+    cache.add("a")
+    cache.add("b")
+    history = {"a": [], "b": []}
+    for sequences, new in ((["a"], 3), (["a", "b"], 1), (["b"], 2)):
+        q = rng.normal(size=(len(sequences), new, 2, 4))
+        k, v = rng.normal(size=(len(sequences), new, 1, 4)), rng.normal(size=(len(sequences), new, 1, 4))
+        out = cache.attend(sequences, q, k, v, causal=True, backend=backend)
+        for row, name in enumerate(sequences):
+            history[name].append((k[row], v[row]))
+            keys = np.concatenate([x for x, _ in history[name]])[None]
+            values = np.concatenate([y for _, y in history[name]])[None]
+            expected = npattn.attention(q[row:row + 1], keys, values, causal=True, layout="bshd", backend="reference")
+            assert_close(out[row:row + 1], expected, "float64")
+    assert (cache.length("a"), cache.length("b"), cache.free_pages) == (4, 3, 1)
+    with pytest.raises(MemoryError, match="2 more pages needed, 1 free"):
+        cache.attend(["a"], *(rng.normal(size=(1, 3, n, 4)) for n in (2, 1, 1)))
+    assert cache.length("a") == 4  # nothing written
+    cache.free("a")
+    assert cache.free_pages == 3 and cache.sequences == ("b",)
+    with pytest.raises(KeyError, match="no sequence 'a'"):
+        cache.length("a")
