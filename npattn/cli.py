@@ -178,6 +178,10 @@ def main(argv=None) -> int:
     bench_parser.add_argument("--ring", type=_positive_int, metavar="N",
                               help="ring attention on N MPI ranks against one process instead (one thread "
                                    "each; one shape B,H,S,D, default 1,8,8192,64, causal, zigzag shards)")
+    bench_parser.add_argument("--layouts", action="store_true",
+                              help="the serving layouts instead: a packed variable-length batch against each "
+                                   "sequence alone, and a decode step on a paged cache against a contiguous one "
+                                   "(with --gpu: on the GPU)")
     bench_parser.add_argument("--gpu", action="store_true",
                               help="the CUDA kernels against torch SDPA's fastest backend on the GPU instead")
     bench_parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
@@ -214,7 +218,11 @@ def main(argv=None) -> int:
             return _rerun_with(bench_isa_variables(args.isa), argv)
         from . import bench
 
-        if args.gpu:
+        if args.layouts:
+            from . import bench_layouts
+
+            bench_layouts.compare(repeats=args.repeats, gpu=args.gpu)
+        elif args.gpu:
             from . import bench_gpu
 
             suite = args.suite or "all"

@@ -199,3 +199,26 @@ def test_bench_adapters_times_each_way_of_calling_against_numpy(monkeypatch, cap
     assert set(results) == expected
     assert all(ms > 0 for ms, _ in results.values())
     assert "(1,2,16,8) causal float32" in capsys.readouterr().out
+
+
+def test_bench_layouts_rows_are_consistent(monkeypatch):
+    """The serving layouts' comparison at small sizes: its rows and ratios agree with the
+    printed times (torch columns only when importable)."""
+    from npattn import bench_layouts, timing
+
+    monkeypatch.setattr(timing, "SETTLE_S", 0.0)
+    monkeypatch.setattr(bench_layouts, "VARLEN_TOKENS", 640)
+    monkeypatch.setattr(bench_layouts, "VARLEN_SEQUENCES", 4)
+    monkeypatch.setattr(bench_layouts, "VARLEN_HEADS", 2)
+    monkeypatch.setattr(bench_layouts, "DECODE", (2, 4, 2, 64, 16))
+    monkeypatch.setattr(bench_layouts, "PAGE_SIZES", (16, 4))
+    monkeypatch.setattr(bench_layouts, "DECODE_CALLS", 2)
+    printed = io.StringIO()
+    varlen, *paged = bench_layouts.compare(repeats=1, out=printed)
+    assert sum(varlen["lengths"]) == 640 and all(64 <= n <= 2048 for n in varlen["lengths"])
+    # one round: the median of per-round ratios is the ratio of the times
+    assert varlen["ratio"] == pytest.approx(varlen["packed_ms"] / varlen["alone_ms"])
+    assert [row["page_size"] for row in paged] == [16, 4]
+    for row in paged:
+        assert row["ratio"] == pytest.approx(row["paged_ms"] / row["contiguous_ms"])
+    assert "target <= 1.1x" in printed.getvalue()

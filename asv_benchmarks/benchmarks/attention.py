@@ -107,6 +107,56 @@ class Serving(_ForwardBackward):
         self.prepare()
 
 
+class Layouts:
+    """The serving layouts of ``python -m npattn bench --layouts``, float32: a packed
+    variable-length causal batch (8 sequences of 64-2048 tokens, 8192 in all, H=16, D=64)
+    and a decode step (B=16, H=32/8, up to 2048 cached keys, D=128) on a contiguous and
+    on a paged cache (pages of 256 keys)."""
+
+    params = (["cpu", "gpu"],)
+    param_names = ["backend"]
+    timeout = 300
+
+    def setup(self, backend):
+        from npattn import bench_layouts
+
+        require(backend)
+        rng = np.random.default_rng(0)
+        lengths = bench_layouts.varlen_lengths()
+        self.starts = np.concatenate([[0], np.cumsum(lengths)])
+        tokens = (bench_layouts.VARLEN_TOKENS, bench_layouts.VARLEN_HEADS, bench_layouts.VARLEN_DIM)
+        self.packed = to_device(backend, [rng.standard_normal(tokens).astype("float32") for _ in range(3)])
+        batch, heads, kv_heads, cached, dim = bench_layouts.DECODE
+        self.lengths = rng.integers(cached // 2, cached + 1, batch)
+        q, keys, values = (rng.standard_normal(shape).astype("float32")
+                           for shape in ((batch, 1, heads, dim), (batch, cached, kv_heads, dim),
+                                         (batch, cached, kv_heads, dim)))
+        pages = bench_layouts.paged_copy(keys, values, 256, rng)
+        self.q, self.k_cache, self.v_cache, self.k_pool, self.v_pool, self.table = to_device(
+            backend, [q, keys, values, *pages])
+
+    def time_varlen(self, backend):
+        npattn.attention_varlen(*self.packed, self.starts, self.starts, causal=True, backend=backend)
+        _synchronize(backend)
+
+    def time_decode_contiguous(self, backend):
+        npattn.attention_with_kvcache(self.q, self.k_cache, self.v_cache, cache_seqlens=self.lengths, causal=True,
+                                      backend=backend)
+        _synchronize(backend)
+
+    def time_decode_paged(self, backend):
+        npattn.attention_with_kvcache(self.q, self.k_pool, self.v_pool, cache_seqlens=self.lengths,
+                                      block_table=self.table, causal=True, backend=backend)
+        _synchronize(backend)
+
+
+def _synchronize(backend):
+    if backend == "gpu":
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
 def shaped_operands(backend, dtype, shape):
     """q, k, v, dout on ``backend`` for a "B,H,HKV,SQ,SK,D" shape: q and dout (B, H, SQ, D),
     k and v (B, HKV, SK, D)."""
