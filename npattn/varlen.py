@@ -140,7 +140,7 @@ class _Plan:
         [(b, extra), ...])."""
         xp, q, v = self.xp, self.q, self.v
         compute = np.float64 if q.dtype == np.float64 else np.float32
-        out = xp.zeros((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
+        out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)  # every row is some sequence's
         want_lse = bool(self.options.get("return_lse"))
         lse = xp.full((q.shape[1], q.shape[0]), -np.inf, compute) if want_lse else None
         extras = []

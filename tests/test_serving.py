@@ -411,3 +411,31 @@ def test_paged_cache_takes_and_gives_back_pages(backend):
     assert cache.free_pages == 3 and cache.sequences == ("b",)
     with pytest.raises(KeyError, match="no sequence 'a'"):
         cache.length("a")
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+@pytest.mark.parametrize("settings", [dict(rotary="rope"), dict(rotary=None, window=3, sinks=1),
+                                      dict(rotary="rope", sink_logits=True, num_kv_heads=1)],
+                         ids=["rope", "window", "mqa-sinks"])
+def test_modules_decode_in_place_without_grad_as_they_do_recording(backend, settings):
+    # under no_grad a cached step goes through KVCache.attend (attention_with_kvcache),
+    # recording through the concatenating path: the same answers, step by step
+    from npattn import autograd as ag
+    from npattn.nn import KVCache, MultiHeadAttention
+
+    settings = dict(settings)
+    kv_heads = settings.pop("num_kv_heads", 2)
+    module = MultiHeadAttention(32, 4, num_kv_heads=kv_heads, causal=True, seed=0, dtype="float64", backend=backend,
+                                **settings)
+    x = np.random.default_rng(6).standard_normal((2, 9, 32))
+    recorded, in_place = KVCache(2, kv_heads, 8, 9, dtype="float64"), KVCache(2, kv_heads, 8, 9, dtype="float64")
+    calls, attend = [], in_place.attend
+    in_place.attend = lambda *args, **options: calls.append(args) or attend(*args, **options)
+    for start, stop in ((0, 4), (4, 5), (5, 9)):  # a prompt, then one token, then a chunk
+        expected = module(x[:, start:stop], cache=recorded)
+        assert expected.requires_grad
+        with ag.no_grad():
+            got = module(x[:, start:stop], cache=in_place)
+        assert_close(got.data, expected.data, "float64")
+    np.testing.assert_allclose(in_place.keys, recorded.keys, atol=1e-12)
+    assert in_place.lengths.tolist() == [9, 9] and in_place.position == 9 and len(calls) == 3

@@ -3,7 +3,10 @@
 The module projects batch-first inputs, runs :func:`npattn.autograd.attention` once in
 the "bshd" layout (the projections' own layout: no transposes or copies), and
 projects back. Every option becomes a keyword of that one fused call: masks and
-padding become its ``mask``, float masks and biases its ``bias``.
+padding become its ``mask``, float masks and biases its ``bias``. A cached step with no
+gradient to record (inference) goes through :meth:`npattn.nn.KVCache.attend` instead
+(:func:`npattn.attention_with_kvcache`): the new keys are written into the cache and the
+kernels read it in place, where the recording path concatenates it with them.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from .. import arguments
 from .layers import LayerNorm, Linear, RMSNorm
 from .module import Module, parameter
 from .multiway import Multiway
-from .rotary import apply_rope, apply_xpos
+from .rotary import apply_rope, apply_xpos, rope_tables
 
 _NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 MASK_CONVENTIONS = ("allow", "torch")
@@ -158,6 +161,9 @@ class MultiHeadAttention(Module):
             q, k = self.q_norm(q), self.k_norm(k)
         causal = self.causal if causal is None else causal
         window, sinks = self.window, self.sinks
+        if cache is not None and self._decodes_in_place(cache, (q, k, v, bias, attn_mask)):
+            result = self._attend_in_place(cache, query, q, k, v, causal, attn_mask, bias, need_weights)
+            return self._project_out(result, batch, q_len, need_weights, average_attn_weights)
         if cache is None:
             # bottom-right: the last query is level with the last key
             q, k = self._rotate(q, k, kv_len - q_len)
@@ -175,6 +181,11 @@ class MultiHeadAttention(Module):
             mask=mask, bias=total_bias, sink_logits=self.sink_logits, scale=self.softmax_scale,
             dropout_p=training_dropout, seed=int(self._dropout_rng.integers(2 ** 63)) if training_dropout else None,
             layout="bshd", return_weights=need_weights, backend=self.backend)
+        return self._project_out(result, batch, q_len, need_weights, average_attn_weights)
+
+    def _project_out(self, result, batch, q_len, need_weights, average_attn_weights):
+        """The attention call's result (out (B, Sq, H, D), and the weights when asked) through
+        the output projection: what :meth:`forward` returns."""
         attended, weights = result if need_weights else (result, None)
         out = attended.reshape(batch, q_len, self.embed_dim)
         if self.subln:
@@ -183,6 +194,35 @@ class MultiHeadAttention(Module):
         if not need_weights:
             return out
         return out, (weights.mean(axis=1) if average_attn_weights else weights)
+
+    def _decodes_in_place(self, cache, inputs) -> bool:
+        """Whether a cached call runs :meth:`KVCache.attend` (npattn.attention_with_kvcache:
+        the new keys written in place, the cache read where it lies, no copy of it): a
+        prefix cache, rope or no rotary embedding, and no gradient to record."""
+        recording = ag.is_grad_enabled() and any(isinstance(x, ag.Tensor) and x.requires_grad for x in inputs)
+        return cache.window is None and self.rotary != "xpos" and not recording
+
+    def _attend_in_place(self, cache, query, q, k, v, causal, attn_mask, bias, need_weights):
+        """One cached step through :meth:`KVCache.attend`, as (B, Sq, H, D) Tensors (and the
+        weights when asked): the same answer as the concatenating path, row i at position
+        ``cache.position + i``, rope rotating the new queries and keys there."""
+        batch, new = q.shape[0], q.shape[1]
+        cache.check(batch, self.num_kv_heads, self.head_dim, new)
+        mask, total_bias = self._masks(query, None, attn_mask, bias, batch, cache.position + new)
+        training_dropout = self.dropout if self.training else 0.0
+        options = dict(causal=causal, window=self.window, sinks=self.sinks, mask=mask,
+                       bias=total_bias.data if isinstance(total_bias, ag.Tensor) else total_bias,
+                       sink_logits=None if self.sink_logits is None else self.sink_logits.data,
+                       scale=self.softmax_scale, dropout_p=training_dropout,
+                       seed=int(self._dropout_rng.integers(2 ** 63)) if training_dropout else None,
+                       return_weights=need_weights, backend=self.backend)
+        if self.rotary == "rope":  # the tables of every position the cache can hold
+            cos, sin = rope_tables(max(cache.capacity, cache.position + new), self.head_dim)
+            options.update(rotary_cos=q.xp.asarray(cos), rotary_sin=q.xp.asarray(sin))
+        result = cache.attend(q.data, k.data, v.data, **options)
+        if need_weights:
+            return ag.Tensor(result[0]), ag.Tensor(result[1])
+        return ag.Tensor(result)
 
     def _with_cache(self, cache, q, k, v, causal):
         """Rotate the new positions, prepend the cached keys and values, store the new ones.

@@ -12,6 +12,8 @@ the product decays with distance and still depends on ``m - n`` only.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import autograd as ag
@@ -26,6 +28,19 @@ def rope_angles(positions, head_dim: int, base: float = 10000.0):
     angles = np.asarray(positions, np.float64)[:, None] * inverse_frequency[None, :]
     angles = np.concatenate([angles, angles], axis=-1)
     return np.cos(angles), np.sin(angles)
+
+
+@functools.lru_cache(maxsize=16)
+def rope_tables(positions: int, head_dim: int, base: float = 10000.0):
+    """``(cos, sin)``, each (positions, D/2) float64, read-only: the angles of
+    :func:`rope_angles` for positions ``0 .. positions - 1``, one column per rotated pair, as
+    :func:`npattn.attention_with_kvcache` takes them (``rotary_cos``, ``rotary_sin``). Kept:
+    a decode loop asks for the same tables at every step."""
+    cos, sin = rope_angles(np.arange(positions), head_dim, base)
+    tables = np.ascontiguousarray(cos[:, :head_dim // 2]), np.ascontiguousarray(sin[:, :head_dim // 2])
+    for table in tables:
+        table.flags.writeable = False
+    return tables
 
 
 def apply_rope(x, positions, base: float = 10000.0):
