@@ -119,6 +119,16 @@ def _window_set(problem):
     return problem.visibility.window_left is not None or problem.visibility.window_right is not None
 
 
+def _row_bounds(name: str, axis: str, doc: str, **entries) -> Option:
+    """An int (B,) option of query rows (``axis`` "q", each in [0, Sq]) or keys ("kv", in
+    [0, Sk]) per batch entry, filling the problem field of its name: the lengths and starts."""
+    size, size_name = ("q_len", "Sq") if axis == "q" else ("kv_len", "Sk")
+    return Option(name, None, "visibility", doc,
+                  lambda value, call: checks.check_lengths(name, value, call.q, call.batch, getattr(call, size),
+                                                           size_name),
+                  field=name, **{"present": _has(name), **entries})
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("causal", False, "visibility",
            'bool, "bottom_right" or "top_left": row i sees keys j <= p_i. True and "bottom_right" '
@@ -131,16 +141,12 @@ OPTIONS: tuple[Option, ...] = (
            "per batch entry; None: Sk - Sq, bottom-right; 0: top left). With q_start / kv_start "
            "it counts from each entry's first real row and key.",
            lambda value, call: _check_q_offset(value, call)),
-    Option("q_start", None, "visibility",
-           "int (B,): rows before q_start[b] are left padding and output zeros; positions count "
-           "from the first real row.",
-           lambda value, call: checks.check_lengths("q_start", value, call.q, call.batch, call.q_len, "Sq"),
-           field="q_start", present=_has("q_start"), gpu_option="BAND"),
-    Option("kv_start", None, "visibility",
-           "int (B,): keys before kv_start[b] are left padding and never seen; the sinks are the "
-           "first real keys.",
-           lambda value, call: checks.check_lengths("kv_start", value, call.q, call.batch, call.kv_len, "Sk"),
-           field="kv_start", present=_has("kv_start"), gpu_option="BAND"),
+    _row_bounds("q_start", "q",
+                "int (B,): rows before q_start[b] are left padding and output zeros; positions count "
+                "from the first real row.", gpu_option="BAND"),
+    _row_bounds("kv_start", "kv",
+                "int (B,): keys before kv_start[b] are left padding and never seen; the sinks are the "
+                "first real keys.", gpu_option="BAND"),
     Option("window", None, "visibility",
            "None, int w (-> (w, w), or (w, 0) when causal) or (left, right) with None for an "
            "unbounded side; bounds past Sq + Sk mean none.",
@@ -172,14 +178,10 @@ OPTIONS: tuple[Option, ...] = (
                                                   call.compute),
            field="alibi_slopes", present=_has("alibi_slopes"), flag="HAS_ALIBI", gpu_option="ALIBI",
            per_score=True),
-    Option("q_lengths", None, "visibility",
-           "int (B,): rows past q_lengths[b] are padding and output zeros.",
-           lambda value, call: checks.check_lengths("q_lengths", value, call.q, call.batch, call.q_len, "Sq"),
-           field="q_lengths"),
-    Option("kv_lengths", None, "visibility",
-           "int (B,): keys past kv_lengths[b] are padding and never seen.",
-           lambda value, call: checks.check_lengths("kv_lengths", value, call.q, call.batch, call.kv_len, "Sk"),
-           field="kv_lengths", present=_has("kv_lengths"), gpu_option="BAND"),
+    _row_bounds("q_lengths", "q", "int (B,): rows past q_lengths[b] are padding and output zeros.",
+                present=None),
+    _row_bounds("kv_lengths", "kv", "int (B,): keys past kv_lengths[b] are padding and never seen.",
+                gpu_option="BAND"),
     Option("scale", None, "score",
            "float, finite in the compute dtype (float32, or float64 for float64 inputs); "
            "None: 1/sqrt(D).",

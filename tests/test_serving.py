@@ -108,19 +108,20 @@ def test_varlen_equals_the_padded_reference_forward_and_backward(backend, dtype,
         assert_close(grads[3], expected_grads[3], dtype)
 
 
+def draw_positional_options(draw, max_window, kv_lengths=False):
+    """Some of causal, a window up to ``max_window``, ALiBi (True: the test draws slopes)
+    and, when asked, kv_lengths (True: likewise)."""
+    drawers = {"causal": st.just(True), "window": st.integers(0, max_window), "alibi_slopes": st.just(True)}
+    if kv_lengths:
+        drawers["kv_lengths"] = st.just(True)
+    return {name: draw(strategy) for name, strategy in drawers.items() if draw(st.booleans())}
+
+
 @st.composite
 def paged_cases(draw):
     """(batch, heads, kv_heads, q_len, page_size, pages per entry, pool pages, D, options)."""
     kv_heads = draw(st.integers(1, 2))
-    options = {}
-    if draw(st.booleans()):
-        options["causal"] = True
-    if draw(st.booleans()):
-        options["window"] = draw(st.integers(0, 9))
-    if draw(st.booleans()):
-        options["kv_lengths"] = True
-    if draw(st.booleans()):
-        options["alibi_slopes"] = True
+    options = draw_positional_options(draw, max_window=9, kv_lengths=True)
     batch, per_entry = draw(st.integers(1, 3)), draw(st.integers(1, 4))
     return (batch, kv_heads * draw(st.integers(1, 3)), kv_heads, draw(st.integers(1, 5)),
             draw(st.sampled_from([1, 2, 3, 8, 16, 40])), per_entry, batch * per_entry + draw(st.integers(0, 3)),
@@ -166,13 +167,7 @@ def cache_cases(draw):
     queries = draw(st.integers(1, 3))
     cached = draw(st.lists(st.integers(0, 7), min_size=batch, max_size=batch))
     page_size = draw(st.sampled_from([None, 1, 2, 4]))
-    options = {}
-    if draw(st.booleans()):
-        options["causal"] = True
-    if draw(st.booleans()):
-        options["window"] = draw(st.integers(0, 3))
-    if draw(st.booleans()):
-        options["alibi_slopes"] = True
+    options = draw_positional_options(draw, max_window=3)
     rotary = draw(st.sampled_from([None, False, True]))  # None: no rotary; else interleaved or not
     slots = draw(st.booleans())  # contiguous cache rows picked by cache_batch_idx
     return batch, new, queries, cached, page_size, options, rotary, slots
