@@ -17,7 +17,8 @@ from test_backend_equivalence import check_backward, check_forward, check_peaked
 from test_nonfinite import check_kernel_marks_non_finite_rows, planted_cases
 from test_odd_views import DEVICE_VIEW_KINDS, check_odd_views, viewed_cases
 from test_options import check_option_is_read
-from test_serving import check_paged_forward, paged_cases
+from test_serving import (cache_cases, check_kvcache, check_paged_forward, check_varlen, packed_batches,
+                          paged_cases)
 
 import gpu_emulation
 
@@ -292,3 +293,16 @@ def test_emulated_tensor_core_kernels_make_rows_with_a_non_finite_score_nan(q_le
 @given(case=paged_cases(), seed=st.integers(0, 2**32 - 1))
 def test_emulated_gpu_reads_paged_keys(dtype, case, seed):
     check_paged_forward("gpu", case, seed, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@FEWER
+@given(case=packed_batches(), seed=st.integers(0, 2**32 - 1))
+def test_emulated_gpu_runs_packed_batches(dtype, case, seed):
+    check_varlen("gpu", dtype, case, seed)
+
+
+@FEWER
+@given(case=cache_cases(), seed=st.integers(0, 2**32 - 1))
+def test_emulated_gpu_decodes_against_caches(case, seed):
+    check_kvcache("gpu", case, seed)

@@ -68,6 +68,12 @@ def _padded(packed, starts, width):
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(case=packed_batches(), seed=st.integers(0, 2**32 - 1))
 def test_varlen_equals_the_padded_reference_forward_and_backward(backend, dtype, case, seed):
+    check_varlen(backend, dtype, case, seed)
+
+
+def check_varlen(backend, dtype, case, seed):
+    """attention_varlen(_vjp) on ``backend`` equals the reference on the padded batch, each
+    sequence aligned at its own bottom-right corner, forward and backward."""
     lengths_q, lengths_k, heads, kv_heads, head_dim, value_dim, options = case
     rng = np.random.default_rng(seed)
     cu_q, cu_k = np.r_[0, np.cumsum(lengths_q)], np.r_[0, np.cumsum(lengths_k)]
@@ -176,6 +182,12 @@ def cache_cases(draw):
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)
 @given(case=cache_cases(), seed=st.integers(0, 2**32 - 1))
 def test_kvcache_appends_in_place_and_equals_the_reference(backend, case, seed):
+    check_kvcache(backend, case, seed)
+
+
+def check_kvcache(backend, case, seed):
+    """attention_with_kvcache on ``backend``: the caches hold what each sequence appended,
+    at its own length, and the outputs are the reference's on each sequence alone."""
     batch, new, queries, cached, page_size, options, rotary, slots = case
     rng = np.random.default_rng(seed)
     heads, kv_heads, head_dim, capacity = 4, 2, 6, 12
@@ -434,3 +446,15 @@ def test_modules_decode_in_place_without_grad_as_they_do_recording(backend, sett
         assert_close(got.data, expected.data, "float64")
     np.testing.assert_allclose(in_place.keys, recorded.keys, atol=1e-12)
     assert in_place.lengths.tolist() == [9, 9] and in_place.position == 9 and len(calls) == 3
+
+
+@pytest.mark.parametrize("products", ["vector", "blas"])
+@given(case=paged_cases(), seed=st.integers(0, 2**32 - 1))
+def test_paged_keys_on_both_cpu_product_paths(products, case, seed):
+    # tiles of keys read page by page: the micro-kernels' packed and dot-product paths, and BLAS
+    from npattn import backends, cpu
+
+    if not backends()["cpu"]:
+        pytest.skip("the cpu backend is not available here")
+    with cpu.products(products):
+        check_paged_forward("cpu", case, seed, "float32")

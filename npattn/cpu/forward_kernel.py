@@ -28,7 +28,7 @@ from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
 from .microkernels import product
-from .tiles import apply_dropout, band_keys, key_segments, pack_key_tile, score_tile, span, tile_keys, v_row
+from .tiles import apply_dropout, band_keys, key_segments, pack_key_tile, page_run, score_tile, span, v_row
 from .operands import Span
 
 
@@ -63,7 +63,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
     tile: Numba optimizes and emits machine code for a function together with every
     helper it calls, once per level of calls, so a level less saves about 1.5 s of the
     first call's compile."""
-    dv = ints[Int.VALUE_DIM]
+    block_k, dv = ints[Int.BLOCK_K], ints[Int.VALUE_DIM]
     heads, ld = ints[Int.HEADS], ints[Int.SCORE_LD]
     keep_scale = reals[Real.KEEP_SCALE]
     out_row_stride = out_strides[2]
@@ -92,9 +92,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
         for segment in range(2):
             first, last = (sink_start, sink_end) if segment == 0 else (band_start, band_stop)
             first, last = larger(first, range_start), smaller(last, range_start + split_keys)
-            j0 = first
-            while j0 < last:
-                cols = tile_keys(ints, j0, last)
+            for j0 in range(first, last, block_k):
+                cols = smaller(block_k, last - j0)
                 pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed)
                 full = score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
                                   b, h, i0, rows, j0, cols)
@@ -112,19 +111,26 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                 # O (rows x dv) += P (rows x cols) . V (cols x dv); on a tile the causal or
                 # window edge cuts, each band of rows stops at its last visible key (the
                 # probabilities past it are exact zeros)
-                v_offset = v_row(ints, pages, b, kv_head, j0)
+                # (value rows run by run of one page: page_run)
                 if ints[Int.VECTOR_VALUES]:
                     band = rows if full else ints[Int.EDGE_BAND]
                     for r0 in range(0, rows, band):
                         band_rows = smaller(band, rows - r0)
                         depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
-                        product(s, r0 * ld, ld, 1, v, v_offset, v_row_stride, out,
-                                out_offset + r0 * out_row_stride, out_row_stride, band_rows, depth, dv,
-                                1.0, True)
+                        c0 = 0
+                        while c0 < depth:
+                            run = page_run(ints, j0 + c0, depth - c0)
+                            product(s, r0 * ld + c0, ld, 1, v, v_row(ints, pages, b, kv_head, j0 + c0), v_row_stride,
+                                    out, out_offset + r0 * out_row_stride, out_row_stride, band_rows, run, dv,
+                                    1.0, True)
+                            c0 += run
                 else:  # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
-                    gemm(False, False, dv, rows, cols, 1.0, v[v_offset:], v_row_stride,
-                         s, ld, 1.0, out[out_offset:], out_row_stride)
-                j0 += cols
+                    c0 = 0
+                    while c0 < cols:
+                        run = page_run(ints, j0 + c0, cols - c0)
+                        gemm(False, False, dv, rows, run, 1.0, v[v_row(ints, pages, b, kv_head, j0 + c0):],
+                             v_row_stride, s[c0:], ld, 1.0, out[out_offset:], out_row_stride)
+                        c0 += run
 
         lse_offset = ((split * ints[Int.BATCH] + b) * heads + h) * ints[Int.Q_LEN] + i0
         for r in range(rows):
@@ -195,7 +201,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
     """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
     ``exp(s - lse)``: the exact probabilities, after masking and before dropout.
     ``s``, ``tanh``, ``packed``: this thread's :func:`~npattn.cpu.scratch.score_tile_specs`."""
-    ld = ints[Int.SCORE_LD]
+    block_k, ld = ints[Int.BLOCK_K], ints[Int.SCORE_LD]
     heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
     while True:
         item = next_item(counter)
@@ -210,9 +216,8 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
         sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
         for segment in range(2):
             first, last = (sink_start, sink_end) if segment == 0 else (band_start, band_stop)
-            j0 = first
-            while j0 < last:
-                cols = tile_keys(ints, j0, last)
+            for j0 in range(first, last, block_k):
+                cols = smaller(block_k, last - j0)
                 pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed)
                 score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
                            b, h, i0, rows, j0, cols)
@@ -223,4 +228,3 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                         w, row = as_offset((row_offset + r) * kv_len + j0), as_offset(r * ld)
                         for c in range(as_offset(cols)):  # not a slice copy: its shape check compiles str()
                             weights[w + c] = s[row + c]
-                j0 += cols

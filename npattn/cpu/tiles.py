@@ -53,11 +53,12 @@ def v_row(ints, pages, b, head, j):
 
 
 @helper
-def tile_keys(ints, j0, last):
-    """How many keys the tile starting at ``j0`` takes: up to BLOCK_K, ``last`` and the end
-    of ``j0``'s page (a tile's keys are rows of one page, so one stride reaches them all)."""
+def page_run(ints, j, keys):
+    """How many of the ``keys`` keys from key ``j`` lie in ``j``'s page: rows one stride
+    apart, which one product can read. A tile of keys is read run by run (one run when k
+    and v are not paged)."""
     page_size = ints[Int.PAGE_SIZE]
-    return smaller(smaller(ints[Int.BLOCK_K], last - j0), (j0 // page_size + 1) * page_size - j0)
+    return smaller(keys, (j // page_size + 1) * page_size - j)
 
 
 @helper
@@ -182,9 +183,13 @@ def pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed):
     when the products go through BLAS."""
     if not ints[Int.VECTOR_SCORES] or ints[Int.DOT_SCORES]:
         return
-    k_offset = k_row(ints, pages, b, kv_head, j0)
-    pack_transposed(k, k_offset, ints[Int.K_STRIDE_S], cols, ints[Int.HEAD_DIM], packed, ints[Int.SCORE_LD],
-                    padded_width(cols, packed))
+    width = padded_width(cols, packed)
+    c0 = 0
+    while c0 < cols:  # run by run of one page; the last run pads the tile with zeros
+        run = page_run(ints, j0 + c0, cols - c0)
+        pack_transposed(k, k_row(ints, pages, b, kv_head, j0 + c0), ints[Int.K_STRIDE_S], run, ints[Int.HEAD_DIM],
+                        packed[c0:], ints[Int.SCORE_LD], width - c0 if c0 + run == cols else run)
+        c0 += run
 
 
 @helper
@@ -193,9 +198,14 @@ def pack_value_tile(v, pages, ints, b, kv_head, j0, cols, packed):
     in ``packed`` (see :func:`packed_values`): the B operand of dO V^T."""
     if not ints[Int.VECTOR_SCORES]:
         return
-    v_offset = v_row(ints, pages, b, kv_head, j0)
-    pack_transposed(v, v_offset, ints[Int.V_STRIDE_S], cols, ints[Int.VALUE_DIM],
-                    packed_values(ints, packed), ints[Int.SCORE_LD], padded_width(cols, packed))
+    width = padded_width(cols, packed)
+    values = packed_values(ints, packed)
+    c0 = 0
+    while c0 < cols:
+        run = page_run(ints, j0 + c0, cols - c0)
+        pack_transposed(v, v_row(ints, pages, b, kv_head, j0 + c0), ints[Int.V_STRIDE_S], run, ints[Int.VALUE_DIM],
+                        values[c0:], ints[Int.SCORE_LD], width - c0 if c0 + run == cols else run)
+        c0 += run
 
 
 @njit(inline="always")
@@ -210,12 +220,11 @@ def score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, 
     """Scores of rows ``[i0, i0 + rows)`` against keys ``[j0, j0 + cols)`` of head ``h``
     into ``s[r * ld + c]``: ``scale * q.k``, softcap (its tanh kept in ``tanh`` for the
     backward), bias, ALiBi, then -inf where the key is invisible. ``packed`` holds
-    the key tile from :func:`pack_key_tile`; the keys are rows of one page
-    (:func:`tile_keys`). Returns whether every row sees every key
-    of the tile (:func:`tile_fully_visible`), which the caller's own products reuse."""
+    the key tile from :func:`pack_key_tile`; keys read from k go run by run of one page
+    (:func:`page_run`). Returns whether every row sees every key of the tile
+    (:func:`tile_fully_visible`), which the caller's own products reuse."""
     q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
     kv_head = h // (ints[Int.HEADS] // ints[Int.KV_HEADS])
-    k_offset = k_row(ints, pages, b, kv_head, j0)
     head_dim = ints[Int.HEAD_DIM]
     full = tile_fully_visible(ints, spans, b, i0, i0 + rows, j0, j0 + cols)
     if ints[Int.VECTOR_SCORES]:
@@ -230,9 +239,12 @@ def score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, 
             band_rows = smaller(band, rows - r0)
             width = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
             if ints[Int.DOT_SCORES]:
-                if width > 0:
-                    dot_products(q, q_offset + r0 * q_row, q_row, k, k_offset, ints[Int.K_STRIDE_S], s, r0 * ld,
-                                 ld, band_rows, width, head_dim, reals[Real.SCALE])
+                c0 = 0
+                while c0 < width:
+                    run = page_run(ints, j0 + c0, width - c0)
+                    dot_products(q, q_offset + r0 * q_row, q_row, k, k_row(ints, pages, b, kv_head, j0 + c0),
+                                 ints[Int.K_STRIDE_S], s, r0 * ld + c0, ld, band_rows, run, head_dim, reals[Real.SCALE])
+                    c0 += run
             else:
                 width = padded_width(width, s)
                 if width > 0:
@@ -241,9 +253,13 @@ def score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, 
             for r in range(r0, r0 + band_rows):
                 for x in range(as_offset(r * ld + width), as_offset(r * ld + cols)):
                     s[x] = 0.0
-    else:  # column-major: S^T (cols x rows) = K (cols x D) . Q^T (D x rows)
-        gemm(True, False, cols, rows, head_dim, reals[Real.SCALE], k[k_offset:],
-             ints[Int.K_STRIDE_S], q[q_offset:], ints[Int.Q_STRIDE_S], 0.0, s, ld)
+    else:  # column-major: S^T (cols x rows) = K (cols x D) . Q^T (D x rows), run by run
+        c0 = 0
+        while c0 < cols:
+            run = page_run(ints, j0 + c0, cols - c0)
+            gemm(True, False, run, rows, head_dim, reals[Real.SCALE], k[k_row(ints, pages, b, kv_head, j0 + c0):],
+                 ints[Int.K_STRIDE_S], q[q_offset:], ints[Int.Q_STRIDE_S], 0.0, s[c0:], ld)
+            c0 += run
     if ints[Int.HAS_SOFTCAP]:
         softcap = reals[Real.SOFTCAP]
         inverse = 1.0 / softcap
