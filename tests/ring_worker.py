@@ -176,10 +176,12 @@ def silent_peer():
 
 
 def refusals():
-    """The weights, and what the head split cannot do, are refused by name on every rank."""
+    """The weights, left padding, per-entry offsets and what the head split cannot do are
+    refused by name on every rank."""
     q = np.ones((1, 2, 4, 4))
     for strategy, options in (("ring", {"return_weights": True}), ("heads", {"mask": np.ones((4, 8), bool)}),
-                              ("heads", {"kv_heads": 1})):
+                              ("heads", {"kv_heads": 1}), ("ring", {"q_start": np.zeros(1, np.int64)}),
+                              ("ring", {"q_offset": np.zeros(1, np.int64)})):
         kv = q[:, :options.pop("kv_heads", 2)]
         try:
             ring_attention(q, kv, kv, COMM, strategy=strategy, timeout=60, **options)

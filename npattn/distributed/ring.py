@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import time
+from numbers import Integral
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -44,6 +45,11 @@ from ..problem import to_user_layout
 from .sharding import Chunk, check_sharding, chunks
 
 _PER_ROW_ARRAYS = ("mask", "bias")
+# what the ring cannot cut into its blocks' calls (yet), and why
+_NOT_YET = {"q_start": "left padding moves each entry's rows and keys; shard the real tokens instead",
+            "kv_start": "left padding moves each entry's rows and keys; shard the real tokens instead",
+            "q_offset": "one int places the whole sequence; an array (one per batch entry) is not split",
+            "block_table": "each rank holds its shard's keys as an array, not pages"}
 _LENGTHS = ("q_lengths", "kv_lengths")
 
 
@@ -266,6 +272,10 @@ def _agree(ring: _Ring, q, k, v, sharding, strategy, options) -> _Plan:
         check_heads(ring.size, q.shape[1], k.shape[1], options)
     if options.get("return_weights"):
         raise ValueError("ring attention does not return weights: they are S_local x S per rank")
+    for name, why in _NOT_YET.items():
+        value = options.get(name)
+        if value is not None and not (name == "q_offset" and isinstance(value, Integral)):
+            raise ValueError(f"ring attention does not take {name} yet: {why}")
     lengths = [theirs["shapes"][0][2] for theirs in everyone]
     total = sum(lengths)
     for rank, theirs in enumerate(everyone):
