@@ -99,6 +99,12 @@ def attention_vjp(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> t
         if result is not None:
             return _planned_vjp(planned, result, q, k, v, options)
     problem, implementation, result = _checked_forward(q, k, v, options, key, backward=True)
+    return _outputs_and_vjp(problem, implementation, result)
+
+
+def _outputs_and_vjp(problem: AttentionProblem, implementation: Any, result: ForwardResult) -> tuple[Outputs, Vjp]:
+    """attention_vjp's answer from the forward ``result`` of ``problem`` that
+    ``implementation`` gave: the outputs, and the vjp on the same backend."""
     dtypes = (problem.q.dtype, problem.k.dtype, problem.v.dtype,
               None if problem.bias is None else problem.bias.dtype,
               None if problem.sink_logits is None else problem.sink_logits.dtype)
@@ -130,17 +136,22 @@ def _checked_problem(q: Any, k: Any, v: Any, options: dict) -> tuple[AttentionPr
 
 def checked_problem(q: Any, k: Any, v: Any, options: dict) -> tuple[AttentionProblem, Any]:
     """``(problem, backend)``: every check of ``attention(q, k, v, **options)`` (NumPy or
-    CuPy arrays), nothing run; :func:`checked_forward_outputs` runs it. For calls that must
-    know a call is valid before they act (:func:`npattn.attention_with_kvcache` writes
-    its cache only then)."""
+    CuPy arrays), nothing run; :func:`run_problem` runs it. For the calls built on
+    attention that must know a call is valid before they act
+    (:func:`npattn.attention_with_kvcache` writes its cache only then) or that set what no
+    option says (:func:`npattn.attention_varlen`'s packed rows)."""
     return _checked_problem(q, k, v, options)
 
 
-def checked_forward_outputs(problem: AttentionProblem, implementation: Any) -> Outputs:
-    """What :func:`attention` returns for a problem of :func:`checked_problem`, whose arrays
-    hold the call's values now."""
+def run_problem(problem: AttentionProblem, implementation: Any, with_vjp: bool = False) -> Any:
+    """What :func:`attention` (``with_vjp``: :func:`attention_vjp`) returns for a problem of
+    :func:`checked_problem`, whose arrays hold the call's values now."""
+    if with_vjp:
+        _forward_only(problem)
     _limits.check_memory(problem, implementation.NAME)
-    result, _ = _nonfinite.forward(problem, implementation)
+    result, used = _nonfinite.forward(problem, implementation)
+    if with_vjp:
+        return _outputs_and_vjp(problem, used, result)
     return _public_outputs(OutputForm.of(problem), result)
 
 

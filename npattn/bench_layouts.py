@@ -3,7 +3,7 @@
 - A packed batch (:func:`npattn.attention_varlen`) of sequences of different lengths
   against the sum of calling npattn on each sequence alone (the target: at most 1.1x),
   and against the sum of torch SDPA calls on each sequence (torch's CPU has no packed
-  call).
+  call); and 256 packed sequences of 32 tokens against one dense (256, 32) batch.
 - A decode step against a paged cache (:func:`npattn.attention_with_kvcache` with a
   ``block_table``) against the same step on a contiguous cache (the target: within
   10%), at two page sizes, and torch SDPA on the contiguous cache with a mask of each
@@ -24,6 +24,8 @@ from .timing import elapsed, interleaved_samples, settled_elapsed
 
 # The packed batch: 8 sequences with lengths drawn from 64-2048 that add up to 8192
 VARLEN_TOKENS, VARLEN_SEQUENCES, VARLEN_HEADS, VARLEN_DIM = 8192, 8, 16, 64
+# Many short sequences of one length: (count, tokens each)
+SHORT_SEQUENCES = (256, 32)
 # The decode step: (B, H, Hkv, cached keys, D), page sizes timed
 DECODE = (16, 32, 8, 2048, 128)
 PAGE_SIZES = (256, 64, 16)
@@ -56,7 +58,8 @@ def compare(repeats: int = 5, gpu: bool = False, out=sys.stdout) -> list[dict]:
     print(f"npattn {npattn.__version__} serving layouts, float32 on {'the GPU' if gpu else 'the CPU'}, "
           f"median of {repeats} interleaved runs; torch: {'not importable' if torch is None else torch.__version__}",
           file=out)
-    rows = [_varlen(xp, torch, gpu, synchronize, time_one, repeats, out)]
+    rows = [_varlen(xp, torch, gpu, synchronize, time_one, repeats, out),
+            _short_sequences(xp, synchronize, time_one, repeats, out)]
     rows += _paged_decode(xp, torch, gpu, synchronize, time_one, repeats, out)
     return rows
 
@@ -131,6 +134,31 @@ def _varlen(xp, torch, gpu, synchronize, time_one, repeats, out) -> dict:
     print(f"packed causal batch, lengths {lengths.tolist()} (H={VARLEN_HEADS}, D={VARLEN_DIM}): "
           f"{row['packed_ms']:.1f} ms against {row['alone_ms']:.1f} ms for each sequence alone, "
           f"{row['ratio']:.3f}x (target <= 1.1x){torch_text}", file=out)
+    return row
+
+
+def _short_sequences(xp, synchronize, time_one, repeats, out) -> dict:
+    """Many short sequences of one length, packed, against the same batch as one dense
+    (B, S, H, D) call: what a packed call costs beyond the work itself."""
+    count, length = SHORT_SEQUENCES
+    rng = np.random.default_rng(3)
+    q, k, v = (xp.asarray(rng.standard_normal((count * length, VARLEN_HEADS, VARLEN_DIM), np.float32))
+               for _ in range(3))
+    starts = np.arange(count + 1) * length
+    batched = [x.reshape(count, length, VARLEN_HEADS, VARLEN_DIM) for x in (q, k, v)]
+
+    def packed():
+        npattn.attention_varlen(q, k, v, starts, starts, causal=True)
+        synchronize()
+
+    def dense():
+        npattn.attention(*batched, causal=True, layout="bshd")
+        synchronize()
+    ms, samples = _timed({"packed": packed, "dense": dense}, repeats, time_one)
+    row = dict(case="short sequences", sequences=count, length=length, packed_ms=ms["packed"], dense_ms=ms["dense"],
+               ratio=_ratio(samples, "packed", "dense"))
+    print(f"{count} causal sequences of {length} tokens, packed: {row['packed_ms']:.1f} ms against "
+          f"{row['dense_ms']:.1f} ms as one dense ({count}, {length}) batch, {row['ratio']:.3f}x", file=out)
     return row
 
 

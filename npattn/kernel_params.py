@@ -49,6 +49,8 @@ Int = _positions("Int", (
     "KEY_SPLITS",     # CPU forward: key ranges per query tile, merged by lse (cpu.splitting)
     "SPLIT_KEYS",     # keys per range, a multiple of BLOCK_K
     "ROW_GROUP",      # CPU: query rows per position (GQA heads folded into rows, cpu.folding)
+    "PACKED_ROWS",    # CPU: every entry's rows in one memory batch (attention_varlen): out, lse and
+                      # the gradients hold one batch, which each entry's disjoint live rows fill
 ))
 
 # Columns of the kernels' ``spans`` operand, int64 (B, len(Span)) C-contiguous: per batch
@@ -170,6 +172,7 @@ def problem_int_values(problem) -> list:
     else:
         values[Int.PAGES], values[Int.PAGE_SIZE] = problem.block_table.shape[1], problem.page_size
     values[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
+    values[Int.PACKED_ROWS] = int(problem.packed_rows)
     if problem.dropout_p:  # the seed means nothing without dropout: problems differing in it alone share ints
         values[Int.SEED_LO], values[Int.SEED_HI] = seed_words(problem.seed)
         values[Int.DROPOUT_OFFSET_B:Int.DROPOUT_OFFSET_J + 1] = problem.dropout_offset

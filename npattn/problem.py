@@ -69,6 +69,10 @@ class AttentionProblem:
     dropout_offset: tuple = (0, 0, 0, 0)
     return_lse: bool = False
     return_weights: bool = False
+    # every entry's rows in one memory batch (set by attention_varlen, never by an option):
+    # q, k, v are views whose batch axis has stride 0, the entries' live rows (spans) are
+    # disjoint, and out, lse and the gradients come back with one batch entry
+    packed_rows: bool = False
 
     @property
     def batch(self) -> int:

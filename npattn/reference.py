@@ -44,9 +44,12 @@ def unavailable_reason(array_kind: str = "numpy") -> str | None:
 
 def forward(problem) -> ForwardResult:
     """float64 ``out`` (B, H, Sq, Dv), ``lse`` (B, H, Sq) and, when asked, ``weights``
-    (B, H, Sq, Sk), the probabilities after masking and before dropout."""
+    (B, H, Sq, Sk), the probabilities after masking and before dropout (out and lse of
+    one batch entry for ``packed_rows``)."""
     with np.errstate(all="ignore"):  # non-finite inputs give NaN and inf as documented, silently
         state = _forward_state(problem)
+        if problem.packed_rows:  # each row is live in one entry, zero and -inf in the others
+            return ForwardResult(out=state.out.sum(axis=0, keepdims=True), lse=state.lse.max(axis=0, keepdims=True))
     return ForwardResult(out=state.out, lse=state.lse,
                          weights=state.probs if problem.return_weights else None)
 
@@ -59,7 +62,11 @@ def backward(problem, saved, dout) -> Gradients:
     summed over the dimensions the bias was broadcast along.
     """
     with np.errstate(all="ignore"):  # non-finite inputs give NaN and inf as documented, silently
-        return _backward(problem, dout)
+        grads = _backward(problem, dout)
+    if problem.packed_rows:  # each row and key is live in one entry, zero in the others
+        grads = grads._replace(dq=grads.dq.sum(axis=0, keepdims=True), dk=grads.dk.sum(axis=0, keepdims=True),
+                               dv=grads.dv.sum(axis=0, keepdims=True))
+    return grads
 
 
 def _backward(problem, dout) -> Gradients:

@@ -11,16 +11,20 @@ dropout mask is the one batch entry b of a padded call would draw): the answer i
 of each sequence called alone. Nothing is padded or materialized: the work and the
 memory are those of the sequences themselves.
 
-Each sequence runs as one call of the backend's kernels on views of the packed arrays;
-the outputs go straight into one packed array.
+On the CPU the whole batch is one call of the kernels: each sequence is a batch entry
+whose live rows and keys (the kernels' spans) are its own rows of the packed arrays,
+and its outputs and gradients go straight into packed arrays. Elsewhere (the GPU, the
+reference) and with dropout, each sequence runs as one call on views of the packed
+arrays, its outputs copied into place.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
 
-from . import _arrays, checks
+from . import _arrays, api, checks
 from .api import attention, attention_vjp
 from .types import Array
 
@@ -44,6 +48,9 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     ``(out, lse)``, lse (H, Tq) in the compute dtype (FlashAttention's layout).
     """
     plan = _Plan.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    fused = plan.fused(with_vjp=False)
+    if fused is not None:
+        return (fused[0][0], fused[1][0]) if isinstance(fused, tuple) else fused[0]
     return plan.run(lambda qb, kb, vb, opts: (attention(qb, kb, vb, **opts), None))[0]
 
 
@@ -54,14 +61,19 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
     (Tq, H, Dv) that returns ``(dq, dk, dv)`` packed like q, k and v, then
     ``dsink_logits`` (H,) when ``sink_logits`` was given. A dropout mask is reused."""
     plan = _Plan.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    fused = plan.fused(with_vjp=True)
+    if fused is not None:
+        (outputs, fused_vjp) = fused
+        outputs = (outputs[0][0], outputs[1][0]) if isinstance(outputs, tuple) else outputs[0]
+
+        def packed_vjp(dout: Any) -> tuple[Array, ...]:
+            grads = fused_vjp(_checked_dout(plan, dout, outputs)[None])
+            return tuple(grad[0] for grad in grads[:3]) + tuple(grads[3:])
+        return outputs, packed_vjp
     outputs, vjps = plan.run(lambda qb, kb, vb, opts: attention_vjp(qb, kb, vb, **opts))
-    out = outputs[0] if isinstance(outputs, tuple) else outputs
 
     def vjp(dout: Any) -> tuple[Array, ...]:
-        (dout,) = checks.as_arrays(dout=dout, reference=plan.q)
-        checks.check_float_dtype("dout", dout)
-        if tuple(dout.shape) != tuple(out.shape):
-            raise ValueError(f"dout must have the output's shape {tuple(out.shape)}, got {tuple(dout.shape)}")
+        dout = _checked_dout(plan, dout, outputs)
         xp = plan.xp
         dq, dk, dv = xp.zeros_like(plan.q), xp.zeros_like(plan.k), xp.zeros_like(plan.v)
         dsink = None if plan.options.get("sink_logits") is None else 0
@@ -79,6 +91,16 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
         return dq, dk, dv
 
     return outputs, vjp
+
+
+def _checked_dout(plan, dout, outputs):
+    """``dout`` as an array of q's kind, checked against the packed out's shape."""
+    out = outputs[0] if isinstance(outputs, tuple) else outputs
+    (dout,) = checks.as_arrays(dout=dout, reference=plan.q)
+    checks.check_float_dtype("dout", dout)
+    if tuple(dout.shape) != tuple(out.shape):
+        raise ValueError(f"dout must have the output's shape {tuple(out.shape)}, got {tuple(dout.shape)}")
+    return dout
 
 
 class _Plan:
@@ -133,6 +155,33 @@ class _Plan:
         if q_offset is not None and np.ndim(q_offset) == 1:
             options["q_offset"] = int(q_offset[b])
         return options
+
+    def fused(self, with_vjp: bool):
+        """The whole batch as one call of the CPU kernels, every sequence a batch entry whose
+        live rows and keys are its own rows of the packed arrays (viewed with a batch
+        stride of 0: nothing is copied) and whose outputs and gradients go straight into
+        packed arrays; what :func:`npattn.api.run_problem` returns for it (batch axis 1).
+        None where another backend runs the call, or with dropout (whose mask hashes each
+        sequence's own row and key indices), or with no sequence: :meth:`run` answers."""
+        if not self.sequences or self.options.get("dropout_p"):
+            return None
+        xp, batch = self.xp, self.sequences
+        lengths_q, lengths_k = np.diff(self.starts_q), np.diff(self.starts_k)
+        options = dict(self.options)
+        if options.get("causal") == "top_left":  # row 0 of each sequence level with its key 0
+            options["causal"], offset = True, np.zeros(batch, np.int64)
+        elif options.get("q_offset") is None:  # bottom-right within each sequence
+            offset = lengths_k - lengths_q
+        else:
+            offset = np.broadcast_to(_arrays.to_numpy(options["q_offset"]), (batch,)).astype(np.int64)
+        options.update(layout="bshd", q_offset=xp.asarray(offset), q_start=xp.asarray(self.starts_q[:-1]),
+                       q_lengths=xp.asarray(self.starts_q[1:]), kv_start=xp.asarray(self.starts_k[:-1]),
+                       kv_lengths=xp.asarray(self.starts_k[1:]))
+        shared = [xp.broadcast_to(x[None], (batch,) + x.shape) for x in (self.q, self.k, self.v)]
+        problem, implementation = api.checked_problem(*shared, options)
+        if implementation.NAME != "cpu":
+            return None
+        return api.run_problem(dataclasses.replace(problem, packed_rows=True), implementation, with_vjp)
 
     def run(self, call):
         """``call(q_b, k_b, v_b, options_b)`` -> ``(outputs, extra)`` for every nonempty

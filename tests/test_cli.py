@@ -214,7 +214,9 @@ def test_bench_layouts_rows_are_consistent(monkeypatch):
     monkeypatch.setattr(bench_layouts, "PAGE_SIZES", (16, 4))
     monkeypatch.setattr(bench_layouts, "DECODE_CALLS", 2)
     printed = io.StringIO()
-    varlen, *paged = bench_layouts.compare(repeats=1, out=printed)
+    monkeypatch.setattr(bench_layouts, "SHORT_SEQUENCES", (4, 8))
+    varlen, short, *paged = bench_layouts.compare(repeats=1, out=printed)
+    assert short["ratio"] == pytest.approx(short["packed_ms"] / short["dense_ms"])
     assert sum(varlen["lengths"]) == 640 and all(64 <= n <= 2048 for n in varlen["lengths"])
     # one round: the median of per-round ratios is the ratio of the times
     assert varlen["ratio"] == pytest.approx(varlen["packed_ms"] / varlen["alone_ms"])

@@ -249,11 +249,13 @@ def test_short_queries_split_over_key_ranges_match_the_reference(case, layout, b
 def test_decode_key_ranges_depend_on_the_shapes_only():
     """An MQA decode step at B = 1 is one work item: cut into 8 ranges of whole key tiles
     (none empty); GQA with 8 kv heads already has the items, as do long queries; the
-    weights and sink logits need the whole row."""
+    weights and sink logits need the whole row, and packed rows write their out and lse
+    in place."""
     from npattn.cpu import splitting
 
     def problem(**fields):  # the fields key_splits reads
-        defaults = dict(batch=1, heads=1, q_len=1, kv_len=8192, return_weights=False, sink_logits=None)
+        defaults = dict(batch=1, heads=1, q_len=1, kv_len=8192, return_weights=False, sink_logits=None,
+                        packed_rows=False)
         return type("Problem", (), {**defaults, **fields})
 
     assert splitting.key_splits(problem(), (192, 384)) == (8, 1152)
@@ -263,6 +265,7 @@ def test_decode_key_ranges_depend_on_the_shapes_only():
     assert splitting.key_splits(problem(q_len=193), (192, 384)) == (1, 8192)
     assert splitting.key_splits(problem(return_weights=True), (192, 384)) == (1, 8192)
     assert splitting.key_splits(problem(sink_logits=np.zeros(1)), (192, 384)) == (1, 8192)
+    assert splitting.key_splits(problem(packed_rows=True), (192, 384)) == (1, 8192)
 
 
 @pytest.mark.parametrize("options", [{}, {"kv_lengths": np.array([3000])}, {"causal": True, "window": (700, 0)}])

@@ -458,3 +458,22 @@ def test_paged_keys_on_both_cpu_product_paths(products, case, seed):
         pytest.skip("the cpu backend is not available here")
     with cpu.products(products):
         check_paged_forward("cpu", case, seed, "float32")
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+def test_varlen_non_finite_values_reach_only_the_rows_that_see_them(backend):
+    # the fused CPU call falls back to the reference on its packed rows; a NaN in a key of
+    # sequence 1 reaches sequence 1's rows that see it and no other sequence's
+    rng = np.random.default_rng(7)
+    cu = np.array([0, 3, 7, 9])
+    q, k, v = (rng.normal(size=(9, 2, 4)) for _ in range(3))
+    v[5, 0, 1] = np.nan
+    (out, lse), vjp = npattn.attention_varlen_vjp(q, k, v, cu, cu, causal=True, return_lse=True, backend=backend)
+    nan_rows = np.isnan(out).any(axis=(1, 2))
+    assert nan_rows.tolist() == [False, False, False, False, False, True, True, False, False]
+    expected = npattn.attention(q[None, 3:7], k[None, 3:7], v[None, 3:7], causal=True, layout="bshd",
+                                backend="reference")
+    np.testing.assert_array_equal(np.isnan(out[3:7]), np.isnan(expected[0]))
+    assert np.isfinite(lse).all()
+    dq, dk, dv = vjp(np.ones_like(out))
+    assert np.isfinite(dq[:3]).all() and np.isfinite(dk[7:]).all()

@@ -29,8 +29,8 @@ from .threads import next_item
 from .operands import Int, Real, Span
 from .rowmath import exp_shifted, row_max
 from .microkernels import padded_width, product
-from .tiles import (apply_dropout, k_row, key_segments, pack_key_tile, pack_value_tile, packed_values, score_tile,
-                    span, v_row)
+from .tiles import (apply_dropout, k_row, key_segments, memory_batch, memory_batches, pack_key_tile, pack_value_tile,
+                    packed_values, score_tile, span, v_row)
 
 
 
@@ -56,7 +56,7 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, d
     ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
     score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
-    row_offset = (b * heads + h) * ints[Int.Q_LEN] + i0
+    row_offset = (memory_batch(ints, b) * heads + h) * ints[Int.Q_LEN] + i0
     for r in range(rows):
         row_lse = lse[row_offset + r]
         if row_lse > -np.inf:
@@ -132,7 +132,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                     dout, dout_strides, out, out_strides, lse, delta, dq, dk, dv, chunks,
                     p, dropped, ds, tanh, packed, dk_tile, dv_tile, counter, items):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
-    all C-contiguous in the compute dtype and zero on entry. ``p`` to ``dv_tile``: this
+    all C-contiguous in the compute dtype and zero on entry (B is 1 with PACKED_ROWS). ``p`` to ``dv_tile``: this
     thread's :func:`~npattn.cpu.scratch.backward_scratch_specs`.
 
     The key tile's body is written here, not in a helper: each level of calls costs the
@@ -188,7 +188,8 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                             for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
                                 ds[x] *= 1.0 - tanh[x] * tanh[x]
                     q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
-                    dq_offset = (((chunk * ints[Int.BATCH] + b) * heads + h) * q_len + i0) * head_dim
+                    dq_offset = (((chunk * memory_batches(ints) + memory_batch(ints, b)) * heads + h) * q_len
+                                 + i0) * head_dim
                     if ints[Int.VECTOR_KEYS]:
                         # dK (cols x D) += scale dS^T (cols x rows) . Q (rows x D)
                         product(ds, 0, 1, ld, q, q_offset, ints[Int.Q_STRIDE_S], dk_tile, 0, head_dim,
@@ -201,7 +202,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                              ds, ld, 1.0, dk_tile, head_dim)
                         gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
                              ds, ld, 1.0, dq[dq_offset:], head_dim)
-            row = (b * kv_heads + kv_head) * kv_len + j0
+            row = (memory_batch(ints, b) * kv_heads + kv_head) * kv_len + j0
             dk_start, dv_start = as_offset(row * head_dim), as_offset(row * value_dim)
             for x in range(as_offset(cols * head_dim)):  # not slice copies: their shape checks compile str()
                 dk[dk_start + x] = dk_tile[x]

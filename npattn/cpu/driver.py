@@ -62,7 +62,8 @@ class ForwardPlan:
         self.weights_specs = score_tile_specs(ints, dtype)
         self.weights = problem.return_weights
         self.bshd = problem.layout == "bshd"
-        batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
+        heads, q_len, value_dim = problem.heads, problem.q_len, problem.value_dim
+        batch = _memory_batches(problem)
         self.out_shape = (batch, q_len, heads, value_dim) if self.bshd else (batch, heads, q_len, value_dim)
         self.lse_shape = (batch, heads, q_len)
         self.weights_shape = (batch, heads, q_len, problem.kv_len)
@@ -75,6 +76,8 @@ class ForwardPlan:
             strides = [q_len * heads * value_dim, value_dim, heads * value_dim, 0]
         else:
             strides = [heads * q_len * value_dim, q_len * value_dim, value_dim, 0]
+        if problem.packed_rows:  # every entry writes its own rows of the one batch
+            strides[0] = 0
         self.out_strides = read_only(np.array(strides, np.int64))
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
@@ -126,6 +129,12 @@ class ForwardPlan:
 _NO_PIN = contextlib.nullcontext()
 
 
+def _memory_batches(problem) -> int:
+    """The batch entries of out, lse and the gradients: B, or 1 for packed rows
+    (``problem.packed_rows``: each entry's live rows are its own rows of one batch)."""
+    return 1 if problem.packed_rows else problem.batch
+
+
 def _forward_flops(problem) -> float:
     """The forward's dense work, 2 B H Sq Sk (D + Dv): what decides running inline."""
     return 2.0 * problem.batch * problem.heads * problem.q_len * problem.kv_len * (problem.head_dim + problem.value_dim)
@@ -160,17 +169,19 @@ class BackwardPlan:
         self.dtype = dtype = problem.accumulate_dtype
         self.operands = operand_plan(problem, "backward", tuning)
         ints = self.operands.ints
-        batch, heads, q_len, head_dim = problem.batch, problem.heads, problem.q_len, problem.head_dim
+        heads, q_len, head_dim = problem.heads, problem.q_len, problem.head_dim
         kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim
+        batch = problem.batch
         key_tiles = -(-kv_len // int(ints[Int.BLOCK_K]))
         self.chunks = chunks = max(1, min(key_tiles, -(-_BACKWARD_ITEMS // max(1, batch * kv_heads))))
         self.items = int(backward_items(ints, chunks))
         self.blas = not (ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES] and ints[Int.VECTOR_KEYS])
         self.flops = _forward_flops(problem)
         self.scratch_specs = backward_scratch_specs(ints, dtype)
-        self.dq_shape = (chunks, batch, heads, q_len, head_dim)
-        self.dk_shape = (batch, kv_heads, kv_len, head_dim)
-        self.dv_shape = (batch, kv_heads, kv_len, value_dim)
+        gradient_batch = _memory_batches(problem)
+        self.dq_shape = (chunks, gradient_batch, heads, q_len, head_dim)
+        self.dk_shape = (gradient_batch, kv_heads, kv_len, head_dim)
+        self.dv_shape = (gradient_batch, kv_heads, kv_len, value_dim)
         self.dbias = None
         if problem.bias is not None:  # (shape as 4-D, its array for the kernel, items, user shape)
             shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)

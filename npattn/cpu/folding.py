@@ -39,7 +39,8 @@ def foldable(problem, tuning) -> bool:
     return (problem.group_size > 1 and problem.q_len * problem.group_size <= tuning.forward[0]
             and problem.mask is None and problem.bias is None
             and problem.alibi_slopes is None and problem.sink_logits is None and problem.dropout_p == 0
-            and problem.visibility.window_left is None and (problem.q_len == 1 or problem.visibility.sinks == 0))
+            and problem.visibility.window_left is None and (problem.q_len == 1 or problem.visibility.sinks == 0)
+            and not problem.packed_rows)
 
 
 def fold(problem):

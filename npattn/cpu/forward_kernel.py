@@ -28,7 +28,8 @@ from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
 from .microkernels import product
-from .tiles import apply_dropout, band_keys, key_segments, pack_key_tile, page_run, score_tile, span, v_row
+from .tiles import (apply_dropout, band_keys, key_segments, memory_batch, memory_batches, pack_key_tile, page_run,
+                    score_tile, span, v_row)
 from .operands import Span
 
 
@@ -56,7 +57,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                    out, out_strides, lse, s, tanh, packed, m, total, sums, seen, counter, items):
     """Fill ``out`` (a flat view with element strides ``out_strides``, int64 (4,): batch,
     head, row, key range; zero on entry) and ``lse`` (flat (ranges, B, H, Sq), -inf on
-    entry). Rows outside the live ones (``spans``) stay as they are. ``s`` to ``seen``: this thread's
+    entry; B is 1 with PACKED_ROWS, as is out's batch stride 0). Rows outside the live ones (``spans``) stay as they are. ``s`` to ``seen``: this thread's
     :func:`~npattn.cpu.scratch.forward_scratch_specs`.
 
     One function from the item loop down to the tile's key loop, not a helper per
@@ -132,7 +133,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                              v_row_stride, s[c0:], ld, 1.0, out[out_offset:], out_row_stride)
                         c0 += run
 
-        lse_offset = ((split * ints[Int.BATCH] + b) * heads + h) * ints[Int.Q_LEN] + i0
+        lse_offset = ((split * memory_batches(ints) + memory_batch(ints, b)) * heads + h) * ints[Int.Q_LEN] + i0
         for r in range(rows):
             o = out_offset + r * out_row_stride
             if seen[r]:
@@ -211,7 +212,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
         rows = i1 - i0
         if rows <= 0:
             continue
-        row_offset = (b * heads + h) * q_len + i0
+        row_offset = (memory_batch(ints, b) * heads + h) * q_len + i0
         kv_head = h // (heads // ints[Int.KV_HEADS])
         sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
         for segment in range(2):

@@ -35,7 +35,7 @@ def key_splits(problem, tiles) -> tuple[int, int]:
     block_q, block_k = tiles
     kv_len = problem.kv_len
     whole = (1, max(kv_len, 1))
-    if problem.q_len > block_q or problem.return_weights or problem.sink_logits is not None:
+    if problem.q_len > block_q or problem.return_weights or problem.sink_logits is not None or problem.packed_rows:
         return whole
     items = problem.batch * problem.heads
     ranges = min(-(-SPLIT_ITEMS // max(items, 1)), kv_len // MIN_SPLIT_KEYS)

@@ -62,6 +62,19 @@ def page_run(ints, j, keys):
 
 
 @helper
+def memory_batch(ints, b):
+    """Batch entry ``b``'s batch index in out, lse and the gradients: ``b``, or 0 when every
+    entry's rows share one packed batch (PACKED_ROWS: their live rows are disjoint)."""
+    return 0 if ints[Int.PACKED_ROWS] else b
+
+
+@helper
+def memory_batches(ints):
+    """How many batch entries out, lse and the gradients hold: BATCH, or 1 when packed."""
+    return 1 if ints[Int.PACKED_ROWS] else ints[Int.BATCH]
+
+
+@helper
 def row_position(ints, spans, b, i):
     """The position of query row ``i`` of batch entry ``b`` in the key sequence
     (``i + SHIFT``; bottom-right aligned by default): row ``i`` of a folded problem
