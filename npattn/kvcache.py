@@ -13,10 +13,12 @@ Layouts are FlashAttention's, batch first and heads third ("bshd"):
 - k (B, Sn, Hkv, D) and v (B, Sn, Hkv, Dv): the new keys and values (optional);
 - cache_seqlens: int or int (B,): the keys each sequence has cached before the new ones.
 
-Sequence b then has ``cache_seqlens[b] + Sn`` keys, and its query row i sits at key
-position ``cache_seqlens[b] + i`` (bottom-right within its own keys): causal masking,
-windows and ALiBi count from there, and rotary embeddings rotate row i of q and of k by
-that position. The attention itself is :func:`npattn.attention` with a per-sequence
+Sequence b then has ``L_b = cache_seqlens[b] + Sn`` keys, and its query row i sits at key
+position ``L_b - Sq + i`` (bottom-right within its own keys: with as many new keys as
+queries, the usual decode step, row i is new key i, at ``cache_seqlens[b] + i``; with no
+new keys the queries are the last Sq cached positions). Causal masking, windows and
+ALiBi count from there, and rotary embeddings rotate each row of q and of the new k by
+its position. The attention itself is :func:`npattn.attention` with a per-sequence
 ``q_offset`` and ``kv_lengths``, so every other option works as it does there.
 """
 from __future__ import annotations
@@ -51,13 +53,14 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     first R lanes of q and of the new k by their positions before anything else, as pairs
     ``(x[i], x[i + R/2])`` (GPT-NeoX, Llama) or, with ``rotary_interleaved``, as pairs
     ``(x[2i], x[2i + 1])`` (GPT-J); the tables must cover position
-    ``cache_seqlens + Sn - 1`` of every sequence. Cached keys are never rotated again.
+    ``cache_seqlens + Sn - 1`` of every sequence, and no query may sit before position 0
+    (``Sq <= cache_seqlens + Sn``). Cached keys are never rotated again.
 
     ``options`` are those of :func:`npattn.attention` (``causal``, ``window``, ``sinks``,
     ``sink_logits``, ``alibi_slopes``, ``softcap``, ``scale``, ``return_lse``, ...) but
     ``layout``, ``q_offset``, ``q_lengths``, ``kv_lengths``, ``q_start``, ``kv_start``
-    and ``block_table`` (an argument here), which this call sets; ``causal`` aligns each sequence bottom-right (``"top_left"``
-    does not apply). Returns out (B, Sq, H, Dv), or the tuple with lse (B, H, Sq) as
+    and ``block_table`` (an argument here), which this call sets; ``causal`` aligns each
+    sequence bottom-right (``"top_left"`` does not apply). Returns out (B, Sq, H, Dv), or the tuple with lse (B, H, Sq) as
     ``attention`` does. Only the caches are modified; q, k and v are not.
 
     The kernels read a paged cache in place, page by page (the ``block_table`` option of
@@ -69,7 +72,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
             raise TypeError(f"attention_with_kvcache sets {name} itself (from cache_seqlens and the shapes); "
                             f"got {name}={options[name]!r}")
     if options.get("causal") == "top_left":
-        raise ValueError('attention_with_kvcache places query row i of sequence b at key cache_seqlens[b] + i; '
+        raise ValueError('attention_with_kvcache aligns each sequence\'s queries with its last keys; '
                          'causal="top_left" does not apply (use causal=True)')
     q, k_cache, v_cache = checks.as_arrays(q=q, k_cache=k_cache, v_cache=v_cache)
     xp = _arrays.array_module(q)
@@ -121,10 +124,15 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
         b = int(too_long[0])
         raise ValueError(f"cache_seqlens[{b}] + {new_len} new keys = {seqlens[b] + new_len} exceeds the cache's "
                          f"{capacity} keys per sequence")
-    rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, int((seqlens + max(new_len, q_len)).max(initial=0)), q)
-
+    first_query = seqlens + new_len - q_len  # each sequence's row 0, bottom-right among its keys
+    rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, int((seqlens + new_len).max(initial=0)), q)
     if rotary is not None:  # new arrays: the caller's q and k stay as they were
-        q = apply_rotary(q, seqlens, *rotary, rotary_interleaved)
+        early = np.flatnonzero(first_query < 0)
+        if early.size:
+            b = int(early[0])
+            raise ValueError(f"rotary embeddings need every query at a position >= 0: sequence {b} has "
+                             f"{seqlens[b] + new_len} keys for {q_len} queries")
+        q = apply_rotary(q, first_query, *rotary, rotary_interleaved)
         if k is not None:
             k = apply_rotary(k, seqlens, *rotary, rotary_interleaved)
     keys_used = int((seqlens + new_len).max(initial=0))
@@ -138,7 +146,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     device_seqlens = xp.asarray(seqlens)
     # every check of the attention call before the cache changes: a call that raises leaves it as it was
     problem, implementation = api.checked_problem(q, keys, values, dict(
-        options, layout="bshd", q_offset=device_seqlens, kv_lengths=device_seqlens + new_len))
+        options, layout="bshd", q_offset=xp.asarray(first_query), kv_lengths=device_seqlens + new_len))
     if k is not None and new_len:
         if options.get("check_finite"):
             checks.check_all_finite("k", k)

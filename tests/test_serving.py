@@ -228,6 +228,13 @@ def check_kvcache(backend, case, seed):
         call.update(rotary_cos=np.cos(angles), rotary_sin=np.sin(angles), rotary_interleaved=rotary)
     untouched = k_cache.copy(), v_cache.copy()
     inputs = [None if x is None else x.copy() for x in (q, k_new, v_new)]
+    first_query = cached + new - queries  # bottom-right within each sequence's keys
+    if rotary is not None and (first_query < 0).any():  # a query before position 0 has no rotation
+        with pytest.raises(ValueError, match="rotary embeddings need every query at a position >= 0"):
+            npattn.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached, backend=backend,
+                                          **call, **options)
+        np.testing.assert_array_equal(k_cache, untouched[0])
+        return
 
     out, lse = npattn.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
                                              return_lse=True, backend=backend, **call, **options)
@@ -236,7 +243,7 @@ def check_kvcache(backend, case, seed):
         assert before is None or np.array_equal(before, after)  # q, k, v are never modified
     q_rotated, k_rotated = q, k_new
     if rotary is not None:
-        q_rotated = apply_rotary(q, cached, call["rotary_cos"], call["rotary_sin"], rotary)
+        q_rotated = apply_rotary(q, first_query, call["rotary_cos"], call["rotary_sin"], rotary)
         k_rotated = None if k_new is None else apply_rotary(k_new, cached, call["rotary_cos"], call["rotary_sin"],
                                                              rotary)
     expected_k, expected_v = logical_k.copy(), logical_v.copy()
@@ -252,11 +259,11 @@ def check_kvcache(backend, case, seed):
     elif page_size is not None:
         others = np.setdiff1d(np.arange(k_cache.shape[0]), call["block_table"])
         np.testing.assert_array_equal(k_cache[others], untouched[0][others])
-    for b in range(batch):  # each sequence alone, its rows at positions cached[b] + i
+    for b in range(batch):  # each sequence alone, its last query level with its last key
         keys = cached[b] + new
         expected, expected_lse = npattn.attention(
             q_rotated[b:b + 1], expected_k[b:b + 1, :keys], expected_v[b:b + 1, :keys], layout="bshd",
-            q_offset=int(cached[b]), return_lse=True, backend="reference", **options)
+            return_lse=True, backend="reference", **options)
         assert_close(out[b:b + 1], expected, "float64")
         assert_close(lse[b:b + 1], expected_lse, "float64")
 
@@ -332,8 +339,8 @@ def test_serving_calls_reject_bad_input_by_name():
     with pytest.raises(ValueError, match="k and v must be given together"):
         npattn.attention_with_kvcache(q, kv, kv, np.zeros((2, 1, 1, 4)), cache_seqlens=1)
     with pytest.raises(ValueError, match="rotary_cos has 3 positions"):
-        npattn.attention_with_kvcache(q, kv, kv, cache_seqlens=3, rotary_cos=np.ones((3, 2)),
-                                      rotary_sin=np.ones((3, 2)))
+        npattn.attention_with_kvcache(q, kv, kv.copy(), np.zeros((2, 1, 1, 4)), np.zeros((2, 1, 1, 4)),
+                                      cache_seqlens=3, rotary_cos=np.ones((3, 2)), rotary_sin=np.ones((3, 2)))
     packed = np.zeros((5, 1, 4))
     with pytest.raises(ValueError, match="cu_seqlens_q must run from 0 to Tq = 5"):
         npattn.attention_varlen(packed, packed, packed, [0, 2, 4], [0, 2, 5])

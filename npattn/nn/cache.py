@@ -109,9 +109,10 @@ class KVCache:
         """One step of :func:`npattn.attention_with_kvcache` on this cache: q (B', Sq, H, D)
         of the sequences in cache ``rows`` (B' ints; default every row, in order), their
         new k and v (B', Sn, Hkv, D) appended in place at each row's own length, then
-        attention with row i of sequence b at position ``lengths[b] + i``. ``options``:
-        those of attention_with_kvcache (``causal``, ``rotary_cos``, ...). Returns what it
-        returns. Not for a rolling cache (``window``)."""
+        attention with each sequence's last query level with its last key (one new key per
+        query: row i at ``lengths[b] + i``). ``options``: those of attention_with_kvcache
+        (``causal``, ``rotary_cos``, ...). Returns what it returns. Not for a rolling cache
+        (``window``)."""
         if self.window is not None:
             raise ValueError("KVCache.attend: a rolling cache (window) decodes through the modules only")
         rows = np.arange(self.batch) if rows is None else np.asarray(rows, np.int64).reshape(-1)
@@ -208,8 +209,8 @@ class PagedKVCache:
     def attend(self, sequences, q, k=None, v=None, **options):
         """One step of :func:`npattn.attention_with_kvcache` for ``sequences`` (B ids, one
         per row of q (B, Sq, H, D)): their new k and v (B, Sn, Hkv, D) go into pages of
-        the pool (taken as needed), then every row attends to its sequence's keys, row i
-        at position ``length + i``. ``options``: those of attention_with_kvcache. Raises
+        the pool (taken as needed), then every row attends to its sequence's keys, the
+        last query level with the last key (one new key per query: row i at ``length + i``). ``options``: those of attention_with_kvcache. Raises
         MemoryError, before writing anything, when the pool has too few free pages."""
         sequences = list(sequences)
         if len(set(sequences)) != len(sequences):
