@@ -28,8 +28,10 @@ from . import _arrays, api, checks
 from .api import attention, attention_vjp
 from .types import Array
 
-# Options that describe a padded batch, which a packed one replaces.
-_RESERVED = ("layout", "q_lengths", "kv_lengths", "q_start", "kv_start", "mask", "bias")
+# Options that describe a padded batch, which a packed one replaces, and the weights (a
+# (total, total) array per head, mostly zeros: call attention on a sequence for its own).
+_RESERVED = ("layout", "q_lengths", "kv_lengths", "q_start", "kv_start", "mask", "bias", "block_table",
+             "return_weights")
 
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int | None = None,
@@ -42,7 +44,8 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     kernels need no padded size). ``options`` are :func:`npattn.attention`'s, per
     sequence: ``alibi_slopes`` (H,) or (B, H), ``q_offset`` an int or int (B,), a
     ``dropout_offset`` added to each sequence's (b, 0, 0, 0); not ``layout``, the
-    lengths or starts, ``mask`` or ``bias`` (a padded batch's).
+    lengths or starts, ``mask``, ``bias`` or ``block_table`` (a padded batch's), nor
+    ``return_weights``.
 
     Returns out (Tq, H, Dv) in q's dtype, or with ``return_lse`` the tuple
     ``(out, lse)``, lse (H, Tq) in the compute dtype (FlashAttention's layout).
@@ -116,8 +119,9 @@ class _Plan:
     def of(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options) -> "_Plan":
         for name in _RESERVED:
             if name in options:
-                raise TypeError(f"attention_varlen does not take {name}: packed sequences replace a padded batch "
-                                f"(got {name}={options[name]!r})")
+                why = ("its weights would be (total, total) per head; call attention on a sequence for its own"
+                       if name == "return_weights" else "packed sequences replace a padded batch")
+                raise TypeError(f"attention_varlen does not take {name}: {why} (got {name}={options[name]!r})")
         q, k, v = checks.as_arrays(q=q, k=k, v=v)
         for name, array, described in (("q", q, "(Tq, H, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, Dv)")):
             checks.check_float_dtype(name, array)
