@@ -27,10 +27,13 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     (Hkv == H: MHA, Hkv == 1: MQA, between: GQA).
 
     Query row i sits at position ``p_i = i + Sk - Sq`` (bottom-right alignment;
-    ``p_i = i + q_offset`` when given, 0 for top-left);
+    ``p_i = i + q_offset`` when given, per batch entry for an array; ``causal="top_left"``
+    is ``q_offset=0``; with left padding, ``q_offset`` counts from the first real row and
+    key: ``p_i = i + q_offset[b] + kv_start[b] - q_start[b]``);
     key j is visible to it when ``j <= p_i`` (causal), ``p_i - left <= j <= p_i + right``
-    or ``j < sinks`` (window), ``mask[b, h, i, j]`` (True = may attend),
-    ``j < kv_lengths[b]`` and ``i < q_lengths[b]``.
+    or one of the first ``sinks`` real keys (window), ``mask[b, h, i, j]`` (True = may
+    attend), ``kv_start[b] <= j < kv_lengths[b]`` and ``q_start[b] <= i < q_lengths[b]``.
+    With ``block_table``, k and v are pools of pages (forward only).
 
     Scores: {scores};
     invisible keys removed; softmax over keys, with ``sink_logits[h]`` as one extra
