@@ -12,18 +12,36 @@ from hypothesis import given, strategies as st
 import npattn
 from npattn.kvcache import apply_rotary
 from conftest import NUMPY_BACKENDS
+from strategies import Case, Dims
 import tolerances
 
 DTYPES = ("float64", "float32")
 
 
-def assert_close(actual, expected, dtype, length=32):
-    """Within the dtype's bound for sums of ``length`` terms (the problems here sum fewer)
-    of the size of the largest expected value (or 1), with room for the scores' size."""
+def call_case(q, k, v, options=None, layout="bshd"):
+    """The attention call ``(q, k, v, **options)`` as a :class:`strategies.Case` (bhsd), for
+    the shared tolerance bounds (tests/tolerances.py)."""
+    q, k, v = (np.asarray(x).transpose(0, 2, 1, 3) if layout == "bshd" else np.asarray(x) for x in (q, k, v))
+    dims = Dims(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
+    return Case(dims, q, k, v, dict(options or {}))
+
+
+def assert_out(actual, expected, case, what="out"):
+    """An output within the bound of ``case``'s out (tolerances.output_bound_terms)."""
+    tolerances.assert_close(actual, expected, case.dtype, *tolerances.output_bound_terms(case), what)
+
+
+def assert_lse(actual, expected, case):
+    """An lse within the bound the backends' equivalence tests hold lse to."""
     expected = np.asarray(expected, np.float64)
-    finite = expected[np.isfinite(expected)]
-    magnitude = 8.0 * max(1.0, float(np.abs(finite).max(initial=0.0)))
-    tolerances.assert_close(actual, expected, dtype, length, magnitude)
+    magnitude = 1 + tolerances.score_magnitude(case) + np.abs(expected[np.isfinite(expected)]).max(initial=0)
+    tolerances.assert_close(actual, expected, case.dtype, case.dims.kv_len + case.dims.head_dim, magnitude, "lse")
+
+
+def assert_gradient(actual, expected, case, dout, what):
+    """A gradient within the bound of ``case``'s gradients for ``dout`` (in case's layout)."""
+    dout = np.asarray(dout)
+    tolerances.assert_close(actual, expected, case.dtype, *tolerances.gradient_bound_terms(case, dout), what)
 
 
 def _normal(rng, shape, dtype):
@@ -102,16 +120,18 @@ def check_varlen(backend, dtype, case, seed):
     (expected, expected_lse), expected_vjp = npattn.attention_vjp(
         _padded(q, cu_q, width_q), _padded(k, cu_k, width_k), _padded(v, cu_k, width_k), layout="bshd",
         q_lengths=lengths_q, kv_lengths=lengths_k, return_lse=True, backend="reference", **dense)
-    expected_grads = expected_vjp(_padded(dout, cu_q, width_q))
+    padded_dout = _padded(dout, cu_q, width_q)
+    expected_grads = expected_vjp(padded_dout)
+    case = call_case(_padded(q, cu_q, width_q), _padded(k, cu_k, width_k), _padded(v, cu_k, width_k), dense)
     for b in range(len(lengths_q)):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        assert_close(out[rows], expected[b, :lengths_q[b]], dtype)
-        assert_close(lse[:, rows], expected_lse[b, :, :lengths_q[b]], dtype)
-        assert_close(grads[0][rows], expected_grads[0][b, :lengths_q[b]], dtype)
-        assert_close(grads[1][keys], expected_grads[1][b, :lengths_k[b]], dtype)
-        assert_close(grads[2][keys], expected_grads[2][b, :lengths_k[b]], dtype)
+        assert_out(out[rows], expected[b, :lengths_q[b]], case)
+        assert_lse(lse[:, rows], expected_lse[b, :, :lengths_q[b]], case)
+        for name, grad, packed_rows, length in (("dq", 0, rows, lengths_q[b]), ("dk", 1, keys, lengths_k[b]),
+                                                 ("dv", 2, keys, lengths_k[b])):
+            assert_gradient(grads[grad][packed_rows], expected_grads[grad][b, :length], case, padded_dout, name)
     if "sink_logits" in options:
-        assert_close(grads[3], expected_grads[3], dtype)
+        assert_gradient(grads[3], expected_grads[3], case, padded_dout, "dsink_logits")
 
 
 def draw_positional_options(draw, max_window, kv_lengths=False):
@@ -155,8 +175,9 @@ def check_paged_forward(backend, case, seed, dtype):
     values = v_pool[table].reshape(batch, kv_len, kv_heads, head_dim)
     expected, expected_lse = npattn.attention(q, keys, values, layout="bshd", return_lse=True, backend="reference",
                                               **options)
-    assert_close(out, expected, dtype, kv_len)
-    assert_close(lse, expected_lse, dtype, kv_len)
+    case = call_case(q, keys, values, options)
+    assert_out(out, expected, case)
+    assert_lse(lse, expected_lse, case)
 
 
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)
@@ -264,8 +285,9 @@ def check_kvcache(backend, case, seed):
         expected, expected_lse = npattn.attention(
             q_rotated[b:b + 1], expected_k[b:b + 1, :keys], expected_v[b:b + 1, :keys], layout="bshd",
             return_lse=True, backend="reference", **options)
-        assert_close(out[b:b + 1], expected, "float64")
-        assert_close(lse[b:b + 1], expected_lse, "float64")
+        case = call_case(q_rotated[b:b + 1], expected_k[b:b + 1, :keys], expected_v[b:b + 1, :keys], options)
+        assert_out(out[b:b + 1], expected, case)
+        assert_lse(lse[b:b + 1], expected_lse, case)
 
 
 def test_kvcache_rotary_turns_scores_into_functions_of_the_distance():
@@ -289,9 +311,10 @@ def test_causal_top_left_is_torchs_is_causal_and_differs_from_bottom_right(backe
     q, k, v = rng.normal(size=(1, 2, 4, 3)), rng.normal(size=(1, 2, 8, 3)), rng.normal(size=(1, 2, 8, 3))
     top_left_mask = np.tril(np.ones((4, 8), bool))        # torch's is_causal: key j <= row i
     bottom_right_mask = np.tril(np.ones((4, 8), bool), 4)  # key j <= i + Sk - Sq
+    case = call_case(q, k, v, layout="bhsd")
     for causal, mask in (("top_left", top_left_mask), ("bottom_right", bottom_right_mask), (True, bottom_right_mask)):
-        assert_close(npattn.attention(q, k, v, causal=causal, backend=backend),
-                     npattn.attention(q, k, v, mask=mask, backend="reference"), "float64")
+        assert_out(npattn.attention(q, k, v, causal=causal, backend=backend),
+                   npattn.attention(q, k, v, mask=mask, backend="reference"), case)
     assert np.abs(npattn.attention(q, k, v, causal="top_left", backend=backend)
                   - npattn.attention(q, k, v, causal=True, backend=backend)).max() > 0.1
 
@@ -315,10 +338,11 @@ def test_left_padding_equals_each_sequence_alone(backend, seed, data):
         alone, alone_vjp = npattn.attention_vjp(q[b:b + 1, :, rows], k[b:b + 1, :, keys], v[b:b + 1, :, keys],
                                                 backend="reference", **options)
         alone_dq, alone_dk, alone_dv = alone_vjp(dout[b:b + 1, :, rows])
-        assert_close(out[b:b + 1, :, rows], alone, "float64")
-        assert_close(dq[b:b + 1, :, rows], alone_dq, "float64")
-        assert_close(dk[b:b + 1, :, keys], alone_dk, "float64")
-        assert_close(dv[b:b + 1, :, keys], alone_dv, "float64")
+        case = call_case(q[b:b + 1, :, rows], k[b:b + 1, :, keys], v[b:b + 1, :, keys], options, layout="bhsd")
+        assert_out(out[b:b + 1, :, rows], alone, case)
+        for name, got, expected in (("dq", dq[b:b + 1, :, rows], alone_dq), ("dk", dk[b:b + 1, :, keys], alone_dk),
+                                    ("dv", dv[b:b + 1, :, keys], alone_dv)):
+            assert_gradient(got, expected, case, dout[b:b + 1, :, rows], name)
         # the padding outputs zeros and takes no gradient
         assert not out[b, :, :q_start[b]].any() and not dq[b, :, :q_start[b]].any()
         assert not dk[b, :, :kv_start[b]].any() and not dv[b, :, :kv_start[b]].any()
@@ -393,7 +417,7 @@ def test_kvcache_attend_keeps_a_length_per_row(backend):
         values = np.concatenate([first[2][row], later[2][index]])[None]
         expected = npattn.attention(later[0][index:index + 1], keys, values, causal=True, layout="bshd",
                                     backend="reference")
-        assert_close(out[index:index + 1], expected, "float64")
+        assert_out(out[index:index + 1], expected, call_case(later[0][index:index + 1], keys, values))
     with pytest.raises(ValueError, match="rows hold different lengths"):
         cache.check(3, 1, 4, 1)
     cache.reset([0, 2])
@@ -418,7 +442,7 @@ def test_paged_cache_takes_and_gives_back_pages(backend):
             keys = np.concatenate([x for x, _ in history[name]])[None]
             values = np.concatenate([y for _, y in history[name]])[None]
             expected = npattn.attention(q[row:row + 1], keys, values, causal=True, layout="bshd", backend="reference")
-            assert_close(out[row:row + 1], expected, "float64")
+            assert_out(out[row:row + 1], expected, call_case(q[row:row + 1], keys, values))
     assert (cache.length("a"), cache.length("b"), cache.free_pages) == (4, 3, 1)
     with pytest.raises(MemoryError, match="2 more pages needed, 1 free"):
         cache.attend(["a"], *(rng.normal(size=(1, 3, n, 4)) for n in (2, 1, 1)))
@@ -452,9 +476,26 @@ def test_modules_decode_in_place_without_grad_as_they_do_recording(backend, sett
         assert expected.requires_grad
         with ag.no_grad():
             got = module(x[:, start:stop], cache=in_place)
-        assert_close(got.data, expected.data, "float64")
-    np.testing.assert_allclose(in_place.keys, recorded.keys, atol=1e-12)
+        tolerances.assert_close(got.data, expected.data, "float64", *_module_bound_terms(module, x, stop))
+    # the keys went through two rope codes: a rotation's two products apart, of |k|'s size
+    tolerances.assert_close(in_place.keys, recorded.keys, "float64", 2, float(np.abs(recorded.keys).max()))
     assert in_place.lengths.tolist() == [9, 9] and in_place.position == 9 and len(calls) == 3
+
+
+def _module_bound_terms(module, x, keys):
+    """``(length, magnitude)`` of tolerances.bound for a MultiHeadAttention output on x
+    (B, S, E) with ``keys`` positions attended: the projections' sums over E around the
+    attention's over the keys and the head dim, of terms the size of the projected
+    values times the output weights, amplified by the scores' rounding (as for out)."""
+    embed = x.shape[-1]
+    weights = {name: float(np.abs(value).max(initial=0)) for name, value in module.state_dict().items()}
+
+    def projected(name):  # a bound on |x W^T + b| for projection ``name``
+        return embed * weights[f"{name}.weight"] * float(np.abs(x).max()) + weights.get(f"{name}.bias", 0.0)
+    head_dim = module.head_dim
+    score = head_dim * projected("q_proj") * projected("k_proj") / np.sqrt(head_dim)
+    magnitude = embed * weights["out_proj.weight"] * projected("v_proj") * (1 + score)
+    return 2 * embed + keys + head_dim, magnitude
 
 
 @pytest.mark.parametrize("products", ["vector", "blas"])
