@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import _arrays, api, checks
+from .backends import resolve as resolve_backend
 from .api import attention, attention_vjp
 from .types import Array
 
@@ -79,19 +80,15 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
         dout = _checked_dout(plan, dout, outputs)
         xp = plan.xp
         dq, dk, dv = xp.zeros_like(plan.q), xp.zeros_like(plan.k), xp.zeros_like(plan.v)
-        dsink = None if plan.options.get("sink_logits") is None else 0
+        sink = plan.options.get("sink_logits")
+        dsink = None if sink is None else xp.zeros(np.shape(sink), getattr(sink, "dtype", np.float64))
         for b, sequence_vjp in vjps:
             q0, q1, k0, k1 = plan.bounds(b)
             grads = sequence_vjp(dout[None, q0:q1])
             dq[q0:q1], dk[k0:k1], dv[k0:k1] = grads[0][0], grads[1][0], grads[2][0]
             if dsink is not None:
-                dsink = dsink + grads[3]
-        if dsink is not None:
-            sink = plan.options["sink_logits"]
-            dsink = (dsink if not isinstance(dsink, int) else xp.zeros(np.shape(sink))).astype(
-                getattr(sink, "dtype", np.float64), copy=False)
-            return dq, dk, dv, dsink
-        return dq, dk, dv
+                dsink += grads[3]
+        return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)
 
     return outputs, vjp
 
@@ -134,6 +131,9 @@ class _Plan:
         if len(starts_q) != len(starts_k):
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
                              f"{len(starts_q) - 1} and {len(starts_k) - 1}")
+        if options.get("causal") == "top_left" and options.get("q_offset") is not None:
+            raise ValueError(f'causal="top_left" already places each sequence\'s rows (q_offset=0); got '
+                             f'q_offset={options["q_offset"]!r} too: pass causal=True with q_offset instead')
         options = dict(options)
         if options.get("dropout_p", 0) and options.get("seed") is None:  # one seed for every sequence
             options["seed"] = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
@@ -169,6 +169,8 @@ class _Plan:
         sequence's own row and key indices), or with no sequence: :meth:`run` answers."""
         if not self.sequences or self.options.get("dropout_p"):
             return None
+        if resolve_backend(self.options.get("backend", "auto"), _arrays.array_kind(self.q)).NAME != "cpu":
+            return None
         xp, batch = self.xp, self.sequences
         lengths_q, lengths_k = np.diff(self.starts_q), np.diff(self.starts_k)
         options = dict(self.options)
@@ -183,8 +185,6 @@ class _Plan:
                        kv_lengths=xp.asarray(self.starts_k[1:]))
         shared = [xp.broadcast_to(x[None], (batch,) + x.shape) for x in (self.q, self.k, self.v)]
         problem, implementation = api.checked_problem(*shared, options)
-        if implementation.NAME != "cpu":
-            return None
         return api.run_problem(dataclasses.replace(problem, packed_rows=True), implementation, with_vjp)
 
     def run(self, call):

@@ -374,6 +374,8 @@ def test_serving_calls_reject_bad_input_by_name():
         npattn.attention_varlen(packed, packed, packed, [0, 2, 5], [0, 2, 5], max_seqlen_q=2)
     with pytest.raises(TypeError, match="attention_varlen does not take return_weights: its weights would be"):
         npattn.attention_varlen(packed, packed, packed, [0, 5], [0, 5], return_weights=True)
+    with pytest.raises(ValueError, match='causal="top_left" already places each sequence'):
+        npattn.attention_varlen(packed, packed, packed, [0, 5], [0, 5], causal="top_left", q_offset=1)
     with pytest.raises(TypeError, match="attention_varlen does not take mask"):
         npattn.attention_varlen(packed, packed, packed, [0, 5], [0, 5], mask=np.ones((5, 5), bool))
     with pytest.raises(ValueError, match='causal="top_left" already places the rows'):
