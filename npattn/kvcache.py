@@ -60,8 +60,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     ``sink_logits``, ``alibi_slopes``, ``softcap``, ``scale``, ``return_lse``, ...) but
     ``layout``, ``q_offset``, ``q_lengths``, ``kv_lengths``, ``q_start``, ``kv_start``
     and ``block_table`` (an argument here), which this call sets; ``causal`` aligns each
-    sequence bottom-right (``"top_left"`` does not apply). Returns out (B, Sq, H, Dv), or the tuple with lse (B, H, Sq) as
-    ``attention`` does. Only the caches are modified; q, k and v are not.
+    sequence bottom-right (``"top_left"`` does not apply). Returns out (B, Sq, H, Dv), or
+    the tuple with lse (B, H, Sq) as ``attention`` does. Only the caches are modified; q,
+    k and v are not.
 
     The kernels read a paged cache in place, page by page (the ``block_table`` option of
     :func:`npattn.attention`), and a contiguous one through ``cache_batch_idx`` as pages
@@ -91,10 +92,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx selects rows of a contiguous cache; a paged cache takes block_table only")
         (block_table,) = checks.as_arrays(block_table=block_table, reference=q)
+        # (its entries are checked with attention's other options, before the cache is written)
         block_table = _int_array("block_table", block_table, (batch, None), "(B, pages per sequence)")
-        page_size = cache_len
-        capacity = block_table.shape[1] * page_size
-        _check_range("block_table", block_table, 0, cache_rows - 1)
+        capacity = block_table.shape[1] * cache_len
     else:
         capacity = cache_len
         if cache_batch_idx is not None:
@@ -137,16 +137,15 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
             k = apply_rotary(k, seqlens, *rotary, rotary_interleaved)
     keys_used = int((seqlens + new_len).max(initial=0))
     keys, values = k_cache, v_cache
-    if block_table is not None:  # only the pages in use
+    if block_table is not None:  # every page a sequence writes or reads, checked as attention's option
         options["block_table"] = block_table[:, :-(-keys_used // cache_len)]
     elif cache_batch_idx is not None:  # each sequence's cache row as its one page
         options["block_table"] = cache_batch_idx[:, None]
     else:  # the cached prefix of every row, a view
         keys, values = k_cache[:, :keys_used], v_cache[:, :keys_used]
-    device_seqlens = xp.asarray(seqlens)
     # every check of the attention call before the cache changes: a call that raises leaves it as it was
     problem, implementation = api.checked_problem(q, keys, values, dict(
-        options, layout="bshd", q_offset=xp.asarray(first_query), kv_lengths=device_seqlens + new_len))
+        options, layout="bshd", q_offset=xp.asarray(first_query), kv_lengths=xp.asarray(seqlens + new_len)))
     if k is not None and new_len:
         if options.get("check_finite"):
             checks.check_all_finite("k", k)
