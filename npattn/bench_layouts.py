@@ -20,6 +20,7 @@ import numpy as np
 
 import npattn
 
+from .bench import _repeated
 from .timing import elapsed, interleaved_samples, settled_elapsed
 
 # The packed batch: 8 sequences with lengths drawn from 64-2048 that add up to 8192
@@ -83,12 +84,7 @@ def _timed(timed: dict, repeats: int, time_one, calls: int = 1) -> tuple[dict, d
     (runs of ``calls`` calls each, for steps too short to time alone); ratios are taken
     as medians of per-round ratios, which cancel a round's drift (this VM's memory
     bandwidth moves by a third from minute to minute)."""
-    def repeated(run):
-        def many():
-            for _ in range(calls):
-                run()
-        return many
-    samples = interleaved_samples({name: repeated(run) for name, run in timed.items()}, repeats, time_one)
+    samples = interleaved_samples({name: _repeated(run, calls) for name, run in timed.items()}, repeats, time_one)
     samples = {name: t / calls for name, t in samples.items()}
     return {name: 1e3 * float(np.median(t)) for name, t in samples.items()}, samples
 
