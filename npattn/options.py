@@ -62,8 +62,9 @@ class Call:
     @property
     def reach(self) -> int:
         """Sq + Sk, plus the largest ``|q_offset|`` and, with q_start or kv_start, Sq + Sk
-        again: more than any query-key distance, so a window past it bounds nothing. Clamping to it keeps the kernels' int64 (and the GPU's int32)
-        positions from overflowing."""
+        again: more than any query-key distance, so a window past it bounds nothing.
+        Clamping to it keeps the kernels' int64 (and the GPU's int32) positions from
+        overflowing."""
         offset = self.checked.get("q_offset")
         if offset is None:
             return self.q_len + self.kv_len

@@ -57,7 +57,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                    out, out_strides, lse, s, tanh, packed, m, total, sums, seen, counter, items):
     """Fill ``out`` (a flat view with element strides ``out_strides``, int64 (4,): batch,
     head, row, key range; zero on entry) and ``lse`` (flat (ranges, B, H, Sq), -inf on
-    entry; B is 1 with PACKED_ROWS, as is out's batch stride 0). Rows outside the live ones (``spans``) stay as they are. ``s`` to ``seen``: this thread's
+    entry; B is 1 with PACKED_ROWS, as is out's batch stride 0). Rows outside the live
+    ones (``spans``) stay as they are. ``s`` to ``seen``: this thread's
     :func:`~npattn.cpu.scratch.forward_scratch_specs`.
 
     One function from the item loop down to the tile's key loop, not a helper per

@@ -33,7 +33,8 @@ from .tuning import Tuning, current
 # bias in the compute dtype, mask as uint8, alibi (B * H,) and sink (H,), each a
 # 1-element placeholder when absent; spans int64 (B * SPAN_FIELDS,) (the live rows and
 # keys and row 0's position per batch entry, :func:`npattn.kernel_params.problem_spans`);
-# pages int64 (B * PAGES,) (:func:`npattn.kernel_params.problem_pages`); ints (int64, by :class:`Int`) and reals (compute dtype, by :class:`Real`).
+# pages int64 (B * PAGES,) (:func:`npattn.kernel_params.problem_pages`); ints (int64, by
+# :class:`Int`) and reals (compute dtype, by :class:`Real`).
 Operands = namedtuple("Operands", OPERAND_NAMES)
 
 

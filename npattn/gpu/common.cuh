@@ -92,15 +92,16 @@ struct KeyBand { i64 lo, hi, sink_start, sink_end; };
 __device__ inline i64 span(const i64* spans, i64 b, int column) { return spans[b * NPATTN_SPAN_FIELDS + column]; }
 
 // Row i of batch b sees keys in [lo, hi) and in [sink_start, sink_end) (causal, window,
-// sinks, the live keys of spans); a row before Q_START sees none. Each bound is nondecreasing in i, so a tile of rows is
-// bounded by its first and last row.
+// sinks, the live keys of spans); a row before Q_START sees none. Each bound is
+// nondecreasing in i, so a tile of rows is bounded by its first and last row.
 __device__ inline KeyBand key_band(const i64* ints, const i64* spans, i64 b, i64 i) {
     const i64 kv_first = span(spans, b, NPATTN_SPAN_KV_START), kv_valid = span(spans, b, NPATTN_SPAN_KV_STOP);
     const i64 kv_len = ints[NPATTN_INT_KV_LEN];
     const i64 left = ints[NPATTN_INT_WINDOW_LEFT], right = ints[NPATTN_INT_WINDOW_RIGHT];
     const i64 position = i + span(spans, b, NPATTN_SPAN_SHIFT);
     KeyBand band;
-    band.lo = left < 0 ? kv_first : smaller(kv_len, larger(kv_first, position - left));  // a row may sit past the last key
+    // (clipped to the keys: a row may sit past the last key)
+    band.lo = left < 0 ? kv_first : smaller(kv_len, larger(kv_first, position - left));
     band.hi = right < 0 ? kv_len : smaller(kv_len, position + right + 1);
     if (ints[NPATTN_INT_CAUSAL]) band.hi = smaller(band.hi, position + 1);
     band.hi = larger(band.lo, smaller(band.hi, kv_valid));

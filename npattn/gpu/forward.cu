@@ -238,7 +238,8 @@ combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
     const int lane = threadIdx.x % 32;
     if (row >= ints[NPATTN_INT_BATCH] * heads * q_len) return;  // whole warps
     const i64 b = row / (heads * q_len), h = (row / q_len) % heads, i = row % q_len;
-    if (i < span(spans, b, NPATTN_SPAN_Q_START) || i >= span(spans, b, NPATTN_SPAN_Q_STOP)) return;  // padding keeps its zeros and -inf
+    // padding keeps its zeros and -inf
+    if (i < span(spans, b, NPATTN_SPAN_Q_START) || i >= span(spans, b, NPATTN_SPAN_Q_STOP)) return;
     const i64 value_dim = ints[NPATTN_INT_VALUE_DIM], value_dim3 = value_dim + 3;
     const Acc* parts = partial + row * splits * value_dim3;
     const bool has_sink = ints[NPATTN_INT_HAS_SINK] != 0;

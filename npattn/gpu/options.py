@@ -21,9 +21,10 @@ def _bits(names) -> type[IntFlag]:
 
 # One bit per ``gpu_option`` of the options table (MASK, BIAS, ALIBI, SOFTCAP, DROPOUT,
 # SINK, BAND: causal, a window with sinks, kv_lengths or left padding, keys a row may not
-# see; PAGED: k and v in pages, looked up per key row; an entry's doc says what each does), then two of the operands' layout: UNALIGNED (rows
-# not 16-byte aligned: plain loads instead of cp.async) and NARROW (head dims, rounded
-# up to 16, below the kernel's bound: loops test them).
+# see; PAGED: k and v in pages, looked up per key row; an entry's doc says what each
+# does), then two of the operands' layout: UNALIGNED (rows not 16-byte aligned: plain
+# loads instead of cp.async) and NARROW (head dims, rounded up to 16, below the kernel's
+# bound: loops test them).
 Option = _bits(dict.fromkeys([*(option.gpu_option for option in _table.OPTIONS if option.gpu_option),
                               "UNALIGNED", "NARROW"]))
 

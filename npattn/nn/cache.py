@@ -162,7 +162,8 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype="float32", xp=np):
         owner = "PagedKVCache"
-        num_pages, page_size = arguments.size(owner, "num_pages", num_pages), arguments.size(owner, "page_size", page_size)
+        num_pages = arguments.size(owner, "num_pages", num_pages)
+        page_size = arguments.size(owner, "page_size", page_size)
         num_kv_heads = arguments.size(owner, "num_kv_heads", num_kv_heads)
         head_dim = arguments.size(owner, "head_dim", head_dim)
         dtype = arguments.float_dtype(owner, "dtype", dtype)
@@ -210,8 +211,9 @@ class PagedKVCache:
         """One step of :func:`npattn.attention_with_kvcache` for ``sequences`` (B ids, one
         per row of q (B, Sq, H, D)): their new k and v (B, Sn, Hkv, D) go into pages of
         the pool (taken as needed), then every row attends to its sequence's keys, the
-        last query level with the last key (one new key per query: row i at ``length + i``). ``options``: those of attention_with_kvcache. Raises
-        MemoryError, before writing anything, when the pool has too few free pages."""
+        last query level with the last key (one new key per query: row i at ``length +
+        i``). ``options``: those of attention_with_kvcache. Raises MemoryError, before
+        writing anything, when the pool has too few free pages."""
         sequences = list(sequences)
         if len(set(sequences)) != len(sequences):
             raise ValueError(f"PagedKVCache.attend: sequences must be distinct; got {sequences!r}")
