@@ -14,5 +14,22 @@ from .varlen import attention_varlen, attention_varlen_vjp
 from .warmup import warmup
 
 __version__ = "0.1.0"
+
+# Subpackages and modules that load on first use (PEP 562), so ``npattn.torch.attention``
+# works after ``import npattn`` alone; importing npattn still imports none of them (nor torch
+# or JAX, which npattn.torch and npattn.jax import).
+_LAZY_SUBMODULES = ("torch", "jax", "nn", "autograd", "optim", "distributed", "viz", "cpu", "gpu", "plans")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'npattn' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY_SUBMODULES})
 __all__ = ["attention", "attention_vjp", "attention_backward", "attention_varlen", "attention_varlen_vjp",
            "attention_with_kvcache", "backends", "BackendStatus", "warmup", "__version__"]

@@ -241,7 +241,7 @@ def attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
             if grads is not None:
                 dtype = planned.form.dtype
                 return _public_gradients(planned.form, grads, (dtype, dtype, dtype, None, None))
-    if options.get("dropout_p", 0) and options.get("seed") is None:
+    if _options.dropout_requested(options) and options.get("seed") is None:
         raise ValueError("attention_backward with dropout_p > 0 needs seed, the forward's int seed: "
                          "it regenerates the forward's dropout mask")
     problem, implementation = _checked_problem(q, k, v, options)

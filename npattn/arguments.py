@@ -73,3 +73,26 @@ def features(owner: str, name: str, x, ndim: int, last: int, described: str) -> 
     shape = tuple(x.shape)
     if len(shape) != ndim or shape[-1] != last:
         raise ValueError(f"{owner}: {name} must be {described} with {last} features last; got shape {shape}")
+
+
+def zeros(owner: str, names: tuple, shape: tuple, dtype, xp=np):
+    """``xp.zeros(shape, dtype)`` for a buffer whose axes are the arguments ``names``: a
+    size the allocator refuses (NumPy's "array is too big", an out-of-memory error) is
+    reported as a MemoryError naming the arguments and the bytes they ask for."""
+    nbytes = math.prod(int(n) for n in shape) * np.dtype(dtype).itemsize
+    described = " x ".join(f"{name} {size}" for name, size in zip(names, shape))
+    try:
+        if nbytes >= 2 ** 63:
+            raise ValueError("array is too big")
+        return xp.zeros(shape, dtype)
+    except (MemoryError, ValueError) as error:
+        if isinstance(error, ValueError) and "too big" not in str(error) and "maximum" not in str(error):
+            raise
+        raise MemoryError(f"{owner}: {described} in {np.dtype(dtype).name} needs {nbytes / 2**30:.4g} GiB, which "
+                          f"cannot be allocated here ({error.__class__.__name__}: {error}); make "
+                          f"{' or '.join(names[:2])} smaller") from None
+    except Exception as error:  # CuPy's OutOfMemoryError is not a MemoryError
+        if type(error).__name__ != "OutOfMemoryError":
+            raise
+        raise MemoryError(f"{owner}: {described} in {np.dtype(dtype).name} needs {nbytes / 2**30:.4g} GiB, more than "
+                          f"the device has free; make {' or '.join(names[:2])} smaller") from None

@@ -8,6 +8,7 @@ be non-negative, got -1``. Nothing here modifies an input: arrays are only viewe
 from __future__ import annotations
 
 import math
+import operator
 from numbers import Integral, Real
 
 import numpy as np
@@ -103,6 +104,44 @@ def check_qkv_shapes(q, k, v, layout, paged=False):
         raise ValueError(f"head dims must be at least 1, got q's D = {head_dim} and v's Dv = {v.shape[3]}")
 
 
+def as_int(value):
+    """``value`` as a Python int when it is one: an int, a NumPy integer, or a 0-d integer
+    array or tensor (anything with ``__index__`` but a bool); None otherwise. Lets a
+    ``window=np.array(2)`` or ``q_offset=torch.tensor(1)`` mean what it says."""
+    if isinstance(value, (bool, np.bool_)) or "bool" in str(getattr(value, "dtype", "")):
+        return None
+    if isinstance(value, Integral):
+        return int(value)
+    if getattr(value, "ndim", None) != 0:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def int_array(name, value, reference, described):
+    """``value`` as an integer array of ``reference``'s kind (NumPy or CuPy), in its own
+    integer dtype (not converted: a uint64 2**63 must not wrap before it is compared)."""
+    (array,) = as_arrays(**{name: value}, reference=reference)
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array {described}, got dtype {array.dtype}")
+    return array
+
+
+def check_int_range(name, array, low, high, limit=""):
+    """Raise ValueError naming the first element of the integer ``array`` outside
+    ``[low, high]`` (Python ints: compared in the array's own dtype, which NumPy does
+    without overflow, so a uint64 2**63 or an int64 -2**63 is reported as it is)."""
+    host = _arrays.to_numpy(array)
+    bad = np.argwhere((host < low) | (host > high))
+    if bad.size:
+        where = tuple(int(i) for i in bad[0])
+        index = f"[{', '.join(map(str, where))}]" if where else ""
+        raise ValueError(f"{name} must lie in [{low}, {high}]{limit}, got {name}{index} = {int(host[where])}")
+    return array
+
+
 def check_bool(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
@@ -110,8 +149,10 @@ def check_bool(name, value):
 
 
 def check_count(name, value):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
+    number = as_int(value)
+    if number is None:
         raise TypeError(f"{name} must be a non-negative int, got {type(value).__name__} {value!r}")
+    value = number
     if value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value}")
     return int(value)
@@ -200,9 +241,5 @@ def check_lengths(name, lengths, q, batch, limit, limit_name):
         raise TypeError(f"{name} must be an integer array of shape (B,), got dtype {lengths.dtype}")
     if tuple(lengths.shape) != (batch,):
         raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(lengths.shape)}")
-    host = _arrays.to_numpy(lengths)
-    bad = np.flatnonzero((host < 0) | (host > limit))
-    if bad.size:
-        raise ValueError(f"{name} must lie in [0, {limit_name}] = [0, {limit}], "
-                         f"got {name}[{bad[0]}] = {host[bad[0]]}")
+    check_int_range(name, lengths, 0, limit, f" ([0, {limit_name}])")
     return lengths.astype(np.int64)

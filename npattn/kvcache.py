@@ -20,19 +20,30 @@ new keys the queries are the last Sq cached positions). Causal masking, windows 
 ALiBi count from there, and rotary embeddings rotate each row of q and of the new k by
 its position. The attention itself is :func:`npattn.attention` with a per-sequence
 ``q_offset`` and ``kv_lengths``, so every other option works as it does there.
+
+A call that raises leaves the caches byte-identical: every check (shapes, dtypes,
+writability, slots written twice or read by another sequence, the positions' range,
+the free memory, ``check_finite``) runs before the first write, and should the
+attention itself fail after the append (out of memory, an interrupt), the slots written
+get their old bytes back before the error propagates.
 """
 from __future__ import annotations
 
-from numbers import Integral
 from typing import Any
 
 import numpy as np
 
 from . import _arrays, api, checks
+from . import limits as _limits
+from . import options as _options
+from .adapters import arrays as _foreign
 from .types import Outputs
 
 # Options attention_with_kvcache sets from its own arguments.
 _RESERVED = ("layout", "q_offset", "kv_lengths", "kv_start", "q_start", "q_lengths", "block_table")
+# Slots the caches hold at most as many as this per sequence: the kernels count positions in
+# int32 arithmetic with room to spare (npattn.options.Q_OFFSET_LIMIT)
+POSITION_LIMIT = _options.Q_OFFSET_LIMIT
 
 
 def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *,
@@ -47,7 +58,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     (B, Sn, Hkv, D/Dv) or None (no append); ``cache_seqlens`` int or int (B,), with
     ``cache_seqlens + Sn`` at most the cache's length (S, or P * page_size);
     ``cache_batch_idx`` (B,) int: the contiguous cache row of each sequence (a batch of
-    requests that occupy some of the cache's slots).
+    requests that occupy some of the cache's slots). Entries of ``block_table`` past the
+    pages a sequence holds are never read (padding such as -1 is fine there).
 
     ``rotary_cos`` and ``rotary_sin`` (positions, R / 2), R even and at most D: rotate the
     first R lanes of q and of the new k by their positions before anything else, as pairs
@@ -60,26 +72,73 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     ``sink_logits``, ``alibi_slopes``, ``softcap``, ``scale``, ``return_lse``, ...) but
     ``layout``, ``q_offset``, ``q_lengths``, ``kv_lengths``, ``q_start``, ``kv_start``
     and ``block_table`` (an argument here), which this call sets; ``causal`` aligns each
-    sequence bottom-right (``"top_left"`` does not apply). Returns out (B, Sq, H, Dv), or
-    the tuple with lse (B, H, Sq) as ``attention`` does. Only the caches are modified; q,
-    k and v are not.
+    sequence bottom-right (``"top_left"`` does not apply). ``check_finite=True`` checks
+    what the call reads: q, the new k and v, and each sequence's cached keys and values
+    (a NaN in a slot no sequence reads is no error). Returns out (B, Sq, H, Dv), or the
+    tuple with lse (B, H, Sq) as ``attention`` does. Only the caches are modified; q, k
+    and v are not.
+
+    When new keys are appended the caches must be writable NumPy or CuPy arrays (or torch
+    tensors, written through a view of their memory) in native byte order; a call that
+    would write one slot twice, or a slot another sequence of the call reads (two
+    sequences sharing a cache row or a page they write), raises. Shared pages that are
+    only read (a common prompt prefix) are fine. A call that raises leaves the caches
+    byte-identical.
 
     The kernels read a paged cache in place, page by page (the ``block_table`` option of
     :func:`npattn.attention`), and a contiguous one through ``cache_batch_idx`` as pages
     of one row each: nothing is gathered or copied.
+
+    Arrays of other kinds that speak DLPack (torch tensors, JAX arrays) are read where they
+    lie and the outputs come back in q's kind; the call is forward-only (no gradients), and
+    a JAX cache, which cannot be written in place, takes no new keys.
     """
-    for name in _RESERVED:
-        if name in options:
-            raise TypeError(f"attention_with_kvcache sets {name} itself (from cache_seqlens and the shapes); "
-                            f"got {name}={options[name]!r}")
-    if options.get("causal") == "top_left":
-        raise ValueError('attention_with_kvcache aligns each sequence\'s queries with its last keys; '
-                         'causal="top_left" does not apply (use causal=True)')
-    q, k_cache, v_cache = checks.as_arrays(q=q, k_cache=k_cache, v_cache=v_cache)
+    arguments = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                     block_table=block_table, cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos,
+                     rotary_sin=rotary_sin)
+    kind = _foreign.foreign_kind_of(arguments.values(), options.values())
+    if kind is not None:
+        written = ("k_cache", "v_cache") if k is not None or v is not None else ()
+        return _foreign.forward_only_call(kind, "attention_with_kvcache", attention_with_kvcache, arguments,
+                                          dict(options, rotary_interleaved=rotary_interleaved), written)
+    call = _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
+                    rotary_interleaved, options)
+    return call.run()
+
+
+class _Call:
+    """A checked kv-cache call: what to write where, and the attention problem to run."""
+
+    def __init__(self, problem, implementation, writes):
+        self.problem, self.implementation, self.writes = problem, implementation, writes
+
+    def run(self) -> Outputs:
+        """Append the new keys and values, then attend; the appended slots get their old
+        bytes back if anything raises after the first write."""
+        undo = _append(*self.writes) if self.writes is not None else None
+        try:
+            return api.run_problem(self.problem, self.implementation)
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
+
+
+def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
+             rotary_interleaved, options) -> _Call:
+    """Every check of the call, before anything is written."""
+    _check_options(options)
+    checks.check_bool("rotary_interleaved", rotary_interleaved)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and their values), or neither")
+    appending = k is not None
+    (q,) = checks.as_arrays(q=q)
     xp = _arrays.array_module(q)
     batch, q_len, heads, head_dim = _four_d("q", q, "(B, Sq, H, D)")
     paged = block_table is not None
     cache_shape = "(pages, page_size, Hkv, D)" if paged else "(Bc, S, Hkv, D)"
+    k_cache = _cache("k_cache", k_cache, q, appending)
+    v_cache = _cache("v_cache", v_cache, q, appending)
     cache_rows, cache_len, kv_heads, _ = _four_d("k_cache", k_cache, cache_shape)
     _four_d("v_cache", v_cache, cache_shape.replace("D)", "Dv)"))
     for name, array in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -88,28 +147,36 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree on all but "
                          f"the last axis, and k_cache's last axis must be q's head dim {head_dim}")
+    if appending:
+        _check_apart(k_cache, v_cache)
+    if paged and cache_len < 1:
+        raise ValueError(f"k_cache's page size (axis 1 of {cache_shape}) must be at least 1, "
+                         f"got shape {tuple(k_cache.shape)}")
     if paged:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx selects rows of a contiguous cache; a paged cache takes block_table only")
-        (block_table,) = checks.as_arrays(block_table=block_table, reference=q)
-        # (its entries are checked with attention's other options, before the cache is written)
-        block_table = _int_array("block_table", block_table, (batch, None), "(B, pages per sequence)")
+        block_table = checks.int_array("block_table", block_table, q, "(B, pages per sequence)")
+        if block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape (B, pages per sequence) = ({batch}, P), "
+                             f"got {tuple(block_table.shape)}")
         capacity = block_table.shape[1] * cache_len
     else:
         capacity = cache_len
         if cache_batch_idx is not None:
-            (cache_batch_idx,) = checks.as_arrays(cache_batch_idx=cache_batch_idx, reference=q)
-            cache_batch_idx = _int_array("cache_batch_idx", cache_batch_idx, (batch,), "(B,)")
-            _check_range("cache_batch_idx", cache_batch_idx, 0, cache_rows - 1)
+            cache_batch_idx = checks.int_array("cache_batch_idx", cache_batch_idx, q, "(B,)")
+            if tuple(cache_batch_idx.shape) != (batch,):
+                raise ValueError(f"cache_batch_idx must have shape (B,) = ({batch},), "
+                                 f"got {tuple(cache_batch_idx.shape)}")
+            checks.check_int_range("cache_batch_idx", cache_batch_idx, 0, cache_rows - 1, " (rows of k_cache)")
+            cache_batch_idx = cache_batch_idx.astype(np.int64)
         elif cache_rows != batch:
             raise ValueError(f"k_cache has {cache_rows} rows but q has batch {batch}: give cache_batch_idx (B,) "
                              f"to say which row each sequence uses")
     new_len = 0
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (new keys and their values), or neither")
-    if k is not None:
+    if appending:
         k, v = checks.as_arrays(k=k, v=v, reference=q)
         for name, array, width in (("k", k, head_dim), ("v", v, v_cache.shape[3])):
+            checks.check_float_dtype(name, array)
             if array.dtype != q.dtype:
                 raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; they must share one dtype")
             if array.ndim != 4 or array.shape[0] != batch or array.shape[2:] != (kv_heads, width):
@@ -118,40 +185,272 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"k and v must have the same number of new keys, got {k.shape[1]} and {v.shape[1]}")
         new_len = k.shape[1]
-    seqlens = _cache_seqlens(cache_seqlens, batch)
-    too_long = np.flatnonzero(seqlens + new_len > capacity)
-    if too_long.size:
-        b = int(too_long[0])
-        raise ValueError(f"cache_seqlens[{b}] + {new_len} new keys = {seqlens[b] + new_len} exceeds the cache's "
-                         f"{capacity} keys per sequence")
-    first_query = seqlens + new_len - q_len  # each sequence's row 0, bottom-right among its keys
-    rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, int((seqlens + new_len).max(initial=0)), q)
-    if rotary is not None:  # new arrays: the caller's q and k stay as they were
+    seqlens = _cache_seqlens(cache_seqlens, batch, capacity, new_len)
+    lengths = seqlens + new_len  # each sequence's keys after the append
+    keys_used = int(lengths.max(initial=0))
+    first_query = lengths - q_len  # each sequence's row 0, bottom-right among its keys
+    rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, keys_used, q)
+    if rotary is not None:
         early = np.flatnonzero(first_query < 0)
         if early.size:
             b = int(early[0])
-            raise ValueError(f"rotary embeddings need every query at a position >= 0: sequence {b} has "
-                             f"{seqlens[b] + new_len} keys for {q_len} queries")
+            raise ValueError(f"rotary_cos and rotary_sin rotate each query by its position, which must be >= 0: "
+                             f"sequence {b} has {lengths[b]} keys for {q_len} queries")
+    pages = None
+    if paged:
+        pages = _used_pages(block_table, lengths, cache_len, cache_rows, xp)
+        if appending and new_len:
+            _check_paged_writes(_arrays.to_numpy(pages), seqlens, lengths, cache_len)
+    elif cache_batch_idx is not None and appending and new_len:
+        _check_distinct_rows(_arrays.to_numpy(cache_batch_idx))
+    finite = options.pop("check_finite", False)
+    checks.check_bool("check_finite", finite)
+    q_user = q
+    if rotary is not None:  # new arrays: the caller's q and k stay as they were
         q = apply_rotary(q, first_query, *rotary, rotary_interleaved)
-        if k is not None:
+        if appending:
             k = apply_rotary(k, seqlens, *rotary, rotary_interleaved)
-    keys_used = int((seqlens + new_len).max(initial=0))
     keys, values = k_cache, v_cache
-    if block_table is not None:  # every page a sequence writes or reads, checked as attention's option
-        options["block_table"] = block_table[:, :-(-keys_used // cache_len)]
+    if paged:  # every page a sequence writes or reads, checked as attention's option
+        options["block_table"] = pages
     elif cache_batch_idx is not None:  # each sequence's cache row as its one page
         options["block_table"] = cache_batch_idx[:, None]
     else:  # the cached prefix of every row, a view
         keys, values = k_cache[:, :keys_used], v_cache[:, :keys_used]
-    # every check of the attention call before the cache changes: a call that raises leaves it as it was
     problem, implementation = api.checked_problem(q, keys, values, dict(
-        options, layout="bshd", q_offset=xp.asarray(first_query), kv_lengths=xp.asarray(seqlens + new_len)))
-    if k is not None and new_len:
-        if options.get("check_finite"):
-            checks.check_all_finite("k", k)
-            checks.check_all_finite("v", v)
-        _append(xp, k_cache, v_cache, k, v, seqlens, block_table, cache_batch_idx)
-    return api.run_problem(problem, implementation)
+        options, layout="bshd", q_offset=xp.asarray(first_query), kv_lengths=xp.asarray(lengths)))
+    _limits.check_memory(problem, implementation.NAME)
+    if finite:
+        _check_finite_reads(q_user, k, v, k_cache, v_cache, options.get("bias"), seqlens, pages, cache_batch_idx,
+                            cache_len)
+    writes = (k_cache, v_cache, k, v, seqlens, pages, cache_batch_idx) if appending and new_len else None
+    return _Call(problem, implementation, writes)
+
+
+def _check_options(options):
+    """The keywords passed on to attention: known options, none that this call sets."""
+    for name in _RESERVED:
+        if name in options:
+            raise TypeError(f"attention_with_kvcache sets {name} itself (from cache_seqlens and the shapes); "
+                            f"got {name}={options[name]!r}")
+    if "backend" not in options:
+        _options.check_names(options)
+    else:
+        _options.check_names({name: value for name, value in options.items() if name != "backend"})
+    if isinstance(options.get("causal"), str) and options["causal"] == "top_left":
+        raise ValueError('attention_with_kvcache aligns each sequence\'s queries with its last keys; '
+                         'causal="top_left" does not apply (use causal=True)')
+
+
+def _cache(name, value, q, written):
+    """A cache as an array of q's kind. One that the call writes must be that array itself
+    (a converted copy would take the new keys and lose them): a writable NumPy or CuPy
+    array in native byte order whose slots do not overlap."""
+    if not written:
+        (array,) = checks.as_arrays(**{name: value}, reference=q)
+        return array
+    if not (isinstance(value, np.ndarray) or _arrays.is_cupy(value)):
+        raise TypeError(f"{name} must be a NumPy or CuPy array to take the new keys in place, got "
+                        f"{type(value).__name__}: a converted copy would receive them and the caller's cache "
+                        "would never see them")
+    if _arrays.array_kind(value) != _arrays.array_kind(q):
+        raise TypeError(f"{name} is a {_arrays.array_kind(value)} array but q is a {_arrays.array_kind(q)} array; "
+                        "mixing NumPy and CuPy arrays is not supported (move them to one device first)")
+    if not value.dtype.isnative:
+        raise TypeError(f"{name} has non-native byte order (dtype {value.dtype.str}): the kernels read native "
+                        f"numbers and the new keys must be written in place; convert the cache once, "
+                        f"{name} = {name}.astype({name}.dtype.newbyteorder('='))")
+    if not value.flags.writeable:
+        raise ValueError(f"{name} is read-only (flags.writeable is False): it must be writable to take the new "
+                         "keys (a broadcast view or a frozen array cannot be)")
+    overlapping = [axis for axis, (size, stride) in enumerate(zip(value.shape, value.strides)) if size > 1 and not stride]
+    if overlapping and value.size:
+        raise ValueError(f"{name} has stride 0 along axis {overlapping[0]} (a broadcast view): its slots share "
+                         "memory, so new keys cannot be written to one slot each")
+    return value
+
+
+def _check_apart(k_cache, v_cache):
+    """The two caches written must not share memory: v's append would overwrite k's."""
+    xp = _arrays.array_module(k_cache)
+    if not xp.may_share_memory(k_cache, v_cache):
+        return
+    if xp is np:
+        try:
+            if not np.shares_memory(k_cache, v_cache, max_work=10**6):
+                return
+        except np.exceptions.TooHardError:
+            pass
+    raise ValueError("k_cache and v_cache share memory: appending v would overwrite the keys just appended "
+                     "(pass separate arrays, or views of disjoint parts of one)")
+
+
+def _four_d(name, array, described):
+    checks.check_float_dtype(name, array)
+    if array.ndim != 4:
+        raise ValueError(f"{name} must be 4-D {described}, got {array.ndim}-D shape {tuple(array.shape)}")
+    return tuple(array.shape)
+
+
+def _cache_seqlens(value, batch, capacity, new_len):
+    """cache_seqlens as an int64 (B,) NumPy array, each in [0, capacity - new_len] and at
+    most :data:`POSITION_LIMIT` keys after the append: checked in the caller's own
+    integers (a Python int of any size, a uint64 past 2**63) before any conversion, so
+    nothing wraps."""
+    most = capacity - new_len
+    number = checks.as_int(value)
+    if number is not None:
+        host = np.array([number] * batch, dtype=object)
+    else:
+        if isinstance(value, (bool, np.bool_)) or isinstance(value, (str, bytes)) or value is None:
+            raise TypeError(f"cache_seqlens must be an int or an int array of shape (B,), "
+                            f"got {type(value).__name__} {value!r}")
+        try:
+            host = _arrays.to_numpy(value) if hasattr(value, "shape") else np.asarray(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"cache_seqlens must be an int or an int array of shape (B,), got "
+                            f"{type(value).__name__}: {error}") from None
+        if host.dtype.kind not in "iu":
+            raise TypeError(f"cache_seqlens must be an int or an int array of shape (B,), got dtype {host.dtype}")
+        if host.shape != (batch,):
+            raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {host.shape}")
+    negative = np.flatnonzero(host < 0)
+    if negative.size:
+        b = int(negative[0])
+        raise ValueError(f"cache_seqlens must be >= 0, got cache_seqlens[{b}] = {int(host[b])}")
+    too_long = np.flatnonzero(host > min(most, POSITION_LIMIT - new_len))
+    if too_long.size:
+        b = int(too_long[0])
+        total = int(host[b]) + new_len
+        if total > capacity:
+            raise ValueError(f"cache_seqlens[{b}] + {new_len} new keys = {total} exceeds the cache's {capacity} keys "
+                             "per sequence")
+        raise ValueError(f"cache_seqlens[{b}] + {new_len} new keys = {total}: npattn's kernels count positions up "
+                         f"to {POSITION_LIMIT} (2**29) keys per sequence")
+    return host.astype(np.int64)
+
+
+def _used_pages(table, lengths, page_size, pool_pages, xp):
+    """The int64 (B, P') pages of ``table`` the sequences of ``lengths`` keys hold (P' the
+    most any holds), as an array of ``xp``; entries past a sequence's own pages are never
+    read, so whatever they hold (-1, stale indices) becomes page 0. The held entries must
+    lie in the pool's ``pool_pages``."""
+    host = _arrays.to_numpy(table)
+    columns = -(-int(lengths.max(initial=0)) // page_size)
+    held = np.arange(columns)[None, :] < (-(-lengths // page_size))[:, None]  # (B, P')
+    used = host[:, :columns]
+    outside = held & ((used < 0) | (used > pool_pages - 1))  # compared in the table's own integers
+    if outside.any():
+        b, column = (int(i) for i in np.argwhere(outside)[0])
+        raise ValueError(f"block_table must hold page indices in [0, {pool_pages}) (the pool's pages) where a "
+                         f"sequence reads or writes, got block_table[{b}, {column}] = {int(used[b, column])}")
+    pages = np.where(held, used, 0).astype(np.int64)
+    return pages if xp is np else xp.asarray(pages)
+
+
+def _check_paged_writes(pages, seqlens, lengths, page_size):
+    """Refuse new keys that would land in a slot twice or in a slot another sequence holds:
+    a page listed twice among the pages of a sequence that writes into it, or a page one
+    sequence writes at offsets another sequence of the call holds (reads, or writes
+    itself). Pages only read by several sequences (a shared prefix) are fine.
+
+    ``pages`` (B, P') NumPy int64 of :func:`_used_pages`; ``seqlens`` and ``lengths`` the
+    keys before and after the append."""
+    held = np.arange(pages.shape[1])[None, :] < (-(-lengths // page_size))[:, None]
+    holders, holder_columns = np.nonzero(held)
+    holder_pages = pages[holders, holder_columns]
+    counts = np.bincount(holder_pages)
+    first, last = seqlens // page_size, (lengths - 1) // page_size  # the columns each sequence writes
+    spans = np.where(lengths > seqlens, last - first + 1, 0)
+    writers = np.repeat(np.arange(len(spans)), spans)
+    columns = first[writers] + np.arange(spans.sum()) - np.repeat(np.cumsum(spans) - spans, spans)
+    written = pages[writers, columns]
+    for b, column, page in zip(*(x[counts[written] > 1].tolist() for x in (writers, columns, written))):
+        low = max(int(seqlens[b]) - column * page_size, 0)  # the first offset b writes in the page
+        for other, their_column in zip(holders[holder_pages == page].tolist(),
+                                       holder_columns[holder_pages == page].tolist()):
+            if other == b and their_column != column:
+                raise ValueError(f"block_table[{b}] lists page {page} at columns {column} and {their_column}, and "
+                                 f"sequence {b} writes new keys into it: they would land in slots it reads as other "
+                                 "keys")
+            holds = min(page_size, int(lengths[other]) - their_column * page_size)  # its offsets [0, holds)
+            if other != b and low < holds:
+                raise ValueError(f"block_table: sequences {b} and {other} share page {page}; sequence {b} writes "
+                                 f"new keys at its offsets from {low}, which sequence {other} holds as its own keys "
+                                 f"(offsets below {holds}): one would read or overwrite the other's. Pages written "
+                                 "in a call must belong to one sequence (shared prefix pages are only read)")
+
+
+def _check_distinct_rows(rows):
+    """Two sequences appending to one contiguous cache row would write the same slots."""
+    values, counts = np.unique(rows, return_counts=True)
+    if (counts > 1).any():
+        row = int(values[counts > 1][0])
+        which = np.flatnonzero(rows == row).tolist()
+        raise ValueError(f"cache_batch_idx gives sequences {which} the same cache row {row}, and the call appends "
+                         "new keys: they would write the same slots (rows must be distinct when k and v are given)")
+
+
+def _check_finite_reads(q, k, v, k_cache, v_cache, bias, seqlens, pages, rows, page_size):
+    """``check_finite``: q, the new k and v, the bias, and the cached keys and values each
+    sequence reads (its first ``seqlens[b]`` slots, in its row or pages); slots no
+    sequence reads may hold anything."""
+    for name, array in (("q", q), ("k", k), ("v", v), ("bias", bias)):
+        if array is not None:
+            checks.check_all_finite(name, array)
+    for b, count in enumerate(int(n) for n in seqlens):
+        if not count:
+            continue
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if pages is None:
+                row = b if rows is None else int(_arrays.to_numpy(rows[b]))
+                _check_slots_finite(name, cache, row, 0, count, b)
+            else:
+                held = _arrays.to_numpy(pages[b])
+                for column in range(-(-count // page_size)):
+                    _check_slots_finite(name, cache, int(held[column]), 0, min(page_size, count - column * page_size),
+                                        b)
+
+
+def _check_slots_finite(name, cache, row, start, stop, sequence):
+    """Slots ``[start, stop)`` of ``cache[row]`` finite, or a ValueError naming the first bad one."""
+    slots = cache[row, start:stop]
+    if _arrays.all_finite(slots):
+        return
+    finite = _arrays.to_numpy(_arrays.array_module(slots).isfinite(slots))
+    where = np.unravel_index(int(np.argmin(finite)), finite.shape)
+    index = (row, start + int(where[0]), *(int(i) for i in where[1:]))
+    value = float(_arrays.to_numpy(cache[index]))
+    raise ValueError(f"{name} must be finite where the call reads it (check_finite=True), got "
+                     f"{name}[{', '.join(map(str, index))}] = {value!r} (a cached key of sequence {sequence})")
+
+
+def _append(k_cache, v_cache, k, v, seqlens, pages, rows):
+    """Write k, v (B, Sn, Hkv, .) at keys ``[seqlens[b], seqlens[b] + Sn)`` of each
+    sequence; returns the function that puts the old bytes back."""
+    xp = _arrays.array_module(k_cache)
+    batch, new_len = k.shape[:2]
+    positions = xp.asarray(seqlens)[:, None] + xp.arange(new_len)[None, :]  # (B, Sn)
+    if pages is not None:
+        page_size = k_cache.shape[1]
+        targets = xp.take_along_axis(pages, positions // page_size, axis=1)
+        positions = positions % page_size
+    else:
+        targets = xp.arange(batch) if rows is None else rows
+        targets = xp.broadcast_to(targets[:, None], positions.shape)
+    old_keys, old_values = k_cache[targets, positions], v_cache[targets, positions]  # copies
+
+    def undo():
+        k_cache[targets, positions] = old_keys
+        v_cache[targets, positions] = old_values
+
+    try:
+        k_cache[targets, positions] = k
+        v_cache[targets, positions] = v
+    except BaseException:
+        undo()
+        raise
+    return undo
 
 
 def apply_rotary(x: Any, starts: np.ndarray, cos: Any, sin: Any, interleaved: bool = False) -> Any:
@@ -175,63 +474,6 @@ def apply_rotary(x: Any, starts: np.ndarray, cos: Any, sin: Any, interleaved: bo
         rotated[..., :half] = first * c - second * s
         rotated[..., half:2 * half] = first * s + second * c
     return rotated.astype(x.dtype, copy=False)
-
-
-def _append(xp, k_cache, v_cache, k, v, seqlens, block_table, cache_batch_idx):
-    """Write k, v (B, Sn, Hkv, .) at keys ``[seqlens[b], seqlens[b] + Sn)`` of each sequence."""
-    batch, new_len = k.shape[:2]
-    positions = xp.asarray(seqlens)[:, None] + xp.arange(new_len)[None, :]  # (B, Sn)
-    if block_table is not None:
-        page_size = k_cache.shape[1]
-        rows = xp.take_along_axis(block_table, positions // page_size, axis=1)
-        positions = positions % page_size
-    else:
-        rows = xp.arange(batch) if cache_batch_idx is None else cache_batch_idx
-        rows = xp.broadcast_to(rows[:, None], positions.shape)
-    k_cache[rows, positions] = k
-    v_cache[rows, positions] = v
-
-
-def _four_d(name, array, described):
-    checks.check_float_dtype(name, array)
-    if array.ndim != 4:
-        raise ValueError(f"{name} must be 4-D {described}, got {array.ndim}-D shape {tuple(array.shape)}")
-    return tuple(array.shape)
-
-
-def _int_array(name, array, shape, described):
-    if array.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an integer array {described}, got dtype {array.dtype}")
-    if array.ndim != len(shape) or any(want is not None and got != want for got, want in zip(array.shape, shape)):
-        raise ValueError(f"{name} must have shape {described}, got {tuple(array.shape)}")
-    return array.astype(np.int64, copy=False)
-
-
-def _check_range(name, array, lowest, highest):
-    host = _arrays.to_numpy(array)
-    bad = np.argwhere((host < lowest) | (host > highest))
-    if bad.size:
-        index = tuple(int(i) for i in bad[0])
-        raise ValueError(f"{name} must lie in [{lowest}, {highest}], got {name}{list(index)} = {host[index]}")
-
-
-def _cache_seqlens(value, batch):
-    """cache_seqlens as an int64 (B,) NumPy array (>= 0)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"cache_seqlens must be an int or an int array of shape (B,), got bool {value!r}")
-    if isinstance(value, Integral):
-        seqlens = np.full(batch, int(value), np.int64)
-    else:
-        host = _arrays.to_numpy(value) if hasattr(value, "shape") else np.asarray(value)
-        if host.dtype.kind not in "iu":
-            raise TypeError(f"cache_seqlens must be an int or an int array of shape (B,), got dtype {host.dtype}")
-        if host.shape != (batch,):
-            raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {host.shape}")
-        seqlens = host.astype(np.int64)
-    negative = np.flatnonzero(seqlens < 0)
-    if negative.size:
-        raise ValueError(f"cache_seqlens must be >= 0, got cache_seqlens[{negative[0]}] = {seqlens[negative[0]]}")
-    return seqlens
 
 
 def _check_rotary(cos, sin, head_dim, positions_needed, q):

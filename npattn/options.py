@@ -31,8 +31,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+from numbers import Real
 import textwrap
-from numbers import Integral
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -254,10 +254,43 @@ def visibility(checked: dict) -> Visibility:
                                    offset if offset is None or isinstance(offset, int) else None)
 
 
+# Keywords of other libraries (FlashAttention, torch SDPA and nn.MultiheadAttention,
+# FlashInfer, xFormers) that a ported call brings along: the error names npattn's
+# equivalent and its convention, where a spelling match would mislead (softmax_scale is
+# not softcap; a float attn_mask is a bias, not a mask).
+FOREIGN_NAMES = {
+    "softmax_scale": "scale= (the same: it multiplies q.k; None means 1/sqrt(D))",
+    "sm_scale": "scale= (the same: it multiplies q.k; None means 1/sqrt(D))",
+    "window_size": "window=(left, right), with None for an unbounded side where FlashAttention writes -1",
+    "attn_mask": "mask= for a boolean mask (True = may attend, as torch SDPA's attn_mask) or bias= for an "
+                 "additive float mask (-inf hides a key)",
+    "attn_bias": "bias= (an additive float mask, broadcastable to (B, H, Sq, Sk))",
+    "key_padding_mask": "kv_lengths= (trailing padding) or kv_start= (left padding) per batch entry, or a "
+                        "boolean mask= with True = may attend (nn.MultiheadAttention's True means masked out)",
+    "is_causal": 'causal="top_left" (torch SDPA\'s is_causal puts row 0 level with key 0; npattn\'s causal=True '
+                 "is bottom-right, as FlashAttention's)",
+    "return_softmax_lse": "return_lse=True (lse (B, H, Sq))",
+    "return_attn_probs": "return_weights=True (the weights after masking, before dropout) and return_lse=True",
+    "need_weights": "return_weights=True (the weights after masking, before dropout)",
+    "dropout": "dropout_p= (with seed= for a reproducible mask)",
+    "p": "dropout_p= (with seed= for a reproducible mask)",
+    "cache_leftpad": "kv_start= (per batch entry: the keys before it are left padding)",
+    "seqused_k": "kv_lengths= (the keys each batch entry uses)",
+    "seqused_q": "q_lengths= (the query rows each batch entry uses)",
+    "logits_soft_cap": "softcap= (the same: s -> softcap * tanh(s / softcap))",
+    "deterministic": "nothing: npattn's backward is always deterministic (drop the argument)",
+    "enable_gqa": "nothing: k and v with fewer heads than q are grouped-query attention already (drop the argument)",
+    "num_splits": "nothing: npattn chooses its own key splits (drop the argument)",
+}
+
+
 def check_names(options: dict) -> None:
-    """Reject a keyword that is not an option, naming it (and the option it resembles)."""
+    """Reject a keyword that is not an option, naming it and, for another library's
+    keyword, npattn's equivalent (else the option it resembles)."""
     for name in options:
         if name not in BY_NAME:
+            if name in FOREIGN_NAMES:
+                raise TypeError(f"unknown option {name!r}: npattn's equivalent is {FOREIGN_NAMES[name]}")
             close = difflib.get_close_matches(str(name), NAMES, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"unknown option {name!r}{hint} The options are {', '.join(NAMES)} and backend.")
@@ -301,8 +334,10 @@ def _check_window(window, reach):
 
 
 def _window_bound(bound, window, reach):
-    if isinstance(bound, (bool, np.bool_)) or not isinstance(bound, Integral):
+    number = checks.as_int(bound)
+    if number is None:
         raise TypeError(f"window must be None, an int or a (left, right) pair of ints or None, got {window!r}")
+    bound = number
     if bound < 0:
         raise ValueError(f"window must be non-negative, got {window!r}")
     return min(int(bound), reach)
@@ -344,12 +379,13 @@ def _check_dropout_offset(value):
     """Four ints in [0, 2**32): the offsets of the batch, head, row and key indices."""
     if not isinstance(value, (tuple, list)) or len(value) != 4:
         raise ValueError(f"dropout_offset must be a (b, h, i, j) tuple of 4 ints, got {value!r}")
-    for name, offset in zip("bhij", value):
-        if isinstance(offset, (bool, np.bool_)) or not isinstance(offset, Integral):
-            raise TypeError(f"dropout_offset must hold ints, got {type(offset).__name__} {offset!r} for {name}")
+    offsets = tuple(checks.as_int(offset) for offset in value)
+    for name, offset, given in zip("bhij", offsets, value):
+        if offset is None:
+            raise TypeError(f"dropout_offset must hold ints, got {type(given).__name__} {given!r} for {name}")
         if not 0 <= offset <= DROPOUT_OFFSET_LIMIT:
             raise ValueError(f"dropout_offset's {name} must be in [0, 2**32), got {offset}")
-    return tuple(int(offset) for offset in value)
+    return offsets
 
 
 # |q_offset| at most this: positions, and the window bounds clamped to Sq + Sk + |q_offset|,
@@ -367,25 +403,34 @@ def _check_q_offset(value, call):
         return 0
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"q_offset must be an int, an int array of shape (B,) or None, got bool {value!r}")
-    if isinstance(value, Integral):
-        if abs(value) > Q_OFFSET_LIMIT:
-            raise ValueError(f"q_offset must be within +-{Q_OFFSET_LIMIT}, got {value}")
-        return int(value)
-    if not hasattr(value, "shape") and not isinstance(value, (list, tuple)):
+    number = checks.as_int(value)
+    if number is not None:
+        if not -Q_OFFSET_LIMIT <= number <= Q_OFFSET_LIMIT:
+            raise ValueError(f"q_offset must be within +-{Q_OFFSET_LIMIT} (2**29), got {number}")
+        return number
+    if isinstance(value, (bool, np.bool_)) or (not hasattr(value, "shape") and not isinstance(value, (list, tuple))):
         raise TypeError(f"q_offset must be an int, an int array of shape (B,) or None, "
                         f"got {type(value).__name__} {value!r}")
-    (offsets,) = checks.as_arrays(q_offset=value, reference=call.q)
-    if offsets.dtype.kind not in "iu":
-        raise TypeError(f"q_offset must be an int, an int array of shape (B,) or None, got dtype {offsets.dtype}")
+    offsets = checks.int_array("q_offset", value, call.q, "of shape (B,)")
     if tuple(offsets.shape) != (call.batch,):
         raise ValueError(f"q_offset as an array must have shape (B,) = ({call.batch},), got {tuple(offsets.shape)}")
-    host = _arrays.to_numpy(offsets).astype(np.int64)
-    bad = np.flatnonzero(np.abs(host) > Q_OFFSET_LIMIT)
-    if bad.size:
-        raise ValueError(f"q_offset must be within +-{Q_OFFSET_LIMIT}, got q_offset[{bad[0]}] = {host[bad[0]]}")
+    # compared in the array's own dtype: -2**63 has no absolute value in int64, 2**63 no int64 at all
+    checks.check_int_range("q_offset", offsets, -Q_OFFSET_LIMIT, Q_OFFSET_LIMIT, " (+-2**29)")
     return offsets.astype(np.int64)
+
+
+def dropout_requested(options: dict) -> bool:
+    """Whether ``options`` ask for dropout with a real ``dropout_p > 0`` (a value of another
+    kind is left for the option's check to name, not tested for truth here: an array's
+    truth would raise NumPy's own error)."""
+    value = options.get("dropout_p")
+    return isinstance(value, Real) and not isinstance(value, (bool, np.bool_)) and value > 0
+
+
+def is_top_left(value) -> bool:
+    """Whether a ``causal`` value is the string "top_left" (any other value compares False,
+    an array included)."""
+    return isinstance(value, str) and value == "top_left"
 
 
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
@@ -406,9 +451,10 @@ def _check_seed(seed, dropout_p):
     """An int (any size: it is taken mod 2**64), or None: a fresh random seed when dropout is on."""
     if seed is None:
         return int(np.random.SeedSequence().generate_state(1, np.uint64)[0]) if dropout_p else 0
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, Integral):
+    number = checks.as_int(seed)
+    if number is None:
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
-    return int(seed)
+    return number
 
 
 def _check_alibi(slopes, q, batch, heads, reach, compute):
@@ -436,10 +482,5 @@ def _check_block_table(value, call):
     if table.ndim != 2 or table.shape[0] != call.batch:
         raise ValueError(f"block_table must have shape (B, pages per entry) = ({call.batch}, P), "
                          f"got {tuple(table.shape)}")
-    host = _arrays.to_numpy(table)
-    bad = np.argwhere((host < 0) | (host >= call.pages))
-    if bad.size:
-        b, page = (int(x) for x in bad[0])
-        raise ValueError(f"block_table must hold page indices in [0, {call.pages}) (the pool's pages), "
-                         f"got block_table[{b}, {page}] = {host[b, page]}")
+    checks.check_int_range("block_table", table, 0, call.pages - 1, " (page indices of the pool's pages)")
     return table.astype(np.int64)

@@ -25,7 +25,8 @@ from typing import Any, Callable
 import numpy as np
 
 from . import _arrays, api, checks
-from .backends import resolve as resolve_backend
+from . import options as _options
+from .adapters import arrays as _foreign
 from .api import attention, attention_vjp
 from .types import Array
 
@@ -50,7 +51,16 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
 
     Returns out (Tq, H, Dv) in q's dtype, or with ``return_lse`` the tuple
     ``(out, lse)``, lse (H, Tq) in the compute dtype (FlashAttention's layout).
+
+    Torch tensors and JAX arrays come back as their kind; a tensor that requires grad
+    goes through :func:`npattn.torch.attention_varlen` (torch's autograd differentiates
+    it), JAX tracers through :func:`npattn.jax.attention_varlen`.
     """
+    arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k)
+    kind = _foreign.foreign_kind_of(arrays.values(), options.values())
+    if kind is not None:
+        return _foreign.varlen_call(kind, attention_varlen, arrays, options, with_vjp=False)
     plan = _Plan.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     fused = plan.fused(with_vjp=False)
     if fused is not None:
@@ -63,7 +73,13 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
                          **options: Any) -> tuple[Any, Callable[[Any], tuple[Array, ...]]]:
     """``(outputs, vjp)``: :func:`attention_varlen`'s outputs and the function of ``dout``
     (Tq, H, Dv) that returns ``(dq, dk, dv)`` packed like q, k and v, then
-    ``dsink_logits`` (H,) when ``sink_logits`` was given. A dropout mask is reused."""
+    ``dsink_logits`` (H,) when ``sink_logits`` was given. A dropout mask is reused.
+    Arrays of other kinds get outputs and gradients of their kind."""
+    arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k)
+    kind = _foreign.foreign_kind_of(arrays.values(), options.values())
+    if kind is not None:
+        return _foreign.varlen_call(kind, attention_varlen_vjp, arrays, options, with_vjp=True)
     plan = _Plan.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     fused = plan.fused(with_vjp=True)
     if fused is not None:
@@ -114,6 +130,9 @@ class _Plan:
 
     @classmethod
     def of(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options) -> "_Plan":
+        """Every check of the packed call: its arrays, the cumulative lengths, and every
+        option, the same on every backend (the options through one attention call over
+        the whole packed batch, which the CPU then runs)."""
         for name in _RESERVED:
             if name in options:
                 why = ("its weights would be (total, total) per head; call attention on a sequence for its own"
@@ -131,13 +150,24 @@ class _Plan:
         if len(starts_q) != len(starts_k):
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
                              f"{len(starts_q) - 1} and {len(starts_k) - 1}")
-        if options.get("causal") == "top_left" and options.get("q_offset") is not None:
+        if _options.is_top_left(options.get("causal")) and options.get("q_offset") is not None:
             raise ValueError(f'causal="top_left" already places each sequence\'s rows (q_offset=0); got '
                              f'q_offset={options["q_offset"]!r} too: pass causal=True with q_offset instead')
         options = dict(options)
-        if options.get("dropout_p", 0) and options.get("seed") is None:  # one seed for every sequence
+        batch = len(starts_q) - 1
+        if options.get("q_offset") is not None:
+            options["q_offset"] = _packed_offsets(options["q_offset"], batch, q)
+        slopes = options.get("alibi_slopes")
+        if slopes is not None and np.ndim(slopes) == 2 and np.shape(slopes)[0] != batch:
+            raise ValueError(f"alibi_slopes must have shape (H,) = ({q.shape[1]},) or (B, H) = ({batch}, "
+                             f"{q.shape[1]}) for {batch} sequences, got {np.shape(slopes)}")
+        if options.get("dropout_offset") is not None:
+            options["dropout_offset"] = _options.BY_NAME["dropout_offset"].check(options["dropout_offset"], None)
+        if _options.dropout_requested(options) and options.get("seed") is None:  # one seed for every sequence
             options["seed"] = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
-        return cls(q, k, v, starts_q, starts_k, options)
+        plan = cls(q, k, v, starts_q, starts_k, options)
+        plan.packed = plan._packed_problem()  # every option checked, whichever path runs
+        return plan
 
     @property
     def sequences(self) -> int:
@@ -156,35 +186,43 @@ class _Plan:
         if slopes is not None and np.ndim(slopes) == 2:
             options["alibi_slopes"] = slopes[b]
         q_offset = options.get("q_offset")
-        if q_offset is not None and np.ndim(q_offset) == 1:
+        if q_offset is not None:  # (B,) int64, checked
             options["q_offset"] = int(q_offset[b])
         return options
 
-    def fused(self, with_vjp: bool):
-        """The whole batch as one call of the CPU kernels, every sequence a batch entry whose
-        live rows and keys are its own rows of the packed arrays (viewed with a batch
-        stride of 0: nothing is copied) and whose outputs and gradients go straight into
-        packed arrays; what :func:`npattn.api.run_problem` returns for it (batch axis 1).
-        None where another backend runs the call, or with dropout (whose mask hashes each
-        sequence's own row and key indices), or with no sequence: :meth:`run` answers."""
-        if not self.sequences or self.options.get("dropout_p"):
-            return None
-        if resolve_backend(self.options.get("backend", "auto"), _arrays.array_kind(self.q)).NAME != "cpu":
-            return None
+    def _packed_problem(self):
+        """``(problem, backend)``: the whole batch as one attention problem, every sequence a
+        batch entry whose live rows and keys are its own rows of the packed arrays (viewed
+        with a batch stride of 0: nothing is copied), every option checked."""
         xp, batch = self.xp, self.sequences
         lengths_q, lengths_k = np.diff(self.starts_q), np.diff(self.starts_k)
         options = dict(self.options)
-        if options.get("causal") == "top_left":  # row 0 of each sequence level with its key 0
+        if _options.is_top_left(options.get("causal")):  # row 0 of each sequence level with its key 0
             options["causal"], offset = True, np.zeros(batch, np.int64)
         elif options.get("q_offset") is None:  # bottom-right within each sequence
             offset = lengths_k - lengths_q
         else:
-            offset = np.broadcast_to(_arrays.to_numpy(options["q_offset"]), (batch,)).astype(np.int64)
+            offset = options["q_offset"]
         options.update(layout="bshd", q_offset=xp.asarray(offset), q_start=xp.asarray(self.starts_q[:-1]),
                        q_lengths=xp.asarray(self.starts_q[1:]), kv_start=xp.asarray(self.starts_k[:-1]),
                        kv_lengths=xp.asarray(self.starts_k[1:]))
-        shared = [xp.broadcast_to(x[None], (batch,) + x.shape) for x in (self.q, self.k, self.v)]
-        problem, implementation = api.checked_problem(*shared, options)
+        shared = [xp.broadcast_to(x[None], (max(batch, 1),) + x.shape) for x in (self.q, self.k, self.v)]
+        if not batch:  # no sequence: check the options on one empty entry
+            options.update({name: xp.zeros(1, np.int64) for name in ("q_offset", "q_start", "q_lengths", "kv_start",
+                                                                      "kv_lengths")})
+            if np.ndim(options.get("alibi_slopes")) == 2:
+                options["alibi_slopes"] = None
+        return api.checked_problem(*shared, options)
+
+    def fused(self, with_vjp: bool):
+        """The whole batch as one call of the CPU kernels (:meth:`_packed_problem`), its
+        outputs and gradients straight into packed arrays; what
+        :func:`npattn.api.run_problem` returns for it (batch axis 1). None where another
+        backend runs the call, or with dropout (whose mask hashes each sequence's own row
+        and key indices), or with no sequence: :meth:`run` answers."""
+        problem, implementation = self.packed
+        if not self.sequences or problem.dropout_p or implementation.NAME != "cpu":
+            return None
         return api.run_problem(dataclasses.replace(problem, packed_rows=True), implementation, with_vjp)
 
     def run(self, call):
@@ -209,21 +247,51 @@ class _Plan:
         return ((out, lse) if want_lse else out), extras
 
 
+def _packed_offsets(value, batch, q):
+    """A packed call's ``q_offset``: an int or an int (B,) array (one per sequence), each
+    within +-2**29, as an int64 (B,) NumPy array."""
+    number = checks.as_int(value)
+    if number is not None:
+        offsets = np.array([number] * batch, dtype=object)
+    else:
+        if not hasattr(value, "shape") and not isinstance(value, (list, tuple)):
+            raise TypeError(f"q_offset must be an int, an int array of shape (B,) or None, "
+                            f"got {type(value).__name__} {value!r}")
+        offsets = _arrays.to_numpy(checks.int_array("q_offset", value, q, "of shape (B,)"))
+        if offsets.shape != (batch,):
+            raise ValueError(f"q_offset as an array must have shape (B,) = ({batch},) (one per sequence), "
+                             f"got {offsets.shape}")
+    checks.check_int_range("q_offset", offsets, -_options.Q_OFFSET_LIMIT, _options.Q_OFFSET_LIMIT, " (+-2**29)")
+    return offsets.astype(np.int64)
+
+
 def _cumulative(name, values, total, total_name, bound, bound_name):
     """``values`` as an int64 NumPy (B + 1,) array: 0 first, nondecreasing, ``total`` last,
-    every step at most ``bound`` (when given)."""
-    host = _arrays.to_numpy(values) if hasattr(values, "shape") else np.asarray(values)
+    every step at most ``bound`` (when given). Checked in the caller's own integers, so a
+    uint64 past 2**63 is reported as it is."""
+    if bound is not None:
+        number = checks.as_int(bound)
+        if number is None or number < 0:
+            raise TypeError(f"{bound_name} must be None or an int >= 0, got {type(bound).__name__} {bound!r}")
+        bound = number
+    try:
+        host = _arrays.to_numpy(values) if hasattr(values, "shape") else np.asarray(values)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{name} must be an integer array (B + 1,), got {type(values).__name__}: {error}") from None
+    host = _arrays.to_numpy(host) if not isinstance(host, np.ndarray) else host
     if host.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an integer array (B + 1,), got dtype {host.dtype}")
     if host.ndim != 1 or host.shape[0] < 1:
         raise ValueError(f"{name} must be 1-D (B + 1,), got shape {host.shape}")
-    host = host.astype(np.int64)
     if host[0] != 0 or host[-1] != total:
-        raise ValueError(f"{name} must run from 0 to {total_name} = {total}, got {host[0]} ... {host[-1]}")
+        raise ValueError(f"{name} must run from 0 to {total_name} = {total}, got {int(host[0])} ... {int(host[-1])}")
+    backwards = np.flatnonzero(host[1:] < host[:-1])  # compared before any subtraction could wrap
+    if backwards.size:
+        b = int(backwards[0])
+        raise ValueError(f"{name} must be nondecreasing, got {name}[{b}] = {int(host[b])} > "
+                         f"{name}[{b + 1}] = {int(host[b + 1])}")
+    host = host.astype(np.int64)  # now within [0, total]
     steps = np.diff(host)
-    if (steps < 0).any():
-        b = int(np.flatnonzero(steps < 0)[0])
-        raise ValueError(f"{name} must be nondecreasing, got {name}[{b}] = {host[b]} > {name}[{b + 1}] = {host[b + 1]}")
     if bound is not None and steps.size and steps.max() > bound:
         raise ValueError(f"{bound_name} = {bound} is less than sequence {int(steps.argmax())}'s length {steps.max()}")
     return host

@@ -21,6 +21,17 @@ settings.load_profile(os.environ.get("NPATTN_HYPOTHESIS_PROFILE", "ci"))
 
 _STATUS = npattn.backends()
 
+# the fuzz's tables of classes (tests/test_serving_fuzz.py), printed at the end of the run
+FUZZ_TABLES = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    tables = config.stash.get(FUZZ_TABLES, [])
+    if tables:
+        terminalreporter.section("fuzz of the serving calls, the adapters and the ring")
+        for table in tables:
+            terminalreporter.write_line(table)
+
 
 @pytest.fixture(autouse=True)
 def fresh_plans():

@@ -3,7 +3,7 @@ shard of cases drawn from a seed, and compares with the one-process call it comp
 itself. Exits non-zero (with the case and the error) on any difference beyond the dtype's
 rounding bound; prints one "ok" line per rank at the end.
 
-Usage: ring_worker.py correctness ring|heads SEED CASES [cupy] | mismatch | silent-peer | refusals
+Usage: ring_worker.py correctness ring|heads SEED CASES [cupy] | mismatch | silent-peer | refusals | safety | fuzz SEED CASES
 (with "cupy", the ranks' shards and options are CuPy arrays on the one GPU they share, and
 their outputs come back as CuPy arrays: the gpu backend, host-staged transfers.)
 """
@@ -189,9 +189,142 @@ def refusals():
             print(f"refused rank {RANK}: {error}", flush=True)
 
 
+def safety():
+    """Calls that one or all ranks get wrong: every rank must raise the same error naming
+    what is wrong, at once (no rank returns, none waits for a peer that has given up)."""
+    q = np.ones((1, 2, 4, 4))
+    cases = {
+        "3-D q on rank 0": (lambda: (q[0] if RANK == 0 else q, q, q), {}),
+        "float mask on rank 1": (lambda: (q, q, q), {"mask": np.ones((1, 1, 4, 4 * RANKS),
+                                                                   np.float32 if RANK == 1 else bool)}),
+        "mask on rank 1 only": (lambda: (q, q, q), {"mask": np.ones((1, 1, 4, 4 * RANKS), bool)} if RANK == 1 else {}),
+        "NaN sink_logits": (lambda: (q, q, q), {"sink_logits": np.array([np.nan, 0.0])}),
+        "unknown option": (lambda: (q, q, q), {"softmax_scale": 0.5}),
+        "window on rank 1": (lambda: (q, q, q), {"window": -1 if RANK == 1 else 2}),
+        "timeout nan": (lambda: (q, q, q), {"timeout": float("nan")}),
+        "timeout -1": (lambda: (q, q, q), {"timeout": -1}),
+        "timeout text": (lambda: (q, q, q), {"timeout": "abc"}),
+        "timeout nan on rank 1": (lambda: (q, q, q), {"timeout": float("nan") if RANK == 1 else 60}),
+        "alibi too steep": (lambda: (q, q, q), {"alibi_slopes": np.full(2, 1e308)}),
+    }
+    for label, (arrays, options) in cases.items():
+        options = {"timeout": 60, **options}
+        for entry in ("forward", "vjp"):
+            start = time.monotonic()
+            try:
+                if entry == "forward":
+                    ring_attention(*arrays(), COMM, **options)
+                else:
+                    ring_attention_vjp(*arrays(), COMM, **options)
+                print(f"case {label} {entry} rank {RANK}: returned", flush=True)
+            except Exception as error:
+                print(f"case {label} {entry} rank {RANK}: {type(error).__name__} in "
+                      f"{time.monotonic() - start:.1f} s: {error}", flush=True)
+    # a dout of the wrong shape on rank 1 only: both ranks raise from the vjp
+    out, vjp = ring_attention_vjp(q, q, q, COMM, timeout=60)
+    try:
+        vjp(out[..., :-1] if RANK == 1 else out)
+        print(f"case dout on rank 1 vjp rank {RANK}: returned", flush=True)
+    except Exception as error:
+        print(f"case dout on rank 1 vjp rank {RANK}: {type(error).__name__} in 0.0 s: {error}", flush=True)
+
+
+def fuzz(seed, cases):
+    """Drawn ring calls from ``seed`` (the same draws on every rank), about half of them
+    broken on one rank or on all: each rank prints its class of each call. A valid call
+    must match the one-process call; a broken one must raise ValueError or TypeError
+    naming the argument on every rank (tests/test_serving_fuzz.py compares the ranks)."""
+    import serving_fuzz
+
+    folder = os.environ.get("NPATTN_FUZZ_OUT")  # one file per rank: the ranks' lines never interleave there
+    report = open(os.path.join(folder, f"rank{RANK}.txt"), "w") if folder else sys.stdout
+
+    def say(line):
+        print(line, file=report, flush=True)
+
+    rng = np.random.default_rng(seed)
+    for index in range(cases):
+        q, k, v, dtype, layout, sharding, options = draw_case(rng, "ring")
+        options.pop("dropout_p", None), options.pop("seed", None), options.pop("dropout_offset", None)
+        seq = 2 if layout == "bhsd" else 1
+        user = [to_layout(x, layout) for x in (q, k, v)]
+        local = {name: (rank_part(value, sharding, 2) if name in ("mask", "bias") and value.shape[2] > 1 else value)
+                 for name, value in options.items()}
+        arrays = [rank_part(x, sharding, seq) for x in user]
+        call = dict(sharding=sharding, layout=layout, timeout=60, **local)
+        culprit = int(rng.integers(RANKS + 1))  # RANKS: every rank
+        mine = culprit in (RANK, RANKS)
+        mutations = [
+            (("q",), lambda: arrays.__setitem__(0, arrays[0][0] if mine else arrays[0])),
+            (("k",), lambda: arrays.__setitem__(1, arrays[1].astype(np.float16) if mine and dtype != np.float16
+                                                 else arrays[1].astype(np.float32) if mine else arrays[1])),
+            (("mask",), lambda: call.update(mask=np.ones((1, 1, arrays[0].shape[seq], q.shape[2]),
+                                                         np.float32 if mine else bool))),
+            (("mask",), lambda: call.update(mask=np.ones((1, 1, arrays[0].shape[seq], q.shape[2]), bool))
+             if RANK == culprit % RANKS else call.pop("mask", None)),  # on one rank only
+            (("bias",), lambda: call.update(bias=np.zeros((1, 1, 1, q.shape[2] + 1)))),
+            (("window",), lambda: call.update(window=-1 if mine else 1)),
+            (("timeout",), lambda: call.update(timeout=float("nan") if mine else 60)),
+            (("timeout",), lambda: call.update(timeout="abc" if mine else 60)),
+            (("sink_logits",), lambda: call.update(sink_logits=np.full(q.shape[1], np.nan))),
+            (("softmax_scale", "scale"), lambda: call.update(softmax_scale=0.5)),
+            (("q_start",), lambda: call.update(q_start=np.zeros(q.shape[0], np.int64))),
+            (("weights",), lambda: call.update(return_weights=True)),
+            (("sharding",), lambda: call.update(sharding="striped")),
+            (("layout",), lambda: call.update(layout="bhds")),
+            (("alibi_slopes",), lambda: call.update(alibi_slopes=np.ones(q.shape[1] + 1))),
+            (("q_lengths",), lambda: call.update(q_lengths=np.full(q.shape[0], q.shape[2] + 1))),
+            (("scale",), lambda: call.update(scale=float("inf"))),
+        ]
+        names, label = (), "valid"
+        if rng.random() < 0.6:
+            choice = int(rng.integers(len(mutations)))
+            names, mutate = mutations[choice]
+            mutate()
+            label = f"broken in {names[0]} ({'every rank' if culprit == RANKS else f'rank {culprit}'})"
+        entry = ring_attention_vjp if rng.random() < 0.5 else ring_attention
+        watched = [*arrays, *(value for value in call.values() if isinstance(value, np.ndarray))]
+        before = serving_fuzz.snapshot(*watched)
+        start = time.monotonic()
+        try:
+            result = entry(*arrays, COMM, **call)
+        except Exception as error:  # noqa: BLE001
+            seconds = time.monotonic() - start
+            message = f"{type(error).__name__}: {error}".replace("\n", " ")
+            if serving_fuzz.snapshot(*watched) != before:
+                klass = "changed by failure"
+            elif not isinstance(error, serving_fuzz.ALLOWED):
+                klass = "foreign exception"
+            elif not names:
+                klass = "valid call refused"
+            elif not serving_fuzz.names_any(str(error), names):
+                klass = "unnamed"
+            elif seconds > 30:
+                klass = "hang"
+            else:
+                klass = "rejected"
+            say(f"fuzz rank {RANK} case {index} {label}: {klass}: {message}")
+            continue
+        if names:
+            say(f"fuzz rank {RANK} case {index} {label}: silent wrong answer: returned")
+            continue
+        out = result[0] if entry is ring_attention_vjp else result
+        expected = npattn.attention(*user, layout=layout, **options)
+        try:
+            check("out", out, rank_part(expected, sharding, seq), dtype, q.shape[2] + q.shape[3] + v.shape[3],
+                  4.0 * (1 + 4 * q.shape[3]), label)
+            klass = "ok"
+        except AssertionError as error:
+            klass = f"silent wrong answer: {error}"
+        say(f"fuzz rank {RANK} case {index} {label}: {klass}")
+    if folder:
+        report.close()
+
+
 if __name__ == "__main__":
     MODES = {"correctness": lambda: correctness(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                                                 device=sys.argv[5:] == ["cupy"]),
              "mismatch": mismatch,
-             "silent-peer": silent_peer, "refusals": refusals}
+             "silent-peer": silent_peer, "refusals": refusals, "safety": safety,
+             "fuzz": lambda: fuzz(int(sys.argv[2]), int(sys.argv[3]))}
     MODES[sys.argv[1]]()

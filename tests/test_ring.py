@@ -67,9 +67,32 @@ def test_a_peer_that_never_calls_makes_the_others_time_out_naming_the_wait():
 def test_what_a_strategy_cannot_split_is_refused_by_name():
     result = run(2, "refusals")
     assert result.returncode == 0, result.stdout + result.stderr
-    refused = re.findall(r"refused rank 0: (?:ring attention does not (?:take (\w+) yet|return (weights))|"
+    refused = re.findall(r"refused rank 0: (?:ring attention: rank 0's inputs: )?(?:ring attention does not (?:take (\w+) yet|return (weights))|"
                          r"strategy='heads' (?:does not take (\w+)|splits the heads: (H) ))", result.stdout)
     assert ["".join(names) for names in refused] == ["weights", "mask", "H", "q_start", "q_offset"], result.stdout
+
+
+def test_a_call_one_rank_gets_wrong_raises_the_same_named_error_on_every_rank_at_once():
+    """A bad shard, option or timeout on one rank or all: no rank returns, none hangs or
+    waits out a timeout, and every rank's error is the same and names the argument."""
+    result = run(2, "safety", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    outcomes = re.findall(r"case (.+?) (forward|vjp) rank (\d): (\w+) in ([\d.]+) s: (.*)", result.stdout)
+    assert not re.findall(r"returned", result.stdout), result.stdout
+    named = {"3-D q on rank 0": "q must be 4-D", "float mask on rank 1": "rank 1's mask has dtype float32",
+             "mask on rank 1 only": "rank 1 passes ['mask']", "NaN sink_logits": "sink_logits holds NaN",
+             "unknown option": "'softmax_scale': npattn's equivalent is scale=", "window on rank 1": "window",
+             "timeout nan": "timeout must be", "timeout -1": "timeout must be", "timeout text": "timeout must be",
+             "timeout nan on rank 1": "rank 1's inputs: timeout must be", "alibi too steep": "alibi_slopes",
+             "dout on rank 1": "rank 1's dout: dout must have out's shape"}
+    by_case = {}
+    for label, entry, rank, kind, seconds, message in outcomes:
+        assert kind in ("ValueError", "TypeError") and float(seconds) < 10, (label, entry, kind, seconds)
+        by_case.setdefault((label, entry), {})[rank] = message
+    assert {label for label, _ in by_case} == set(named), result.stdout
+    for (label, entry), messages in by_case.items():
+        assert sorted(messages) == ["0", "1"] and len(set(messages.values())) == 1, (label, entry, messages)
+        assert named[label] in messages["0"], (label, messages["0"])
 
 
 @pytest.mark.parametrize("sharding, length", [("contiguous", 10), ("zigzag", 12)])

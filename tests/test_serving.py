@@ -251,7 +251,7 @@ def check_kvcache(backend, case, seed):
     inputs = [None if x is None else x.copy() for x in (q, k_new, v_new)]
     first_query = cached + new - queries  # bottom-right within each sequence's keys
     if rotary is not None and (first_query < 0).any():  # a query before position 0 has no rotation
-        with pytest.raises(ValueError, match="rotary embeddings need every query at a position >= 0"):
+        with pytest.raises(ValueError, match="rotary_cos and rotary_sin rotate each query by its position, which must be >= 0"):
             npattn.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached, backend=backend,
                                           **call, **options)
         np.testing.assert_array_equal(k_cache, untouched[0])
@@ -357,7 +357,7 @@ def test_serving_calls_reject_bad_input_by_name():
         npattn.attention_with_kvcache(q, kv, kv, cache_seqlens=1, q_offset=0)
     with pytest.raises(ValueError, match="k_cache has 3 rows but q has batch 2"):
         npattn.attention_with_kvcache(q, np.zeros((3, 5, 1, 4)), np.zeros((3, 5, 1, 4)), cache_seqlens=1)
-    with pytest.raises(ValueError, match=r"block_table must hold page indices in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"block_table must lie in \[0, 3\]"):
         npattn.attention_with_kvcache(q, np.zeros((4, 2, 1, 4)), np.zeros((4, 2, 1, 4)), cache_seqlens=1,
                                       block_table=np.array([[4, 0], [1, 2]]))
     with pytest.raises(ValueError, match="k and v must be given together"):
@@ -384,7 +384,7 @@ def test_serving_calls_reject_bad_input_by_name():
         npattn.attention(q, q, q, causal="top-left")
     with pytest.raises(ValueError, match=r"q_offset as an array must have shape \(B,\) = \(2,\)"):
         npattn.attention(q, q, q, q_offset=np.array([1, 2, 3]))
-    with pytest.raises(ValueError, match=r"block_table must hold page indices in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"block_table must lie in \[0, 1\]"):
         npattn.attention(q, kv[:, :1], kv[:, :1], layout="bshd", block_table=np.array([[0, 2], [1, 1]]))
     with pytest.raises(TypeError, match="block_table .* is for the forward only"):
         npattn.attention_vjp(q, kv[:, :1], kv[:, :1], layout="bshd", block_table=np.array([[0], [1]]))

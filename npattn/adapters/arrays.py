@@ -34,9 +34,11 @@ def with_plain_offsets(options: dict) -> dict:
     ints: a value the adapters can carry as a setting (torch's op schema, JAX's static
     arguments), which npattn reads as the same (B,) offsets."""
     offset = options.get("q_offset")
-    if offset is not None and getattr(offset, "ndim", 0) == 1 and hasattr(offset, "tolist"):
+    if (offset is not None and getattr(offset, "ndim", 0) == 1 and hasattr(offset, "tolist")
+            and "int" in str(getattr(offset, "dtype", ""))):  # other dtypes are left for the check to name
         return {**options, "q_offset": tuple(int(x) for x in offset.tolist())}
     return options
+
 
 # NumPy dtypes DLPack carries (compared directly: dtype.name builds a string, 5 us)
 _DLPACK_DTYPES = frozenset(np.dtype(name) for name in ("float16", "float32", "float64", "bool", "int32", "int64"))
@@ -160,3 +162,62 @@ def attention_vjp(kind: ForeignKind, run: Any, q: Any, k: Any, v: Any, options: 
         return kind.back_all(vjp(kind.native("dout", dout)))
 
     return kind.back_all(outputs), foreign_vjp
+
+
+def foreign_kind_of(*groups: Any) -> ForeignKind | None:
+    """The kind of the first value of ``groups`` (iterables of values) that npattn must
+    convert, or None when every value is NumPy, CuPy or no array."""
+    for values in groups:
+        for value in values:
+            if type(value) is not np.ndarray and (kind := foreign_kind(value)) is not None:
+                return kind
+    return None
+
+
+def _requires_grad(value: Any) -> bool:
+    return bool(getattr(value, "requires_grad", False))
+
+
+def forward_only_call(kind: ForeignKind, name: str, run: Any, arguments: dict, options: dict,
+                      written: tuple = ()) -> Any:
+    """``run(**arguments, **options)`` for a call without gradients (the serving calls) on
+    arrays of ``kind``: each array viewed natively (so the arrays named in ``written`` are
+    written where they lie), the outputs handed back in ``kind``. Refuses, naming the
+    argument, a tensor that autograd records (its gradient would be lost without a word)
+    and a written array that cannot be written in place (JAX arrays are immutable)."""
+    values = {**arguments, **options}
+    if kind.name == "torch":
+        import torch
+
+        if torch.is_grad_enabled():
+            for argument, value in values.items():
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    raise TypeError(f"{name} has no gradients (it is for inference), but {argument} requires grad: "
+                                    f"call it under torch.no_grad(), or pass {argument}.detach()")
+    for argument in written:
+        value = values[argument]
+        if not is_native(value) and hasattr(value, "__dlpack__") and type(value).__module__.split(".")[0] in (
+                "jax", "jaxlib"):
+            raise TypeError(f"{argument} is a JAX array, which cannot be written in place, and {name} writes the new "
+                            "keys into it: pass NumPy (or CuPy) caches, or call it without new keys")
+    native = {argument: kind.native(argument, value) for argument, value in values.items()}
+    return kind.back_all(run(**native))
+
+
+def varlen_call(kind: ForeignKind, run: Any, arrays: dict, options: dict, with_vjp: bool) -> Any:
+    """:func:`npattn.attention_varlen` (``run``; ``with_vjp``: its vjp form) on arrays of
+    ``kind``: through the framework adapter where autograd or tracing needs one (forward
+    only: the framework differentiates), else on native views with the outputs (and the
+    vjp's gradients) handed back in ``kind``."""
+    adapter = _framework_adapter(kind, (*arrays.values(), *options.values()))
+    if adapter is not None:
+        if with_vjp:
+            raise TypeError(f"attention_varlen_vjp got {kind.name} arrays that {kind.name} differentiates (tensors "
+                            f"that require grad, or tracers): call attention_varlen, which {kind.name}'s autograd "
+                            "differentiates itself")
+        return adapter.attention_varlen(**arrays, **options)
+    native = {name: kind.native(name, value) for name, value in {**arrays, **options}.items()}
+    if not with_vjp:
+        return kind.back_all(run(**native))
+    outputs, vjp = run(**native)
+    return kind.back_all(outputs), lambda dout: kind.back_all(vjp(kind.native("dout", dout)))

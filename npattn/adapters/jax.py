@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import api as _api
 from .. import options as _options
+from .. import validation
 from .arrays import ARRAY_OPTIONS, DIFFERENTIABLE, with_plain_offsets
 
 _OUTPUT_FLAGS = ("return_lse", "return_weights")
@@ -41,10 +42,15 @@ def attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
     randomness of its own to draw one from at every call.
     """
     _options.check_names(options)
-    if options.get("dropout_p") and options.get("seed") is None:
+    if _options.dropout_requested(options) and options.get("seed") is None:
         raise ValueError("npattn.jax.attention with dropout_p > 0 needs seed, an int: under jit a seed "
                          "drawn at trace time would repeat at every call")
+    if isinstance(options.get("q_offset"), jax.core.Tracer):
+        raise TypeError("q_offset must be static under jit, grad and vmap (a Python int or a tuple of ints, or a "
+                        "NumPy array): npattn.jax.attention passes it to the host as a setting, not as an array; "
+                        "got a traced array")
     options = with_plain_offsets(options)
+    _check(q, k, v, options)  # npattn's own errors now, not an error from inside the host callback
     names = tuple(name for name in ARRAY_OPTIONS if options.get(name) is not None)
     arrays = tuple(jnp.asarray(options.pop(name)) for name in names)
     for name in ARRAY_OPTIONS:
@@ -54,6 +60,24 @@ def attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
     out, lse, weights = _attention(static, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), *arrays)
     extras = [array for array, want in zip((lse, weights), wanted) if want]
     return (out, *extras) if extras else out
+
+
+def _check(q: Any, k: Any, v: Any, options: dict) -> None:
+    """Every check of :func:`npattn.attention` on the call, before JAX sees it: concrete
+    arrays by their values, traced ones by their shapes and dtypes (a traced value that is
+    out of range is then reported from inside the callback)."""
+    def host(value: Any) -> Any:
+        if isinstance(value, jax.core.Tracer):  # shape and dtype only: a read-only view of one zero
+            return np.broadcast_to(np.zeros((), np.dtype(value.dtype)), value.shape)
+        if isinstance(value, jax.Array):
+            return np.asarray(value)
+        return value
+    checked = {name: host(value) for name, value in options.items() if name != "backend"}
+    if "backend" in options:
+        from ..backends import resolve
+
+        resolve(options["backend"], "numpy")
+    validation.build_problem(host(q), host(k), host(v), **checked)
 
 
 class _Static(tuple):
@@ -129,3 +153,103 @@ def _zero_cotangent(array: Any) -> Any:
 
 
 _attention.defvjp(_attention_forward, _attention_backward)
+
+
+def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int | None = None,
+                     max_seqlen_k: int | None = None, **options: Any) -> Any:
+    """:func:`npattn.attention_varlen` on JAX arrays, differentiable by JAX and traceable:
+    packed q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` int (B + 1,) arrays (traced or not); returns ``out`` or ``(out, lse)``.
+    Gradients flow to q, k, v and ``sink_logits``; the backward recomputes the forward
+    on the host (a callback keeps no closure between the passes). Array options other
+    than ``sink_logits`` and ``alibi_slopes`` must be static, as for :func:`attention`."""
+    from ..varlen import _Plan
+
+    _options.check_names(options)
+    if _options.dropout_requested(options) and options.get("seed") is None:
+        raise ValueError("npattn.jax.attention_varlen with dropout_p > 0 needs seed, an int: under jit a seed "
+                         "drawn at trace time would repeat at every call")
+    if isinstance(options.get("q_offset"), jax.core.Tracer):
+        raise TypeError("q_offset must be static under jit, grad and vmap (a Python int or a tuple of ints, or a "
+                        "NumPy array); got a traced array")
+    options = with_plain_offsets(options)
+    want_lse = options.pop("return_lse", False)
+    _options.BY_NAME["return_lse"].check(want_lse, None)
+
+    def host(value: Any, cumulative_total: int | None = None) -> Any:
+        if isinstance(value, jax.core.Tracer):
+            if cumulative_total is not None:  # a valid stand-in of its shape: 0, ..., 0, total
+                stand_in = np.zeros(value.shape, np.dtype(value.dtype))
+                stand_in[-1:] = cumulative_total
+                return stand_in
+            return np.broadcast_to(np.zeros((), np.dtype(value.dtype)), value.shape)
+        return np.asarray(value) if isinstance(value, jax.Array) else value
+
+    names = tuple(name for name in ("sink_logits", "alibi_slopes") if options.get(name) is not None)
+    _Plan.of(host(q), host(k), host(v), host(cu_seqlens_q, np.shape(q)[0]), host(cu_seqlens_k, np.shape(k)[0]),
+             max_seqlen_q, max_seqlen_k, {name: host(value) for name, value in options.items()})
+    arrays = tuple(jnp.asarray(options.pop(name)) for name in names)
+    static = _VarlenStatic(names, (max_seqlen_q, max_seqlen_k), tuple(sorted(options.items())))
+    out, lse = _varlen(static, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cu_seqlens_q),
+                       jnp.asarray(cu_seqlens_k), *arrays)
+    return (out, lse) if want_lse else out
+
+
+class _VarlenStatic(tuple):
+    """A packed call's static part: (array option names, (max_seqlen_q, max_seqlen_k), the
+    other options as sorted (name, value) pairs)."""
+
+    def __new__(cls, names: tuple, bounds: tuple, settings: tuple) -> "_VarlenStatic":
+        return super().__new__(cls, (names, bounds, settings))
+
+    def call(self, arrays: tuple) -> dict:
+        """The keywords of the host call: the bounds, the options, the array options."""
+        return {"max_seqlen_q": self[1][0], "max_seqlen_k": self[1][1], **dict(self[2]),
+                **dict(zip(self[0], (np.asarray(a) for a in arrays)))}
+
+
+def _varlen_host_forward(static: _VarlenStatic, q, k, v, cu_q, cu_k, *arrays):
+    from ..varlen import attention_varlen
+
+    return attention_varlen(np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(cu_q), np.asarray(cu_k),
+                            return_lse=True, **static.call(arrays))
+
+
+def _varlen_host_backward(static: _VarlenStatic, q, k, v, cu_q, cu_k, dout, *arrays):
+    from ..varlen import attention_varlen_vjp
+
+    _, vjp = attention_varlen_vjp(np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(cu_q), np.asarray(cu_k),
+                                  **static.call(arrays))
+    grads = vjp(np.asarray(dout))
+    return tuple(grads[:3]) + ((grads[3],) if "sink_logits" in static[0] else ())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _varlen(static, q, k, v, cu_q, cu_k, *arrays):
+    lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    shapes = (jax.ShapeDtypeStruct((q.shape[0], q.shape[1], v.shape[2]), q.dtype),
+              jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), lse_dtype))
+    return jax.pure_callback(functools.partial(_varlen_host_forward, static), shapes, q, k, v, cu_q, cu_k, *arrays,
+                             vmap_method="sequential")
+
+
+def _varlen_forward(static, q, k, v, cu_q, cu_k, *arrays):
+    return _varlen(static, q, k, v, cu_q, cu_k, *arrays), (q, k, v, cu_q, cu_k, arrays)
+
+
+def _varlen_backward(static, residuals, cotangents):
+    q, k, v, cu_q, cu_k, arrays = residuals
+    dout = cotangents[0].astype(q.dtype)  # lse is an output only
+    option_arrays = dict(zip(static[0], arrays))
+    shapes = (*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v)),
+              *((jax.ShapeDtypeStruct(option_arrays["sink_logits"].shape, option_arrays["sink_logits"].dtype),)
+                if "sink_logits" in option_arrays else ()))
+    grads = jax.pure_callback(functools.partial(_varlen_host_backward, static), shapes, q, k, v, cu_q, cu_k, dout,
+                              *arrays, vmap_method="sequential")
+    dq, dk, dv, *rest = grads
+    by_name = dict(zip(("sink_logits",) if "sink_logits" in option_arrays else (), rest))
+    return (dq, dk, dv, _zero_cotangent(cu_q), _zero_cotangent(cu_k),
+            *(by_name[name] if name in by_name else _zero_cotangent(array) for name, array in zip(static[0], arrays)))
+
+
+_varlen.defvjp(_varlen_forward, _varlen_backward)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -51,9 +52,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any)
     options = with_plain_offsets(options)
     arrays = [_tensor(name, options.pop(name, None), q) for name in ARRAY_OPTIONS]
     wanted = [bool(options.pop(flag, False)) for flag in _OUTPUT_FLAGS]
-    if options.get("dropout_p") and options.get("seed") is None:
+    if _options.dropout_requested(options) and options.get("seed") is None:
         options["seed"] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-    settings = repr({name: _plain(value) for name, value in {**options, "return_weights": wanted[1]}.items()})
+    settings = repr({name: _plain(name, value) for name, value in {**options, "return_weights": wanted[1]}.items()})
     if torch.compiler.is_compiling():  # one opaque op in the graph, its fake shapes for tracing
         out, lse, weights = torch.ops.npattn.attention_forward(q, k, v, *arrays, settings)
     else:  # eager: the same functions, without the dispatcher's two round trips
@@ -69,17 +70,21 @@ def _tensor(name: str, value: Any, q: torch.Tensor) -> torch.Tensor | None:
     return torch.as_tensor(np.asarray(value), device=q.device)
 
 
-def _plain(value: Any) -> Any:
+def _plain(name: str, value: Any) -> Any:
     """A value the settings string can carry: Python's own scalars, None, strings and
-    tuples of them (a NumPy scalar becomes its Python value)."""
-    if isinstance(value, np.generic):
-        return value.item()
+    tuples of them (a NumPy scalar, or a 0-d array or tensor, becomes its Python value).
+    A float must be finite (every real option must be; and ``repr`` of inf or NaN is no
+    literal the settings could be read back from)."""
+    if isinstance(value, np.generic) or (getattr(value, "ndim", None) == 0 and hasattr(value, "item")):
+        value = value.item()
     if isinstance(value, (tuple, list)):
-        return tuple(_plain(item) for item in value)
+        return tuple(_plain(name, item) for item in value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    raise TypeError(f"npattn.torch.attention: an option of type {type(value).__name__} cannot be passed "
-                    f"to the op: {value!r}")
+    raise TypeError(f"npattn.torch.attention: {name} must be a number, a string, None or a tuple of them (or an "
+                    f"array option's array), got {type(value).__name__} {value!r}")
 
 
 def _settings(text: str) -> dict:
@@ -136,8 +141,8 @@ def _forward(q, k, v, *arrays_and_settings):
     *arrays, settings = arrays_and_settings
     options = _native_call(arrays, settings)
     results = _api.attention(_native("q", q), _native("k", k), _native("v", v), return_lse=True, **options)
-    out, lse = _back(results[0]), _back(results[1])
-    weights = _back(results[2]) if options["return_weights"] else q.new_empty(0)
+    out, lse = _back(results[0]).contiguous(), _back(results[1]).contiguous()  # as the fake says
+    weights = _back(results[2]).contiguous() if options["return_weights"] else q.new_empty(0)
     return out, lse, weights
 
 
@@ -160,14 +165,16 @@ def _backward(dout, q, k, v, out, lse, *arrays_and_settings):
                                       (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
                                        ("dout", dout))),
                                     **_native_call(arrays, settings))
-    return [_back(grad) for grad in grads]
+    return [_back(grad).contiguous() for grad in grads]  # as the fake implementation says
 
 
 @torch.library.register_fake("npattn::attention_backward")
 def _backward_shapes(dout, q, k, v, out, lse, *arrays_and_settings):
+    # contiguous, as _backward's gradients are, whatever the inputs' strides (a permuted
+    # view's empty_like would keep its strides, and the compiled graph would then assert them)
     given = dict(zip(ARRAY_OPTIONS, arrays_and_settings))
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            *(torch.empty_like(given[name]) for name in DIFFERENTIABLE if given[name] is not None)]
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            *(given[name].new_empty(given[name].shape) for name in DIFFERENTIABLE if given[name] is not None)]
 
 
 # Registered as functions, not by decorator: torch.library.impl's decorator returns None.
@@ -212,3 +219,47 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, dweights):
         return _backward_formula(ctx, dout, dlse, dweights, backward=_backward)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, **options: Any) -> Any:
+    """:func:`npattn.attention_varlen` on torch tensors, differentiable by torch's autograd:
+    packed q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv); returns ``out`` or
+    ``(out, lse)`` as tensors. Gradients flow to q, k, v and ``sink_logits``; the
+    backward is npattn's packed vjp (the forward's, kept by the autograd node)."""
+    _options.check_names(options)
+    sink_logits = options.pop("sink_logits", None)
+    want_lse = options.pop("return_lse", False)
+    _options.BY_NAME["return_lse"].check(want_lse, None)
+    out, lse = _Varlen.apply(q, k, v, _tensor("sink_logits", sink_logits, q),
+                             (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options))
+    return (out, lse) if want_lse else out
+
+
+class _Varlen(torch.autograd.Function):
+    """attention_varlen_vjp as an autograd node: its forward's vjp runs the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink_logits, call):
+        from ..varlen import attention_varlen_vjp
+
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options = call
+        native = {name: _native(name, value) if isinstance(value, torch.Tensor) else value
+                  for name, value in options.items()}
+        if sink_logits is not None:
+            native["sink_logits"] = _native("sink_logits", sink_logits)
+        cu = [_native(name, value) if isinstance(value, torch.Tensor) else value
+              for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))]
+        (out, lse), vjp = attention_varlen_vjp(_native("q", q), _native("k", k), _native("v", v), *cu, max_seqlen_q,
+                                               max_seqlen_k, return_lse=True, **native)
+        ctx.vjp, ctx.has_sink = vjp, sink_logits is not None
+        out, lse = _back(out), _back(lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:
+            return None, None, None, None, None
+        grads = [_back(grad) for grad in ctx.vjp(_native("dout", dout.contiguous()))]
+        return grads[0], grads[1], grads[2], grads[3] if ctx.has_sink else None, None

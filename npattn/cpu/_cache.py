@@ -25,17 +25,22 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # Outside this package, the kernels read the parameter positions of kernel_params.py,
-# which the options table (options.py) numbers: a change there moves them.
-_KERNEL_INPUTS = ("kernel_params.py", "options.py")
+# which the options table (options.py) numbers: its file and the numbering itself (not
+# the whole options.py, whose checks and docs change no machine code) go into the stamp.
+_KERNEL_INPUTS = ("kernel_params.py",)
 
 
 def _package_digest() -> str:
+    from ..kernel_params import OPERANDS, Int, Real, Span
+
     digest = hashlib.sha256()
     parent = os.path.dirname(_HERE)
     for path in [*sorted(glob.glob(os.path.join(_HERE, "*.py"))),
                  *(os.path.join(parent, name) for name in _KERNEL_INPUTS)]:
         with open(path, "rb") as source:
             digest.update(source.read())
+    numbering = [[(member.name, int(member)) for member in positions] for positions in (Int, Real, Span)]
+    digest.update(repr((numbering, OPERANDS)).encode())
     return digest.hexdigest()
 
 

@@ -15,6 +15,7 @@ GIL anyway, so plain threads give the same parallelism.
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from . import compiling
+
 _POOL = None
 _POOL_SIZE = 0
 _POOL_LOCK = threading.Lock()
@@ -31,15 +34,30 @@ _POOL_LOCK = threading.Lock()
 
 def thread_count() -> int:
     """Threads the kernels use: ``NPATTN_NUM_THREADS`` if set, else the usable cores."""
-    configured = os.environ.get("NPATTN_NUM_THREADS", "").strip()
-    if configured:
-        if not configured.isdigit() or int(configured) < 1:
-            raise ValueError(f"NPATTN_NUM_THREADS must be a positive integer (or unset), got {configured!r}")
-        return int(configured)
+    configured = configured_threads()
+    if configured is not None:
+        return configured
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def configured_threads() -> int | None:
+    """``NPATTN_NUM_THREADS`` as an int >= 1, or None when unset; a ValueError naming the
+    variable for any other value. Every call checks it (a call small enough for one thread
+    too), so a bad setting fails at once, not at the first large call."""
+    return _parsed_threads(os.environ.get("NPATTN_NUM_THREADS", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_threads(configured: str) -> int | None:
+    configured = configured.strip()
+    if not configured:
+        return None
+    if not configured.isdigit() or int(configured) < 1:
+        raise ValueError(f"NPATTN_NUM_THREADS must be a positive integer (or unset), got {configured!r}")
+    return int(configured)
 
 
 def _submit(calls) -> list:
@@ -71,8 +89,24 @@ def run_items(kernel, arguments, items: int, scratch=tuple, flops: float | None 
     """``kernel(*arguments, *scratch(), counter, items)`` on ``min(items, threads)`` threads
     sharing one fresh ``counter``, each with scratch of its own from ``scratch()``; on the
     calling thread alone when ``flops`` (the call's work, forward FLOPs) is below
-    :data:`INLINE_FLOPS`. Which thread runs an item never changes the bits."""
+    :data:`INLINE_FLOPS`. Which thread runs an item never changes the bits. The first
+    call of a kernel for a dtype in the process (a compile, or a load from Numba's cache)
+    is announced (:mod:`.compiling`)."""
+    key = (kernel, arguments[0].dtype)
+    if key in _PREPARED:
+        _run_items(kernel, arguments, items, scratch, flops)
+        return
+    with compiling.announced(getattr(kernel, "__name__", "kernel"), arguments[0].dtype):
+        _run_items(kernel, arguments, items, scratch, flops)
+    _PREPARED.add(key)
+
+
+_PREPARED: set = set()  # (kernel, dtype) pairs called in this process
+
+
+def _run_items(kernel, arguments, items, scratch, flops) -> None:
     counter = np.zeros(1, np.int64)
+    configured_threads()  # a bad NPATTN_NUM_THREADS fails every call, not only the threaded ones
     inline = (flops is not None and flops < INLINE_FLOPS) or items <= 1
     threads = 1 if inline else min(items, thread_count())
     if threads <= 1:

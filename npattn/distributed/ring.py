@@ -30,18 +30,22 @@ timeout that raises ``TimeoutError`` naming it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 import time
-from numbers import Integral
+from numbers import Real
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from .. import _arrays
+from .. import _arrays, checks
+from .. import options as _options
 from ..api import attention, attention_backward
 from ..masks import Visibility
 from ..merging import merge
+from ..options import dropout_requested
 from ..problem import to_user_layout
+from ..validation import build_problem
 from .sharding import Chunk, check_sharding, chunks
 
 _PER_ROW_ARRAYS = ("mask", "bias")
@@ -191,11 +195,19 @@ class _Plan(NamedTuple):
 
 
 def _ring(q, k, v, comm, sharding, strategy, timeout, options, backward):
-    xp = _arrays.array_module(q)
-    ring = _Ring(comm, timeout, xp)
-    layout = options.get("layout", "bhsd")
-    qb, kb, vb = (_bhsd(x, layout) for x in (q, k, v))
-    plan = _agree(ring, qb, kb, vb, sharding, strategy, options)
+    timeout, timeout_error = _checked_timeout(timeout)
+    try:
+        local = _Local.of(q, k, v, sharding, strategy, options)
+        described = local.description
+    except Exception as error:  # anything: every rank must hear of it, or its peers would wait
+        local, described = None, {"error": (type(error).__name__, str(error))}
+    if timeout_error is not None and "error" not in described:
+        described = {"error": ("ValueError", timeout_error)}
+    ring = _Ring(comm, timeout, local.xp if local is not None else np)
+    everyone = ring.gather(described)
+    _raise_any(everyone)
+    plan = _agree(ring, local, everyone, sharding, strategy, options)
+    xp, layout, (qb, kb, vb) = local.xp, local.layout, local.bhsd
     compute = np.dtype(np.float64) if qb.dtype == np.float64 else np.dtype(np.float32)
     qc, kc, vc = (xp.ascontiguousarray(x, dtype=compute) for x in (qb, kb, vb))
     if strategy == "heads":
@@ -212,14 +224,50 @@ def _ring(q, k, v, comm, sharding, strategy, timeout, options, backward):
         return outputs, None
 
     def vjp(dout):
-        dout_b = xp.ascontiguousarray(_bhsd(xp.asarray(dout), layout), dtype=compute)
-        if dout_b.shape != out.shape:
-            raise ValueError(f"dout must have out's shape {tuple(user_out.shape)}, got {tuple(dout.shape)}")
-        grads = backward_of(dout_b)
+        try:  # every rank checks its own dout, then all hear of any rank's error
+            dout_b = _checked_dout(dout, local, user_out)
+            described = {"finite": True}
+        except Exception as error:
+            dout_b, described = None, {"error": (type(error).__name__, str(error))}
+        _raise_any(ring.gather(described), what="dout")
+        grads = backward_of(xp.ascontiguousarray(dout_b, dtype=compute))
         dq, dk, dv = (xp.ascontiguousarray(to_user_layout(g, layout)).astype(x.dtype, copy=False)
                       for g, x in zip(grads[:3], (qb, kb, vb)))
         return (dq, dk, dv, *grads[3:])
     return outputs, vjp
+
+
+def _checked_timeout(timeout):
+    """``(seconds, error)``: a finite timeout > 0 and None, or the default with the error
+    every rank is then told of (a rank must still wait for its peers to hear it)."""
+    if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, Real):
+        return DEFAULT_TIMEOUT, f"timeout must be a number of seconds > 0, got {type(timeout).__name__} {timeout!r}"
+    if not (math.isfinite(timeout) and timeout > 0):
+        return DEFAULT_TIMEOUT, f"timeout must be a finite number of seconds > 0, got {timeout!r}"
+    return float(timeout), None
+
+
+DEFAULT_TIMEOUT = 300.0
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": MemoryError}
+
+
+def _raise_any(everyone: list, what: str = "inputs") -> None:
+    """Raise, on every rank alike, the first rank's error among the gathered descriptions."""
+    for rank, theirs in enumerate(everyone):
+        if "error" in theirs:
+            kind, message = theirs["error"]
+            raise _ERRORS.get(kind, ValueError)(f"ring attention: rank {rank}'s {what}: {message}")
+
+
+def _checked_dout(dout, local, user_out):
+    """The rank's ``dout`` as a bhsd array of its shards' kind, of out's shape and a float dtype."""
+    (dout,) = checks.as_arrays(dout=dout, reference=local.bhsd[0])
+    checks.check_float_dtype("dout", dout)
+    if tuple(dout.shape) != tuple(user_out.shape):
+        raise ValueError(f"dout must have out's shape {tuple(user_out.shape)}, got {tuple(dout.shape)}")
+    if not _arrays.all_finite(dout):
+        raise ValueError("dout holds NaN or inf; the ring takes finite inputs")
+    return _bhsd(dout, local.layout)
 
 
 def _bhsd(array, layout):
@@ -227,32 +275,79 @@ def _bhsd(array, layout):
 
 
 STRATEGIES = ("ring", "heads")
+# the options given as arrays that each rank passes, and those all ranks share
+_SHARED_ARRAYS = (*_LENGTHS, "sink_logits")
 
 
-def _agree(ring: _Ring, q, k, v, sharding, strategy, options) -> _Plan:
-    """Exchange what every rank was given; raise the same error on every rank when they
-    disagree or ask for what the ring cannot do. Returns the plan all ranks share."""
-    given = {name: value for name, value in options.items() if name not in (*_PER_ROW_ARRAYS, *_LENGTHS, "sink_logits")}
-    arrays = {name: ring.xp.asarray(options[name]) for name in (*_PER_ROW_ARRAYS, *_LENGTHS, "sink_logits")
-              if options.get(name) is not None}
-    mine = {
-        "shapes": (q.shape, k.shape, v.shape), "dtype": str(q.dtype), "kv_dtypes": (str(k.dtype), str(v.dtype)),
-        "sharding": sharding, "strategy": strategy, "options": repr(sorted(given.items())),
-        "shared": {name: arrays[name].tolist() for name in (*_LENGTHS, "sink_logits") if name in arrays},
-        "row_shapes": {name: arrays[name].shape for name in _PER_ROW_ARRAYS if name in arrays},
-        "finite": all(_arrays.all_finite(x) for x in (q, k, v, *arrays.values()) if x.dtype.kind == "f"),
-        # dropout with seed=None: rank 0's draw becomes every rank's seed
-        "drawn_seed": int(np.random.SeedSequence().generate_state(1, np.uint64)[0]),
-    }
-    everyone = ring.gather(mine)
-    check_sharding(sharding)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+class _Local(NamedTuple):
+    """One rank's inputs, checked on their own: the array module, the layout, q, k and v as
+    bhsd views, the array options as arrays of the shards' kind, and the description of
+    all that (shapes, dtypes, options, which inputs are not finite) the ranks exchange."""
+
+    xp: Any
+    layout: str
+    bhsd: tuple
+    arrays: dict
+    description: dict
+
+    @classmethod
+    def of(cls, q, k, v, sharding, strategy, options) -> "_Local":
+        """Everything a rank can check alone, raising the error its peers will hear of."""
+        _options.check_names({name: value for name, value in options.items() if name != "backend"})
+        check_sharding(sharding)
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if options.get("return_weights"):
+            raise ValueError("ring attention does not return weights: they are S_local x S per rank")
+        for name, why in _NOT_YET.items():
+            value = options.get(name)
+            if value is not None and not (name == "q_offset" and checks.as_int(value) is not None):
+                raise ValueError(f"ring attention does not take {name} yet: {why}")
+        layout = checks.check_layout(options.get("layout", "bhsd"))
+        q, k, v = checks.as_arrays(q=q, k=k, v=v)
+        for name, array in (("q", q), ("k", k), ("v", v)):
+            checks.check_float_dtype(name, array)
+            if array.ndim != 4:
+                raise ValueError(f"{name} must be 4-D (B, H, S_local, D) or (B, S_local, H, D), got shape "
+                                 f"{tuple(array.shape)}")
+        for name, array in (("k", k), ("v", v)):
+            if array.dtype != q.dtype:
+                raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+        qb, kb, vb = (_bhsd(x, layout) for x in (q, k, v))
+        arrays = {name: checks.as_arrays(**{name: options[name]}, reference=q)[0]
+                  for name in (*_PER_ROW_ARRAYS, *_SHARED_ARRAYS) if options.get(name) is not None}
+        given = {name: value for name, value in options.items() if name not in (*_PER_ROW_ARRAYS, *_SHARED_ARRAYS)}
+        nonfinite = [name for name, array in (("q", q), ("k", k), ("v", v), *arrays.items())
+                     if array.dtype.kind == "f" and not _arrays.all_finite(array)]
+        description = {
+            "shapes": (qb.shape, kb.shape, vb.shape), "dtype": str(q.dtype), "kv_dtypes": (str(k.dtype), str(v.dtype)),
+            "sharding": sharding, "strategy": strategy, "options": repr(sorted(given.items(), key=lambda kv: kv[0])),
+            "shared": {name: _arrays.to_numpy(arrays[name]).tolist() for name in _SHARED_ARRAYS if name in arrays},
+            "shared_dtypes": {name: str(arrays[name].dtype) for name in _SHARED_ARRAYS if name in arrays},
+            "row_shapes": {name: tuple(arrays[name].shape) for name in _PER_ROW_ARRAYS if name in arrays},
+            "row_dtypes": {name: str(arrays[name].dtype) for name in _PER_ROW_ARRAYS if name in arrays},
+            "nonfinite": nonfinite,
+            # dropout with seed=None: rank 0's draw becomes every rank's seed
+            "drawn_seed": int(np.random.SeedSequence().generate_state(1, np.uint64)[0]),
+        }
+        return cls(_arrays.array_module(q), layout, (qb, kb, vb), arrays, description)
+
+
+def _agree(ring: _Ring, local: _Local, everyone: list, sharding, strategy, options) -> _Plan:
+    """Check what every rank was given against rank 0's and against the whole problem;
+    the checks read only the gathered descriptions, so every rank raises the same error
+    or none. Returns the plan all ranks share."""
+    q = local.bhsd[0]
     for rank, theirs in enumerate(everyone):
-        for field in ("dtype", "kv_dtypes", "sharding", "strategy", "options", "shared"):
+        for field in ("dtype", "kv_dtypes", "sharding", "strategy", "options", "shared", "shared_dtypes"):
             if theirs[field] != everyone[0][field]:
                 raise ValueError(f"ring attention: rank {rank}'s {field} differs from rank 0's: "
                                  f"{theirs[field]!r} against {everyone[0][field]!r}; every rank must make the same call")
+        for field in ("row_shapes", "row_dtypes"):
+            if set(theirs[field]) != set(everyone[0][field]):
+                raise ValueError(f"ring attention: rank {rank} passes {sorted(theirs[field]) or 'no mask or bias'} and "
+                                 f"rank 0 {sorted(everyone[0][field]) or 'no mask or bias'}; every rank must make the "
+                                 "same call")
         (q_shape, k_shape, v_shape), (q0, k0, v0) = theirs["shapes"], everyone[0]["shapes"]
         if (q_shape[:2], q_shape[3], k_shape[:2], k_shape[3], v_shape[:2], v_shape[3]) != \
                 (q0[:2], q0[3], k0[:2], k0[3], v0[:2], v0[3]):
@@ -264,39 +359,54 @@ def _agree(ring: _Ring, q, k, v, sharding, strategy, options) -> _Plan:
         if sharding == "zigzag" and (q_shape[2] % 2 or q_shape[2] != q0[2]):
             raise ValueError(f"ring attention: zigzag shards are two equal chunks of one length on every rank; "
                              f"rank {rank} holds {q_shape[2]} positions, rank 0 {q0[2]}")
-        if not theirs["finite"]:
-            raise ValueError(f"ring attention: rank {rank}'s inputs hold NaN or inf; the ring takes finite inputs")
+        if theirs["nonfinite"]:
+            raise ValueError(f"ring attention: rank {rank}'s {theirs['nonfinite'][0]} holds NaN or inf; the ring takes "
+                             "finite inputs")
     if strategy == "heads":
         from .heads import check_heads
 
-        check_heads(ring.size, q.shape[1], k.shape[1], options)
-    if options.get("return_weights"):
-        raise ValueError("ring attention does not return weights: they are S_local x S per rank")
-    for name, why in _NOT_YET.items():
-        value = options.get(name)
-        if value is not None and not (name == "q_offset" and isinstance(value, Integral)):
-            raise ValueError(f"ring attention does not take {name} yet: {why}")
+        check_heads(ring.size, q.shape[1], local.bhsd[1].shape[1], options)
     lengths = [theirs["shapes"][0][2] for theirs in everyone]
     total = sum(lengths)
     for rank, theirs in enumerate(everyone):
         for name, shape in theirs["row_shapes"].items():
-            shape = (1,) * (4 - len(shape)) + tuple(shape)
-            if len(shape) > 4 or shape[2] not in (1, lengths[rank]) or shape[3] not in (1, total):
-                raise ValueError(f"ring attention: rank {rank}'s {name} has shape {theirs['row_shapes'][name]}; "
-                                 f"it must broadcast to the rank's rows of the whole problem, (B, H, {lengths[rank]}, "
-                                 f"{total})")
+            want = "bool" if name == "mask" else "a float dtype"
+            dtype = theirs["row_dtypes"][name]
+            if (dtype == "bool") != (name == "mask") or (name == "bias" and dtype not in checks.FLOAT_DTYPE_NAMES):
+                raise ValueError(f"ring attention: rank {rank}'s {name} has dtype {dtype}; it must be {want}")
+            full = (1,) * (4 - len(shape)) + tuple(shape)
+            if len(shape) > 4 or full[2] not in (1, lengths[rank]) or full[3] not in (1, total):
+                raise ValueError(f"ring attention: rank {rank}'s {name} has shape {shape}; it must broadcast to the "
+                                 f"rank's rows of the whole problem, (B, H, {lengths[rank]}, {total})")
+    _check_whole_problem(everyone[0], q, local.bhsd[1], local.bhsd[2], total, options)
+    given = {name: value for name, value in options.items() if name not in (*_PER_ROW_ARRAYS, *_SHARED_ARRAYS)}
     plain = {name: value for name, value in given.items()
              if name not in ("layout", "return_lse", "causal", "q_offset", "window", "sinks", "dropout_offset")}
-    if options.get("dropout_p") and options.get("seed") is None:
+    if dropout_requested(options) and options.get("seed") is None:
         plain["seed"] = everyone[0]["drawn_seed"]
     return _Plan(chunks=[chunks(rank, lengths, sharding) for rank in range(ring.size)],
                  kv_shapes=[(theirs["shapes"][1], theirs["shapes"][2]) for theirs in everyone],
                  visibility=Visibility.from_options(bool(options.get("causal", False)), options.get("window"),
                                                     int(options.get("sinks", 0))),
-                 q_offset=int(options.get("q_offset") or 0),
+                 q_offset=int(checks.as_int(options.get("q_offset")) or 0),
                  dropout_offset=tuple(options.get("dropout_offset") or (0, 0, 0, 0)), xp=ring.xp, plain=plain,
                  arrays={name: (_four_d(array) if name in _PER_ROW_ARRAYS else array)
-                         for name, array in arrays.items()})
+                         for name, array in local.arrays.items()})
+
+
+def _check_whole_problem(description, q, k, v, total, options):
+    """Every option as :func:`npattn.attention` checks it for the whole sequence (S = the
+    ranks' lengths summed), on stand-ins of the whole problem's shapes and the values every
+    rank shares, so every rank reaches the same verdict."""
+    def stand_in(array, length):
+        shape = (*array.shape[:2], length, array.shape[3])
+        return np.broadcast_to(np.zeros((), np.dtype(description["dtype"])), shape)
+
+    shared = {name: np.asarray(value, description["shared_dtypes"][name])
+              for name, value in description["shared"].items()}
+    plain = {name: _arrays.to_numpy(value) if _arrays.is_cupy(value) else value for name, value in options.items()
+             if name not in (*_PER_ROW_ARRAYS, *_SHARED_ARRAYS, "backend", "layout")}
+    build_problem(stand_in(q, total), stand_in(k, total), stand_in(v, total), **plain, **shared)
 
 
 def _four_d(array):

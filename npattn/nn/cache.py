@@ -21,6 +21,19 @@ from .. import arguments
 from ..kvcache import attention_with_kvcache
 
 
+class UnknownSequence(KeyError, ValueError):
+    """A sequence id the :class:`PagedKVCache` does not hold (a KeyError, as for a dict,
+    and a ValueError, as for any other bad argument)."""
+
+
+def _shape(x) -> tuple:
+    """The shape of an array or array-like, () for anything NumPy cannot read."""
+    try:
+        return tuple(np.shape(x))
+    except (TypeError, ValueError):
+        return ()
+
+
 class KVCache:
     """Keys and values of past positions, (B, capacity, Hkv, D) each ("bshd", the
     projections' layout).
@@ -47,8 +60,8 @@ class KVCache:
         self.batch, self.num_kv_heads, self.head_dim = batch, num_kv_heads, head_dim
         self.capacity, self.window, self.sinks = capacity, window, sinks
         shape = (batch, capacity, num_kv_heads, head_dim)
-        self.keys = xp.zeros(shape, dtype)
-        self.values = xp.zeros(shape, dtype)
+        self.keys = arguments.zeros("KVCache", ("batch", "capacity", "num_kv_heads", "head_dim"), shape, dtype, xp)
+        self.values = arguments.zeros("KVCache", ("batch", "capacity", "num_kv_heads", "head_dim"), shape, dtype, xp)
         self.position = 0          # positions appended so far; the next one's index
         self.lengths = np.zeros(batch, np.int64)  # per row: positions held (attend moves rows apart)
         self._xp = xp
@@ -168,8 +181,10 @@ class PagedKVCache:
         head_dim = arguments.size(owner, "head_dim", head_dim)
         dtype = arguments.float_dtype(owner, "dtype", dtype)
         self.page_size, self.num_kv_heads, self.head_dim = page_size, num_kv_heads, head_dim
-        self.keys = xp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype)
-        self.values = xp.zeros_like(self.keys)
+        names, shape = ("num_pages", "page_size", "num_kv_heads", "head_dim"), (num_pages, page_size, num_kv_heads,
+                                                                                head_dim)
+        self.keys = arguments.zeros(owner, names, shape, dtype, xp)
+        self.values = arguments.zeros(owner, names, shape, dtype, xp)
         self._free = list(range(num_pages - 1, -1, -1))  # pages not in use, the next one last
         self._pages: dict = {}     # sequence id -> its pages, in order
         self._lengths: dict = {}   # sequence id -> keys held
@@ -201,11 +216,7 @@ class PagedKVCache:
     def block_table(self, sequences):
         """int64 (len(sequences), most pages held) NumPy: each sequence's pages, padded
         with page 0 (never read: each sequence reads its own length)."""
-        pages = [self._pages[self._known(s)] for s in sequences]
-        table = np.zeros((len(pages), max((len(p) for p in pages), default=0)), np.int64)
-        for row, held in enumerate(pages):
-            table[row, :len(held)] = held
-        return table
+        return self._table([self._pages[self._known(s)] for s in sequences])
 
     def attend(self, sequences, q, k=None, v=None, **options):
         """One step of :func:`npattn.attention_with_kvcache` for ``sequences`` (B ids, one
@@ -213,25 +224,45 @@ class PagedKVCache:
         the pool (taken as needed), then every row attends to its sequence's keys, the
         last query level with the last key (one new key per query: row i at ``length +
         i``). ``options``: those of attention_with_kvcache. Raises MemoryError, before
-        writing anything, when the pool has too few free pages."""
+        writing anything, when the pool has too few free pages. A call that raises
+        changes nothing: the pages it would have taken stay free, the lengths and the
+        pool's bytes stay as they were."""
         sequences = list(sequences)
+        for sequence in sequences:
+            self._known(sequence)
         if len(set(sequences)) != len(sequences):
             raise ValueError(f"PagedKVCache.attend: sequences must be distinct; got {sequences!r}")
-        new = 0 if k is None else int(np.shape(k)[1])
-        wanted = [max(0, -(-(self.length(s) + new) // self.page_size) - len(self._pages[s])) for s in sequences]
-        if sum(wanted) > len(self._free):
-            raise MemoryError(f"PagedKVCache: {sum(wanted)} more pages needed, {len(self._free)} free "
+        shape = _shape(k)
+        new = int(shape[1]) if k is not None and len(shape) >= 2 else 0  # (a bad k is named by the call below)
+        wanted = [max(0, -(-(self._lengths[s] + new) // self.page_size) - len(self._pages[s])) for s in sequences]
+        total = sum(wanted)
+        if total > len(self._free):
+            raise MemoryError(f"PagedKVCache: {total} more pages needed, {len(self._free)} free "
                               f"(free finished sequences, or make the pool larger)")
+        taken = self._free[len(self._free) - total:][::-1]  # the pages pop() would hand out, in order
+        pages, start = {}, 0
         for sequence, count in zip(sequences, wanted):
-            self._pages[sequence] += [self._free.pop() for _ in range(count)]
+            pages[sequence] = self._pages[sequence] + taken[start:start + count]
+            start += count
         lengths = np.array([self._lengths[s] for s in sequences], np.int64)
         result = attention_with_kvcache(q, self.keys, self.values, k, v, cache_seqlens=lengths,
-                                        block_table=self._xp.asarray(self.block_table(sequences)), **options)
+                                        block_table=self._xp.asarray(self._table([pages[s] for s in sequences])),
+                                        **options)
+        # the call succeeded: now the pages and lengths change
+        del self._free[len(self._free) - total:]
         for sequence in sequences:
+            self._pages[sequence] = pages[sequence]
             self._lengths[sequence] += new
         return result
 
+    @staticmethod
+    def _table(pages):
+        table = np.zeros((len(pages), max((len(p) for p in pages), default=0)), np.int64)
+        for row, held in enumerate(pages):
+            table[row, :len(held)] = held
+        return table
+
     def _known(self, sequence):
         if sequence not in self._pages:
-            raise KeyError(f"PagedKVCache: no sequence {sequence!r} (add it first)")
+            raise UnknownSequence(f"PagedKVCache: no sequence {sequence!r} (add it first)")
         return sequence
