@@ -12,6 +12,7 @@ does not fall.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -24,6 +25,16 @@ from npattn.optim import AdamW, clip_grad_norm
 
 VOCAB, LENGTH, WIDTH, HEADS = 10, 8, 64, 4
 TARGET_ACCURACY = 0.98  # whole sequences sorted exactly, on 1000 fresh ones
+PEAK_LR, WARMUP = 3e-3, 50
+
+
+def learning_rate(step, steps):
+    """Linear warm-up, then a cosine decay to 1% of the peak: a constant rate kept the loss
+    jumping near the end (0.0007 -> 0.02 in 100 steps), so the final accuracy depended on
+    where a jump fell, which differs with the CPU's rounding (94.7% with AVX-512 against
+    99.9% with AVX2 at the same seed)."""
+    warm = min(1.0, (step + 1) / WARMUP)
+    return PEAK_LR * warm * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * step / steps)))
 
 
 class Sorter(Module):
@@ -53,9 +64,10 @@ def main() -> int:
     steps = 40 if quick else 1200
     rng = np.random.default_rng(0)
     model = Sorter(seed=0)
-    optimizer = AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    optimizer = AdamW(model.parameters(), lr=PEAK_LR, weight_decay=0.01)
     start, losses = time.perf_counter(), []
     for step in range(steps):
+        optimizer.lr = learning_rate(step, steps)
         sequences, targets = batch(rng, 64)
         logits = model(sequences)
         loss = ag.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))

@@ -11,8 +11,9 @@ EXAMPLES = sorted((pathlib.Path(__file__).resolve().parent.parent / "examples").
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_succeeds(script):
-    # NPATTN_EXAMPLE_QUICK: training examples run a short version that checks the loss falls
-    environment = {**os.environ, "NPATTN_EXAMPLE_QUICK": "1"}
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+    """In full: train_sort.py must reach its stated accuracy on this CPU (its quick mode,
+    NPATTN_EXAMPLE_QUICK=1, only checks that the loss falls)."""
+    environment = {name: value for name, value in os.environ.items() if name != "NPATTN_EXAMPLE_QUICK"}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                             env=environment)
     assert result.returncode == 0, result.stdout + result.stderr
