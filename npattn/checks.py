@@ -241,5 +241,9 @@ def check_lengths(name, lengths, q, batch, limit, limit_name):
         raise TypeError(f"{name} must be an integer array of shape (B,), got dtype {lengths.dtype}")
     if tuple(lengths.shape) != (batch,):
         raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(lengths.shape)}")
-    check_int_range(name, lengths, 0, limit, f" ([0, {limit_name}])")
+    host = _arrays.to_numpy(lengths)
+    bad = np.flatnonzero((host < 0) | (host > limit))  # in the caller's integers: nothing wraps
+    if bad.size:
+        raise ValueError(f"{name} must lie in [0, {limit_name}] = [0, {limit}], "
+                         f"got {name}[{bad[0]}] = {int(host[bad[0]])}")
     return lengths.astype(np.int64)

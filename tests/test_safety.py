@@ -91,7 +91,8 @@ def test_a_failing_paged_attend_keeps_its_pages_and_lengths(broken):
     q, k, v, _, _ = _setup()
     cache = PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
     cache.add("a")
-    cache.attend(["a"], q[:, :1], k, v)
+    two = np.ones((1, 2, 1, 4), np.float32)
+    cache.attend(["a"], q[:, :1], two, two)  # page 0 full: the next key needs a new page
     before = (cache.free_pages, cache.block_table(["a"]).tolist(), cache.length("a"), *_bytes(cache.keys, cache.values))
     options = {"dtype": dict(k=k.astype(np.float64), v=v), "shape": dict(k=np.ones((1, 1, 2, 4), np.float32), v=v),
                "k without v": dict(k=np.ones((1, 3, 1, 4), np.float32)), "window": dict(k=k, v=v, window=-2)}[broken]

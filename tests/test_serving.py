@@ -357,7 +357,7 @@ def test_serving_calls_reject_bad_input_by_name():
         npattn.attention_with_kvcache(q, kv, kv, cache_seqlens=1, q_offset=0)
     with pytest.raises(ValueError, match="k_cache has 3 rows but q has batch 2"):
         npattn.attention_with_kvcache(q, np.zeros((3, 5, 1, 4)), np.zeros((3, 5, 1, 4)), cache_seqlens=1)
-    with pytest.raises(ValueError, match=r"block_table must lie in \[0, 3\]"):
+    with pytest.raises(ValueError, match=r"block_table must hold page indices in \[0, 4\)"):
         npattn.attention_with_kvcache(q, np.zeros((4, 2, 1, 4)), np.zeros((4, 2, 1, 4)), cache_seqlens=1,
                                       block_table=np.array([[4, 0], [1, 2]]))
     with pytest.raises(ValueError, match="k and v must be given together"):
