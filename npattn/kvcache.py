@@ -260,7 +260,7 @@ def _cache(name, value, q, written):
         raise TypeError(f"{name} has non-native byte order (dtype {value.dtype.str}): the kernels read native "
                         f"numbers and the new keys must be written in place; convert the cache once, "
                         f"{name} = {name}.astype({name}.dtype.newbyteorder('='))")
-    if not value.flags.writeable:
+    if not getattr(value.flags, "writeable", True):  # (CuPy arrays have no read-only flag)
         raise ValueError(f"{name} is read-only (flags.writeable is False): it must be writable to take the new "
                          "keys (a broadcast view or a frozen array cannot be)")
     overlapping = [axis for axis, (size, stride) in enumerate(zip(value.shape, value.strides)) if size > 1 and not stride]
@@ -273,7 +273,7 @@ def _cache(name, value, q, written):
 def _check_apart(k_cache, v_cache):
     """The two caches written must not share memory: v's append would overwrite k's."""
     xp = _arrays.array_module(k_cache)
-    if not xp.may_share_memory(k_cache, v_cache):
+    if not getattr(xp, "may_share_memory", np.may_share_memory)(k_cache, v_cache):
         return
     if xp is np:
         try:

@@ -195,6 +195,9 @@ class _Plan(NamedTuple):
 
 
 def _ring(q, k, v, comm, sharding, strategy, timeout, options, backward):
+    if not all(hasattr(comm, name) for name in ("Get_rank", "Get_size", "Iallgather")):
+        raise TypeError(f"comm must be an mpi4py communicator (MPI.COMM_WORLD or one split from it), got "
+                        f"{type(comm).__name__} {comm!r}")
     timeout, timeout_error = _checked_timeout(timeout)
     try:
         local = _Local.of(q, k, v, sharding, strategy, options)

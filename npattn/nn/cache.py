@@ -128,7 +128,13 @@ class KVCache:
         (``window``)."""
         if self.window is not None:
             raise ValueError("KVCache.attend: a rolling cache (window) decodes through the modules only")
-        rows = np.arange(self.batch) if rows is None else np.asarray(rows, np.int64).reshape(-1)
+        if rows is None:
+            rows = np.arange(self.batch)
+        else:
+            given = np.asarray(rows)
+            if given.dtype.kind not in "iu":
+                raise TypeError(f"KVCache.attend: rows must be ints (rows of the cache); got {rows!r}")
+            rows = given.astype(np.int64).reshape(-1)
         if rows.size and (rows.min() < 0 or rows.max() >= self.batch or np.unique(rows).size != rows.size):
             raise ValueError(f"KVCache.attend: rows must be distinct rows of the cache's {self.batch}; got "
                              f"{rows.tolist()}")
