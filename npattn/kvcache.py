@@ -126,65 +126,23 @@ class _Call:
 
 def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
              rotary_interleaved, options) -> _Call:
-    """Every check of the call, before anything is written."""
+    """Every check of the call, in the order a reader would check it, before anything is
+    written; returns what :meth:`_Call.run` writes and runs."""
     _check_options(options)
     checks.check_bool("rotary_interleaved", rotary_interleaved)
+    finite = options.pop("check_finite", False)
+    checks.check_bool("check_finite", finite)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and their values), or neither")
     appending = k is not None
     (q,) = checks.as_arrays(q=q)
     xp = _arrays.array_module(q)
-    batch, q_len, heads, head_dim = _four_d("q", q, "(B, Sq, H, D)")
-    paged = block_table is not None
-    cache_shape = "(pages, page_size, Hkv, D)" if paged else "(Bc, S, Hkv, D)"
-    k_cache = _cache("k_cache", k_cache, q, appending)
-    v_cache = _cache("v_cache", v_cache, q, appending)
-    cache_rows, cache_len, kv_heads, _ = _four_d("k_cache", k_cache, cache_shape)
-    _four_d("v_cache", v_cache, cache_shape.replace("D)", "Dv)"))
-    for name, array in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if array.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; they must share one dtype")
-    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree on all but "
-                         f"the last axis, and k_cache's last axis must be q's head dim {head_dim}")
-    if appending:
-        _check_apart(k_cache, v_cache)
-    if paged and cache_len < 1:
-        raise ValueError(f"k_cache's page size (axis 1 of {cache_shape}) must be at least 1, "
-                         f"got shape {tuple(k_cache.shape)}")
-    if paged:
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx selects rows of a contiguous cache; a paged cache takes block_table only")
-        block_table = checks.int_array("block_table", block_table, q, "(B, pages per sequence)")
-        if block_table.ndim != 2 or block_table.shape[0] != batch:
-            raise ValueError(f"block_table must have shape (B, pages per sequence) = ({batch}, P), "
-                             f"got {tuple(block_table.shape)}")
-        capacity = block_table.shape[1] * cache_len
-    else:
-        capacity = cache_len
-        if cache_batch_idx is not None:
-            cache_batch_idx = checks.int_array("cache_batch_idx", cache_batch_idx, q, "(B,)")
-            if tuple(cache_batch_idx.shape) != (batch,):
-                raise ValueError(f"cache_batch_idx must have shape (B,) = ({batch},), "
-                                 f"got {tuple(cache_batch_idx.shape)}")
-            checks.check_int_range("cache_batch_idx", cache_batch_idx, 0, cache_rows - 1, " (rows of k_cache)")
-            cache_batch_idx = cache_batch_idx.astype(np.int64)
-        elif cache_rows != batch:
-            raise ValueError(f"k_cache has {cache_rows} rows but q has batch {batch}: give cache_batch_idx (B,) "
-                             f"to say which row each sequence uses")
-    new_len = 0
-    if appending:
-        k, v = checks.as_arrays(k=k, v=v, reference=q)
-        for name, array, width in (("k", k, head_dim), ("v", v, v_cache.shape[3])):
-            checks.check_float_dtype(name, array)
-            if array.dtype != q.dtype:
-                raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; they must share one dtype")
-            if array.ndim != 4 or array.shape[0] != batch or array.shape[2:] != (kv_heads, width):
-                raise ValueError(f"{name} must have shape (B, Sn, Hkv, {'D' if name == 'k' else 'Dv'}) = "
-                                 f"({batch}, Sn, {kv_heads}, {width}), got {tuple(array.shape)}")
-        if k.shape[1] != v.shape[1]:
-            raise ValueError(f"k and v must have the same number of new keys, got {k.shape[1]} and {v.shape[1]}")
-        new_len = k.shape[1]
+    batch, q_len, _, head_dim = _four_d("q", q, "(B, Sq, H, D)")
+    k_cache, v_cache = _checked_caches(q, k_cache, v_cache, paged=block_table is not None, written=appending)
+    cache_rows, cache_len = k_cache.shape[:2]
+    block_table, cache_batch_idx, capacity = _checked_layout(q, k_cache, block_table, cache_batch_idx)
+    k, v = _checked_new_keys(q, k_cache, v_cache, k, v) if appending else (None, None)
+    new_len = 0 if k is None else k.shape[1]
     seqlens = _cache_seqlens(cache_seqlens, batch, capacity, new_len)
     lengths = seqlens + new_len  # each sequence's keys after the append
     keys_used = int(lengths.max(initial=0))
@@ -197,21 +155,19 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
             raise ValueError(f"rotary_cos and rotary_sin rotate each query by its position, which must be >= 0: "
                              f"sequence {b} has {lengths[b]} keys for {q_len} queries")
     pages = None
-    if paged:
+    if block_table is not None:
         pages = _used_pages(block_table, lengths, cache_len, cache_rows, xp)
-        if appending and new_len:
+        if new_len:
             _check_paged_writes(_arrays.to_numpy(pages), seqlens, lengths, cache_len)
-    elif cache_batch_idx is not None and appending and new_len:
+    elif cache_batch_idx is not None and new_len:
         _check_distinct_rows(_arrays.to_numpy(cache_batch_idx))
-    finite = options.pop("check_finite", False)
-    checks.check_bool("check_finite", finite)
-    q_user = q
+    q_user, k_user = q, k
     if rotary is not None:  # new arrays: the caller's q and k stay as they were
         q = apply_rotary(q, first_query, *rotary, rotary_interleaved)
-        if appending:
+        if k is not None:
             k = apply_rotary(k, seqlens, *rotary, rotary_interleaved)
     keys, values = k_cache, v_cache
-    if paged:  # every page a sequence writes or reads, checked as attention's option
+    if pages is not None:  # every page a sequence writes or reads, checked as attention's option
         options["block_table"] = pages
     elif cache_batch_idx is not None:  # each sequence's cache row as its one page
         options["block_table"] = cache_batch_idx[:, None]
@@ -221,10 +177,74 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
         options, layout="bshd", q_offset=xp.asarray(first_query), kv_lengths=xp.asarray(lengths)))
     _limits.check_memory(problem, implementation.NAME)
     if finite:
-        _check_finite_reads(q_user, k, v, k_cache, v_cache, options.get("bias"), seqlens, pages, cache_batch_idx,
-                            cache_len)
-    writes = (k_cache, v_cache, k, v, seqlens, pages, cache_batch_idx) if appending and new_len else None
+        _check_finite_reads(q_user, k_user, v, k_cache, v_cache, options.get("bias"), seqlens, pages,
+                            cache_batch_idx, cache_len)
+    writes = (k_cache, v_cache, k, v, seqlens, pages, cache_batch_idx) if new_len else None
     return _Call(problem, implementation, writes)
+
+
+def _checked_caches(q, k_cache, v_cache, paged, written):
+    """The caches as arrays of q's kind and dtype, shaped alike (see :func:`_cache` for
+    those the call writes, which must also not share memory)."""
+    shape = "(pages, page_size, Hkv, D)" if paged else "(Bc, S, Hkv, D)"
+    k_cache = _cache("k_cache", k_cache, q, written)
+    v_cache = _cache("v_cache", v_cache, q, written)
+    _four_d("k_cache", k_cache, shape)
+    _four_d("v_cache", v_cache, shape.replace("D)", "Dv)"))
+    for name, array in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if array.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; they must share one dtype")
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != q.shape[3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree on all but "
+                         f"the last axis, and k_cache's last axis must be q's head dim {q.shape[3]}")
+    if written:
+        _check_apart(k_cache, v_cache)
+    if paged and k_cache.shape[1] < 1:
+        raise ValueError(f"k_cache's page size (axis 1 of {shape}) must be at least 1, got shape "
+                         f"{tuple(k_cache.shape)}")
+    return k_cache, v_cache
+
+
+def _checked_layout(q, k_cache, block_table, cache_batch_idx):
+    """``(block_table, cache_batch_idx, capacity)``: the paged table (B, P) or the cache
+    rows (B,) as integer arrays of q's kind (None where not given), and the keys each
+    sequence can hold."""
+    batch = q.shape[0]
+    cache_rows, cache_len = k_cache.shape[:2]
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx selects rows of a contiguous cache; a paged cache takes block_table only")
+        block_table = checks.int_array("block_table", block_table, q, "(B, pages per sequence)")
+        if block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape (B, pages per sequence) = ({batch}, P), "
+                             f"got {tuple(block_table.shape)}")
+        return block_table, None, block_table.shape[1] * cache_len
+    if cache_batch_idx is not None:
+        cache_batch_idx = checks.int_array("cache_batch_idx", cache_batch_idx, q, "(B,)")
+        if tuple(cache_batch_idx.shape) != (batch,):
+            raise ValueError(f"cache_batch_idx must have shape (B,) = ({batch},), got {tuple(cache_batch_idx.shape)}")
+        checks.check_int_range("cache_batch_idx", cache_batch_idx, 0, cache_rows - 1, " (rows of k_cache)")
+        return None, cache_batch_idx.astype(np.int64), cache_len
+    if cache_rows != batch:
+        raise ValueError(f"k_cache has {cache_rows} rows but q has batch {batch}: give cache_batch_idx (B,) "
+                         f"to say which row each sequence uses")
+    return None, None, cache_len
+
+
+def _checked_new_keys(q, k_cache, v_cache, k, v):
+    """k and v as arrays of q's kind and dtype, (B, Sn, Hkv, D) and (B, Sn, Hkv, Dv)."""
+    batch, kv_heads = q.shape[0], k_cache.shape[2]
+    k, v = checks.as_arrays(k=k, v=v, reference=q)
+    for name, array, width in (("k", k, q.shape[3]), ("v", v, v_cache.shape[3])):
+        checks.check_float_dtype(name, array)
+        if array.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; they must share one dtype")
+        if array.ndim != 4 or array.shape[0] != batch or array.shape[2:] != (kv_heads, width):
+            raise ValueError(f"{name} must have shape (B, Sn, Hkv, {'D' if name == 'k' else 'Dv'}) = "
+                             f"({batch}, Sn, {kv_heads}, {width}), got {tuple(array.shape)}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of new keys, got {k.shape[1]} and {v.shape[1]}")
+    return k, v
 
 
 def _check_options(options):
