@@ -76,6 +76,20 @@ def check_float_dtype(name, array):
                         f"got dtype {array.dtype}")
 
 
+def qkv_arrays(q, k, v, described):
+    """q, k and v as 4-D float arrays of one kind and one dtype (``described``: their axes,
+    for the error), or an error naming the first that is not."""
+    q, k, v = as_arrays(q=q, k=k, v=v)
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        check_float_dtype(name, array)
+        if array.ndim != 4:
+            raise ValueError(f"{name} must be 4-D {described}, got {array.ndim}-D shape {tuple(array.shape)}")
+    for name, array in (("k", k), ("v", v)):
+        if array.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+    return q, k, v
+
+
 def check_qkv_shapes(q, k, v, layout, paged=False):
     """Shape agreement, with shapes reported back in the user's layout (``paged``: k and v
     are pools of pages, whose first axis counts pages, not batch entries)."""

@@ -23,16 +23,7 @@ def build_problem(q, k, v, **options) -> AttentionProblem:
     :data:`npattn.options.OPTIONS`; absent ones take their defaults) and normalize them."""
     _options.check_names(options)
     layout = checks.check_layout(options.get("layout", _options.BY_NAME["layout"].default))
-    q, k, v = checks.as_arrays(q=q, k=k, v=v)
-    for name, array in (("q", q), ("k", k), ("v", v)):
-        checks.check_float_dtype(name, array)
-        if array.ndim != 4:
-            raise ValueError(f"{name} must be 4-D {_AXES[layout]} in layout {layout!r}, "
-                             f"got {array.ndim}-D shape {tuple(array.shape)}")
-    for name, array in (("k", k), ("v", v)):
-        if array.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; "
-                            "q, k and v must share one dtype")
+    q, k, v = checks.qkv_arrays(q, k, v, f"{_AXES[layout]} in layout {layout!r}")
     user_arrays = {"q": q, "k": k, "v": v}
     if layout == "bshd":
         q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))

@@ -41,15 +41,7 @@ def attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
     ``jit`` compiles). Dropout needs an int ``seed``: a traced function has no fresh
     randomness of its own to draw one from at every call.
     """
-    _options.check_names(options)
-    if _options.dropout_requested(options) and options.get("seed") is None:
-        raise ValueError("npattn.jax.attention with dropout_p > 0 needs seed, an int: under jit a seed "
-                         "drawn at trace time would repeat at every call")
-    if isinstance(options.get("q_offset"), jax.core.Tracer):
-        raise TypeError("q_offset must be static under jit, grad and vmap (a Python int or a tuple of ints, or a "
-                        "NumPy array): npattn.jax.attention passes it to the host as a setting, not as an array; "
-                        "got a traced array")
-    options = with_plain_offsets(options)
+    options = _static_options("attention", options)
     _check(q, k, v, options)  # npattn's own errors now, not an error from inside the host callback
     names = tuple(name for name in ARRAY_OPTIONS if options.get(name) is not None)
     arrays = tuple(jnp.asarray(options.pop(name)) for name in names)
@@ -60,6 +52,20 @@ def attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
     out, lse, weights = _attention(static, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), *arrays)
     extras = [array for array, want in zip((lse, weights), wanted) if want]
     return (out, *extras) if extras else out
+
+
+def _static_options(entry: str, options: dict) -> dict:
+    """The checks every call of the adapter makes before JAX sees it: known options, a
+    seed for dropout, a static ``q_offset`` (a per-entry array becomes a tuple)."""
+    _options.check_names(options)
+    if _options.dropout_requested(options) and options.get("seed") is None:
+        raise ValueError(f"npattn.jax.{entry} with dropout_p > 0 needs seed, an int: under jit a seed "
+                         "drawn at trace time would repeat at every call")
+    if isinstance(options.get("q_offset"), jax.core.Tracer):
+        raise TypeError("q_offset must be static under jit, grad and vmap (a Python int or a tuple of ints, or a "
+                        f"NumPy array): npattn.jax.{entry} passes it to the host as a setting, not as an array; "
+                        "got a traced array")
+    return with_plain_offsets(options)
 
 
 def _check(q: Any, k: Any, v: Any, options: dict) -> None:
@@ -165,14 +171,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     than ``sink_logits`` and ``alibi_slopes`` must be static, as for :func:`attention`."""
     from ..varlen import _Plan
 
-    _options.check_names(options)
-    if _options.dropout_requested(options) and options.get("seed") is None:
-        raise ValueError("npattn.jax.attention_varlen with dropout_p > 0 needs seed, an int: under jit a seed "
-                         "drawn at trace time would repeat at every call")
-    if isinstance(options.get("q_offset"), jax.core.Tracer):
-        raise TypeError("q_offset must be static under jit, grad and vmap (a Python int or a tuple of ints, or a "
-                        "NumPy array); got a traced array")
-    options = with_plain_offsets(options)
+    options = _static_options("attention_varlen", options)
     want_lse = options.pop("return_lse", False)
     _options.BY_NAME["return_lse"].check(want_lse, None)
 

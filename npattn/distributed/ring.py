@@ -307,15 +307,7 @@ class _Local(NamedTuple):
             if value is not None and not (name == "q_offset" and checks.as_int(value) is not None):
                 raise ValueError(f"ring attention does not take {name} yet: {why}")
         layout = checks.check_layout(options.get("layout", "bhsd"))
-        q, k, v = checks.as_arrays(q=q, k=k, v=v)
-        for name, array in (("q", q), ("k", k), ("v", v)):
-            checks.check_float_dtype(name, array)
-            if array.ndim != 4:
-                raise ValueError(f"{name} must be 4-D (B, H, S_local, D) or (B, S_local, H, D), got shape "
-                                 f"{tuple(array.shape)}")
-        for name, array in (("k", k), ("v", v)):
-            if array.dtype != q.dtype:
-                raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+        q, k, v = checks.qkv_arrays(q, k, v, "(B, H, S_local, D) or (B, S_local, H, D)")
         qb, kb, vb = (_bhsd(x, layout) for x in (q, k, v))
         arrays = {name: checks.as_arrays(**{name: options[name]}, reference=q)[0]
                   for name in (*_PER_ROW_ARRAYS, *_SHARED_ARRAYS) if options.get(name) is not None}
