@@ -80,19 +80,69 @@ def compiled_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys((*sources.name_expressions(), *checked)))
 
 
-@pytest.fixture(scope="session")
-def machine_code():
-    """``{architecture: (cubin, {name expression: symbol})}`` for every architecture CI
-    targets and every name of :func:`compiled_names`. The compile takes minutes on 2 cores,
-    so tests/test_gpu.py (it compiles) and tests/test_gpu_machine_code.py (what it
-    compiles to) share this one. The architectures compile side by side: NVRTC runs
-    without the GIL."""
+# ---- slow builds started at collection, on threads of their own ---------------------------
+# The NVRTC compile of every kernel (a minute on 2 cores) and the g++ build of the GPU
+# emulation start as soon as the run is known to need them, and go on while the CPU tests
+# run (those keep one core busy, mostly): the fixtures that need them wait for the result.
+
+_STARTED: dict = {}
+
+
+def started(name, work):
+    """The future of ``work()`` run on a thread of its own, started now unless already."""
+    if name not in _STARTED:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"npattn-tests-{name}")
+        _STARTED[name] = pool.submit(work)
+        pool.shutdown(wait=False)
+    return _STARTED[name]
+
+
+def _compile_machine_code():
+    """``{architecture: (cubin, {name expression: symbol})}``, the architectures side by side
+    (NVRTC runs without the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from npattn.gpu import nvrtc, sources
 
-    nvrtc_or_skip()
     names = compiled_names()
     with ThreadPoolExecutor(len(sources.ARCHITECTURES)) as pool:
         results = pool.map(lambda architecture: nvrtc.compile_cubin(architecture, names), sources.ARCHITECTURES)
         return dict(zip(sources.ARCHITECTURES, results))
+
+
+def _build_emulation(config):
+    import gpu_emulation
+
+    return gpu_emulation.build(config.cache.mkdir("npattn-gpu-emulation"))
+
+
+def emulation_library(config):
+    """``(library, launchers)`` of the host-built GPU emulation (tests/gpu_emulation.py)."""
+    return started("emulation", lambda: _build_emulation(config)).result()
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
+def pytest_collection_modifyitems(session, config, items):
+    fixtures = {name for item in items for name in getattr(item, "fixturenames", ())}
+    if "machine_code" in fixtures:
+        from npattn.gpu import nvrtc
+
+        if nvrtc.nvrtc_library_path() is not None:
+            started("machine_code", _compile_machine_code)
+    if "emulated_gpu" in fixtures and hasattr(config, "cache"):
+        import gpu_emulation
+
+        if gpu_emulation.compiler() is not None:
+            started("emulation", lambda: _build_emulation(config))
+
+
+@pytest.fixture(scope="session")
+def machine_code():
+    """``{architecture: (cubin, {name expression: symbol})}`` for every architecture CI
+    targets and every name of :func:`compiled_names`. The compile takes a minute on 2
+    cores, so tests/test_gpu.py (it compiles) and tests/test_gpu_machine_code.py (what it
+    compiles to) share this one, started at collection (:func:`started`)."""
+    nvrtc_or_skip()
+    return started("machine_code", _compile_machine_code).result()

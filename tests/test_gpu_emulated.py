@@ -21,6 +21,7 @@ from test_serving import (cache_cases, check_kvcache, check_paged_forward, check
                           paged_cases)
 
 import gpu_emulation
+from conftest import emulation_library
 
 pytestmark = pytest.mark.skipif(gpu_emulation.compiler() is None, reason="needs g++ to build the emulation")
 ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -40,7 +41,7 @@ FEWER = settings(max_examples=max(8, settings().max_examples // 8))
 
 @pytest.fixture(scope="module", autouse=True)
 def emulated_gpu(request):
-    library, launchers = gpu_emulation.build(request.config.cache.mkdir("npattn-gpu-emulation"))
+    library, launchers = emulation_library(request.config)  # started at collection (conftest.started)
     patch = pytest.MonkeyPatch()
     with gpu_emulation.emulated_gpu(patch, library, launchers):
         yield

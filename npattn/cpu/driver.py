@@ -207,8 +207,11 @@ class BackwardPlan:
         dq = np.zeros(self.dq_shape, dtype)
         dk = np.zeros(self.dk_shape, dtype)
         dv = np.zeros(self.dv_shape, dtype)
+        # lse as one type whatever the caller's (writable or not, a slice of a longer one): each
+        # distinct array type would compile the backward kernels once more (5-10 s each)
+        lse_flat = read_only(np.ascontiguousarray(lse, dtype).reshape(-1))
         common = (*ops, dout_flat, np.array(dout_strides, np.int64), out_flat, np.array(out_strides, np.int64),
-                  lse.reshape(-1), delta.reshape(-1))
+                  lse_flat, delta.reshape(-1))
         dbias = None
         with single_threaded_blas() if self.blas else _NO_PIN:
             begin_reuse()
