@@ -81,9 +81,10 @@ def compiled_names() -> tuple[str, ...]:
 
 
 # ---- slow builds started at collection, on threads of their own ---------------------------
-# The NVRTC compile of every kernel (a minute on 2 cores) and the g++ build of the GPU
-# emulation start as soon as the run is known to need them, and go on while the CPU tests
-# run (those keep one core busy, mostly): the fixtures that need them wait for the result.
+# The NVRTC compile of every kernel (a minute on 2 cores), the g++ build of the GPU
+# emulation and the forced-AVX2 child process (a minute, compiling its kernels) start as
+# soon as the run is known to need them, and go on while the CPU tests run (those keep
+# one core busy, mostly): the fixtures and tests that need them wait for the result.
 
 _STARTED: dict = {}
 
@@ -131,6 +132,9 @@ def pytest_collection_modifyitems(session, config, items):
 
         if nvrtc.nvrtc_library_path() is not None:
             started("machine_code", _compile_machine_code)
+    for item in items:  # the forced-AVX2 child: its own process, compiling kernels of its own
+        if item.name == "test_forced_avx2_kernels_pass_the_vector_width_properties":
+            started("avx2-child", item.module.forced_avx2_child)
     if "emulated_gpu" in fixtures and hasattr(config, "cache"):
         import gpu_emulation
 

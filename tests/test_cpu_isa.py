@@ -20,6 +20,7 @@ from numba import njit  # noqa: E402
 
 from npattn.cpu import isa, microkernels, simd  # noqa: E402
 from tolerances import assert_close  # noqa: E402
+from conftest import started  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,16 +93,23 @@ def test_packed_transposes_are_exact_and_zero_padded(dtype):
     np.testing.assert_array_equal(packed[:, x.shape[0]:], 0)
 
 
-def test_forced_avx2_kernels_pass_the_vector_width_properties(tmp_path):
+def forced_avx2_child():
+    """The run of :func:`test_forced_avx2_kernels_pass_the_vector_width_properties`'s child
+    (a minute, most of it compiling the AVX2 kernels): conftest starts it at collection, on
+    a thread of its own, so that it overlaps the other tests."""
+    return _run_child(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                       "tests/test_cpu_isa.py::test_micro_kernel_products_match_numpy",
+                       "tests/test_cpu_isa.py::test_packed_transposes_are_exact_and_zero_padded",
+                       "tests/test_cpu_isa.py::test_dot_products_match_numpy_and_each_score_is_one_fixed_sum",
+                       "tests/test_cpu_isa.py::test_the_child_compiles_for_avx2",
+                       "tests/test_cpu_kernels.py::test_vector_products_match_the_reference_at_vector_widths"],
+                      None)
+
+
+def test_forced_avx2_kernels_pass_the_vector_width_properties():
     """The micro-kernel tests above and the kernels' property test at vector widths, again
     in a child compiled for AVX2 (on an AVX2-only CPU, what every test already runs)."""
-    child = _run_child(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                        "tests/test_cpu_isa.py::test_micro_kernel_products_match_numpy",
-                        "tests/test_cpu_isa.py::test_packed_transposes_are_exact_and_zero_padded",
-                        "tests/test_cpu_isa.py::test_dot_products_match_numpy_and_each_score_is_one_fixed_sum",
-                        "tests/test_cpu_isa.py::test_the_child_compiles_for_avx2",
-                        "tests/test_cpu_kernels.py::test_vector_products_match_the_reference_at_vector_widths"],
-                       tmp_path)
+    child = started("avx2-child", forced_avx2_child).result()
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
     assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
 
