@@ -122,6 +122,8 @@ def as_int(value):
     """``value`` as a Python int when it is one: an int, a NumPy integer, or a 0-d integer
     array or tensor (anything with ``__index__`` but a bool); None otherwise. Lets a
     ``window=np.array(2)`` or ``q_offset=torch.tensor(1)`` mean what it says."""
+    if type(value) is int:  # the common case, first
+        return value
     if isinstance(value, (bool, np.bool_)) or "bool" in str(getattr(value, "dtype", "")):
         return None
     if isinstance(value, Integral):
@@ -148,6 +150,8 @@ def check_int_range(name, array, low, high, limit=""):
     ``[low, high]`` (Python ints: compared in the array's own dtype, which NumPy does
     without overflow, so a uint64 2**63 or an int64 -2**63 is reported as it is)."""
     host = _arrays.to_numpy(array)
+    if not host.size or (host.min() >= low and host.max() <= high):  # two reductions, no mask
+        return array
     bad = np.argwhere((host < low) | (host > high))
     if bad.size:
         where = tuple(int(i) for i in bad[0])
@@ -256,8 +260,9 @@ def check_lengths(name, lengths, q, batch, limit, limit_name):
     if tuple(lengths.shape) != (batch,):
         raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(lengths.shape)}")
     host = _arrays.to_numpy(lengths)
-    bad = np.flatnonzero((host < 0) | (host > limit))  # in the caller's integers: nothing wraps
-    if bad.size:
+    # compared in the caller's integers: nothing wraps
+    bad = () if host.min() >= 0 and host.max() <= limit else np.flatnonzero((host < 0) | (host > limit))
+    if len(bad):
         raise ValueError(f"{name} must lie in [0, {limit_name}] = [0, {limit}], "
                          f"got {name}[{bad[0]}] = {int(host[bad[0]])}")
     return lengths.astype(np.int64)

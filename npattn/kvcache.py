@@ -156,9 +156,9 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
                              f"sequence {b} has {lengths[b]} keys for {q_len} queries")
     pages = None
     if block_table is not None:
-        pages = _used_pages(block_table, lengths, cache_len, cache_rows, xp)
+        pages, held = _used_pages(block_table, lengths, cache_len, cache_rows, xp)
         if new_len:
-            _check_paged_writes(_arrays.to_numpy(pages), seqlens, lengths, cache_len)
+            _check_paged_writes(_arrays.to_numpy(pages), held, seqlens, lengths, cache_len)
     elif cache_batch_idx is not None and new_len:
         _check_distinct_rows(_arrays.to_numpy(cache_batch_idx))
     q_user, k_user = q, k
@@ -319,8 +319,8 @@ def _cache_seqlens(value, batch, capacity, new_len):
     nothing wraps."""
     most = capacity - new_len
     number = checks.as_int(value)
-    if number is not None:
-        host = np.array([number] * batch, dtype=object)
+    if number is not None:  # any Python int: int64 where it fits, else compared as Python ints
+        host = np.full(batch, number, np.int64) if -2**62 < number < 2**62 else np.array([number] * batch, object)
     else:
         if isinstance(value, (bool, np.bool_)) or isinstance(value, (str, bytes)) or value is None:
             raise TypeError(f"cache_seqlens must be an int or an int array of shape (B,), "
@@ -334,6 +334,8 @@ def _cache_seqlens(value, batch, capacity, new_len):
             raise TypeError(f"cache_seqlens must be an int or an int array of shape (B,), got dtype {host.dtype}")
         if host.shape != (batch,):
             raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {host.shape}")
+    if batch and host.min() >= 0 and host.max() <= min(most, POSITION_LIMIT - new_len):  # the usual call
+        return host.astype(np.int64, copy=False)
     negative = np.flatnonzero(host < 0)
     if negative.size:
         b = int(negative[0])
@@ -365,21 +367,22 @@ def _used_pages(table, lengths, page_size, pool_pages, xp):
         raise ValueError(f"block_table must hold page indices in [0, {pool_pages}) (the pool's pages) where a "
                          f"sequence reads or writes, got block_table[{b}, {column}] = {int(used[b, column])}")
     pages = np.where(held, used, 0).astype(np.int64)
-    return pages if xp is np else xp.asarray(pages)
+    return (pages if xp is np else xp.asarray(pages)), held
 
 
-def _check_paged_writes(pages, seqlens, lengths, page_size):
+def _check_paged_writes(pages, held, seqlens, lengths, page_size):
     """Refuse new keys that would land in a slot twice or in a slot another sequence holds:
     a page listed twice among the pages of a sequence that writes into it, or a page one
     sequence writes at offsets another sequence of the call holds (reads, or writes
     itself). Pages only read by several sequences (a shared prefix) are fine.
 
-    ``pages`` (B, P') NumPy int64 of :func:`_used_pages`; ``seqlens`` and ``lengths`` the
-    keys before and after the append."""
-    held = np.arange(pages.shape[1])[None, :] < (-(-lengths // page_size))[:, None]
+    ``pages`` (B, P') NumPy int64 and ``held`` (B, P') bool of :func:`_used_pages`;
+    ``seqlens`` and ``lengths`` the keys before and after the append."""
+    counts = np.bincount(pages[held])
+    if counts.max(initial=0) <= 1:  # no page held twice (the usual step): nothing can collide
+        return
     holders, holder_columns = np.nonzero(held)
     holder_pages = pages[holders, holder_columns]
-    counts = np.bincount(holder_pages)
     first, last = seqlens // page_size, (lengths - 1) // page_size  # the columns each sequence writes
     spans = np.where(lengths > seqlens, last - first + 1, 0)
     writers = np.repeat(np.arange(len(spans)), spans)
@@ -403,6 +406,8 @@ def _check_paged_writes(pages, seqlens, lengths, page_size):
 
 def _check_distinct_rows(rows):
     """Two sequences appending to one contiguous cache row would write the same slots."""
+    if len(set(rows.tolist())) == len(rows):
+        return
     values, counts = np.unique(rows, return_counts=True)
     if (counts > 1).any():
         row = int(values[counts > 1][0])

@@ -169,9 +169,12 @@ def foreign_kind_of(*groups: Any) -> ForeignKind | None:
     convert, or None when every value is NumPy, CuPy or no array."""
     for values in groups:
         for value in values:
-            if type(value) is not np.ndarray and (kind := foreign_kind(value)) is not None:
+            if type(value) not in _NOT_FOREIGN and (kind := foreign_kind(value)) is not None:
                 return kind
     return None
+
+
+_NOT_FOREIGN = frozenset({np.ndarray, type(None), bool, int, float, str, tuple})
 
 
 def _requires_grad(value: Any) -> bool:
