@@ -192,6 +192,12 @@ def refusals():
 def safety():
     """Calls that one or all ranks get wrong: every rank must raise the same error naming
     what is wrong, at once (no rank returns, none waits for a peer that has given up)."""
+    folder = os.environ.get("NPATTN_FUZZ_OUT")  # one file per rank: the ranks' lines never interleave there
+    report = open(os.path.join(folder, f"rank{RANK}.txt"), "w") if folder else sys.stdout
+
+    def say(line):
+        print(line, file=report, flush=True)
+
     q = np.ones((1, 2, 4, 4))
     cases = {
         "3-D q on rank 0": (lambda: (q[0] if RANK == 0 else q, q, q), {}),
@@ -216,17 +222,19 @@ def safety():
                     ring_attention(*arrays(), COMM, **options)
                 else:
                     ring_attention_vjp(*arrays(), COMM, **options)
-                print(f"case {label} {entry} rank {RANK}: returned", flush=True)
+                say(f"case {label} {entry} rank {RANK}: returned")
             except Exception as error:
-                print(f"case {label} {entry} rank {RANK}: {type(error).__name__} in "
-                      f"{time.monotonic() - start:.1f} s: {error}", flush=True)
+                say(f"case {label} {entry} rank {RANK}: {type(error).__name__} in {time.monotonic() - start:.1f} s: "
+                    f"{error}")
     # a dout of the wrong shape on rank 1 only: both ranks raise from the vjp
     out, vjp = ring_attention_vjp(q, q, q, COMM, timeout=60)
     try:
         vjp(out[..., :-1] if RANK == 1 else out)
-        print(f"case dout on rank 1 vjp rank {RANK}: returned", flush=True)
+        say(f"case dout on rank 1 vjp rank {RANK}: returned")
     except Exception as error:
-        print(f"case dout on rank 1 vjp rank {RANK}: {type(error).__name__} in 0.0 s: {error}", flush=True)
+        say(f"case dout on rank 1 vjp rank {RANK}: {type(error).__name__} in 0.0 s: {error}")
+    if folder:
+        report.close()
 
 
 def fuzz(seed, cases):

@@ -21,10 +21,14 @@ MPIEXEC = shutil.which("mpiexec", path=str(pathlib.Path(sys.executable).parent))
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 
 
-def run(ranks, *arguments, timeout=300):
+def run(ranks, *arguments, timeout=300, folder=None):
+    """The worker on ``ranks`` ranks; with ``folder``, each rank writes its report lines to
+    ``folder/rank<R>.txt`` (lines on one shared pipe may run into each other)."""
+    environment = {**os.environ, "NPATTN_NUM_THREADS": "1"}
+    if folder is not None:
+        environment["NPATTN_FUZZ_OUT"] = str(folder)
     result = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, str(WORKER), *map(str, arguments)],
-                            capture_output=True, text=True, timeout=timeout, cwd=WORKER.parent,
-                            env={**os.environ, "NPATTN_NUM_THREADS": "1"})
+                            capture_output=True, text=True, timeout=timeout, cwd=WORKER.parent, env=environment)
     return result
 
 
@@ -72,13 +76,14 @@ def test_what_a_strategy_cannot_split_is_refused_by_name():
     assert ["".join(names) for names in refused] == ["weights", "mask", "H", "q_start", "q_offset"], result.stdout
 
 
-def test_a_call_one_rank_gets_wrong_raises_the_same_named_error_on_every_rank_at_once():
+def test_a_call_one_rank_gets_wrong_raises_the_same_named_error_on_every_rank_at_once(tmp_path):
     """A bad shard, option or timeout on one rank or all: no rank returns, none hangs or
     waits out a timeout, and every rank's error is the same and names the argument."""
-    result = run(2, "safety", timeout=120)
+    result = run(2, "safety", timeout=120, folder=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    outcomes = re.findall(r"case (.+?) (forward|vjp) rank (\d): (\w+) in ([\d.]+) s: (.*)", result.stdout)
-    assert not re.findall(r"returned", result.stdout), result.stdout
+    printed = "".join((tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1))
+    outcomes = re.findall(r"case (.+?) (forward|vjp) rank (\d): (\w+) in ([\d.]+) s: (.*)", printed)
+    assert not re.findall(r"returned", printed), printed
     named = {"3-D q on rank 0": "q must be 4-D", "float mask on rank 1": "rank 1's mask has dtype float32",
              "mask on rank 1 only": "rank 1 passes ['mask']", "NaN sink_logits": "sink_logits holds NaN",
              "unknown option": "'softmax_scale': npattn's equivalent is scale=", "window on rank 1": "window",
@@ -89,7 +94,7 @@ def test_a_call_one_rank_gets_wrong_raises_the_same_named_error_on_every_rank_at
     for label, entry, rank, kind, seconds, message in outcomes:
         assert kind in ("ValueError", "TypeError") and float(seconds) < 10, (label, entry, kind, seconds)
         by_case.setdefault((label, entry), {})[rank] = message
-    assert {label for label, _ in by_case} == set(named), result.stdout
+    assert {label for label, _ in by_case} == set(named), printed
     for (label, entry), messages in by_case.items():
         assert sorted(messages) == ["0", "1"] and len(set(messages.values())) == 1, (label, entry, messages)
         assert named[label] in messages["0"], (label, messages["0"])
