@@ -7,7 +7,7 @@ contiguous or paged cache); :func:`backends`, :func:`warmup`; :mod:`npattn.torch
 those frameworks. Importing npattn needs only NumPy; Numba and CuPy load when a backend
 needs them, torch and JAX when their adapters are used.
 """
-from .api import attention, attention_backward, attention_vjp
+from .api import Plan, attention, attention_backward, attention_vjp, plan
 from .backends import BackendStatus, backends
 from .kvcache import attention_with_kvcache
 from .varlen import attention_varlen, attention_varlen_vjp
@@ -31,5 +31,5 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted({*globals(), *_LAZY_SUBMODULES})
-__all__ = ["attention", "attention_vjp", "attention_backward", "attention_varlen", "attention_varlen_vjp",
+__all__ = ["attention", "attention_vjp", "attention_backward", "plan", "Plan", "attention_varlen", "attention_varlen_vjp",
            "attention_with_kvcache", "backends", "BackendStatus", "warmup", "__version__"]

@@ -1,16 +1,18 @@
 """The public functions: validate once, pick a backend, run it, hand back the user's layout."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from . import backends as _backends
+from . import checks
 from . import limits as _limits
 from . import nonfinite as _nonfinite
 from . import options as _options
 from . import plans as _plans
-from ._arrays import all_finite, array_kind
+from ._arrays import all_finite, all_finite_arrays, array_kind
 from .problem import AttentionProblem, to_user_layout
 from .results import ForwardResult, Gradients
 from .types import Array, ArrayLike, Outputs, Vjp
@@ -69,9 +71,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     key = _plans.call_key(q, k, v, options)
     if key is not None:  # a call like an earlier one: its checks' outcome is known
         planned = _plans.lookup(key)
-        result = None if planned is None else planned.forward(q, k, v)
+        result = None if planned is None else planned.planned_forward(q, k, v)
         if result is not None:  # finite, from the kernels: out is a mean of v's rows, in v's range
-            return _public_outputs(planned.form, result, finite=True)
+            return _public_outputs(planned._form, result, finite=True)
     problem, _, result = _checked_forward(q, k, v, options, key, backward=False)
     return _public_outputs(OutputForm.of(problem), result)
 
@@ -98,24 +100,255 @@ def attention_vjp(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> t
     key = _plans.call_key(q, k, v, options)
     if key is not None:
         planned = _plans.lookup(key)
-        result = None if planned is None or planned.backward_plan is None else planned.forward(q, k, v)
+        has_plans = planned is not None and planned.backward_plan(q, k, v) is not None
+        result = planned.planned_forward(q, k, v) if has_plans else None
         if result is not None:
             return _planned_vjp(planned, result, q, k, v, options)
     problem, implementation, result = _checked_forward(q, k, v, options, key, backward=True)
     return _outputs_and_vjp(problem, implementation, result)
 
 
+def plan(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> "Plan":
+    """Check ``attention(q, k, v, **options)`` once and keep what its structure decides:
+    a :class:`Plan` whose :meth:`~Plan.run` and :meth:`~Plan.vjp` take new q, k and v of
+    the same structure (array kind, dtype, shape, strides) and run with no argument check
+    beyond that structure.
+
+    Every check of :func:`attention` runs here, with the same errors: shapes, every
+    option, the backend, the memory the weights need. q, k and v give the structure;
+    their values are not used (``check_finite=True`` checks each run's arrays instead).
+    Option arrays (``mask``, ``bias``, lengths, ALiBi slopes, sink logits,
+    ``block_table``) belong to the plan: those whose values are checked (lengths, starts,
+    ``q_offset`` arrays, slopes, sink logits, ``block_table``) are copied now, so later
+    changes to the caller's arrays cannot bypass the checks; ``mask`` and ``bias`` are read
+    where they lie at each run. With dropout and ``seed=None`` each run draws a fresh
+    seed (its vjp reuses it).
+
+    A serving loop plans once per structure and runs once per layer; :func:`attention` is
+    the same path, planning a structure at its second call (:mod:`npattn.plans`).
+
+    Args:
+{arguments}
+    """
+    if type(q) is not np.ndarray and _foreign.foreign_kind(q) is not None:
+        raise TypeError("npattn.plan takes NumPy or CuPy arrays (plans of torch and JAX programs: "
+                        "npattn.torch.attention, npattn.jax.attention)")
+    return Plan.of(q, k, v, options)
+
+
+class Plan:
+    """A checked attention call's structure (see :func:`plan`): ``run(q, k, v)`` returns
+    what :func:`attention` returns, ``vjp(q, k, v)`` what :func:`attention_vjp` returns,
+    for arrays of the structure the plan was made for; arrays of another structure raise
+    ValueError naming the argument (a plan never re-plans silently).
+
+    Attributes: ``backend`` (the backend's name), ``layout``, ``shapes`` (q, k, v as
+    given)."""
+
+    def __init__(self, problem: AttentionProblem, implementation: Any, fresh_seed: bool = False,
+                 check_finite: bool = False, user_bias: Any = None):
+        self._problem, self._implementation, self._fresh_seed = problem, implementation, fresh_seed
+        self._check_finite, self._user_bias = check_finite, user_bias
+        self._form = OutputForm.of(problem)
+        user = [to_user_layout(x, problem.layout) for x in (problem.q, problem.k, problem.v)]
+        self._structure = tuple((type(x), x.dtype, tuple(x.shape), _strides(x)) for x in user)
+        self._exact = tuple((type(x), x.dtype, x.shape, x.strides) for x in user)  # the fast first test
+        # the backend's own plans of the structure (the CPU's tiles, work items, scratch):
+        # the forward's now, the backward's at the first vjp
+        self._forward_plan = (implementation.forward_plan(problem)
+                              if hasattr(implementation, "forward_plan") and problem.block_table is None else None)
+        self._backward_plan: Any = None
+        # q, k and v only gave the structure: stand-ins of their shape and dtype (one element
+        # of memory each) keep the plan from holding the caller's arrays alive; every run
+        # puts its own arrays in their place before anything reads them
+        self._problem = problem = dataclasses.replace(problem, **{
+            name: problem.xp.broadcast_to(problem.xp.zeros((), getattr(problem, name).dtype),
+                                          getattr(problem, name).shape) for name in "qkv"})
+        # what the backend's plans read of the problem they are given: its option arrays and
+        # seed; a call with neither passes None (the plans then skip them)
+        self._reads_problem = fresh_seed or problem.dropout_p > 0 or any(
+            getattr(problem, name) is not None for name in (*_CHECKED_ARRAY_FIELDS, "mask", "bias")) or (
+            problem.row_shifts is not None)
+
+    @classmethod
+    def of(cls, q: Any, k: Any, v: Any, options: dict) -> "Plan":
+        """Every check of ``attention(q, k, v, **options)``, then the plan of its structure."""
+        options = dict(options)
+        fresh_seed = _options.dropout_requested(options) and options.get("seed") is None
+        problem, implementation = _checked_problem(q, k, v, options)
+        _limits.check_memory(problem, implementation.NAME)
+        return cls(_owned(problem), implementation, fresh_seed, bool(options.get("check_finite", False)),
+                   options.get("bias"))
+
+    @classmethod
+    def cached(cls, problem: AttentionProblem, implementation: Any) -> "Plan | None":
+        """The plan :func:`attention` keeps for a structure it saw twice (a call of plain
+        option values: :mod:`npattn.plans`); None for a backend without plans of its own."""
+        if not hasattr(implementation, "forward_plan"):
+            return None
+        return cls(problem, implementation)
+
+    @property
+    def backend(self) -> str:
+        return self._implementation.NAME
+
+    @property
+    def layout(self) -> str:
+        return self._problem.layout
+
+    @property
+    def shapes(self) -> tuple:
+        return tuple(shape for _, _, shape, _ in self._structure)
+
+    def run(self, q: ArrayLike, k: ArrayLike, v: ArrayLike) -> Outputs:
+        """:func:`attention`'s outputs for ``q``, ``k``, ``v`` (this plan's structure)."""
+        self._check(q, k, v)
+        result, _, _, _ = self._forward(q, k, v)
+        return _public_outputs(self._form, result)
+
+    def vjp(self, q: ArrayLike, k: ArrayLike, v: ArrayLike) -> tuple[Outputs, Vjp]:
+        """:func:`attention_vjp`'s ``(outputs, vjp)`` for ``q``, ``k``, ``v``."""
+        self._check(q, k, v)
+        _forward_only(self._problem)
+        result, used, seeded, problem = self._forward(q, k, v)
+
+        def gradients(dout: Any) -> Gradients:
+            if problem is None:  # the forward ran on the backend's plan: so may the backward
+                grads = self.gradients(q, k, v, result.saved, dout, seeded)
+                if grads is not None:
+                    return grads
+            return _nonfinite.backward(problem or self._problem_of(q, k, v, seeded), used, result.saved, dout)
+
+        return _with_vjp(self._form, result, q, gradients, _gradient_dtypes(self._problem))
+
+    def _check(self, q: Any, k: Any, v: Any) -> None:
+        """The structure check (and ``check_finite``'s), naming the first array that differs."""
+        (qt, qd, qs, qst), (kt, kd, ks, kst), (vt, vd, vs, vst) = self._exact
+        if not (type(q) is qt and type(k) is kt and type(v) is vt and q.dtype == qd and k.dtype == kd
+                and v.dtype == vd and q.shape == qs and k.shape == ks and v.shape == vs and q.strides == qst
+                and k.strides == kst and v.strides == vst):
+            self._check_structure(q, k, v)
+        if self._check_finite:
+            for name, array in (("q", q), ("k", k), ("v", v), ("bias", self._user_bias)):
+                checks.check_all_finite(name, array)
+
+    def _check_structure(self, q: Any, k: Any, v: Any) -> None:
+        for name, array, (kind, dtype, shape, strides) in zip("qkv", (q, k, v), self._structure):
+            if type(array) is not kind or array.dtype != dtype or array.shape != shape or _strides(array) != strides:
+                got = (f"a {type(array).__name__}" if not hasattr(array, "strides") else
+                       f"{type(array).__name__} {getattr(array, 'dtype', '?')} shape {tuple(array.shape)} "
+                       f"strides {tuple(array.strides)}")
+                raise ValueError(f"{name} is {got}, but the plan was made for {kind.__name__} {dtype} shape {shape} "
+                                 f"strides {strides} (0: a length-1 axis): make a plan for arrays of another "
+                                 "structure (npattn.plan)")
+
+    def _seeded(self) -> AttentionProblem:
+        """The plan's problem with this run's seed (a fresh one where the plan draws them)."""
+        if not self._fresh_seed:
+            return self._problem
+        return dataclasses.replace(self._problem, seed=_options.fresh_seed())
+
+    def _problem_of(self, q: Any, k: Any, v: Any, seeded: AttentionProblem) -> AttentionProblem:
+        q, k, v = (x.transpose(0, 2, 1, 3) if self._problem.layout == "bshd" else x for x in (q, k, v))
+        return dataclasses.replace(seeded, q=q, k=k, v=v)
+
+    def _forward(self, q: Any, k: Any, v: Any) -> tuple[ForwardResult, Any, AttentionProblem, Any]:
+        """(result, the backend that gave it, the plan's problem with the run's seed, the
+        run's problem where one was built, else None): the backend's plan, else its
+        forward; the reference where the result is not finite (:mod:`npattn.nonfinite`)."""
+        seeded = self._seeded()
+        result = self.planned_forward(q, k, v, seeded)
+        if result is not None:
+            return result, self._implementation, seeded, None
+        problem = self._problem_of(q, k, v, seeded)
+        result, used = _nonfinite.forward(problem, self._implementation)
+        return result, used, seeded, problem
+
+    def planned_forward(self, q: Any, k: Any, v: Any, seeded: AttentionProblem | None = None) -> ForwardResult | None:
+        """The forward's result from the backend's plan, for arrays of the plan's structure
+        in the user's layout (unchecked: the caller knows them to be), or None where the
+        full path must answer (no backend plan, a result that is not all finite, plans made
+        under another tuning)."""
+        if self._forward_plan is None:
+            return None
+        if self._problem.layout == "bshd":
+            q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        arrays = (seeded or self._problem) if self._reads_problem else None
+        result = self._forward_plan(q, k, v, arrays)
+        if result is None or not all_finite(result.out):
+            return None
+        return result
+
+    def backward_plan(self, q: Any, k: Any, v: Any) -> Any:
+        """The backend's plan of the backward (made at the first use, from the first
+        run's arrays in the user's layout), or None for a backend without one."""
+        if self._backward_plan is None and hasattr(self._implementation, "backward_plan"):
+            self._backward_plan = self._implementation.backward_plan(self._problem_of(q, k, v, self._problem))
+        return self._backward_plan
+
+    def saved_gradients(self, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any) -> Gradients | None:
+        """:meth:`gradients` from the user's ``out``, ``lse`` and ``dout`` (as
+        :func:`attention_backward` takes them), or None where the full path must answer:
+        any of them not a NumPy array of the shape and dtype the structure's forward gives."""
+        form = self._form
+        out_shape = (*q.shape[:-1], v.shape[-1])
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if form.layout == "bshd" else q.shape[:3]
+        for array, shape, dtype in ((out, out_shape, form.dtype), (dout, out_shape, form.dtype),
+                                    (lse, lse_shape, form.lse_dtype)):
+            if type(array) is not np.ndarray or array.shape != shape or array.dtype != dtype:
+                return None
+        compute = form.lse_dtype
+        saved = (_to_bhsd(form, out).astype(compute, copy=False), lse)
+        return self.gradients(q, k, v, saved, _to_bhsd(form, dout))
+
+    def gradients(self, q: Any, k: Any, v: Any, saved: Any, dout: Any, arrays: Any = None) -> Gradients | None:
+        """The gradients for bhsd ``dout`` from the backend's plan (``arrays``: the run's
+        problem, for its option arrays and seed), or None where the full path must answer."""
+        backward_plan = self.backward_plan(q, k, v)
+        if not all_finite(dout) or backward_plan is None:
+            return None
+        if self._form.layout == "bshd":
+            q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        grads = backward_plan(q, k, v, saved, dout, arrays if self._reads_problem else None)
+        if grads is None or not all_finite_arrays((grads.dq, grads.dk, grads.dv, grads.dbias, grads.dsink_logits)):
+            return None
+        return grads
+
+
+def _strides(array: Any) -> tuple:
+    """``array``'s strides with those of its length-1 axes as 0: they address nothing, and
+    NumPy leaves them arbitrary (two C-contiguous arrays of one shape may differ there)."""
+    return tuple(0 if size == 1 else stride for size, stride in zip(array.shape, array.strides))
+
+
+def _owned(problem: AttentionProblem) -> AttentionProblem:
+    """``problem`` with its value-checked option arrays as the plan's own copies."""
+    xp = problem.xp
+    copies = {name: xp.array(getattr(problem, name), copy=True) for name in _CHECKED_ARRAY_FIELDS
+              if getattr(problem, name) is not None}
+    return dataclasses.replace(problem, **copies) if copies else problem
+
+
+# The problem fields whose values the checks read (mask and bias have no value checks)
+_CHECKED_ARRAY_FIELDS = ("alibi_slopes", "sink_logits", "q_lengths", "kv_lengths", "q_start", "kv_start",
+                         "block_table")
+
+
 def _outputs_and_vjp(problem: AttentionProblem, implementation: Any, result: ForwardResult) -> tuple[Outputs, Vjp]:
     """attention_vjp's answer from the forward ``result`` of ``problem`` that
     ``implementation`` gave: the outputs, and the vjp on the same backend."""
-    dtypes = (problem.q.dtype, problem.k.dtype, problem.v.dtype,
-              None if problem.bias is None else problem.bias.dtype,
-              None if problem.sink_logits is None else problem.sink_logits.dtype)
     return _with_vjp(OutputForm.of(problem), result, problem.q,
-                     lambda dout: _nonfinite.backward(problem, implementation, result.saved, dout), dtypes)
+                     lambda dout: _nonfinite.backward(problem, implementation, result.saved, dout),
+                     _gradient_dtypes(problem))
 
 
-def _planned_vjp(planned: "_Planned", result: ForwardResult, q: Any, k: Any, v: Any,
+def _gradient_dtypes(problem: AttentionProblem) -> tuple:
+    """The dtypes of the gradients the user gets: q's, k's, v's, bias's and the sink logits'."""
+    return (problem.q.dtype, problem.k.dtype, problem.v.dtype, None if problem.bias is None else problem.bias.dtype,
+            None if problem.sink_logits is None else problem.sink_logits.dtype)
+
+
+def _planned_vjp(planned: "Plan", result: ForwardResult, q: Any, k: Any, v: Any,
                  options: dict) -> tuple[Outputs, Vjp]:
     """attention_vjp's answer for a planned call: its outputs, and a vjp on the backward plan."""
     def gradients(dout: Any) -> Gradients:
@@ -125,8 +358,8 @@ def _planned_vjp(planned: "_Planned", result: ForwardResult, q: Any, k: Any, v: 
         # a non-finite dout or gradient, or other tuning: the full path answers
         problem, implementation = _checked_problem(q, k, v, options)
         return _nonfinite.backward(problem, implementation, result.saved, dout)
-    dtype = planned.form.dtype
-    return _with_vjp(planned.form, result, q, gradients, (dtype, dtype, dtype, None, None), finite=True)
+    dtype = planned._form.dtype
+    return _with_vjp(planned._form, result, q, gradients, (dtype, dtype, dtype, None, None), finite=True)
 
 
 def _checked_problem(q: Any, k: Any, v: Any, options: dict) -> tuple[AttentionProblem, Any]:
@@ -169,7 +402,7 @@ def _checked_forward(q: Any, k: Any, v: Any, options: dict, key: tuple | None,
     _limits.check_memory(problem, implementation.NAME)
     result, used = _nonfinite.forward(problem, implementation)
     if key is not None and used is implementation:
-        _plans.remember(key, lambda: _Planned.of(problem, implementation, backward))
+        _plans.remember(key, lambda: Plan.cached(problem, implementation))
     return problem, used, result
 
 
@@ -236,17 +469,17 @@ def attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
     key = _plans.call_key(q, k, v, options)
     if key is not None:  # a structure seen before: its plans, when out, lse and dout are as they were
         planned = _plans.lookup(key)
-        if planned is not None and planned.backward_plan is not None:
+        if planned is not None:
             grads = planned.saved_gradients(q, k, v, out, lse, dout)
             if grads is not None:
-                dtype = planned.form.dtype
-                return _public_gradients(planned.form, grads, (dtype, dtype, dtype, None, None))
+                dtype = planned._form.dtype
+                return _public_gradients(planned._form, grads, (dtype, dtype, dtype, None, None))
     if _options.dropout_requested(options) and options.get("seed") is None:
         raise ValueError("attention_backward with dropout_p > 0 needs seed, the forward's int seed: "
                          "it regenerates the forward's dropout mask")
     problem, implementation = _checked_problem(q, k, v, options)
     _forward_only(problem)
-    _plans.remember(key, lambda: _Planned.of(problem, implementation, backward=True))
+    _plans.remember(key, lambda: Plan.cached(problem, implementation))
     form = OutputForm.of(problem)
     user_shape = to_user_layout(problem.q, form.layout).shape
     out_shape = (*user_shape[:3], problem.value_dim)
@@ -263,7 +496,7 @@ def attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
 
 
 # One list of options, from the table: the signatures help() and IDEs show, and the docs.
-for _function in (attention, attention_vjp):
+for _function in (attention, attention_vjp, plan):
     setattr(_function, "__signature__", _options.signature())
     if _function.__doc__:  # None under python -OO
         _function.__doc__ = _function.__doc__.format(arguments=_options.argument_docs(" " * 8),
@@ -307,56 +540,3 @@ def _user_array(form: OutputForm, array_bhsd: Any, dtype: Any) -> Array:
     (no copy when a kernel already wrote it that way)."""
     array = to_user_layout(array_bhsd.astype(dtype, copy=False), form.layout)
     return form.xp.ascontiguousarray(array)
-
-
-class _Planned(NamedTuple):
-    """What a later call of a planned structure runs (:mod:`npattn.plans`): the backend's
-    forward (and backward) plans between the user's layout and outputs."""
-
-    form: OutputForm
-    forward_plan: Callable[..., Any]
-    backward_plan: Callable[..., Any] | None
-
-    @classmethod
-    def of(cls, problem: AttentionProblem, implementation: Any, backward: bool) -> "_Planned | None":
-        """The plans of ``problem``'s structure; None for a backend without plans."""
-        if not hasattr(implementation, "forward_plan"):
-            return None
-        return cls(OutputForm.of(problem), implementation.forward_plan(problem),
-                   implementation.backward_plan(problem) if backward else None)
-
-    def forward(self, q: Any, k: Any, v: Any) -> ForwardResult | None:
-        """The forward's result, or None where the full path must answer (a result that is
-        not all finite, or plans made under another tuning)."""
-        if self.form.layout == "bshd":
-            q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        result = self.forward_plan(q, k, v)
-        if result is None or not all_finite(result.out):
-            return None
-        return result
-
-    def saved_gradients(self, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any) -> Gradients | None:
-        """:meth:`gradients` from the user's ``out``, ``lse`` and ``dout`` (as
-        :func:`attention_backward` takes them), or None where the full path must answer:
-        any of them not a NumPy array of the shape and dtype the structure's forward gives."""
-        form = self.form
-        out_shape = (*q.shape[:-1], v.shape[-1])
-        lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if form.layout == "bshd" else q.shape[:3]
-        for array, shape, dtype in ((out, out_shape, form.dtype), (dout, out_shape, form.dtype),
-                                    (lse, lse_shape, form.lse_dtype)):
-            if type(array) is not np.ndarray or array.shape != shape or array.dtype != dtype:
-                return None
-        compute = form.lse_dtype
-        saved = (_to_bhsd(form, out).astype(compute, copy=False), lse)
-        return self.gradients(q, k, v, saved, _to_bhsd(form, dout))
-
-    def gradients(self, q: Any, k: Any, v: Any, saved: Any, dout: Any) -> Gradients | None:
-        """The gradients for bhsd ``dout``, or None where the full path must answer."""
-        if not all_finite(dout):
-            return None
-        if self.form.layout == "bshd":
-            q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        grads = None if self.backward_plan is None else self.backward_plan(q, k, v, saved, dout)
-        if grads is None or not (all_finite(grads.dq) and all_finite(grads.dk) and all_finite(grads.dv)):
-            return None
-        return grads

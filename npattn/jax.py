@@ -2,6 +2,6 @@
 
 See :mod:`npattn.adapters.jax`. Importing this module imports JAX.
 """
-from .adapters.jax import attention
+from .adapters.jax import attention, attention_varlen
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen"]

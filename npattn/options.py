@@ -447,10 +447,15 @@ def _check_causal(value):
     return "bottom_right" if value else False
 
 
+def fresh_seed() -> int:
+    """A random 64-bit dropout seed from the OS's entropy (seed=None)."""
+    return int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
+
+
 def _check_seed(seed, dropout_p):
     """An int (any size: it is taken mod 2**64), or None: a fresh random seed when dropout is on."""
     if seed is None:
-        return int(np.random.SeedSequence().generate_state(1, np.uint64)[0]) if dropout_p else 0
+        return fresh_seed() if dropout_p else 0
     number = checks.as_int(seed)
     if number is None:
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")

@@ -2,6 +2,6 @@
 
 See :mod:`npattn.adapters.torch`. Importing this module imports torch.
 """
-from .adapters.torch import attention
+from .adapters.torch import attention, attention_varlen
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen"]

@@ -1,0 +1,130 @@
+"""The public plan/run API (``npattn.plan``): a plan checks a call once, then runs arrays of
+its structure with the bits ``attention`` gives them, forward and backward, refuses arrays
+of another structure by name, and owns the option arrays whose values it checked."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npattn
+from conftest import NUMPY_BACKENDS
+from strategies import cases, layouts, to_layout
+
+
+def _user(case, layout):
+    return [np.ascontiguousarray(to_layout(x, layout)) for x in (case.q, case.k, case.v)]
+
+
+def _same(a, b):
+    for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+@given(case=cases(dtypes=("float32", "float64")), layout=layouts, seed=st.integers(0, 2**32 - 1))
+def test_a_plan_runs_new_arrays_as_attention_does_bit_for_bit(backend, case, layout, seed):
+    options = {**case.options, "layout": layout, "backend": backend, "return_lse": True}
+    if options.get("dropout_p") and options.get("seed") is None:
+        options["seed"] = 7
+    plan = npattn.plan(*_user(case, layout), **options)
+    rng = np.random.default_rng(seed)
+    fresh = [rng.uniform(-2, 2, x.shape).astype(x.dtype) for x in _user(case, layout)]  # new values
+    _same(plan.run(*fresh), npattn.attention(*fresh, **options))
+    (out, lse), vjp = plan.vjp(*fresh)
+    (want_out, want_lse), want_vjp = npattn.attention_vjp(*fresh, **options)
+    _same((out, lse), (want_out, want_lse))
+    dout = rng.uniform(-1, 1, out.shape).astype(out.dtype)
+    _same(tuple(vjp(dout)), tuple(want_vjp(dout)))
+
+
+def test_arrays_of_another_structure_are_refused_by_name():
+    q = np.ones((1, 2, 3, 4), np.float32)
+    plan = npattn.plan(q, q, q, causal=True)
+    for arrays, name, what in (((q[:, :1], q, q), "q", "shape"), ((q, q.astype(np.float64), q), "k", "float64"),
+                               ((q, q, np.asfortranarray(q)), "v", "strides"), ((q, q, q.tolist()), "v", "list")):
+        with pytest.raises(ValueError, match=f"^{name} is .*{what}.*but the plan was made for"):
+            plan.run(*arrays)
+        with pytest.raises(ValueError, match=f"^{name} is "):
+            plan.vjp(*arrays)
+    assert (plan.backend, plan.layout, plan.shapes) == ("cpu", "bhsd", ((1, 2, 3, 4),) * 3)
+
+
+def test_a_plan_checks_as_attention_does():
+    q = np.ones((1, 2, 3, 4), np.float32)
+    for options, error, message in ((dict(window=-1), ValueError, "window must be non-negative"),
+                                    (dict(softmax_scale=0.1), TypeError, "npattn's equivalent is scale="),
+                                    (dict(kv_lengths=np.array([4])), ValueError, "kv_lengths must lie")):
+        with pytest.raises(error, match=message):
+            npattn.plan(q, q, q, **options)
+    with pytest.raises(TypeError, match="block_table .* is for the forward only"):
+        npattn.plan(q.transpose(0, 2, 1, 3), q.transpose(0, 2, 1, 3)[:1], q.transpose(0, 2, 1, 3)[:1],
+                    layout="bshd", block_table=np.zeros((1, 1), np.int64)).vjp(
+            q.transpose(0, 2, 1, 3), q.transpose(0, 2, 1, 3)[:1], q.transpose(0, 2, 1, 3)[:1])
+
+
+def test_checked_option_arrays_belong_to_the_plan_and_mask_and_bias_are_read_at_each_run():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 2, 5, 4)).astype(np.float32) for _ in range(3))
+    lengths, slopes, bias = np.array([5, 3]), np.array([0.5, 0.25]), np.zeros((5, 5), np.float32)
+    plan = npattn.plan(q, k, v, kv_lengths=lengths, alibi_slopes=slopes, bias=bias)
+    before = plan.run(q, k, v)
+    lengths[0], slopes[0] = 99, np.nan  # would fail the checks: the plan kept its own copies
+    _same(plan.run(q, k, v), before)
+    bias[:, 0] = -np.inf  # no value check: read where it lies
+    _same(plan.run(q, k, v), npattn.attention(q, k, v, kv_lengths=np.array([5, 3]), alibi_slopes=np.array([0.5, 0.25]),
+                                              bias=bias))
+
+
+def test_dropout_without_a_seed_draws_per_run_and_the_vjp_reuses_its_own():
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 2, 6, 4)) for _ in range(3))
+    plan = npattn.plan(q, k, v, dropout_p=0.5)
+    assert not np.array_equal(plan.run(q, k, v), plan.run(q, k, v))
+    for _ in range(3):
+        out, vjp = plan.vjp(q, k, v)
+        dout = rng.standard_normal(out.shape)
+        dv = vjp(dout)[2]
+        # out is linear in v, so sum(out * dout) = sum(dv * v) exactly when dv comes from the
+        # forward's own dropout mask (another mask breaks it by O(1))
+        assert abs((out * dout).sum() - (dv * v).sum()) < 1e-12 * (1 + np.abs(out * dout).sum())
+
+
+def test_check_finite_checks_each_runs_arrays():
+    q = np.ones((1, 1, 2, 4), np.float32)
+    plan = npattn.plan(q, q, q, check_finite=True)
+    bad = q.copy()
+    bad[0, 0, 1, 2] = np.nan
+    with pytest.raises(ValueError, match=r"k must be finite \(check_finite=True\), got k\[0, 0, 1, 2\] = nan"):
+        plan.run(q, bad, q)
+
+
+def test_a_non_finite_result_gets_the_references_answer():
+    q = np.ones((1, 1, 2, 4), np.float32)
+    plan = npattn.plan(q, q, q)
+    v = q.copy()
+    v[0, 0, 0, 0] = np.inf
+    _same(plan.run(q, q, v), npattn.attention(q, q, v))
+
+
+def test_a_plan_keeps_no_run_array_alive():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 8, 4)) for _ in range(3))
+    plan = npattn.plan(q, k, v)
+    plan.vjp(q, k, v)[1](np.ones_like(q))
+    refs = [weakref.ref(a) for a in (q, k, v)]
+    del q, k, v
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    assert plan.shapes == ((1, 2, 8, 4),) * 3
+
+
+def test_torch_and_jax_arrays_are_named():
+    torch = pytest.importorskip("torch")
+    q = torch.ones(1, 1, 2, 4)
+    with pytest.raises(TypeError, match="npattn.plan takes NumPy or CuPy arrays"):
+        npattn.plan(q, q, q)
