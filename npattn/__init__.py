@@ -9,7 +9,7 @@ needs them, torch and JAX when their adapters are used.
 """
 from .api import Plan, attention, attention_backward, attention_vjp, plan
 from .backends import BackendStatus, backends
-from .kvcache import attention_with_kvcache
+from .kvcache import KVCachePlan, attention_with_kvcache, plan_with_kvcache
 from .varlen import attention_varlen, attention_varlen_vjp
 from .warmup import warmup
 
@@ -32,4 +32,4 @@ def __getattr__(name: str):
 def __dir__():
     return sorted({*globals(), *_LAZY_SUBMODULES})
 __all__ = ["attention", "attention_vjp", "attention_backward", "plan", "Plan", "attention_varlen", "attention_varlen_vjp",
-           "attention_with_kvcache", "backends", "BackendStatus", "warmup", "__version__"]
+           "attention_with_kvcache", "plan_with_kvcache", "KVCachePlan", "backends", "BackendStatus", "warmup", "__version__"]

@@ -101,33 +101,123 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
         written = ("k_cache", "v_cache") if k is not None or v is not None else ()
         return _foreign.forward_only_call(kind, "attention_with_kvcache", attention_with_kvcache, arguments,
                                           dict(options, rotary_interleaved=rotary_interleaved), written)
-    call = _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
+    return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
+                    rotary_interleaved, options).run_checked()
+
+
+def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any,
+                      block_table: Any = None, cache_batch_idx: Any = None, rotary_cos: Any = None,
+                      rotary_sin: Any = None, rotary_interleaved: bool = False, **options: Any) -> "KVCachePlan":
+    """Every check of ``attention_with_kvcache(q, k_cache, v_cache, k, v, ...)`` once, for a
+    decode step that runs on every layer of a model: a :class:`KVCachePlan` whose
+    :meth:`~KVCachePlan.run` takes each layer's q, caches and new keys (arrays of the
+    structure given here: kind, dtype, shape, strides) and appends and attends as
+    :func:`attention_with_kvcache` does, bit for bit, without checking again what depends
+    on the step's metadata (``cache_seqlens``, ``block_table``, ``cache_batch_idx``, the
+    rotary tables, the options). Nothing is written here: the arrays give the structure.
+
+    The metadata belong to the plan (copied now): a step's plan serves that step only; the
+    next step, whose ``cache_seqlens`` moved on, takes a new plan. ``check_finite=True``
+    checks what each run reads; ``bias`` is read where it lies at each run.
+    """
+    arguments = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin)
+    if _foreign.foreign_kind_of(arguments, options.values()) is not None:
+        raise TypeError("plan_with_kvcache takes NumPy or CuPy arrays (torch tensors and JAX arrays: "
+                        "attention_with_kvcache)")
+    return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
                     rotary_interleaved, options)
-    return call.run()
 
 
-class _Call:
-    """A checked kv-cache call: what to write where, and the attention problem to run."""
+class KVCachePlan:
+    """A checked kv-cache step (:func:`plan_with_kvcache`): ``run(q, k_cache, v_cache, k, v)``
+    appends and attends on arrays of the plan's structure; arrays of another structure
+    raise ValueError naming the argument. A run that raises leaves the caches as they were."""
 
-    def __init__(self, problem, implementation, writes):
-        self.problem, self.implementation, self.writes = problem, implementation, writes
+    def __init__(self, checked: tuple, structure: dict, metadata: tuple, rotary: tuple | None, finite: bool,
+                 bias: Any):
+        # (problem, backend, the checked caches and the new k (rotated) and v): what the
+        # call that planned runs first; the api's Plan of the attention, made at a second run
+        self._checked, self._attend, self._structure = checked, None, structure
+        (self._seqlens, self._pages, self._rows, self._first_query, self._keys_used, self._prefix,
+         self._page_size) = metadata
+        self._rotary, self._finite, self._bias = rotary, finite, bias
+        self._appends = structure["k"] is not None and structure["k"][2][1] > 0
 
-    def run(self) -> Outputs:
-        """Append the new keys and values, then attend; the appended slots get their old
-        bytes back if anything raises after the first write."""
-        undo = _append(*self.writes) if self.writes is not None else None
+    def run(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None) -> Outputs:
+        """Append ``k`` and ``v`` in place after each sequence's cached keys, then return
+        :func:`npattn.attention` of ``q`` against every sequence's keys (what
+        :func:`attention_with_kvcache` returns); the appended slots get their old bytes back
+        if anything raises after the first write."""
+        given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
+        for name, array in given.items():
+            _check_structure(name, array, self._structure[name])
+        if self._appends:
+            for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if not getattr(cache.flags, "writeable", True):
+                    raise ValueError(f"{name} is read-only (flags.writeable is False): it must be writable to take "
+                                     "the new keys")
+            _check_apart(k_cache, v_cache)
+        if self._finite:
+            _check_finite_reads(q, k, v, k_cache, v_cache, self._bias, self._seqlens, self._pages, self._rows,
+                                self._page_size)
+        if self._rotary is not None:  # new arrays: the caller's q and k stay as they were
+            cos, sin, interleaved = self._rotary
+            q = apply_rotary(q, self._first_query, cos, sin, interleaved)
+            if k is not None:
+                k = apply_rotary(k, self._seqlens, cos, sin, interleaved)
+        keys, values = ((k_cache[:, :self._keys_used], v_cache[:, :self._keys_used]) if self._prefix
+                        else (k_cache, v_cache))
+        if self._attend is None:
+            problem, implementation = self._checked[:2]
+            self._attend = api.Plan(problem, implementation)
+        undo = _append(k_cache, v_cache, k, v, self._seqlens, self._pages, self._rows) if self._appends else None
         try:
-            return api.run_problem(self.problem, self.implementation)
+            return self._attend.run_trusted(q, keys, values)
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
+
+    def run_checked(self) -> Outputs:
+        """The run of the call that made the plan (:func:`attention_with_kvcache`), on the
+        arrays its checks already hold (q and the new keys rotated, the caches as checked)."""
+        problem, implementation, k_cache, v_cache, k, v = self._checked
+        undo = _append(k_cache, v_cache, k, v, self._seqlens, self._pages, self._rows) if self._appends else None
+        try:
+            return api.run_problem(problem, implementation)
         except BaseException:
             if undo is not None:
                 undo()
             raise
 
 
+def _structure(array):
+    """(type, dtype, shape, strides with 0 for length-1 axes) of an array, None for None."""
+    if array is None:
+        return None
+    return (type(array), array.dtype, tuple(array.shape),
+            tuple(0 if size == 1 else stride for size, stride in zip(array.shape, array.strides)))
+
+
+def _check_structure(name, array, expected):
+    """``array`` of the ``expected`` structure (of :func:`_structure`), or a named error."""
+    got = _structure(array) if hasattr(array, "strides") or array is None else (type(array),)
+    if got == expected:
+        return
+    if expected is None or array is None:
+        raise ValueError(f"{name} is {'None' if array is None else 'given'}, but the plan was made "
+                         f"{'without' if expected is None else 'with'} it")
+    kind, dtype, shape, strides = expected
+    described = (f"{type(array).__name__} {array.dtype} shape {tuple(array.shape)} strides {got[3]}"
+                 if hasattr(array, "strides") else f"a {type(array).__name__}")
+    raise ValueError(f"{name} is {described}, but the plan was made for {kind.__name__} {dtype} shape {shape} "
+                     f"strides {strides} (0: a length-1 axis): make a plan for arrays of another structure")
+
+
 def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-             rotary_interleaved, options) -> _Call:
+             rotary_interleaved, options) -> "KVCachePlan":
     """Every check of the call, in the order a reader would check it, before anything is
-    written; returns what :meth:`_Call.run` writes and runs."""
+    written: the call's plan, holding its arrays as checked for :meth:`KVCachePlan.run_checked`."""
     _check_options(options)
     checks.check_bool("rotary_interleaved", rotary_interleaved)
     finite = options.pop("check_finite", False)
@@ -176,11 +266,15 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     problem, implementation = api.checked_problem(q, keys, values, dict(
         options, layout="bshd", q_offset=xp.asarray(first_query), kv_lengths=xp.asarray(lengths)))
     _limits.check_memory(problem, implementation.NAME)
+    structure = {"q": _structure(q_user), "k_cache": _structure(k_cache), "v_cache": _structure(v_cache),
+                 "k": _structure(k_user), "v": _structure(v)}
+    metadata = (seqlens, pages, cache_batch_idx, first_query, keys_used, pages is None and cache_batch_idx is None,
+                cache_len)
     if finite:
         _check_finite_reads(q_user, k_user, v, k_cache, v_cache, options.get("bias"), seqlens, pages,
                             cache_batch_idx, cache_len)
-    writes = (k_cache, v_cache, k, v, seqlens, pages, cache_batch_idx) if new_len else None
-    return _Call(problem, implementation, writes)
+    return KVCachePlan((problem, implementation, k_cache, v_cache, k, v), structure, metadata,
+                       None if rotary is None else (*rotary, rotary_interleaved), finite, options.get("bias"))
 
 
 def _checked_caches(q, k_cache, v_cache, paged, written):

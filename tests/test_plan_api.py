@@ -128,3 +128,45 @@ def test_torch_and_jax_arrays_are_named():
     q = torch.ones(1, 1, 2, 4)
     with pytest.raises(TypeError, match="npattn.plan takes NumPy or CuPy arrays"):
         npattn.plan(q, q, q)
+
+
+# ---- a decode step's plan, run on every layer ------------------------------------------------
+
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_kvcache_plan_runs_each_layer_as_attention_with_kvcache_does(seed):
+    from serving_fuzz import kv_problem
+
+    rng = np.random.default_rng(seed)
+    problem = kv_problem(rng)
+    arguments = problem.arguments()
+    before = [np.array(x, copy=True) for x in (problem.k_cache, problem.v_cache)]
+    plan = npattn.plan_with_kvcache(**arguments)
+    _same(tuple(before), (problem.k_cache, problem.v_cache))  # planning writes nothing
+    for _ in range(3):  # layers: their own q, caches and new keys, of the step's structure
+        layer = {name: (rng.standard_normal(value.shape).astype(value.dtype) if name in ("q", "k", "v")
+                        else value.copy()) for name, value in arguments.items()
+                 if name in ("q", "k_cache", "v_cache", "k", "v") and value is not None}
+        by_call = {name: value.copy() for name, value in layer.items()}
+        expected = npattn.attention_with_kvcache(**{**arguments, **by_call})
+        got = plan.run(layer["q"], layer["k_cache"], layer["v_cache"], layer.get("k"), layer.get("v"))
+        _same(got, expected)
+        for name in ("k_cache", "v_cache"):
+            np.testing.assert_array_equal(layer[name], by_call[name])
+
+
+def test_a_kvcache_plan_refuses_arrays_of_another_structure_and_read_only_caches():
+    q, k = np.ones((2, 1, 4, 8), np.float32), np.ones((2, 1, 2, 8), np.float32)
+    caches = np.zeros((2, 16, 2, 8), np.float32), np.zeros((2, 16, 2, 8), np.float32)
+    plan = npattn.plan_with_kvcache(q, *caches, k, k, cache_seqlens=np.array([3, 5]), causal=True)
+    with pytest.raises(ValueError, match=r"^q is ndarray float32 shape \(2, 2, 4, 8\)"):
+        plan.run(np.ones((2, 2, 4, 8), np.float32), *caches, k, k)
+    with pytest.raises(ValueError, match="^k is None, but the plan was made with it"):
+        plan.run(q, *caches, None, None)
+    frozen = caches[0].copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="k_cache is read-only"):
+        plan.run(q, frozen, caches[1], k, k)
+    assert not caches[1].any()
+    with pytest.raises(TypeError, match="plan_with_kvcache takes NumPy or CuPy arrays"):
+        torch = pytest.importorskip("torch")
+        npattn.plan_with_kvcache(torch.ones(2, 1, 4, 8), *caches, k, k, cache_seqlens=3)

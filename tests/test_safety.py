@@ -76,13 +76,18 @@ def test_an_error_after_the_append_puts_the_old_bytes_back(monkeypatch):
     vc[:] = 3.0
     before = _bytes(kc, vc)
 
-    def failing_run(problem, implementation, with_vjp=False):
-        assert problem.k.base is not None  # the append has happened by now
+    def failing_run(*arguments):
+        assert _bytes(kc, vc) != before  # the append has happened by now
         raise MemoryError("out of memory in the kernel")
 
-    monkeypatch.setattr(npattn.api, "run_problem", failing_run)
+    monkeypatch.setattr(npattn.api, "run_problem", failing_run)  # the call's own run
+    monkeypatch.setattr(npattn.api.Plan, "run_trusted", failing_run)  # a kv-cache plan's later runs
     with pytest.raises(MemoryError, match="out of memory in the kernel"):
         npattn.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=2)
+    assert _bytes(kc, vc) == before
+    plan = npattn.plan_with_kvcache(q, kc, vc, k, v, cache_seqlens=2)
+    with pytest.raises(MemoryError, match="out of memory in the kernel"):
+        plan.run(q, kc, vc, k, v)
     assert _bytes(kc, vc) == before
 
 
