@@ -39,8 +39,8 @@ from . import options as _options
 from .adapters import arrays as _foreign
 from .types import Outputs
 
-# Options attention_with_kvcache sets from its own arguments.
-_RESERVED = ("layout", "q_offset", "kv_lengths", "kv_start", "q_start", "q_lengths", "block_table")
+# Options attention_with_kvcache sets from its own arguments (the options table says which).
+_RESERVED = _options.set_by(_options.KVCACHE)
 # Slots the caches hold at most as many as this per sequence: the kernels count positions in
 # int32 arithmetic with room to spare (npattn.options.Q_OFFSET_LIMIT)
 POSITION_LIMIT = _options.Q_OFFSET_LIMIT

@@ -17,7 +17,11 @@ table changes nothing in some backend's output or gradients, or is missing from 
 test strategies.
 
 The kernels' parameter positions (:class:`npattn.kernel_params.Int` and ``Real``) and
-the GPU's option bits are numbered from it too.
+the GPU's option bits are numbered from it too, and the calls built on attention read
+their facts about single options from it: which options have gradients and in what order
+(the adapters, the vjps), which the serving calls set themselves or refuse
+(:func:`set_by`, :func:`refused_by`), which are per batch entry or per head, and how ring
+attention shards each (:func:`sharded`); ``tests/test_options.py`` holds the calls to them.
 
 Adding an option: an entry here, its field in ``problem.py``, its maths in
 ``reference.py``, the CPU score step (``cpu/tiles.py``) and gradient step
@@ -110,6 +114,32 @@ class Option:
     per_score: bool = False
     saves_score: bool = False
     repeatable: Callable[[Any], bool] | None = None
+    gradient: int | None = None
+    per_entry: bool = False
+    per_head: bool = False
+    set_by: tuple[str, ...] = ()
+    refused_by: tuple[tuple[str, str], ...] = ()
+    sharding: str = "plain"
+
+
+# Facts about single options that the calls built on attention read (the serving calls,
+# the adapters, the distributed strategies), kept in the table with the option:
+# - gradient: gradients flow to it: its place among those returned after dq, dk and dv;
+# - per_entry: given as an array, its first axis may be the batch entries (one per
+#   sequence of a packed batch, picked for each sequence's own call);
+# - per_head: its last axis is the query heads (split with them by strategy="heads");
+# - set_by: the calls that set it from their own arguments (their callers may not);
+# - refused_by: (call, why) for the calls that cannot take it;
+# - sharding: across the ranks of ring attention, "plain" (a value every rank passes alike),
+#   "shared" (an array every rank passes alike) or "rows" (each rank passes its own query
+#   rows of the whole problem's array).
+KVCACHE = "attention_with_kvcache"
+VARLEN = "attention_varlen"
+RING = "ring attention"
+HEADS = "strategy='heads'"
+_PACKED = "packed sequences replace a padded batch"
+_WHOLE_ROWS = "a rank would need whole S x S rows of its heads; strategy='ring' takes it"
+_LEFT_PADDING_RING = "left padding moves each entry's rows and keys; shard the real tokens instead"
 
 
 def _has(field):
@@ -141,13 +171,16 @@ OPTIONS: tuple[Option, ...] = (
            "None, int or int (B,): query row i sits at key position p_i = i + q_offset (an array: "
            "per batch entry; None: Sk - Sq, bottom-right; 0: top left). With q_start / kv_start "
            "it counts from each entry's first real row and key.",
-           lambda value, call: _check_q_offset(value, call)),
+           lambda value, call: _check_q_offset(value, call), per_entry=True, set_by=(KVCACHE,),
+           refused_by=((RING, "one int places the whole sequence; an array (one per batch entry) is not split"),)),
     _row_bounds("q_start", "q",
                 "int (B,): rows before q_start[b] are left padding and output zeros; positions count "
-                "from the first real row.", gpu_option="BAND"),
+                "from the first real row.", gpu_option="BAND", set_by=(KVCACHE, VARLEN),
+                refused_by=((RING, _LEFT_PADDING_RING),)),
     _row_bounds("kv_start", "kv",
                 "int (B,): keys before kv_start[b] are left padding and never seen; the sinks are the "
-                "first real keys.", gpu_option="BAND"),
+                "first real keys.", gpu_option="BAND", set_by=(KVCACHE, VARLEN),
+                refused_by=((RING, _LEFT_PADDING_RING),)),
     Option("window", None, "visibility",
            "None, int w (-> (w, w), or (w, 0) when causal) or (left, right) with None for an "
            "unbounded side; bounds past Sq + Sk mean none.",
@@ -161,28 +194,31 @@ OPTIONS: tuple[Option, ...] = (
            lambda value, call: checks.check_finite_values(
                "sink_logits", checks.check_vector("sink_logits", value, call.q, (call.heads,), "(H,)"),
                call.compute),
-           field="sink_logits", present=_has("sink_logits"), flag="HAS_SINK", gpu_option="SINK"),
+           field="sink_logits", present=_has("sink_logits"), flag="HAS_SINK", gpu_option="SINK",
+           gradient=1, per_head=True, sharding="shared"),
     Option("mask", None, "visibility",
            "bool, broadcastable to (B, H, Sq, Sk); True = may attend.",
            lambda value, call: checks.check_broadcastable("mask", value, call.q, call.scores_shape,
                                                           want_bool=True),
-           field="mask", present=_has("mask"), flag="HAS_MASK", gpu_option="MASK", per_score=True),
+           field="mask", present=_has("mask"), flag="HAS_MASK", gpu_option="MASK", per_score=True,
+           refused_by=((VARLEN, _PACKED), (HEADS, _WHOLE_ROWS)), sharding="rows"),
     Option("bias", None, "score",
            "float, broadcastable to (B, H, Sq, Sk), added to the scores (-inf hides a key).",
            lambda value, call: checks.check_broadcastable("bias", value, call.q, call.scores_shape,
                                                           want_bool=False),
-           field="bias", present=_has("bias"), flag="HAS_BIAS", gpu_option="BIAS", per_score=True),
+           field="bias", present=_has("bias"), flag="HAS_BIAS", gpu_option="BIAS", per_score=True,
+           gradient=0, refused_by=((VARLEN, _PACKED), (HEADS, _WHOLE_ROWS)), sharding="rows"),
     Option("alibi_slopes", None, "score",
            "(H,) or (B, H) float: -slope * abs(p_i - j) added to the scores; finite even "
            "times Sq + Sk in the compute dtype.",
            lambda value, call: _check_alibi(value, call.q, call.batch, call.heads, call.reach,
                                                   call.compute),
            field="alibi_slopes", present=_has("alibi_slopes"), flag="HAS_ALIBI", gpu_option="ALIBI",
-           per_score=True),
+           per_score=True, per_entry=True, per_head=True),
     _row_bounds("q_lengths", "q", "int (B,): rows past q_lengths[b] are padding and output zeros.",
-                present=None),
+                present=None, set_by=(KVCACHE, VARLEN), sharding="shared"),
     _row_bounds("kv_lengths", "kv", "int (B,): keys past kv_lengths[b] are padding and never seen.",
-                gpu_option="BAND"),
+                gpu_option="BAND", set_by=(KVCACHE, VARLEN), sharding="shared"),
     Option("scale", None, "score",
            "float, finite in the compute dtype (float32, or float64 for float64 inputs); "
            "None: 1/sqrt(D).",
@@ -215,11 +251,12 @@ OPTIONS: tuple[Option, ...] = (
            '"bshd", and batch entry b\'s key j is row j % page_size of page '
            "block_table[b, j // page_size] (Sk = P * page_size). Forward only.",
            lambda value, call: _check_block_table(value, call),
-           field="block_table", present=_has("block_table"), gpu_option="PAGED"),
+           field="block_table", present=_has("block_table"), gpu_option="PAGED", set_by=(KVCACHE,),
+           refused_by=((VARLEN, _PACKED), (RING, "each rank holds its shard's keys as an array, not pages"))),
     Option("layout", "bhsd", "layout",
            '"bhsd" (B, H, S, D) or "bshd" (B, S, H, D), for q, k, v and out.',
            lambda value, call: checks.check_layout(value),
-           field="layout"),
+           field="layout", set_by=(KVCACHE, VARLEN)),
     Option("return_lse", False, "output",
            "bool: also return lse (B, H, Sq).",
            lambda value, call: checks.check_bool("return_lse", value),
@@ -227,7 +264,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("return_weights", False, "output",
            "bool: also return the weights (B, H, Sq, Sk).",
            lambda value, call: checks.check_bool("return_weights", value),
-           field="return_weights", repeatable=lambda value: not value),  # on: checks the free memory
+           field="return_weights", repeatable=lambda value: not value,  # on: checks the free memory
+           refused_by=((VARLEN, "its weights would be (total, total) per head; call attention on a sequence for "
+                                "its own"), (RING, "they are S_local x S per rank"))),
     Option("check_finite", False, "checking",
            "bool: raise ValueError naming the first NaN or inf in q, k, v or bias (one pass over "
            "each); off, non-finite values propagate as documented.",
@@ -242,6 +281,24 @@ SCORE_STEPS = (
 )
 BY_NAME = {option.name: option for option in OPTIONS}
 NAMES = tuple(BY_NAME)
+# the options with gradients, in the order the vjps return theirs (after dq, dk, dv)
+DIFFERENTIABLE = tuple(option.name for option in sorted((o for o in OPTIONS if o.gradient is not None),
+                                                        key=lambda o: o.gradient))
+
+
+def set_by(call: str) -> tuple[str, ...]:
+    """The options ``call`` sets from its own arguments, in table order."""
+    return tuple(option.name for option in OPTIONS if call in option.set_by)
+
+
+def refused_by(call: str) -> dict[str, str]:
+    """``{option: why}`` for the options ``call`` cannot take, in table order."""
+    return {option.name: why for option in OPTIONS for who, why in option.refused_by if who == call}
+
+
+def sharded(kind: str) -> tuple[str, ...]:
+    """The options of ring attention's ``kind`` of sharding ("plain", "shared", "rows")."""
+    return tuple(option.name for option in OPTIONS if option.sharding == kind)
 
 BACKEND_DOC = ('"auto" (cpu for NumPy, gpu for CuPy, else reference), "reference", "cpu" or "gpu".')
 

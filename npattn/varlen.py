@@ -30,10 +30,11 @@ from .adapters import arrays as _foreign
 from .api import attention, attention_vjp
 from .types import Array
 
-# Options that describe a padded batch, which a packed one replaces, and the weights (a
-# (total, total) array per head, mostly zeros: call attention on a sequence for its own).
-_RESERVED = ("layout", "q_lengths", "kv_lengths", "q_start", "kv_start", "mask", "bias", "block_table",
-             "return_weights")
+# Options the packed call sets itself or cannot take, and why (the options table says which):
+# those of a padded batch, which a packed one replaces, and the weights (a (total, total)
+# array per head, mostly zeros: call attention on a sequence for its own).
+_RESERVED = {**{name: "packed sequences replace a padded batch" for name in _options.set_by(_options.VARLEN)},
+             **_options.refused_by(_options.VARLEN)}
 
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int | None = None,
@@ -133,10 +134,8 @@ class _Plan:
         """Every check of the packed call: its arrays, the cumulative lengths, and every
         option, the same on every backend (the options through one attention call over
         the whole packed batch, which the CPU then runs)."""
-        for name in _RESERVED:
+        for name, why in _RESERVED.items():
             if name in options:
-                why = ("its weights would be (total, total) per head; call attention on a sequence for its own"
-                       if name == "return_weights" else "packed sequences replace a padded batch")
                 raise TypeError(f"attention_varlen does not take {name}: {why} (got {name}={options[name]!r})")
         q, k, v = checks.as_arrays(q=q, k=k, v=v)
         for name, array, described in (("q", q, "(Tq, H, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, Dv)")):

@@ -96,3 +96,51 @@ def test_every_table_entry_names_slots_that_exist():
         assert option.flag is None or option.flag in Int.__members__, option.name
         assert option.gpu_option is None or option.gpu_option in GpuOption.__members__, option.name
         assert (option.flag is None and option.gpu_option is None) or option.present is not None, option.name
+
+
+# ---- the facts the calls built on attention read from the table ----------------------------
+
+def _value_for(name):
+    """A value of option ``name`` for the small call below (any value: the calls refuse by name)."""
+    return {"q_offset": 0, "layout": "bshd", "block_table": np.zeros((1, 1), np.int64), "mask": np.ones((1,), bool),
+            "bias": np.zeros((1,), np.float32), "return_weights": True}.get(name, np.zeros(1, np.int64))
+
+
+@pytest.mark.parametrize("name", [name for name in npattn.options.set_by(npattn.options.KVCACHE)
+                                  if name != "block_table"])  # (an argument of its own there)
+def test_the_kvcache_call_refuses_what_the_table_says_it_sets(name):
+    q, cache = np.ones((1, 1, 1, 4), np.float32), np.zeros((1, 4, 1, 4), np.float32)
+    with pytest.raises(TypeError, match=f"attention_with_kvcache sets {name} itself"):
+        npattn.attention_with_kvcache(q, cache, cache, cache_seqlens=1, **{name: _value_for(name)})
+
+
+@pytest.mark.parametrize("name", [*npattn.options.set_by(npattn.options.VARLEN),
+                                  *npattn.options.refused_by(npattn.options.VARLEN)])
+def test_the_packed_call_refuses_what_the_table_says(name):
+    x, cu = np.ones((2, 1, 4), np.float32), np.array([0, 2])
+    with pytest.raises(TypeError, match=f"attention_varlen does not take {name}"):
+        npattn.attention_varlen(x, x, x, cu, cu, **{name: _value_for(name)})
+
+
+def test_the_gradients_follow_the_tables_order():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 3, 4))
+    given = {"bias": rng.standard_normal((3, 3)), "sink_logits": rng.standard_normal(2)}
+    assert set(npattn.options.DIFFERENTIABLE) == set(given)
+    out, vjp = npattn.attention_vjp(q, q, q, **given)
+    grads = vjp(np.ones_like(out))[3:]
+    assert [grad.shape for grad in grads] == [given[name].shape for name in npattn.options.DIFFERENTIABLE]
+    from npattn.adapters.arrays import DIFFERENTIABLE
+
+    assert DIFFERENTIABLE == npattn.options.DIFFERENTIABLE
+
+
+def test_every_array_option_has_its_ring_sharding_or_is_refused():
+    from npattn.problem import ARRAY_FIELDS
+
+    refused = npattn.options.refused_by(npattn.options.RING)
+    for option in npattn.options.OPTIONS:
+        # (ALiBi slopes pass as a plain value, compared with the other options across ranks)
+        if option.field in ARRAY_FIELDS and option.name not in refused and option.name != "alibi_slopes":
+            assert option.sharding in ("rows", "shared"), option.name
+    assert set(npattn.options.sharded("rows")) == {"mask", "bias"}

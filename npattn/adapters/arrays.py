@@ -26,7 +26,7 @@ from ..problem import ARRAY_FIELDS
 # array inputs, the rest as static values), and those with gradients, in the order
 # attention_vjp returns them after dq, dk, dv.
 ARRAY_OPTIONS = tuple(option.name for option in _options.OPTIONS if option.field in ARRAY_FIELDS)
-DIFFERENTIABLE = ("bias", "sink_logits")
+DIFFERENTIABLE = _options.DIFFERENTIABLE
 
 
 def with_plain_offsets(options: dict) -> dict:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import options as _options
 from .._arrays import array_module
 from ..api import attention, attention_vjp
 
-_REFUSED = {"mask": "a rank would need whole S x S rows of its heads; strategy='ring' takes it",
-            "bias": "a rank would need whole S x S rows of its heads; strategy='ring' takes it"}
+_REFUSED = _options.refused_by(_options.HEADS)  # from the options table
+_PER_HEAD = tuple(option.name for option in _options.OPTIONS if option.per_head)
 
 
 def check_heads(ranks: int, heads: int, kv_heads: int, options: dict) -> None:
@@ -63,10 +64,9 @@ def _head_options(ring, heads: int, options: dict) -> dict:
     group = heads // ring.size
     mine = slice(ring.rank * group, (ring.rank + 1) * group)
     result = {name: value for name, value in options.items() if name not in ("layout", "return_lse", "return_weights")}
-    if options.get("sink_logits") is not None:
-        result["sink_logits"] = ring.xp.asarray(options["sink_logits"])[mine]
-    if options.get("alibi_slopes") is not None:
-        result["alibi_slopes"] = ring.xp.asarray(options["alibi_slopes"])[..., mine]
+    for name in _PER_HEAD:  # their last axis is the heads: the rank's group of them
+        if options.get(name) is not None:
+            result[name] = ring.xp.asarray(options[name])[..., mine]
     if options.get("dropout_p"):  # the rank's heads hash as their global indices
         b, h, i, j = options.get("dropout_offset") or (0, 0, 0, 0)
         result["dropout_offset"] = (b, h + mine.start, i, j)

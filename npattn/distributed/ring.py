@@ -48,12 +48,10 @@ from ..problem import to_user_layout
 from ..validation import build_problem
 from .sharding import Chunk, check_sharding, chunks
 
-_PER_ROW_ARRAYS = ("mask", "bias")
-# what the ring cannot cut into its blocks' calls (yet), and why
-_NOT_YET = {"q_start": "left padding moves each entry's rows and keys; shard the real tokens instead",
-            "kv_start": "left padding moves each entry's rows and keys; shard the real tokens instead",
-            "q_offset": "one int places the whole sequence; an array (one per batch entry) is not split",
-            "block_table": "each rank holds its shard's keys as an array, not pages"}
+# From the options table: the arrays each rank passes as its own query rows, those every
+# rank passes alike, and what the ring cannot cut into its blocks' calls (yet), and why
+_PER_ROW_ARRAYS = _options.sharded("rows")
+_NOT_YET = _options.refused_by(_options.RING)
 _LENGTHS = ("q_lengths", "kv_lengths")
 
 
@@ -279,7 +277,7 @@ def _bhsd(array, layout):
 
 STRATEGIES = ("ring", "heads")
 # the options given as arrays that each rank passes, and those all ranks share
-_SHARED_ARRAYS = (*_LENGTHS, "sink_logits")
+_SHARED_ARRAYS = _options.sharded("shared")
 
 
 class _Local(NamedTuple):
@@ -300,11 +298,12 @@ class _Local(NamedTuple):
         check_sharding(sharding)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if options.get("return_weights"):
-            raise ValueError("ring attention does not return weights: they are S_local x S per rank")
         for name, why in _NOT_YET.items():
             value = options.get(name)
-            if value is not None and not (name == "q_offset" and checks.as_int(value) is not None):
+            if name == "return_weights":
+                if value:
+                    raise ValueError(f"ring attention does not return weights: {why}")
+            elif value is not None and not (name == "q_offset" and checks.as_int(value) is not None):
                 raise ValueError(f"ring attention does not take {name} yet: {why}")
         layout = checks.check_layout(options.get("layout", "bhsd"))
         q, k, v = checks.qkv_arrays(q, k, v, "(B, H, S_local, D) or (B, S_local, H, D)")
