@@ -42,9 +42,11 @@ def test_every_kernel_instantiation_compiles_for_every_architecture(machine_code
 
 def test_the_compile_check_fails_on_a_bad_instantiation():
     nvrtc_or_skip()
-    with pytest.raises(sources.CompileError, match="forward_kernel"):
+    from npattn.gpu import nvrtc
+
+    with pytest.raises(nvrtc.CompileError, match="forward_kernel"):
         # Storage<int> has no definition: the template cannot be instantiated
-        sources.check_compiles("sm_80", names=["forward_kernel<int, float, 64, 32>"])
+        nvrtc.check_compiles("sm_80", names=["forward_kernel<int, float, 64, 32>"])
 
 
 def test_every_dtype_and_kind_has_instantiations():

@@ -186,8 +186,3 @@ def forward_kind(dtype_name: str) -> str:
 
 def compile_options(architecture: str) -> tuple[str, ...]:
     return (f"--gpu-architecture={architecture}", "--std=c++17")
-
-
-# ---- compiling without a GPU: npattn.gpu.nvrtc (kept importable from here) ---------------
-# no cycle: nvrtc imports this module only inside its functions, when both are loaded
-from .nvrtc import CompileError, check_compiles, nvrtc_library_path  # noqa: E402,F401
