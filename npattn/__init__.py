@@ -7,10 +7,11 @@ contiguous or paged cache); :func:`backends`, :func:`warmup`; :mod:`npattn.torch
 those frameworks. Importing npattn needs only NumPy; Numba and CuPy load when a backend
 needs them, torch and JAX when their adapters are used.
 """
-from .api import Plan, attention, attention_backward, attention_vjp, plan
+from .adapters.dispatch import (attention, attention_varlen, attention_varlen_vjp, attention_vjp,
+                                attention_with_kvcache)
+from .api import Plan, attention_backward, plan
 from .backends import BackendStatus, backends
-from .kvcache import KVCachePlan, attention_with_kvcache, plan_with_kvcache
-from .varlen import attention_varlen, attention_varlen_vjp
+from .kvcache import KVCachePlan, plan_with_kvcache
 from .warmup import warmup
 
 __version__ = "0.1.0"

@@ -12,11 +12,10 @@ from . import limits as _limits
 from . import nonfinite as _nonfinite
 from . import options as _options
 from . import plans as _plans
-from ._arrays import all_finite, all_finite_arrays, array_kind
+from ._arrays import all_finite, all_finite_arrays, array_kind, is_cupy
 from .problem import AttentionProblem, to_user_layout
 from .results import ForwardResult, Gradients
 from .types import Array, ArrayLike, Outputs, Vjp
-from .adapters import arrays as _foreign
 from .validation import build_problem, check_cotangent
 
 
@@ -66,8 +65,6 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     grad goes through :func:`npattn.torch.attention`, a JAX tracer (under ``jit``,
     ``grad``, ``vmap``) through :func:`npattn.jax.attention`.
     """
-    if type(q) is not np.ndarray and (kind := _foreign.foreign_kind(q)) is not None:
-        return _foreign.attention(kind, attention, q, k, v, options)
     key = _plans.call_key(q, k, v, options)
     if key is not None:  # a call like an earlier one: its checks' outcome is known
         planned = _plans.lookup(key)
@@ -95,8 +92,6 @@ def attention_vjp(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> t
     Args:
 {arguments}
     """
-    if type(q) is not np.ndarray and (kind := _foreign.foreign_kind(q)) is not None:
-        return _foreign.attention_vjp(kind, attention_vjp, q, k, v, options)
     key = _plans.call_key(q, k, v, options)
     if key is not None:
         planned = _plans.lookup(key)
@@ -130,7 +125,7 @@ def plan(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> "Plan":
     Args:
 {arguments}
     """
-    if type(q) is not np.ndarray and _foreign.foreign_kind(q) is not None:
+    if type(q) is not np.ndarray and not is_cupy(q) and hasattr(q, "__dlpack__"):
         raise TypeError("npattn.plan takes NumPy or CuPy arrays (plans of torch and JAX programs: "
                         "npattn.torch.attention, npattn.jax.attention)")
     return Plan.of(q, k, v, options)

@@ -36,7 +36,6 @@ import numpy as np
 from . import _arrays, api, checks
 from . import limits as _limits
 from . import options as _options
-from .adapters import arrays as _foreign
 from .types import Outputs
 
 # Options attention_with_kvcache sets from its own arguments (the options table says which).
@@ -93,14 +92,6 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     lie and the outputs come back in q's kind; the call is forward-only (no gradients), and
     a JAX cache, which cannot be written in place, takes no new keys.
     """
-    arguments = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
-                     block_table=block_table, cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos,
-                     rotary_sin=rotary_sin)
-    kind = _foreign.foreign_kind_of(arguments.values(), options.values())
-    if kind is not None:
-        written = ("k_cache", "v_cache") if k is not None or v is not None else ()
-        return _foreign.forward_only_call(kind, "attention_with_kvcache", attention_with_kvcache, arguments,
-                                          dict(options, rotary_interleaved=rotary_interleaved), written)
     return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
                     rotary_interleaved, options).run_checked()
 
@@ -121,7 +112,8 @@ def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any 
     checks what each run reads; ``bias`` is read where it lies at each run.
     """
     arguments = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin)
-    if _foreign.foreign_kind_of(arguments, options.values()) is not None:
+    if any(not isinstance(x, np.ndarray) and not _arrays.is_cupy(x) and hasattr(x, "__dlpack__")
+           for x in (*arguments, *options.values())):
         raise TypeError("plan_with_kvcache takes NumPy or CuPy arrays (torch tensors and JAX arrays: "
                         "attention_with_kvcache)")
     return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,

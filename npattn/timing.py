@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from ._arrays import array_module, is_cupy
-from .api import attention, attention_vjp
+from .adapters.dispatch import attention, attention_vjp
 
 
 def synchronizer(array):

@@ -26,7 +26,6 @@ import numpy as np
 
 from . import _arrays, api, checks
 from . import options as _options
-from .adapters import arrays as _foreign
 from .api import attention, attention_vjp
 from .types import Array
 
@@ -57,11 +56,6 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     goes through :func:`npattn.torch.attention_varlen` (torch's autograd differentiates
     it), JAX tracers through :func:`npattn.jax.attention_varlen`.
     """
-    arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k)
-    kind = _foreign.foreign_kind_of(arrays.values(), options.values())
-    if kind is not None:
-        return _foreign.varlen_call(kind, attention_varlen, arrays, options, with_vjp=False)
     plan = _Plan.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     fused = plan.fused(with_vjp=False)
     if fused is not None:
@@ -76,11 +70,6 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
     (Tq, H, Dv) that returns ``(dq, dk, dv)`` packed like q, k and v, then
     ``dsink_logits`` (H,) when ``sink_logits`` was given. A dropout mask is reused.
     Arrays of other kinds get outputs and gradients of their kind."""
-    arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k)
-    kind = _foreign.foreign_kind_of(arrays.values(), options.values())
-    if kind is not None:
-        return _foreign.varlen_call(kind, attention_varlen_vjp, arrays, options, with_vjp=True)
     plan = _Plan.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     fused = plan.fused(with_vjp=True)
     if fused is not None:

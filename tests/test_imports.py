@@ -15,3 +15,48 @@ def test_autograd_and_optim_need_only_numpy():
             "print(sorted(m for m in ('numba', 'scipy', 'cupy', 'torch', 'jax') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+def _package_imports():
+    """``{module: set of npattn modules it imports}``, read from the sources: imports at
+    module level and inside functions alike (a lazy import still makes a circle)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "npattn"
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                named = [f"{base}.{alias.name}" for alias in node.names]
+                targets = [t for t in named if t in modules] or [base]
+            else:
+                continue
+            edges[name].update(t for t in targets if t in modules and t != name)
+    return edges
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle in the package (the public API imports no adapter; the adapters
+    import the API), at module level or inside functions."""
+    edges = _package_imports()
+    assert "npattn.adapters.arrays" not in edges["npattn.api"]
+    for start in edges:
+        seen, frontier = set(), [start]
+        while frontier:
+            for target in edges[frontier.pop()]:
+                assert target != start, f"{start} imports itself through {sorted(seen)}"
+                if target not in seen:
+                    seen.add(target)
+                    frontier.append(target)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import arguments
-from ..kvcache import attention_with_kvcache
+from ..adapters.dispatch import attention_with_kvcache
 
 
 class UnknownSequence(KeyError, ValueError):
