@@ -134,6 +134,9 @@ class KVCachePlan:
          self._page_size) = metadata
         self._rotary, self._finite, self._bias = rotary, finite, bias
         self._appends = structure["k"] is not None and structure["k"][2][1] > 0
+        # where each new key goes: fixed by the step's metadata, worked out once
+        self._slots = (_slots(checked[0].xp, structure["q"][2][0], structure["k"][2][1], self._seqlens, self._pages,
+                              self._rows, self._page_size) if self._appends else None)
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None) -> Outputs:
         """Append ``k`` and ``v`` in place after each sequence's cached keys, then return
@@ -142,7 +145,11 @@ class KVCachePlan:
         if anything raises after the first write."""
         given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
         for name, array in given.items():
-            _check_structure(name, array, self._structure[name])
+            expected = self._structure[name]
+            if array is None or expected is None or not (  # the usual case first: exactly the plan's arrays' layout
+                    type(array) is expected[0] and array.dtype == expected[1] and array.shape == expected[2]
+                    and array.strides == expected[4]):
+                _check_structure(name, array, expected[:4] if expected is not None else None)
         if self._appends:
             for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
                 if not getattr(cache.flags, "writeable", True):
@@ -162,7 +169,7 @@ class KVCachePlan:
         if self._attend is None:
             problem, implementation = self._checked[:2]
             self._attend = api.Plan(problem, implementation)
-        undo = _append(k_cache, v_cache, k, v, self._seqlens, self._pages, self._rows) if self._appends else None
+        undo = _append(k_cache, v_cache, k, v, self._slots) if self._appends else None
         try:
             return self._attend.run_trusted(q, keys, values)
         except BaseException:
@@ -174,7 +181,7 @@ class KVCachePlan:
         """The run of the call that made the plan (:func:`attention_with_kvcache`), on the
         arrays its checks already hold (q and the new keys rotated, the caches as checked)."""
         problem, implementation, k_cache, v_cache, k, v = self._checked
-        undo = _append(k_cache, v_cache, k, v, self._seqlens, self._pages, self._rows) if self._appends else None
+        undo = _append(k_cache, v_cache, k, v, self._slots) if self._appends else None
         try:
             return api.run_problem(problem, implementation)
         except BaseException:
@@ -184,16 +191,17 @@ class KVCachePlan:
 
 
 def _structure(array):
-    """(type, dtype, shape, strides with 0 for length-1 axes) of an array, None for None."""
+    """(type, dtype, shape, strides with 0 for length-1 axes, the strides as they are) of an
+    array, None for None; the first four are compared, the last is the fast first test."""
     if array is None:
         return None
     return (type(array), array.dtype, tuple(array.shape),
-            tuple(0 if size == 1 else stride for size, stride in zip(array.shape, array.strides)))
+            tuple(0 if size == 1 else stride for size, stride in zip(array.shape, array.strides)), array.strides)
 
 
 def _check_structure(name, array, expected):
     """``array`` of the ``expected`` structure (of :func:`_structure`), or a named error."""
-    got = _structure(array) if hasattr(array, "strides") or array is None else (type(array),)
+    got = _structure(array)[:4] if hasattr(array, "strides") else None if array is None else (type(array),)
     if got == expected:
         return
     if expected is None or array is None:
@@ -536,19 +544,21 @@ def _check_slots_finite(name, cache, row, start, stop, sequence):
                      f"{name}[{', '.join(map(str, index))}] = {value!r} (a cached key of sequence {sequence})")
 
 
-def _append(k_cache, v_cache, k, v, seqlens, pages, rows):
-    """Write k, v (B, Sn, Hkv, .) at keys ``[seqlens[b], seqlens[b] + Sn)`` of each
-    sequence; returns the function that puts the old bytes back."""
-    xp = _arrays.array_module(k_cache)
-    batch, new_len = k.shape[:2]
+def _slots(xp, batch, new_len, seqlens, pages, rows, page_size):
+    """``(targets, positions)`` (B, Sn) each: the cache row or page, and the slot in it, of
+    every new key: keys ``[seqlens[b], seqlens[b] + Sn)`` of each sequence."""
     positions = xp.asarray(seqlens)[:, None] + xp.arange(new_len)[None, :]  # (B, Sn)
     if pages is not None:
-        page_size = k_cache.shape[1]
         targets = xp.take_along_axis(pages, positions // page_size, axis=1)
-        positions = positions % page_size
-    else:
-        targets = xp.arange(batch) if rows is None else rows
-        targets = xp.broadcast_to(targets[:, None], positions.shape)
+        return targets, positions % page_size
+    targets = xp.arange(batch) if rows is None else rows
+    return xp.broadcast_to(targets[:, None], positions.shape), positions
+
+
+def _append(k_cache, v_cache, k, v, slots):
+    """Write k, v (B, Sn, Hkv, .) at their ``slots`` (of :func:`_slots`); returns the
+    function that puts the old bytes back."""
+    targets, positions = slots
     old_keys, old_values = k_cache[targets, positions], v_cache[targets, positions]  # copies
 
     def undo():
