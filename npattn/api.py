@@ -13,7 +13,7 @@ from . import nonfinite as _nonfinite
 from . import options as _options
 from . import plans as _plans
 from ._arrays import all_finite, all_finite_arrays, array_kind, is_cupy
-from .problem import AttentionProblem, to_user_layout
+from .problem import ARRAY_FIELDS, AttentionProblem, to_user_layout
 from .results import ForwardResult, Gradients
 from .types import Array, ArrayLike, Outputs, Vjp
 from .validation import build_problem, check_cotangent
@@ -70,7 +70,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
         planned = _plans.lookup(key)
         result = None if planned is None else planned.planned_forward(q, k, v)
         if result is not None:  # finite, from the kernels: out is a mean of v's rows, in v's range
-            return _public_outputs(planned._form, result, finite=True)
+            return _public_outputs(planned.form, result, finite=True)
     problem, _, result = _checked_forward(q, k, v, options, key, backward=False)
     return _public_outputs(OutputForm.of(problem), result)
 
@@ -145,9 +145,8 @@ class Plan:
         self._problem, self._implementation, self._fresh_seed = problem, implementation, fresh_seed
         self._check_finite, self._user_bias = check_finite, user_bias
         self._form = OutputForm.of(problem)
-        user = [to_user_layout(x, problem.layout) for x in (problem.q, problem.k, problem.v)]
-        self._structure = tuple((type(x), x.dtype, tuple(x.shape), _strides(x)) for x in user)
-        self._exact = tuple((type(x), x.dtype, x.shape, x.strides) for x in user)  # the fast first test
+        self._structure = tuple(checks.structure_of(to_user_layout(x, problem.layout))
+                                for x in (problem.q, problem.k, problem.v))
         # the backend's own plans of the structure (the CPU's tiles, work items, scratch):
         # the forward's now, the backward's at the first vjp
         self._forward_plan = (implementation.forward_plan(problem)
@@ -184,6 +183,11 @@ class Plan:
         return cls(problem, implementation)
 
     @property
+    def form(self) -> "OutputForm":
+        """What the plan's calls return (layout, dtypes, extras)."""
+        return self._form
+
+    @property
     def backend(self) -> str:
         return self._implementation.NAME
 
@@ -193,7 +197,7 @@ class Plan:
 
     @property
     def shapes(self) -> tuple:
-        return tuple(shape for _, _, shape, _ in self._structure)
+        return tuple(exact[2] for exact, _ in self._structure)
 
     def run(self, q: ArrayLike, k: ArrayLike, v: ArrayLike) -> Outputs:
         """:func:`attention`'s outputs for ``q``, ``k``, ``v`` (this plan's structure)."""
@@ -224,24 +228,11 @@ class Plan:
 
     def _check(self, q: Any, k: Any, v: Any) -> None:
         """The structure check (and ``check_finite``'s), naming the first array that differs."""
-        (qt, qd, qs, qst), (kt, kd, ks, kst), (vt, vd, vs, vst) = self._exact
-        if not (type(q) is qt and type(k) is kt and type(v) is vt and q.dtype == qd and k.dtype == kd
-                and v.dtype == vd and q.shape == qs and k.shape == ks and v.shape == vs and q.strides == qst
-                and k.strides == kst and v.strides == vst):
-            self._check_structure(q, k, v)
+        for name, array, expected in zip("qkv", (q, k, v), self._structure):
+            checks.check_structure(name, array, expected)
         if self._check_finite:
             for name, array in (("q", q), ("k", k), ("v", v), ("bias", self._user_bias)):
                 checks.check_all_finite(name, array)
-
-    def _check_structure(self, q: Any, k: Any, v: Any) -> None:
-        for name, array, (kind, dtype, shape, strides) in zip("qkv", (q, k, v), self._structure):
-            if type(array) is not kind or array.dtype != dtype or array.shape != shape or _strides(array) != strides:
-                got = (f"a {type(array).__name__}" if not hasattr(array, "strides") else
-                       f"{type(array).__name__} {getattr(array, 'dtype', '?')} shape {tuple(array.shape)} "
-                       f"strides {tuple(array.strides)}")
-                raise ValueError(f"{name} is {got}, but the plan was made for {kind.__name__} {dtype} shape {shape} "
-                                 f"strides {strides} (0: a length-1 axis): make a plan for arrays of another "
-                                 "structure (npattn.plan)")
 
     def _seeded(self) -> AttentionProblem:
         """The plan's problem with this run's seed (a fresh one where the plan draws them)."""
@@ -250,8 +241,8 @@ class Plan:
         return dataclasses.replace(self._problem, seed=_options.fresh_seed())
 
     def _problem_of(self, q: Any, k: Any, v: Any, seeded: AttentionProblem) -> AttentionProblem:
-        q, k, v = (x.transpose(0, 2, 1, 3) if self._problem.layout == "bshd" else x for x in (q, k, v))
-        return dataclasses.replace(seeded, q=q, k=k, v=v)
+        form = self._form
+        return dataclasses.replace(seeded, q=_to_bhsd(form, q), k=_to_bhsd(form, k), v=_to_bhsd(form, v))
 
     def _forward(self, q: Any, k: Any, v: Any) -> tuple[ForwardResult, Any, AttentionProblem, Any]:
         """(result, the backend that gave it, the plan's problem with the run's seed, the
@@ -272,10 +263,9 @@ class Plan:
         under another tuning)."""
         if self._forward_plan is None:
             return None
-        if self._problem.layout == "bshd":
-            q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        form = self._form
         arrays = (seeded or self._problem) if self._reads_problem else None
-        result = self._forward_plan(q, k, v, arrays)
+        result = self._forward_plan(_to_bhsd(form, q), _to_bhsd(form, k), _to_bhsd(form, v), arrays)
         if result is None or not all_finite(result.out):
             return None
         return result
@@ -308,18 +298,12 @@ class Plan:
         backward_plan = self.backward_plan(q, k, v)
         if not all_finite(dout) or backward_plan is None:
             return None
-        if self._form.layout == "bshd":
-            q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        grads = backward_plan(q, k, v, saved, dout, arrays if self._reads_problem else None)
+        form = self._form
+        grads = backward_plan(_to_bhsd(form, q), _to_bhsd(form, k), _to_bhsd(form, v), saved, dout,
+                              arrays if self._reads_problem else None)
         if grads is None or not all_finite_arrays((grads.dq, grads.dk, grads.dv, grads.dbias, grads.dsink_logits)):
             return None
         return grads
-
-
-def _strides(array: Any) -> tuple:
-    """``array``'s strides with those of its length-1 axes as 0: they address nothing, and
-    NumPy leaves them arbitrary (two C-contiguous arrays of one shape may differ there)."""
-    return tuple(0 if size == 1 else stride for size, stride in zip(array.shape, array.strides))
 
 
 def _owned(problem: AttentionProblem) -> AttentionProblem:
@@ -330,9 +314,10 @@ def _owned(problem: AttentionProblem) -> AttentionProblem:
     return dataclasses.replace(problem, **copies) if copies else problem
 
 
-# The problem fields whose values the checks read (mask and bias have no value checks)
-_CHECKED_ARRAY_FIELDS = ("alibi_slopes", "sink_logits", "q_lengths", "kv_lengths", "q_start", "kv_start",
-                         "block_table")
+# The problem's option arrays whose values the checks read: all but mask and bias (which
+# have no value checks) and row_shifts (derived from q_offset when checked, the plan's own)
+_CHECKED_ARRAY_FIELDS = tuple(name for name in ARRAY_FIELDS if name not in ("q", "k", "v", "mask", "bias",
+                                                                             "row_shifts"))
 
 
 def _outputs_and_vjp(problem: AttentionProblem, implementation: Any, result: ForwardResult) -> tuple[Outputs, Vjp]:
@@ -359,8 +344,8 @@ def _planned_vjp(planned: "Plan", result: ForwardResult, q: Any, k: Any, v: Any,
         # a non-finite dout or gradient, or other tuning: the full path answers
         problem, implementation = _checked_problem(q, k, v, options)
         return _nonfinite.backward(problem, implementation, result.saved, dout)
-    dtype = planned._form.dtype
-    return _with_vjp(planned._form, result, q, gradients, (dtype, dtype, dtype, None, None), finite=True)
+    dtype = planned.form.dtype
+    return _with_vjp(planned.form, result, q, gradients, (dtype, dtype, dtype, None, None), finite=True)
 
 
 def _checked_problem(q: Any, k: Any, v: Any, options: dict) -> tuple[AttentionProblem, Any]:
@@ -473,8 +458,8 @@ def attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
         if planned is not None:
             grads = planned.saved_gradients(q, k, v, out, lse, dout)
             if grads is not None:
-                dtype = planned._form.dtype
-                return _public_gradients(planned._form, grads, (dtype, dtype, dtype, None, None))
+                dtype = planned.form.dtype
+                return _public_gradients(planned.form, grads, (dtype, dtype, dtype, None, None))
     if _options.dropout_requested(options) and options.get("seed") is None:
         raise ValueError("attention_backward with dropout_p > 0 needs seed, the forward's int seed: "
                          "it regenerates the forward's dropout mask")

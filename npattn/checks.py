@@ -160,6 +160,40 @@ def check_int_range(name, array, low, high, limit=""):
     return array
 
 
+def structure_of(array):
+    """``(exact, compared)`` of an array (None for None), for a plan's check that later
+    arrays are laid out as the one it was made for: ``exact`` (type, dtype, shape,
+    strides) is the fast first test, ``compared`` the same with the strides of length-1
+    axes as 0 (they address nothing, and NumPy leaves them arbitrary: two C-contiguous
+    arrays of one shape may differ there)."""
+    if array is None:
+        return None
+    exact = (type(array), array.dtype, array.shape, array.strides)
+    return exact, exact[:3] + (tuple(0 if size == 1 else stride for size, stride in zip(array.shape, array.strides)),)
+
+
+def check_structure(name, array, expected):
+    """Raise ValueError naming ``name`` unless ``array`` has the ``expected`` structure (of
+    :func:`structure_of`; None: the plan was made without this array)."""
+    if expected is None or array is None:
+        if expected is None and array is None:
+            return
+        raise ValueError(f"{name} is {'None' if array is None else 'given'}, but the plan was made "
+                         f"{'without' if expected is None else 'with'} it")
+    exact, compared = expected
+    if (type(array) is exact[0] and array.dtype == exact[1] and array.shape == exact[2]
+            and array.strides == exact[3]):
+        return
+    got = structure_of(array)[1] if hasattr(array, "strides") and hasattr(array, "dtype") else None
+    if got == compared:
+        return
+    kind, dtype, shape, strides = compared
+    described = (f"{type(array).__name__} {array.dtype} shape {tuple(array.shape)} strides {got[3]}"
+                 if got is not None else f"a {type(array).__name__}")
+    raise ValueError(f"{name} is {described}, but the plan was made for {kind.__name__} {dtype} shape {tuple(shape)} "
+                     f"strides {strides} (0: a length-1 axis): make a plan for arrays of another structure")
+
+
 def check_bool(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")

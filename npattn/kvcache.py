@@ -133,23 +133,19 @@ class KVCachePlan:
         (self._seqlens, self._pages, self._rows, self._first_query, self._keys_used, self._prefix,
          self._page_size) = metadata
         self._rotary, self._finite, self._bias = rotary, finite, bias
-        self._appends = structure["k"] is not None and structure["k"][2][1] > 0
+        new_keys = 0 if structure["k"] is None else structure["k"][0][2][1]
+        self._appends = new_keys > 0
         # where each new key goes: fixed by the step's metadata, worked out once
-        self._slots = (_slots(checked[0].xp, structure["q"][2][0], structure["k"][2][1], self._seqlens, self._pages,
-                              self._rows, self._page_size) if self._appends else None)
+        self._slots = (_slots(checked[0].xp, structure["q"][0][2][0], new_keys, self._seqlens, self._pages, self._rows,
+                              self._page_size) if self._appends else None)
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None) -> Outputs:
         """Append ``k`` and ``v`` in place after each sequence's cached keys, then return
         :func:`npattn.attention` of ``q`` against every sequence's keys (what
         :func:`attention_with_kvcache` returns); the appended slots get their old bytes back
         if anything raises after the first write."""
-        given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
-        for name, array in given.items():
-            expected = self._structure[name]
-            if array is None or expected is None or not (  # the usual case first: exactly the plan's arrays' layout
-                    type(array) is expected[0] and array.dtype == expected[1] and array.shape == expected[2]
-                    and array.strides == expected[4]):
-                _check_structure(name, array, expected[:4] if expected is not None else None)
+        for name, array in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+            checks.check_structure(name, array, self._structure[name])
         if self._appends:
             for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
                 if not getattr(cache.flags, "writeable", True):
@@ -169,49 +165,24 @@ class KVCachePlan:
         if self._attend is None:
             problem, implementation = self._checked[:2]
             self._attend = api.Plan(problem, implementation)
-        undo = _append(k_cache, v_cache, k, v, self._slots) if self._appends else None
-        try:
-            return self._attend.run_trusted(q, keys, values)
-        except BaseException:
-            if undo is not None:
-                undo()
-            raise
+        return self._appended(k_cache, v_cache, k, v, lambda: self._attend.run_trusted(q, keys, values))
 
     def run_checked(self) -> Outputs:
         """The run of the call that made the plan (:func:`attention_with_kvcache`), on the
         arrays its checks already hold (q and the new keys rotated, the caches as checked)."""
         problem, implementation, k_cache, v_cache, k, v = self._checked
+        return self._appended(k_cache, v_cache, k, v, lambda: api.run_problem(problem, implementation))
+
+    def _appended(self, k_cache, v_cache, k, v, attend):
+        """``attend()`` after appending k and v at the plan's slots; the slots get their old
+        bytes back if anything raises after the first write."""
         undo = _append(k_cache, v_cache, k, v, self._slots) if self._appends else None
         try:
-            return api.run_problem(problem, implementation)
+            return attend()
         except BaseException:
             if undo is not None:
                 undo()
             raise
-
-
-def _structure(array):
-    """(type, dtype, shape, strides with 0 for length-1 axes, the strides as they are) of an
-    array, None for None; the first four are compared, the last is the fast first test."""
-    if array is None:
-        return None
-    return (type(array), array.dtype, tuple(array.shape),
-            tuple(0 if size == 1 else stride for size, stride in zip(array.shape, array.strides)), array.strides)
-
-
-def _check_structure(name, array, expected):
-    """``array`` of the ``expected`` structure (of :func:`_structure`), or a named error."""
-    got = _structure(array)[:4] if hasattr(array, "strides") else None if array is None else (type(array),)
-    if got == expected:
-        return
-    if expected is None or array is None:
-        raise ValueError(f"{name} is {'None' if array is None else 'given'}, but the plan was made "
-                         f"{'without' if expected is None else 'with'} it")
-    kind, dtype, shape, strides = expected
-    described = (f"{type(array).__name__} {array.dtype} shape {tuple(array.shape)} strides {got[3]}"
-                 if hasattr(array, "strides") else f"a {type(array).__name__}")
-    raise ValueError(f"{name} is {described}, but the plan was made for {kind.__name__} {dtype} shape {shape} "
-                     f"strides {strides} (0: a length-1 axis): make a plan for arrays of another structure")
 
 
 def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
@@ -266,8 +237,8 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     problem, implementation = api.checked_problem(q, keys, values, dict(
         options, layout="bshd", q_offset=xp.asarray(first_query), kv_lengths=xp.asarray(lengths)))
     _limits.check_memory(problem, implementation.NAME)
-    structure = {"q": _structure(q_user), "k_cache": _structure(k_cache), "v_cache": _structure(v_cache),
-                 "k": _structure(k_user), "v": _structure(v)}
+    structure = {name: checks.structure_of(array) for name, array in
+                 (("q", q_user), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k_user), ("v", v))}
     metadata = (seqlens, pages, cache_batch_idx, first_query, keys_used, pages is None and cache_batch_idx is None,
                 cache_len)
     if finite:
