@@ -217,9 +217,10 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
                              f"sequence {b} has {lengths[b]} keys for {q_len} queries")
     pages = None
     if block_table is not None:
-        pages, held = _used_pages(block_table, lengths, cache_len, cache_rows, xp)
+        host_pages, held = _used_pages(block_table, lengths, cache_len, cache_rows)
+        pages = host_pages if xp is np else xp.asarray(host_pages)
         if new_len:
-            _check_paged_writes(_arrays.to_numpy(pages), held, seqlens, lengths, cache_len)
+            _check_paged_writes(host_pages, held, seqlens, lengths, cache_len)
     elif cache_batch_idx is not None and new_len:
         _check_distinct_rows(_arrays.to_numpy(cache_batch_idx))
     q_user, k_user = q, k
@@ -417,11 +418,11 @@ def _cache_seqlens(value, batch, capacity, new_len):
     return host.astype(np.int64)
 
 
-def _used_pages(table, lengths, page_size, pool_pages, xp):
-    """The int64 (B, P') pages of ``table`` the sequences of ``lengths`` keys hold (P' the
-    most any holds), as an array of ``xp``; entries past a sequence's own pages are never
-    read, so whatever they hold (-1, stale indices) becomes page 0. The held entries must
-    lie in the pool's ``pool_pages``."""
+def _used_pages(table, lengths, page_size, pool_pages):
+    """``(pages, held)``: the int64 (B, P') NumPy pages of ``table`` the sequences of
+    ``lengths`` keys hold (P' the most any holds) and the bool (B, P') mask of those held;
+    entries past a sequence's own pages are never read, so whatever they hold (-1, stale
+    indices) becomes page 0. The held entries must lie in the pool's ``pool_pages``."""
     host = _arrays.to_numpy(table)
     columns = -(-int(lengths.max(initial=0)) // page_size)
     held = np.arange(columns)[None, :] < (-(-lengths // page_size))[:, None]  # (B, P')
@@ -432,7 +433,7 @@ def _used_pages(table, lengths, page_size, pool_pages, xp):
         raise ValueError(f"block_table must hold page indices in [0, {pool_pages}) (the pool's pages) where a "
                          f"sequence reads or writes, got block_table[{b}, {column}] = {int(used[b, column])}")
     pages = np.where(held, used, 0).astype(np.int64)
-    return (pages if xp is np else xp.asarray(pages)), held
+    return pages, held
 
 
 def _check_paged_writes(pages, held, seqlens, lengths, page_size):

@@ -177,10 +177,6 @@ def foreign_kind_of(*groups: Any) -> ForeignKind | None:
 _NOT_FOREIGN = frozenset({np.ndarray, type(None), bool, int, float, str, tuple})
 
 
-def _requires_grad(value: Any) -> bool:
-    return bool(getattr(value, "requires_grad", False))
-
-
 def forward_only_call(kind: ForeignKind, name: str, run: Any, arguments: dict, options: dict,
                       written: tuple = ()) -> Any:
     """``run(**arguments, **options)`` for a call without gradients (the serving calls) on

@@ -11,6 +11,7 @@ layers import downwards only: the adapters import the API, never the reverse.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import numpy as np
@@ -23,7 +24,7 @@ def _public(native: Callable) -> Callable:
     """``native`` with its name, docs and signature, preceded by the dispatch ``route``."""
     def wrap(route: Callable) -> Callable:
         wrapper = functools.wraps(native)(route)
-        wrapper.__signature__ = getattr(native, "__signature__", None) or __import__("inspect").signature(native)
+        wrapper.__signature__ = getattr(native, "__signature__", None) or inspect.signature(native)
         return wrapper
     return wrap
 
