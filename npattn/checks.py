@@ -145,10 +145,11 @@ def int_array(name, value, reference, described):
     return array
 
 
-def check_int_range(name, array, low, high, limit=""):
+def check_int_range(name, array, low, high, limit="", bounds=None):
     """Raise ValueError naming the first element of the integer ``array`` outside
     ``[low, high]`` (Python ints: compared in the array's own dtype, which NumPy does
-    without overflow, so a uint64 2**63 or an int64 -2**63 is reported as it is)."""
+    without overflow, so a uint64 2**63 or an int64 -2**63 is reported as it is).
+    ``bounds``: how the message writes the interval (default ``[low, high]``), then ``limit``."""
     host = _arrays.to_numpy(array)
     if not host.size or (host.min() >= low and host.max() <= high):  # two reductions, no mask
         return array
@@ -156,7 +157,8 @@ def check_int_range(name, array, low, high, limit=""):
     if bad.size:
         where = tuple(int(i) for i in bad[0])
         index = f"[{', '.join(map(str, where))}]" if where else ""
-        raise ValueError(f"{name} must lie in [{low}, {high}]{limit}, got {name}{index} = {int(host[where])}")
+        bounds = f"[{low}, {high}]" if bounds is None else bounds
+        raise ValueError(f"{name} must lie in {bounds}{limit}, got {name}{index} = {int(host[where])}")
     return array
 
 
@@ -293,10 +295,5 @@ def check_lengths(name, lengths, q, batch, limit, limit_name):
         raise TypeError(f"{name} must be an integer array of shape (B,), got dtype {lengths.dtype}")
     if tuple(lengths.shape) != (batch,):
         raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(lengths.shape)}")
-    host = _arrays.to_numpy(lengths)
-    # compared in the caller's integers: nothing wraps
-    bad = () if host.min() >= 0 and host.max() <= limit else np.flatnonzero((host < 0) | (host > limit))
-    if len(bad):
-        raise ValueError(f"{name} must lie in [0, {limit_name}] = [0, {limit}], "
-                         f"got {name}[{bad[0]}] = {int(host[bad[0]])}")
+    check_int_range(name, lengths, 0, limit, bounds=f"[0, {limit_name}] = [0, {limit}]")
     return lengths.astype(np.int64)

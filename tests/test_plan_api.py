@@ -169,6 +169,6 @@ def test_a_kvcache_plan_refuses_arrays_of_another_structure_and_read_only_caches
     with pytest.raises(ValueError, match="k_cache is read-only"):
         plan.run(q, frozen, caches[1], k, k)
     assert not caches[1].any()
+    torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="plan_with_kvcache takes NumPy or CuPy arrays"):
-        torch = pytest.importorskip("torch")
         npattn.plan_with_kvcache(torch.ones(2, 1, 4, 8), *caches, k, k, cache_seqlens=3)
