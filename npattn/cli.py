@@ -182,6 +182,9 @@ def main(argv=None) -> int:
                               help="the serving layouts instead: a packed variable-length batch against each "
                                    "sequence alone, and a decode step on a paged cache against a contiguous one "
                                    "(with --gpu: on the GPU)")
+    bench_parser.add_argument("--plans", action="store_true",
+                              help="small calls through attention and through npattn.plan, and a decode step's "
+                                   "layer through attention_with_kvcache and through plan_with_kvcache, instead")
     bench_parser.add_argument("--gpu", action="store_true",
                               help="the CUDA kernels against torch SDPA's fastest backend on the GPU instead")
     bench_parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
@@ -218,7 +221,11 @@ def main(argv=None) -> int:
             return _rerun_with(bench_isa_variables(args.isa), argv)
         from . import bench
 
-        if args.layouts:
+        if args.plans:
+            from . import bench_plans
+
+            bench_plans.compare(repeats=args.repeats)
+        elif args.layouts:
             from . import bench_layouts
 
             bench_layouts.compare(repeats=args.repeats, gpu=args.gpu)

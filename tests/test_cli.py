@@ -224,3 +224,16 @@ def test_bench_layouts_rows_are_consistent(monkeypatch):
     for row in paged:
         assert row["ratio"] == pytest.approx(row["paged_ms"] / row["contiguous_ms"])
     assert "target <= 1.1x" in printed.getvalue()
+
+
+def test_bench_plans_times_each_call_plain_and_planned():
+    import io
+
+    from npattn import bench_plans
+
+    printed = io.StringIO()
+    results = bench_plans.compare(calls=2, repeats=1, out=printed)
+    rows = printed.getvalue().splitlines()[2:]
+    assert [row[:52].strip() for row in rows] == list(results)
+    assert all(plain > 0 for plain, _ in results.values())
+    assert all(planned > 0 for label, (_, planned) in results.items() if "alone" not in label)

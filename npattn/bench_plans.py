@@ -1,0 +1,72 @@
+"""``python -m npattn bench --plans``: what a planned call saves, side by side in one process.
+
+Small calls, where the checks and the set-up cost as much as the kernels (float32 on the
+CPU; each number the best of ``repeats`` runs of ``calls`` back-to-back calls, in us):
+
+- (1, 8, 16 x 16, 64): ``attention`` against ``plan(...).run``, causal, with
+  ``kv_lengths``, and with a (16, 16) bias and ALiBi slopes (``attention`` plans only calls
+  of plain option values, and checks option arrays in full at every call);
+- one layer of a decode step, (1, 8/2, 1 new + 40 cached, 64) on a contiguous cache and a
+  batch of 4 on pages of 16: ``attention_with_kvcache`` against ``plan_with_kvcache(...).run``,
+  and the same attention call alone, planned (what a kv-cache plan could come down to).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from .adapters.dispatch import attention, attention_with_kvcache
+from .api import plan
+from .kvcache import plan_with_kvcache
+
+
+def best_us(call, calls: int, repeats: int) -> float:
+    """The best of ``repeats`` runs of ``calls`` back-to-back calls, in us a call."""
+    for _ in range(max(1, calls // 10)):  # warm: compiled, planned, caches filled
+        call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def compare(calls: int = 2000, repeats: int = 5, out=sys.stdout) -> dict:
+    """Print and return ``{label: (through the plain call, through the plan)}`` in us."""
+    rng = np.random.default_rng(0)
+    results = {}
+    q = rng.standard_normal((1, 8, 16, 64)).astype(np.float32)
+    for label, options in (("causal", dict(causal=True)),
+                           ("causal, kv_lengths", dict(causal=True, kv_lengths=np.array([12]))),
+                           ("bias (16, 16) and ALiBi", dict(bias=np.zeros((16, 16), np.float32),
+                                                             alibi_slopes=np.linspace(0.1, 0.8, 8)))):
+        planned = plan(q, q, q, **options)
+        results[f"(1, 8, 16 x 16, 64) {label}"] = (best_us(lambda: attention(q, q, q, **options), calls, repeats),
+                                                   best_us(lambda: planned.run(q, q, q), calls, repeats))
+    heads, kv_heads, dim = 8, 2, 64
+    q1, k1 = rng.standard_normal((1, 1, heads, dim)).astype(np.float32), rng.standard_normal(
+        (1, 1, kv_heads, dim)).astype(np.float32)
+    caches = tuple(rng.standard_normal((1, 64, kv_heads, dim)).astype(np.float32) for _ in range(2))
+    q4, k4 = rng.standard_normal((4, 1, heads, dim)).astype(np.float32), rng.standard_normal(
+        (4, 1, kv_heads, dim)).astype(np.float32)
+    pools = tuple(rng.standard_normal((32, 16, kv_heads, dim)).astype(np.float32) for _ in range(2))
+    steps = (("decode layer, contiguous (1, 8/2, 1 + 40, 64)", q1, k1, caches, dict(cache_seqlens=40)),
+             ("decode layer, paged, 4 sequences, pages of 16", q4, k4, pools,
+              dict(cache_seqlens=np.array([40, 30, 20, 50]), block_table=np.arange(16).reshape(4, 4))))
+    for label, qs, ks, (key_cache, value_cache), metadata in steps:
+        step = plan_with_kvcache(qs, key_cache, value_cache, ks, ks, **metadata)
+        results[label] = (
+            best_us(lambda: attention_with_kvcache(qs, key_cache, value_cache, ks, ks, **metadata), calls, repeats),
+            best_us(lambda: step.run(qs, key_cache, value_cache, ks, ks), calls, repeats))
+    alone = rng.standard_normal((1, 8, 1, 64)).astype(np.float32), rng.standard_normal((1, 2, 41, 64)).astype(np.float32)
+    results["the contiguous layer's attention alone, planned"] = (
+        best_us(lambda: attention(alone[0], alone[1], alone[1]), calls, repeats), float("nan"))
+    print(f"npattn planned calls, float32 on the CPU, best of {repeats} x {calls} calls, us a call", file=out)
+    print(f"{'call':<52} {'plain call':>11} {'planned':>9}", file=out)
+    for label, (plain, planned) in results.items():
+        print(f"{label:<52} {plain:>11.1f} {'-' if planned != planned else f'{planned:.1f}':>9}", file=out)
+    return results
