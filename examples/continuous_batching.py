@@ -13,7 +13,7 @@ Run: python examples/continuous_batching.py
 import numpy as np
 
 import npattn
-from npattn.kvcache import apply_rotary
+from npattn.serving.kvcache import apply_rotary
 from npattn.nn import PagedKVCache
 
 VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, PAGE = 97, 64, 4, 2, 16, 8

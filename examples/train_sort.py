@@ -1,7 +1,7 @@
 """Train a small transformer to sort sequences of digits, with npattn alone (no torch).
 
 Two pre-norm encoder layers from npattn.nn, learned token and position embeddings,
-AdamW from npattn.optim. To emit the k-th smallest digit, a position must count, through
+AdamW from npattn.nn.optim. To emit the k-th smallest digit, a position must count, through
 attention, how many digits of each value the sequence holds.
 
     python examples/train_sort.py                            # full run, 15-20 s on 2 cores
@@ -21,7 +21,7 @@ import numpy as np
 
 from npattn import autograd as ag
 from npattn.nn import Embedding, Linear, Module, TransformerEncoderLayer
-from npattn.optim import AdamW, clip_grad_norm
+from npattn.nn.optim import AdamW, clip_grad_norm
 
 VOCAB, LENGTH, WIDTH, HEADS = 10, 8, 64, 4
 TARGET_ACCURACY = 0.98  # whole sequences sorted exactly, on 1000 fresh ones

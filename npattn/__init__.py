@@ -11,7 +11,7 @@ from .adapters.dispatch import (attention, attention_varlen, attention_varlen_vj
                                 attention_with_kvcache)
 from .api import Plan, attention_backward, plan
 from .backends import BackendStatus, backends
-from .kvcache import KVCachePlan, plan_with_kvcache
+from .serving.kvcache import KVCachePlan, plan_with_kvcache
 from .warmup import warmup
 
 __version__ = "0.1.0"
@@ -19,7 +19,8 @@ __version__ = "0.1.0"
 # Subpackages and modules that load on first use (PEP 562), so ``npattn.torch.attention``
 # works after ``import npattn`` alone; importing npattn still imports none of them (nor torch
 # or JAX, which npattn.torch and npattn.jax import).
-_LAZY_SUBMODULES = ("torch", "jax", "nn", "autograd", "optim", "distributed", "viz", "cpu", "gpu", "plans")
+_LAZY_SUBMODULES = ("torch", "jax", "nn", "autograd", "distributed", "cpu", "gpu", "spec", "runtime", "serving",
+                    "tools")
 
 
 def __getattr__(name: str):

@@ -1,7 +1,7 @@
-"""``python -m npattn info`` and ``python -m npattn demo``; see :mod:`npattn.cli`."""
+"""``python -m npattn info`` and ``python -m npattn demo``; see :mod:`npattn.tools.cli`."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

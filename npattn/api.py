@@ -7,16 +7,16 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from . import backends as _backends
-from . import checks
-from . import limits as _limits
-from . import nonfinite as _nonfinite
-from . import options as _options
-from . import plans as _plans
-from ._arrays import all_finite, all_finite_arrays, array_kind, is_cupy
-from .problem import ARRAY_FIELDS, AttentionProblem, to_user_layout
-from .results import ForwardResult, Gradients
+from .spec import checks
+from .runtime import limits as _limits
+from .runtime import nonfinite as _nonfinite
+from .spec import options as _options
+from .runtime import plans as _plans
+from .runtime.arrays import all_finite, all_finite_arrays, array_kind, is_cupy
+from .spec.problem import ARRAY_FIELDS, AttentionProblem, to_user_layout
+from .spec.results import ForwardResult, Gradients
 from .types import Array, ArrayLike, Outputs, Vjp
-from .validation import build_problem, check_cotangent
+from .spec.validation import build_problem, check_cotangent
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outputs:
@@ -39,7 +39,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     Scores: {scores};
     invisible keys removed; softmax over keys, with ``sink_logits[h]`` as one extra
     value-less column; dropout with probability ``dropout_p`` (mask a pure function of
-    ``(seed, b, h, i, j)``, see :mod:`npattn.dropout`; inverted scaling); then ``@ v``.
+    ``(seed, b, h, i, j)``, see :mod:`npattn.spec.dropout`; inverted scaling); then ``@ v``.
 
     Args:
 {arguments}
@@ -53,11 +53,11 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
 
     A row with no visible key outputs zeros, never NaN. NaN and inf in the inputs
     propagate by IEEE arithmetic to exactly the outputs that read them, the same on
-    every backend (see :mod:`npattn.nonfinite`); ``check_finite=True`` rejects them
+    every backend (see :mod:`npattn.runtime.nonfinite`); ``check_finite=True`` rejects them
     instead. Raises ValueError or
     TypeError naming the argument before any kernel runs, and MemoryError when the
     weights (or the reference backend's score arrays) cannot fit in the free memory
-    (:mod:`npattn.limits`). Inputs are never modified.
+    (:mod:`npattn.runtime.limits`). Inputs are never modified.
 
     Arrays of other kinds that speak DLPack (torch tensors, JAX arrays) run on the
     backend of their memory (host: cpu, CUDA: gpu) and the outputs come back in q's
@@ -120,7 +120,7 @@ def plan(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> "Plan":
     seed (its vjp reuses it).
 
     A serving loop plans once per structure and runs once per layer; :func:`attention` is
-    the same path, planning a structure at its second call (:mod:`npattn.plans`).
+    the same path, planning a structure at its second call (:mod:`npattn.runtime.plans`).
 
     Args:
 {arguments}
@@ -177,7 +177,7 @@ class Plan:
     @classmethod
     def cached(cls, problem: AttentionProblem, implementation: Any) -> "Plan | None":
         """The plan :func:`attention` keeps for a structure it saw twice (a call of plain
-        option values: :mod:`npattn.plans`); None for a backend without plans of its own."""
+        option values: :mod:`npattn.runtime.plans`); None for a backend without plans of its own."""
         if not hasattr(implementation, "forward_plan"):
             return None
         return cls(problem, implementation)
@@ -247,7 +247,7 @@ class Plan:
     def _forward(self, q: Any, k: Any, v: Any) -> tuple[ForwardResult, Any, AttentionProblem, Any]:
         """(result, the backend that gave it, the plan's problem with the run's seed, the
         run's problem where one was built, else None): the backend's plan, else its
-        forward; the reference where the result is not finite (:mod:`npattn.nonfinite`)."""
+        forward; the reference where the result is not finite (:mod:`npattn.runtime.nonfinite`)."""
         seeded = self._seeded()
         result = self.planned_forward(q, k, v, seeded)
         if result is not None:

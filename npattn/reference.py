@@ -8,9 +8,9 @@ the API fixes:
 1. ``s = scale * q @ k^T``                        (query head h reads kv head h // group)
 2. ``s = softcap * tanh(s / softcap)``            if softcap
 3. ``s = s + bias - alibi_slope * |p_i - j|``     if bias / alibi_slopes
-4. ``s = -inf`` where the key is not visible      (:mod:`npattn.masks`, mask, lengths)
+4. ``s = -inf`` where the key is not visible      (:mod:`npattn.spec.masks`, mask, lengths)
 5. ``P = softmax(s)`` over keys, with ``sink_logit[h]`` as an extra value-less column
-6. ``P~ = P * keep / (1 - p)``                    dropout (:mod:`npattn.dropout`)
+6. ``P~ = P * keep / (1 - p)``                    dropout (:mod:`npattn.spec.dropout`)
 7. ``out = P~ @ v``
 
 A row with no visible key (or whose visible scores are all -inf) outputs zeros,
@@ -21,7 +21,7 @@ Non-finite inputs follow IEEE arithmetic through these steps, with one rule of
 dependence: a row reads only the keys it sees. A NaN or +inf among a row's visible
 scores makes its softmax, ``out`` row and lse NaN; a NaN or inf in ``v[j]`` reaches
 every row that sees key j, even at weight 0 (``0 * NaN`` is NaN), and no row that
-does not. The backends compute the same (see :mod:`npattn.nonfinite`).
+does not. The backends compute the same (see :mod:`npattn.runtime.nonfinite`).
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from .dropout import keep_mask
-from .problem import dense_keys
-from .results import ForwardResult, Gradients
+from .spec.dropout import keep_mask
+from .spec.problem import dense_keys
+from .spec.results import ForwardResult, Gradients
 
 NAME = "reference"
 
@@ -173,7 +173,7 @@ def visible_keys(problem):
 
 
 def row_positions(problem):
-    """int64 (B or 1, Sq): the key position of each query row (see :mod:`npattn.masks`)."""
+    """int64 (B or 1, Sq): the key position of each query row (see :mod:`npattn.spec.masks`)."""
     xp = problem.xp
     shift = (problem.visibility.shift(problem.q_len, problem.kv_len) if problem.row_shifts is None
              else xp.asarray(problem.row_shifts)[:, None])

@@ -35,9 +35,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 @pytest.fixture(autouse=True)
 def fresh_plans():
-    """Every test starts with no plans kept (npattn/plans.py): a test that changes a
+    """Every test starts with no plans kept (npattn/runtime/plans.py): a test that changes a
     module's constants or functions gets calls planned under them, not an earlier test's."""
-    npattn.plans.clear()
+    npattn.runtime.plans.clear()
 
 
 def backend_params(names=None):

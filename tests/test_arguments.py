@@ -6,7 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from npattn import nn, optim
+from npattn import nn
+from npattn.nn import optim
 from npattn.autograd import Tensor
 
 PARAMETERS = [Tensor(np.zeros(2, np.float32), requires_grad=True)]

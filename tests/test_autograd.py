@@ -331,7 +331,7 @@ def test_cupy_tensors_flow_through_unchanged():
 def test_a_two_layer_attention_model_learns_under_adam():
     """Predict, at every position, the token two places earlier (causal attention must
     learn to look back): the loss falls well below chance."""
-    from npattn.optim import Adam
+    from npattn.nn.optim import Adam
 
     vocab, dim, heads, length, batch = 8, 16, 2, 10, 16
     rng = np.random.default_rng(0)

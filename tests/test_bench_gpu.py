@@ -9,15 +9,15 @@ import types
 import numpy as np
 import pytest
 
-from npattn import bench, bench_gpu, cli
-from npattn.bench_gpu import GpuShape
-from npattn.masks import Visibility
+from npattn.tools import bench, bench_gpu, cli
+from npattn.tools.bench_gpu import GpuShape
+from npattn.spec.masks import Visibility
 
 FACTS = dict(device="Test GPU", torch_version="2.9.0", npattn_version="0.0.test")
 
 
 def test_import_needs_only_numpy():
-    code = ("import sys, npattn.bench_gpu; "
+    code = ("import sys, npattn.tools.bench_gpu; "
             "print(sorted(m for m in ('cupy', 'torch', 'numba', 'ml_dtypes') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from npattn import cli
-from npattn.variants import VARIANTS, Size
+from npattn.tools import cli
+from npattn.tools.variants import VARIANTS, Size
 from tolerances import bound
 
 
@@ -49,7 +49,7 @@ def test_bench_isa_reruns_itself_with_every_librarys_switch(monkeypatch):
 
 
 def test_bench_products_switch_reaches_the_header(monkeypatch):
-    from npattn import bench, timing
+    from npattn.tools import bench, timing
 
     monkeypatch.setattr(timing, "SETTLE_S", 0.0)
     monkeypatch.setattr(bench, "_PEAK_SIZE", 64)
@@ -86,7 +86,7 @@ def test_demo_command_line(tmp_path):
 def test_bench_table_rows_are_consistent(monkeypatch):
     """One tiny shape, one round: every row has its pass and times, and with one round the
     per-round medians reduce to plain ratios of the times (torch only when importable)."""
-    from npattn import bench, timing
+    from npattn.tools import bench, timing
 
     monkeypatch.setattr(timing, "SETTLE_S", 0.0)
     monkeypatch.setattr(bench, "_PEAK_SIZE", 64)
@@ -104,7 +104,7 @@ def test_bench_table_rows_are_consistent(monkeypatch):
 
 
 def test_bench_gpu_says_why_it_cannot_run(capsys):
-    from npattn import bench_gpu
+    from npattn.tools import bench_gpu
 
     reason = bench_gpu.unavailable_reason()
     if reason is None:
@@ -118,7 +118,7 @@ def test_bench_gpu_says_why_it_cannot_run(capsys):
 def test_bench_reads_query_and_key_lengths_and_runs_the_serving_suite(monkeypatch):
     """B,H,HKV,SQ,SK,D shapes (a decode step, a chunk against a cache) count bottom-right
     causal pairs; the serving suite names those of the issue's serving table."""
-    from npattn import bench, timing
+    from npattn.tools import bench, timing
 
     shape = bench.Shape.parse("1,4,2,3,40,16")
     assert (shape.q_len, shape.kv_len, str(shape)) == (3, 40, "(1,4/2kv,3x40,16)")
@@ -186,7 +186,7 @@ def test_warmup_returns_seconds_per_dtype_and_names_a_bad_one():
 def test_bench_adapters_times_each_way_of_calling_against_numpy(monkeypatch, capsys):
     """One tiny shape, one round: numpy's own ratio is 1, and a row for each framework
     importable here, forward and forward+backward."""
-    from npattn import bench, bench_adapters
+    from npattn.tools import bench, bench_adapters
 
     monkeypatch.setattr(bench, "_RUN_S", 0.0)
     results = bench_adapters.compare(bench.Shape(1, 2, 2, 16, 8), repeats=1)
@@ -204,7 +204,7 @@ def test_bench_adapters_times_each_way_of_calling_against_numpy(monkeypatch, cap
 def test_bench_layouts_rows_are_consistent(monkeypatch):
     """The serving layouts' comparison at small sizes: its rows and ratios agree with the
     printed times (torch columns only when importable)."""
-    from npattn import bench_layouts, timing
+    from npattn.tools import bench_layouts, timing
 
     monkeypatch.setattr(timing, "SETTLE_S", 0.0)
     monkeypatch.setattr(bench_layouts, "VARLEN_TOKENS", 640)
@@ -229,7 +229,7 @@ def test_bench_layouts_rows_are_consistent(monkeypatch):
 def test_bench_plans_times_each_call_plain_and_planned():
     import io
 
-    from npattn import bench_plans
+    from npattn.tools import bench_plans
 
     printed = io.StringIO()
     results = bench_plans.compare(calls=2, repeats=1, out=printed)

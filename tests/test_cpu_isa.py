@@ -153,7 +153,7 @@ def test_the_compiled_isa_is_read_from_numbas_target_features(monkeypatch, featu
 
 
 def test_the_bench_forces_every_library_to_the_same_isa():
-    from npattn.cli import bench_isa_variables
+    from npattn.tools.cli import bench_isa_variables
 
     variables = dict(bench_isa_variables("avx2"))
     assert variables == {"NPATTN_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",

@@ -11,7 +11,7 @@ def test_import_loads_no_optional_dependency():
 
 
 def test_autograd_and_optim_need_only_numpy():
-    code = ("import sys, npattn.autograd, npattn.optim; "
+    code = ("import sys, npattn.autograd, npattn.nn.optim; "
             "print(sorted(m for m in ('numba', 'scipy', 'cupy', 'torch', 'jax') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
@@ -60,3 +60,18 @@ def test_no_module_imports_itself_through_others():
                 if target not in seen:
                     seen.add(target)
                     frontier.append(target)
+
+
+def test_the_top_level_holds_the_public_face_only():
+    """The folders are the layers (docs/architecture.rst): at most 12 modules sit directly
+    under npattn/, and every folder there is a package with a docstring saying what it holds."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "npattn"
+    modules = sorted(path.name for path in root.glob("*.py"))
+    assert len(modules) <= 12, modules
+    for folder in (path for path in root.iterdir() if path.is_dir() and not path.name.startswith("__")):
+        init = folder / "__init__.py"
+        assert init.exists(), f"{folder.name}/ is not a package"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{folder.name}/__init__.py has no docstring"

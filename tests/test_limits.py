@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 import npattn
-from npattn import cpu, limits, reference
+from npattn import cpu, reference
+from npattn.runtime import limits
 
 GIB = 1 << 30
 

@@ -1,7 +1,7 @@
 """NaN and inf in the inputs reach exactly the outputs that read them, alike on every backend.
 
 The reference defines it (IEEE arithmetic, where a row reads only the keys it sees; see
-:mod:`npattn.reference` and :mod:`npattn.nonfinite`): here it is checked against a
+:mod:`npattn.reference` and :mod:`npattn.runtime.nonfinite`): here it is checked against a
 loop over rows, and every backend against the reference with NaN, +inf and -inf
 planted at random places of q, k, v and bias, under every option. The CPU kernels are
 also held to the score rules on their own (no fallback to the reference), and no
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import npattn
 from conftest import KERNEL_BACKENDS
 from npattn import cpu, reference
-from npattn.validation import build_problem
+from npattn.spec.validation import build_problem
 from strategies import ALL_OPTIONS, cases
 from tolerances import bound, gradient_bound_terms, output_bound_terms, score_magnitude
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from npattn.autograd import Tensor
-from npattn.optim import SGD, Adam, AdamW, clip_grad_norm
+from npattn.nn.optim import SGD, Adam, AdamW, clip_grad_norm
 from tolerances import assert_close
 
 GRADS = [np.array([0.5, -1.0, 2.0]), np.array([-0.25, 0.75, 1.0]), np.array([1.5, 0.0, -2.0])]

@@ -1,4 +1,4 @@
-"""The options table (npattn/options.py) is the one list of options: every option in it
+"""The options table (npattn/spec/options.py) is the one list of options: every option in it
 is read by every backend's forward and backward, drawn by the test strategies, and shown
 in the public signatures and docs. A new option left out of any of them fails here."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import npattn
-from npattn import options as table
+from npattn.spec import options as table
 from conftest import NUMPY_BACKENDS
 import strategies
 
@@ -87,8 +87,8 @@ def test_every_table_entry_names_slots_that_exist():
     import dataclasses
 
     from npattn.gpu.options import Option as GpuOption
-    from npattn.kernel_params import Int
-    from npattn.problem import AttentionProblem
+    from npattn.spec.kernel_params import Int
+    from npattn.spec.problem import AttentionProblem
 
     fields = {field.name for field in dataclasses.fields(AttentionProblem)}
     for option in table.OPTIONS:
@@ -106,7 +106,7 @@ def _value_for(name):
             "bias": np.zeros((1,), np.float32), "return_weights": True}.get(name, np.zeros(1, np.int64))
 
 
-@pytest.mark.parametrize("name", [name for name in npattn.options.set_by(npattn.options.KVCACHE)
+@pytest.mark.parametrize("name", [name for name in npattn.spec.options.set_by(npattn.spec.options.KVCACHE)
                                   if name != "block_table"])  # (an argument of its own there)
 def test_the_kvcache_call_refuses_what_the_table_says_it_sets(name):
     q, cache = np.ones((1, 1, 1, 4), np.float32), np.zeros((1, 4, 1, 4), np.float32)
@@ -114,8 +114,8 @@ def test_the_kvcache_call_refuses_what_the_table_says_it_sets(name):
         npattn.attention_with_kvcache(q, cache, cache, cache_seqlens=1, **{name: _value_for(name)})
 
 
-@pytest.mark.parametrize("name", [*npattn.options.set_by(npattn.options.VARLEN),
-                                  *npattn.options.refused_by(npattn.options.VARLEN)])
+@pytest.mark.parametrize("name", [*npattn.spec.options.set_by(npattn.spec.options.VARLEN),
+                                  *npattn.spec.options.refused_by(npattn.spec.options.VARLEN)])
 def test_the_packed_call_refuses_what_the_table_says(name):
     x, cu = np.ones((2, 1, 4), np.float32), np.array([0, 2])
     with pytest.raises(TypeError, match=f"attention_varlen does not take {name}"):
@@ -126,21 +126,21 @@ def test_the_gradients_follow_the_tables_order():
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 2, 3, 4))
     given = {"bias": rng.standard_normal((3, 3)), "sink_logits": rng.standard_normal(2)}
-    assert set(npattn.options.DIFFERENTIABLE) == set(given)
+    assert set(npattn.spec.options.DIFFERENTIABLE) == set(given)
     out, vjp = npattn.attention_vjp(q, q, q, **given)
     grads = vjp(np.ones_like(out))[3:]
-    assert [grad.shape for grad in grads] == [given[name].shape for name in npattn.options.DIFFERENTIABLE]
+    assert [grad.shape for grad in grads] == [given[name].shape for name in npattn.spec.options.DIFFERENTIABLE]
     from npattn.adapters.arrays import DIFFERENTIABLE
 
-    assert DIFFERENTIABLE == npattn.options.DIFFERENTIABLE
+    assert DIFFERENTIABLE == npattn.spec.options.DIFFERENTIABLE
 
 
 def test_every_array_option_has_its_ring_sharding_or_is_refused():
-    from npattn.problem import ARRAY_FIELDS
+    from npattn.spec.problem import ARRAY_FIELDS
 
-    refused = npattn.options.refused_by(npattn.options.RING)
-    for option in npattn.options.OPTIONS:
+    refused = npattn.spec.options.refused_by(npattn.spec.options.RING)
+    for option in npattn.spec.options.OPTIONS:
         # (ALiBi slopes pass as a plain value, compared with the other options across ranks)
         if option.field in ARRAY_FIELDS and option.name not in refused and option.name != "alibi_slopes":
             assert option.sharding in ("rows", "shared"), option.name
-    assert set(npattn.options.sharded("rows")) == {"mask", "bias"}
+    assert set(npattn.spec.options.sharded("rows")) == {"mask", "bias"}

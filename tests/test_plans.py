@@ -1,4 +1,4 @@
-"""A call like an earlier one (npattn/plans.py) skips the checks whose outcome is known and
+"""A call like an earlier one (npattn/runtime/plans.py) skips the checks whose outcome is known and
 runs the plan the earlier call left: it must answer exactly as a first call would, and
 every call the checks would reject must still be rejected."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npattn
-from npattn import cpu, plans
+from npattn import cpu
+from npattn.runtime import plans
 from strategies import cases, dims, layouts, to_layout
 
 pytestmark = pytest.mark.skipif(not npattn.backends()["cpu"], reason="needs the cpu backend")

@@ -120,7 +120,7 @@ def test_zigzag_needs_equal_chunks():
 def test_bench_ring_times_the_ring_against_one_process():
     import io
 
-    from npattn import bench_ring
+    from npattn.tools import bench_ring
 
     printed = io.StringIO()
     results = bench_ring.compare(2, (1, 2, 32, 8), repeats=1, out=printed)

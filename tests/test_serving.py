@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import npattn
-from npattn.kvcache import apply_rotary
+from npattn.serving.kvcache import apply_rotary
 from conftest import NUMPY_BACKENDS
 from strategies import Case, Dims
 import tolerances

@@ -9,7 +9,7 @@ import npattn
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PUBLIC_MODULES = ["npattn/__init__.py", "npattn/api.py", "npattn/backends.py", "npattn/warmup.py",
-                  "npattn/types.py", "npattn/limits.py", "npattn/nonfinite.py", "npattn/arguments.py"]
+                  "npattn/types.py", "npattn/runtime/limits.py", "npattn/runtime/nonfinite.py", "npattn/spec/arguments.py"]
 
 
 def test_mypy_passes_on_the_public_modules():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import npattn
-from npattn.viz import plot_attention
+from npattn.tools.viz import plot_attention
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -8,9 +8,9 @@ the device inside the timed call.
 import numpy as np
 
 import npattn
-from npattn import timing
-from npattn.bench import SERVING_SHAPES
-from npattn.variants import VARIANTS, Size
+from npattn.tools import timing
+from npattn.tools.bench import SERVING_SHAPES
+from npattn.tools.variants import VARIANTS, Size
 
 # The float64 reference materializes (B, H, S, S) twice over; keep it to small sizes.
 REFERENCE_MAX_SEQ_LEN = 1024
@@ -34,7 +34,7 @@ def to_device(backend, arrays):
 
 class _ForwardBackward:
     """Timed passes over ``self.q, k, v`` and ``self.options``, set by a subclass's setup
-    through :meth:`prepare`: the passes of npattn.timing, which ``python -m npattn bench``
+    through :meth:`prepare`: the passes of npattn.tools.timing, which ``python -m npattn bench``
     and ``bench --gpu`` time too (synchronizing the device inside the timed call)."""
 
     def prepare(self):
@@ -118,7 +118,7 @@ class Layouts:
     timeout = 300
 
     def setup(self, backend):
-        from npattn import bench_layouts
+        from npattn.tools import bench_layouts
 
         require(backend)
         rng = np.random.default_rng(0)
@@ -202,7 +202,7 @@ class GpuDecode:
 
 
 class Variants:
-    """Every variant of npattn.variants at one size: what each option costs on top of plain MHA."""
+    """Every variant of npattn.tools.variants at one size: what each option costs on top of plain MHA."""
 
     params = (["reference", "cpu", "gpu"], list(VARIANTS))
     param_names = ["backend", "variant"]
@@ -227,14 +227,14 @@ def to_device_options(backend, options):
 
 class Adapters:
     """npattn called through torch and JAX against the same call on NumPy, at (1, 8, 512, 64)
-    causal float32 (:mod:`npattn.bench_adapters`; a framework not installed is skipped)."""
+    causal float32 (:mod:`npattn.tools.bench_adapters`; a framework not installed is skipped)."""
 
     params = (["numpy", "torch tensors", "torch autograd", "jax arrays", "jax jit"],)
     param_names = ["called_as"]
     timeout = 300
 
     def setup(self, called_as):
-        from npattn import bench_adapters
+        from npattn.tools import bench_adapters
 
         runs = bench_adapters.contenders()
         if called_as not in runs:

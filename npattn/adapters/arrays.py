@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _arrays
-from .. import options as _options
-from ..problem import ARRAY_FIELDS
+from ..runtime import arrays as _arrays
+from ..spec import options as _options
+from ..spec.problem import ARRAY_FIELDS
 
 # The options given as arrays, in table order (the framework adapters pass them as
 # array inputs, the rest as static values), and those with gradients, in the order

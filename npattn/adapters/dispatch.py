@@ -1,7 +1,7 @@
 """The public calls as users reach them (``npattn.attention`` and the rest): arrays of any
 kind that speaks DLPack in, the caller's kind out.
 
-:mod:`npattn.api`, :mod:`npattn.varlen` and :mod:`npattn.kvcache` take NumPy and CuPy
+:mod:`npattn.api`, :mod:`npattn.serving.varlen` and :mod:`npattn.serving.kvcache` take NumPy and CuPy
 arrays and know nothing of other frameworks. Each function here wraps one of them: NumPy
 and CuPy arrays go straight through; torch tensors and JAX arrays are viewed natively and
 their results handed back (:mod:`.arrays`), or the call goes to the framework's adapter
@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import api, kvcache, varlen
+from .. import api
+from ..serving import kvcache, varlen
 from . import arrays
 
 

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import api as _api
-from .. import options as _options
-from .. import validation
+from ..spec import options as _options
+from ..spec import validation
 from .arrays import ARRAY_OPTIONS, DIFFERENTIABLE, with_plain_offsets
 
 _OUTPUT_FLAGS = ("return_lse", "return_weights")
@@ -169,7 +169,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     Gradients flow to q, k, v and ``sink_logits``; the backward recomputes the forward
     on the host (a callback keeps no closure between the passes). Array options other
     than ``sink_logits`` and ``alibi_slopes`` must be static, as for :func:`attention`."""
-    from ..varlen import _Plan
+    from ..serving.varlen import _Plan
 
     options = _static_options("attention_varlen", options)
     want_lse = options.pop("return_lse", False)
@@ -208,14 +208,14 @@ class _VarlenStatic(tuple):
 
 
 def _varlen_host_forward(static: _VarlenStatic, q, k, v, cu_q, cu_k, *arrays):
-    from ..varlen import attention_varlen
+    from ..serving.varlen import attention_varlen
 
     return attention_varlen(np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(cu_q), np.asarray(cu_k),
                             return_lse=True, **static.call(arrays))
 
 
 def _varlen_host_backward(static: _VarlenStatic, q, k, v, cu_q, cu_k, dout, *arrays):
-    from ..varlen import attention_varlen_vjp
+    from ..serving.varlen import attention_varlen_vjp
 
     _, vjp = attention_varlen_vjp(np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(cu_q), np.asarray(cu_k),
                                   **static.call(arrays))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .. import api as _api
-from .. import options as _options
+from ..spec import options as _options
 from .arrays import ARRAY_OPTIONS, DIFFERENTIABLE, ForeignKind, with_plain_offsets
 _KIND = ForeignKind(torch)
 _OUTPUT_FLAGS = ("return_lse", "return_weights")
@@ -241,7 +241,7 @@ class _Varlen(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink_logits, call):
-        from ..varlen import attention_varlen_vjp
+        from ..serving.varlen import attention_varlen_vjp
 
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options = call
         native = {name: _native(name, value) if isinstance(value, torch.Tensor) else value

@@ -43,7 +43,7 @@ def forward(problem):
 
 def forward_plan(problem):
     """A callable ``(q, k, v) -> ForwardResult | None`` running the forward of any problem
-    of ``problem``'s signature without option arrays (see :mod:`npattn.plans`)."""
+    of ``problem``'s signature without option arrays (see :mod:`npattn.runtime.plans`)."""
     from .driver import forward_plan as plan
     from .tuning import current
     return plan(problem, current())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 
 from numba.core import caching
 
@@ -24,14 +25,14 @@ from .isa import apply_forced_isa
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# Outside this package, the kernels read the parameter positions of kernel_params.py,
-# which the options table (options.py) numbers: its file and the numbering itself (not
+# Outside this package, the kernels read the parameter positions of spec/kernel_params.py,
+# which the options table (spec/options.py) numbers: its file and the numbering itself (not
 # the whole options.py, whose checks and docs change no machine code) go into the stamp.
-_KERNEL_INPUTS = ("kernel_params.py",)
+_KERNEL_INPUTS = (os.path.join("spec", "kernel_params.py"),)
 
 
 def _package_digest() -> str:
-    from ..kernel_params import OPERANDS, Int, Real, Span
+    from ..spec.kernel_params import OPERANDS, Int, Real, Span
 
     digest = hashlib.sha256()
     parent = os.path.dirname(_HERE)
@@ -45,6 +46,29 @@ def _package_digest() -> str:
 
 
 _DIGEST = _package_digest()
+_DIGEST_CHARS = 12
+_ENTRY = re.compile(r"\.nb[ic]$")
+_cleaned: set[str] = set()
+
+
+def _remove_stale_entries(path: str) -> None:
+    """Delete the cache files in ``path`` (a directory holding only this package's
+    kernels) written by other versions of the package, once per process: they can never
+    be read again. Best effort: a file another process removes first is no error."""
+    if path in _cleaned:
+        return
+    _cleaned.add(path)
+    ours = f"_{_DIGEST[:_DIGEST_CHARS]}.py"
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        if _ENTRY.search(name) and ours not in name:
+            try:
+                os.remove(os.path.join(path, name))
+            except OSError:
+                pass
 
 
 class PackageStampedLocator(caching._CacheLocator):
@@ -58,6 +82,7 @@ class PackageStampedLocator(caching._CacheLocator):
 
     def ensure_cache_path(self):
         self._inner.ensure_cache_path()
+        _remove_stale_entries(self._inner.get_cache_path())
 
     def get_cache_path(self):
         return self._inner.get_cache_path()
@@ -66,7 +91,11 @@ class PackageStampedLocator(caching._CacheLocator):
         return (self._inner.get_source_stamp(), _DIGEST)
 
     def get_disambiguator(self):
-        return self._inner.get_disambiguator()
+        # The digest in the file names, not only in the stamp: Numba unpickles an index
+        # before it compares stamps, and an index written before a module of npattn was
+        # moved or renamed names types that no longer import (a ModuleNotFoundError
+        # instead of a cache miss).
+        return f"{self._inner.get_disambiguator()}_{_DIGEST[:_DIGEST_CHARS]}"
 
     @classmethod
     def from_function(cls, py_func, py_file):

@@ -5,10 +5,10 @@ import contextlib
 
 import numpy as np
 
-from ..kernel_params import sink_logits_gradient
-from ..plans import PlanCache
-from ..problem import signature
-from ..results import ForwardResult, Gradients
+from ..spec.kernel_params import sink_logits_gradient
+from ..runtime.plans import PlanCache
+from ..spec.problem import signature
+from ..spec.results import ForwardResult, Gradients
 from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from . import folding, splitting
 from .blas import single_threaded_blas

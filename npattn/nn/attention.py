@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import autograd as ag
-from .. import arguments
+from ..spec import arguments
 from .layers import LayerNorm, Linear, RMSNorm
 from .module import Module, parameter
 from .multiway import Multiway

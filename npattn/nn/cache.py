@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import arguments
+from ..spec import arguments
 from ..adapters.dispatch import attention_with_kvcache
 
 

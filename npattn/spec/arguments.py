@@ -1,4 +1,4 @@
-"""Checks of the arguments of modules, layers, caches and optimizers (npattn.nn, npattn.optim).
+"""Checks of the arguments of modules, layers, caches and optimizers (npattn.nn, npattn.nn.optim).
 
 Each check returns the normalized value or raises an error naming the class, the
 argument, what it must be and what it got, e.g.

@@ -24,10 +24,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import _arrays, api, checks
-from . import options as _options
-from .api import attention, attention_vjp
-from .types import Array
+from ..runtime import arrays as _arrays
+from .. import api
+from ..spec import checks
+from ..spec import options as _options
+from ..api import attention, attention_vjp
+from ..types import Array
 
 # Options the packed call sets itself or cannot take, and why (the options table says which):
 # those of a padded batch, which a packed one replaces, and the weights (a (total, total)
@@ -38,7 +40,7 @@ _RESERVED = {**{name: "packed sequences replace a padded batch" for name in _opt
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None, **options: Any) -> Any:
-    """Attention over the packed sequences of ``q``, ``k``, ``v`` (see :mod:`npattn.varlen`).
+    """Attention over the packed sequences of ``q``, ``k``, ``v`` (see :mod:`npattn.serving.varlen`).
 
     q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv); ``cu_seqlens_q`` and ``cu_seqlens_k``
     int (B + 1,), nondecreasing from 0 to Tq and Tk (a sequence may be empty).

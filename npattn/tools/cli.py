@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 import npattn
-from .checks import FLOAT_DTYPE_NAMES
+from ..spec.checks import FLOAT_DTYPE_NAMES
 from .variants import VARIANTS, Size
 
 _THREAD_VARIABLES = ("NPATTN_NUM_THREADS", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
@@ -42,11 +42,11 @@ def info() -> str:
 
 def _cpu_isa() -> str:
     """The vector ISA the CPU kernels compile for, or why there is none."""
-    from . import cpu
+    from .. import cpu
 
     if cpu.unavailable_reason():
         return "(cpu backend unavailable)"
-    from .cpu import isa, simd
+    from ..cpu import isa, simd
 
     forced = os.environ.get(isa.FORCE_VARIABLE)
     return simd.ISA + (f" (forced by {isa.FORCE_VARIABLE}={forced})" if forced else "")
@@ -63,7 +63,7 @@ def demo(size: Size = Size(), dtype=np.float32, repeats: int = 3, out=sys.stdout
           f"({size.batch}, {size.heads}, {size.seq_len}, {size.head_dim}), {np.dtype(dtype).name}, "
           f"errors against the float64 reference", file=out)
     if "cpu" in backends:
-        from .warmup import warmup
+        from ..warmup import warmup
 
         print("compiling the CPU kernels (or loading them from Numba's cache)...", end=" ", file=out, flush=True)
         seconds = warmup(dtypes=(np.dtype(dtype).name,))
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
         demo(Size(seq_len=args.seq_len, head_dim=args.head_dim), dtype=np.dtype(args.dtype),
              plot_path=args.plot or None)
     else:
-        from .cpu.isa import FORCE_VARIABLE
+        from ..cpu.isa import FORCE_VARIABLE
 
         if args.isa and not args.gpu and os.environ.get(FORCE_VARIABLE) != args.isa:  # not yet the child
             return _rerun_with(bench_isa_variables(args.isa), argv)
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
 
 def _compile(dtypes) -> int:
     """``python -m npattn compile``: warm the CPU kernels, one line per dtype."""
-    from .warmup import warmup
+    from ..warmup import warmup
 
     print("compiling the CPU kernels (or loading them from Numba's cache)...", flush=True)
     try:
@@ -293,7 +293,7 @@ def bench_isa_variables(isa: str) -> list[tuple[str, str]]:
     """The environment that makes npattn (Numba), torch (ATen's kernels, and the oneDNN and
     MKL products under them) and OpenBLAS (NumPy's matmul, SciPy's fallback products) all
     run as on a CPU whose widest vectors are ``isa``."""
-    from .cpu.isa import FORCE_VARIABLE
+    from ..cpu.isa import FORCE_VARIABLE
 
     return [(FORCE_VARIABLE, isa), ("ATEN_CPU_CAPABILITY", isa), ("ONEDNN_MAX_CPU_ISA", isa.upper()),
             ("MKL_ENABLE_INSTRUCTIONS", isa.upper()), ("OPENBLAS_CORETYPE", "Haswell")]

@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from ._arrays import array_module, is_cupy
-from .adapters.dispatch import attention, attention_vjp
+from ..runtime.arrays import array_module, is_cupy
+from ..adapters.dispatch import attention, attention_vjp
 
 
 def synchronizer(array):

@@ -33,15 +33,17 @@ from typing import Any
 
 import numpy as np
 
-from . import _arrays, api, checks
-from . import limits as _limits
-from . import options as _options
-from .types import Outputs
+from ..runtime import arrays as _arrays
+from .. import api
+from ..spec import checks
+from ..runtime import limits as _limits
+from ..spec import options as _options
+from ..types import Outputs
 
 # Options attention_with_kvcache sets from its own arguments (the options table says which).
 _RESERVED = _options.set_by(_options.KVCACHE)
 # Slots the caches hold at most as many as this per sequence: the kernels count positions in
-# int32 arithmetic with room to spare (npattn.options.Q_OFFSET_LIMIT)
+# int32 arithmetic with room to spare (npattn.spec.options.Q_OFFSET_LIMIT)
 POSITION_LIMIT = _options.Q_OFFSET_LIMIT
 
 
@@ -52,7 +54,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     """Append ``k`` and ``v`` to the caches (in place) after each sequence's cached keys,
     then return :func:`npattn.attention` of ``q`` against every sequence's keys.
 
-    Shapes (see :mod:`npattn.kvcache`): q (B, Sq, H, D); k_cache, v_cache (Bc, S, Hkv, D/Dv)
+    Shapes (see :mod:`npattn.serving.kvcache`): q (B, Sq, H, D); k_cache, v_cache (Bc, S, Hkv, D/Dv)
     or, with ``block_table`` (B, P) int, paged pools (pages, page_size, Hkv, D/Dv); k, v
     (B, Sn, Hkv, D/Dv) or None (no append); ``cache_seqlens`` int or int (B,), with
     ``cache_seqlens + Sn`` at most the cache's length (S, or P * page_size);

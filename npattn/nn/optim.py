@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 
-from . import arguments
-from ._arrays import array_module
+from ..spec import arguments
+from ..runtime.arrays import array_module
 
 
 class Optimizer:

@@ -8,7 +8,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from . import _arrays
+from ..runtime import arrays as _arrays
 from .dropout import seed_words
 from .options import OPTIONS
 

@@ -190,8 +190,8 @@ def _milliseconds(ms: float) -> str:
 
 def _npattn_isa() -> str:
     """What the CPU backend's tile products run on here."""
-    from .cpu.simd import ISA
-    from .cpu.tuning import current
+    from ..cpu.simd import ISA
+    from ..cpu.tuning import current
 
     names = {"avx512": "AVX-512", "avx2": "AVX2", "baseline": "SSE"}
     products = "micro-kernels" if current().vector_products else "SciPy's BLAS"
@@ -231,7 +231,7 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
     """Time every shape x causal; print the table; return its rows (times in ms). ``products``
     ("vector" or "blas") forces npattn's tile products (see :func:`npattn.cpu.products`)."""
     if products is not None:
-        from . import cpu
+        from .. import cpu
 
         with cpu.products(products):
             return compare(shapes, repeats, backward, out, progress)

@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from .adapters.dispatch import attention, attention_with_kvcache
-from .api import plan
-from .kvcache import plan_with_kvcache
+from ..adapters.dispatch import attention, attention_with_kvcache
+from ..api import plan
+from ..serving.kvcache import plan_with_kvcache
 
 
 def best_us(call, calls: int, repeats: int) -> float:

@@ -9,7 +9,7 @@
   10%), at two page sizes, and torch SDPA on the contiguous cache with a mask of each
   sequence's length.
 
-Times are medians of interleaved runs (:mod:`npattn.timing`), ratios medians of the
+Times are medians of interleaved runs (:mod:`npattn.tools.timing`), ratios medians of the
 per-round ratios; ``gpu=True`` runs npattn on CuPy arrays (torch on CUDA) instead.
 """
 from __future__ import annotations

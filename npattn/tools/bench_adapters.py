@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .adapters.dispatch import attention, attention_vjp
+from ..adapters.dispatch import attention, attention_vjp
 from .bench import Shape, _calls_per_run, _repeated
 from .timing import elapsed, interleaved_samples
 

@@ -5,7 +5,7 @@ Two suites of rows (``--suite``). Prefill: shapes (B, H, Hkv, S, D), causal or n
 forward and forward+backward. Decode: one query row against a KV cache of Sk keys, forward
 only and not causal (with one row, bottom-right causal hides nothing). Every timed call
 ends with a device synchronize; npattn and torch alternate in one process (A B A B ...),
-medians reported. TFLOP/s count the useful flops as in :mod:`npattn.bench` (causal counts
+medians reported. TFLOP/s count the useful flops as in :mod:`npattn.tools.bench` (causal counts
 only the visible pairs, bottom-right aligned as npattn's causal is); decode rows also give
 GB/s of K and V read, since a decode step is bound by reading the cache.
 
@@ -48,7 +48,7 @@ class GpuShape:
 
     @classmethod
     def prefill(cls, shape: Shape) -> "GpuShape":
-        """A (B, H, Hkv, S, D) shape of :mod:`npattn.bench`: as many queries as keys."""
+        """A (B, H, Hkv, S, D) shape of :mod:`npattn.tools.bench`: as many queries as keys."""
         return cls(shape.batch, shape.heads, shape.kv_heads, shape.seq_len, shape.seq_len, shape.head_dim)
 
     @classmethod

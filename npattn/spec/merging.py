@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import array_module
+from ..runtime.arrays import array_module
 
 
 def merge(out_parts, lse_parts, out, lse) -> None:

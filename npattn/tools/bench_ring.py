@@ -36,7 +36,7 @@ def compare(ranks: int, shape=DEFAULT_SHAPE, sharding: str = "zigzag", repeats: 
         raise RuntimeError("bench --ring needs mpiexec: pip install 'npattn[mpi]' (mpi4py and the MPICH wheel)")
     results = {}
     for name, count, layout in (("one process", 1, "contiguous"), ("ring", ranks, sharding)):
-        command = [mpiexec, "-n", str(count), sys.executable, "-m", "npattn.bench_ring", ",".join(map(str, shape)),
+        command = [mpiexec, "-n", str(count), sys.executable, "-m", "npattn.tools.bench_ring", ",".join(map(str, shape)),
                    layout, str(repeats), "1" if backward else "0"]
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "NPATTN_NUM_THREADS": "1"})
         if done.returncode != 0:
@@ -57,7 +57,7 @@ def _rank_main(shape_text: str, sharding: str, repeats: int, backward: bool) -> 
     """One rank of a timed run: prints the slowest rank's medians as JSON (on rank 0)."""
     from mpi4py import MPI
 
-    from .distributed import ring_attention, ring_attention_vjp, shard
+    from ..distributed import ring_attention, ring_attention_vjp, shard
 
     comm = MPI.COMM_WORLD
     rank, ranks = comm.Get_rank(), comm.Get_size()

@@ -14,13 +14,14 @@ leak a value the row never reads. So a result is checked after the kernel, at th
 of a min and a max over ``out``: finite, it stands; not (a NaN or an inf), the call is
 answered by the float64 reference, and its vjp by the reference's backward (a
 MemoryError says so first when the reference's S x S arrays cannot fit:
-:mod:`npattn.limits`). Finite inputs pay a min and a max over out (and over dout and
+:mod:`npattn.runtime.limits`). Finite inputs pay a min and a max over out (and over dout and
 the gradients in the backward) and get the kernels' results.
 """
 from __future__ import annotations
 
-from . import limits, reference
-from ._arrays import all_finite, all_finite_arrays
+from . import limits
+from .. import reference
+from .arrays import all_finite, all_finite_arrays
 
 
 def forward(problem, implementation):
