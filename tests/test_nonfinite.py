@@ -206,3 +206,23 @@ def test_the_references_visible_product_is_ieee_over_the_visible_terms(seed, pla
     with np.errstate(all="ignore"):
         actual = reference._visible_matmul(np, a, b, visible)
     assert_same_values(actual, expected, np.float64, n, 4.0, "product")
+
+
+@given(dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+       shape=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+       order=st.randoms(use_true_random=False), step=st.sampled_from([1, 2]),
+       special=st.sampled_from([None, np.nan, np.inf, -np.inf]), place=st.integers(0, 10**6),
+       huge=st.booleans())
+def test_all_finite_agrees_with_isfinite_in_every_memory_order(dtype, shape, order, step, special, place, huge):
+    """The check every result passes (a BLAS sum of squares first, min and max when that is
+    not finite) says what ``np.isfinite(a).all()`` says: for permuted and strided views, with
+    values whose squares overflow (the sum is inf, every element finite) and with one NaN or inf."""
+    from npattn.runtime.arrays import all_finite
+
+    base = np.full([*shape[:-1], shape[-1] * step], np.finfo(dtype).max if huge else 1.5, dtype)
+    if special is not None:
+        base.reshape(-1)[place % base.size] = special
+    axes = list(range(base.ndim))
+    order.shuffle(axes)
+    view = base[..., ::step].transpose(axes)
+    assert all_finite(view) == bool(np.isfinite(view).all())

@@ -4,6 +4,7 @@ every call the checks would reject must still be rejected."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import weakref
 
@@ -319,3 +320,28 @@ def test_attention_backward_checks_out_lse_and_dout_after_a_planned_call():
     expected = npattn.attention_backward(q, k, v, out, lse, np.ones_like(out))
     wide = npattn.attention_backward(q, k, v, out.astype(np.float64), lse, np.ones(out.shape))
     _same(expected, wide)
+
+
+def test_a_planned_call_passes_through_few_modules():
+    """A repeated ``attention(..., causal=True, window=...)`` call runs its plan: from the
+    public function to the kernel it enters at most 12 of npattn's modules (the full path's
+    first call entered 24, switching modules 119 times)."""
+    import sys
+
+    q = np.random.default_rng(0).standard_normal((1, 8, 16, 64)).astype(np.float32)
+    for _ in range(3):
+        npattn.attention(q, q, q, causal=True, window=(4, 0))
+    entered = []
+
+    def note(frame, event, arg):
+        if event == "call" and f"{os.sep}npattn{os.sep}" in frame.f_code.co_filename:
+            entered.append(frame.f_code.co_filename.rpartition(f"{os.sep}npattn{os.sep}")[2])
+
+    sys.setprofile(note)
+    try:
+        npattn.attention(q, q, q, causal=True, window=(4, 0))
+    finally:
+        sys.setprofile(None)
+    assert "cpu/forward_kernel.py" in entered or "cpu/threads.py" in entered, entered
+    assert "spec/validation.py" not in entered and "spec/options.py" not in entered, sorted(set(entered))
+    assert len(set(entered)) <= 12, sorted(set(entered))

@@ -529,3 +529,31 @@ def test_varlen_non_finite_values_reach_only_the_rows_that_see_them(backend):
     assert np.isfinite(lse).all()
     dq, dk, dv = vjp(np.ones_like(out))
     assert np.isfinite(dq[:3]).all() and np.isfinite(dk[7:]).all()
+
+
+@given(batch=st.integers(1, 3), q_len=st.integers(1, 4), extra=st.integers(0, 60), kv_heads=st.sampled_from([1, 2, 8]),
+       new=st.integers(0, 2), options=st.sampled_from([{}, dict(causal=True), dict(causal=True, window=(5, 0)),
+                                                       dict(alibi_slopes=np.linspace(0.1, 0.8, 8)),
+                                                       dict(causal=True, sinks=2, window=(3, 0))]),
+       seed=st.integers(0, 2**31))
+def test_a_step_whose_sequences_hold_equal_keys_gives_the_bits_of_explicit_lengths(batch, q_len, extra, kv_heads, new,
+                                                                                    options, seed):
+    """A contiguous cache whose sequences all hold the same number of keys runs its attention
+    without per-entry lengths and offsets (the default alignment says the same): the output
+    is bit for bit the call with them, and the appended keys land where they belong."""
+    rng = np.random.default_rng(seed)
+    cached, heads, dim = q_len + extra, 8, 16
+    q = rng.standard_normal((batch, q_len, heads, dim)).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((batch, cached + new + 3, kv_heads, dim)).astype(np.float32)
+                        for _ in range(2))
+    k, v = ((rng.standard_normal((batch, new, kv_heads, dim)).astype(np.float32) for _ in range(2)) if new
+            else (None, None))
+    expected_k, expected_v = k_cache.copy(), v_cache.copy()
+    if new:
+        expected_k[:, cached:cached + new], expected_v[:, cached:cached + new] = k, v
+    keys = cached + new
+    expected = npattn.attention(q, expected_k[:, :keys], expected_v[:, :keys], layout="bshd",
+                                q_offset=np.full(batch, keys - q_len), kv_lengths=np.full(batch, keys), **options)
+    out = npattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cached, **options)
+    assert np.array_equal(out, expected)
+    assert np.array_equal(k_cache, expected_k) and np.array_equal(v_cache, expected_v)

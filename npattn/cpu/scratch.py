@@ -9,6 +9,7 @@ function of its own that every kernel links and optimizes again.
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -70,8 +71,8 @@ def scratch_set(specs: tuple) -> tuple:
 
 def _allocate(size: int, dtype: np.dtype) -> np.ndarray:
     raw = np.empty(size * dtype.itemsize + _ALIGN_BYTES, np.uint8)
-    # the address through the array interface: ``raw.ctypes`` builds a ctypes object, 5 us
-    start = -raw.__array_interface__["data"][0] % _ALIGN_BYTES
+    # (``raw.ctypes.data``: 1 us on NumPy 2, where the array interface's dict took 2)
+    start = -raw.ctypes.data % _ALIGN_BYTES
     return raw[start:start + size * dtype.itemsize].view(dtype)
 
 
@@ -80,7 +81,7 @@ def aligned_zeros(shape: tuple, dtype) -> np.ndarray:
     store whole vectors into, and that JAX takes without a copy (it copies a buffer off
     a 64-byte boundary; NumPy's own arrays start 16 bytes past one)."""
     dtype = np.dtype(dtype)
-    array = _allocate(int(np.prod(shape)), dtype).reshape(shape)
+    array = _allocate(math.prod(shape), dtype).reshape(shape)  # (np.prod: 3 us)
     array.fill(0)
     return array
 
