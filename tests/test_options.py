@@ -144,3 +144,35 @@ def test_every_array_option_has_its_ring_sharding_or_is_refused():
         if option.field in ARRAY_FIELDS and option.name not in refused and option.name != "alibi_slopes":
             assert option.sharding in ("rows", "shared"), option.name
     assert set(npattn.spec.options.sharded("rows")) == {"mask", "bias"}
+
+
+# The options whose decisive examples stop the CPU's GQA fold: they read a row's own head or
+# row index (per-head arrays, masks and biases per head, dropout's hash) or bound a row's keys
+# on the left (a window; sinks come with one). Dropout's seed and offset come with dropout.
+STOP_THE_FOLD = {"window", "sinks", "sink_logits", "mask", "bias", "alibi_slopes", "dropout_p", "seed",
+                 "dropout_offset"}
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_the_gqa_fold_stops_for_the_options_the_table_says(name):
+    """The CPU folds a GQA group's heads into one kv head's rows unless an option's ``folds``
+    entry in the table stops it (cpu/folding.py keeps no list of its own): each option's
+    decisive example, with a group of 2 and one query row (decoding) and with 5 rows,
+    folds exactly when it is not in STOP_THE_FOLD."""
+    from npattn.cpu import folding
+    from npattn.cpu.tuning import current
+    from npattn.spec.validation import build_problem
+
+    baseline, change = EXAMPLES[name]
+    for q_len in (1, SQ):
+        rng = np.random.default_rng(0)
+        q = rng.normal(size=(B, H, q_len, D))
+        k, v = (rng.normal(size=(B, HKV, SK, D)) for _ in "kv")
+        options = {**baseline, **change}
+        if name in ("mask", "bias"):
+            options[name] = options[name][..., -q_len:, :]
+        if name in ("q_lengths", "q_start"):
+            options[name] = np.minimum(options[name], q_len)
+        problem = build_problem(q, k, v, **options)
+        assert folding.foldable(problem, current()) == (name not in STOP_THE_FOLD), (name, q_len)
+    assert (table.BY_NAME[name].folds is not None) == (name in STOP_THE_FOLD - {"seed", "dropout_offset"})

@@ -33,14 +33,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..spec.options import FOLD_CONDITIONS
+
 
 def foldable(problem, tuning) -> bool:
-    """Whether ``problem``'s forward folds under ``tuning`` (its query tile's rows)."""
+    """Whether ``problem``'s forward folds under ``tuning``: a GQA group whose rows fit one
+    query tile, no packed rows, and every option as the table's ``folds`` allows."""
     return (problem.group_size > 1 and problem.q_len * problem.group_size <= tuning.forward[0]
-            and problem.mask is None and problem.bias is None
-            and problem.alibi_slopes is None and problem.sink_logits is None and problem.dropout_p == 0
-            and problem.visibility.window_left is None and (problem.q_len == 1 or problem.visibility.sinks == 0)
-            and not problem.packed_rows)
+            and not problem.packed_rows and all(allows(problem) for allows in FOLD_CONDITIONS))
 
 
 def fold(problem):

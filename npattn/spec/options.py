@@ -120,6 +120,7 @@ class Option:
     set_by: tuple[str, ...] = ()
     refused_by: tuple[tuple[str, str], ...] = ()
     sharding: str = "plain"
+    folds: Callable[[Any], bool] | None = None
 
 
 # Facts about single options that the calls built on attention read (the serving calls,
@@ -132,7 +133,11 @@ class Option:
 # - refused_by: (call, why) for the calls that cannot take it;
 # - sharding: across the ranks of ring attention, "plain" (a value every rank passes alike),
 #   "shared" (an array every rank passes alike) or "rows" (each rank passes its own query
-#   rows of the whole problem's array).
+#   rows of the whole problem's array);
+# - folds: whether, as a problem uses it, the option lets the CPU fold a GQA group's query
+#   heads into the rows of one kv head (a folded tile mixes the group's heads, and row r
+#   sits at position r // group): None where it never stops the fold; an option that reads
+#   a row's own head or row index, or bounds a row's keys on the left, stops it.
 KVCACHE = "attention_with_kvcache"
 VARLEN = "attention_varlen"
 RING = "ring attention"
@@ -144,6 +149,10 @@ _LEFT_PADDING_RING = "left padding moves each entry's rows and keys; shard the r
 
 def _has(field):
     return lambda problem: getattr(problem, field) is not None
+
+
+def _lacks(field):
+    return lambda problem: getattr(problem, field) is None
 
 
 def _window_set(problem):
@@ -185,36 +194,38 @@ OPTIONS: tuple[Option, ...] = (
            "None, int w (-> (w, w), or (w, 0) when causal) or (left, right) with None for an "
            "unbounded side; bounds past Sq + Sk mean none.",
            lambda value, call: _check_window(value, call.reach),
-           present=_window_set, gpu_option="BAND"),
+           present=_window_set, gpu_option="BAND", folds=lambda problem: problem.visibility.window_left is None),
     Option("sinks", 0, "visibility",
            "int: the first keys stay visible despite the window (past Sk: all of them).",
-           lambda value, call: min(checks.check_count("sinks", value), call.kv_len)),
+           lambda value, call: min(checks.check_count("sinks", value), call.kv_len),
+           folds=lambda problem: problem.q_len == 1 or problem.visibility.sinks == 0),
     Option("sink_logits", None, "softmax",
            "(H,) float, finite: a value-less logit per head in every row's softmax.",
            lambda value, call: checks.check_finite_values(
                "sink_logits", checks.check_vector("sink_logits", value, call.q, (call.heads,), "(H,)"),
                call.compute),
            field="sink_logits", present=_has("sink_logits"), flag="HAS_SINK", gpu_option="SINK",
-           gradient=1, per_head=True, sharding="shared"),
+           gradient=1, per_head=True, sharding="shared", folds=_lacks("sink_logits")),
     Option("mask", None, "visibility",
            "bool, broadcastable to (B, H, Sq, Sk); True = may attend.",
            lambda value, call: checks.check_broadcastable("mask", value, call.q, call.scores_shape,
                                                           want_bool=True),
            field="mask", present=_has("mask"), flag="HAS_MASK", gpu_option="MASK", per_score=True,
-           refused_by=((VARLEN, _PACKED), (HEADS, _WHOLE_ROWS)), sharding="rows"),
+           refused_by=((VARLEN, _PACKED), (HEADS, _WHOLE_ROWS)), sharding="rows", folds=_lacks("mask")),
     Option("bias", None, "score",
            "float, broadcastable to (B, H, Sq, Sk), added to the scores (-inf hides a key).",
            lambda value, call: checks.check_broadcastable("bias", value, call.q, call.scores_shape,
                                                           want_bool=False),
            field="bias", present=_has("bias"), flag="HAS_BIAS", gpu_option="BIAS", per_score=True,
-           gradient=0, refused_by=((VARLEN, _PACKED), (HEADS, _WHOLE_ROWS)), sharding="rows"),
+           gradient=0, refused_by=((VARLEN, _PACKED), (HEADS, _WHOLE_ROWS)), sharding="rows",
+           folds=_lacks("bias")),
     Option("alibi_slopes", None, "score",
            "(H,) or (B, H) float: -slope * abs(p_i - j) added to the scores; finite even "
            "times Sq + Sk in the compute dtype.",
            lambda value, call: _check_alibi(value, call.q, call.batch, call.heads, call.reach,
                                                   call.compute),
            field="alibi_slopes", present=_has("alibi_slopes"), flag="HAS_ALIBI", gpu_option="ALIBI",
-           per_score=True, per_entry=True, per_head=True),
+           per_score=True, per_entry=True, per_head=True, folds=_lacks("alibi_slopes")),
     _row_bounds("q_lengths", "q", "int (B,): rows past q_lengths[b] are padding and output zeros.",
                 present=None, set_by=(KVCACHE, VARLEN), sharding="shared"),
     _row_bounds("kv_lengths", "kv", "int (B,): keys past kv_lengths[b] are padding and never seen.",
@@ -236,7 +247,8 @@ OPTIONS: tuple[Option, ...] = (
            lambda value, call: _check_dropout_p(value),
            field="dropout_p", present=lambda problem: problem.dropout_p > 0, flag="HAS_DROPOUT",
            gpu_option="DROPOUT", real=("KEEP_SCALE", lambda problem: 1.0 / (1.0 - problem.dropout_p)),
-           repeatable=lambda value: not value),  # on: a fresh seed per call
+           repeatable=lambda value: not value,  # on: a fresh seed per call
+           folds=lambda problem: problem.dropout_p == 0),  # the mask hashes each row's head and index
     Option("seed", None, "randomness",
            "int, or None for a fresh random seed (remembered by attention_vjp).",
            lambda value, call: _check_seed(value, call.checked["dropout_p"]),
@@ -284,6 +296,10 @@ NAMES = tuple(BY_NAME)
 # the options with gradients, in the order the vjps return theirs (after dq, dk, dv)
 DIFFERENTIABLE = tuple(option.name for option in sorted((o for o in OPTIONS if o.gradient is not None),
                                                         key=lambda o: o.gradient))
+
+
+# the options that may stop a GQA fold (see Option.folds), each as its condition
+FOLD_CONDITIONS = tuple(option.folds for option in OPTIONS if option.folds is not None)
 
 
 def set_by(call: str) -> tuple[str, ...]:
