@@ -169,7 +169,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     Gradients flow to q, k, v and ``sink_logits``; the backward recomputes the forward
     on the host (a callback keeps no closure between the passes). Array options other
     than ``sink_logits`` and ``alibi_slopes`` must be static, as for :func:`attention`."""
-    from ..serving.varlen import _Plan
+    from ..serving.varlen import _PackedCall
 
     options = _static_options("attention_varlen", options)
     want_lse = options.pop("return_lse", False)
@@ -185,7 +185,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         return np.asarray(value) if isinstance(value, jax.Array) else value
 
     names = tuple(name for name in ("sink_logits", "alibi_slopes") if options.get(name) is not None)
-    _Plan.of(host(q), host(k), host(v), host(cu_seqlens_q, np.shape(q)[0]), host(cu_seqlens_k, np.shape(k)[0]),
+    _PackedCall.of(host(q), host(k), host(v), host(cu_seqlens_q, np.shape(q)[0]), host(cu_seqlens_k, np.shape(k)[0]),
              max_seqlen_q, max_seqlen_k, {name: host(value) for name, value in options.items()})
     arrays = tuple(jnp.asarray(options.pop(name)) for name in names)
     static = _VarlenStatic(names, (max_seqlen_q, max_seqlen_k), tuple(sorted(options.items())))

@@ -33,28 +33,28 @@ def check_heads(ranks: int, heads: int, kv_heads: int, options: dict) -> None:
             raise ValueError(f"strategy='heads' does not take {name}: {what}")
 
 
-def _to_heads(ring, plan, x, tag):
+def _to_heads(ring, schedule, x, tag):
     """(B, H', S_local, ...) sequence shards -> (B, H'/R, S, ...): this rank's head group,
     the whole sequence in global order."""
     group = x.shape[1] // ring.size
     sends = [x[:, peer * group:(peer + 1) * group] for peer in range(ring.size)]
-    shapes = [(x.shape[0], group, sum(c.length for c in plan.chunks[peer]), *x.shape[3:]) for peer in range(ring.size)]
+    shapes = [(x.shape[0], group, sum(c.length for c in schedule.chunks[peer]), *x.shape[3:]) for peer in range(ring.size)]
     received = ring.exchange(sends, shapes, x.dtype, tag)
     total = sum(shape[2] for shape in shapes)
     whole = array_module(x).empty((x.shape[0], group, total, *x.shape[3:]), x.dtype)
     for peer, part in enumerate(received):
-        for chunk in plan.chunks[peer]:
+        for chunk in schedule.chunks[peer]:
             whole[:, :, chunk.global_start:chunk.global_start + chunk.length] = \
                 part[:, :, chunk.local_start:chunk.local_start + chunk.length]
     return whole
 
 
-def _to_sequence(ring, plan, y, tag):
+def _to_sequence(ring, schedule, y, tag):
     """:func:`_to_heads`'s inverse: (B, H'/R, S, ...) -> this rank's (B, H', S_local, ...)."""
     xp = array_module(y)
-    sends = [xp.concatenate([y[:, :, c.global_start:c.global_start + c.length] for c in plan.chunks[peer]], axis=2)
+    sends = [xp.concatenate([y[:, :, c.global_start:c.global_start + c.length] for c in schedule.chunks[peer]], axis=2)
              for peer in range(ring.size)]
-    local = sum(c.length for c in plan.chunks[ring.rank])
+    local = sum(c.length for c in schedule.chunks[ring.rank])
     shapes = [(y.shape[0], y.shape[1], local, *y.shape[3:])] * ring.size
     return xp.concatenate(ring.exchange(sends, shapes, y.dtype, tag), axis=1)
 
@@ -73,22 +73,22 @@ def _head_options(ring, heads: int, options: dict) -> dict:
     return result
 
 
-def forward(ring, plan, q, k, v, options: dict, backward: bool):
+def forward(ring, schedule, q, k, v, options: dict, backward: bool):
     """The rank's (out, lse) as sequence shards (bhsd, compute dtype), and a function of the
     rank's dout giving [dq, dk, dv] (and dsink_logits when given)."""
     heads = q.shape[1]
-    qh, kh, vh = (_to_heads(ring, plan, x, tag=200 + index) for index, x in enumerate((q, k, v)))
+    qh, kh, vh = (_to_heads(ring, schedule, x, tag=200 + index) for index, x in enumerate((q, k, v)))
     call = _head_options(ring, heads, options)
     if backward:
         (out_h, lse_h), vjp = attention_vjp(qh, kh, vh, return_lse=True, **call)
     else:
         out_h, lse_h = attention(qh, kh, vh, return_lse=True, **call)
-    out = _to_sequence(ring, plan, out_h, tag=210)
-    lse = _to_sequence(ring, plan, lse_h[..., None], tag=211)[..., 0]
+    out = _to_sequence(ring, schedule, out_h, tag=210)
+    lse = _to_sequence(ring, schedule, lse_h[..., None], tag=211)[..., 0]
 
     def gradients(dout):
-        grads = vjp(_to_heads(ring, plan, dout, tag=220))
-        result = [_to_sequence(ring, plan, grad, tag=221 + index) for index, grad in enumerate(grads[:3])]
+        grads = vjp(_to_heads(ring, schedule, dout, tag=220))
+        result = [_to_sequence(ring, schedule, grad, tag=221 + index) for index, grad in enumerate(grads[:3])]
         if options.get("sink_logits") is not None:  # each rank's slice, gathered whole
             result.append(ring.xp.asarray(np.concatenate(ring.gather(ring.host(grads[3])))))
         return result

@@ -180,7 +180,7 @@ class _Ring:
         return [pickle.loads(gathered[start:start + size].tobytes()) for start, size in zip(offsets, sizes)]
 
 
-class _Plan(NamedTuple):
+class _Schedule(NamedTuple):
     """What every rank agreed on: the ranks' chunks and the options of the pair calls."""
 
     chunks: list            # rank -> [Chunk]
@@ -208,18 +208,18 @@ def _ring(q, k, v, comm, sharding, strategy, timeout, options, backward):
     ring = _Ring(comm, timeout, local.xp if local is not None else np)
     everyone = ring.gather(described)
     _raise_any(everyone)
-    plan = _agree(ring, local, everyone, sharding, strategy, options)
+    schedule = _agree(ring, local, everyone, sharding, strategy, options)
     xp, layout, (qb, kb, vb) = local.xp, local.layout, local.bhsd
     compute = np.dtype(np.float64) if qb.dtype == np.float64 else np.dtype(np.float32)
     qc, kc, vc = (xp.ascontiguousarray(x, dtype=compute) for x in (qb, kb, vb))
     if strategy == "heads":
         from . import heads
 
-        agreed = {"seed": plan.plain["seed"]} if "seed" in plan.plain else {}
-        out, lse, backward_of = heads.forward(ring, plan, qc, kc, vc, {**options, **agreed}, backward)
+        agreed = {"seed": schedule.plain["seed"]} if "seed" in schedule.plain else {}
+        out, lse, backward_of = heads.forward(ring, schedule, qc, kc, vc, {**options, **agreed}, backward)
     else:
-        out, lse = _forward(ring, plan, qc, kc, vc)
-        backward_of = lambda dout: _backward(ring, plan, qc, kc, vc, out, lse, dout)  # noqa: E731
+        out, lse = _forward(ring, schedule, qc, kc, vc)
+        backward_of = lambda dout: _backward(ring, schedule, qc, kc, vc, out, lse, dout)  # noqa: E731
     user_out = xp.ascontiguousarray(to_user_layout(out, layout)).astype(qb.dtype, copy=False)
     outputs = (user_out, lse.astype(compute, copy=False)) if options.get("return_lse") else user_out
     if not backward:
@@ -328,10 +328,10 @@ class _Local(NamedTuple):
         return cls(_arrays.array_module(q), layout, (qb, kb, vb), arrays, description)
 
 
-def _agree(ring: _Ring, local: _Local, everyone: list, sharding, strategy, options) -> _Plan:
+def _agree(ring: _Ring, local: _Local, everyone: list, sharding, strategy, options) -> _Schedule:
     """Check what every rank was given against rank 0's and against the whole problem;
     the checks read only the gathered descriptions, so every rank raises the same error
-    or none. Returns the plan all ranks share."""
+    or none. Returns the schedule all ranks share."""
     q = local.bhsd[0]
     for rank, theirs in enumerate(everyone):
         for field in ("dtype", "kv_dtypes", "sharding", "strategy", "options", "shared", "shared_dtypes"):
@@ -379,7 +379,7 @@ def _agree(ring: _Ring, local: _Local, everyone: list, sharding, strategy, optio
              if name not in ("layout", "return_lse", "causal", "q_offset", "window", "sinks", "dropout_offset")}
     if dropout_requested(options) and options.get("seed") is None:
         plain["seed"] = everyone[0]["drawn_seed"]
-    return _Plan(chunks=[chunks(rank, lengths, sharding) for rank in range(ring.size)],
+    return _Schedule(chunks=[chunks(rank, lengths, sharding) for rank in range(ring.size)],
                  kv_shapes=[(theirs["shapes"][1], theirs["shapes"][2]) for theirs in everyone],
                  visibility=Visibility.from_options(bool(options.get("causal", False)), options.get("window"),
                                                     int(options.get("sinks", 0))),
@@ -408,23 +408,23 @@ def _four_d(array):
     return array.reshape((1,) * (4 - array.ndim) + array.shape)
 
 
-def _pairs(plan: _Plan, rank: int, owner: int, step: int):
+def _pairs(schedule: _Schedule, rank: int, owner: int, step: int):
     """The (query chunk, key chunk, options) calls rank ``rank`` makes on ``owner``'s block
     at ``step``, in a fixed order; pairs with no visible key left out."""
-    for q_chunk in plan.chunks[rank]:
-        for k_chunk in plan.chunks[owner]:
-            visibility = _pair_visibility(plan, q_chunk, k_chunk)
+    for q_chunk in schedule.chunks[rank]:
+        for k_chunk in schedule.chunks[owner]:
+            visibility = _pair_visibility(schedule, q_chunk, k_chunk)
             if _sees_a_key(visibility, q_chunk.length, k_chunk.length):
-                yield q_chunk, k_chunk, _pair_options(plan, q_chunk, k_chunk, visibility)
+                yield q_chunk, k_chunk, _pair_options(schedule, q_chunk, k_chunk, visibility)
 
 
-def _pair_visibility(plan: _Plan, q_chunk: Chunk, k_chunk: Chunk) -> Visibility:
+def _pair_visibility(schedule: _Schedule, q_chunk: Chunk, k_chunk: Chunk) -> Visibility:
     """Causal, window and sinks as the pair's call sees them: its query row i sits at
     ``i + q_offset`` among its keys, where the whole sequence puts it, and the sinks are
     the first keys of the whole sequence that fall in its key chunk."""
-    whole = plan.visibility
+    whole = schedule.visibility
     return dataclasses.replace(
-        whole, q_offset=plan.q_offset + q_chunk.global_start - k_chunk.global_start,
+        whole, q_offset=schedule.q_offset + q_chunk.global_start - k_chunk.global_start,
         sinks=max(0, min(whole.sinks - k_chunk.global_start, k_chunk.length)))
 
 
@@ -436,24 +436,24 @@ def _sees_a_key(visibility: Visibility, q_len: int, kv_len: int) -> bool:
     return lo < hi or visibility.sink_end(q_len - 1, q_len, kv_len) > 0
 
 
-def _pair_options(plan: _Plan, q_chunk: Chunk, k_chunk: Chunk, visibility: Visibility) -> dict:
+def _pair_options(schedule: _Schedule, q_chunk: Chunk, k_chunk: Chunk, visibility: Visibility) -> dict:
     window = (visibility.window_left, visibility.window_right) if visibility.has_window else None
-    options = dict(plan.plain, causal=visibility.causal, q_offset=visibility.q_offset, window=window,
+    options = dict(schedule.plain, causal=visibility.causal, q_offset=visibility.q_offset, window=window,
                    sinks=visibility.sinks)
-    if plan.plain.get("dropout_p"):  # the pair's rows and keys hash as the whole problem's
-        b, h, i, j = plan.dropout_offset
+    if schedule.plain.get("dropout_p"):  # the pair's rows and keys hash as the whole problem's
+        b, h, i, j = schedule.dropout_offset
         options["dropout_offset"] = (b, h, i + q_chunk.global_start, j + k_chunk.global_start)
     rows = slice(q_chunk.local_start, q_chunk.local_start + q_chunk.length)
     columns = slice(k_chunk.global_start, k_chunk.global_start + k_chunk.length)
     for name in _PER_ROW_ARRAYS:
-        if name in plan.arrays:
-            array = plan.arrays[name]
+        if name in schedule.arrays:
+            array = schedule.arrays[name]
             array = array[:, :, rows] if array.shape[2] > 1 else array
             options[name] = array[..., columns] if array.shape[3] > 1 else array
-    if "q_lengths" in plan.arrays:
-        options["q_lengths"] = plan.xp.clip(plan.arrays["q_lengths"] - q_chunk.global_start, 0, q_chunk.length)
-    if "kv_lengths" in plan.arrays:
-        options["kv_lengths"] = plan.xp.clip(plan.arrays["kv_lengths"] - k_chunk.global_start, 0, k_chunk.length)
+    if "q_lengths" in schedule.arrays:
+        options["q_lengths"] = schedule.xp.clip(schedule.arrays["q_lengths"] - q_chunk.global_start, 0, q_chunk.length)
+    if "kv_lengths" in schedule.arrays:
+        options["kv_lengths"] = schedule.xp.clip(schedule.arrays["kv_lengths"] - k_chunk.global_start, 0, k_chunk.length)
     return options
 
 
@@ -498,15 +498,15 @@ def _around(ring: _Ring, blocks: list, sums: list, visit: Callable, shapes_of: C
     return sums
 
 
-def _forward(ring: _Ring, plan: _Plan, q, k, v):
+def _forward(ring: _Ring, schedule: _Schedule, q, k, v):
     """The rank's (out, lse), bhsd, in the compute dtype."""
-    xp = plan.xp
+    xp = schedule.xp
     batch, heads, _, _ = q.shape
     parts: dict = {}  # query chunk -> (out, lse) merged so far
 
     def visit(step, owner, blocks, sums):
         key_block, value_block = blocks
-        for q_chunk, k_chunk, options in _pairs(plan, ring.rank, owner, step):
+        for q_chunk, k_chunk, options in _pairs(schedule, ring.rank, owner, step):
             out, lse = attention(_rows(q, q_chunk), _rows(key_block, k_chunk), _rows(value_block, k_chunk),
                                  return_lse=True, **options)
             if q_chunk not in parts:
@@ -515,33 +515,33 @@ def _forward(ring: _Ring, plan: _Plan, q, k, v):
                 merged_out, merged_lse = parts[q_chunk]
                 merge(xp.stack([merged_out, out]), xp.stack([merged_lse, lse]), merged_out, merged_lse)
 
-    _around(ring, [k, v], [], visit, lambda owner: plan.kv_shapes[owner], tag=100)
-    for chunk in plan.chunks[ring.rank]:  # rows no pair gave a key: out 0, lse -inf
+    _around(ring, [k, v], [], visit, lambda owner: schedule.kv_shapes[owner], tag=100)
+    for chunk in schedule.chunks[ring.rank]:  # rows no pair gave a key: out 0, lse -inf
         if chunk not in parts:
             parts[chunk] = (xp.zeros((batch, heads, chunk.length, v.shape[3]), q.dtype),
                             xp.full((batch, heads, chunk.length), -np.inf, q.dtype))
-    out = xp.concatenate([parts[chunk][0] for chunk in plan.chunks[ring.rank]], axis=2)
-    lse = xp.concatenate([parts[chunk][1] for chunk in plan.chunks[ring.rank]], axis=2)
-    if "sink_logits" in plan.arrays:
+    out = xp.concatenate([parts[chunk][0] for chunk in schedule.chunks[ring.rank]], axis=2)
+    lse = xp.concatenate([parts[chunk][1] for chunk in schedule.chunks[ring.rank]], axis=2)
+    if "sink_logits" in schedule.arrays:
         # the sink is one more, value-less part of every row that saw a key, merged last:
         # given to one pair's call instead, it would be lost where that pair hides the row's keys
         seen = lse > -np.inf
-        sink = xp.where(seen, plan.arrays["sink_logits"].astype(lse.dtype)[None, :, None], -np.inf)
+        sink = xp.where(seen, schedule.arrays["sink_logits"].astype(lse.dtype)[None, :, None], -np.inf)
         merge(xp.stack([out, xp.zeros_like(out)]), xp.stack([lse, sink]), out, lse)
     return out, lse
 
 
-def _backward(ring: _Ring, plan: _Plan, q, k, v, out, lse, dout):
+def _backward(ring: _Ring, schedule: _Schedule, q, k, v, out, lse, dout):
     """The rank's gradients: [dq, dk, dv] bhsd in the compute dtype, then dbias and
     dsink_logits when given."""
-    xp = plan.xp
+    xp = schedule.xp
     dq = xp.zeros_like(q)
-    dbias = xp.zeros(plan.arrays["bias"].shape, q.dtype) if "bias" in plan.arrays else None
+    dbias = xp.zeros(schedule.arrays["bias"].shape, q.dtype) if "bias" in schedule.arrays else None
 
     def visit(step, owner, blocks, sums):
         key_block, value_block = blocks
         dk_sum, dv_sum = sums
-        for q_chunk, k_chunk, options in _pairs(plan, ring.rank, owner, step):
+        for q_chunk, k_chunk, options in _pairs(schedule, ring.rank, owner, step):
             grads = attention_backward(_rows(q, q_chunk), _rows(key_block, k_chunk), _rows(value_block, k_chunk),
                                        _rows(out, q_chunk), _rows(lse, q_chunk), _rows(dout, q_chunk), **options)
             _rows(dq, q_chunk)[...] += grads[0]
@@ -551,13 +551,13 @@ def _backward(ring: _Ring, plan: _Plan, q, k, v, out, lse, dout):
                 _add_bias_gradient(dbias, grads[3], q_chunk, k_chunk)
 
     # dK and dV sums travel with their block and reach its owner one step after the turn
-    home = _around(ring, [k, v], [xp.zeros_like(k), xp.zeros_like(v)], visit, lambda owner: plan.kv_shapes[owner],
+    home = _around(ring, [k, v], [xp.zeros_like(k), xp.zeros_like(v)], visit, lambda owner: schedule.kv_shapes[owner],
                    tag=1000)
     grads = [dq, *home]
     if dbias is not None:
         grads.append(_shared_sum(ring, dbias) if dbias.shape[2] == 1 else dbias)
-    if "sink_logits" in plan.arrays:
-        grads.append(_shared_sum(ring, _sink_gradient(plan.arrays["sink_logits"].astype(q.dtype), out, lse, dout)))
+    if "sink_logits" in schedule.arrays:
+        grads.append(_shared_sum(ring, _sink_gradient(schedule.arrays["sink_logits"].astype(q.dtype), out, lse, dout)))
     return grads
 
 

@@ -58,11 +58,11 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     goes through :func:`npattn.torch.attention_varlen` (torch's autograd differentiates
     it), JAX tracers through :func:`npattn.jax.attention_varlen`.
     """
-    plan = _Plan.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
-    fused = plan.fused(with_vjp=False)
+    batch = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    fused = batch.fused(with_vjp=False)
     if fused is not None:
         return (fused[0][0], fused[1][0]) if isinstance(fused, tuple) else fused[0]
-    return plan.run(lambda qb, kb, vb, opts: (attention(qb, kb, vb, **opts), None))[0]
+    return batch.run(lambda qb, kb, vb, opts: (attention(qb, kb, vb, **opts), None))[0]
 
 
 def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
@@ -72,26 +72,26 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
     (Tq, H, Dv) that returns ``(dq, dk, dv)`` packed like q, k and v, then
     ``dsink_logits`` (H,) when ``sink_logits`` was given. A dropout mask is reused.
     Arrays of other kinds get outputs and gradients of their kind."""
-    plan = _Plan.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
-    fused = plan.fused(with_vjp=True)
+    batch = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    fused = batch.fused(with_vjp=True)
     if fused is not None:
         (outputs, fused_vjp) = fused
         outputs = (outputs[0][0], outputs[1][0]) if isinstance(outputs, tuple) else outputs[0]
 
         def packed_vjp(dout: Any) -> tuple[Array, ...]:
-            grads = fused_vjp(_checked_dout(plan, dout, outputs)[None])
+            grads = fused_vjp(_checked_dout(batch, dout, outputs)[None])
             return tuple(grad[0] for grad in grads[:3]) + tuple(grads[3:])
         return outputs, packed_vjp
-    outputs, vjps = plan.run(lambda qb, kb, vb, opts: attention_vjp(qb, kb, vb, **opts))
+    outputs, vjps = batch.run(lambda qb, kb, vb, opts: attention_vjp(qb, kb, vb, **opts))
 
     def vjp(dout: Any) -> tuple[Array, ...]:
-        dout = _checked_dout(plan, dout, outputs)
-        xp = plan.xp
-        dq, dk, dv = xp.zeros_like(plan.q), xp.zeros_like(plan.k), xp.zeros_like(plan.v)
-        sink = plan.options.get("sink_logits")
+        dout = _checked_dout(batch, dout, outputs)
+        xp = batch.xp
+        dq, dk, dv = xp.zeros_like(batch.q), xp.zeros_like(batch.k), xp.zeros_like(batch.v)
+        sink = batch.options.get("sink_logits")
         dsink = None if sink is None else xp.zeros(np.shape(sink), getattr(sink, "dtype", np.float64))
         for b, sequence_vjp in vjps:
-            q0, q1, k0, k1 = plan.bounds(b)
+            q0, q1, k0, k1 = batch.bounds(b)
             grads = sequence_vjp(dout[None, q0:q1])
             dq[q0:q1], dk[k0:k1], dv[k0:k1] = grads[0][0], grads[1][0], grads[2][0]
             if dsink is not None:
@@ -101,17 +101,17 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
     return outputs, vjp
 
 
-def _checked_dout(plan, dout, outputs):
+def _checked_dout(batch, dout, outputs):
     """``dout`` as an array of q's kind, checked against the packed out's shape."""
     out = outputs[0] if isinstance(outputs, tuple) else outputs
-    (dout,) = checks.as_arrays(dout=dout, reference=plan.q)
+    (dout,) = checks.as_arrays(dout=dout, reference=batch.q)
     checks.check_float_dtype("dout", dout)
     if tuple(dout.shape) != tuple(out.shape):
         raise ValueError(f"dout must have the output's shape {tuple(out.shape)}, got {tuple(dout.shape)}")
     return dout
 
 
-class _Plan:
+class _PackedCall:
     """A checked packed call: the arrays, the sequences' bounds, and the options of each."""
 
     def __init__(self, q, k, v, starts_q, starts_k, options):
@@ -121,7 +121,7 @@ class _Plan:
         self.options = options
 
     @classmethod
-    def of(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options) -> "_Plan":
+    def of(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options) -> "_PackedCall":
         """Every check of the packed call: its arrays, the cumulative lengths, and every
         option, the same on every backend (the options through one attention call over
         the whole packed batch, which the CPU then runs)."""
@@ -155,9 +155,9 @@ class _Plan:
             options["dropout_offset"] = _options.BY_NAME["dropout_offset"].check(options["dropout_offset"], None)
         if _options.dropout_requested(options) and options.get("seed") is None:  # one seed for every sequence
             options["seed"] = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
-        plan = cls(q, k, v, starts_q, starts_k, options)
-        plan.packed = plan._packed_problem()  # every option checked, whichever path runs
-        return plan
+        call = cls(q, k, v, starts_q, starts_k, options)
+        call.packed = call._packed_problem()  # every option checked, whichever path runs
+        return call
 
     @property
     def sequences(self) -> int:
