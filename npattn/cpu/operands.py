@@ -179,9 +179,11 @@ class OperandPlan:
         ``arrays`` (a problem of this plan's signature; None: none of them, no dropout)."""
         dtype = self.dtype
         q_order, k_order, v_order = self.orders
-        q = _frozen(q.transpose(q_order).reshape(-1)) if q_order is not None else row_strides(q, dtype)[0]
-        k = _frozen(k.transpose(k_order).reshape(-1)) if k_order is not None else row_strides(k, dtype)[0]
-        v = _frozen(v.transpose(v_order).reshape(-1)) if v_order is not None else row_strides(v, dtype)[0]
+        # (contiguous in some order of axes, so ravel in memory order is a view: the
+        # transpose and reshape of flat_memory, at a fifth of the cost)
+        q = _frozen(q.ravel(order="K")) if q_order is not None else row_strides(q, dtype)[0]
+        k = _frozen(k.ravel(order="K")) if k_order is not None else row_strides(k, dtype)[0]
+        v = _frozen(v.ravel(order="K")) if v_order is not None else row_strides(v, dtype)[0]
         placeholder, mask_placeholder = self.placeholders
         if arrays is None:
             return Operands(q, k, v, placeholder, mask_placeholder, placeholder, placeholder,

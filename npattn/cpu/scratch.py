@@ -79,11 +79,19 @@ def _allocate(size: int, dtype: np.dtype) -> np.ndarray:
 def aligned_zeros(shape: tuple, dtype) -> np.ndarray:
     """``np.zeros(shape, dtype)`` starting on a cache line: a result array the kernels
     store whole vectors into, and that JAX takes without a copy (it copies a buffer off
-    a 64-byte boundary; NumPy's own arrays start 16 bytes past one)."""
+    a 64-byte boundary; NumPy's own arrays start 16 bytes past one). Below
+    :data:`_ALIGNED_FROM` bytes, NumPy's own zeros: aligning costs a small call 2 us, more
+    than the straddled cache lines and a copy of so small an array cost."""
     dtype = np.dtype(dtype)
-    array = _allocate(math.prod(shape), dtype).reshape(shape)  # (np.prod: 3 us)
+    size = math.prod(shape)  # (np.prod: 3 us)
+    if size * dtype.itemsize < _ALIGNED_FROM:
+        return np.zeros(shape, dtype)
+    array = _allocate(size, dtype).reshape(shape)
     array.fill(0)
     return array
+
+
+_ALIGNED_FROM = 1 << 16
 
 
 def score_tile_specs(ints, dtype) -> tuple:
