@@ -12,6 +12,7 @@ from .adapters.dispatch import (attention, attention_varlen, attention_varlen_vj
 from .api import Plan, attention_backward, plan
 from .backends import BackendStatus, backends
 from .serving.kvcache import KVCachePlan, plan_with_kvcache
+from .serving.varlen import VarlenPlan, plan_varlen
 from .warmup import warmup
 
 __version__ = "0.1.0"
@@ -34,4 +35,5 @@ def __getattr__(name: str):
 def __dir__():
     return sorted({*globals(), *_LAZY_SUBMODULES})
 __all__ = ["attention", "attention_vjp", "attention_backward", "plan", "Plan", "attention_varlen", "attention_varlen_vjp",
-           "attention_with_kvcache", "plan_with_kvcache", "KVCachePlan", "backends", "BackendStatus", "warmup", "__version__"]
+           "plan_varlen", "VarlenPlan", "attention_with_kvcache", "plan_with_kvcache", "KVCachePlan", "backends",
+           "BackendStatus", "warmup", "__version__"]

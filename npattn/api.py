@@ -12,7 +12,7 @@ from .runtime import limits as _limits
 from .runtime import nonfinite as _nonfinite
 from .spec import options as _options
 from .runtime import plans as _plans
-from .runtime.arrays import all_finite, all_finite_arrays, array_kind, is_cupy
+from .runtime.arrays import all_finite, all_finite_arrays, array_kind, check_native
 from .spec.problem import ARRAY_FIELDS, AttentionProblem, to_user_layout
 from .spec.results import ForwardResult, Gradients
 from .types import Array, ArrayLike, Outputs, Vjp
@@ -125,9 +125,8 @@ def plan(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> "Plan":
     Args:
 {arguments}
     """
-    if type(q) is not np.ndarray and not is_cupy(q) and hasattr(q, "__dlpack__"):
-        raise TypeError("npattn.plan takes NumPy or CuPy arrays (plans of torch and JAX programs: "
-                        "npattn.torch.attention, npattn.jax.attention)")
+    check_native("npattn.plan", "plans of torch and JAX programs: npattn.torch.attention, npattn.jax.attention",
+                 (q, k, v, *options.values()))
     return Plan.of(q, k, v, options)
 
 
@@ -171,7 +170,7 @@ class Plan:
         fresh_seed = _options.dropout_requested(options) and options.get("seed") is None
         problem, implementation = _checked_problem(q, k, v, options)
         _limits.check_memory(problem, implementation.NAME)
-        return cls(_owned(problem), implementation, fresh_seed, bool(options.get("check_finite", False)),
+        return cls(owned(problem), implementation, fresh_seed, bool(options.get("check_finite", False)),
                    options.get("bias"))
 
     @classmethod
@@ -306,8 +305,10 @@ class Plan:
         return grads
 
 
-def _owned(problem: AttentionProblem) -> AttentionProblem:
-    """``problem`` with its value-checked option arrays as the plan's own copies."""
+def owned(problem: AttentionProblem) -> AttentionProblem:
+    """``problem`` with its value-checked option arrays as the plan's own copies: for a
+    plan made from a problem of :func:`checked_problem` (the serving calls' plans), so that
+    a caller's later change to them cannot reach runs that no longer check them."""
     xp = problem.xp
     copies = {name: xp.array(getattr(problem, name), copy=True) for name in _CHECKED_ARRAY_FIELDS
               if getattr(problem, name) is not None}

@@ -204,3 +204,28 @@ DECISIVE_EXAMPLES = {
     "seed": ({"dropout_p": 0.3, "seed": 1}, {"seed": 2}),
     "dropout_offset": ({"dropout_p": 0.3, "seed": 1}, {"dropout_offset": (0, 1, 2, 3)}),
 }
+
+
+@st.composite
+def packed_batches(draw):
+    """(lengths_q, lengths_k, H, Hkv, D, Dv, options) for a packed batch of 1-4 sequences."""
+    sequences = draw(st.integers(1, 4))
+    lengths_q = draw(st.lists(st.integers(0, 9), min_size=sequences, max_size=sequences))
+    lengths_k = draw(st.lists(st.integers(0, 9), min_size=sequences, max_size=sequences))
+    kv_heads = draw(st.integers(1, 2))
+    heads = kv_heads * draw(st.integers(1, 2))
+    options = {}
+    if draw(st.booleans()):
+        options["causal"] = draw(st.sampled_from([True, "top_left"]))
+    if draw(st.booleans()):
+        options["window"] = draw(st.integers(0, 4))
+        options["sinks"] = draw(st.integers(0, 2))
+    if draw(st.booleans()):
+        options["alibi_slopes"] = draw(st.sampled_from([(heads,), (sequences, heads)]))
+    if draw(st.booleans()):
+        options["softcap"] = 2.0
+    if draw(st.booleans()):
+        options["sink_logits"] = (heads,)
+    if draw(st.booleans()):
+        options.update(dropout_p=0.3, seed=draw(st.integers(0, 2**40)))
+    return lengths_q, lengths_k, heads, kv_heads, draw(st.integers(1, 8)), draw(st.integers(1, 8)), options

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import npattn
 from conftest import NUMPY_BACKENDS
-from strategies import cases, layouts, to_layout
+from strategies import cases, layouts, packed_batches, to_layout
 import tolerances
 
 
@@ -172,3 +172,48 @@ def test_a_kvcache_plan_refuses_arrays_of_another_structure_and_read_only_caches
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="plan_with_kvcache takes NumPy or CuPy arrays"):
         npattn.plan_with_kvcache(torch.ones(2, 1, 4, 8), *caches, k, k, cache_seqlens=3)
+
+
+# ---- a packed batch's plan, run on every layer -----------------------------------------------
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+@given(case=packed_batches(), seed=st.integers(0, 2**32 - 1))
+def test_a_varlen_plan_runs_each_layer_as_attention_varlen_does(backend, case, seed):
+    """plan_varlen's runs and vjps give attention_varlen's bits for each layer's packed
+    arrays (new values, the step's lengths), on every backend: one planned kernel call on
+    the CPU, a call per sequence elsewhere and with dropout."""
+    lengths_q, lengths_k, heads, kv_heads, head_dim, value_dim, options = case
+    rng = np.random.default_rng(seed)
+    cu_q, cu_k = np.r_[0, np.cumsum(lengths_q)], np.r_[0, np.cumsum(lengths_k)]
+    shapes = ((cu_q[-1], heads, head_dim), (cu_k[-1], kv_heads, head_dim), (cu_k[-1], kv_heads, value_dim))
+    options = {name: (rng.uniform(0.1, 1, value) if name in ("alibi_slopes", "sink_logits") else value)
+               for name, value in options.items()}
+    options.update(backend=backend, return_lse=True)
+    layers = [[rng.standard_normal(shape).astype(np.float32) for shape in shapes] for _ in range(3)]
+    plan = npattn.plan_varlen(*layers[0], cu_q, cu_k, **options)
+    for q, k, v in layers:
+        _same(plan.run(q, k, v), npattn.attention_varlen(q, k, v, cu_q, cu_k, **options))
+        (out, lse), vjp = plan.vjp(q, k, v)
+        (want_out, want_lse), want_vjp = npattn.attention_varlen_vjp(q, k, v, cu_q, cu_k, **options)
+        _same((out, lse), (want_out, want_lse))
+        dout = rng.standard_normal(out.shape).astype(out.dtype)
+        _same(tuple(vjp(dout)), tuple(want_vjp(dout)))
+
+
+def test_a_varlen_plan_refuses_other_structures_and_draws_a_seed_per_run():
+    q = np.ones((7, 2, 4), np.float32)
+    cu = np.array([0, 3, 7])
+    plan = npattn.plan_varlen(q, q, q, cu, cu, causal=True)
+    with pytest.raises(ValueError, match=r"^k is ndarray float32 shape \(8, 2, 4\)"):
+        plan.run(q, np.ones((8, 2, 4), np.float32), q)
+    with pytest.raises(ValueError, match="^v is ndarray float64"):
+        plan.vjp(q, q, q.astype(np.float64))
+    with pytest.raises(ValueError, match="cu_seqlens_q must run from 0 to Tq = 7"):
+        npattn.plan_varlen(q, q, q, np.array([0, 3, 6]), cu)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((7, 2, 4)) for _ in range(3))
+    dropping = npattn.plan_varlen(q, k, v, cu, cu, dropout_p=0.5)
+    assert not np.array_equal(dropping.run(q, k, v), dropping.run(q, k, v))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="plan_varlen takes NumPy or CuPy arrays"):
+        npattn.plan_varlen(torch.ones(7, 2, 4), q, q, cu, cu)

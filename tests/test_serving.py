@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 import npattn
 from npattn.serving.kvcache import apply_rotary
 from conftest import NUMPY_BACKENDS
-from strategies import Case, Dims
+from strategies import Case, Dims, packed_batches
 import tolerances
 
 DTYPES = ("float64", "float32")
@@ -46,31 +46,6 @@ def assert_gradient(actual, expected, case, dout, what):
 
 def _normal(rng, shape, dtype):
     return rng.normal(size=shape).astype(dtype)
-
-
-@st.composite
-def packed_batches(draw):
-    """(lengths_q, lengths_k, H, Hkv, D, Dv, options) for a packed batch of 1-4 sequences."""
-    sequences = draw(st.integers(1, 4))
-    lengths_q = draw(st.lists(st.integers(0, 9), min_size=sequences, max_size=sequences))
-    lengths_k = draw(st.lists(st.integers(0, 9), min_size=sequences, max_size=sequences))
-    kv_heads = draw(st.integers(1, 2))
-    heads = kv_heads * draw(st.integers(1, 2))
-    options = {}
-    if draw(st.booleans()):
-        options["causal"] = draw(st.sampled_from([True, "top_left"]))
-    if draw(st.booleans()):
-        options["window"] = draw(st.integers(0, 4))
-        options["sinks"] = draw(st.integers(0, 2))
-    if draw(st.booleans()):
-        options["alibi_slopes"] = draw(st.sampled_from([(heads,), (sequences, heads)]))
-    if draw(st.booleans()):
-        options["softcap"] = 2.0
-    if draw(st.booleans()):
-        options["sink_logits"] = (heads,)
-    if draw(st.booleans()):
-        options.update(dropout_p=0.3, seed=draw(st.integers(0, 2**40)))
-    return lengths_q, lengths_k, heads, kv_heads, draw(st.integers(1, 8)), draw(st.integers(1, 8)), options
 
 
 def _padded(packed, starts, width):

@@ -16,6 +16,9 @@ import functools
 import importlib.util
 
 NAME = "cpu"
+# Runs a problem with ``packed_rows`` (each batch entry's live rows are its own rows of one
+# packed batch): attention_varlen hands such a backend its whole batch as one call.
+PACKED_ROWS = True
 _REQUIRED = ("numba", "scipy")
 
 

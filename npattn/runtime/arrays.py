@@ -31,6 +31,14 @@ def to_numpy(array):
     return array.get() if is_cupy(array) else np.asarray(array)
 
 
+def check_native(function: str, instead: str, values) -> None:
+    """Raise TypeError when any of ``values`` is another framework's array (it speaks
+    DLPack but is neither NumPy nor CuPy): the plans take NumPy and CuPy arrays only, and
+    ``instead`` names the calls such programs use."""
+    if any(type(value) is not np.ndarray and not is_cupy(value) and hasattr(value, "__dlpack__") for value in values):
+        raise TypeError(f"{function} takes NumPy or CuPy arrays ({instead})")
+
+
 def all_finite(array) -> bool:
     """No NaN or inf in ``array`` (None passes). A float32 or float64 NumPy array first
     takes one BLAS pass, the sum of its squares: finite, every element is (a NaN or an

@@ -114,10 +114,8 @@ def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any 
     checks what each run reads; ``bias`` is read where it lies at each run.
     """
     arguments = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin)
-    if any(not isinstance(x, np.ndarray) and not _arrays.is_cupy(x) and hasattr(x, "__dlpack__")
-           for x in (*arguments, *options.values())):
-        raise TypeError("plan_with_kvcache takes NumPy or CuPy arrays (torch tensors and JAX arrays: "
-                        "attention_with_kvcache)")
+    _arrays.check_native("plan_with_kvcache", "torch tensors and JAX arrays: attention_with_kvcache",
+                         (*arguments, *options.values()))
     return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
                     rotary_interleaved, options)
 
@@ -132,6 +130,7 @@ class KVCachePlan:
         # (problem, backend, the checked caches and the new k (rotated) and v): what the
         # call that planned runs first; the api's Plan of the attention, made at a second run
         self._checked, self._attend, self._structure = checked, None, structure
+        self._planned_problem = api.owned(checked[0])  # for the runs, which check no option again
         (self._seqlens, self._pages, self._rows, self._first_query, self._keys_used, self._prefix,
          self._page_size) = metadata
         self._rotary, self._finite, self._bias = rotary, finite, bias
@@ -167,8 +166,7 @@ class KVCachePlan:
         keys, values = ((k_cache[:, :self._keys_used], v_cache[:, :self._keys_used]) if self._prefix
                         else (k_cache, v_cache))
         if self._attend is None:
-            problem, implementation = self._checked[:2]
-            self._attend = api.Plan(problem, implementation)
+            self._attend = api.Plan(self._planned_problem, self._checked[1])
         return self._appended(k_cache, v_cache, k, v, lambda: self._attend.run_trusted(q, keys, values))
 
     def run_checked(self) -> Outputs:

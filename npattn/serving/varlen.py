@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..runtime import arrays as _arrays
+from ..runtime import limits as _limits
 from .. import api
 from ..spec import checks
 from ..spec import options as _options
@@ -75,13 +76,23 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
     batch = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     fused = batch.fused(with_vjp=True)
     if fused is not None:
-        (outputs, fused_vjp) = fused
-        outputs = (outputs[0][0], outputs[1][0]) if isinstance(outputs, tuple) else outputs[0]
+        return _packed_vjp(batch, fused)
+    return _per_sequence_vjp(batch)
 
-        def packed_vjp(dout: Any) -> tuple[Array, ...]:
-            grads = fused_vjp(_checked_dout(batch, dout, outputs)[None])
-            return tuple(grad[0] for grad in grads[:3]) + tuple(grads[3:])
-        return outputs, packed_vjp
+
+def _packed_vjp(batch: "_PackedCall", fused: tuple) -> tuple[Any, Callable[[Any], tuple[Array, ...]]]:
+    """attention_varlen_vjp's answer from the fused call's ``(outputs, vjp)`` (batch axis 1)."""
+    outputs, fused_vjp = fused
+    outputs = (outputs[0][0], outputs[1][0]) if isinstance(outputs, tuple) else outputs[0]
+
+    def packed_vjp(dout: Any) -> tuple[Array, ...]:
+        grads = fused_vjp(_checked_dout(batch, dout, outputs)[None])
+        return tuple(grad[0] for grad in grads[:3]) + tuple(grads[3:])
+    return outputs, packed_vjp
+
+
+def _per_sequence_vjp(batch: "_PackedCall") -> tuple[Any, Callable[[Any], tuple[Array, ...]]]:
+    """attention_varlen_vjp's answer from one attention_vjp call per sequence."""
     outputs, vjps = batch.run(lambda qb, kb, vb, opts: attention_vjp(qb, kb, vb, **opts))
 
     def vjp(dout: Any) -> tuple[Array, ...]:
@@ -99,6 +110,76 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
         return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)
 
     return outputs, vjp
+
+
+def plan_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int | None = None,
+                max_seqlen_k: int | None = None, **options: Any) -> "VarlenPlan":
+    """Every check of ``attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...,
+    **options)`` once, for a batch whose layers all run with these lengths: the returned
+    :class:`VarlenPlan`'s ``run(q, k, v)`` and ``vjp(q, k, v)`` take each layer's packed
+    arrays (of the structure of these: kind, dtype, shape, strides) and return what
+    :func:`attention_varlen` and :func:`attention_varlen_vjp` return for them, bit for bit.
+    A continuous-batching server plans once per step from the step's ``cu_seqlens`` and
+    runs every layer on the plan (FlashInfer's plan/run wrappers). NumPy and CuPy arrays."""
+    _arrays.check_native("plan_varlen", "torch tensors and JAX arrays: attention_varlen",
+                         (q, k, v, cu_seqlens_q, cu_seqlens_k, *options.values()))
+    fresh_seed = _options.dropout_requested(options) and options.get("seed") is None
+    call = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    return VarlenPlan(call, fresh_seed)
+
+
+class VarlenPlan:
+    """A checked packed batch (:func:`plan_varlen`): ``run(q, k, v)`` returns what
+    :func:`attention_varlen` returns and ``vjp(q, k, v)`` what
+    :func:`attention_varlen_vjp` returns, for packed arrays of the plan's structure;
+    arrays of another structure raise ValueError naming the argument. On the CPU (no
+    dropout) every run is one planned call of the kernels over the whole batch; elsewhere
+    each sequence runs as its own call. With dropout and no seed, each run draws one."""
+
+    def __init__(self, call: "_PackedCall", fresh_seed: bool):
+        self._structure = tuple(checks.structure_of(x) for x in (call.q, call.k, call.v))
+        self._starts = (call.starts_q, call.starts_k)
+        self._options, self._fresh_seed = call.options, fresh_seed
+        problem, implementation = call.packed
+        # the whole batch as one planned kernel call where the CPU would fuse it (see
+        # _PackedCall.fused); the plan holds no array of this call (stand-ins of their shape)
+        self._fused = None
+        if call.fusable():
+            _limits.check_memory(problem, implementation.NAME)
+            self._fused = api.Plan(api.owned(dataclasses.replace(problem, packed_rows=True)), implementation)
+        self._sequences = call.sequences
+
+    def run(self, q: Any, k: Any, v: Any) -> Any:
+        """:func:`attention_varlen`'s outputs for packed ``q``, ``k``, ``v``."""
+        self._check(q, k, v)
+        if self._fused is not None:
+            outputs = self._fused.run_trusted(*self._shared(q, k, v))
+            return (outputs[0][0], outputs[1][0]) if isinstance(outputs, tuple) else outputs[0]
+        return self._call(q, k, v).run(lambda qb, kb, vb, opts: (attention(qb, kb, vb, **opts), None))[0]
+
+    def vjp(self, q: Any, k: Any, v: Any) -> tuple[Any, Callable[[Any], tuple[Array, ...]]]:
+        """:func:`attention_varlen_vjp`'s ``(outputs, vjp)`` for packed ``q``, ``k``, ``v``."""
+        self._check(q, k, v)
+        call = self._call(q, k, v)
+        if self._fused is not None:
+            return _packed_vjp(call, self._fused.vjp(*self._shared(q, k, v)))
+        return _per_sequence_vjp(call)
+
+    def _check(self, q: Any, k: Any, v: Any) -> None:
+        for name, array, expected in zip("qkv", (q, k, v), self._structure):
+            checks.check_structure(name, array, expected)
+
+    def _shared(self, q: Any, k: Any, v: Any) -> list:
+        """q, k, v as the fused problem's batch: one entry per sequence, each a view of the
+        whole packed arrays (batch stride 0)."""
+        xp, batch = _arrays.array_module(q), self._sequences
+        return [xp.broadcast_to(x[None], (batch,) + x.shape) for x in (q, k, v)]
+
+    def _call(self, q: Any, k: Any, v: Any) -> "_PackedCall":
+        options = self._options
+        if self._fresh_seed:
+            options = dict(options, seed=_options.fresh_seed())
+        return _PackedCall(q, k, v, *self._starts, options)
 
 
 def _checked_dout(batch, dout, outputs):
@@ -210,10 +291,15 @@ class _PackedCall:
         :func:`npattn.api.run_problem` returns for it (batch axis 1). None where another
         backend runs the call, or with dropout (whose mask hashes each sequence's own row
         and key indices), or with no sequence: :meth:`run` answers."""
-        problem, implementation = self.packed
-        if not self.sequences or problem.dropout_p or implementation.NAME != "cpu":
+        if not self.fusable():
             return None
+        problem, implementation = self.packed
         return api.run_problem(dataclasses.replace(problem, packed_rows=True), implementation, with_vjp)
+
+    def fusable(self) -> bool:
+        """Whether the backend runs the whole batch as one call (see :meth:`fused`)."""
+        problem, implementation = self.packed
+        return bool(self.sequences) and not problem.dropout_p and getattr(implementation, "PACKED_ROWS", False)
 
     def run(self, call):
         """``call(q_b, k_b, v_b, options_b)`` -> ``(outputs, extra)`` for every nonempty

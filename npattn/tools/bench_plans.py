@@ -9,7 +9,9 @@ CPU; each number the best of ``repeats`` runs of ``calls`` back-to-back calls, i
 - one layer of a decode step, (1, 8/2, 1 new + 40 cached, 64) on a contiguous cache and a
   batch of 4 on pages of 16: ``attention_with_kvcache`` against ``plan_with_kvcache(...).run``,
   and the attention call the contiguous layer makes after its append, plain and planned
-  (what a kv-cache plan could come down to).
+  (what a kv-cache plan could come down to);
+- one layer of a packed batch (3 decode steps and a 16-token chunk, 8/2 heads, D 64):
+  ``attention_varlen`` against ``plan_varlen(...).run``.
 """
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ import time
 
 import numpy as np
 
-from ..adapters.dispatch import attention, attention_with_kvcache
+from ..adapters.dispatch import attention, attention_varlen, attention_with_kvcache
 from ..api import plan
 from ..serving.kvcache import plan_with_kvcache
+from ..serving.varlen import plan_varlen
 
 
 def best_us(call, calls: int, repeats: int) -> float:
@@ -63,6 +66,14 @@ def compare(calls: int = 2000, repeats: int = 5, out=sys.stdout) -> dict:
         results[label] = (
             best_us(lambda: attention_with_kvcache(qs, key_cache, value_cache, ks, ks, **metadata), calls, repeats),
             best_us(lambda: step.run(qs, key_cache, value_cache, ks, ks), calls, repeats))
+    # a packed batch of 4 sequences (decode steps and a short prefill chunk), one layer
+    cu_q, cu_k = np.array([0, 1, 2, 3, 19]), np.array([0, 40, 70, 90, 130])
+    packed = [rng.standard_normal((int(cu[-1]), h, dim)).astype(np.float32)
+              for cu, h in ((cu_q, heads), (cu_k, kv_heads), (cu_k, kv_heads))]
+    varlen_step = plan_varlen(*packed, cu_q, cu_k, causal=True)
+    results["packed layer, 4 sequences (1, 1, 1, 16 x 40-90 keys)"] = (
+        best_us(lambda: attention_varlen(*packed, cu_q, cu_k, causal=True), calls, repeats),
+        best_us(lambda: varlen_step.run(*packed), calls, repeats))
     # the attention the contiguous layer runs after its append: q against the cache's 41 keys
     keys, values = caches[0][:, :41], caches[1][:, :41]
     alone = plan(q1, keys, values, layout="bshd")
