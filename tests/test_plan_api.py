@@ -217,3 +217,22 @@ def test_a_varlen_plan_refuses_other_structures_and_draws_a_seed_per_run():
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="plan_varlen takes NumPy or CuPy arrays"):
         npattn.plan_varlen(torch.ones(7, 2, 4), q, q, cu, cu)
+
+
+def test_serving_plans_own_the_option_arrays_they_checked():
+    """A slope array changed after planning (to a value the checks would refuse) reaches
+    neither plan's runs: they run with the values that were checked."""
+    rng = np.random.default_rng(4)
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+    q, k = rng.standard_normal((1, 1, 4, 8)), rng.standard_normal((1, 1, 2, 8))
+    cache = rng.standard_normal((2, 1, 16, 2, 8))
+    step = npattn.plan_with_kvcache(q, *cache.copy(), k, k, cache_seqlens=5, alibi_slopes=slopes)
+    packed = rng.standard_normal((6, 4, 8)), rng.standard_normal((9, 2, 8))
+    cu_q, cu_k = np.array([0, 2, 6]), np.array([0, 4, 9])
+    batch = npattn.plan_varlen(packed[0], packed[1], packed[1], cu_q, cu_k, alibi_slopes=slopes)
+    want_step = npattn.attention_with_kvcache(q, *cache.copy(), k, k, cache_seqlens=5, alibi_slopes=slopes.copy())
+    want_batch = npattn.attention_varlen(packed[0], packed[1], packed[1], cu_q, cu_k, alibi_slopes=slopes.copy())
+    slopes[:] = np.nan
+    for _ in range(2):
+        _same(step.run(q, *cache.copy(), k, k), want_step)
+        _same(batch.run(packed[0], packed[1], packed[1]), want_batch)
