@@ -314,3 +314,35 @@ def test_emulated_gpu_runs_packed_batches(dtype, case, seed):
 @given(case=cache_cases(), seed=st.integers(0, 2**32 - 1))
 def test_emulated_gpu_decodes_against_caches(case, seed):
     check_kvcache("gpu", case, seed)
+
+
+@EMULATED
+@given(case=cases(dtypes=ALL_DTYPES), layout=layouts, seed=st.integers(0, 2**32 - 1))
+def test_a_gpu_plan_runs_new_arrays_as_a_gpu_call_does(case, layout, seed):
+    """The GPU backend's plan (gpu.driver.ForwardPlan: kernel, launch geometry, parameters
+    on the device, worked out once) gives each run's arrays the bits of an unplanned call,
+    option arrays and dropout seeds included; a run on rows off a 16-byte boundary takes
+    the kernel variant for them (UNALIGNED) though the plan was made on aligned rows."""
+    from strategies import to_layout
+
+    options = {**case.options, "layout": layout, "backend": "gpu", "return_lse": True}
+    if options.get("dropout_p") and options.get("seed") is None:
+        options["seed"] = 11
+    if options.get("block_table") is not None:
+        return  # paged calls are not planned
+    user = [np.ascontiguousarray(to_layout(x, layout)) for x in (case.q, case.k, case.v)]
+    plan = npattn.plan(*user, **options)
+    rng = np.random.default_rng(seed)
+    for _ in range(2):
+        fresh = [rng.uniform(-2, 2, x.shape).astype(x.dtype) for x in user]
+        np.testing.assert_array_equal(plan.run(*fresh)[0], npattn.attention(*fresh, **options)[0])
+    if case.q.dtype.itemsize == 2 and case.q.shape[-1] % 8 == 0 and case.q.size:
+        # the same values one element past an aligned start: another kernel variant, same answer
+        shifted = []
+        for x in fresh:
+            buffer = np.empty(x.size + 1, x.dtype)
+            view = buffer[1:].reshape(x.shape)
+            view[...] = x
+            shifted.append(view)
+        if all(a.strides == b.strides for a, b in zip(shifted, fresh)):
+            np.testing.assert_array_equal(plan.run(*shifted)[0], npattn.attention(*fresh, **options)[0])

@@ -345,3 +345,29 @@ def test_a_planned_call_passes_through_few_modules():
     assert "cpu/forward_kernel.py" in entered or "cpu/threads.py" in entered, entered
     assert "spec/validation.py" not in entered and "spec/options.py" not in entered, sorted(set(entered))
     assert len(set(entered)) <= 12, sorted(set(entered))
+
+
+def test_cupy_calls_are_keyed_by_their_device():
+    """Repeated CuPy calls are planned too (runtime.plans.call_key): the device is part of
+    their structure, arrays on two devices are never one structure, and a call mixing
+    devices is not planned (the full path names the problem). Checked with stand-ins that
+    look like CuPy arrays to npattn (no GPU needed)."""
+    from npattn.runtime.plans import call_key
+
+    kind = type("ndarray", (), {"__module__": "cupy._core.core"})
+
+    def fake(device, shape=(1, 2, 3, 4)):
+        array = np.zeros(shape, np.float32)
+        stand_in = kind()
+        stand_in.shape, stand_in.strides, stand_in.dtype = array.shape, array.strides, array.dtype
+        stand_in.device = type("Device", (), {"id": device})()
+        return stand_in
+
+    on0, on1 = fake(0), fake(1)
+    options = {"causal": True}
+    assert call_key(on0, on0, on0, options) == call_key(fake(0), fake(0), fake(0), options) is not None
+    assert call_key(on0, on0, on0, options) != call_key(on1, on1, on1, options)
+    assert call_key(on0, on1, on1, options) is None
+    assert call_key(on0, fake(0, (1, 2, 5, 4)), on0, options) != call_key(on0, on0, on0, options)
+    host = np.zeros((1, 2, 3, 4), np.float32)
+    assert call_key(on0, host, host, options) is None and call_key(host, on0, on0, options) is None

@@ -41,6 +41,13 @@ def forward(problem):
     return run(problem)
 
 
+def forward_plan(problem):
+    """A callable ``(q, k, v, arrays) -> ForwardResult | None`` running the forward of any
+    problem of ``problem``'s structure (see :class:`.driver.ForwardPlan`)."""
+    from .driver import ForwardPlan
+    return ForwardPlan(problem)
+
+
 def backward(problem, saved, dout):
     from .driver import backward as run
     return run(problem, saved, dout)

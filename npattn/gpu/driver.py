@@ -9,13 +9,16 @@ give q, k, v a unit stride along the head dimension.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 
 from ..spec.kernel_params import OPERAND_NAMES, Int, default_spans, element_strides, problem_pages, problem_parameters, problem_spans, sink_logits_gradient, spans_are_default
+from ..spec.problem import ARRAY_FIELDS
 from ..spec.results import ForwardResult, Gradients
 from . import launch
-from .options import ALL, options_of
+from ..spec.dropout import seed_words
+from .options import ALL, Option, _aligned, options_of
 from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS, backward_kinds,
                       forward_kind, forward_tc_config, head_dim_bound)
 
@@ -76,13 +79,34 @@ def _operands(problem):
     :data:`npattn.spec.kernel_params.OPERANDS` order."""
     cp = problem.xp
     dtype = problem.accumulate_dtype
+    q, k, v = _qkv(problem)
+    ints, reals = problem_parameters(problem, dtype)
+    _set_qkv_strides(ints, q, k, v)
+    named = _option_operands(cp, problem, dtype, ints)
+    named["ints"], named["reals"] = _parameters(cp, ints, reals)
+    return q.dtype.name, _in_kernel_order(q, k, v, named)
+
+
+def _qkv(problem):
+    """q, k, v with a unit stride along the head dimension (copied where they lack one),
+    checked to share one dtype."""
+    cp = problem.xp
     q, k, v = (_unit_last_axis(cp, x) for x in (problem.q, problem.k, problem.v))
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype for the gpu backend, got {q.dtype}, {k.dtype}, {v.dtype}")
-    ints, reals = problem_parameters(problem, dtype)
+    return q, k, v
+
+
+def _set_qkv_strides(ints, q, k, v) -> None:
     ints[Int.Q_STRIDE_B:Int.Q_STRIDE_S + 1] = element_strides(q)[:3]
     ints[Int.K_STRIDE_B:Int.K_STRIDE_S + 1] = element_strides(k)[:3]
     ints[Int.V_STRIDE_B:Int.V_STRIDE_S + 1] = element_strides(v)[:3]
+
+
+def _option_operands(cp, problem, dtype, ints) -> dict:
+    """The operands from the problem's option arrays (placeholders where it has none):
+    bias, mask, alibi, sink, spans and pages on the device; the bias's and mask's element
+    strides go into ``ints``."""
     placeholder = _constant(cp, ("zeros", np.dtype(dtype).str), lambda: cp.zeros(1, dtype))
     bias = placeholder
     if problem.bias is not None:
@@ -96,12 +120,13 @@ def _operands(problem):
              else cp.ascontiguousarray(problem.alibi_slopes.astype(dtype, copy=False)).reshape(-1))
     sink = (placeholder if problem.sink_logits is None
             else cp.ascontiguousarray(problem.sink_logits.astype(dtype, copy=False)))
-    ints_on_device, reals_on_device = _parameters(cp, ints, reals)
     pages = (_constant(cp, ("pages", problem.batch), lambda: cp.arange(problem.batch, dtype=cp.int64))
              if problem.block_table is None else cp.asarray(problem_pages(problem)))
-    named = dict(q=q, k=k, v=v, bias=bias, mask=mask, alibi=alibi, sink=sink,
-                 spans=_spans(cp, problem), pages=pages, ints=ints_on_device, reals=reals_on_device)
-    return q.dtype.name, tuple(named[name] for name in OPERAND_NAMES)  # the kernels' order
+    return dict(bias=bias, mask=mask, alibi=alibi, sink=sink, spans=_spans(cp, problem), pages=pages)
+
+
+def _in_kernel_order(q, k, v, named) -> tuple:
+    return tuple({**named, "q": q, "k": k, "v": v}[name] for name in OPERAND_NAMES)
 
 
 def _spans(cp, problem):
@@ -137,48 +162,129 @@ def decode_splits(blocks: int, rows: int, kv_len: int, block_q: int, block_k: in
 def forward(problem) -> ForwardResult:
     """out (B, H, Sq, Dv) as a bhsd view of an array in the user's layout, lse (B, H, Sq),
     and weights when asked; ``saved`` keeps (out, lse) for the backward."""
-    cp = problem.xp
-    bound = head_dim_bound(problem.head_dim, problem.value_dim)
-    dtype = problem.accumulate_dtype
-    batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
-    with _on_device(problem):
-        storage, operands = _operands(problem)
-        kind = forward_kind(storage)
-        config = {}
-        if kind == "forward_tc":
-            # packed rows: the query heads of a GQA group times the query rows, per kv head
-            rows = q_len * (heads // problem.kv_heads)
-            warps, block_k = forward_tc_config(rows, bound)
-            config = dict(warps=warps, block_k=block_k, options=options_of(problem, operands[:3], bound))
-            block_q = 16 * warps
-            shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim, warps, block_k)
-            blocks = batch * problem.kv_heads * -(-rows // block_q)
-        else:
-            rows, warps = q_len, THREADS // 32
-            block_q, block_k = BLOCK_Q, FORWARD_BLOCK_K["double" if dtype == np.float64 else "float"]
-            shared = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)
-            blocks = batch * heads * -(-q_len // block_q)
-        splits = decode_splits(blocks, rows, problem.kv_len, block_q, block_k, warps)
-        # the tensor-core forward writes out in the inputs' dtype; split partials merge in Acc
-        out_dtype = problem.q.dtype if kind == "forward_tc" and splits == 1 else dtype
-        if problem.layout == "bshd":
-            out = cp.zeros((batch, q_len, heads, value_dim), out_dtype).transpose(0, 2, 1, 3)
-        else:
-            out = cp.zeros((batch, heads, q_len, value_dim), out_dtype)
-        lse = cp.full((batch, heads, q_len), -np.inf, dtype)
-        out_strides = [np.int64(s) for s in element_strides(out)[:3]]
-        partial_size = batch * heads * q_len * splits * (value_dim + 3) if splits > 1 else 1
-        partial = cp.empty(partial_size, dtype)  # rows of (Dv outputs, max, sum, seen) per split
-        outputs = (out, *out_strides, lse, np.int64(splits), partial)
-        launch.run(kind, storage, bound, blocks * splits, shared, (*operands, *outputs), **config)
-        if splits > 1:  # one warp per query row
-            launch.run("combine", storage, 0, -(-batch * heads * q_len * 32 // THREADS), 0, (*operands, *outputs))
-        weights = None
-        if problem.return_weights:
-            weights = cp.zeros((batch, heads, q_len, problem.kv_len), dtype)
-            launch.run("weights", storage, 0, batch * heads * -(-q_len // BLOCK_Q),
-                       launch.forward_shared_bytes(problem.head_dim, value_dim, dtype), (*operands, lse, weights))
-    return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
+    return ForwardPlan(problem)(problem.q, problem.k, problem.v, problem)
+
+
+def _device_id(array):
+    """The CUDA device id of a CuPy array; None for NumPy (the tests' host emulation)."""
+    device = getattr(array, "device", None)
+    return device.id if hasattr(device, "id") else None
+
+
+class ForwardPlan:
+    """Everything a forward derives from its problem's structure (shapes, strides, dtypes,
+    which options it has), worked out once: the kernel and its compile-time options, the
+    launch geometry and key splits, the output shapes, and the parameter arrays and
+    placeholders on the device. A call (:meth:`__call__`) then makes the operands of its
+    option arrays (when it has any), allocates the outputs and launches: :func:`forward`
+    is one call of a plan made for it, and :class:`npattn.Plan` keeps one for every run."""
+
+    def __init__(self, problem):
+        cp = self.xp = problem.xp
+        self.device = _device_id(problem.q)
+        self.bound = bound = head_dim_bound(problem.head_dim, problem.value_dim)
+        self.dtype = dtype = problem.accumulate_dtype
+        self.layout = problem.layout
+        batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
+        with _on_device(problem):
+            q, k, v = _qkv(problem)
+            self.storage = q.dtype.name
+            self.kind = kind = forward_kind(self.storage)
+            self.config = {}
+            if kind == "forward_tc":
+                # packed rows: the query heads of a GQA group times the query rows, per kv head
+                rows = q_len * (heads // problem.kv_heads)
+                warps, block_k = forward_tc_config(rows, bound)
+                # the options the problem's structure needs; UNALIGNED also depends on where
+                # each call's rows lie, so the call adds it (see _options)
+                self.config = dict(warps=warps, block_k=block_k, options=options_of(problem, (), bound))
+                block_q = 16 * warps
+                self.shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim, warps, block_k)
+                blocks = batch * problem.kv_heads * -(-rows // block_q)
+            else:
+                rows, warps = q_len, THREADS // 32
+                block_q, block_k = BLOCK_Q, FORWARD_BLOCK_K["double" if dtype == np.float64 else "float"]
+                self.shared = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)
+                blocks = batch * heads * -(-q_len // block_q)
+            self.splits = splits = decode_splits(blocks, rows, problem.kv_len, block_q, block_k, warps)
+            self.blocks = blocks * splits
+            # the tensor-core forward writes out in the inputs' dtype; split partials merge in Acc
+            self.out_dtype = problem.q.dtype if kind == "forward_tc" and splits == 1 else dtype
+            self.out_shape = ((batch, q_len, heads, value_dim) if self.layout == "bshd"
+                              else (batch, heads, q_len, value_dim))
+            self.lse_shape = (batch, heads, q_len)
+            self.partial_size = batch * heads * q_len * splits * (value_dim + 3) if splits > 1 else 1
+            self.combine_blocks = -(-batch * heads * q_len * 32 // THREADS)
+            self.weights_shape = (batch, heads, q_len, problem.kv_len) if problem.return_weights else None
+            self.weights_shared = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)
+            self.weights_blocks = batch * heads * -(-q_len // BLOCK_Q)
+            # the parameters (q, k and v strides included: a structure fixes them) and, for
+            # calls without option arrays, every other operand, on the device once
+            self.ints, self.reals = problem_parameters(problem, dtype)
+            _set_qkv_strides(self.ints, q, k, v)
+            self.dropout = bool(problem.dropout_p)
+            # (q, k and v as stand-ins of their shapes: the plan keeps no caller's array alive)
+            self._plain_problem = dataclasses.replace(problem, **{name: None for name in _OPTION_ARRAYS},
+                                                      dropout_p=0.0, **{
+                name: cp.broadcast_to(cp.zeros((), x.dtype), x.shape) for name, x in zip("qkv", (q, k, v))})
+            self._plain_operands = None
+
+    def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
+        """The forward of bhsd ``q``, ``k``, ``v`` (this plan's structure) with the option
+        arrays and seed of ``arrays`` (a problem of this plan's signature; None: none of
+        them, no dropout). None for arrays on another device than the plan's (the caller
+        plans again)."""
+        if _device_id(q) != self.device:
+            return None
+        cp = self.xp
+        with _device_context(cp, self.device):
+            q, k, v = (_unit_last_axis(cp, x) for x in (q, k, v))
+            if arrays is None:
+                named = self._plain_operands or self._make_plain_operands()
+            else:
+                ints = self.ints.copy()
+                if self.dropout:  # the seed is the one per-call value among the parameters
+                    ints[Int.SEED_LO], ints[Int.SEED_HI] = seed_words(arrays.seed)
+                named = _option_operands(cp, arrays, self.dtype, ints)
+                named["ints"], named["reals"] = _parameters(cp, ints, self.reals)
+            operands = _in_kernel_order(q, k, v, named)
+            config = self.config
+            if config and not (config["options"] & Option.UNALIGNED) and not all(
+                    _aligned(x) for x in (q, k, v)):
+                config = dict(config, options=config["options"] | Option.UNALIGNED)
+            out = cp.zeros(self.out_shape, self.out_dtype)
+            if self.layout == "bshd":
+                out = out.transpose(0, 2, 1, 3)
+            lse = cp.full(self.lse_shape, -np.inf, self.dtype)
+            out_strides = [np.int64(s) for s in element_strides(out)[:3]]
+            partial = cp.empty(self.partial_size, self.dtype)  # rows of (Dv outputs, max, sum, seen) per split
+            outputs = (out, *out_strides, lse, np.int64(self.splits), partial)
+            launch.run(self.kind, self.storage, self.bound, self.blocks, self.shared, (*operands, *outputs), **config)
+            if self.splits > 1:  # one warp per query row
+                launch.run("combine", self.storage, 0, self.combine_blocks, 0, (*operands, *outputs))
+            weights = None
+            if self.weights_shape is not None:
+                weights = cp.zeros(self.weights_shape, self.dtype)
+                launch.run("weights", self.storage, 0, self.weights_blocks, self.weights_shared,
+                           (*operands, lse, weights))
+        return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
+
+    def _make_plain_operands(self) -> dict:
+        """The operands of calls without option arrays (placeholders, whole spans, one page
+        per entry, the parameters) on the device, made at the first such call and kept."""
+        ints = self.ints.copy()
+        named = _option_operands(self.xp, self._plain_problem, self.dtype, ints)
+        named["ints"], named["reals"] = _parameters(self.xp, ints, self.reals)
+        self._plain_operands = named
+        return named
+
+
+# The problem's option arrays (a call with none of them runs on the plan's own operands)
+_OPTION_ARRAYS = tuple(name for name in ARRAY_FIELDS if name not in ("q", "k", "v"))
+
+
+def _device_context(cp, device):
+    return contextlib.nullcontext() if device is None else cp.cuda.Device(device)
 
 
 def backward(problem, saved, dout) -> Gradients:

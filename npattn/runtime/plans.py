@@ -12,7 +12,7 @@ structures, and on a small call those checks and that set-up cost more than the
 kernel. A decode loop whose key count grows every step repeats none, and makes none.
 
 A structure is only cached when every check of the call depends on nothing else
-(:func:`call_key`): NumPy arrays of native byte order, options of plain values
+(:func:`call_key`): NumPy arrays of native byte order or CuPy arrays on one device, options of plain values
 (None, bools, ints, floats, strings, tuples of ints and None). Array options (masks,
 biases, lengths, ALiBi slopes, sink logits) have their values checked on every call,
 dropout draws a fresh seed, ``check_finite=True`` reads every value and
@@ -31,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..spec import options as _options
+from .arrays import is_cupy
 
 _CACHES: weakref.WeakSet = weakref.WeakSet()
 
@@ -101,12 +102,22 @@ def call_key(q, k, v, options: dict) -> tuple | None:
     """The structure of ``attention(q, k, v, **options)`` as a hashable key, or None when
     the call is not cacheable. Each option value is keyed with its type: ``causal=1`` is
     not ``causal=True`` (the checks reject the first)."""
-    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+    kind = type(q)
+    if kind is np.ndarray:
+        if not (type(k) is kind and type(v) is kind):
+            return None
+        q_dtype, k_dtype, v_dtype = q.dtype, k.dtype, v.dtype
+        if not (q_dtype.isnative and k_dtype.isnative and v_dtype.isnative):
+            return None
+        key: list = [q.shape, q.strides, q_dtype, k.shape, k.strides, k_dtype, v.shape, v.strides, v_dtype]
+    elif is_cupy(q) and type(k) is kind and type(v) is kind:
+        # CuPy arrays: the device is part of the structure (a plan's operands live on one)
+        device = q.device.id
+        if k.device.id != device or v.device.id != device:
+            return None
+        key = [kind, device, q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype]
+    else:
         return None
-    q_dtype, k_dtype, v_dtype = q.dtype, k.dtype, v.dtype
-    if not (q_dtype.isnative and k_dtype.isnative and v_dtype.isnative):
-        return None
-    key: list = [q.shape, q.strides, q_dtype, k.shape, k.strides, k_dtype, v.shape, v.strides, v_dtype]
     for name, value in options.items():
         if not _repeatable(name, value):
             return None
