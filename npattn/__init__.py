@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 # works after ``import npattn`` alone; importing npattn still imports none of them (nor torch
 # or JAX, which npattn.torch and npattn.jax import).
 _LAZY_SUBMODULES = ("torch", "jax", "nn", "autograd", "distributed", "cpu", "gpu", "spec", "runtime", "serving",
-                    "tools")
+                    "tools", "testing", "compat")
 
 
 def __getattr__(name: str):
