@@ -532,3 +532,72 @@ def test_a_step_whose_sequences_hold_equal_keys_gives_the_bits_of_explicit_lengt
     out = npattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cached, **options)
     assert np.array_equal(out, expected)
     assert np.array_equal(k_cache, expected_k) and np.array_equal(v_cache, expected_v)
+
+
+@given(batch=st.integers(1, 3), q_len=st.integers(1, 3), new=st.integers(0, 2), layout=st.sampled_from(
+           ["contiguous", "rows", "paged"]),
+       options=st.sampled_from([{}, dict(causal=True), dict(causal=True, window=(3, 0), sinks=1),
+                                dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625])), dict(softcap=2.0)]),
+       rotary=st.booleans(), check_finite=st.booleans(), seed=st.integers(0, 2**31))
+def test_a_left_padded_cache_is_its_keys_moved_to_the_front(batch, q_len, new, layout, options, rotary, check_finite,
+                                                             seed):
+    """``cache_leftpad`` (FlashAttention's left-padded caches): sequence b's keys are slots
+    [leftpad[b], cache_seqlens[b]) of its row, positions counted from the first: the same
+    output as the cache with those keys moved to the front, and the new keys written at
+    cache_seqlens; NaN in the padding is never read (check_finite included)."""
+    rng = np.random.default_rng(seed)
+    slots, heads, kv_heads, dim = 16, 4, 2, 8
+    seqlens = rng.integers(q_len, slots - new + 1, batch)
+    leftpad = np.array([rng.integers(0, s - q_len + 1) for s in seqlens])
+    q = rng.standard_normal((batch, q_len, heads, dim)).astype(np.float32)
+    k, v = ((rng.standard_normal((batch, new, kv_heads, dim)).astype(np.float32) for _ in range(2)) if new
+            else (None, None))
+    caches = [rng.standard_normal((batch, slots, kv_heads, dim)).astype(np.float32) for _ in range(2)]
+    for cache, b in ((c, b) for c in caches for b in range(batch)):
+        cache[b, :leftpad[b]] = np.nan  # padding: never read
+    moved = [np.zeros_like(c) for c in caches]
+    for target, source in zip(moved, caches):
+        for b in range(batch):
+            target[b, :seqlens[b] - leftpad[b]] = source[b, leftpad[b]:seqlens[b]]
+    extra = dict(options, check_finite=check_finite)
+    if rotary:
+        angles = np.outer(np.arange(slots + 2), [1.0, 0.3])
+        extra.update(rotary_cos=np.cos(angles), rotary_sin=np.sin(angles))
+    expected = npattn.attention_with_kvcache(q, *moved, k, v, cache_seqlens=seqlens - leftpad, **extra)
+    arguments = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, **extra)
+    if layout == "rows":  # the sequences in rows of a larger cache, in another order
+        order = rng.permutation(batch + 1)[:batch]
+        big = [np.full((batch + 1, slots, kv_heads, dim), np.nan, np.float32) for _ in caches]
+        for target, source in zip(big, caches):
+            target[order] = source
+        caches, arguments["cache_batch_idx"] = big, order
+    elif layout == "paged":  # pages of 4 slots, shuffled in a pool
+        pages = rng.permutation(batch * slots // 4).reshape(batch, slots // 4)
+        pools = [np.full((batch * slots // 4, 4, kv_heads, dim), np.nan, np.float32) for _ in caches]
+        for pool, source in zip(pools, caches):
+            pool[pages.reshape(-1)] = source.reshape(batch * slots // 4, 4, kv_heads, dim)
+        caches, arguments["block_table"] = pools, pages
+    out = npattn.attention_with_kvcache(q, *caches, k, v, **arguments)
+    tolerances.assert_close(out, expected, np.float32, slots + dim, 4.0 * (1 + 3 * dim))
+    if new:  # the new keys sit at cache_seqlens, as the moved cache holds them at seqlens - leftpad
+        for b in range(batch):
+            if layout == "contiguous":
+                written = caches[1][b, seqlens[b]:seqlens[b] + new]
+            elif layout == "rows":
+                written = caches[1][arguments["cache_batch_idx"][b], seqlens[b]:seqlens[b] + new]
+            else:
+                flat = caches[1][arguments["block_table"][b]].reshape(slots, kv_heads, dim)
+                written = flat[seqlens[b]:seqlens[b] + new]
+            np.testing.assert_array_equal(written, moved[1][b, seqlens[b] - leftpad[b]:seqlens[b] - leftpad[b] + new])
+
+
+def test_cache_leftpad_is_checked_before_any_write():
+    q, k = np.ones((2, 1, 2, 4), np.float32), np.ones((2, 1, 2, 4), np.float32)
+    caches = [np.zeros((2, 8, 2, 4), np.float32) for _ in range(2)]
+    for bad, error, message in ((np.array([0, 6]), ValueError, r"cache_leftpad\[1\] = 6 must lie in \[0, cache_seqlens\[1\]\] = \[0, 5\]"),
+                                (np.array([0, 1, 2]), ValueError, r"cache_leftpad must have shape \(B,\) = \(2,\)"),
+                                (np.array([0.5, 1.0]), TypeError, "got dtype float64"),
+                                ("1", TypeError, "got str")):
+        with pytest.raises(error, match=message):
+            npattn.attention_with_kvcache(q, *caches, k, k, cache_seqlens=np.array([3, 5]), cache_leftpad=bad)
+        assert not any(c.any() for c in caches)

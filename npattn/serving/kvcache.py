@@ -50,7 +50,7 @@ POSITION_LIMIT = _options.Q_OFFSET_LIMIT
 def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *,
                            cache_seqlens: Any, block_table: Any = None, cache_batch_idx: Any = None,
                            rotary_cos: Any = None, rotary_sin: Any = None, rotary_interleaved: bool = False,
-                           **options: Any) -> Outputs:
+                           cache_leftpad: Any = None, **options: Any) -> Outputs:
     """Append ``k`` and ``v`` to the caches (in place) after each sequence's cached keys,
     then return :func:`npattn.attention` of ``q`` against every sequence's keys.
 
@@ -61,6 +61,10 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     ``cache_batch_idx`` (B,) int: the contiguous cache row of each sequence (a batch of
     requests that occupy some of the cache's slots). Entries of ``block_table`` past the
     pages a sequence holds are never read (padding such as -1 is fine there).
+    ``cache_leftpad`` int or int (B,) (FlashAttention's left-padded caches): sequence b's
+    keys start at slot ``cache_leftpad[b] <= cache_seqlens[b]`` of its row; the slots before
+    are never read, and its positions (causal alignment, windows, ALiBi, rotary) count
+    from there.
 
     ``rotary_cos`` and ``rotary_sin`` (positions, R / 2), R even and at most D: rotate the
     first R lanes of q and of the new k by their positions before anything else, as pairs
@@ -95,12 +99,13 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     a JAX cache, which cannot be written in place, takes no new keys.
     """
     return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-                    rotary_interleaved, options).run_checked()
+                    rotary_interleaved, cache_leftpad, options).run_checked()
 
 
 def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any,
                       block_table: Any = None, cache_batch_idx: Any = None, rotary_cos: Any = None,
-                      rotary_sin: Any = None, rotary_interleaved: bool = False, **options: Any) -> "KVCachePlan":
+                      rotary_sin: Any = None, rotary_interleaved: bool = False, cache_leftpad: Any = None,
+                      **options: Any) -> "KVCachePlan":
     """Every check of ``attention_with_kvcache(q, k_cache, v_cache, k, v, ...)`` once, for a
     decode step that runs on every layer of a model: a :class:`KVCachePlan` whose
     :meth:`~KVCachePlan.run` takes each layer's q, caches and new keys (arrays of the
@@ -113,11 +118,12 @@ def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any 
     next step, whose ``cache_seqlens`` moved on, takes a new plan. ``check_finite=True``
     checks what each run reads; ``bias`` is read where it lies at each run.
     """
-    arguments = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin)
+    arguments = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
+                 cache_leftpad)
     _arrays.check_native("plan_with_kvcache", "torch tensors and JAX arrays: attention_with_kvcache",
                          (*arguments, *options.values()))
     return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-                    rotary_interleaved, options)
+                    rotary_interleaved, cache_leftpad, options)
 
 
 class KVCachePlan:
@@ -131,7 +137,7 @@ class KVCachePlan:
         # call that planned runs first; the api's Plan of the attention, made at a second run
         self._checked, self._attend, self._structure = checked, None, structure
         self._planned_problem = api.owned(checked[0])  # for the runs, which check no option again
-        (self._seqlens, self._pages, self._rows, self._first_query, self._keys_used, self._prefix,
+        (self._seqlens, self._starts, self._pages, self._rows, self._positions, self._keys_used, self._prefix,
          self._page_size) = metadata
         self._rotary, self._finite, self._bias = rotary, finite, bias
         new_keys = 0 if structure["k"] is None else structure["k"][0][2][1]
@@ -156,13 +162,14 @@ class KVCachePlan:
             _check_writable("v_cache", v_cache)
             _check_apart(k_cache, v_cache)
         if self._finite:
-            _check_finite_reads(q, k, v, k_cache, v_cache, self._bias, self._seqlens, self._pages, self._rows,
-                                self._page_size)
+            _check_finite_reads(q, k, v, k_cache, v_cache, self._bias, self._seqlens, self._starts, self._pages,
+                                self._rows, self._page_size)
         if self._rotary is not None:  # new arrays: the caller's q and k stay as they were
             cos, sin, interleaved = self._rotary
-            q = apply_rotary(q, self._first_query, cos, sin, interleaved)
+            query_positions, key_positions = self._positions
+            q = apply_rotary(q, query_positions, cos, sin, interleaved)
             if k is not None:
-                k = apply_rotary(k, self._seqlens, cos, sin, interleaved)
+                k = apply_rotary(k, key_positions, cos, sin, interleaved)
         keys, values = ((k_cache[:, :self._keys_used], v_cache[:, :self._keys_used]) if self._prefix
                         else (k_cache, v_cache))
         if self._attend is None:
@@ -188,7 +195,7 @@ class KVCachePlan:
 
 
 def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-             rotary_interleaved, options) -> "KVCachePlan":
+             rotary_interleaved, cache_leftpad, options) -> "KVCachePlan":
     """Every check of the call, in the order a reader would check it, before anything is
     written: the call's plan, holding its arrays as checked for :meth:`KVCachePlan.run_checked`."""
     _check_options(options)
@@ -207,16 +214,19 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     k, v = _checked_new_keys(q, k_cache, v_cache, k, v) if appending else (None, None)
     new_len = 0 if k is None else k.shape[1]
     seqlens = _cache_seqlens(cache_seqlens, batch, capacity, new_len)
-    lengths = seqlens + new_len  # each sequence's keys after the append
+    starts = _cache_leftpad(cache_leftpad, batch, seqlens)
+    lengths = seqlens + new_len  # each sequence's end slot after the append
     keys_used = int(lengths.max(initial=0))
-    first_query = lengths - q_len  # each sequence's row 0, bottom-right among its keys
-    rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, keys_used, q)
+    # positions count from each sequence's first key: row 0 sits bottom-right among its keys
+    first_query = lengths - q_len - (0 if starts is None else starts)
+    new_positions = seqlens - (0 if starts is None else starts)
+    rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, int((first_query + q_len).max(initial=0)), q)
     if rotary is not None:
         early = np.flatnonzero(first_query < 0)
         if early.size:
             b = int(early[0])
             raise ValueError(f"rotary_cos and rotary_sin rotate each query by its position, which must be >= 0: "
-                             f"sequence {b} has {lengths[b]} keys for {q_len} queries")
+                             f"sequence {b} has {first_query[b] + q_len} keys for {q_len} queries")
     pages = None
     if block_table is not None:
         host_pages, held = _used_pages(block_table, lengths, cache_len, cache_rows)
@@ -229,7 +239,7 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     if rotary is not None:  # new arrays: the caller's q and k stay as they were
         q = apply_rotary(q, first_query, *rotary, rotary_interleaved)
         if k is not None:
-            k = apply_rotary(k, seqlens, *rotary, rotary_interleaved)
+            k = apply_rotary(k, new_positions, *rotary, rotary_interleaved)
     keys, values = k_cache, v_cache
     if pages is not None:  # every page a sequence writes or reads, checked as attention's option
         options["block_table"] = pages
@@ -237,21 +247,23 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
         options["block_table"] = cache_batch_idx[:, None]
     else:  # the cached prefix of every row, a view
         keys, values = k_cache[:, :keys_used], v_cache[:, :keys_used]
-    if pages is None and cache_batch_idx is None and bool((lengths == keys_used).all()):
+    if pages is None and cache_batch_idx is None and starts is None and bool((lengths == keys_used).all()):
         # every sequence has all keys_used keys: the default bottom-right alignment and no
         # lengths say the same as the arrays, and keep the step's attention off the per-entry
         # path (a planned (1, 8/2, 1 + 40, 64) layer 4 us faster)
         placement = {}
     else:
         placement = dict(q_offset=xp.asarray(first_query), kv_lengths=xp.asarray(lengths))
+        if starts is not None:
+            placement["kv_start"] = xp.asarray(starts)
     problem, implementation = api.checked_problem(q, keys, values, dict(options, layout="bshd", **placement))
     _limits.check_memory(problem, implementation.NAME)
     structure = {name: checks.structure_of(array) for name, array in
                  (("q", q_user), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k_user), ("v", v))}
-    metadata = (seqlens, pages, cache_batch_idx, first_query, keys_used, pages is None and cache_batch_idx is None,
-                cache_len)
+    metadata = (seqlens, starts, pages, cache_batch_idx, (first_query, new_positions), keys_used,
+                pages is None and cache_batch_idx is None, cache_len)
     if finite:
-        _check_finite_reads(q_user, k_user, v, k_cache, v_cache, options.get("bias"), seqlens, pages,
+        _check_finite_reads(q_user, k_user, v, k_cache, v_cache, options.get("bias"), seqlens, starts, pages,
                             cache_batch_idx, cache_len)
     return KVCachePlan((problem, implementation, k_cache, v_cache, k, v), structure, metadata,
                        None if rotary is None else (*rotary, rotary_interleaved), finite, options.get("bias"))
@@ -430,6 +442,36 @@ def _cache_seqlens(value, batch, capacity, new_len):
     return host.astype(np.int64)
 
 
+def _cache_leftpad(value, batch, seqlens):
+    """cache_leftpad as an int64 (B,) NumPy array, each in [0, cache_seqlens[b]]; None for
+    None or all zeros (no left padding)."""
+    if value is None:
+        return None
+    number = checks.as_int(value)
+    if number is not None:
+        host = np.array([number] * batch, object)
+    else:
+        if isinstance(value, (bool, np.bool_, str, bytes)):
+            raise TypeError(f"cache_leftpad must be None, an int or an int array of shape (B,), "
+                            f"got {type(value).__name__} {value!r}")
+        try:
+            host = _arrays.to_numpy(value) if hasattr(value, "shape") else np.asarray(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"cache_leftpad must be None, an int or an int array of shape (B,), got "
+                            f"{type(value).__name__}: {error}") from None
+        if host.dtype.kind not in "iu":
+            raise TypeError(f"cache_leftpad must be None, an int or an int array of shape (B,), got dtype {host.dtype}")
+        if host.shape != (batch,):
+            raise ValueError(f"cache_leftpad must have shape (B,) = ({batch},), got {host.shape}")
+    outside = np.flatnonzero((host < 0) | (host > seqlens))
+    if outside.size:
+        b = int(outside[0])
+        raise ValueError(f"cache_leftpad[{b}] = {int(host[b])} must lie in [0, cache_seqlens[{b}]] = "
+                         f"[0, {int(seqlens[b])}]: a sequence's keys start there and end at its cache_seqlens")
+    host = host.astype(np.int64)
+    return host if host.any() else None
+
+
 def _used_pages(table, lengths, page_size, pool_pages):
     """``(pages, held)``: the int64 (B, P') NumPy pages of ``table`` the sequences of
     ``lengths`` keys hold (P' the most any holds) and the bool (B, P') mask of those held;
@@ -494,25 +536,27 @@ def _check_distinct_rows(rows):
                          "new keys: they would write the same slots (rows must be distinct when k and v are given)")
 
 
-def _check_finite_reads(q, k, v, k_cache, v_cache, bias, seqlens, pages, rows, page_size):
+def _check_finite_reads(q, k, v, k_cache, v_cache, bias, seqlens, starts, pages, rows, page_size):
     """``check_finite``: q, the new k and v, the bias, and the cached keys and values each
-    sequence reads (its first ``seqlens[b]`` slots, in its row or pages); slots no
-    sequence reads may hold anything."""
+    sequence reads (slots ``[starts[b], seqlens[b])``, in its row or pages; ``starts`` None:
+    from 0); slots no sequence reads may hold anything."""
     for name, array in (("q", q), ("k", k), ("v", v), ("bias", bias)):
         if array is not None:
             checks.check_all_finite(name, array)
     for b, count in enumerate(int(n) for n in seqlens):
-        if not count:
+        first = 0 if starts is None else int(starts[b])
+        if count <= first:
             continue
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if pages is None:
                 row = b if rows is None else int(_arrays.to_numpy(rows[b]))
-                _check_slots_finite(name, cache, row, 0, count, b)
+                _check_slots_finite(name, cache, row, first, count, b)
             else:
                 held = _arrays.to_numpy(pages[b])
-                for column in range(-(-count // page_size)):
-                    _check_slots_finite(name, cache, int(held[column]), 0, min(page_size, count - column * page_size),
-                                        b)
+                for column in range(first // page_size, -(-count // page_size)):
+                    start = column * page_size
+                    _check_slots_finite(name, cache, int(held[column]), max(first - start, 0),
+                                        min(page_size, count - start), b)
 
 
 def _check_slots_finite(name, cache, row, start, stop, sequence):
