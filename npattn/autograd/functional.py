@@ -12,16 +12,25 @@ from .function import Function, as_tensor
 from .tensor import Tensor
 
 
+def _matmul_rows(a, b):
+    """``a @ b`` for a (..., k) and a matrix b (k, n), as one matrix product of a's rows: NumPy
+    runs a stacked ``a @ b`` as one BLAS call per leading index (a (32, 45, 384) @ (384, 1536)
+    took 15.9 ms against 9.1 ms flattened)."""
+    if a.ndim <= 2:
+        return a @ b
+    return (a.reshape(-1, a.shape[-1]) @ b).reshape(*a.shape[:-1], b.shape[-1])
+
+
 class _Linear(Function):
     def forward(self, x, weight, bias=None):
         self.save_for_backward(x, weight)
-        out = x @ weight.T
+        out = _matmul_rows(x, weight.T)
         return out if bias is None else out + bias
 
     def backward(self, grad):
         x, weight = self.saved
         needs = self.needs_input_grad
-        d_x = grad @ weight if needs[0] else None
+        d_x = _matmul_rows(grad, weight) if needs[0] else None
         flat_grad = grad.reshape(-1, grad.shape[-1])
         d_weight = flat_grad.T @ x.reshape(-1, x.shape[-1]) if needs[1] else None
         d_bias = flat_grad.sum(axis=0) if len(needs) > 2 and needs[2] else None

@@ -14,7 +14,10 @@
 - ``interop.py``: :func:`from_torch` (a ``torch.nn.MultiheadAttention``'s weights).
 - ``disentangled.py``: :class:`DisentangledAttention` (DeBERTa-v2, as HF computes it).
 - ``registry.py``: :func:`get_attention` (a module by name).
+- ``bert.py``: :class:`BertModel` (BERT-family encoders from safetensors checkpoints),
+  :func:`mean_pool`, :func:`normalize`.
 """
+from .bert import BertModel, mean_pool, normalize
 from .attention import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention, SlidingWindowAttention
 from .cache import KVCache, PagedKVCache
 from .disentangled import DisentangledAttention
@@ -25,5 +28,5 @@ from .multiway import Multiway
 from .registry import get_attention
 from .transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
-__all__ = ["Module", "Multiway", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP",
+__all__ = ["BertModel", "mean_pool", "normalize", "Module", "Multiway", "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "MLP",
            "MultiHeadAttention", "KVCache", "PagedKVCache", "get_attention", "from_torch", "DisentangledAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "MultiQueryAttention", "GroupedQueryAttention", "SlidingWindowAttention"]
