@@ -177,3 +177,17 @@ def test_flash_argument_errors_are_named():
         compat.flash_attn_func(q, q, q, window_size=(-2, 0))
     with pytest.raises(TypeError, match="causal must be a bool"):
         compat.flash_attn_func(q, q, q, causal="yes")
+
+
+def test_the_flash_names_keep_the_callers_array_kind():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 5, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 7, 2, 8)).astype(np.float32) for _ in range(2))
+    out = compat.flash_attn_func(*(torch.from_numpy(x) for x in (q, k, v)), causal=True)
+    assert isinstance(out, torch.Tensor)
+    np.testing.assert_array_equal(out.numpy(), compat.flash_attn_func(q, k, v, causal=True))
+    jnp = pytest.importorskip("jax.numpy")
+    out = compat.flash_attn_func(*(jnp.asarray(x) for x in (q, k, v)), causal=True)
+    assert type(out).__module__.startswith("jax")
+    np.testing.assert_array_equal(np.asarray(out), compat.flash_attn_func(q, k, v, causal=True))
