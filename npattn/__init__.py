@@ -8,7 +8,7 @@ those frameworks. Importing npattn needs only NumPy; Numba and CuPy load when a 
 needs them, torch and JAX when their adapters are used.
 """
 from .adapters.dispatch import (attention, attention_varlen, attention_varlen_vjp, attention_vjp,
-                                attention_with_kvcache)
+                                attention_with_kvcache, merge_states)
 from .api import Plan, attention_backward, plan
 from .backends import BackendStatus, backends
 from .serving.kvcache import KVCachePlan, plan_with_kvcache
@@ -35,5 +35,5 @@ def __getattr__(name: str):
 def __dir__():
     return sorted({*globals(), *_LAZY_SUBMODULES})
 __all__ = ["attention", "attention_vjp", "attention_backward", "plan", "Plan", "attention_varlen", "attention_varlen_vjp",
-           "plan_varlen", "VarlenPlan", "attention_with_kvcache", "plan_with_kvcache", "KVCachePlan", "backends",
-           "BackendStatus", "warmup", "__version__"]
+           "plan_varlen", "VarlenPlan", "attention_with_kvcache", "plan_with_kvcache", "KVCachePlan", "merge_states",
+           "backends", "BackendStatus", "warmup", "__version__"]

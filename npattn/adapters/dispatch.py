@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import api
 from ..serving import kvcache, varlen
+from ..spec import merging
 from . import arrays
 
 
@@ -75,3 +76,14 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
         return arrays.forward_only_call(kind, "attention_with_kvcache", kvcache.attention_with_kvcache, given,
                                         dict(options, rotary_interleaved=rotary_interleaved), written)
     return kvcache.attention_with_kvcache(**given, rotary_interleaved=rotary_interleaved, **options)
+
+
+@_public(merging.merge_states)
+def merge_states(outs: Any, lses: Any, *, layout: str = "bhsd") -> tuple[Any, Any]:
+    outs, lses = list(outs), list(lses)
+    kind = arrays.foreign_kind_of(outs, lses)
+    if kind is None:
+        return merging.merge_states(outs, lses, layout=layout)
+    native = lambda name, values: [kind.native(f"{name}[{i}]", x) for i, x in enumerate(values)]  # noqa: E731
+    return kind.back_all(merging.merge_states(native("outs", outs), native("lses", lses), layout=layout))
+
