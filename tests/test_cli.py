@@ -215,7 +215,10 @@ def test_bench_layouts_rows_are_consistent(monkeypatch):
     monkeypatch.setattr(bench_layouts, "DECODE_CALLS", 2)
     printed = io.StringIO()
     monkeypatch.setattr(bench_layouts, "SHORT_SEQUENCES", (4, 8))
-    varlen, short, *paged = bench_layouts.compare(repeats=1, out=printed)
+    monkeypatch.setattr(bench_layouts, "PREFIX", (2, 4, 2, 32, 16, 16))
+    monkeypatch.setattr(bench_layouts, "PREFIX_PAGE", 4)
+    varlen, short, *paged, prefix = bench_layouts.compare(repeats=1, out=printed)
+    assert prefix["speedup"] == pytest.approx(prefix["pages_ms"] / prefix["shared_ms"])
     assert short["ratio"] == pytest.approx(short["packed_ms"] / short["dense_ms"])
     assert sum(varlen["lengths"]) == 640 and all(64 <= n <= 2048 for n in varlen["lengths"])
     # one round: the median of per-round ratios is the ratio of the times

@@ -601,3 +601,69 @@ def test_cache_leftpad_is_checked_before_any_write():
         with pytest.raises(error, match=message):
             npattn.attention_with_kvcache(q, *caches, k, k, cache_seqlens=np.array([3, 5]), cache_leftpad=bad)
         assert not any(c.any() for c in caches)
+
+
+@given(batch=st.integers(1, 3), q_len=st.integers(1, 3), span=st.integers(1, 9), new=st.integers(0, 2),
+       layout=st.sampled_from(["contiguous", "paged"]),
+       options=st.sampled_from([{}, dict(causal=True), dict(causal=True, window=(4, 0)),
+                                dict(causal=True, window=(2, 0), sinks=2), dict(alibi_slopes=np.array([0.5, 0.25, 0.1, 0.05])),
+                                dict(softcap=2.0, causal=True), dict(sink_logits=np.array([0.3, -1.0, 0.0, 2.0])),
+                                dict(causal=True, return_lse=True)]),
+       rotary=st.booleans(), seed=st.integers(0, 2**31))
+def test_a_shared_prefix_is_the_prefix_copied_in_front_of_every_sequence(batch, q_len, span, new, layout, options,
+                                                                         rotary, seed):
+    """prefix_k / prefix_v (cascade attention): the same answer as a cache holding the prefix
+    in front of every sequence's own keys, for every option that applies (causal alignment,
+    windows with sinks, ALiBi, softcap, sink logits, GQA, rotary, lse); the new keys land in
+    the own cache; a plan runs each layer with its own prefix."""
+    rng = np.random.default_rng(seed)
+    own_slots, heads, kv_heads, dim = 12, 4, 2, 8
+    seqlens = rng.integers(max(q_len - new, 0), own_slots - new + 1, batch)
+    q = rng.standard_normal((batch, q_len, heads, dim)).astype(np.float32)
+    k, v = ((rng.standard_normal((batch, new, kv_heads, dim)).astype(np.float32) for _ in range(2)) if new
+            else (None, None))
+    prefix = [rng.standard_normal((span, kv_heads, dim)).astype(np.float32) for _ in range(2)]
+    own = [rng.standard_normal((batch, own_slots, kv_heads, dim)).astype(np.float32) for _ in range(2)]
+    copied = [np.concatenate([np.broadcast_to(p[None], (batch, *p.shape)), c], axis=1) for p, c in zip(prefix, own)]
+    extra = dict(options)
+    if rotary:
+        angles = np.outer(np.arange(span + own_slots + 2), [1.0, 0.3])
+        extra.update(rotary_cos=np.cos(angles), rotary_sin=np.sin(angles))
+    expected = npattn.attention_with_kvcache(q, *copied, k, v, cache_seqlens=seqlens + span, **extra)
+    arguments = dict(cache_seqlens=seqlens, prefix_k=prefix[0], prefix_v=prefix[1], **extra)
+    caches = own
+    if layout == "paged":
+        pages = rng.permutation(batch * own_slots // 4).reshape(batch, own_slots // 4)
+        caches = [np.zeros((batch * own_slots // 4, 4, kv_heads, dim), np.float32) for _ in own]
+        for pool, source in zip(caches, own):
+            pool[pages.reshape(-1)] = source.reshape(-1, 4, kv_heads, dim)
+        arguments["block_table"] = pages
+    before = [c.copy() for c in caches]
+    out = npattn.attention_with_kvcache(q, *caches, k, v, **arguments)
+    bound = tolerances.bound(np.float32, span + own_slots + dim, 4.0 * (1 + 3 * dim))
+    for got, want in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple)
+                         else (expected,)):
+        np.testing.assert_allclose(got, want, atol=bound, rtol=0)
+    plan = npattn.plan_with_kvcache(q, *[c.copy() for c in before], k, v, **arguments)
+    layer_prefix = [x * 0.5 for x in prefix]
+    layer_copied = [np.concatenate([np.broadcast_to(p[None], (batch, *p.shape)), c], axis=1)
+                    for p, c in zip(layer_prefix, own)]
+    want = npattn.attention_with_kvcache(q, *layer_copied, k, v, cache_seqlens=seqlens + span, **extra)
+    got = plan.run(q, *[c.copy() for c in before], k, v, *layer_prefix)
+    for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        np.testing.assert_allclose(a, b, atol=bound, rtol=0)
+
+
+def test_a_prefix_is_checked_before_any_write():
+    q, k = np.ones((2, 1, 4, 8), np.float32), np.ones((2, 1, 2, 8), np.float32)
+    caches = [np.zeros((2, 8, 2, 8), np.float32) for _ in range(2)]
+    prefix = np.ones((5, 2, 8), np.float32)
+    for arguments, error, message in (
+            (dict(prefix_k=prefix), ValueError, "must be given together"),
+            (dict(prefix_k=prefix, prefix_v=prefix[:4]), ValueError, "must hold the same keys"),
+            (dict(prefix_k=prefix[:, :1], prefix_v=prefix), ValueError, r"prefix_k must be \(Sp, Hkv, D\)"),
+            (dict(prefix_k=prefix.astype(np.float64), prefix_v=prefix), TypeError, "prefix_k has dtype float64"),
+            (dict(prefix_k=prefix, prefix_v=prefix, bias=np.zeros((8,))), TypeError, "does not take bias with prefix_k")):
+        with pytest.raises(error, match=message):
+            npattn.attention_with_kvcache(q, *caches, k, k, cache_seqlens=np.array([3, 5]), **arguments)
+        assert not any(c.any() for c in caches)

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..runtime import arrays as _arrays
 from .. import api
+from .prefix import SharedPrefix
 from ..spec import checks
 from ..runtime import limits as _limits
 from ..spec import options as _options
@@ -50,7 +51,8 @@ POSITION_LIMIT = _options.Q_OFFSET_LIMIT
 def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *,
                            cache_seqlens: Any, block_table: Any = None, cache_batch_idx: Any = None,
                            rotary_cos: Any = None, rotary_sin: Any = None, rotary_interleaved: bool = False,
-                           cache_leftpad: Any = None, **options: Any) -> Outputs:
+                           cache_leftpad: Any = None, prefix_k: Any = None, prefix_v: Any = None,
+                           **options: Any) -> Outputs:
     """Append ``k`` and ``v`` to the caches (in place) after each sequence's cached keys,
     then return :func:`npattn.attention` of ``q`` against every sequence's keys.
 
@@ -65,6 +67,11 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     keys start at slot ``cache_leftpad[b] <= cache_seqlens[b]`` of its row; the slots before
     are never read, and its positions (causal alignment, windows, ALiBi, rotary) count
     from there.
+    ``prefix_k`` (Sp, Hkv, D) and ``prefix_v`` (Sp, Hkv, Dv): a prefix every sequence sees
+    before its own keys (a shared system prompt; keys at positions 0 to Sp - 1, each
+    sequence's own from Sp on), read once for the whole batch (:mod:`npattn.serving.prefix`):
+    the same answer as the prefix copied in front of every sequence's cache. Not with
+    ``mask``, ``bias`` or dropout.
 
     ``rotary_cos`` and ``rotary_sin`` (positions, R / 2), R even and at most D: rotate the
     first R lanes of q and of the new k by their positions before anything else, as pairs
@@ -99,13 +106,13 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     a JAX cache, which cannot be written in place, takes no new keys.
     """
     return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-                    rotary_interleaved, cache_leftpad, options).run_checked()
+                    rotary_interleaved, cache_leftpad, (prefix_k, prefix_v), options).run_checked()
 
 
 def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any,
                       block_table: Any = None, cache_batch_idx: Any = None, rotary_cos: Any = None,
                       rotary_sin: Any = None, rotary_interleaved: bool = False, cache_leftpad: Any = None,
-                      **options: Any) -> "KVCachePlan":
+                      prefix_k: Any = None, prefix_v: Any = None, **options: Any) -> "KVCachePlan":
     """Every check of ``attention_with_kvcache(q, k_cache, v_cache, k, v, ...)`` once, for a
     decode step that runs on every layer of a model: a :class:`KVCachePlan` whose
     :meth:`~KVCachePlan.run` takes each layer's q, caches and new keys (arrays of the
@@ -119,11 +126,11 @@ def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any 
     checks what each run reads; ``bias`` is read where it lies at each run.
     """
     arguments = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-                 cache_leftpad)
+                 cache_leftpad, prefix_k, prefix_v)
     _arrays.check_native("plan_with_kvcache", "torch tensors and JAX arrays: attention_with_kvcache",
                          (*arguments, *options.values()))
     return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-                    rotary_interleaved, cache_leftpad, options)
+                    rotary_interleaved, cache_leftpad, (prefix_k, prefix_v), options)
 
 
 class KVCachePlan:
@@ -132,7 +139,7 @@ class KVCachePlan:
     raise ValueError naming the argument. A run that raises leaves the caches as they were."""
 
     def __init__(self, checked: tuple, structure: dict, metadata: tuple, rotary: tuple | None, finite: bool,
-                 bias: Any):
+                 bias: Any, shared: Any = None):
         # (problem, backend, the checked caches and the new k (rotated) and v): what the
         # call that planned runs first; the api's Plan of the attention, made at a second run
         self._checked, self._attend, self._structure = checked, None, structure
@@ -140,17 +147,26 @@ class KVCachePlan:
         (self._seqlens, self._starts, self._pages, self._rows, self._positions, self._keys_used, self._prefix,
          self._page_size) = metadata
         self._rotary, self._finite, self._bias = rotary, finite, bias
+        self._shared = shared  # a SharedPrefix, or None
         new_keys = 0 if structure["k"] is None else structure["k"][0][2][1]
         self._appends = new_keys > 0
         # where each new key goes: fixed by the step's metadata, worked out once
         self._slots = (_slots(checked[0].xp, structure["q"][0][2][0], new_keys, self._seqlens, self._pages, self._rows,
                               self._page_size) if self._appends else None)
 
-    def run(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None) -> Outputs:
+    def run(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, prefix_k: Any = None,
+            prefix_v: Any = None) -> Outputs:
         """Append ``k`` and ``v`` in place after each sequence's cached keys, then return
         :func:`npattn.attention` of ``q`` against every sequence's keys (what
-        :func:`attention_with_kvcache` returns); the appended slots get their old bytes back
-        if anything raises after the first write."""
+        :func:`attention_with_kvcache` returns; after ``prefix_k`` and ``prefix_v`` where the
+        plan was made with a prefix); the appended slots get their old bytes back if
+        anything raises after the first write."""
+        shared = self._shared
+        if (shared is None) != (prefix_k is None and prefix_v is None):
+            raise ValueError("prefix_k and prefix_v are given, but the plan was made without them" if shared is None
+                             else "the plan was made with prefix_k and prefix_v: pass this layer's")
+        if shared is not None:
+            shared.check_run(prefix_k, prefix_v)
         structure, check = self._structure, checks.check_structure
         check("q", q, structure["q"])
         check("k_cache", k_cache, structure["k_cache"])
@@ -174,13 +190,20 @@ class KVCachePlan:
                         else (k_cache, v_cache))
         if self._attend is None:
             self._attend = api.Plan(self._planned_problem, self._checked[1])
-        return self._appended(k_cache, v_cache, k, v, lambda: self._attend.run_trusted(q, keys, values))
+        if shared is None:
+            return self._appended(k_cache, v_cache, k, v, lambda: self._attend.run_trusted(q, keys, values))
+        return self._appended(k_cache, v_cache, k, v, lambda: shared.attend(
+            q, prefix_k, prefix_v, self._attend.run_trusted(q, keys, values)))
 
     def run_checked(self) -> Outputs:
         """The run of the call that made the plan (:func:`attention_with_kvcache`), on the
         arrays its checks already hold (q and the new keys rotated, the caches as checked)."""
         problem, implementation, k_cache, v_cache, k, v = self._checked
-        return self._appended(k_cache, v_cache, k, v, lambda: api.run_problem(problem, implementation))
+        if self._shared is None:
+            return self._appended(k_cache, v_cache, k, v, lambda: api.run_problem(problem, implementation))
+        q, prefix_k, prefix_v = self._prefix_arrays
+        return self._appended(k_cache, v_cache, k, v, lambda: self._shared.attend(
+            q, prefix_k, prefix_v, api.run_problem(problem, implementation)))
 
     def _appended(self, k_cache, v_cache, k, v, attend):
         """``attend()`` after appending k and v at the plan's slots; the slots get their old
@@ -195,7 +218,7 @@ class KVCachePlan:
 
 
 def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-             rotary_interleaved, cache_leftpad, options) -> "KVCachePlan":
+             rotary_interleaved, cache_leftpad, prefix, options) -> "KVCachePlan":
     """Every check of the call, in the order a reader would check it, before anything is
     written: the call's plan, holding its arrays as checked for :meth:`KVCachePlan.run_checked`."""
     _check_options(options)
@@ -220,7 +243,14 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     # positions count from each sequence's first key: row 0 sits bottom-right among its keys
     first_query = lengths - q_len - (0 if starts is None else starts)
     new_positions = seqlens - (0 if starts is None else starts)
-    rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, int((first_query + q_len).max(initial=0)), q)
+    shared = None
+    if prefix[0] is not None or prefix[1] is not None:
+        if prefix[0] is None or prefix[1] is None:
+            raise ValueError("prefix_k and prefix_v must be given together, or neither")
+        shared = SharedPrefix(q, k_cache, *prefix, first_query, options)
+        options = shared.own_options(options)
+    span = 0 if shared is None else shared.span  # the own keys' positions start after the prefix
+    rotary = _check_rotary(rotary_cos, rotary_sin, head_dim, int((first_query + span + q_len).max(initial=0)), q)
     if rotary is not None:
         early = np.flatnonzero(first_query < 0)
         if early.size:
@@ -237,9 +267,9 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
         _check_distinct_rows(_arrays.to_numpy(cache_batch_idx))
     q_user, k_user = q, k
     if rotary is not None:  # new arrays: the caller's q and k stay as they were
-        q = apply_rotary(q, first_query, *rotary, rotary_interleaved)
+        q = apply_rotary(q, first_query + span, *rotary, rotary_interleaved)
         if k is not None:
-            k = apply_rotary(k, new_positions, *rotary, rotary_interleaved)
+            k = apply_rotary(k, new_positions + span, *rotary, rotary_interleaved)
     keys, values = k_cache, v_cache
     if pages is not None:  # every page a sequence writes or reads, checked as attention's option
         options["block_table"] = pages
@@ -260,13 +290,16 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     _limits.check_memory(problem, implementation.NAME)
     structure = {name: checks.structure_of(array) for name, array in
                  (("q", q_user), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k_user), ("v", v))}
-    metadata = (seqlens, starts, pages, cache_batch_idx, (first_query, new_positions), keys_used,
+    metadata = (seqlens, starts, pages, cache_batch_idx, (first_query + span, new_positions + span), keys_used,
                 pages is None and cache_batch_idx is None, cache_len)
     if finite:
         _check_finite_reads(q_user, k_user, v, k_cache, v_cache, options.get("bias"), seqlens, starts, pages,
                             cache_batch_idx, cache_len)
-    return KVCachePlan((problem, implementation, k_cache, v_cache, k, v), structure, metadata,
-                       None if rotary is None else (*rotary, rotary_interleaved), finite, options.get("bias"))
+    plan = KVCachePlan((problem, implementation, k_cache, v_cache, k, v), structure, metadata,
+                       None if rotary is None else (*rotary, rotary_interleaved), finite, options.get("bias"), shared)
+    if shared is not None:
+        plan._prefix_arrays = (q, *checks.as_arrays(prefix_k=prefix[0], prefix_v=prefix[1], reference=q))
+    return plan
 
 
 def _checked_caches(q, k_cache, v_cache, paged, written):

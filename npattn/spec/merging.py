@@ -87,12 +87,23 @@ def merge_states(outs: Sequence[Any], lses: Sequence[Any], *, layout: str = "bhs
         raise ValueError(f"lses have shape {tuple(lses[0].shape)}, which does not match outs of shape "
                          f"{tuple(outs[0].shape)} in layout {layout!r}")
     xp = array_module(outs[0])
-    out_parts = xp.stack([x.astype(np.float64) for x in outs])
-    lse_parts = xp.stack([(x if order is None else x.transpose(order)).astype(np.float64) for x in lses])
-    out = xp.empty(out_parts.shape[1:], np.float64)
-    lse = xp.empty(lse_parts.shape[1:], np.float64)
+    # merge's steps without stacking the parts: each weight times its part, promoted to
+    # float64 as it is multiplied (a copy of every part cost more than the sums)
+    lse_parts = [(x if order is None else x.transpose(order)).astype(np.float64) for x in lses]
+    top = lse_parts[0]
+    for part in lse_parts[1:]:
+        top = xp.maximum(top, part)
+    seen = top > -np.inf
+    shift = xp.where(seen, top, 0.0)
+    total = xp.zeros(top.shape, np.float64)
+    out = xp.zeros(outs[0].shape, np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
-        merge(out_parts, lse_parts, out, lse)
+        for part_lse, part_out in zip(lse_parts, outs):  # in part order: the same bits on every run
+            weight = xp.exp(part_lse - shift)  # exactly 0 for a part that saw no key
+            total += weight
+            out += weight[..., None] * part_out
+        lse = xp.where(seen, shift + xp.log(xp.where(seen, total, 1.0)), -np.inf)
+        out /= xp.where(seen, total, 1.0)[..., None]
     lse = lse if order is None else lse.transpose(np.argsort(order))
     out_dtype = np.result_type(*(x.dtype for x in outs))
     lse_dtype = np.result_type(*(x.dtype for x in lses))

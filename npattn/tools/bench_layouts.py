@@ -8,6 +8,9 @@
   ``block_table``) against the same step on a contiguous cache (the target: within
   10%), at two page sizes, and torch SDPA on the contiguous cache with a mask of each
   sequence's length.
+- A decode step whose 32 sequences share a 4096-key prefix (``prefix_k`` / ``prefix_v``,
+  read once for the batch) against the prefix copied in front of every sequence's keys,
+  in pages of 16 (the target: at least 4x faster) and in a contiguous cache.
 
 Times are medians of interleaved runs (:mod:`npattn.tools.timing`), ratios medians of the
 per-round ratios; ``gpu=True`` runs npattn on CuPy arrays (torch on CUDA) instead.
@@ -31,6 +34,10 @@ SHORT_SEQUENCES = (256, 32)
 DECODE = (16, 32, 8, 2048, 128)
 PAGE_SIZES = (256, 64, 16)
 DECODE_CALLS = 10  # decode steps per timed run
+# The shared prefix: (B, H, Hkv, prefix keys, most own keys, D) of one decode step, and the
+# page size of the copied-prefix comparison
+PREFIX = (32, 32, 8, 4096, 256, 128)
+PREFIX_PAGE = 16
 
 
 def varlen_lengths(seed: int = 0) -> np.ndarray:
@@ -62,6 +69,7 @@ def compare(repeats: int = 5, gpu: bool = False, out=sys.stdout) -> list[dict]:
     rows = [_varlen(xp, torch, gpu, synchronize, time_one, repeats, out),
             _short_sequences(xp, synchronize, time_one, repeats, out)]
     rows += _paged_decode(xp, torch, gpu, synchronize, time_one, repeats, out)
+    rows.append(_shared_prefix(xp, synchronize, time_one, repeats, out))
     return rows
 
 
@@ -198,6 +206,46 @@ def _paged_decode(xp, torch, gpu, synchronize, time_one, repeats, out) -> list[d
           + "; ".join(f"pages of {row['page_size']}: {row['paged_ms']:.3f} ms, {row['ratio']:.3f}x" for row in rows)
           + f" (target <= 1.1x){torch_text}", file=out)
     return rows
+
+
+def _shared_prefix(xp, synchronize, time_one, repeats, out) -> dict:
+    """A decode step whose sequences share a prompt prefix: ``prefix_k`` / ``prefix_v``
+    (the prefix read once for the batch) against the prefix copied in front of every
+    sequence's own keys, in pages (the target: >= 4x) and in a contiguous cache."""
+    batch, heads, kv_heads, span, most, dim = PREFIX
+    rng = np.random.default_rng(4)
+    own = rng.integers(most // 4, most + 1, batch)
+    q = xp.asarray(rng.standard_normal((batch, 1, heads, dim), np.float32))
+    prefix_k, prefix_v = (rng.standard_normal((span, kv_heads, dim), np.float32) for _ in range(2))
+    own_k, own_v = (rng.standard_normal((batch, most, kv_heads, dim), np.float32) for _ in range(2))
+    copied_k, copied_v = (np.concatenate([np.broadcast_to(p[None], (batch, *p.shape)), c], axis=1)
+                          for p, c in ((prefix_k, own_k), (prefix_v, own_v)))
+    pool_k, pool_v, table = (xp.asarray(x) for x in paged_copy(copied_k, copied_v, PREFIX_PAGE, rng))
+    shared_arrays = [xp.asarray(x) for x in (own_k, own_v, prefix_k, prefix_v)]
+    copied_k, copied_v = xp.asarray(copied_k), xp.asarray(copied_v)
+
+    def shared():
+        npattn.attention_with_kvcache(q, *shared_arrays[:2], cache_seqlens=own, prefix_k=shared_arrays[2],
+                                      prefix_v=shared_arrays[3], causal=True)
+        synchronize()
+
+    def copied_pages():
+        npattn.attention_with_kvcache(q, pool_k, pool_v, cache_seqlens=own + span, block_table=table, causal=True)
+        synchronize()
+
+    def copied_contiguous():
+        npattn.attention_with_kvcache(q, copied_k, copied_v, cache_seqlens=own + span, causal=True)
+        synchronize()
+    ms, samples = _timed({"shared": shared, "pages": copied_pages, "contiguous": copied_contiguous}, repeats,
+                         time_one)
+    row = dict(case="shared prefix", prefix=span, shared_ms=ms["shared"], pages_ms=ms["pages"],
+               contiguous_ms=ms["contiguous"], speedup=_ratio(samples, "pages", "shared"),
+               contiguous_speedup=_ratio(samples, "contiguous", "shared"))
+    print(f"decode step sharing a {span}-key prefix (B={batch}, H={heads}/{kv_heads}, own keys {most // 4}-{most}, "
+          f"D={dim}): {row['shared_ms']:.1f} ms with prefix_k/prefix_v against {row['pages_ms']:.1f} ms with the "
+          f"prefix copied into every sequence's pages of {PREFIX_PAGE}, {row['speedup']:.2f}x (target >= 4x), and "
+          f"{row['contiguous_ms']:.1f} ms copied into a contiguous cache, {row['contiguous_speedup']:.2f}x", file=out)
+    return row
 
 
 def paged_copy(keys, values, page_size: int, rng):
