@@ -667,3 +667,55 @@ def test_a_prefix_is_checked_before_any_write():
         with pytest.raises(error, match=message):
             npattn.attention_with_kvcache(q, *caches, k, k, cache_seqlens=np.array([3, 5]), **arguments)
         assert not any(c.any() for c in caches)
+
+
+@given(lengths=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 14)), min_size=1, max_size=4),
+       options=st.sampled_from([{}, dict(causal=True), dict(causal=True, window=(3, 0)),
+                                dict(alibi_slopes=np.array([0.5, 0.25, 0.1, 0.05])), dict(softcap=2.0, causal=True),
+                                dict(causal=True, return_lse=True), dict(causal="top_left")]),
+       backend=st.sampled_from(["cpu", "reference"]), seed=st.integers(0, 2**31))
+def test_paged_varlen_is_one_kvcache_call_per_sequence(lengths, options, backend, seed):
+    """attention_varlen with block_table (prefill chunks and decode steps in one call, keys in
+    pages): each sequence's rows are attention_with_kvcache's for that sequence alone."""
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, dim, page, pages_each = 4, 2, 8, 4, 4
+    batch = len(lengths)
+    cu_q = np.r_[0, np.cumsum([n for n, _ in lengths])]
+    used = np.array([min(m, pages_each * page) for _, m in lengths])
+    q = rng.standard_normal((int(cu_q[-1]), heads, dim)).astype(np.float32)
+    pools = [rng.standard_normal((batch * pages_each + 2, page, kv_heads, dim)).astype(np.float32) for _ in range(2)]
+    table = rng.permutation(batch * pages_each + 2)[:batch * pages_each].reshape(batch, pages_each)
+    out = npattn.attention_varlen(q, *pools, cu_q, seqused_k=used, block_table=table, backend=backend, **options)
+    got_out, got_lse = out if isinstance(out, tuple) else (out, None)
+    assert got_out.shape == (q.shape[0], heads, dim)
+    aligned = {name: value for name, value in options.items() if name != "causal"} if options.get(
+        "causal") == "top_left" else options
+    for b, (n, _) in enumerate(lengths):
+        if not n:
+            continue
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        if options.get("causal") == "top_left":  # row 0 level with key 0
+            want = npattn.attention(q[None, rows], *pools, block_table=table[b:b + 1], kv_lengths=used[b:b + 1],
+                                    q_offset=0, causal=True, layout="bshd", **aligned)
+        else:
+            want = npattn.attention_with_kvcache(q[None, rows], *pools, cache_seqlens=used[b:b + 1],
+                                                 block_table=table[b:b + 1], backend=backend, **options)
+        want_out, want_lse = want if isinstance(want, tuple) else (want, None)
+        np.testing.assert_allclose(got_out[rows], want_out[0], atol=tolerances.bound(
+            np.float32, 16 + dim, 4.0 * (1 + 3 * dim)), rtol=0)
+        if want_lse is not None:
+            np.testing.assert_allclose(got_lse[:, rows], want_lse[0], atol=1e-4, rtol=1e-5)
+
+
+def test_paged_varlen_checks_its_arguments():
+    q, pool = np.ones((5, 2, 4), np.float32), np.ones((6, 4, 1, 4), np.float32)
+    table = np.array([[0, 1], [2, 3]])
+    for arguments, error, message in (
+            (dict(seqused_k=np.array([3, 9]), block_table=table), ValueError, r"seqused_k\[1\] = 9"),
+            (dict(block_table=table), TypeError, "needs seqused_k"),
+            (dict(seqused_k=np.array([3, 4])), TypeError, "seqused_k comes with block_table"),
+            (dict(seqused_k=np.array([5, 4]), block_table=np.array([[0, 9], [2, 3]])), ValueError,
+             r"block_table\[0, 1\] = 9"),  # (a page past a sequence's keys is never read: no error there)
+            (dict(seqused_k=np.array([3, 4]), block_table=table, dropout_p=0.1), TypeError, "no dropout_p")):
+        with pytest.raises(error, match=message):
+            npattn.attention_varlen(q, pool, pool, np.array([0, 2, 5]), **arguments)

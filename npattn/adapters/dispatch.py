@@ -47,7 +47,7 @@ def attention_vjp(q: Any, k: Any, v: Any, **options: Any) -> Any:
 
 def _varlen_route(native: Callable, with_vjp: bool) -> Callable:
     @_public(native)
-    def route(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int | None = None,
+    def route(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
               max_seqlen_k: int | None = None, **options: Any) -> Any:
         given = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                      max_seqlen_k=max_seqlen_k)

@@ -31,6 +31,7 @@ from ..spec import checks
 from ..spec import options as _options
 from ..api import attention, attention_vjp
 from ..types import Array
+from .mixed import paged_varlen
 
 # Options the packed call sets itself or cannot take, and why (the options table says which):
 # those of a padded batch, which a packed one replaces, and the weights (a (total, total)
@@ -39,8 +40,9 @@ _RESERVED = {**{name: "packed sequences replace a padded batch" for name in _opt
              **_options.refused_by(_options.VARLEN)}
 
 
-def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int | None = None,
-                     max_seqlen_k: int | None = None, **options: Any) -> Any:
+def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any = None,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, *, seqused_k: Any = None,
+                     block_table: Any = None, **options: Any) -> Any:
     """Attention over the packed sequences of ``q``, ``k``, ``v`` (see :mod:`npattn.serving.varlen`).
 
     q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv); ``cu_seqlens_q`` and ``cu_seqlens_k``
@@ -58,7 +60,24 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     Torch tensors and JAX arrays come back as their kind; a tensor that requires grad
     goes through :func:`npattn.torch.attention_varlen` (torch's autograd differentiates
     it), JAX tracers through :func:`npattn.jax.attention_varlen`.
+
+    Paged keys, prefill and decode in one call (:mod:`npattn.serving.mixed`): with
+    ``block_table`` (B, P), k and v are pools (pages, page_size, Hkv, D/Dv),
+    ``cu_seqlens_k`` is None and ``seqused_k`` (B,) says how many keys of its pages each
+    sequence holds; each sequence's queries sit bottom-right among its keys. Forward only.
     """
+    if block_table is not None or seqused_k is not None:
+        if cu_seqlens_k is not None or max_seqlen_k is not None:
+            raise TypeError("attention_varlen with block_table reads each sequence's keys from its pages: "
+                            "pass seqused_k, not cu_seqlens_k or max_seqlen_k")
+        if block_table is None:
+            raise TypeError("seqused_k comes with block_table (paged keys); packed keys take cu_seqlens_k")
+        (q,) = checks.as_arrays(q=q)
+        starts = _cumulative("cu_seqlens_q", cu_seqlens_q, q.shape[0], "Tq", max_seqlen_q, "max_seqlen_q")
+        return paged_varlen(q, k, v, starts, seqused_k, block_table, options, _RESERVED, _packed_offsets)
+    if cu_seqlens_k is None:
+        raise TypeError("attention_varlen needs cu_seqlens_k for packed keys (or block_table and seqused_k for "
+                        "paged ones)")
     batch = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     fused = batch.fused(with_vjp=False)
     if fused is not None:

@@ -11,6 +11,9 @@
 - A decode step whose 32 sequences share a 4096-key prefix (``prefix_k`` / ``prefix_v``,
   read once for the batch) against the prefix copied in front of every sequence's keys,
   in pages of 16 (the target: at least 4x faster) and in a contiguous cache.
+- A mixed batch, prefill chunks and decode steps in one paged ``attention_varlen`` call,
+  against the same work as one prefill and one decode call (the target: at most 1.1x)
+  and as one call per sequence.
 
 Times are medians of interleaved runs (:mod:`npattn.tools.timing`), ratios medians of the
 per-round ratios; ``gpu=True`` runs npattn on CuPy arrays (torch on CUDA) instead.
@@ -38,6 +41,9 @@ DECODE_CALLS = 10  # decode steps per timed run
 # page size of the copied-prefix comparison
 PREFIX = (32, 32, 8, 4096, 256, 128)
 PREFIX_PAGE = 16
+# The mixed batch: (prefill chunks, chunk length, keys before a chunk, decode steps, their
+# fewest and most keys, H, Hkv, D, page size)
+MIXED = (2, 512, 2048, 30, 512, 4096, 32, 8, 128, 16)
 
 
 def varlen_lengths(seed: int = 0) -> np.ndarray:
@@ -70,6 +76,7 @@ def compare(repeats: int = 5, gpu: bool = False, out=sys.stdout) -> list[dict]:
             _short_sequences(xp, synchronize, time_one, repeats, out)]
     rows += _paged_decode(xp, torch, gpu, synchronize, time_one, repeats, out)
     rows.append(_shared_prefix(xp, synchronize, time_one, repeats, out))
+    rows.append(_mixed_batch(xp, synchronize, time_one, repeats, out))
     return rows
 
 
@@ -245,6 +252,54 @@ def _shared_prefix(xp, synchronize, time_one, repeats, out) -> dict:
           f"D={dim}): {row['shared_ms']:.1f} ms with prefix_k/prefix_v against {row['pages_ms']:.1f} ms with the "
           f"prefix copied into every sequence's pages of {PREFIX_PAGE}, {row['speedup']:.2f}x (target >= 4x), and "
           f"{row['contiguous_ms']:.1f} ms copied into a contiguous cache, {row['contiguous_speedup']:.2f}x", file=out)
+    return row
+
+
+def _mixed_batch(xp, synchronize, time_one, repeats, out) -> dict:
+    """Prefill chunks and decode steps in one paged ``attention_varlen`` call, against the
+    same work as one prefill call and one decode call (the target: at most 1.1x) and as one
+    call per sequence."""
+    chunks, chunk, before, steps, fewest, most, heads, kv_heads, dim, page = MIXED
+    rng = np.random.default_rng(5)
+    keys = [chunk + before] * chunks + [int(n) for n in rng.integers(fewest, most + 1, steps)]
+    rows = [chunk] * chunks + [1] * steps
+    held = [-(-n // page) for n in keys]
+    pool_k, pool_v = (xp.asarray(rng.standard_normal((sum(held), page, kv_heads, dim), np.float32)) for _ in range(2))
+    order = rng.permutation(sum(held))
+    table = np.zeros((len(keys), max(held)), np.int64)
+    for b, start in enumerate(np.cumsum([0] + held[:-1])):
+        table[b, :held[b]] = order[start:start + held[b]]
+    cu = np.concatenate([[0], np.cumsum(rows)])
+    used = np.array(keys)
+    q = xp.asarray(rng.standard_normal((int(cu[-1]), heads, dim), np.float32))
+    table_d = xp.asarray(table)
+    prefill_q = q[:chunks * chunk].reshape(chunks, chunk, heads, dim)
+    decode_q = q[chunks * chunk:].reshape(steps, 1, heads, dim)
+
+    def mixed():
+        npattn.attention_varlen(q, pool_k, pool_v, cu, seqused_k=used, block_table=table_d, causal=True)
+        synchronize()
+
+    def two_calls():
+        npattn.attention_with_kvcache(prefill_q, pool_k, pool_v, cache_seqlens=used[:chunks],
+                                      block_table=table_d[:chunks], causal=True)
+        npattn.attention_with_kvcache(decode_q, pool_k, pool_v, cache_seqlens=used[chunks:],
+                                      block_table=table_d[chunks:], causal=True)
+        synchronize()
+
+    def each():
+        for b in range(len(keys)):
+            npattn.attention_with_kvcache(q[None, int(cu[b]):int(cu[b + 1])], pool_k, pool_v,
+                                          cache_seqlens=used[b:b + 1], block_table=table_d[b:b + 1], causal=True)
+        synchronize()
+    ms, samples = _timed({"mixed": mixed, "two calls": two_calls, "each": each}, repeats, time_one)
+    row = dict(case="mixed batch", mixed_ms=ms["mixed"], two_calls_ms=ms["two calls"], each_ms=ms["each"],
+               ratio=_ratio(samples, "mixed", "two calls"), each_ratio=_ratio(samples, "mixed", "each"))
+    print(f"mixed batch ({chunks} prefill chunks of {chunk} after {before} keys, {steps} decode steps against "
+          f"{fewest}-{most} keys, H={heads}/{kv_heads}, D={dim}, pages of {page}) in one paged attention_varlen call: "
+          f"{row['mixed_ms']:.1f} ms against {row['two_calls_ms']:.1f} ms as one prefill and one decode call, "
+          f"{row['ratio']:.3f}x (target <= 1.1x), and {row['each_ms']:.1f} ms as a call per sequence, "
+          f"{row['each_ratio']:.3f}x", file=out)
     return row
 
 
