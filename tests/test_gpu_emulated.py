@@ -346,3 +346,25 @@ def test_a_gpu_plan_runs_new_arrays_as_a_gpu_call_does(case, layout, seed):
             shifted.append(view)
         if all(a.strides == b.strides for a, b in zip(shifted, fresh)):
             np.testing.assert_array_equal(plan.run(*shifted)[0], npattn.attention(*fresh, **options)[0])
+
+
+def test_the_serving_calls_new_paths_run_on_the_emulated_gpu():
+    """A shared prefix (its stacked and per-entry parts) and prefill with decode in one
+    paged attention_varlen call (a call per sequence on the GPU) against the reference."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 1, 4, 16)).astype(np.float32)
+    own = [rng.standard_normal((2, 8, 2, 16)).astype(np.float32) for _ in range(2)]
+    prefix = [rng.standard_normal((5, 2, 16)).astype(np.float32) for _ in range(2)]
+    for options in (dict(causal=True), dict(causal=True, window=(3, 0), sinks=1)):
+        got = npattn.attention_with_kvcache(q, *own, cache_seqlens=np.array([3, 6]), prefix_k=prefix[0],
+                                            prefix_v=prefix[1], backend="gpu", **options)
+        want = npattn.attention_with_kvcache(q, *own, cache_seqlens=np.array([3, 6]), prefix_k=prefix[0],
+                                             prefix_v=prefix[1], backend="reference", **options)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    pools = [rng.standard_normal((6, 4, 2, 16)).astype(np.float32) for _ in range(2)]
+    packed = rng.standard_normal((6, 4, 16)).astype(np.float32)
+    arguments = dict(seqused_k=np.array([7, 3, 9]), block_table=np.array([[0, 2, 4], [1, 3, 5], [5, 4, 3]]),
+                     causal=True)
+    got = npattn.attention_varlen(packed, *pools, np.array([0, 4, 5, 6]), backend="gpu", **arguments)
+    want = npattn.attention_varlen(packed, *pools, np.array([0, 4, 5, 6]), backend="reference", **arguments)
+    np.testing.assert_allclose(got, want, atol=1e-5)
