@@ -51,8 +51,8 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     kernels need no padded size). ``options`` are :func:`npattn.attention`'s, per
     sequence: ``alibi_slopes`` (H,) or (B, H), ``q_offset`` an int or int (B,), a
     ``dropout_offset`` added to each sequence's (b, 0, 0, 0); not ``layout``, the
-    lengths or starts, ``mask``, ``bias`` or ``block_table`` (a padded batch's), nor
-    ``return_weights``.
+    lengths or starts, ``mask`` or ``bias`` (a padded batch's), nor ``return_weights``
+    (``block_table`` is an argument: paged keys, below).
 
     Returns out (Tq, H, Dv) in q's dtype, or with ``return_lse`` the tuple
     ``(out, lse)``, lse (H, Tq) in the compute dtype (FlashAttention's layout).

@@ -263,8 +263,8 @@ OPTIONS: tuple[Option, ...] = (
            '"bshd", and batch entry b\'s key j is row j % page_size of page '
            "block_table[b, j // page_size] (Sk = P * page_size). Forward only.",
            lambda value, call: _check_block_table(value, call),
-           field="block_table", present=_has("block_table"), gpu_option="PAGED", set_by=(KVCACHE,),
-           refused_by=((VARLEN, _PACKED), (RING, "each rank holds its shard's keys as an array, not pages"))),
+           field="block_table", present=_has("block_table"), gpu_option="PAGED", set_by=(KVCACHE, VARLEN),
+           refused_by=((RING, "each rank holds its shard's keys as an array, not pages"),)),
     Option("layout", "bhsd", "layout",
            '"bhsd" (B, H, S, D) or "bshd" (B, S, H, D), for q, k, v and out.',
            lambda value, call: checks.check_layout(value),
