@@ -441,22 +441,7 @@ def _cache_seqlens(value, batch, capacity, new_len):
     integers (a Python int of any size, a uint64 past 2**63) before any conversion, so
     nothing wraps."""
     most = capacity - new_len
-    number = checks.as_int(value)
-    if number is not None:  # any Python int: int64 where it fits, else compared as Python ints
-        host = np.full(batch, number, np.int64) if -2**62 < number < 2**62 else np.array([number] * batch, object)
-    else:
-        if isinstance(value, (bool, np.bool_)) or isinstance(value, (str, bytes)) or value is None:
-            raise TypeError(f"cache_seqlens must be an int or an int array of shape (B,), "
-                            f"got {type(value).__name__} {value!r}")
-        try:
-            host = _arrays.to_numpy(value) if hasattr(value, "shape") else np.asarray(value)
-        except (TypeError, ValueError) as error:
-            raise TypeError(f"cache_seqlens must be an int or an int array of shape (B,), got "
-                            f"{type(value).__name__}: {error}") from None
-        if host.dtype.kind not in "iu":
-            raise TypeError(f"cache_seqlens must be an int or an int array of shape (B,), got dtype {host.dtype}")
-        if host.shape != (batch,):
-            raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {host.shape}")
+    host = _host_ints("cache_seqlens", value, batch)
     if batch and host.min() >= 0 and host.max() <= min(most, POSITION_LIMIT - new_len):  # the usual call
         return host.astype(np.int64, copy=False)
     negative = np.flatnonzero(host < 0)
@@ -475,27 +460,33 @@ def _cache_seqlens(value, batch, capacity, new_len):
     return host.astype(np.int64)
 
 
+def _host_ints(name, value, batch):
+    """An int or an int array (B,) as a NumPy array of B entries in the caller's own
+    integers (a Python int of any size as objects, a uint64 as it is), for range checks
+    that nothing has wrapped yet."""
+    number = checks.as_int(value)
+    if number is not None:  # any Python int: int64 where it fits, else compared as Python ints
+        return np.full(batch, number, np.int64) if -2**62 < number < 2**62 else np.array([number] * batch, object)
+    described = f"{name} must be an int or an int array of shape (B,)"
+    if isinstance(value, (bool, np.bool_, str, bytes)) or value is None:
+        raise TypeError(f"{described}, got {type(value).__name__} {value!r}")
+    try:
+        host = _arrays.to_numpy(value) if hasattr(value, "shape") else np.asarray(value)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{described}, got {type(value).__name__}: {error}") from None
+    if host.dtype.kind not in "iu":
+        raise TypeError(f"{described}, got dtype {host.dtype}")
+    if host.shape != (batch,):
+        raise ValueError(f"{name} must have shape (B,) = ({batch},), got {host.shape}")
+    return host
+
+
 def _cache_leftpad(value, batch, seqlens):
     """cache_leftpad as an int64 (B,) NumPy array, each in [0, cache_seqlens[b]]; None for
     None or all zeros (no left padding)."""
     if value is None:
         return None
-    number = checks.as_int(value)
-    if number is not None:
-        host = np.array([number] * batch, object)
-    else:
-        if isinstance(value, (bool, np.bool_, str, bytes)):
-            raise TypeError(f"cache_leftpad must be None, an int or an int array of shape (B,), "
-                            f"got {type(value).__name__} {value!r}")
-        try:
-            host = _arrays.to_numpy(value) if hasattr(value, "shape") else np.asarray(value)
-        except (TypeError, ValueError) as error:
-            raise TypeError(f"cache_leftpad must be None, an int or an int array of shape (B,), got "
-                            f"{type(value).__name__}: {error}") from None
-        if host.dtype.kind not in "iu":
-            raise TypeError(f"cache_leftpad must be None, an int or an int array of shape (B,), got dtype {host.dtype}")
-        if host.shape != (batch,):
-            raise ValueError(f"cache_leftpad must have shape (B,) = ({batch},), got {host.shape}")
+    host = _host_ints("cache_leftpad", value, batch)
     outside = np.flatnonzero((host < 0) | (host > seqlens))
     if outside.size:
         b = int(outside[0])
