@@ -1,12 +1,14 @@
 """Continuous batching: requests of different lengths arrive and finish at different steps
-and share one paged KV cache; each step decodes every active request in one batched call.
+and share one paged KV cache; each step prefills the new prompts and decodes every active
+request in one call.
 
 A toy one-layer language model (random embeddings and projections, rotary positions,
-greedy decoding) serves eight requests. Each step admits the requests that arrive
-(their prompts go into the cache in one call each), decodes one token for every active
-request in one call of :meth:`npattn.nn.PagedKVCache.attend`, and frees the pages of
-the requests that are done. Every generated token is then checked against decoding
-that request alone, with plain causal attention over its whole sequence at each step.
+greedy decoding) serves eight requests. Each step gathers the prompts of the requests
+that arrive (a prefill chunk each) and one token of every active request (a decode step
+each), runs them all in one call of :meth:`npattn.nn.PagedKVCache.attend_varlen` (one
+packed :func:`npattn.attention_varlen` over the pool's pages), and frees the pages of
+the requests that are done. Every generated token is then checked against decoding that
+request alone, with plain causal attention over its whole sequence at each step.
 
 Run: python examples/continuous_batching.py
 """
@@ -49,21 +51,21 @@ def serve():
     generated = {r: [] for r in range(len(REQUESTS))}
     active, last_token, step, peak_pages = [], {}, 0, 0
     while len(active) or any(arrival >= step for arrival, _, _ in REQUESTS):
-        for r, (arrival, _, _) in enumerate(REQUESTS):  # arrivals: prefill each prompt in one call
-            if arrival == step:
-                cache.add(r)
-                q, k, v = project(prompts[r][None])
-                out = cache.attend([r], q, k, v, causal=True, **ROTARY)
-                last_token[r] = int(next_tokens(out)[0])
-                generated[r].append(last_token[r])
-                active.append(r)
+        arriving = [r for r, (arrival, _, _) in enumerate(REQUESTS) if arrival == step]
         decoding = [r for r in active if len(generated[r]) < REQUESTS[r][2]]
-        if decoding:  # one batched decode step for every active request
-            q, k, v = project(np.array([[last_token[r]] for r in decoding]))
-            out = cache.attend(decoding, q, k, v, causal=True, **ROTARY)
-            for r, token in zip(decoding, next_tokens(out)):
+        for r in arriving:
+            cache.add(r)
+        batch = arriving + decoding  # prefill chunks and decode steps, one call for all
+        if batch:
+            tokens = [prompts[r] for r in arriving] + [np.array([last_token[r]]) for r in decoding]
+            q, k, v = project(np.concatenate(tokens)[None])
+            cu_seqlens = np.concatenate([[0], np.cumsum([len(t) for t in tokens])])
+            out = cache.attend_varlen(batch, q[0], k[0], v[0], cu_seqlens, causal=True, **ROTARY)
+            last_rows = cu_seqlens[1:] - 1  # each sequence's last position picks its next token
+            for r, token in zip(batch, next_tokens(out[last_rows][:, None])):
                 last_token[r] = int(token)
                 generated[r].append(int(token))
+        active += arriving
         peak_pages = max(peak_pages, 24 - cache.free_pages)
         for r in [r for r in active if len(generated[r]) == REQUESTS[r][2]]:  # done: pages back to the pool
             cache.free(r)
@@ -92,4 +94,5 @@ if __name__ == "__main__":
         assert served[r] == alone, (r, served[r], alone)
     total = sum(len(p) + n for p, (_, _, n) in zip(prompts, REQUESTS))
     print(f"served {len(REQUESTS)} requests ({total} tokens) in continuous batches from one pool of "
-          f"24 pages of {PAGE} keys (at most {peak} in use); every token equals decoding its request alone: ok")
+          f"24 pages of {PAGE} keys (at most {peak} in use), each step's prefills and decodes in one call; "
+          "every token equals decoding its request alone: ok")

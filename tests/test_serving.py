@@ -719,3 +719,59 @@ def test_paged_varlen_checks_its_arguments():
             (dict(seqused_k=np.array([3, 4]), block_table=table, dropout_p=0.1), TypeError, "no dropout_p")):
         with pytest.raises(error, match=message):
             npattn.attention_varlen(q, pool, pool, np.array([0, 2, 5]), **arguments)
+
+
+@given(steps=st.lists(st.lists(st.integers(0, 5), min_size=3, max_size=3), min_size=1, max_size=3),
+       rotary=st.booleans(), seed=st.integers(0, 2**31))
+def test_paged_cache_attend_varlen_is_attend_per_sequence(steps, rotary, seed):
+    """PagedKVCache.attend_varlen (prefill chunks and decode steps of several sequences in
+    one call) leaves the pool as attend does sequence by sequence, and returns each
+    sequence's rows as attend does."""
+    from npattn.nn import PagedKVCache
+
+    rng = np.random.default_rng(seed)
+    caches = [PagedKVCache(16, 4, 2, 8, dtype="float64") for _ in range(2)]
+    for cache in caches:
+        for name in "abc":
+            cache.add(name)
+    extra = {}
+    if rotary:
+        angles = np.outer(np.arange(64), [1.0, 0.5, 0.25, 0.1])
+        extra = dict(rotary_cos=np.cos(angles), rotary_sin=np.sin(angles))
+    for counts in steps:
+        chosen = [name for name, n in zip("abc", counts) if n]
+        news = [n for n in counts if n]
+        if not chosen:
+            continue
+        q = rng.standard_normal((sum(news), 4, 8))
+        k, v = rng.standard_normal((sum(news), 2, 8)), rng.standard_normal((sum(news), 2, 8))
+        cu = np.concatenate([[0], np.cumsum(news)])
+        out = caches[0].attend_varlen(chosen, q, k, v, cu, causal=True, **extra)
+        for b, name in enumerate(chosen):
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            want = caches[1].attend([name], q[None, rows], k[None, rows], v[None, rows], causal=True, **extra)
+            np.testing.assert_allclose(out[rows], want[0], atol=1e-12)
+    np.testing.assert_array_equal(caches[0].keys, caches[1].keys)
+    assert [caches[0].length(n) for n in "abc"] == [caches[1].length(n) for n in "abc"]
+
+
+def test_paged_cache_attend_varlen_that_raises_changes_nothing():
+    from npattn.nn import PagedKVCache
+
+    rng = np.random.default_rng(1)
+    cache = PagedKVCache(4, 2, 1, 4, dtype="float64")
+    cache.add("a")
+    cache.attend_varlen(["a"], rng.standard_normal((3, 2, 4)), rng.standard_normal((3, 1, 4)),
+                        rng.standard_normal((3, 1, 4)), np.array([0, 3]), causal=True)
+    keys, values, free = cache.keys.copy(), cache.values.copy(), cache.free_pages
+    q, k = rng.standard_normal((1, 2, 4)), rng.standard_normal((1, 1, 4))
+    with pytest.raises(TypeError, match="unknown option 'softmax_scale'"):  # found after the keys were written
+        cache.attend_varlen(["a"], q, k, k, np.array([0, 1]), softmax_scale=0.5)
+    with pytest.raises(MemoryError, match="more pages needed"):
+        cache.attend_varlen(["a"], rng.standard_normal((9, 2, 4)), rng.standard_normal((9, 1, 4)),
+                            rng.standard_normal((9, 1, 4)), np.array([0, 9]))
+    with pytest.raises(TypeError, match="k has dtype float32"):
+        cache.attend_varlen(["a"], q, k.astype(np.float32), k, np.array([0, 1]))
+    np.testing.assert_array_equal(cache.keys, keys)
+    np.testing.assert_array_equal(cache.values, values)
+    assert cache.free_pages == free and cache.length("a") == 3

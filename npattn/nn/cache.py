@@ -261,6 +261,83 @@ class PagedKVCache:
             self._lengths[sequence] += new
         return result
 
+    def attend_varlen(self, sequences, q, k, v, cu_seqlens, **options):
+        """One step for sequences with different numbers of new tokens (prefill chunks and
+        decode steps together, as continuous batching schedules them), in one call of
+        :func:`npattn.attention_varlen` on the pool's pages: q (T, H, D), k and v (T, Hkv,
+        D) hold every sequence's new tokens end to end, sequence b's rows
+        ``cu_seqlens[b]:cu_seqlens[b + 1]``; its new keys go after its cached ones (pages
+        taken as needed), then each of its rows attends to its keys, the last level with
+        the last key. ``rotary_cos`` / ``rotary_sin`` (and ``rotary_interleaved``) rotate q
+        and the new k by their positions first. Returns out (T, H, Dv), or ``(out, lse)``.
+        A call that raises changes nothing: the pages stay free, the lengths and the
+        pool's bytes as they were (the slots it wrote get their old bytes back)."""
+        from ..serving.kvcache import apply_rotary
+        from ..serving.varlen import _cumulative
+        from ..adapters.dispatch import attention_varlen
+
+        sequences = list(sequences)
+        for sequence in sequences:
+            self._known(sequence)
+        if len(set(sequences)) != len(sequences):
+            raise ValueError(f"PagedKVCache.attend_varlen: sequences must be distinct; got {sequences!r}")
+        xp = self._xp
+        q, k, v = (xp.asarray(x) for x in (q, k, v))
+        for name, array, width in (("q", q, self.head_dim), ("k", k, self.head_dim), ("v", v, self.head_dim)):
+            heads = q.shape[1] if name == "q" and q.ndim == 3 else self.num_kv_heads
+            if array.ndim != 3 or array.shape[0] != q.shape[0] or array.shape[1:] != (heads, width):
+                raise ValueError(f"PagedKVCache.attend_varlen: {name} must be (T, {'H' if name == 'q' else 'Hkv'}, "
+                                 f"{width}) with T = q's {q.shape[0]} rows; got {tuple(array.shape)}")
+            if array.dtype != self.keys.dtype:
+                raise TypeError(f"PagedKVCache.attend_varlen: {name} has dtype {array.dtype} but the pool stores "
+                                f"{self.keys.dtype}")
+        starts = _cumulative("cu_seqlens", cu_seqlens, q.shape[0], "T", None, "")
+        if len(starts) != len(sequences) + 1:
+            raise ValueError(f"PagedKVCache.attend_varlen: cu_seqlens must have {len(sequences) + 1} entries for "
+                             f"{len(sequences)} sequences; got {len(starts)}")
+        new = np.diff(starts)
+        wanted = [max(0, -(-(self._lengths[s] + int(n)) // self.page_size) - len(self._pages[s]))
+                  for s, n in zip(sequences, new)]
+        total = sum(wanted)
+        if total > len(self._free):
+            raise MemoryError(f"PagedKVCache: {total} more pages needed, {len(self._free)} free "
+                              f"(free finished sequences, or make the pool larger)")
+        taken = self._free[len(self._free) - total:][::-1]
+        pages, first = {}, 0
+        for sequence, count in zip(sequences, wanted):
+            pages[sequence] = self._pages[sequence] + taken[first:first + count]
+            first += count
+        lengths = np.array([self._lengths[s] for s in sequences], np.int64)
+        rotary = {name: options.pop(name) for name in ("rotary_cos", "rotary_sin", "rotary_interleaved")
+                  if name in options}
+        if "rotary_cos" in rotary or "rotary_sin" in rotary:  # each row at its own position
+            cos, sin = rotary.get("rotary_cos"), rotary.get("rotary_sin")
+            interleaved = bool(rotary.get("rotary_interleaved", False))
+            q, k = q.copy(), k.copy()
+            for b in range(len(sequences)):
+                rows = slice(int(starts[b]), int(starts[b + 1]))
+                at = lengths[b:b + 1]
+                q[rows] = apply_rotary(q[None, rows], at, cos, sin, interleaved)[0]
+                k[rows] = apply_rotary(k[None, rows], at, cos, sin, interleaved)[0]
+        # where each new key goes: page and slot of positions length_b + i
+        positions = np.concatenate([lengths[b] + np.arange(n) for b, n in enumerate(new)]).astype(np.int64)
+        owner = np.repeat(np.arange(len(sequences)), new)
+        table = self._table([pages[s] for s in sequences])
+        page_of, slot_of = table[owner, positions // self.page_size], positions % self.page_size
+        old_keys, old_values = self.keys[page_of, slot_of], self.values[page_of, slot_of]  # copies
+        try:
+            self.keys[page_of, slot_of], self.values[page_of, slot_of] = k, v
+            result = attention_varlen(q, self.keys, self.values, starts, seqused_k=lengths + new,
+                                      block_table=xp.asarray(table), **options)
+        except BaseException:
+            self.keys[page_of, slot_of], self.values[page_of, slot_of] = old_keys, old_values
+            raise
+        del self._free[len(self._free) - total:]
+        for sequence, count in zip(sequences, new):
+            self._pages[sequence] = pages[sequence]
+            self._lengths[sequence] += int(count)
+        return result
+
     @staticmethod
     def _table(pages):
         table = np.zeros((len(pages), max((len(p) for p in pages), default=0)), np.int64)
