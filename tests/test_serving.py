@@ -772,6 +772,9 @@ def test_paged_cache_attend_varlen_that_raises_changes_nothing():
                             rng.standard_normal((9, 1, 4)), np.array([0, 9]))
     with pytest.raises(TypeError, match="k has dtype float32"):
         cache.attend_varlen(["a"], q, k.astype(np.float32), k, np.array([0, 1]))
+    short = np.ones((3, 2))  # covers positions 0-2, the call needs 3
+    with pytest.raises(ValueError, match=r"rotary_cos must be \(positions >= 4"):
+        cache.attend_varlen(["a"], q, k, k, np.array([0, 1]), rotary_cos=short, rotary_sin=short)
     np.testing.assert_array_equal(cache.keys, keys)
     np.testing.assert_array_equal(cache.values, values)
     assert cache.free_pages == free and cache.length("a") == 3

@@ -313,6 +313,11 @@ class PagedKVCache:
         if "rotary_cos" in rotary or "rotary_sin" in rotary:  # each row at its own position
             cos, sin = rotary.get("rotary_cos"), rotary.get("rotary_sin")
             interleaved = bool(rotary.get("rotary_interleaved", False))
+            last = int((lengths + new).max(initial=0))
+            for name, table in (("rotary_cos", cos), ("rotary_sin", sin)):
+                if table is None or np.ndim(table) != 2 or np.shape(table)[0] < last or 2 * np.shape(table)[1] > self.head_dim:
+                    raise ValueError(f"PagedKVCache.attend_varlen: {name} must be (positions >= {last}, R / 2) with R "
+                                     f"<= {self.head_dim}; got {None if table is None else np.shape(table)}")
             q, k = q.copy(), k.copy()
             for b in range(len(sequences)):
                 rows = slice(int(starts[b]), int(starts[b + 1]))
