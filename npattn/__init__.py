@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 # Subpackages and modules that load on first use (PEP 562), so ``npattn.torch.attention``
 # works after ``import npattn`` alone; importing npattn still imports none of them (nor torch
 # or JAX, which npattn.torch and npattn.jax import).
-_LAZY_SUBMODULES = ("torch", "jax", "nn", "autograd", "distributed", "cpu", "gpu", "spec", "runtime", "serving",
+_LAZY_SUBMODULES = ("torch", "jax", "nn", "autograd", "distributed", "cpu", "gpu", "core", "runtime", "serving",
                     "tools", "testing", "compat")
 
 

@@ -7,16 +7,16 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from . import backends as _backends
-from .spec import checks
+from .core import checks
 from .runtime import limits as _limits
 from .runtime import nonfinite as _nonfinite
-from .spec import options as _options
+from .core import options as _options
 from .runtime import plans as _plans
-from .runtime.arrays import all_finite, all_finite_arrays, array_kind, check_native
-from .spec.problem import ARRAY_FIELDS, AttentionProblem, to_user_layout
-from .spec.results import ForwardResult, Gradients
+from .core.arrays import all_finite, all_finite_arrays, array_kind, check_native
+from .core.problem import ARRAY_FIELDS, AttentionProblem, to_user_layout
+from .core.results import ForwardResult, Gradients
 from .types import Array, ArrayLike, Outputs, Vjp
-from .spec.validation import build_problem, check_cotangent
+from .core.validation import build_problem, check_cotangent
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outputs:
@@ -39,7 +39,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     Scores: {scores};
     invisible keys removed; softmax over keys, with ``sink_logits[h]`` as one extra
     value-less column; dropout with probability ``dropout_p`` (mask a pure function of
-    ``(seed, b, h, i, j)``, see :mod:`npattn.spec.dropout`; inverted scaling); then ``@ v``.
+    ``(seed, b, h, i, j)``, see :mod:`npattn.core.dropout`; inverted scaling); then ``@ v``.
 
     Args:
 {arguments}

@@ -8,9 +8,9 @@ the API fixes:
 1. ``s = scale * q @ k^T``                        (query head h reads kv head h // group)
 2. ``s = softcap * tanh(s / softcap)``            if softcap
 3. ``s = s + bias - alibi_slope * |p_i - j|``     if bias / alibi_slopes
-4. ``s = -inf`` where the key is not visible      (:mod:`npattn.spec.masks`, mask, lengths)
+4. ``s = -inf`` where the key is not visible      (:mod:`npattn.core.masks`, mask, lengths)
 5. ``P = softmax(s)`` over keys, with ``sink_logit[h]`` as an extra value-less column
-6. ``P~ = P * keep / (1 - p)``                    dropout (:mod:`npattn.spec.dropout`)
+6. ``P~ = P * keep / (1 - p)``                    dropout (:mod:`npattn.core.dropout`)
 7. ``out = P~ @ v``
 
 A row with no visible key (or whose visible scores are all -inf) outputs zeros,
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from .spec.dropout import keep_mask
-from .spec.problem import dense_keys
-from .spec.results import ForwardResult, Gradients
+from .core.dropout import keep_mask
+from .core.problem import dense_keys
+from .core.results import ForwardResult, Gradients
 
 NAME = "reference"
 
@@ -173,7 +173,7 @@ def visible_keys(problem):
 
 
 def row_positions(problem):
-    """int64 (B or 1, Sq): the key position of each query row (see :mod:`npattn.spec.masks`)."""
+    """int64 (B or 1, Sq): the key position of each query row (see :mod:`npattn.core.masks`)."""
     xp = problem.xp
     shift = (problem.visibility.shift(problem.q_len, problem.kv_len) if problem.row_shifts is None
              else xp.asarray(problem.row_shifts)[:, None])

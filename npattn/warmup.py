@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .spec.checks import FLOAT_DTYPE_NAMES as DTYPES
+from .core.checks import FLOAT_DTYPE_NAMES as DTYPES
 
 
 def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True) -> dict[str, float]:

@@ -8,7 +8,7 @@ loops and works in log space: it gathers the scores of the visible keys,
 computes ``lse = logsumexp(scores [+ sink])`` with ``math.fsum`` of shifted
 exponentials, and then forms ``w_j = exp(s_j - lse)``. The dropout hash is
 re-implemented here in plain Python integers from the specification in the
-docstring of ``npattn/spec/dropout.py`` (that module is not imported).
+docstring of ``npattn/core/dropout.py`` (that module is not imported).
 
 It is slow on purpose; use it only on tiny problems.
 """

@@ -11,7 +11,7 @@ import pytest
 
 from npattn.tools import bench, bench_gpu, cli
 from npattn.tools.bench_gpu import GpuShape
-from npattn.spec.masks import Visibility
+from npattn.core.masks import Visibility
 
 FACTS = dict(device="Test GPU", torch_version="2.9.0", npattn_version="0.0.test")
 

@@ -119,7 +119,7 @@ def test_backward_is_bitwise_deterministic_across_runs_and_thread_counts(monkeyp
 
 def test_kernels_read_inputs_in_place_in_both_layouts():
     from npattn.cpu.operands import build_operands
-    from npattn.spec.validation import build_problem
+    from npattn.core.validation import build_problem
 
     rng = np.random.default_rng(1)
     q, k, v = _problem(rng)
@@ -295,8 +295,8 @@ def test_the_problem_signature_keys_arrays_by_layout_and_values_by_value():
     # The parameter cache keys a problem by problem.signature: every field is in it, the
     # arrays (keyed by shape, strides and dtype) in ARRAY_FIELDS, and no array among the
     # values (where it would be keyed by identity, or not be hashable).
-    from npattn.spec import problem
-    from npattn.spec.validation import build_problem
+    from npattn.core import problem
+    from npattn.core.validation import build_problem
 
     q = np.zeros((2, 2, 3, 4))
     built = build_problem(q, q, q, mask=np.ones((3, 3), bool), bias=np.zeros((3, 3)),
@@ -318,7 +318,7 @@ def test_cached_parameters_equal_fresh_ones(case, layout, kind, tile):
     # Examples share shapes and differ in options: any option the cache key missed would
     # hand a later example an earlier one's parameters.
     from npattn.cpu import operands
-    from npattn.spec.validation import build_problem
+    from npattn.core.validation import build_problem
 
     q, k, v = (a.transpose(0, 2, 1, 3) if layout == "bshd" else a for a in (case.q, case.k, case.v))
     options = {name: value for name, value in case.options.items() if name != "dropout_p"}

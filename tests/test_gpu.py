@@ -15,7 +15,7 @@ from hypothesis import given
 import npattn
 from npattn.gpu import launch, sources
 from npattn.gpu.options import ALL, Option, describe, options_of
-from npattn.spec.kernel_params import Int, Real
+from npattn.core.kernel_params import Int, Real
 
 from conftest import backend_params, nvrtc_or_skip
 from tolerances import assert_close
@@ -120,7 +120,7 @@ def test_tensor_core_forward_tiles_follow_the_packed_rows():
 def test_options_name_what_a_call_needs():
     rng = np.random.default_rng(0)
     q = rng.normal(size=(1, 2, 4, 8)).astype(np.float16)
-    from npattn.spec.validation import build_problem
+    from npattn.core.validation import build_problem
 
     def needed(**options):
         return options_of(build_problem(q, q, q, **options), (q, q, q))

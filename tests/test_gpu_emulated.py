@@ -262,7 +262,7 @@ def test_emulated_tensor_core_kernels_are_within_a_few_rounding_steps(dtype, hea
 
     dtype = bfloat16 if dtype == "bfloat16" else dtype
     case = uniform_case(2, 4, 2, 70, 90, head_dim, head_dim, values_seed=head_dim, dtype=dtype, **options)
-    assert not gpu_options.options_of(npattn.spec.validation.build_problem(case.q, case.k, case.v),
+    assert not gpu_options.options_of(npattn.core.validation.build_problem(case.q, case.k, case.v),
                                       (case.q, case.k, case.v)) & Option.UNALIGNED
     eps = float(np.finfo(np.float16).eps) if dtype == np.float16 else 2.0 ** -7
     out, vjp = case.vjp("gpu")

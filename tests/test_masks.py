@@ -3,7 +3,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from npattn.spec.masks import Visibility
+from npattn.core.masks import Visibility
 
 bounds = st.none() | st.integers(0, 12)
 windows = st.none() | st.integers(0, 12) | st.tuples(bounds, bounds)

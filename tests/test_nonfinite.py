@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import npattn
 from conftest import KERNEL_BACKENDS
 from npattn import cpu, reference
-from npattn.spec.validation import build_problem
+from npattn.core.validation import build_problem
 from strategies import ALL_OPTIONS, cases
 from tolerances import bound, gradient_bound_terms, output_bound_terms, score_magnitude
 
@@ -217,7 +217,7 @@ def test_all_finite_agrees_with_isfinite_in_every_memory_order(dtype, shape, ord
     """The check every result passes (a BLAS sum of squares first, min and max when that is
     not finite) says what ``np.isfinite(a).all()`` says: for permuted and strided views, with
     values whose squares overflow (the sum is inf, every element finite) and with one NaN or inf."""
-    from npattn.runtime.arrays import all_finite
+    from npattn.core.arrays import all_finite
 
     base = np.full([*shape[:-1], shape[-1] * step], np.finfo(dtype).max if huge else 1.5, dtype)
     if special is not None:

@@ -1,4 +1,4 @@
-"""The options table (npattn/spec/options.py) is the one list of options: every option in it
+"""The options table (npattn/core/options.py) is the one list of options: every option in it
 is read by every backend's forward and backward, drawn by the test strategies, and shown
 in the public signatures and docs. A new option left out of any of them fails here."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import npattn
-from npattn.spec import options as table
+from npattn.core import options as table
 from conftest import NUMPY_BACKENDS
 import strategies
 
@@ -87,8 +87,8 @@ def test_every_table_entry_names_slots_that_exist():
     import dataclasses
 
     from npattn.gpu.options import Option as GpuOption
-    from npattn.spec.kernel_params import Int
-    from npattn.spec.problem import AttentionProblem
+    from npattn.core.kernel_params import Int
+    from npattn.core.problem import AttentionProblem
 
     fields = {field.name for field in dataclasses.fields(AttentionProblem)}
     for option in table.OPTIONS:
@@ -106,7 +106,7 @@ def _value_for(name):
             "bias": np.zeros((1,), np.float32), "return_weights": True}.get(name, np.zeros(1, np.int64))
 
 
-@pytest.mark.parametrize("name", [name for name in npattn.spec.options.set_by(npattn.spec.options.KVCACHE)
+@pytest.mark.parametrize("name", [name for name in npattn.core.options.set_by(npattn.core.options.KVCACHE)
                                   if name != "block_table"])  # (an argument of its own there)
 def test_the_kvcache_call_refuses_what_the_table_says_it_sets(name):
     q, cache = np.ones((1, 1, 1, 4), np.float32), np.zeros((1, 4, 1, 4), np.float32)
@@ -114,9 +114,9 @@ def test_the_kvcache_call_refuses_what_the_table_says_it_sets(name):
         npattn.attention_with_kvcache(q, cache, cache, cache_seqlens=1, **{name: _value_for(name)})
 
 
-@pytest.mark.parametrize("name", [*(name for name in npattn.spec.options.set_by(npattn.spec.options.VARLEN)
+@pytest.mark.parametrize("name", [*(name for name in npattn.core.options.set_by(npattn.core.options.VARLEN)
                                     if name != "block_table"),  # (an argument of its own there: paged keys)
-                                  *npattn.spec.options.refused_by(npattn.spec.options.VARLEN)])
+                                  *npattn.core.options.refused_by(npattn.core.options.VARLEN)])
 def test_the_packed_call_refuses_what_the_table_says(name):
     x, cu = np.ones((2, 1, 4), np.float32), np.array([0, 2])
     with pytest.raises(TypeError, match=f"attention_varlen does not take {name}"):
@@ -127,24 +127,24 @@ def test_the_gradients_follow_the_tables_order():
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 2, 3, 4))
     given = {"bias": rng.standard_normal((3, 3)), "sink_logits": rng.standard_normal(2)}
-    assert set(npattn.spec.options.DIFFERENTIABLE) == set(given)
+    assert set(npattn.core.options.DIFFERENTIABLE) == set(given)
     out, vjp = npattn.attention_vjp(q, q, q, **given)
     grads = vjp(np.ones_like(out))[3:]
-    assert [grad.shape for grad in grads] == [given[name].shape for name in npattn.spec.options.DIFFERENTIABLE]
+    assert [grad.shape for grad in grads] == [given[name].shape for name in npattn.core.options.DIFFERENTIABLE]
     from npattn.adapters.arrays import DIFFERENTIABLE
 
-    assert DIFFERENTIABLE == npattn.spec.options.DIFFERENTIABLE
+    assert DIFFERENTIABLE == npattn.core.options.DIFFERENTIABLE
 
 
 def test_every_array_option_has_its_ring_sharding_or_is_refused():
-    from npattn.spec.problem import ARRAY_FIELDS
+    from npattn.core.problem import ARRAY_FIELDS
 
-    refused = npattn.spec.options.refused_by(npattn.spec.options.RING)
-    for option in npattn.spec.options.OPTIONS:
+    refused = npattn.core.options.refused_by(npattn.core.options.RING)
+    for option in npattn.core.options.OPTIONS:
         # (ALiBi slopes pass as a plain value, compared with the other options across ranks)
         if option.field in ARRAY_FIELDS and option.name not in refused and option.name != "alibi_slopes":
             assert option.sharding in ("rows", "shared"), option.name
-    assert set(npattn.spec.options.sharded("rows")) == {"mask", "bias"}
+    assert set(npattn.core.options.sharded("rows")) == {"mask", "bias"}
 
 
 # The options whose decisive examples stop the CPU's GQA fold: they read a row's own head or
@@ -162,7 +162,7 @@ def test_the_gqa_fold_stops_for_the_options_the_table_says(name):
     folds exactly when it is not in STOP_THE_FOLD."""
     from npattn.cpu import folding
     from npattn.cpu.tuning import current
-    from npattn.spec.validation import build_problem
+    from npattn.core.validation import build_problem
 
     baseline, change = EXAMPLES[name]
     for q_len in (1, SQ):

@@ -240,7 +240,7 @@ def test_hand_picked(kw, shape):
 # ----------------------------------------------------------------------------- dropout hash
 
 def test_dropout_hash_golden():
-    # Computed once with oracle_loop.dropout_hash from the spec in npattn/spec/dropout.py.
+    # Computed once with oracle_loop.dropout_hash from the spec in npattn/core/dropout.py.
     assert dropout_hash(0, 0, 0, 0, 0) == 3136461558
     assert dropout_hash(12345, 1, 2, 3, 4) == 113364721
     assert dropout_hash(2**40 + 7, 1, 3, 8, 5) == 959822599
@@ -248,7 +248,7 @@ def test_dropout_hash_golden():
 
 
 def test_dropout_hash_matches_keep_mask():
-    from npattn.spec.dropout import keep_mask
+    from npattn.core.dropout import keep_mask
 
     rng = np.random.default_rng(1234)
     seeds = [0, 1, 2**32 - 1, 2**32, 2**32 + 1, 2**63, 2**64 - 1, 2**64 + 5, 2**70 + 11, -1, -2**32, -2**63]

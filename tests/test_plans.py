@@ -343,7 +343,7 @@ def test_a_planned_call_passes_through_few_modules():
     finally:
         sys.setprofile(None)
     assert "cpu/forward_kernel.py" in entered or "cpu/threads.py" in entered, entered
-    assert "spec/validation.py" not in entered and "spec/options.py" not in entered, sorted(set(entered))
+    assert "core/validation.py" not in entered and "core/options.py" not in entered, sorted(set(entered))
     assert len(set(entered)) <= 12, sorted(set(entered))
 
 

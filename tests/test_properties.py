@@ -13,7 +13,7 @@ from conftest import NUMPY_BACKENDS
 from strategies import ALL_OPTIONS, POSITIONAL_OPTIONS, cases, dims
 from tolerances import assert_close, bound, gradient_magnitude, output_magnitude, score_magnitude
 import npattn
-from npattn.spec.dropout import keep_mask
+from npattn.core.dropout import keep_mask
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 NON_POSITIONAL = tuple(o for o in ALL_OPTIONS if o not in POSITIONAL_OPTIONS)
@@ -325,7 +325,7 @@ def test_inputs_are_never_modified(backend, case):
 
 
 def explicit_visibility(case):
-    """The API's visibility rule, spelled out independently of npattn.spec.masks: (B, H, Sq, Sk)."""
+    """The API's visibility rule, spelled out independently of npattn.core.masks: (B, H, Sq, Sk)."""
     d, o = case.dims, case.options
     i, j = positions(case)
     visible = np.ones(d.scores_shape, bool) & o.get("mask", True)

@@ -187,7 +187,7 @@ def test_integer_limits_are_compared_without_overflow():
         npattn.attention(q, q, q, q_offset=np.array([2**63], np.uint64))
     with pytest.raises(ValueError, match=r"kv_lengths\[0\] = 18446744073709551615"):
         npattn.attention(q, q, q, kv_lengths=np.array([2**64 - 1], np.uint64))
-    limit = npattn.spec.options.Q_OFFSET_LIMIT
+    limit = npattn.core.options.Q_OFFSET_LIMIT
     np.testing.assert_array_equal(npattn.attention(q, q, q, q_offset=np.array([-limit]), alibi_slopes=[0.5]),
                                   npattn.attention(q, q, q, q_offset=-limit, alibi_slopes=[0.5]))
     # a 0-d integer array or a NumPy integer is an int
@@ -213,7 +213,7 @@ def test_cache_seqlens_out_of_range_is_named_as_given(seqlens, message):
 
 
 def test_positions_past_the_kernels_limit_name_cache_seqlens():
-    limit = npattn.spec.options.Q_OFFSET_LIMIT
+    limit = npattn.core.options.Q_OFFSET_LIMIT
     pool = np.broadcast_to(np.zeros((1, 1, 1, 1), np.float32), (1, limit, 1, 1))  # read only: no memory
     table = np.zeros((1, 2), np.int64)
     with pytest.raises(ValueError, match=r"cache_seqlens\[0\] \+ 0 new keys = 536870917: npattn's kernels count"):

@@ -9,7 +9,7 @@ import npattn
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PUBLIC_MODULES = ["npattn/__init__.py", "npattn/api.py", "npattn/backends.py", "npattn/warmup.py",
-                  "npattn/types.py", "npattn/runtime/limits.py", "npattn/runtime/nonfinite.py", "npattn/spec/arguments.py",
+                  "npattn/types.py", "npattn/runtime/limits.py", "npattn/runtime/nonfinite.py", "npattn/core/arguments.py",
                   "npattn/compat/flash_attn.py", "npattn/compat/torch_sdpa.py", "npattn/testing/problems.py",
                   "npattn/testing/checks.py"]
 

@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..runtime import arrays as _arrays
-from ..spec import options as _options
-from ..spec.problem import ARRAY_FIELDS
+from ..core import arrays as _arrays
+from ..core import options as _options
+from ..core.problem import ARRAY_FIELDS
 
 # The options given as arrays, in table order (the framework adapters pass them as
 # array inputs, the rest as static values), and those with gradients, in the order

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import api
 from ..serving import kvcache, varlen
-from ..spec import merging
+from ..core import merging
 from . import arrays
 
 

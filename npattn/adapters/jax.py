@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import api as _api
-from ..spec import options as _options
-from ..spec import validation
+from ..core import options as _options
+from ..core import validation
 from .arrays import ARRAY_OPTIONS, DIFFERENTIABLE, with_plain_offsets
 
 _OUTPUT_FLAGS = ("return_lse", "return_weights")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .. import api as _api
-from ..spec import options as _options
+from ..core import options as _options
 from .arrays import ARRAY_OPTIONS, DIFFERENTIABLE, ForeignKind, with_plain_offsets
 _KIND = ForeignKind(torch)
 _OUTPUT_FLAGS = ("return_lse", "return_weights")

@@ -8,7 +8,7 @@ input has no gradient at all). Use them through :meth:`Function.apply`.
 """
 from __future__ import annotations
 
-from ..runtime.arrays import array_module
+from ..core.arrays import array_module
 from .tensor import Tensor, is_grad_enabled
 
 

@@ -7,7 +7,7 @@ rather than a chain of elementwise nodes: fewer temporaries and one rounding pat
 """
 from __future__ import annotations
 
-from ..runtime.arrays import array_module
+from ..core.arrays import array_module
 from .function import Function, as_tensor
 from .tensor import Tensor
 

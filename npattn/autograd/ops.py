@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from ..runtime.arrays import array_module
+from ..core.arrays import array_module
 from .function import Function, as_tensor, unbroadcast
 from .tensor import Tensor
 

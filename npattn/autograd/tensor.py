@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from ..runtime.arrays import array_module
+from ..core.arrays import array_module
 
 _STATE = threading.local()
 
@@ -76,7 +76,7 @@ class Tensor:
 
     def numpy(self):
         """The data as a NumPy array (copied from the GPU for CuPy)."""
-        from ..runtime.arrays import to_numpy
+        from ..core.arrays import to_numpy
 
         return to_numpy(self.data)
 

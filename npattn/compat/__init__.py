@@ -13,7 +13,7 @@ Code written against FlashAttention 2 or torch's SDPA runs on npattn by changing
 
 Any array kind goes in (NumPy, CuPy, torch tensors, JAX arrays) and the same kind comes
 out, as everywhere in npattn. What differs from the originals, by design: dropout draws
-npattn's counter-based mask (:mod:`npattn.spec.dropout`), not the CUDA generator's; a row
+npattn's counter-based mask (:mod:`npattn.core.dropout`), not the CUDA generator's; a row
 that sees no key gives zeros (torch's math path gives NaN); every backward is
 deterministic (``deterministic`` is accepted and changes nothing).
 """

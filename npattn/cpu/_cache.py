@@ -25,14 +25,14 @@ from .isa import apply_forced_isa
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# Outside this package, the kernels read the parameter positions of spec/kernel_params.py,
-# which the options table (spec/options.py) numbers: its file and the numbering itself (not
+# Outside this package, the kernels read the parameter positions of core/kernel_params.py,
+# which the options table (core/options.py) numbers: its file and the numbering itself (not
 # the whole options.py, whose checks and docs change no machine code) go into the stamp.
-_KERNEL_INPUTS = (os.path.join("spec", "kernel_params.py"),)
+_KERNEL_INPUTS = (os.path.join("core", "kernel_params.py"),)
 
 
 def _package_digest() -> str:
-    from ..spec.kernel_params import OPERANDS, Int, Real, Span
+    from ..core.kernel_params import OPERANDS, Int, Real, Span
 
     digest = hashlib.sha256()
     parent = os.path.dirname(_HERE)

@@ -5,10 +5,10 @@ import contextlib
 
 import numpy as np
 
-from ..spec.kernel_params import sink_logits_gradient
+from ..core.kernel_params import sink_logits_gradient
 from ..runtime.plans import PlanCache
-from ..spec.problem import signature
-from ..spec.results import ForwardResult, Gradients
+from ..core.problem import signature
+from ..core.results import ForwardResult, Gradients
 from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from . import folding, splitting
 from .blas import single_threaded_blas

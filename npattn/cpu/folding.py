@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..spec.options import FOLD_CONDITIONS
+from ..core.options import FOLD_CONDITIONS
 
 
 def foldable(problem, tuning) -> bool:

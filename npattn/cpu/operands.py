@@ -1,4 +1,4 @@
-"""An :class:`~npattn.spec.problem.AttentionProblem` as the flat operands the Numba kernels take.
+"""An :class:`~npattn.core.problem.AttentionProblem` as the flat operands the Numba kernels take.
 
 Every array goes to the kernels as a 1-D view of the memory it already occupies plus
 its element strides, so one compiled kernel per dtype serves both layouts, any
@@ -15,10 +15,10 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..spec.dropout import seed_words
-from ..spec.kernel_params import OPERAND_NAMES, SPAN_FIELDS, Int, Real, Span, default_spans, element_strides, problem_int_values, problem_pages, problem_reals, spans_with  # (Int, Real, Span: the kernels import them from here)
+from ..core.dropout import seed_words
+from ..core.kernel_params import OPERAND_NAMES, SPAN_FIELDS, Int, Real, Span, default_spans, element_strides, problem_int_values, problem_pages, problem_reals, spans_with  # (Int, Real, Span: the kernels import them from here)
 from ..runtime.plans import PlanCache
-from ..spec.problem import signature
+from ..core.problem import signature
 from .microkernels import chunk_columns
 from .simd import lanes_of as vector_lanes
 from .splitting import key_splits
@@ -26,12 +26,12 @@ from .tuning import Tuning, current
 
 
 
-# What every kernel takes first, in :data:`npattn.spec.kernel_params.OPERANDS` order
+# What every kernel takes first, in :data:`npattn.core.kernel_params.OPERANDS` order
 # (``kernel(*operands, ...)``): q, k, v, bias, mask as flat views (strides in ``ints``);
 # bias in the compute dtype, mask as uint8, alibi (B * H,) and sink (H,), each a
 # 1-element placeholder when absent; spans int64 (B * SPAN_FIELDS,) (the live rows and
-# keys and row 0's position per batch entry, :func:`npattn.spec.kernel_params.problem_spans`);
-# pages int64 (B * PAGES,) (:func:`npattn.spec.kernel_params.problem_pages`); ints (int64, by
+# keys and row 0's position per batch entry, :func:`npattn.core.kernel_params.problem_spans`);
+# pages int64 (B * PAGES,) (:func:`npattn.core.kernel_params.problem_pages`); ints (int64, by
 # :class:`Int`) and reals (compute dtype, by :class:`Real`).
 Operands = namedtuple("Operands", OPERAND_NAMES)
 
@@ -151,7 +151,7 @@ def build_operands(problem, kind: str = "forward", tuning: Tuning | None = None,
 
 
 class OperandPlan:
-    """What the kernels take for every problem of one :func:`~npattn.spec.problem.signature`
+    """What the kernels take for every problem of one :func:`~npattn.core.problem.signature`
     (shapes, strides, dtypes and option values), made once: the parameter arrays, the
     spans of a problem without lengths or starts, and how q, k and v are viewed
     flat. :meth:`operands` adds a call's arrays."""

@@ -19,7 +19,7 @@ row that sees no key must still give lse -inf).
 """
 from __future__ import annotations
 
-from ..spec.merging import merge  # noqa: F401  (the driver's merge of the ranges)
+from ..core.merging import merge  # noqa: F401  (the driver's merge of the ranges)
 
 # Items enough to keep this many cores busy (like the backward's key chunks): fixed, so
 # that the split, and with it the bits, never depend on the machine.

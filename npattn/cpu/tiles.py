@@ -27,7 +27,7 @@ _MIX_MULTIPLIER_2 = np.uint64(0xC2B2AE35)
 
 @helper
 def span(spans, b, column):
-    """Batch entry ``b``'s entry ``column`` (a :class:`~npattn.spec.kernel_params.Span`) of the
+    """Batch entry ``b``'s entry ``column`` (a :class:`~npattn.core.kernel_params.Span`) of the
     flat spans operand."""
     return spans[b * SPAN_FIELDS + column]
 
@@ -86,7 +86,7 @@ def row_position(ints, spans, b, i):
 def key_band(ints, spans, b, i):
     """``(lo, hi, sink_end)`` for query row ``i`` of batch ``b``: the row sees keys in
     ``[lo, hi)`` and in ``[KV_START, sink_end)`` (causal, window, sinks, the live keys;
-    see :meth:`npattn.spec.masks.Visibility.allowed`). Each bound is nondecreasing in ``i``,
+    see :meth:`npattn.core.masks.Visibility.allowed`). Each bound is nondecreasing in ``i``,
     which is what lets a tile of rows be bounded by its first and last row (a folded
     problem's :func:`row_position` is nondecreasing too)."""
     kv_first, kv_valid = span(spans, b, Span.KV_START), span(spans, b, Span.KV_STOP)
@@ -146,7 +146,7 @@ def band_keys(ints, spans, b, i_last, j0, cols, full):
 
 @helper
 def fmix32(x):
-    """MurmurHash3's finalizer on a uint64 holding a 32-bit value (see :mod:`npattn.spec.dropout`)."""
+    """MurmurHash3's finalizer on a uint64 holding a 32-bit value (see :mod:`npattn.core.dropout`)."""
     x ^= x >> np.uint64(16)
     x = (x * _MIX_MULTIPLIER_1) & _MASK32
     x ^= x >> np.uint64(13)

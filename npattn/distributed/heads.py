@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec import options as _options
-from ..runtime.arrays import array_module
+from ..core import options as _options
+from ..core.arrays import array_module
 from ..api import attention, attention_vjp
 
 _REFUSED = _options.refused_by(_options.HEADS)  # from the options table

@@ -4,7 +4,7 @@ Each rank holds its shard of the sequence (:mod:`.sharding`): q, k and v for the
 positions. The ranks pass their K/V blocks around the ring; while a block travels on to the
 next rank (non-blocking send and receive), the rank attends its queries to the block in
 hand, one npattn call per pair of chunks, and folds the partial result into its running
-output by log-sum-exp (:func:`npattn.spec.merging.merge`), in a fixed order: step by step, the
+output by log-sum-exp (:func:`npattn.core.merging.merge`), in a fixed order: step by step, the
 block owners in ring order. So the result never depends on timing, and differs from the
 one-process call only by rounding.
 
@@ -38,15 +38,15 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from ..runtime import arrays as _arrays
-from ..spec import checks
-from ..spec import options as _options
+from ..core import arrays as _arrays
+from ..core import checks
+from ..core import options as _options
 from ..api import attention, attention_backward
-from ..spec.masks import Visibility
-from ..spec.merging import merge
-from ..spec.options import dropout_requested
-from ..spec.problem import to_user_layout
-from ..spec.validation import build_problem
+from ..core.masks import Visibility
+from ..core.merging import merge
+from ..core.options import dropout_requested
+from ..core.problem import to_user_layout
+from ..core.validation import build_problem
 from .sharding import Chunk, check_sharding, chunks
 
 # From the options table: the arrays each rank passes as its own query rows, those every

@@ -3,7 +3,7 @@
 // optioned scores. They mirror npattn/cpu/tiles.py (and so npattn/reference.py)
 // step for step; the int64 and real parameter arrays are indexed by the NPATTN_INT_*
 // and NPATTN_REAL_* positions that npattn/gpu/sources.py prepends from
-// npattn/spec/kernel_params.py.
+// npattn/core/kernel_params.py.
 //
 // No CUDA headers are included: NVRTC compiles this with nothing but its built-in
 // definitions, so half and bfloat16 are handled as their 16-bit patterns through
@@ -83,12 +83,12 @@ __device__ inline double tanh_of(double x) { return tanh(x); }
 __device__ inline i64 smaller(i64 a, i64 b) { return a < b ? a : b; }
 __device__ inline i64 larger(i64 a, i64 b) { return a > b ? a : b; }
 
-// ---- which keys a row sees (npattn.spec.masks.Visibility; tiles.key_band) ------------------
+// ---- which keys a row sees (npattn.core.masks.Visibility; tiles.key_band) ------------------
 
 struct KeyBand { i64 lo, hi, sink_start, sink_end; };
 
 // Entry `column` (NPATTN_SPAN_*) of batch entry b in the spans operand
-// (npattn.spec.kernel_params.Span: live rows and keys, row 0's position).
+// (npattn.core.kernel_params.Span: live rows and keys, row 0's position).
 __device__ inline i64 span(const i64* spans, i64 b, int column) { return spans[b * NPATTN_SPAN_FIELDS + column]; }
 
 // Row i of batch b sees keys in [lo, hi) and in [sink_start, sink_end) (causal, window,
@@ -182,7 +182,7 @@ __device__ inline LiveRows live_rows(const i64* ints, const i64* spans, i64 b, i
     return live;
 }
 
-// ---- the dropout hash (npattn/spec/dropout.py) -----------------------------------------------
+// ---- the dropout hash (npattn/core/dropout.py) -----------------------------------------------
 
 __device__ inline u32 fmix32(u32 x) {
     x ^= x >> 16;
@@ -215,7 +215,7 @@ __device__ inline bool dropout_keeps(const i64* ints, u32 row_state, i64 j) {
 // element [0, 0, 0, 0] of bhsd-ordered views with the element strides in `ints`
 // (the last axis of q, k, v and dout is unit-stride).
 // The arrays every kernel takes first: their order, types and meaning are
-// npattn.spec.kernel_params.OPERANDS, which npattn.gpu.sources.source() writes here as
+// npattn.core.kernel_params.OPERANDS, which npattn.gpu.sources.source() writes here as
 // NPATTN_OPERAND_FIELDS (the struct's members), NPATTN_OPERAND_PARAMS (a kernel's leading
 // parameters) and NPATTN_OPERANDS (the struct built from them).
 template <typename T, typename Acc> struct Operands {
@@ -236,7 +236,7 @@ __device__ inline i64 v_row(const i64* ints, i64 b, i64 h, i64 j) {
 }
 
 // Element offset of key j's row of head h in batch entry b of k or v (strides sb, sh, ss):
-// row j % PAGE_SIZE of page pages[b * PAGES + j / PAGE_SIZE] (npattn.spec.kernel_params; not
+// row j % PAGE_SIZE of page pages[b * PAGES + j / PAGE_SIZE] (npattn.core.kernel_params; not
 // paged, entry b's one page is b and PAGE_SIZE covers every key).
 __device__ inline i64 key_row(const i64* ints, const i64* pages, i64 b, i64 h, i64 j, i64 sb, i64 sh, i64 ss) {
     const i64 page_size = ints[NPATTN_INT_PAGE_SIZE], block = j / page_size;

@@ -1,7 +1,7 @@
 """The GPU backend's entry points: operands on the device, kernel launches, results.
 
 Arrays reach the kernels as device pointers to their element [0, 0, 0, 0] plus element
-strides in the ``ints`` parameter array (:mod:`npattn.spec.kernel_params`), so both layouts,
+strides in the ``ints`` parameter array (:mod:`npattn.core.kernel_params`), so both layouts,
 broadcast masks and biases (stride 0) and GQA's shared K/V heads are read in place.
 Copies are made only to change a dtype (a bias or dout into the compute dtype) or to
 give q, k, v a unit stride along the head dimension.
@@ -13,11 +13,11 @@ import dataclasses
 
 import numpy as np
 
-from ..spec.kernel_params import OPERAND_NAMES, Int, default_spans, element_strides, problem_pages, problem_parameters, problem_spans, sink_logits_gradient, spans_are_default
-from ..spec.problem import ARRAY_FIELDS
-from ..spec.results import ForwardResult, Gradients
+from ..core.kernel_params import OPERAND_NAMES, Int, default_spans, element_strides, problem_pages, problem_parameters, problem_spans, sink_logits_gradient, spans_are_default
+from ..core.problem import ARRAY_FIELDS
+from ..core.results import ForwardResult, Gradients
 from . import launch
-from ..spec.dropout import seed_words
+from ..core.dropout import seed_words
 from .options import ALL, Option, _aligned, options_of
 from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS, backward_kinds,
                       forward_kind, forward_tc_config, head_dim_bound)
@@ -76,7 +76,7 @@ def _unit_last_axis(cp, array):
 
 def _operands(problem):
     """``(storage dtype name, operands tuple)``: the leading arguments of every kernel, in
-    :data:`npattn.spec.kernel_params.OPERANDS` order."""
+    :data:`npattn.core.kernel_params.OPERANDS` order."""
     cp = problem.xp
     dtype = problem.accumulate_dtype
     q, k, v = _qkv(problem)
@@ -130,7 +130,7 @@ def _in_kernel_order(q, k, v, named) -> tuple:
 
 
 def _spans(cp, problem):
-    """The kernels' spans (:func:`npattn.spec.kernel_params.problem_spans`) on the device: one
+    """The kernels' spans (:func:`npattn.core.kernel_params.problem_spans`) on the device: one
     upload, kept per value when the problem has no lengths, starts or per-entry shifts."""
     if spans_are_default(problem):
         shift = problem.visibility.shift(problem.q_len, problem.kv_len)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from enum import IntFlag
 
-from ..spec import options as _table
+from ..core import options as _table
 
 
 def _bits(names) -> type[IntFlag]:
@@ -61,7 +61,7 @@ def _aligned(array) -> bool:
 
 
 def options_of(problem, arrays=(), bound: int = 0) -> Option:
-    """The options ``problem`` (a validated :class:`npattn.spec.problem.Problem`) needs;
+    """The options ``problem`` (a validated :class:`npattn.core.problem.Problem`) needs;
     ``arrays``: the operands the kernel reads by rows (q, k, v as passed), which decide
     :attr:`Option.UNALIGNED`, as do head dims that are not a multiple of 8; ``bound``:
     the kernel's head-dim bound, which decides :attr:`Option.NARROW` (0: not set)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import autograd as ag
-from ..spec import arguments
+from ..core import arguments
 from .layers import LayerNorm, Linear, RMSNorm
 from .module import Module, parameter
 from .multiway import Multiway

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec import arguments
+from ..core import arguments
 from ..adapters.dispatch import attention_with_kvcache
 
 

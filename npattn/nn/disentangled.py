@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec import arguments
+from ..core import arguments
 from .. import autograd as ag
 from .attention import MultiHeadAttention
 from .layers import Linear

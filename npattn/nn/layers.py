@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import autograd as ag
-from ..spec import arguments
+from ..core import arguments
 from .module import Module, parameter, xavier_uniform
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..runtime.arrays import array_module, to_numpy
+from ..core.arrays import array_module, to_numpy
 from ..adapters import arrays as _foreign
 from ..autograd import Tensor
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 
-from ..spec import arguments
-from ..runtime.arrays import array_module
+from ..core import arguments
+from ..core.arrays import array_module
 
 
 class Optimizer:

@@ -1,7 +1,6 @@
 """What every call passes through between the API and a backend's kernels.
 
-The plan caches (:mod:`~npattn.runtime.plans`), the array-kind helpers that tell NumPy
-from CuPy without importing CuPy (:mod:`~npattn.runtime.arrays`), the memory a call
-cannot do without (:mod:`~npattn.runtime.limits`) and the answer to non-finite inputs
+The plan caches (:mod:`~npattn.runtime.plans`), the memory a call cannot do without
+(:mod:`~npattn.runtime.limits`) and the answer to non-finite inputs
 (:mod:`~npattn.runtime.nonfinite`).
 """

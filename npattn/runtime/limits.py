@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from .arrays import is_cupy
+from ..core.arrays import is_cupy
 
 # Float64 (B, H, Sq, Sk) arrays the reference certainly holds at once in its forward: the
 # scores, the exponentials and the probabilities (it makes more, briefly).

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from . import limits
 from .. import reference
-from .arrays import all_finite, all_finite_arrays
+from ..core.arrays import all_finite, all_finite_arrays
 
 
 def forward(problem, implementation):

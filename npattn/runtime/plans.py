@@ -1,6 +1,6 @@
 """Calls like an earlier call reuse what it worked out: the plan caches.
 
-Everything :func:`npattn.spec.validation.build_problem` decides about a call, and
+Everything :func:`npattn.core.validation.build_problem` decides about a call, and
 everything a backend derives from the problem before its kernels run (parameter
 arrays, tiles, work items, scratch sizes), is a function of the call's *structure*:
 the array type, dtype, shape and strides of q, k and v, and the option values. Two
@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..spec import options as _options
-from .arrays import is_cupy
+from ..core import options as _options
+from ..core.arrays import is_cupy
 
 _CACHES: weakref.WeakSet = weakref.WeakSet()
 
@@ -90,7 +90,7 @@ def _plain(value) -> bool:
 
 def _repeatable(name: str, value) -> bool:
     """Whether a repeated call may skip the checks of option ``name`` given ``value``: a
-    plain value that its table entry (:attr:`npattn.spec.options.Option.repeatable`) allows;
+    plain value that its table entry (:attr:`npattn.core.options.Option.repeatable`) allows;
     never for a name that is not an option (the full path raises)."""
     option = _options.BY_NAME.get(name)
     if option is None:

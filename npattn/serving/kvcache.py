@@ -33,18 +33,18 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime import arrays as _arrays
+from ..core import arrays as _arrays
 from .. import api
 from .prefix import SharedPrefix
-from ..spec import checks
+from ..core import checks
 from ..runtime import limits as _limits
-from ..spec import options as _options
+from ..core import options as _options
 from ..types import Outputs
 
 # Options attention_with_kvcache sets from its own arguments (the options table says which).
 _RESERVED = _options.set_by(_options.KVCACHE)
 # Slots the caches hold at most as many as this per sequence: the kernels count positions in
-# int32 arithmetic with room to spare (npattn.spec.options.Q_OFFSET_LIMIT)
+# int32 arithmetic with room to spare (npattn.core.options.Q_OFFSET_LIMIT)
 POSITION_LIMIT = _options.Q_OFFSET_LIMIT
 
 

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from .. import api
-from ..runtime import arrays as _arrays
+from ..core import arrays as _arrays
 from ..runtime import limits as _limits
-from ..spec import checks
-from ..spec import options as _options
+from ..core import checks
+from ..core import options as _options
 from .kvcache import _used_pages
 
 

@@ -4,7 +4,7 @@ beam search's common history), read once for the whole batch.
 
 Sequence b's keys are the prefix's ``Sp`` keys (positions 0 to Sp - 1) then its own
 (positions from Sp on). Attention over that union is attention over each part merged by
-log-sum-exp (:func:`npattn.spec.merging.merge_states`), so the call runs two parts:
+log-sum-exp (:func:`npattn.core.merging.merge_states`), so the call runs two parts:
 
 - the prefix part: every query row of the batch against the prefix. Where every row sees
   every prefix key with nothing depending on the row's position (no window, no ALiBi: a
@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 from .. import api
-from ..runtime import arrays as _arrays
-from ..spec import checks
-from ..spec.merging import merge_states
+from ..core import arrays as _arrays
+from ..core import checks
+from ..core.merging import merge_states
 
 # Options whose arrays are laid over a batch's whole key axis, which the prefix changes
 _REFUSED = {"mask": "a mask over the keys", "bias": "a bias over the keys",

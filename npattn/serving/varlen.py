@@ -24,11 +24,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..runtime import arrays as _arrays
+from ..core import arrays as _arrays
 from ..runtime import limits as _limits
 from .. import api
-from ..spec import checks
-from ..spec import options as _options
+from ..core import checks
+from ..core import options as _options
 from ..api import attention, attention_vjp
 from ..types import Array
 from .mixed import paged_varlen

@@ -22,7 +22,7 @@ A property test of your kernel in a few lines::
   tests use), or, with ``rule="low_precision_reference"``, FlashAttention's rule (within
   ``factor`` times the error of the same attention done in the low dtype).
 - :func:`dropout_keep` is npattn's dropout mask for a problem, for kernels that
-  implement dropout to npattn's specification (:mod:`npattn.spec.dropout`).
+  implement dropout to npattn's specification (:mod:`npattn.core.dropout`).
 
 Importing this module needs hypothesis (``pip install 'npattn[testing]'``).
 """

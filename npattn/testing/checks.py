@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import api
-from ..spec.dropout import keep_mask
+from ..core.dropout import keep_mask
 from .problems import Problem
 
 _SAFETY = 4

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 import npattn
-from ..spec.checks import FLOAT_DTYPE_NAMES
+from ..core.checks import FLOAT_DTYPE_NAMES
 from .variants import VARIANTS, Size
 
 _THREAD_VARIABLES = ("NPATTN_NUM_THREADS", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",

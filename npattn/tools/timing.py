@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ..runtime.arrays import array_module, is_cupy
+from ..core.arrays import array_module, is_cupy
 from ..adapters.dispatch import attention, attention_vjp
 
 

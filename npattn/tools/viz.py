@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from ..runtime.arrays import to_numpy
+from ..core.arrays import to_numpy
 
 
 def plot_attention(weights, path=None, *, heads=None, batch_index: int = 0, query_labels=None,

@@ -8,7 +8,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from ..runtime import arrays as _arrays
+from . import arrays as _arrays
 from .dropout import seed_words
 from .options import OPTIONS
 

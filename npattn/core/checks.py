@@ -1,4 +1,4 @@
-"""The argument checks :mod:`npattn.spec.options` and :mod:`npattn.spec.validation` are built from.
+"""The argument checks :mod:`npattn.core.options` and :mod:`npattn.core.validation` are built from.
 
 Each check takes a user's value and returns it normalized, or raises an error that names
 the argument, what was expected and what was received, e.g. ``ValueError: window must
@@ -13,7 +13,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from ..runtime import arrays as _arrays
+from . import arrays as _arrays
 
 LAYOUTS = ("bhsd", "bshd")
 FLOAT_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")

@@ -3,20 +3,20 @@
 An :class:`Option` entry gives an option's name, default, kind, one line of
 documentation, its check (a function of the user's value and the :class:`Call` being
 checked, returning the normalized value or raising an error that names the option),
-which :class:`~npattn.spec.problem.AttentionProblem` field it fills, and, for options the
+which :class:`~npattn.core.problem.AttentionProblem` field it fills, and, for options the
 kernels switch on, when it is present in a problem, its ``HAS_*`` flag in the kernels'
 integer parameters and its bit in the GPU kernels' option sets.
 
 Built from the table: the public signatures and their argument docs
 (:func:`signature`, :func:`argument_docs`; used by ``attention`` and
-``attention_vjp``), the validation loop (:func:`npattn.spec.validation.build_problem`),
-the kernels' option flags (:func:`npattn.spec.kernel_params.problem_parameters`) and the GPU
+``attention_vjp``), the validation loop (:func:`npattn.core.validation.build_problem`),
+the kernels' option flags (:func:`npattn.core.kernel_params.problem_parameters`) and the GPU
 option sets (:func:`npattn.gpu.options.options_of`). The maths of each option stays
 hand-written once per backend; ``tests/test_options.py`` fails when an option of the
 table changes nothing in some backend's output or gradients, or is missing from the
 test strategies.
 
-The kernels' parameter positions (:class:`npattn.spec.kernel_params.Int` and ``Real``) and
+The kernels' parameter positions (:class:`npattn.core.kernel_params.Int` and ``Real``) and
 the GPU's option bits are numbered from it too, and the calls built on attention read
 their facts about single options from it: which options have gradients and in what order
 (the adapters, the vjps), which the serving calls set themselves or refuse
@@ -43,7 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import checks
-from ..runtime import arrays as _arrays
+from . import arrays as _arrays
 from .masks import Visibility
 
 
@@ -90,8 +90,8 @@ class Option:
     ``field``: the AttentionProblem field the normalized value fills (None: composed by
     build_problem, as ``visibility`` is from causal, window and sinks). ``present``: when a problem uses it (None: always or
     never matters to the kernels); ``flag``: its ``HAS_*`` position name in
-    :class:`npattn.spec.kernel_params.Int`; ``real``: its slot name in
-    :class:`npattn.spec.kernel_params.Real` and the slot's value for a problem;
+    :class:`npattn.core.kernel_params.Int`; ``real``: its slot name in
+    :class:`npattn.core.kernel_params.Real` and the slot's value for a problem;
     ``gpu_option``: its bit name in :class:`npattn.gpu.options.Option` (options may
     share one); ``per_score``: the GPU's ``finish_score`` reads it at every score, so a
     tile inside the visible band may skip that step only when no such option is
@@ -320,7 +320,7 @@ BACKEND_DOC = ('"auto" (cpu for NumPy, gpu for CuPy, else reference), "reference
 
 
 def visibility(checked: dict) -> Visibility:
-    """The :class:`~npattn.spec.masks.Visibility` of the normalized causal, q_offset, window and
+    """The :class:`~npattn.core.masks.Visibility` of the normalized causal, q_offset, window and
     sinks (a per-entry q_offset is the problem's ``row_shifts``, not part of it)."""
     offset = checked["q_offset"]
     return Visibility.from_options(bool(checked["causal"]), checked["window"], checked["sinks"],

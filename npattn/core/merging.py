@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..runtime.arrays import array_module
+from .arrays import array_module
 
 
 def merge(out_parts, lse_parts, out, lse) -> None:
@@ -57,7 +57,7 @@ def merge_states(outs: Sequence[Any], lses: Sequence[Any], *, layout: str = "bhs
     (B, H, Sq)) or "varlen" (out (T, H, Dv), lse (H, T), attention_varlen's). NumPy or
     CuPy arrays (npattn.merge_states also takes torch tensors and JAX arrays). Returns
     out in the outs' dtype and lse in the lses', laid out as given."""
-    from ..runtime.arrays import array_kind
+    from .arrays import array_kind
     from . import checks
 
     outs, lses = list(outs), list(lses)

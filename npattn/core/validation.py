@@ -1,8 +1,8 @@
 """Every argument check of :func:`npattn.attention`, run before any kernel.
 
 q, k and v are checked here; every keyword option through its entry in
-:data:`npattn.spec.options.OPTIONS` (in table order), with the checks of
-:mod:`npattn.spec.checks`. Each error names the argument, what was expected and what was
+:data:`npattn.core.options.OPTIONS` (in table order), with the checks of
+:mod:`npattn.core.checks`. Each error names the argument, what was expected and what was
 received, e.g. ``ValueError: k has 3 heads, which does not divide q's 8 heads``.
 Nothing here modifies an input: arrays are only viewed (transposed, reshaped to 4-D).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..runtime import arrays as _arrays
+from . import arrays as _arrays
 from . import checks
 from . import options as _options
 from .masks import row_shifts
@@ -21,7 +21,7 @@ _AXES = {"bhsd": "(B, H, S, D)", "bshd": "(B, S, H, D)"}
 
 def build_problem(q, k, v, **options) -> AttentionProblem:
     """Check q, k, v and every option of :func:`npattn.attention` (keywords of
-    :data:`npattn.spec.options.OPTIONS`; absent ones take their defaults) and normalize them."""
+    :data:`npattn.core.options.OPTIONS`; absent ones take their defaults) and normalize them."""
     _options.check_names(options)
     layout = checks.check_layout(options.get("layout", _options.BY_NAME["layout"].default))
     q, k, v = checks.qkv_arrays(q, k, v, f"{_AXES[layout]} in layout {layout!r}")

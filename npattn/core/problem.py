@@ -1,6 +1,6 @@
 """The validated, normalized description of one attention call that every backend consumes.
 
-:func:`npattn.spec.validation.build_problem` turns user arguments into an
+:func:`npattn.core.validation.build_problem` turns user arguments into an
 :class:`AttentionProblem`; backends never look at raw keywords. Arrays keep the
 user's dtype and memory: ``q``, ``k`` and ``v`` are bhsd-ordered *views* (a
 bshd input is transposed, never copied), ``mask`` and ``bias`` are 4-D views
@@ -42,7 +42,7 @@ class AttentionProblem:
     ``row_shifts``: None when query row i of every batch entry sits at key position
     ``i + visibility.shift(Sq, Sk)``; else int64 (B,) NumPy, row i of entry b at
     ``i + row_shifts[b]`` (a per-entry ``q_offset``, or one counted from the first real
-    row and key; see :func:`npattn.spec.masks.row_shifts`).
+    row and key; see :func:`npattn.core.masks.row_shifts`).
     """
 
     xp: Any
@@ -124,7 +124,7 @@ class AttentionProblem:
 
     @property
     def dropout_threshold(self) -> int:
-        """The integer keep threshold of :mod:`npattn.spec.dropout`."""
+        """The integer keep threshold of :mod:`npattn.core.dropout`."""
         return keep_threshold(self.dropout_p)
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..runtime import arrays as _arrays
+from . import arrays as _arrays
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Visibility:
     def from_options(cls, causal: bool, window, sinks: int, q_offset: int | None = None) -> "Visibility":
         """Normalize API options. ``window`` is None, an int ``w`` (``(w, w)``, or
         ``(w, 0)`` when causal) or a ``(left, right)`` pair whose entries may be None.
-        Validation of types and signs happens in :mod:`npattn.spec.validation`."""
+        Validation of types and signs happens in :mod:`npattn.core.validation`."""
         if window is None:
             left = right = None
         elif isinstance(window, tuple):
