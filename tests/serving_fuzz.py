@@ -589,6 +589,79 @@ def paged_pool_call(rng) -> Call:
     return Call("PagedKVCache.attend", label, lambda: pool.attend(step, **arguments), names, state, verify)
 
 
+def paged_pool_varlen_call(rng) -> Call:
+    """PagedKVCache.attend_varlen: prefill chunks and decode tokens of several sequences in
+    one call (a packed paged attention_varlen over the pool)."""
+    dtype = np.float32
+    kv_heads, head_dim = int(rng.integers(1, 3)), int(rng.integers(1, 5))
+    heads = kv_heads * int(rng.integers(1, 3))
+    pool = PagedKVCache(num_pages=int(rng.integers(2, 9)), page_size=int(rng.integers(1, 4)), num_kv_heads=kv_heads,
+                        head_dim=head_dim, dtype=dtype)
+    sequences = [f"s{i}" for i in range(int(rng.integers(1, 4)))]
+    for name in sequences:  # some history, while pages last
+        pool.add(name)
+        if pool.free_pages * pool.page_size >= 2 and rng.random() < 0.6:
+            one = rng.standard_normal((1, kv_heads, head_dim)).astype(dtype)
+            pool.attend_varlen([name], rng.standard_normal((1, heads, head_dim)).astype(dtype), one, one,
+                               np.array([0, 1]))
+    step = [name for name in sequences if rng.random() < 0.7] or sequences[:1]
+    counts = [int(rng.integers(0, 4)) for _ in step]  # 0: nothing new; 1: a decode token; more: a chunk
+    total = sum(counts)
+    q = rng.standard_normal((total, heads, head_dim)).astype(dtype)
+    k = rng.standard_normal((total, kv_heads, head_dim)).astype(dtype)
+    v = rng.standard_normal((total, kv_heads, head_dim)).astype(dtype)
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    arguments = dict(q=q, k=k, v=v, cu_seqlens=cu, causal=True)
+    names, label = (), "valid"
+    needed = sum(max(0, -(-(pool.length(s) + n) // pool.page_size) - len(pool.block_table([s])[0]))
+                 for s, n in zip(step, counts))
+    if needed > pool.free_pages:
+        names, label = ("PagedKVCache", "pages"), "more pages than free"
+    elif rng.random() < 0.5:
+        mutations = [
+            (("sequences", "PagedKVCache"), lambda: step.append("nobody")),
+            (("sequences",), lambda: step.append(step[0])),
+            (("k",), lambda: arguments.update(k=k.astype(np.float64))),
+            (("v",), lambda: arguments.update(v=v[:, :, :0])),
+            (("cu_seqlens",), lambda: arguments.update(cu_seqlens=cu + 1)),  # not from 0
+            (("cu_seqlens",), lambda: arguments.update(cu_seqlens=cu[:-1])),
+            (("window",), lambda: arguments.update(window=-2)),
+            (("q_lengths",), lambda: arguments.update(q_lengths=np.zeros(len(step), np.int64))),
+            (("rotary_cos",), lambda: arguments.update(rotary_cos=np.ones(3), rotary_sin=np.ones(3))),
+        ]
+        names, mutate = mutations[rng.integers(len(mutations))]
+        mutate()
+        label = f"broken in {names[0]}"
+
+    def state():
+        tables = {s: pool.block_table([s]).tolist() for s in pool.sequences}
+        return [pool.free_pages, tables, {s: pool.length(s) for s in pool.sequences},
+                snapshot(pool.keys, pool.values, q, k, v, cu)]
+
+    def verify(result):
+        keys, values = pool.keys, pool.values
+        for b, name in enumerate(step):
+            rows, length = slice(int(cu[b]), int(cu[b + 1])), pool.length(name)
+            if not counts[b]:
+                continue
+            table = pool.block_table([name])[0]
+            gathered_k = np.array([keys[table[t // pool.page_size], t % pool.page_size] for t in range(length)],
+                                  np.float64).reshape(length, kv_heads, head_dim)
+            gathered_v = np.array([values[table[t // pool.page_size], t % pool.page_size] for t in range(length)],
+                                  np.float64).reshape(length, kv_heads, head_dim)
+            if not np.array_equal(gathered_k[length - counts[b]:], k[rows]):
+                return f"sequence {b}'s new keys are not in its pages"
+            want, _ = oracle(q[rows], gathered_k, gathered_v, {"causal": True}, length - counts[b])
+            text = close(result[rows], want, dtype, length + head_dim, 4 * (1 + np.abs(gathered_v).max(initial=0)) * (
+                1 + head_dim * np.abs(q).max() * max(np.abs(gathered_k).max(initial=0), 1)))
+            if text:
+                return f"out of sequence {b} {text}"
+        return None
+
+    return Call("PagedKVCache.attend_varlen", label, lambda: pool.attend_varlen(step, **arguments), names, state,
+                verify)
+
+
 # ---- attention_varlen ------------------------------------------------------------------------------
 
 def varlen_call(rng) -> Call:
@@ -743,7 +816,8 @@ def jax_call(rng) -> Call | None:
     return Call("npattn.jax", f"broken in {names[0]}", lambda: npattn.jax.attention(*arrays, **options), names)
 
 
-SURFACES = ((kvcache_call, 0.45), (paged_pool_call, 0.2), (varlen_call, 0.2), (torch_call, 0.1), (jax_call, 0.05))
+SURFACES = ((kvcache_call, 0.4), (paged_pool_call, 0.15), (paged_pool_varlen_call, 0.1), (varlen_call, 0.2),
+            (torch_call, 0.1), (jax_call, 0.05))
 
 
 def fuzz(calls: int, seed: int) -> Tally:
