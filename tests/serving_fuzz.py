@@ -258,6 +258,7 @@ class KVProblem:
     cache_batch_idx: np.ndarray | None
     rotary: tuple | None
     options: dict
+    prefix: tuple | None = None  # (prefix_k, prefix_v) every sequence sees first, or None
 
     def arguments(self) -> dict:
         arguments = dict(q=self.q, k_cache=self.k_cache, v_cache=self.v_cache, k=self.k, v=self.v,
@@ -268,6 +269,8 @@ class KVProblem:
             arguments["cache_batch_idx"] = self.cache_batch_idx
         if self.rotary is not None:
             arguments.update(rotary_cos=self.rotary[0], rotary_sin=self.rotary[1], rotary_interleaved=self.rotary[2])
+        if self.prefix is not None:
+            arguments.update(prefix_k=self.prefix[0], prefix_v=self.prefix[1])
         return {**arguments, **self.options}
 
     def slot(self, b, t):
@@ -322,8 +325,15 @@ def kv_problem(rng) -> KVProblem:
     if rng.random() < 0.15:  # a NaN where no sequence reads: check_finite must not mind it
         options["check_finite"] = True
         _poison_unread(rng, k_cache, seqlens + new, block_table, cache_batch_idx)
+    prefix = None
+    if rng.random() < 0.2:  # a prompt prefix every sequence shares (its keys come first)
+        span = int(rng.integers(1, 5))
+        prefix = (normal(span, kv_heads, head_dim), normal(span, kv_heads, value_dim))
+        if rotary is not None:  # the tables must reach the prefix's span past the own keys
+            angles = rng.uniform(0, 2 * np.pi, (capacity + span + 2, rotary[0].shape[1]))
+            rotary = (np.cos(angles).astype(dtype), np.sin(angles).astype(dtype), rotary[2])
     return KVProblem(layout, dtype, normal(batch, q_len, heads, head_dim), k_cache, v_cache, k, v,
-                     seqlens.astype(np.int64), block_table, cache_batch_idx, rotary, options)
+                     seqlens.astype(np.int64), block_table, cache_batch_idx, rotary, options, prefix)
 
 
 def _poison_unread(rng, cache, lengths, block_table, rows):
@@ -349,12 +359,13 @@ def kv_verify(problem: KVProblem, before_k, before_v):
         q_len = problem.q.shape[1]
         new = 0 if problem.k is None else problem.k.shape[1]
         expected_k, expected_v = before_k.astype(np.float64), before_v.astype(np.float64)
+        span = 0 if problem.prefix is None else problem.prefix[0].shape[0]
         for b, cached in enumerate(problem.seqlens):
             length = int(cached) + new
             positions = np.arange(cached, length)
             new_k = None if problem.k is None else problem.k[b].astype(np.float64)
             if new_k is not None and problem.rotary is not None:
-                new_k = rotate(new_k, positions, *problem.rotary)
+                new_k = rotate(new_k, positions + span, *problem.rotary)
             keys = [before_k[problem.slot(b, t)].astype(np.float64) for t in range(int(cached))]
             values = [before_v[problem.slot(b, t)].astype(np.float64) for t in range(int(cached))]
             for i, t in enumerate(positions):
@@ -364,6 +375,10 @@ def kv_verify(problem: KVProblem, before_k, before_v):
             kv_heads, head_dim, value_dim = problem.k_cache.shape[2], problem.k_cache.shape[3], problem.v_cache.shape[3]
             keys = np.array(keys).reshape(length, kv_heads, head_dim)
             values = np.array(values).reshape(length, kv_heads, value_dim)
+            if span:  # the prefix's keys first, then the sequence's own
+                keys = np.concatenate([problem.prefix[0].astype(np.float64), keys])
+                values = np.concatenate([problem.prefix[1].astype(np.float64), values])
+                length += span
             q = problem.q[b].astype(np.float64)
             if problem.rotary is not None:
                 q = rotate(q, np.arange(length - q_len, length), *problem.rotary)
@@ -436,6 +451,16 @@ def _kv_mutations(problem: KVProblem, rng):
                                                          rotary_sin=np.zeros((20, q.shape[3]), problem.dtype))),
         (("rotary_interleaved",), lambda a: a.update(rotary_interleaved="yes")),
     ]
+    if problem.prefix is not None:
+        prefix_k, prefix_v = problem.prefix
+        mutations += [
+            (("prefix_k",), lambda a: a.update(prefix_k=prefix_k.astype(np.float16))),
+            (("prefix_k", "prefix_v"), lambda a: a.update(prefix_v=prefix_v[:-1])),
+            (("prefix_k", "prefix_v"), lambda a: a.update(prefix_v=None)),
+            (("prefix_k",), lambda a: a.update(prefix_k=prefix_k[:, :, :1] if prefix_k.shape[2] > 1
+                                               else prefix_k[..., None])),
+            (("bias", "prefix_k"), lambda a: a.update(bias=np.zeros(1, problem.dtype))),
+        ]
     if problem.k is not None:
         mutations += [
             (("k",), lambda a: a.update(k=problem.k.astype(np.float16))),

@@ -150,7 +150,8 @@ def test_a_kvcache_plan_runs_each_layer_as_attention_with_kvcache_does(seed):
                  if name in ("q", "k_cache", "v_cache", "k", "v") and value is not None}
         by_call = {name: value.copy() for name, value in layer.items()}
         expected = npattn.attention_with_kvcache(**{**arguments, **by_call})
-        got = plan.run(layer["q"], layer["k_cache"], layer["v_cache"], layer.get("k"), layer.get("v"))
+        got = plan.run(layer["q"], layer["k_cache"], layer["v_cache"], layer.get("k"), layer.get("v"),
+                       arguments.get("prefix_k"), arguments.get("prefix_v"))
         _same(got, expected)
         for name in ("k_cache", "v_cache"):
             np.testing.assert_array_equal(layer[name], by_call[name])

@@ -608,6 +608,7 @@ def test_cache_leftpad_is_checked_before_any_write():
        options=st.sampled_from([{}, dict(causal=True), dict(causal=True, window=(4, 0)),
                                 dict(causal=True, window=(2, 0), sinks=2), dict(alibi_slopes=np.array([0.5, 0.25, 0.1, 0.05])),
                                 dict(softcap=2.0, causal=True), dict(sink_logits=np.array([0.3, -1.0, 0.0, 2.0])),
+                                dict(causal=True, window=(1, 0), sink_logits=np.array([0.3, -1.0, 0.0, 2.0])),
                                 dict(causal=True, return_lse=True)]),
        rotary=st.booleans(), seed=st.integers(0, 2**31))
 def test_a_shared_prefix_is_the_prefix_copied_in_front_of_every_sequence(batch, q_len, span, new, layout, options,
@@ -778,3 +779,17 @@ def test_paged_cache_attend_varlen_that_raises_changes_nothing():
     np.testing.assert_array_equal(cache.keys, keys)
     np.testing.assert_array_equal(cache.values, values)
     assert cache.free_pages == free and cache.length("a") == 3
+
+
+def test_a_prefix_with_more_queries_than_own_keys_keeps_causal_alignment():
+    """Found by the serving fuzz: three queries against one own key put the first two rows
+    inside the prefix, where a causal mask hides the prefix's later keys (the stacked prefix
+    part assumed every row sees the whole prefix)."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 3, 2, 8))
+    own = [rng.standard_normal((2, 4, 1, 8)) for _ in range(2)]
+    prefix = [rng.standard_normal((5, 1, 8)) for _ in range(2)]
+    out = npattn.attention_with_kvcache(q, *own, cache_seqlens=1, prefix_k=prefix[0], prefix_v=prefix[1], causal=True)
+    copied = [np.concatenate([np.broadcast_to(p[None], (2, 5, 1, 8)), c], axis=1) for p, c in zip(prefix, own)]
+    np.testing.assert_allclose(out, npattn.attention_with_kvcache(q, *copied, cache_seqlens=6, causal=True), atol=1e-12)
+

@@ -14,12 +14,16 @@ log-sum-exp (:func:`npattn.core.merging.merge_states`), so the call runs two par
   matrix-vector ones. Otherwise each sequence is an entry against the same prefix memory
   (a stride-0 view), at its own query positions;
 - each sequence's own part, as the kv-cache call computes it without a prefix, with the
-  sinks the prefix does not already hold and without the sink logits (counted once, in
-  the prefix part).
+  sinks the prefix does not already hold;
+- the sink logits, when given, as a third part (out 0, lse ``sink_logits[h]``) for every
+  row that sees a key in either part: counted once, whichever part a row's window reaches.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+import numpy as np
 
 from .. import api
 from ..core import arrays as _arrays
@@ -54,8 +58,14 @@ class SharedPrefix:
         self.span = span = int(prefix_k.shape[0])
         self.structure = (checks.structure_of(prefix_k), checks.structure_of(prefix_v))
         batch, q_len, heads, dim = q.shape
-        self.want_lse = bool(options.get("return_lse", False))
-        visibility_free = options.get("window") is None and options.get("alibi_slopes") is None
+        # the options this class changes for its parts, checked as the call's own would be
+        self.want_lse = checks.check_bool("return_lse", options.get("return_lse", False))
+        checks.check_count("sinks", options.get("sinks", 0))
+        # every row sees every prefix key, whatever its position: no window, no ALiBi, and no
+        # query before the prefix's end (a step with more queries than keys puts its first
+        # rows inside the prefix, where a causal mask hides the prefix's later keys)
+        causal_reaches = bool(options.get("causal")) and bool((np.asarray(first_query) < 0).any())
+        visibility_free = options.get("window") is None and options.get("alibi_slopes") is None and not causal_reaches
         self.stacked = visibility_free
         xp = _arrays.array_module(q)
         part = {name: value for name, value in options.items() if name not in ("causal", "return_lse")}
@@ -66,7 +76,12 @@ class SharedPrefix:
         else:
             arrays = self._per_entry(q, prefix_k, prefix_v)
             part.update(causal=options.get("causal", False), q_offset=xp.asarray(first_query + span))
-        self.problem, self.implementation = api.checked_problem(*arrays, dict(part, layout="bshd"))
+        problem, self.implementation = api.checked_problem(*arrays, dict(part, layout="bshd"))
+        # The sink logits are a third part of the merge, not the prefix part's: a row whose
+        # window reaches no prefix key gets lse -inf there, and its sink column would be lost
+        # with it. The part is out 0 and lse sink_logits[h] for every row that sees a key.
+        self.sink = problem.sink_logits
+        self.problem = dataclasses.replace(problem, sink_logits=None)
         self._plan: Any = None
 
     def own_options(self, options: dict) -> dict:
@@ -103,7 +118,13 @@ class SharedPrefix:
         if self.stacked:  # (1, B Sq, H, Dv) and (1, H, B Sq) back to the batch's shapes
             out = out.reshape(batch, q_len, heads, out.shape[-1])
             lse = lse.reshape(heads, batch, q_len).transpose(1, 0, 2)
-        merged_out, merged_lse = merge_states([out, own_part[0]], [lse, own_part[1]], layout="bshd")
+        outs, lses = [out, own_part[0]], [lse, own_part[1]]
+        if self.sink is not None:
+            xp = _arrays.array_module(q)
+            seen = (lse > -np.inf) | (own_part[1] > -np.inf)
+            lses.append(xp.where(seen, self.sink.astype(lse.dtype)[None, :, None], -np.inf))
+            outs.append(xp.zeros_like(out))
+        merged_out, merged_lse = merge_states(outs, lses, layout="bshd")
         return (merged_out, merged_lse) if self.want_lse else merged_out
 
     def check_run(self, prefix_k, prefix_v) -> None:
