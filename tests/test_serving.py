@@ -766,7 +766,7 @@ def test_paged_cache_attend_varlen_that_raises_changes_nothing():
                         rng.standard_normal((3, 1, 4)), np.array([0, 3]), causal=True)
     keys, values, free = cache.keys.copy(), cache.values.copy(), cache.free_pages
     q, k = rng.standard_normal((1, 2, 4)), rng.standard_normal((1, 1, 4))
-    with pytest.raises(TypeError, match="unknown option 'softmax_scale'"):  # found after the keys were written
+    with pytest.raises(TypeError, match="unknown option 'softmax_scale'"):  # found before any write
         cache.attend_varlen(["a"], q, k, k, np.array([0, 1]), softmax_scale=0.5)
     with pytest.raises(MemoryError, match="more pages needed"):
         cache.attend_varlen(["a"], rng.standard_normal((9, 2, 4)), rng.standard_normal((9, 1, 4)),

@@ -270,11 +270,12 @@ class PagedKVCache:
         taken as needed), then each of its rows attends to its keys, the last level with
         the last key. ``rotary_cos`` / ``rotary_sin`` (and ``rotary_interleaved``) rotate q
         and the new k by their positions first. Returns out (T, H, Dv), or ``(out, lse)``.
-        A call that raises changes nothing: the pages stay free, the lengths and the
-        pool's bytes as they were (the slots it wrote get their old bytes back)."""
+        Every check runs before the first write; a call that raises changes nothing: the
+        pages stay free, the lengths and the pool's bytes as they were (should the attention
+        itself fail after the write, the slots it wrote get their old bytes back)."""
+        from ..core import checks
         from ..serving.kvcache import apply_rotary
-        from ..serving.varlen import _cumulative
-        from ..adapters.dispatch import attention_varlen
+        from ..serving.varlen import _cumulative, checked_paged_call
 
         sequences = list(sequences)
         for sequence in sequences:
@@ -324,16 +325,21 @@ class PagedKVCache:
                 at = lengths[b:b + 1]
                 q[rows] = apply_rotary(q[None, rows], at, cos, sin, interleaved)[0]
                 k[rows] = apply_rotary(k[None, rows], at, cos, sin, interleaved)[0]
+        table = self._table([pages[s] for s in sequences])
+        # every check of the call before the first write (check_finite: the new keys here, the
+        # pool by the call's own check)
+        if options.get("check_finite") is True:
+            checks.check_all_finite("k", k)
+            checks.check_all_finite("v", v)
+        run = checked_paged_call(q, self.keys, self.values, starts, lengths + new, xp.asarray(table), options)
         # where each new key goes: page and slot of positions length_b + i
         positions = np.concatenate([lengths[b] + np.arange(n) for b, n in enumerate(new)]).astype(np.int64)
         owner = np.repeat(np.arange(len(sequences)), new)
-        table = self._table([pages[s] for s in sequences])
         page_of, slot_of = table[owner, positions // self.page_size], positions % self.page_size
         old_keys, old_values = self.keys[page_of, slot_of], self.values[page_of, slot_of]  # copies
-        try:
+        try:  # (the attention itself may still fail: out of memory, an interrupt)
             self.keys[page_of, slot_of], self.values[page_of, slot_of] = k, v
-            result = attention_varlen(q, self.keys, self.values, starts, seqused_k=lengths + new,
-                                      block_table=xp.asarray(table), **options)
+            result = run()
         except BaseException:
             self.keys[page_of, slot_of], self.values[page_of, slot_of] = old_keys, old_values
             raise

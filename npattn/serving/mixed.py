@@ -12,7 +12,7 @@ are its pages); elsewhere each sequence runs as its own paged call. Forward only
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -24,12 +24,14 @@ from ..core import options as _options
 from .kvcache import _used_pages
 
 
-def paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, options: dict, reserved: dict,
-                 offsets_of) -> Any:
-    """What attention_varlen returns for paged keys (see the module); every check before
-    any kernel runs. ``starts``: the checked cumulative query lengths (B + 1,);
-    ``reserved``: the options the packed call refuses, and why; ``offsets_of(value, B, q)``:
-    a ``q_offset`` option as an int64 (B,) array."""
+def checked_paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, options: dict, reserved: dict,
+                         offsets_of) -> Callable[[], Any]:
+    """Every check of attention_varlen with paged keys (see the module), then the function
+    that runs it and returns what attention_varlen returns: a caller that writes the keys
+    first (:meth:`npattn.nn.PagedKVCache.attend_varlen`) checks everything before it writes.
+    ``starts``: the checked cumulative query lengths (B + 1,); ``reserved``: the options the
+    packed call refuses, and why; ``offsets_of(value, B, q)``: a ``q_offset`` option as an
+    int64 (B,) array."""
     for name, why in reserved.items():
         if name in options and name != "block_table":
             raise TypeError(f"attention_varlen does not take {name}: {why} (got {name}={options[name]!r})")
@@ -91,21 +93,27 @@ def paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, options: d
     problem, implementation = api.checked_problem(shared_q, k_cache, v_cache, options)
     want_lse = bool(options.get("return_lse"))
     if not (batch and getattr(implementation, "PACKED_ROWS", False)):
-        return _per_sequence(q, k_cache, v_cache, starts, used, offsets, pages, options, want_lse, xp)
+        return lambda: _per_sequence(q, k_cache, v_cache, starts, used, offsets, pages, options, want_lse, xp)
     _limits.check_memory(problem, implementation.NAME)
-    outputs = api.run_problem(dataclasses.replace(problem, packed_rows=True), implementation)
-    out, lse = (outputs[0][0], outputs[1][0]) if want_lse else (outputs[0], None)
-    if steps.size:
-        rows = starts[steps]
+    rows, steps_problem = starts[steps], None
+    if steps.size:  # the decode steps' own dense call, checked now too
         single = {name: value for name, value in options.items() if name not in ("q_start", "q_lengths")}
         single.update(block_table=xp.asarray(pages[steps]), kv_lengths=xp.asarray(used[steps]),
                       q_offset=xp.asarray(offsets[steps]))
-        step_outputs = api.attention(q[rows][:, None], k_cache, v_cache, **single)
-        if want_lse:
-            out[rows], lse[:, rows] = step_outputs[0][:, 0], step_outputs[1][:, :, 0].T
-        else:
-            out[rows] = step_outputs[:, 0]
-    return (out, lse) if want_lse else out
+        steps_problem = api.checked_problem(q[rows][:, None], k_cache, v_cache, single)
+        _limits.check_memory(steps_problem[0], steps_problem[1].NAME)
+
+    def run():
+        outputs = api.run_problem(dataclasses.replace(problem, packed_rows=True), implementation)
+        out, lse = (outputs[0][0], outputs[1][0]) if want_lse else (outputs[0], None)
+        if steps_problem is not None:
+            step_outputs = api.run_problem(*steps_problem)
+            if want_lse:
+                out[rows], lse[:, rows] = step_outputs[0][:, 0], step_outputs[1][:, :, 0].T
+            else:
+                out[rows] = step_outputs[:, 0]
+        return (out, lse) if want_lse else out
+    return run
 
 
 def _per_sequence(q, k_cache, v_cache, starts, used, offsets, pages, options, want_lse, xp):

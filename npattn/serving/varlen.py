@@ -31,7 +31,7 @@ from ..core import checks
 from ..core import options as _options
 from ..api import attention, attention_vjp
 from ..types import Array
-from .mixed import paged_varlen
+from .mixed import checked_paged_varlen
 
 # Options the packed call sets itself or cannot take, and why (the options table says which):
 # those of a padded batch, which a packed one replaces, and the weights (a (total, total)
@@ -72,9 +72,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
                             "pass seqused_k, not cu_seqlens_k or max_seqlen_k")
         if block_table is None:
             raise TypeError("seqused_k comes with block_table (paged keys); packed keys take cu_seqlens_k")
-        (q,) = checks.as_arrays(q=q)
-        starts = _cumulative("cu_seqlens_q", cu_seqlens_q, q.shape[0], "Tq", max_seqlen_q, "max_seqlen_q")
-        return paged_varlen(q, k, v, starts, seqused_k, block_table, options, _RESERVED, _packed_offsets)
+        return checked_paged_call(q, k, v, cu_seqlens_q, seqused_k, block_table, options, max_seqlen_q)()
     if cu_seqlens_k is None:
         raise TypeError("attention_varlen needs cu_seqlens_k for packed keys (or block_table and seqused_k for "
                         "paged ones)")
@@ -83,6 +81,17 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     if fused is not None:
         return (fused[0][0], fused[1][0]) if isinstance(fused, tuple) else fused[0]
     return batch.run(lambda qb, kb, vb, opts: (attention(qb, kb, vb, **opts), None))[0]
+
+
+def checked_paged_call(q: Any, k_cache: Any, v_cache: Any, cu_seqlens_q: Any, seqused_k: Any, block_table: Any,
+                       options: dict, max_seqlen_q: int | None = None) -> Callable[[], Any]:
+    """Every check of ``attention_varlen(q, k_cache, v_cache, cu_seqlens_q, seqused_k=...,
+    block_table=..., **options)`` (paged keys), then the function that runs it
+    (:mod:`npattn.serving.mixed`)."""
+    (q,) = checks.as_arrays(q=q)
+    starts = _cumulative("cu_seqlens_q", cu_seqlens_q, q.shape[0], "Tq", max_seqlen_q, "max_seqlen_q")
+    return checked_paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, options, _RESERVED,
+                                _packed_offsets)
 
 
 def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
