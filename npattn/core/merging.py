@@ -17,18 +17,21 @@ from .arrays import array_module
 
 
 def merge(out_parts, lse_parts, out, lse) -> None:
-    """Write the merged ``out`` (B, H, Sq, Dv), any strides, and ``lse`` (B, H, Sq) from
-    ``out_parts`` (n, B, H, Sq, Dv) and ``lse_parts`` (n, B, H, Sq), summing over the n
-    parts in order. ``out`` and ``lse`` may share memory with the parts: every part is
-    read before either is written. NumPy or CuPy arrays, all of one kind."""
-    xp = array_module(out_parts)
-    top = lse_parts.max(axis=0)
+    """Write the merged ``out`` (..., Dv), any strides, and ``lse`` (...) from the n parts'
+    ``out_parts`` and ``lse_parts``: stacked (n, ..., Dv) and (n, ...) arrays or sequences of
+    n arrays, summed in order in out's dtype (a part of another dtype is promoted as it is
+    multiplied, with no copy of it). ``out`` and ``lse`` may share memory with the parts:
+    every part is read before either is written. NumPy or CuPy arrays, all of one kind."""
+    xp = array_module(out)
+    top = lse_parts[0]
+    for part_lse in lse_parts[1:]:
+        top = xp.maximum(top, part_lse)
     seen = top > -np.inf
     shift = xp.where(seen, top, 0.0)
-    weights = xp.exp(lse_parts - shift)  # exactly 0 for a part that saw no key
-    total = xp.zeros_like(top)
-    merged = xp.zeros(out_parts.shape[1:], out_parts.dtype)
-    for weight, part in zip(weights, out_parts):  # in part order: the same bits on every run
+    total = xp.zeros(top.shape, top.dtype)
+    merged = xp.zeros(out.shape, out.dtype)
+    for part_lse, part in zip(lse_parts, out_parts):  # in part order: the same bits on every run
+        weight = xp.exp(part_lse - shift)  # exactly 0 for a part that saw no key
         total += weight
         merged += weight[..., None] * part
     lse[...] = xp.where(seen, shift + xp.log(xp.where(seen, total, 1.0)), -np.inf)
@@ -87,23 +90,11 @@ def merge_states(outs: Sequence[Any], lses: Sequence[Any], *, layout: str = "bhs
         raise ValueError(f"lses have shape {tuple(lses[0].shape)}, which does not match outs of shape "
                          f"{tuple(outs[0].shape)} in layout {layout!r}")
     xp = array_module(outs[0])
-    # merge's steps without stacking the parts: each weight times its part, promoted to
-    # float64 as it is multiplied (a copy of every part cost more than the sums)
     lse_parts = [(x if order is None else x.transpose(order)).astype(np.float64) for x in lses]
-    top = lse_parts[0]
-    for part in lse_parts[1:]:
-        top = xp.maximum(top, part)
-    seen = top > -np.inf
-    shift = xp.where(seen, top, 0.0)
-    total = xp.zeros(top.shape, np.float64)
-    out = xp.zeros(outs[0].shape, np.float64)
+    out = xp.empty(outs[0].shape, np.float64)  # each part promoted to float64 as it is weighted
+    lse = xp.empty(lse_parts[0].shape, np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
-        for part_lse, part_out in zip(lse_parts, outs):  # in part order: the same bits on every run
-            weight = xp.exp(part_lse - shift)  # exactly 0 for a part that saw no key
-            total += weight
-            out += weight[..., None] * part_out
-        lse = xp.where(seen, shift + xp.log(xp.where(seen, total, 1.0)), -np.inf)
-        out /= xp.where(seen, total, 1.0)[..., None]
+        merge(outs, lse_parts, out, lse)
     lse = lse if order is None else lse.transpose(np.argsort(order))
     out_dtype = np.result_type(*(x.dtype for x in outs))
     lse_dtype = np.result_type(*(x.dtype for x in lses))
