@@ -544,13 +544,19 @@ def kvcache_call(rng) -> Call:
 
 # ---- PagedKVCache.attend ---------------------------------------------------------------------------
 
-def paged_pool_call(rng) -> Call:
+def _pool(rng, most_pages):
+    """``(pool, dtype, heads, kv_heads, head_dim, sequences)``: an empty float32 PagedKVCache of
+    2 to ``most_pages`` pages and the names of 1-3 sequences to put in it."""
     dtype = np.float32
     kv_heads, head_dim = int(rng.integers(1, 3)), int(rng.integers(1, 5))
     heads = kv_heads * int(rng.integers(1, 3))
-    pool = PagedKVCache(num_pages=int(rng.integers(2, 8)), page_size=int(rng.integers(1, 4)), num_kv_heads=kv_heads,
-                        head_dim=head_dim, dtype=dtype)
-    sequences = [f"s{i}" for i in range(int(rng.integers(1, 4)))]
+    pool = PagedKVCache(num_pages=int(rng.integers(2, most_pages + 1)), page_size=int(rng.integers(1, 4)),
+                        num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    return pool, dtype, heads, kv_heads, head_dim, [f"s{i}" for i in range(int(rng.integers(1, 4)))]
+
+
+def paged_pool_call(rng) -> Call:
+    pool, dtype, heads, kv_heads, head_dim, sequences = _pool(rng, 7)
     for name in sequences:  # some history: a few steps each, while pages last
         pool.add(name)
         for _ in range(int(rng.integers(0, 3))):
@@ -617,12 +623,7 @@ def paged_pool_call(rng) -> Call:
 def paged_pool_varlen_call(rng) -> Call:
     """PagedKVCache.attend_varlen: prefill chunks and decode tokens of several sequences in
     one call (a packed paged attention_varlen over the pool)."""
-    dtype = np.float32
-    kv_heads, head_dim = int(rng.integers(1, 3)), int(rng.integers(1, 5))
-    heads = kv_heads * int(rng.integers(1, 3))
-    pool = PagedKVCache(num_pages=int(rng.integers(2, 9)), page_size=int(rng.integers(1, 4)), num_kv_heads=kv_heads,
-                        head_dim=head_dim, dtype=dtype)
-    sequences = [f"s{i}" for i in range(int(rng.integers(1, 4)))]
+    pool, dtype, heads, kv_heads, head_dim, sequences = _pool(rng, 8)
     for name in sequences:  # some history, while pages last
         pool.add(name)
         if pool.free_pages * pool.page_size >= 2 and rng.random() < 0.6:

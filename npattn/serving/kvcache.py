@@ -139,7 +139,7 @@ class KVCachePlan:
     raise ValueError naming the argument. A run that raises leaves the caches as they were."""
 
     def __init__(self, checked: tuple, structure: dict, metadata: tuple, rotary: tuple | None, finite: bool,
-                 bias: Any, shared: Any = None):
+                 bias: Any, shared: Any = None, prefix_arrays: tuple = ()):
         # (problem, backend, the checked caches and the new k (rotated) and v): what the
         # call that planned runs first; the api's Plan of the attention, made at a second run
         self._checked, self._attend, self._structure = checked, None, structure
@@ -148,6 +148,7 @@ class KVCachePlan:
          self._page_size) = metadata
         self._rotary, self._finite, self._bias = rotary, finite, bias
         self._shared = shared  # a SharedPrefix, or None
+        self._prefix_arrays = prefix_arrays  # (q rotated, prefix_k, prefix_v) of the call that planned
         new_keys = 0 if structure["k"] is None else structure["k"][0][2][1]
         self._appends = new_keys > 0
         # where each new key goes: fixed by the step's metadata, worked out once
@@ -295,11 +296,11 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     if finite:
         _check_finite_reads(q_user, k_user, v, k_cache, v_cache, options.get("bias"), seqlens, starts, pages,
                             cache_batch_idx, cache_len)
-    plan = KVCachePlan((problem, implementation, k_cache, v_cache, k, v), structure, metadata,
-                       None if rotary is None else (*rotary, rotary_interleaved), finite, options.get("bias"), shared)
-    if shared is not None:
-        plan._prefix_arrays = (q, *checks.as_arrays(prefix_k=prefix[0], prefix_v=prefix[1], reference=q))
-    return plan
+    prefix_arrays = () if shared is None else (q, *checks.as_arrays(prefix_k=prefix[0], prefix_v=prefix[1],
+                                                                     reference=q))
+    return KVCachePlan((problem, implementation, k_cache, v_cache, k, v), structure, metadata,
+                       None if rotary is None else (*rotary, rotary_interleaved), finite, options.get("bias"), shared,
+                       prefix_arrays)
 
 
 def _checked_caches(q, k_cache, v_cache, paged, written):
