@@ -9,28 +9,12 @@ worst-case bound for recursive summation, gamma_n ~ n * eps). ``SAFETY``
 covers the few extra roundings per term (the exp, the rescale of the online
 softmax) that the bound does not count.
 """
-import ml_dtypes
+import ml_dtypes  # noqa: F401  (registers bfloat16, which the tests name as a string)
 import numpy as np
 
-SAFETY = 4
-
-
-def finfo(dtype):
-    """np.finfo, extended to bfloat16 (ml_dtypes' NumPy dtype, which np.finfo refuses)."""
-    dtype = np.dtype(dtype)
-    return ml_dtypes.finfo(dtype) if dtype.name == "bfloat16" else np.finfo(dtype)
-
-
-def accumulate_dtype(dtype):
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
-
-
-def bound(dtype, length, magnitude=1.0):
-    """Absolute error bound for a result of ``dtype`` summing ``length`` terms of size ``magnitude``."""
-    dtype = np.dtype(dtype)
-    rounding = 0.5 * float(finfo(dtype).eps)
-    accumulation = max(length, 1) * np.finfo(accumulate_dtype(dtype)).eps
-    return SAFETY * magnitude * (rounding + accumulation)
+# the formula users get from npattn.testing, so the project's tests and theirs hold kernels
+# to one bound
+from npattn.testing.checks import SAFETY, accumulate_dtype, bound, finfo  # noqa: F401
 
 
 def assert_close(actual, expected, dtype, length, magnitude=1.0, what="result"):
@@ -81,3 +65,18 @@ def gradient_bound_terms(case, dout):
     length = d.q_len * d.group + d.kv_len + d.head_dim + d.value_dim
     magnitude = gradient_magnitude(case, dout) / (1 - case.options.get("dropout_p", 0))
     return length, magnitude * max(1, d.q_len)
+
+
+def attention_bounds(dtype, q, k, v, keys, scale=None, bias=None):
+    """``(out, lse)`` tolerances of an attention result in ``dtype`` over ``keys`` keys of
+    ``k`` and ``v`` (any layout, the head dim last): :func:`bound` over keys + D terms, of the
+    values' size for out, amplified by the largest score |scale| D max|q| max|k| (whose
+    rounding moves every probability; plus max|bias| where an additive bias joins it), and
+    of that score's size for lse."""
+    dim = np.shape(q)[-1]
+    scale = 1 / np.sqrt(dim) if scale is None else abs(scale)
+    score = float(scale * dim * np.abs(q).max(initial=1) * np.abs(k).max(initial=1))
+    if bias is not None:
+        score += float(np.abs(bias).max(initial=0))
+    return (bound(dtype, keys + dim, float(np.abs(v).max(initial=1)) * (1 + score)),
+            bound(accumulate_dtype(dtype), keys + dim, 1 + score))

@@ -28,10 +28,11 @@ from .. import api
 from ..core.dropout import keep_mask
 from .problems import Problem
 
-_SAFETY = 4
+SAFETY = 4
 
 
-def _finfo(dtype):
+def finfo(dtype):
+    """np.finfo, extended to bfloat16 (ml_dtypes' NumPy dtype, which np.finfo refuses)."""
     dtype = np.dtype(dtype)
     if dtype.name == "bfloat16":
         import ml_dtypes
@@ -40,7 +41,8 @@ def _finfo(dtype):
     return np.finfo(dtype)
 
 
-def _accumulate(dtype) -> np.dtype:
+def accumulate_dtype(dtype) -> np.dtype:
+    """The dtype a kernel computing in ``dtype`` sums in: float64 for float64, else float32."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
@@ -77,11 +79,14 @@ def _largest(array) -> float:
     return float(np.abs(np.asarray(array, np.float64)).max(initial=1.0))
 
 
-def _bound(dtype, length: int, magnitude: float) -> float:
+def bound(dtype, length: int, magnitude: float = 1.0) -> float:
+    """The absolute error of a result of ``dtype`` summing ``length`` terms of size
+    ``magnitude`` (see the module's doc): the one formula behind every bound here, and
+    behind npattn's own tests."""
     dtype = np.dtype(dtype)
-    rounding = 0.5 * float(_finfo(dtype).eps)
-    accumulation = max(length, 1) * float(np.finfo(_accumulate(dtype)).eps)
-    return _SAFETY * magnitude * (rounding + accumulation)
+    rounding = 0.5 * float(finfo(dtype).eps)
+    accumulation = max(length, 1) * float(np.finfo(accumulate_dtype(dtype)).eps)
+    return SAFETY * magnitude * (rounding + accumulation)
 
 
 def _keep_scale(problem: Problem) -> float:
@@ -93,13 +98,13 @@ def error_bound(problem: Problem, dtype=None) -> float:
     problem's) may make in any element of ``out`` (see the module's doc)."""
     _, _, _, _, kv_len, dim, _ = problem.shape
     magnitude = _largest(problem.v) * (1 + _score_magnitude(problem)) * _keep_scale(problem)
-    return _bound(dtype or problem.dtype, kv_len + dim, magnitude)
+    return bound(dtype or problem.dtype, kv_len + dim, magnitude)
 
 
 def _lse_bound(problem: Problem, dtype) -> float:
     _, _, _, _, kv_len, dim, _ = problem.shape
-    return _bound(_accumulate(dtype), kv_len + dim, 1 + _score_magnitude(problem)) + float(
-        _finfo(dtype).eps) * (1 + _score_magnitude(problem))
+    return bound(accumulate_dtype(dtype), kv_len + dim, 1 + _score_magnitude(problem)) + float(
+        finfo(dtype).eps) * (1 + _score_magnitude(problem))
 
 
 def gradient_error_bound(problem: Problem, dout, dtype=None) -> float:
@@ -107,7 +112,7 @@ def gradient_error_bound(problem: Problem, dout, dtype=None) -> float:
     _, heads, kv_heads, q_len, kv_len, dim, value_dim = problem.shape
     magnitude = _largest(dout) * _largest(problem.v) * (1 + _score_magnitude(problem)) * _keep_scale(problem)
     length = q_len * (heads // kv_heads) + kv_len + dim + value_dim
-    return _bound(dtype or problem.dtype, length, magnitude * max(1, q_len))
+    return bound(dtype or problem.dtype, length, magnitude * max(1, q_len))
 
 
 def dropout_keep(problem: Problem) -> np.ndarray:
@@ -147,7 +152,7 @@ def assert_attention_close(actual, problem: Problem, *, dtype=None, rule: str = 
     elif rule == "low_precision_reference":
         low = _low_precision_out(problem, dtype)
         tolerance = factor * float(np.abs(low - expected_out).max(initial=0.0)) + 4 * float(
-            _finfo(dtype).eps) * _largest(problem.v)
+            finfo(dtype).eps) * _largest(problem.v)
     else:
         raise ValueError(f'rule must be "bound" or "low_precision_reference", got {rule!r}')
     _compare(out, expected_out, tolerance, "out", problem)
@@ -198,7 +203,7 @@ def _low_precision_out(problem: Problem, dtype) -> np.ndarray:
     options = {name: value for name, value in problem.options.items() if name != "return_lse"}
     probabilities = api.attention(*(x.astype(np.float64) for x in (q, k, v)), layout=problem.layout,
                                   backend="reference", return_weights=True, **options)[1]  # (B, H, Sq, Sk)
-    accumulate = _accumulate(dtype)
+    accumulate = accumulate_dtype(dtype)
     rounded = probabilities.astype(dtype).astype(accumulate)
     values = _bhsd(problem, v).astype(accumulate)
     group = rounded.shape[1] // values.shape[1]
