@@ -578,7 +578,8 @@ def test_a_left_padded_cache_is_its_keys_moved_to_the_front(batch, q_len, new, l
             pool[pages.reshape(-1)] = source.reshape(batch * slots // 4, 4, kv_heads, dim)
         caches, arguments["block_table"] = pools, pages
     out = npattn.attention_with_kvcache(q, *caches, k, v, **arguments)
-    tolerances.assert_close(out, expected, np.float32, slots + dim, 4.0 * (1 + 3 * dim))
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2 * tolerances.attention_bounds(  # two float32 calls
+        np.float32, q, moved[0], moved[1], slots, options.get("scale"))[0])
     if new:  # the new keys sit at cache_seqlens, as the moved cache holds them at seqlens - leftpad
         for b in range(batch):
             if layout == "contiguous":
@@ -641,7 +642,8 @@ def test_a_shared_prefix_is_the_prefix_copied_in_front_of_every_sequence(batch, 
         arguments["block_table"] = pages
     before = [c.copy() for c in caches]
     out = npattn.attention_with_kvcache(q, *caches, k, v, **arguments)
-    bound = tolerances.bound(np.float32, span + own_slots + dim, 4.0 * (1 + 3 * dim))
+    bound = 2 * max(tolerances.attention_bounds(np.float32, q, np.concatenate(copied[0]),  # two float32 calls
+                                                np.concatenate(copied[1]), span + own_slots))
     for got, want in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple)
                          else (expected,)):
         np.testing.assert_allclose(got, want, atol=bound, rtol=0)
@@ -702,10 +704,10 @@ def test_paged_varlen_is_one_kvcache_call_per_sequence(lengths, options, backend
             want = npattn.attention_with_kvcache(q[None, rows], *pools, cache_seqlens=used[b:b + 1],
                                                  block_table=table[b:b + 1], backend=backend, **options)
         want_out, want_lse = want if isinstance(want, tuple) else (want, None)
-        np.testing.assert_allclose(got_out[rows], want_out[0], atol=tolerances.bound(
-            np.float32, 16 + dim, 4.0 * (1 + 3 * dim)), rtol=0)
+        out_bound, lse_bound = tolerances.attention_bounds(np.float32, q, pools[0], pools[1], 16, options.get("scale"))
+        np.testing.assert_allclose(got_out[rows], want_out[0], rtol=0, atol=2 * out_bound)  # two float32 calls
         if want_lse is not None:
-            np.testing.assert_allclose(got_lse[:, rows], want_lse[0], atol=1e-4, rtol=1e-5)
+            np.testing.assert_allclose(got_lse[:, rows], want_lse[0], rtol=0, atol=2 * lse_bound)
 
 
 def test_paged_varlen_checks_its_arguments():
@@ -751,7 +753,8 @@ def test_paged_cache_attend_varlen_is_attend_per_sequence(steps, rotary, seed):
         for b, name in enumerate(chosen):
             rows = slice(int(cu[b]), int(cu[b + 1]))
             want = caches[1].attend([name], q[None, rows], k[None, rows], v[None, rows], causal=True, **extra)
-            np.testing.assert_allclose(out[rows], want[0], atol=1e-12)
+            np.testing.assert_allclose(out[rows], want[0], rtol=0, atol=2 * tolerances.attention_bounds(
+                np.float64, q, caches[1].keys, caches[1].values, caches[1].length(name))[0])
     np.testing.assert_array_equal(caches[0].keys, caches[1].keys)
     assert [caches[0].length(n) for n in "abc"] == [caches[1].length(n) for n in "abc"]
 
@@ -791,5 +794,6 @@ def test_a_prefix_with_more_queries_than_own_keys_keeps_causal_alignment():
     prefix = [rng.standard_normal((5, 1, 8)) for _ in range(2)]
     out = npattn.attention_with_kvcache(q, *own, cache_seqlens=1, prefix_k=prefix[0], prefix_v=prefix[1], causal=True)
     copied = [np.concatenate([np.broadcast_to(p[None], (2, 5, 1, 8)), c], axis=1) for p, c in zip(prefix, own)]
-    np.testing.assert_allclose(out, npattn.attention_with_kvcache(q, *copied, cache_seqlens=6, causal=True), atol=1e-12)
+    np.testing.assert_allclose(out, npattn.attention_with_kvcache(q, *copied, cache_seqlens=6, causal=True), rtol=0,
+                               atol=2 * tolerances.attention_bounds(np.float64, q, *copied, 6)[0])
 
