@@ -10,6 +10,7 @@ needs them, torch and JAX when their adapters are used.
 from .adapters.dispatch import (attention, attention_varlen, attention_varlen_vjp, attention_vjp,
                                 attention_with_kvcache, merge_states)
 from .api import Plan, attention_backward, plan
+from .core.quantization import dequantize_kv, quantize_kv
 from .backends import BackendStatus, backends
 from .serving.kvcache import KVCachePlan, plan_with_kvcache
 from .serving.varlen import VarlenPlan, plan_varlen
@@ -36,4 +37,4 @@ def __dir__():
     return sorted({*globals(), *_LAZY_SUBMODULES})
 __all__ = ["attention", "attention_vjp", "attention_backward", "plan", "Plan", "attention_varlen", "attention_varlen_vjp",
            "plan_varlen", "VarlenPlan", "attention_with_kvcache", "plan_with_kvcache", "KVCachePlan", "merge_states",
-           "backends", "BackendStatus", "warmup", "__version__"]
+           "quantize_kv", "dequantize_kv", "backends", "BackendStatus", "warmup", "__version__"]

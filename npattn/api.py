@@ -316,9 +316,10 @@ def owned(problem: AttentionProblem) -> AttentionProblem:
 
 
 # The problem's option arrays whose values the checks read: all but mask and bias (which
-# have no value checks) and row_shifts (derived from q_offset when checked, the plan's own)
+# have no value checks), row_shifts (derived from q_offset when checked, the plan's own)
+# and the scales of quantized k and v (the keys' data, each run's own like k and v)
 _CHECKED_ARRAY_FIELDS = tuple(name for name in ARRAY_FIELDS if name not in ("q", "k", "v", "mask", "bias",
-                                                                             "row_shifts"))
+                                                                             "row_shifts", "k_scale", "v_scale"))
 
 
 def _outputs_and_vjp(problem: AttentionProblem, implementation: Any, result: ForwardResult) -> tuple[Outputs, Vjp]:

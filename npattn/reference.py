@@ -35,6 +35,7 @@ from .core.problem import dense_keys
 from .core.results import ForwardResult, Gradients
 
 NAME = "reference"
+QUANTIZED_KV = True  # int8 kv caches, dequantized in float64 (problem.dense_keys)
 
 
 def unavailable_reason(array_kind: str = "numpy") -> str | None:

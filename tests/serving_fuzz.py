@@ -281,11 +281,12 @@ class KVProblem:
         return (b if self.cache_batch_idx is None else int(self.cache_batch_idx[b])), t
 
 
-def kv_problem(rng) -> KVProblem:
+def kv_problem(rng, dims=None) -> KVProblem:
+    """A valid call; ``dims``: its (head_dim, value_dim), else drawn."""
     dtype = np.dtype([np.float32, np.float64][rng.integers(2)])
     batch, kv_heads = int(rng.integers(1, 4)), int(rng.integers(1, 3))
     heads = kv_heads * int(rng.integers(1, 3))
-    head_dim, value_dim = 2 * int(rng.integers(1, 5)), int(rng.integers(1, 7))
+    head_dim, value_dim = dims or (2 * int(rng.integers(1, 5)), int(rng.integers(1, 7)))
     q_len = int(rng.integers(1, 4))
     new = 0 if rng.random() < 0.3 else int(rng.integers(1, 4))
     layout = ["contiguous", "rows", "paged"][rng.integers(3)]
@@ -540,6 +541,59 @@ def kvcache_call(rng) -> Call:
                                                                                            problem.v_cache]
     return Call("attention_with_kvcache", label, lambda: npattn.attention_with_kvcache(**arguments), names,
                 lambda: snapshot(*watched), kv_verify(problem, before_k, before_v))
+
+
+# ---- attention_with_kvcache on int8 caches ---------------------------------------------------------
+
+def quantized_kvcache_call(rng) -> Call:
+    """A kv-cache call on int8 codes with scales (head dims of 16), valid or broken in one
+    argument; a valid call's oracle is the same call on copies through the reference backend
+    (its float64 reading of the codes is tested against quantize_kv's definition in
+    tests/test_quantized_cache.py): the same codes and scales written, out within the bound."""
+    from npattn.core.quantization import quantize_rows
+
+    problem = kv_problem(rng, dims=(16, 16))
+    (k_codes, k_scale), (v_codes, v_scale) = quantize_rows(problem.k_cache), quantize_rows(problem.v_cache)
+    arguments = dict(problem.arguments(), k_cache=k_codes, v_cache=v_codes, k_scale=k_scale, v_scale=v_scale)
+    arguments.pop("backend", None)
+    caches = (k_codes, v_codes, k_scale, v_scale)
+    names, label = (), f"int8 {problem.layout} valid"
+    if rng.random() < 0.5:
+        new = problem.k is not None and problem.k.shape[1] > 0
+        frozen = _read_only(k_scale)
+        mutations = [
+            (("k_scale",), lambda a: a.update(k_scale=k_scale.astype(np.float64))),
+            (("v_scale",), lambda a: a.update(v_scale=v_scale[:, :-1] if v_scale.shape[1] > 1 else v_scale[..., :0])),
+            (("k_scale", "v_scale"), lambda a: a.update(v_scale=None)),
+            (("k_cache", "k_scale"), lambda a: a.update(k_scale=None, v_scale=None)),
+            (("k_cache",), lambda a: a.update(k_cache=k_codes.astype(np.int16))),
+            (("q", "k_cache"), lambda a: a.update(q=problem.q[..., :8])),
+            (("window",), lambda a: a.update(window=-2)),
+            (("cache_seqlens",), lambda a: a.update(cache_seqlens=problem.seqlens + 10**6)),
+        ]
+        if new:
+            mutations += [(("k_scale",), lambda a: a.update(k_scale=frozen)),
+                          (("k_scale", "v_scale"), lambda a: a.update(v_scale=k_scale)),
+                          (("k",), lambda a: a.update(k=problem.k.astype(np.float16)))]
+        names, mutate = mutations[rng.integers(len(mutations))]
+        mutate(arguments)
+        label = f"int8 {problem.layout} broken in {names[0]}"
+    before = [array.copy() for array in caches]
+    watched = [value for value in arguments.values() if isinstance(value, np.ndarray)] + list(caches)
+
+    def verify(result):
+        copies = [array.copy() for array in before]
+        expected = npattn.attention_with_kvcache(**dict(arguments, k_cache=copies[0], v_cache=copies[1],
+                                                        k_scale=copies[2], v_scale=copies[3], backend="reference"))
+        out, want = ((result[0], expected[0]) if problem.options.get("return_lse") else (result, expected))
+        for name, cache, wanted in zip(("k_cache", "v_cache", "k_scale", "v_scale"), caches, copies):
+            if not np.array_equal(cache, wanted, equal_nan=True):
+                return f"{name} after the call differs from the reference call's"
+        keys = problem.k_cache.shape[1] * (1 if problem.block_table is None else problem.block_table.shape[1])
+        magnitude = 4 * (1 + np.abs(problem.q).sum(-1).max()) * (1 + np.nanmax(np.abs(k_scale), initial=0) * 127)
+        return close(out, want, problem.dtype, keys + 16, magnitude)
+    return Call("attention_with_kvcache int8", label, lambda: npattn.attention_with_kvcache(**arguments), names,
+                lambda: snapshot(*watched), verify)
 
 
 # ---- PagedKVCache.attend ---------------------------------------------------------------------------
@@ -842,7 +896,7 @@ def jax_call(rng) -> Call | None:
     return Call("npattn.jax", f"broken in {names[0]}", lambda: npattn.jax.attention(*arrays, **options), names)
 
 
-SURFACES = ((kvcache_call, 0.4), (paged_pool_call, 0.15), (paged_pool_varlen_call, 0.1), (varlen_call, 0.2),
+SURFACES = ((kvcache_call, 0.4), (quantized_kvcache_call, 0.15), (paged_pool_call, 0.15), (paged_pool_varlen_call, 0.1), (varlen_call, 0.2),
             (torch_call, 0.1), (jax_call, 0.05))
 
 

@@ -242,3 +242,17 @@ def test_bench_plans_times_each_call_plain_and_planned():
     assert [row[:52].strip() for row in rows] == list(results)
     assert all(plain > 0 for plain, _ in results.values())
     assert all(planned > 0 for label, (_, planned) in results.items() if "alone" not in label)
+
+
+def test_bench_caches_times_every_cache_dtype_against_int8():
+    import io
+
+    from npattn.tools import bench_caches
+
+    printed = io.StringIO()
+    results = bench_caches.compare(repeats=1, shapes=((2, 4, 2, 32, 16),), out=printed)
+    rows = printed.getvalue().splitlines()[2:]
+    assert [row.split()[-4] for row in rows] == list(bench_caches.CACHES)
+    (label, timed), = results.items()
+    assert label == "(2, 4/2, 32, 16)" and set(timed) == set(bench_caches.CACHES)
+    assert timed["int8"][1] == 1.0 and all(ms > 0 and ratio > 0 for ms, ratio in timed.values())

@@ -304,6 +304,8 @@ def test_the_problem_signature_keys_arrays_by_layout_and_values_by_value():
                           kv_lengths=np.array([1, 3]), q_start=np.array([1, 0]), kv_start=np.array([0, 1]),
                           q_offset=np.array([0, 2]), block_table=np.array([[1], [0]]), softcap=2.0, dropout_p=0.1,
                           seed=1)
+    # (a quantized kv cache's scales come from attention_with_kvcache, not from an option)
+    built = dataclasses.replace(built, k_scale=np.ones((2, 2, 3), np.float32), v_scale=np.ones((2, 2, 3), np.float32))
     fields = {f.name for f in dataclasses.fields(problem.AttentionProblem)}
     assert fields == {"xp", *problem.ARRAY_FIELDS, *problem.VALUE_FIELDS}
     assert all(hasattr(getattr(built, name), "shape") for name in problem.ARRAY_FIELDS)

@@ -66,13 +66,16 @@ attention_varlen_vjp = _varlen_route(varlen.attention_varlen_vjp, with_vjp=True)
 def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any,
                            block_table: Any = None, cache_batch_idx: Any = None, rotary_cos: Any = None,
                            rotary_sin: Any = None, rotary_interleaved: bool = False, cache_leftpad: Any = None,
-                           prefix_k: Any = None, prefix_v: Any = None, **options: Any) -> Any:
+                           prefix_k: Any = None, prefix_v: Any = None, k_scale: Any = None, v_scale: Any = None,
+                           **options: Any) -> Any:
     given = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
                  block_table=block_table, cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos,
-                 rotary_sin=rotary_sin, cache_leftpad=cache_leftpad, prefix_k=prefix_k, prefix_v=prefix_v)
+                 rotary_sin=rotary_sin, cache_leftpad=cache_leftpad, prefix_k=prefix_k, prefix_v=prefix_v,
+                 k_scale=k_scale, v_scale=v_scale)
     kind = arrays.foreign_kind_of(given.values(), options.values())
     if kind is not None:
-        written = ("k_cache", "v_cache") if k is not None or v is not None else ()
+        written = ((("k_cache", "v_cache") + (() if k_scale is None else ("k_scale", "v_scale")))
+                   if k is not None or v is not None else ())
         return arrays.forward_only_call(kind, "attention_with_kvcache", kvcache.attention_with_kvcache, given,
                                         dict(options, rotary_interleaved=rotary_interleaved), written)
     return kvcache.attention_with_kvcache(**given, rotary_interleaved=rotary_interleaved, **options)

@@ -39,6 +39,10 @@ class AttentionProblem:
     (B,). Batch entry b's live rows are ``[q_start[b], q_lengths[b])``, its live keys
     ``[kv_start[b], kv_lengths[b])`` (0 and Sq / Sk where None).
 
+    ``k_scale`` / ``v_scale``: None, or float32 (B, Hkv, Sk) (paged: (pages, Hkv,
+    page_size)) bhs views with k / v int8 codes: key j of kv head h reads as
+    ``k[b, h, j] * k_scale[b, h, j]`` (:mod:`npattn.core.quantization`).
+
     ``row_shifts``: None when query row i of every batch entry sits at key position
     ``i + visibility.shift(Sq, Sk)``; else int64 (B,) NumPy, row i of entry b at
     ``i + row_shifts[b]`` (a per-entry ``q_offset``, or one counted from the first real
@@ -63,6 +67,8 @@ class AttentionProblem:
     kv_start: Any = None
     row_shifts: Any = None
     block_table: Any = None
+    k_scale: Any = None
+    v_scale: Any = None
     softcap: float | None = None
     dropout_p: float = 0.0
     seed: int = 0
@@ -118,6 +124,11 @@ class AttentionProblem:
         return self.q.dtype
 
     @property
+    def quantized(self) -> bool:
+        """Whether k and v are int8 codes with scales (a quantized kv cache)."""
+        return self.k_scale is not None
+
+    @property
     def accumulate_dtype(self):
         """float64 for float64 inputs, float32 for float32/float16/bfloat16."""
         return accumulate_dtype_of(self.q.dtype)
@@ -133,7 +144,7 @@ class AttentionProblem:
 # aside, is a function of the arrays' shapes, strides and dtypes and of the values
 # (:func:`signature`). tests/test_cpu_kernels.py keeps ARRAY_FIELDS complete.
 ARRAY_FIELDS = ("q", "k", "v", "sink_logits", "mask", "bias", "alibi_slopes", "q_lengths", "kv_lengths",
-                "q_start", "kv_start", "row_shifts", "block_table")
+                "q_start", "kv_start", "row_shifts", "block_table", "k_scale", "v_scale")
 VALUE_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionProblem)
                      if field.name not in ("xp", *ARRAY_FIELDS))
 _arrays_of = operator.attrgetter(*ARRAY_FIELDS)
@@ -160,12 +171,17 @@ def to_user_layout(array_bhsd, layout: str):
 
 def dense_keys(xp, problem):
     """``(k, v)`` of ``problem`` as (B, Hkv, Sk, D/Dv) arrays: views, or with
-    ``block_table`` each entry's pages gathered in order (a copy)."""
+    ``block_table`` each entry's pages gathered in order (a copy); quantized k and v
+    (``k_scale``) dequantized in float64."""
+    k, v = problem.k, problem.v
+    if problem.quantized:  # int8 codes times their scales, in float64 (the oracle's exact reading)
+        k = k.astype(np.float64) * problem.k_scale.astype(np.float64)[..., None]
+        v = v.astype(np.float64) * problem.v_scale.astype(np.float64)[..., None]
     if problem.block_table is None:
-        return problem.k, problem.v
+        return k, v
 
     def gather(pool):  # (pages, Hkv, page_size, X) -> (B, Hkv, P * page_size, X)
         pages = pool[problem.block_table]  # (B, P, Hkv, page_size, X)
         batch, count, heads, size, width = pages.shape
         return pages.transpose(0, 2, 1, 3, 4).reshape(batch, heads, count * size, width)
-    return gather(problem.k), gather(problem.v)
+    return gather(k), gather(v)

@@ -19,6 +19,8 @@ NAME = "cpu"
 # Runs a problem with ``packed_rows`` (each batch entry's live rows are its own rows of one
 # packed batch): attention_varlen hands such a backend its whole batch as one call.
 PACKED_ROWS = True
+# Reads int8 kv caches with their scales (problem.k_scale), a tile dequantized at a time.
+QUANTIZED_KV = True
 _REQUIRED = ("numba", "scipy")
 
 

@@ -24,7 +24,7 @@ from numba import njit
 
 from .blas import gemm
 from .jit import FASTMATH, HELPER_OPTIONS, helper, kernel
-from .signatures import as_offset, larger, smaller
+from .signatures import as_offset, as_readonly, larger, smaller
 from .threads import next_item
 from .operands import Int, Real, Span
 from .rowmath import exp_shifted, row_max
@@ -55,7 +55,9 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, d
     dbias needs; the caller applies softcap's derivative and the scale)."""
     ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
-    score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
+    # (never quantized: a quantized cache has no gradients; k stands in for the unused tile)
+    score_tile(q, k, as_readonly(k), bias, mask, alibi, spans, pages, ints, reals, p, ld, tanh, packed, b, h, i0,
+               rows, j0, cols)
     row_offset = (memory_batch(ints, b) * heads + h) * ints[Int.Q_LEN] + i0
     for r in range(rows):
         row_lse = lse[row_offset + r]
@@ -128,7 +130,7 @@ def backward_items(ints, chunks):
 
 
 @kernel
-def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
+def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_codes, v_codes, k_scale, v_scale,
                     dout, dout_strides, out, out_strides, lse, delta, dq, dk, dv, chunks,
                     p, dropped, ds, tanh, packed, dk_tile, dv_tile, counter, items):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
@@ -165,7 +167,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                 dv_tile[x] = 0.0
             k_offset = k_row(ints, pages, b, kv_head, j0)
             # once for every query tile
-            pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed)
+            pack_key_tile(k, as_readonly(k), pages, ints, b, kv_head, j0, cols, packed)
             pack_value_tile(v, pages, ints, b, kv_head, j0, cols, packed)
             for h in range(kv_head * group, (kv_head + 1) * group):
                 for i0 in range(rows_first, rows_valid, block_q):
@@ -211,7 +213,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
 
 
 @kernel
-def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
+def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_codes, v_codes, k_scale, v_scale,
                  dout, dout_strides, out, out_strides, lse, delta, dbias, dbias_shape, p, dropped, ds,
                  tanh, packed,
                  counter, items):
@@ -248,7 +250,7 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                         if not tile_is_live(ints, spans, b, i0, i0 + rows, j0, j0 + cols):
                             continue
                         kv_head = h // (heads // ints[Int.KV_HEADS])
-                        pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed)
+                        pack_key_tile(k, as_readonly(k), pages, ints, b, kv_head, j0, cols, packed)
                         pack_value_tile(v, pages, ints, b, kv_head, j0, cols, packed)
                         score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals,
                                             dout, dout_strides, out, out_strides, lse, delta, p, dropped,

@@ -15,7 +15,7 @@ from .blas import single_threaded_blas
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
 from .scratch import (aligned_zeros, backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs,
-                      gradient_tile_specs, scratch_set, score_tile_specs, with_dropout_copy)
+                      gradient_tile_specs, scratch_set, weights_scratch_specs, with_dropout_copy)
 from .operands import Int, read_only, operand_plan, row_strides
 from .tuning import Tuning, current
 
@@ -59,7 +59,7 @@ class ForwardPlan:
         self.blas = not (ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES] and ints[Int.VECTOR_KEYS])
         self.flops = _forward_flops(problem)
         self.scratch_specs = forward_scratch_specs(ints, dtype)
-        self.weights_specs = score_tile_specs(ints, dtype)
+        self.weights_specs = weights_scratch_specs(ints, dtype)
         self.weights = problem.return_weights
         self.bshd = problem.layout == "bshd"
         heads, q_len, value_dim = problem.heads, problem.q_len, problem.value_dim

@@ -76,6 +76,8 @@ class FoldedArrays(NamedTuple):
     kv_start: Any
     row_shifts: Any
     block_table: Any
+    k_scale: Any
+    v_scale: Any
 
     @classmethod
     def of(cls, arrays, group: int) -> "FoldedArrays":
@@ -83,7 +85,7 @@ class FoldedArrays(NamedTuple):
         def rows(values):
             return None if values is None else values * group
         return cls(rows(arrays.q_lengths), arrays.kv_lengths, rows(arrays.q_start), arrays.kv_start,
-                   arrays.row_shifts, arrays.block_table)
+                   arrays.row_shifts, arrays.block_table, arrays.k_scale, arrays.v_scale)
 
     # what a foldable problem never has (foldable)
     bias = mask = alibi_slopes = sink_logits = None

@@ -23,13 +23,13 @@ import numpy as np
 
 from .blas import gemm
 from .jit import helper, kernel
-from .signatures import as_offset, larger, smaller
+from .signatures import as_offset, as_readonly, larger, smaller
 from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
 from .microkernels import product
-from .tiles import (apply_dropout, band_keys, key_segments, memory_batch, memory_batches, pack_key_tile, page_run,
-                    score_tile, span, v_row)
+from .tiles import (apply_dropout, band_keys, dequantize_tile, key_segments, memory_batch, memory_batches,
+                    pack_key_tile, page_run, score_tile, span, v_row, value_tile_rows)
 from .operands import Span
 
 
@@ -53,13 +53,15 @@ def _query_tile(ints, spans, item):
 
 
 @kernel
-def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
-                   out, out_strides, lse, s, tanh, packed, m, total, sums, seen, counter, items):
+def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_codes, v_codes, k_scale, v_scale,
+                   out, out_strides, lse, s, tanh, packed, m, total, sums, seen, dequantized, counter, items):
     """Fill ``out`` (a flat view with element strides ``out_strides``, int64 (4,): batch,
     head, row, key range; zero on entry) and ``lse`` (flat (ranges, B, H, Sq), -inf on
     entry; B is 1 with PACKED_ROWS, as is out's batch stride 0). Rows outside the live
-    ones (``spans``) stay as they are. ``s`` to ``seen``: this thread's
-    :func:`~npattn.cpu.scratch.forward_scratch_specs`.
+    ones (``spans``) stay as they are. ``s`` to ``dequantized``: this thread's
+    :func:`~npattn.cpu.scratch.forward_scratch_specs`. With QUANTIZED, k and v are
+    placeholders and each key tile is read from ``k_codes`` and ``v_codes`` times their
+    scales (:func:`~npattn.cpu.tiles.dequantize_tile`).
 
     One function from the item loop down to the tile's key loop, not a helper per
     tile: Numba optimizes and emits machine code for a function together with every
@@ -71,6 +73,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
     out_row_stride = out_strides[2]
     v_row_stride = ints[Int.V_STRIDE_S]
     splits, split_keys = ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS]
+    quantized = ints[Int.QUANTIZED]
+    tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
     while True:
         item = next_item(counter)
         if item >= items:
@@ -96,15 +100,18 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
             first, last = larger(first, range_start), smaller(last, range_start + split_keys)
             for j0 in range(first, last, block_k):
                 cols = smaller(block_k, last - j0)
-                pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed)
-                full = score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
+                if quantized:
+                    dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
+                                    dequantized)
+                pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
+                full = score_tile(q, k, tile, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
                                   b, h, i0, rows, j0, cols)
                 outcome = _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums)
                 if outcome != _DONE:
                     if outcome == _OVERWRITTEN:
                         # a score rose more than _HEADROOM above its row's max (rare: the running
                         # max is usually set by the first tile): recompute the scores
-                        score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
+                        score_tile(q, k, tile, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
                                    b, h, i0, rows, j0, cols)
                     _exp_with_new_max(s, ld, rows, cols, m, total, seen, out,
                                       out_offset, out_row_stride, dv)
@@ -119,6 +126,10 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                     for r0 in range(0, rows, band):
                         band_rows = smaller(band, rows - r0)
                         depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
+                        if quantized:  # the dequantized value rows
+                            product(s, r0 * ld, ld, 1, values, 0, dv, out, out_offset + r0 * out_row_stride,
+                                    out_row_stride, band_rows, depth, dv, 1.0, True)
+                            continue
                         c0 = 0
                         while c0 < depth:
                             run = page_run(ints, j0 + c0, depth - c0)
@@ -198,13 +209,14 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
 
 
 @kernel
-def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
-                   lse, weights, s, tanh, packed, counter, items):
+def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_codes, v_codes, k_scale, v_scale,
+                   lse, weights, s, tanh, packed, dequantized, counter, items):
     """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
     ``exp(s - lse)``: the exact probabilities, after masking and before dropout.
-    ``s``, ``tanh``, ``packed``: this thread's :func:`~npattn.cpu.scratch.score_tile_specs`."""
+    ``s`` to ``dequantized``: this thread's :func:`~npattn.cpu.scratch.weights_scratch_specs`."""
     block_k, ld = ints[Int.BLOCK_K], ints[Int.SCORE_LD]
     heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
+    tile = as_readonly(dequantized)
     while True:
         item = next_item(counter)
         if item >= items:
@@ -220,8 +232,11 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
             first, last = (sink_start, sink_end) if segment == 0 else (band_start, band_stop)
             for j0 in range(first, last, block_k):
                 cols = smaller(block_k, last - j0)
-                pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed)
-                score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
+                if ints[Int.QUANTIZED]:
+                    dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
+                                    dequantized)
+                pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
+                score_tile(q, k, tile, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
                            b, h, i0, rows, j0, cols)
                 for r in range(rows):
                     row_lse = lse[row_offset + r]

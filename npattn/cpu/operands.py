@@ -33,7 +33,13 @@ from .tuning import Tuning, current
 # keys and row 0's position per batch entry, :func:`npattn.core.kernel_params.problem_spans`);
 # pages int64 (B * PAGES,) (:func:`npattn.core.kernel_params.problem_pages`); ints (int64, by
 # :class:`Int`) and reals (compute dtype, by :class:`Real`).
-Operands = namedtuple("Operands", OPERAND_NAMES)
+#
+# Then the CPU's own four: a quantized cache's int8 codes of k and v and their float32
+# scales (flat views; strides in ``ints``), each a 1-element placeholder otherwise (k and v
+# are then the placeholders: one compiled kernel serves both kinds of cache).
+QUANTIZED_OPERANDS = ("k_codes", "v_codes", "k_scale", "v_scale")
+Operands = namedtuple("Operands", OPERAND_NAMES + QUANTIZED_OPERANDS)
+CODE_DTYPE, SCALE_DTYPE = np.dtype(np.int8), np.dtype(np.float32)
 
 
 def flat_view(array, dtype, unit_last_axis=False):
@@ -158,9 +164,11 @@ class OperandPlan:
 
     def __init__(self, problem, kind, tuning, rows_per_position):
         self.dtype = dtype = problem.accumulate_dtype  # float32 for float16 inputs
+        self.quantized = problem.quantized
+        keys_dtype = CODE_DTYPE if self.quantized else dtype  # k and v as the kernels read them
         no_strides = (0, 0, 0, 0)
-        strides = (row_view_strides(problem.q, dtype), row_view_strides(problem.k, dtype),
-                   row_view_strides(problem.v, dtype),
+        strides = (row_view_strides(problem.q, dtype), row_view_strides(problem.k, keys_dtype),
+                   row_view_strides(problem.v, keys_dtype),
                    no_strides if problem.bias is None else view_strides(problem.bias, dtype),
                    no_strides if problem.mask is None else view_strides(problem.mask.view(np.uint8), np.uint8))
         self.ints, self.reals = _parameters(problem, kind, tuning, rows_per_position, strides)
@@ -169,8 +177,10 @@ class OperandPlan:
         self.plain_pages = _frozen(np.arange(problem.batch, dtype=np.int64))  # not paged: entry b's keys in k[b]
         # q, k, v read in place (the usual case), else through row_strides on every call
         # (:func:`flat_memory` written out in :meth:`operands`: a small call's every us counts)
-        self.orders = tuple(_row_order(array, dtype) for array in (problem.q, problem.k, problem.v))
+        self.orders = (_row_order(problem.q, dtype), _row_order(problem.k, keys_dtype),
+                       _row_order(problem.v, keys_dtype))
         self.placeholders = _placeholders(dtype)
+        self.code_placeholder, self.scale_placeholder = _placeholders(CODE_DTYPE)[0], _placeholders(SCALE_DTYPE)[0]
         self.dropout = bool(problem.dropout_p)
 
     def operands(self, q, k, v, arrays=None) -> Operands:
@@ -178,16 +188,21 @@ class OperandPlan:
         dtype, with the bias, mask, ALiBi slopes, sink logits, lengths and seed of
         ``arrays`` (a problem of this plan's signature; None: none of them, no dropout)."""
         dtype = self.dtype
+        keys_dtype = CODE_DTYPE if self.quantized else dtype
         q_order, k_order, v_order = self.orders
         # (contiguous in some order of axes, so ravel in memory order is a view: the
         # transpose and reshape of flat_memory, at a fifth of the cost)
         q = _frozen(q.ravel(order="K")) if q_order is not None else row_strides(q, dtype)[0]
-        k = _frozen(k.ravel(order="K")) if k_order is not None else row_strides(k, dtype)[0]
-        v = _frozen(v.ravel(order="K")) if v_order is not None else row_strides(v, dtype)[0]
+        k = _frozen(k.ravel(order="K")) if k_order is not None else row_strides(k, keys_dtype)[0]
+        v = _frozen(v.ravel(order="K")) if v_order is not None else row_strides(v, keys_dtype)[0]
         placeholder, mask_placeholder = self.placeholders
+        quantized = (self.code_placeholder, self.code_placeholder, self.scale_placeholder, self.scale_placeholder)
+        if self.quantized:  # the codes and scales; k and v are placeholders, which nothing reads
+            quantized = (k, v, flat_view(arrays.k_scale, SCALE_DTYPE)[0], flat_view(arrays.v_scale, SCALE_DTYPE)[0])
+            k = v = placeholder
         if arrays is None:
             return Operands(q, k, v, placeholder, mask_placeholder, placeholder, placeholder,
-                            self.plain_spans, self.plain_pages, self.ints, self.reals)
+                            self.plain_spans, self.plain_pages, self.ints, self.reals, *quantized)
         bias = placeholder if arrays.bias is None else flat_view(arrays.bias, dtype)[0]
         mask = mask_placeholder if arrays.mask is None else flat_view(arrays.mask.view(np.uint8), np.uint8)[0]
         alibi = (placeholder if arrays.alibi_slopes is None
@@ -202,7 +217,7 @@ class OperandPlan:
             ints = ints.copy()
             ints[Int.SEED_LO], ints[Int.SEED_HI] = seed_words(arrays.seed)
             ints = _frozen(ints)
-        return Operands(q, k, v, bias, mask, alibi, sink, spans, pages, ints, self.reals)
+        return Operands(q, k, v, bias, mask, alibi, sink, spans, pages, ints, self.reals, *quantized)
 
 
 def operand_plan(problem, kind: str, tuning: Tuning, rows_per_position: int = 1) -> OperandPlan:
@@ -238,7 +253,9 @@ def _parameters(problem, kind, tuning, rows_per_position, strides):
     ints[Int.MASK_STRIDE_B:Int.MASK_STRIDE_K + 1] = mask_strides
     ints[Int.BLOCK_Q], ints[Int.BLOCK_K] = tiles
     ints[Int.EDGE_BAND] = tuning.edge_band
-    vector = tuning.vector_products
+    # a quantized cache's tiles are read as dequantized rows by the micro-kernels, never by
+    # BLAS (its head dims are whole vectors: core.quantization.HEAD_DIM_MULTIPLE)
+    vector = tuning.vector_products or problem.quantized
     lanes, chunk = vector_lanes(dtype), chunk_columns(dtype)
     ints[Int.VECTOR_SCORES] = vector
     ints[Int.VECTOR_VALUES] = vector and problem.value_dim % lanes == 0
@@ -250,6 +267,9 @@ def _parameters(problem, kind, tuning, rows_per_position, strides):
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk) * chunk if vector else tiles[1]
     ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = key_splits(problem, tiles) if kind == "forward" else (1, 1)
     ints[Int.ROW_GROUP] = rows_per_position
+    if problem.quantized:
+        ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = element_strides(problem.k_scale)
+        ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = element_strides(problem.v_scale)
     return _frozen(np.array(ints, np.int64)), _frozen(problem_reals(problem, dtype))
 
 

@@ -108,9 +108,23 @@ def score_tile_specs(ints, dtype) -> tuple:
 
 def forward_scratch_specs(ints, dtype) -> tuple:
     """:func:`score_tile_specs`, then per row of a query tile (BLOCK_Q each) the running
-    max ``m``, the running sum ``total``, one tile's sums, and whether any key was seen."""
+    max ``m``, the running sum ``total``, one tile's sums, and whether any key was seen;
+    last :func:`dequantized_tile_spec`."""
     rows = int(ints[Int.BLOCK_Q])
-    return (*score_tile_specs(ints, dtype), (rows, dtype), (rows, dtype), (rows, dtype), (rows, np.bool_))
+    return (*score_tile_specs(ints, dtype), (rows, dtype), (rows, dtype), (rows, dtype), (rows, np.bool_),
+            dequantized_tile_spec(ints, dtype))
+
+
+def weights_scratch_specs(ints, dtype) -> tuple:
+    """:func:`score_tile_specs`, then :func:`dequantized_tile_spec`: the weights kernel's."""
+    return (*score_tile_specs(ints, dtype), dequantized_tile_spec(ints, dtype))
+
+
+def dequantized_tile_spec(ints, dtype) -> tuple:
+    """A quantized cache's key tile as float rows, keys then values (BLOCK_K x (D + Dv),
+    :func:`npattn.cpu.tiles.dequantize_tile`); 1 element otherwise."""
+    keys = int(ints[Int.BLOCK_K] * (ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM])) if ints[Int.QUANTIZED] else 1
+    return keys, dtype
 
 
 def gradient_tile_specs(ints, dtype) -> tuple:

@@ -171,6 +171,25 @@ def load_like(typingctx, array, index, like):
     return like(array, index, like), codegen
 
 
+@intrinsic
+def prefetch(typingctx, array, index):
+    """Ask for the cache line holding ``array[index]`` ahead of its use (``llvm.prefetch``,
+    a read, kept in every level); no effect on results, never faults."""
+    if not (isinstance(array, types.Array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+        builder.call(function, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.none(array, index), codegen
+
+
 def _is_block(block, dtype):
     """Whether ``block`` is a tuple of rows, each a tuple of vectors of ``dtype``."""
     return (isinstance(block, types.UniTuple) and isinstance(block.dtype, types.UniTuple)

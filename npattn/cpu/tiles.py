@@ -16,6 +16,7 @@ from numba import njit
 from .blas import gemm
 from .jit import helper
 from .microkernels import dot_products, pack_transposed, padded_width, product
+from .simd import prefetch
 from .operands import SPAN_FIELDS, Int, Real, Span
 from .signatures import as_offset, larger, plain_int, scalar_like, smaller
 
@@ -190,13 +191,74 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 
 
 @helper
-def pack_key_tile(k, pages, ints, b, kv_head, j0, cols, packed):
+def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols, dequantized):
+    """Keys ``[j0, j0 + cols)`` of ``kv_head`` of a quantized cache (``Int.QUANTIZED``) as
+    float rows, codes times their key's scale: the keys (cols x D) from ``dequantized[0]``
+    and the values (cols x Dv) from ``dequantized[BLOCK_K * D]``, each row contiguous.
+    :func:`pack_key_tile`, :func:`score_tile` and the forward's P V then read the tile's
+    rows: the cache streams in as int8, a quarter of float32's bytes."""
+    head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
+    values_at = ints[Int.BLOCK_K] * head_dim
+    k_step, v_step = ints[Int.K_STRIDE_S], ints[Int.V_STRIDE_S]
+    k_scale_step, v_scale_step = ints[Int.K_SCALE_STRIDE_S], ints[Int.V_SCALE_STRIDE_S]
+    c = 0
+    while c < cols:  # run by run of one page: the offsets of its first key, then strides
+        j = j0 + c
+        run = page_run(ints, j, cols - c)
+        k_at, v_at = k_row(ints, pages, b, kv_head, j), v_row(ints, pages, b, kv_head, j)
+        k_scale_at = key_row(ints, pages, b, kv_head, j, ints[Int.K_SCALE_STRIDE_B], ints[Int.K_SCALE_STRIDE_H],
+                             k_scale_step)
+        v_scale_at = key_row(ints, pages, b, kv_head, j, ints[Int.V_SCALE_STRIDE_B], ints[Int.V_SCALE_STRIDE_H],
+                             v_scale_step)
+        for r in range(run):
+            if r + _PREFETCH_ROWS < run:  # the rows a few keys on: a decode step waits on memory
+                _prefetch_row(k_codes, k_at + (r + _PREFETCH_ROWS) * k_step, head_dim)
+                _prefetch_row(v_codes, v_at + (r + _PREFETCH_ROWS) * v_step, value_dim)
+            _scaled_row(k_codes, k_at + r * k_step, k_scale[k_scale_at + r * k_scale_step], dequantized,
+                        (c + r) * head_dim, head_dim)
+            _scaled_row(v_codes, v_at + r * v_step, v_scale[v_scale_at + r * v_scale_step], dequantized,
+                        values_at + (c + r) * value_dim, value_dim)
+        c += run
+
+
+# Keys ahead that dequantize_tile asks memory for
+_PREFETCH_ROWS = 8
+
+
+@njit(inline="always")
+def _prefetch_row(codes, offset, width):
+    for line in range(0, width, 64):  # (int8: a byte per value)
+        prefetch(codes, offset + line)
+
+
+@njit(inline="always")
+def _scaled_row(codes, offset, scale, out, out_offset, width):
+    """``out[out_offset + x] = codes[offset + x] * scale`` for x < width, in out's dtype."""
+    factor = scalar_like(scale, out)
+    start, source = as_offset(out_offset), as_offset(offset)
+    for x in range(as_offset(width)):
+        out[start + x] = scalar_like(codes[source + x], out) * factor
+
+
+@njit(inline="always")
+def value_tile_rows(ints, dequantized):
+    """The values of a :func:`dequantize_tile` tile (cols x Dv, rows contiguous)."""
+    return dequantized[ints[Int.BLOCK_K] * ints[Int.HEAD_DIM]:]
+
+
+@helper
+def pack_key_tile(k, dequantized, pages, ints, b, kv_head, j0, cols, packed):
     """Keys ``[j0, j0 + cols)`` of ``kv_head`` as K^T (D x SCORE_LD) at the start of
     ``packed``, zero-padded to whole vector chunks: the B operand of Q K^T. A no-op
-    when the products go through BLAS."""
+    when the products go through BLAS. A quantized cache's keys come from the
+    ``dequantized`` tile (:func:`dequantize_tile`)."""
     if not ints[Int.VECTOR_SCORES] or ints[Int.DOT_SCORES]:
         return
     width = padded_width(cols, packed)
+    if ints[Int.QUANTIZED]:
+        head_dim = ints[Int.HEAD_DIM]
+        pack_transposed(dequantized, 0, head_dim, cols, head_dim, packed, ints[Int.SCORE_LD], width)
+        return
     c0 = 0
     while c0 < cols:  # run by run of one page; the last run pads the tile with zeros
         run = page_run(ints, j0 + c0, cols - c0)
@@ -228,12 +290,13 @@ def packed_values(ints, packed):
 
 
 @helper
-def score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows,
-               j0, cols):
+def score_tile(q, k, dequantized, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed, b, h, i0,
+               rows, j0, cols):
     """Scores of rows ``[i0, i0 + rows)`` against keys ``[j0, j0 + cols)`` of head ``h``
     into ``s[r * ld + c]``: ``scale * q.k``, softcap (its tanh kept in ``tanh`` for the
     backward), bias, ALiBi, then -inf where the key is invisible. ``packed`` holds
-    the key tile from :func:`pack_key_tile`; keys read from k go run by run of one page
+    the key tile from :func:`pack_key_tile` (and ``dequantized``, for a quantized cache,
+    its keys as rows); keys read from k go run by run of one page
     (:func:`page_run`). Returns whether every row sees every key of the tile
     (:func:`tile_fully_visible`), which the caller's own products reuse."""
     q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
@@ -251,7 +314,10 @@ def score_tile(q, k, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, 
         for r0 in range(0, rows, band):
             band_rows = smaller(band, rows - r0)
             width = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
-            if ints[Int.DOT_SCORES]:
+            if ints[Int.DOT_SCORES] and ints[Int.QUANTIZED]:  # the dequantized tile's rows
+                dot_products(q, q_offset + r0 * q_row, q_row, dequantized, 0, head_dim, s, r0 * ld, ld, band_rows,
+                             width, head_dim, reals[Real.SCALE])
+            elif ints[Int.DOT_SCORES]:
                 c0 = 0
                 while c0 < width:
                     run = page_run(ints, j0 + c0, width - c0)

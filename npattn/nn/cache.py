@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import arguments
+from ..core.quantization import HEAD_DIM_MULTIPLE
 from ..adapters.dispatch import attention_with_kvcache
 
 
@@ -173,7 +174,11 @@ class PagedKVCache:
     Args:
         num_pages, page_size: the pool's size.
         num_kv_heads, head_dim: the shape of the keys and values it stores.
-        dtype: the stored dtype. xp: ``numpy`` (default) or ``cupy``.
+        dtype: the stored dtype: a float dtype, or ``"int8"`` for a quantized pool (int8
+            codes in ``keys`` / ``values`` with a float32 scale per slot and kv head in
+            ``key_scales`` / ``value_scales``, (pages, page_size, Hkv); head_dim a multiple
+            of 16; the new keys come as float and are quantized as they are written, see
+            :func:`npattn.quantize_kv`). xp: ``numpy`` (default) or ``cupy``.
 
     Sequences are named by any hashable id: :meth:`add` one, :meth:`attend` with a list
     of ids (each step's batch), :meth:`free` it when done.
@@ -185,12 +190,21 @@ class PagedKVCache:
         page_size = arguments.size(owner, "page_size", page_size)
         num_kv_heads = arguments.size(owner, "num_kv_heads", num_kv_heads)
         head_dim = arguments.size(owner, "head_dim", head_dim)
-        dtype = arguments.float_dtype(owner, "dtype", dtype)
+        quantized = isinstance(dtype, str) and dtype == "int8" or dtype is np.int8
+        if quantized and head_dim % HEAD_DIM_MULTIPLE:
+            raise ValueError(f"{owner}: head_dim must be a multiple of {HEAD_DIM_MULTIPLE} for an int8 pool, "
+                             f"got {head_dim}")
+        dtype = np.dtype(np.int8) if quantized else arguments.float_dtype(owner, "dtype", dtype)
         self.page_size, self.num_kv_heads, self.head_dim = page_size, num_kv_heads, head_dim
         names, shape = ("num_pages", "page_size", "num_kv_heads", "head_dim"), (num_pages, page_size, num_kv_heads,
                                                                                 head_dim)
         self.keys = arguments.zeros(owner, names, shape, dtype, xp)
         self.values = arguments.zeros(owner, names, shape, dtype, xp)
+        # a quantized pool's scales: one per slot and kv head (None for a float pool)
+        self.key_scales = self.value_scales = None
+        if quantized:
+            self.key_scales = arguments.zeros(owner, names[:3], shape[:3], np.float32, xp)
+            self.value_scales = arguments.zeros(owner, names[:3], shape[:3], np.float32, xp)
         self._free = list(range(num_pages - 1, -1, -1))  # pages not in use, the next one last
         self._pages: dict = {}     # sequence id -> its pages, in order
         self._lengths: dict = {}   # sequence id -> keys held
@@ -251,6 +265,8 @@ class PagedKVCache:
             pages[sequence] = self._pages[sequence] + taken[start:start + count]
             start += count
         lengths = np.array([self._lengths[s] for s in sequences], np.int64)
+        if self.key_scales is not None:
+            options = dict(options, k_scale=self.key_scales, v_scale=self.value_scales)
         result = attention_with_kvcache(q, self.keys, self.values, k, v, cache_seqlens=lengths,
                                         block_table=self._xp.asarray(self._table([pages[s] for s in sequences])),
                                         **options)
@@ -277,6 +293,9 @@ class PagedKVCache:
         from ..serving.kvcache import apply_rotary
         from ..serving.varlen import _cumulative, checked_paged_call
 
+        if self.key_scales is not None:
+            raise ValueError("PagedKVCache.attend_varlen reads float pools; an int8 pool attends through attend "
+                             "(one call per group of sequences with as many new tokens each)")
         sequences = list(sequences)
         for sequence in sequences:
             self._known(sequence)

@@ -29,6 +29,7 @@ get their old bytes back before the error propagates.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,8 @@ import numpy as np
 from ..core import arrays as _arrays
 from .. import api
 from .prefix import SharedPrefix
+from . import quantized as _quantized
+from ..core.quantization import quantize_rows
 from ..core import checks
 from ..runtime import limits as _limits
 from ..core import options as _options
@@ -52,7 +55,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
                            cache_seqlens: Any, block_table: Any = None, cache_batch_idx: Any = None,
                            rotary_cos: Any = None, rotary_sin: Any = None, rotary_interleaved: bool = False,
                            cache_leftpad: Any = None, prefix_k: Any = None, prefix_v: Any = None,
-                           **options: Any) -> Outputs:
+                           k_scale: Any = None, v_scale: Any = None, **options: Any) -> Outputs:
     """Append ``k`` and ``v`` to the caches (in place) after each sequence's cached keys,
     then return :func:`npattn.attention` of ``q`` against every sequence's keys.
 
@@ -72,6 +75,14 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     sequence's own from Sp on), read once for the whole batch (:mod:`npattn.serving.prefix`):
     the same answer as the prefix copied in front of every sequence's cache. Not with
     ``mask``, ``bias`` or dropout.
+
+    ``k_scale`` and ``v_scale``: a quantized cache (:mod:`npattn.core.quantization`):
+    k_cache and v_cache hold int8 codes and these float32 arrays, shaped like the caches
+    without their last axis, a scale per key slot and kv head (key t of sequence b reads
+    as ``k_cache[b, t] * k_scale[b, t][:, None]``); D and Dv must be multiples of 16. New
+    k and v (q's float dtype) are quantized as :func:`npattn.quantize_kv` does and written,
+    codes and scales, at their slots. The kernels dequantize a tile at a time (cpu and
+    reference backends).
 
     ``rotary_cos`` and ``rotary_sin`` (positions, R / 2), R even and at most D: rotate the
     first R lanes of q and of the new k by their positions before anything else, as pairs
@@ -106,13 +117,14 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     a JAX cache, which cannot be written in place, takes no new keys.
     """
     return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-                    rotary_interleaved, cache_leftpad, (prefix_k, prefix_v), options).run_checked()
+                    rotary_interleaved, cache_leftpad, (prefix_k, prefix_v), (k_scale, v_scale), options).run_checked()
 
 
 def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any,
                       block_table: Any = None, cache_batch_idx: Any = None, rotary_cos: Any = None,
                       rotary_sin: Any = None, rotary_interleaved: bool = False, cache_leftpad: Any = None,
-                      prefix_k: Any = None, prefix_v: Any = None, **options: Any) -> "KVCachePlan":
+                      prefix_k: Any = None, prefix_v: Any = None, k_scale: Any = None, v_scale: Any = None,
+                      **options: Any) -> "KVCachePlan":
     """Every check of ``attention_with_kvcache(q, k_cache, v_cache, k, v, ...)`` once, for a
     decode step that runs on every layer of a model: a :class:`KVCachePlan` whose
     :meth:`~KVCachePlan.run` takes each layer's q, caches and new keys (arrays of the
@@ -126,11 +138,11 @@ def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any 
     checks what each run reads; ``bias`` is read where it lies at each run.
     """
     arguments = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-                 cache_leftpad, prefix_k, prefix_v)
+                 cache_leftpad, prefix_k, prefix_v, k_scale, v_scale)
     _arrays.check_native("plan_with_kvcache", "torch tensors and JAX arrays: attention_with_kvcache",
                          (*arguments, *options.values()))
     return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-                    rotary_interleaved, cache_leftpad, (prefix_k, prefix_v), options)
+                    rotary_interleaved, cache_leftpad, (prefix_k, prefix_v), (k_scale, v_scale), options)
 
 
 class KVCachePlan:
@@ -140,9 +152,11 @@ class KVCachePlan:
 
     def __init__(self, checked: tuple, structure: dict, metadata: tuple, rotary: tuple | None, finite: bool,
                  bias: Any, shared: Any = None, prefix_arrays: tuple = ()):
-        # (problem, backend, the checked caches and the new k (rotated) and v): what the
-        # call that planned runs first; the api's Plan of the attention, made at a second run
+        # (problem, backend, the checked caches (k_cache, v_cache[, k_scale, v_scale]) and
+        # what the call appends to them (k rotated, v[, as codes and scales]) or None): what
+        # the call that planned runs first; the api's Plan of the attention, made at a second run
         self._checked, self._attend, self._structure = checked, None, structure
+        self._quantized = structure["k_scale"] is not None
         self._planned_problem = api.owned(checked[0])  # for the runs, which check no option again
         (self._seqlens, self._starts, self._pages, self._rows, self._positions, self._keys_used, self._prefix,
          self._page_size) = metadata
@@ -156,12 +170,13 @@ class KVCachePlan:
                               self._page_size) if self._appends else None)
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, prefix_k: Any = None,
-            prefix_v: Any = None) -> Outputs:
+            prefix_v: Any = None, k_scale: Any = None, v_scale: Any = None) -> Outputs:
         """Append ``k`` and ``v`` in place after each sequence's cached keys, then return
         :func:`npattn.attention` of ``q`` against every sequence's keys (what
         :func:`attention_with_kvcache` returns; after ``prefix_k`` and ``prefix_v`` where the
-        plan was made with a prefix); the appended slots get their old bytes back if
-        anything raises after the first write."""
+        plan was made with a prefix; a quantized cache's ``k_scale`` and ``v_scale`` where it
+        was made with them); the appended slots get their old bytes back if anything raises
+        after the first write."""
         shared = self._shared
         if (shared is None) != (prefix_k is None and prefix_v is None):
             raise ValueError("prefix_k and prefix_v are given, but the plan was made without them" if shared is None
@@ -174,13 +189,22 @@ class KVCachePlan:
         check("v_cache", v_cache, structure["v_cache"])
         check("k", k, structure["k"])
         check("v", v, structure["v"])
+        check("k_scale", k_scale, structure["k_scale"])
+        check("v_scale", v_scale, structure["v_scale"])
+        quantized = self._quantized
         if self._appends:
             _check_writable("k_cache", k_cache)
             _check_writable("v_cache", v_cache)
             _check_apart(k_cache, v_cache)
+            if quantized:
+                _check_writable("k_scale", k_scale)
+                _check_writable("v_scale", v_scale)
+                _quantized.check_apart_all(
+                    {"k_cache": k_cache, "v_cache": v_cache, "k_scale": k_scale, "v_scale": v_scale})
+        scales = _quantized.Scales(k_scale, v_scale) if quantized else None
         if self._finite:
-            _check_finite_reads(q, k, v, k_cache, v_cache, self._bias, self._seqlens, self._starts, self._pages,
-                                self._rows, self._page_size)
+            _check_finite_reads(q, k, v, *_read_caches(k_cache, v_cache, scales), self._bias, self._seqlens,
+                                self._starts, self._pages, self._rows, self._page_size)
         if self._rotary is not None:  # new arrays: the caller's q and k stay as they were
             cos, sin, interleaved = self._rotary
             query_positions, key_positions = self._positions
@@ -189,27 +213,39 @@ class KVCachePlan:
                 k = apply_rotary(k, key_positions, cos, sin, interleaved)
         keys, values = ((k_cache[:, :self._keys_used], v_cache[:, :self._keys_used]) if self._prefix
                         else (k_cache, v_cache))
-        if self._attend is None:
-            self._attend = api.Plan(self._planned_problem, self._checked[1])
+        caches, new = (k_cache, v_cache), (None if k is None else (k, v))
+        if quantized:
+            caches += (k_scale, v_scale)
+            new = None if k is None else _quantized_rows(k, v)
+            if self._prefix:
+                scales = _quantized.Scales(k_scale[:, :self._keys_used], v_scale[:, :self._keys_used])
+            # a problem of this run's arrays: the codes, their scales and q (a quantized step
+            # is long enough that the api's plan of float keys would save nothing worth its paths)
+            problem = _quantized.with_codes(
+                dataclasses.replace(self._planned_problem, q=q.transpose(0, 2, 1, 3)), keys, values, scales)
+            attention = lambda: api.run_problem(problem, self._checked[1])  # noqa: E731
+        else:
+            if self._attend is None:
+                self._attend = api.Plan(self._planned_problem, self._checked[1])
+            attention = lambda: self._attend.run_trusted(q, keys, values)  # noqa: E731
         if shared is None:
-            return self._appended(k_cache, v_cache, k, v, lambda: self._attend.run_trusted(q, keys, values))
-        return self._appended(k_cache, v_cache, k, v, lambda: shared.attend(
-            q, prefix_k, prefix_v, self._attend.run_trusted(q, keys, values)))
+            return self._appended(caches, new, attention)
+        return self._appended(caches, new, lambda: shared.attend(q, prefix_k, prefix_v, attention()))
 
     def run_checked(self) -> Outputs:
         """The run of the call that made the plan (:func:`attention_with_kvcache`), on the
         arrays its checks already hold (q and the new keys rotated, the caches as checked)."""
-        problem, implementation, k_cache, v_cache, k, v = self._checked
+        problem, implementation, caches, new = self._checked
         if self._shared is None:
-            return self._appended(k_cache, v_cache, k, v, lambda: api.run_problem(problem, implementation))
+            return self._appended(caches, new, lambda: api.run_problem(problem, implementation))
         q, prefix_k, prefix_v = self._prefix_arrays
-        return self._appended(k_cache, v_cache, k, v, lambda: self._shared.attend(
+        return self._appended(caches, new, lambda: self._shared.attend(
             q, prefix_k, prefix_v, api.run_problem(problem, implementation)))
 
-    def _appended(self, k_cache, v_cache, k, v, attend):
-        """``attend()`` after appending k and v at the plan's slots; the slots get their old
-        bytes back if anything raises after the first write."""
-        undo = _append(k_cache, v_cache, k, v, self._slots) if self._appends else None
+    def _appended(self, caches, new, attend):
+        """``attend()`` after appending ``new`` to ``caches`` (:func:`_append`) at the plan's
+        slots; the slots get their old bytes back if anything raises after the first write."""
+        undo = _append(caches, new, self._slots) if self._appends else None
         try:
             return attend()
         except BaseException:
@@ -219,7 +255,7 @@ class KVCachePlan:
 
 
 def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-             rotary_interleaved, cache_leftpad, prefix, options) -> "KVCachePlan":
+             rotary_interleaved, cache_leftpad, prefix, scales, options) -> "KVCachePlan":
     """Every check of the call, in the order a reader would check it, before anything is
     written: the call's plan, holding its arrays as checked for :meth:`KVCachePlan.run_checked`."""
     _check_options(options)
@@ -232,7 +268,11 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     (q,) = checks.as_arrays(q=q)
     xp = _arrays.array_module(q)
     batch, q_len, _, head_dim = _four_d("q", q, "(B, Sq, H, D)")
-    k_cache, v_cache = _checked_caches(q, k_cache, v_cache, paged=block_table is not None, written=appending)
+    quantized = scales[0] is not None or scales[1] is not None
+    k_cache, v_cache = _checked_caches(q, k_cache, v_cache, paged=block_table is not None, written=appending,
+                                       quantized=quantized)
+    scales = _quantized.checked_scales(q, k_cache, v_cache, *scales, appending,
+                                       lambda name, array: _cache(name, array, q, True))
     cache_rows, cache_len = k_cache.shape[:2]
     block_table, cache_batch_idx, capacity = _checked_layout(q, k_cache, block_table, cache_batch_idx)
     k, v = _checked_new_keys(q, k_cache, v_cache, k, v) if appending else (None, None)
@@ -266,18 +306,25 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
             _check_paged_writes(host_pages, held, seqlens, lengths, cache_len)
     elif cache_batch_idx is not None and new_len:
         _check_distinct_rows(_arrays.to_numpy(cache_batch_idx))
-    q_user, k_user = q, k
+    q_user, k_user, v_user = q, k, v
     if rotary is not None:  # new arrays: the caller's q and k stay as they were
         q = apply_rotary(q, first_query + span, *rotary, rotary_interleaved)
         if k is not None:
             k = apply_rotary(k, new_positions + span, *rotary, rotary_interleaved)
+    caches, new = (k_cache, v_cache), (None if k is None else (k, v))
+    if scales is not None:  # the codes and scales written together, at the same slots
+        caches += tuple(scales)
+        new = None if k is None else _quantized_rows(k, v)
     keys, values = k_cache, v_cache
+    used_scales = scales
     if pages is not None:  # every page a sequence writes or reads, checked as attention's option
         options["block_table"] = pages
     elif cache_batch_idx is not None:  # each sequence's cache row as its one page
         options["block_table"] = cache_batch_idx[:, None]
     else:  # the cached prefix of every row, a view
         keys, values = k_cache[:, :keys_used], v_cache[:, :keys_used]
+        if scales is not None:
+            used_scales = _quantized.Scales(scales.k_scale[:, :keys_used], scales.v_scale[:, :keys_used])
     if pages is None and cache_batch_idx is None and starts is None and bool((lengths == keys_used).all()):
         # every sequence has all keys_used keys: the default bottom-right alignment and no
         # lengths say the same as the arrays, and keep the step's attention off the per-entry
@@ -287,31 +334,46 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
         placement = dict(q_offset=xp.asarray(first_query), kv_lengths=xp.asarray(lengths))
         if starts is not None:
             placement["kv_start"] = xp.asarray(starts)
-    problem, implementation = api.checked_problem(q, keys, values, dict(options, layout="bshd", **placement))
+    arguments = dict(options, layout="bshd", **placement)
+    if scales is None:
+        problem, implementation = api.checked_problem(q, keys, values, arguments)
+    else:  # the checks of shapes and options on float stand-ins; then the codes in their place
+        problem, implementation = api.checked_problem(q, *_quantized.stand_ins(xp, keys, values, q.dtype), arguments)
+        _quantized.check_backend(implementation)
+        problem = _quantized.with_codes(problem, keys, values, used_scales)
     _limits.check_memory(problem, implementation.NAME)
     structure = {name: checks.structure_of(array) for name, array in
-                 (("q", q_user), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k_user), ("v", v))}
+                 (("q", q_user), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k_user), ("v", v_user),
+                  ("k_scale", None if scales is None else scales.k_scale),
+                  ("v_scale", None if scales is None else scales.v_scale))}
     metadata = (seqlens, starts, pages, cache_batch_idx, (first_query + span, new_positions + span), keys_used,
                 pages is None and cache_batch_idx is None, cache_len)
     if finite:
-        _check_finite_reads(q_user, k_user, v, k_cache, v_cache, options.get("bias"), seqlens, starts, pages,
-                            cache_batch_idx, cache_len)
+        _check_finite_reads(q_user, k_user, v_user, *_read_caches(k_cache, v_cache, scales), options.get("bias"),
+                            seqlens, starts, pages, cache_batch_idx, cache_len)
     prefix_arrays = () if shared is None else (q, *checks.as_arrays(prefix_k=prefix[0], prefix_v=prefix[1],
                                                                      reference=q))
-    return KVCachePlan((problem, implementation, k_cache, v_cache, k, v), structure, metadata,
+    return KVCachePlan((problem, implementation, caches, new), structure, metadata,
                        None if rotary is None else (*rotary, rotary_interleaved), finite, options.get("bias"), shared,
                        prefix_arrays)
 
 
-def _checked_caches(q, k_cache, v_cache, paged, written):
-    """The caches as arrays of q's kind and dtype, shaped alike (see :func:`_cache` for
-    those the call writes, which must also not share memory)."""
+def _checked_caches(q, k_cache, v_cache, paged, written, quantized=False):
+    """The caches as arrays of q's kind and dtype (``quantized``: of codes, which
+    :func:`npattn.serving.quantized.checked_scales` checks), shaped alike (see
+    :func:`_cache` for those the call writes, which must also not share memory)."""
     shape = "(pages, page_size, Hkv, D)" if paged else "(Bc, S, Hkv, D)"
     k_cache = _cache("k_cache", k_cache, q, written)
     v_cache = _cache("v_cache", v_cache, q, written)
-    _four_d("k_cache", k_cache, shape)
-    _four_d("v_cache", v_cache, shape.replace("D)", "Dv)"))
+    _four_d("k_cache", k_cache, shape, float_values=False)  # (the dtypes next: codes or q's)
+    _four_d("v_cache", v_cache, shape.replace("D)", "Dv)"), float_values=False)
     for name, array in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if quantized:
+            continue
+        if array.dtype.kind in "iu":
+            raise TypeError(f"{name} holds {array.dtype} codes: pass k_scale and v_scale, the scale of every key "
+                            "slot and kv head (npattn.quantize_kv makes both)")
+        checks.check_float_dtype(name, array)
         if array.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; they must share one dtype")
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != q.shape[3]:
@@ -429,8 +491,9 @@ def _check_apart(k_cache, v_cache):
                      "(pass separate arrays, or views of disjoint parts of one)")
 
 
-def _four_d(name, array, described):
-    checks.check_float_dtype(name, array)
+def _four_d(name, array, described, float_values=True):
+    if float_values:
+        checks.check_float_dtype(name, array)
     if array.ndim != 4:
         raise ValueError(f"{name} must be 4-D {described}, got {array.ndim}-D shape {tuple(array.shape)}")
     return tuple(array.shape)
@@ -561,7 +624,7 @@ def _check_distinct_rows(rows):
                          "new keys: they would write the same slots (rows must be distinct when k and v are given)")
 
 
-def _check_finite_reads(q, k, v, k_cache, v_cache, bias, seqlens, starts, pages, rows, page_size):
+def _check_finite_reads(q, k, v, k_cache, v_cache, names, bias, seqlens, starts, pages, rows, page_size):
     """``check_finite``: q, the new k and v, the bias, and the cached keys and values each
     sequence reads (slots ``[starts[b], seqlens[b])``, in its row or pages; ``starts`` None:
     from 0); slots no sequence reads may hold anything."""
@@ -572,7 +635,7 @@ def _check_finite_reads(q, k, v, k_cache, v_cache, bias, seqlens, starts, pages,
         first = 0 if starts is None else int(starts[b])
         if count <= first:
             continue
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        for name, cache in zip(names, (k_cache, v_cache)):
             if pages is None:
                 row = b if rows is None else int(_arrays.to_numpy(rows[b]))
                 _check_slots_finite(name, cache, row, first, count, b)
@@ -613,24 +676,40 @@ def _slots(xp, batch, new_len, seqlens, pages, rows, page_size):
     return xp.broadcast_to(targets[:, None], positions.shape), positions
 
 
-def _append(k_cache, v_cache, k, v, slots):
-    """Write k, v (B, Sn, Hkv, .) at their ``slots`` (of :func:`_slots`); returns the
-    function that puts the old bytes back."""
-    old_keys, old_values = k_cache[slots], v_cache[slots]
+def _append(caches, new, slots):
+    """Write each of ``new`` (k, v (B, Sn, Hkv, .), then a quantized cache's scales
+    (B, Sn, Hkv)) into its cache of ``caches`` at their ``slots`` (of :func:`_slots`);
+    returns the function that puts the old bytes back."""
+    old = [cache[slots] for cache in caches]
     if type(slots[0]) is slice:  # views: keep copies
-        old_keys, old_values = old_keys.copy(), old_values.copy()
+        old = [part.copy() for part in old]
 
     def undo():
-        k_cache[slots] = old_keys
-        v_cache[slots] = old_values
+        for cache, part in zip(caches, old):
+            cache[slots] = part
 
     try:
-        k_cache[slots] = k
-        v_cache[slots] = v
+        for cache, part in zip(caches, new):
+            cache[slots] = part
     except BaseException:
         undo()
         raise
     return undo
+
+
+def _quantized_rows(k, v):
+    """What a quantized cache's call appends for new float k and v: (k codes, v codes,
+    k scales, v scales), in the order of its caches."""
+    (k_codes, k_scales), (v_codes, v_scales) = quantize_rows(k), quantize_rows(v)
+    return k_codes, v_codes, k_scales, v_scales
+
+
+def _read_caches(k_cache, v_cache, scales):
+    """``(k_cache, v_cache, names)`` as ``check_finite`` reads them: a quantized cache's
+    scales (its int8 codes are always finite)."""
+    if scales is None:
+        return k_cache, v_cache, ("k_cache", "v_cache")
+    return scales.k_scale, scales.v_scale, ("k_scale", "v_scale")
 
 
 def apply_rotary(x: Any, starts: np.ndarray, cos: Any, sin: Any, interleaved: bool = False) -> Any:

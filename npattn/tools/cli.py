@@ -185,6 +185,9 @@ def main(argv=None) -> int:
     bench_parser.add_argument("--plans", action="store_true",
                               help="small calls through attention and through npattn.plan, and a decode step's "
                                    "layer through attention_with_kvcache and through plan_with_kvcache, instead")
+    bench_parser.add_argument("--caches", action="store_true",
+                              help="decode steps against float32, float16 and int8 (quantized) caches instead, "
+                                   "at (1, 32/8, 16384, 128) and (16, 32/8, 2048, 128)")
     bench_parser.add_argument("--gpu", action="store_true",
                               help="the CUDA kernels against torch SDPA's fastest backend on the GPU instead")
     bench_parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
@@ -221,7 +224,11 @@ def main(argv=None) -> int:
             return _rerun_with(bench_isa_variables(args.isa), argv)
         from . import bench
 
-        if args.plans:
+        if args.caches:
+            from . import bench_caches
+
+            bench_caches.compare(repeats=args.repeats)
+        elif args.plans:
             from . import bench_plans
 
             bench_plans.compare(repeats=args.repeats)

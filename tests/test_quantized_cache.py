@@ -1,0 +1,318 @@
+"""Quantized (int8) kv caches: quantize_kv's rounding, the kv-cache call on codes and scales
+against the float64 reference of the dequantized cache, the appends, the quantization's
+own error against the float cache (a bound derived from the scales), and the safety
+rules (every check before the first write; a failing call changes no byte)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import npattn
+from npattn.core.quantization import CODE_LIMIT
+from npattn.serving.kvcache import apply_rotary
+from conftest import NUMPY_BACKENDS
+from test_serving import assert_lse, assert_out, call_case, draw_positional_options
+
+HEAD_DIM = 16  # quantized caches take head dims in multiples of 16
+
+
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), spread=st.floats(1e-3, 1e3),
+       zero_rows=st.booleans(), dtype=st.sampled_from(["float32", "float64", "float16"]), seed=st.integers(0, 2**32 - 1))
+def test_quantize_kv_rounds_each_value_to_half_a_scale(shape, spread, zero_rows, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(*shape, HEAD_DIM)) * spread).astype(dtype)
+    if zero_rows:
+        x[..., 0, :] = 0
+    before = x.copy()
+    codes, scales = npattn.quantize_kv(x)
+    np.testing.assert_array_equal(x, before)  # the input is not modified
+    assert codes.dtype == np.int8 and scales.dtype == np.float32
+    assert codes.shape == x.shape and scales.shape == x.shape[:-1]
+    assert np.abs(codes.astype(int)).max() <= CODE_LIMIT
+    values = x.astype(np.float64)
+    largest = np.abs(values).max(axis=-1)
+    # the scale is the row's largest magnitude over 127, rounded to float32
+    np.testing.assert_allclose(scales, largest / CODE_LIMIT, rtol=np.finfo(np.float32).eps, atol=0)
+    restored = npattn.dequantize_kv(codes, scales, np.float64)
+    # half a scale of rounding, plus float32's rounding of x / scale (a relative eps of the code)
+    allowed = scales.astype(np.float64)[..., None] * (0.5 + 2 * CODE_LIMIT * np.finfo(np.float32).eps)
+    assert (np.abs(restored - values) <= allowed).all()
+    assert (codes[scales == 0] == 0).all()
+    negated, negated_scales = npattn.quantize_kv(-x)  # symmetric: no zero point
+    np.testing.assert_array_equal(negated, -codes)
+    np.testing.assert_array_equal(negated_scales, scales)
+
+
+def test_quantize_kv_rejects_bad_input_by_name():
+    with pytest.raises(TypeError, match="x must be a float array"):
+        npattn.quantize_kv(np.ones((2, 16), np.int32))
+    with pytest.raises(ValueError, match="x must be finite"):
+        npattn.quantize_kv(np.array([[1.0, np.nan] * 8]))
+    with pytest.raises(ValueError, match="dtype must be 'int8'"):
+        npattn.quantize_kv(np.ones((2, 16)), dtype="int4")
+    with pytest.raises(ValueError, match="scales must have codes's shape without its last axis"):
+        npattn.dequantize_kv(np.ones((2, 16), np.int8), np.ones(3, np.float32))
+
+
+@st.composite
+def quantized_cases(draw):
+    batch = draw(st.integers(1, 3))
+    new = draw(st.integers(0, 2))
+    queries = draw(st.integers(1, 3))
+    cached = draw(st.lists(st.integers(0, 9), min_size=batch, max_size=batch))
+    page_size = draw(st.sampled_from([None, 2, 4]))
+    options = draw_positional_options(draw, max_window=3)
+    options.update({name: value for name, value in (("softcap", 2.0), ("sinks", 1)) if draw(st.booleans())})
+    rotary = draw(st.sampled_from([None, False, True]))
+    slots = draw(st.booleans())
+    dtype = draw(st.sampled_from(["float32", "float64"]))
+    kv_heads, group = draw(st.sampled_from([(1, 1), (2, 2), (1, 4)]))
+    return batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group
+
+
+def _quantized_cache(rng, batch, capacity, kv_heads, page_size, slots):
+    """Random codes and scales laid out as a contiguous cache (rows picked by
+    cache_batch_idx when ``slots``) or a paged pool, with ``read`` giving each sequence's
+    logical (B, capacity, ...) view of any of them and the call's layout arguments."""
+    call = {}
+    if page_size is None:
+        rows = rng.permutation(batch + 2)[:batch] if slots else np.arange(batch)
+        cache_rows = batch + 2 if slots else batch
+        shape = (cache_rows, capacity)
+        if slots:
+            call["cache_batch_idx"] = rows
+
+        def read(cache):
+            return cache[rows]
+    else:
+        per_sequence = capacity // page_size
+        table = rng.permutation(batch * per_sequence + 3)[:batch * per_sequence].reshape(batch, per_sequence)
+        shape = (batch * per_sequence + 3, page_size)
+        call["block_table"] = table
+
+        def read(cache):
+            return cache[table].reshape(batch, capacity, *cache.shape[2:])
+    codes = [rng.integers(-CODE_LIMIT, CODE_LIMIT + 1, size=(*shape, kv_heads, HEAD_DIM)).astype(np.int8)
+             for _ in range(2)]
+    scales = [rng.uniform(0.001, 0.05, size=(*shape, kv_heads)).astype(np.float32) for _ in range(2)]
+    return codes, scales, read, call
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+@given(case=quantized_cases(), seed=st.integers(0, 2**32 - 1))
+def test_a_quantized_cache_is_its_dequantized_cache(backend, case, seed):
+    """Out and lse equal the float64 reference on the dequantized keys of each sequence,
+    and the appended slots hold quantize_kv of the new (rotated) keys."""
+    batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group = case
+    rng = np.random.default_rng(seed)
+    heads, capacity = kv_heads * group, 12
+    cached = np.array(cached)
+    (k_cache, v_cache), (k_scale, v_scale), read, call = _quantized_cache(rng, batch, capacity, kv_heads, page_size,
+                                                                          slots)
+    q = rng.normal(size=(batch, queries, heads, HEAD_DIM)).astype(dtype)
+    k_new = rng.normal(size=(batch, new, kv_heads, HEAD_DIM)).astype(dtype) if new else None
+    v_new = rng.normal(size=(batch, new, kv_heads, HEAD_DIM)).astype(dtype) if new else None
+    if options.pop("alibi_slopes", None):
+        options["alibi_slopes"] = rng.uniform(0.1, 1.0, heads)
+    if rotary is not None:
+        angles = np.arange(capacity)[:, None] * rng.uniform(0.01, 1.0, 4)[None, :]
+        call.update(rotary_cos=np.cos(angles), rotary_sin=np.sin(angles), rotary_interleaved=rotary)
+    first_query = cached + new - queries
+    if rotary is not None and (first_query < 0).any():
+        return  # (refused before any write: tests/test_serving.py)
+    logical = [read(array).copy() for array in (k_cache, v_cache, k_scale, v_scale)]
+
+    out, lse = npattn.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
+                                             k_scale=k_scale, v_scale=v_scale, return_lse=True, backend=backend,
+                                             **call, **options)
+
+    q_rotated, k_rotated = q, k_new
+    if rotary is not None:
+        q_rotated = apply_rotary(q, first_query, call["rotary_cos"], call["rotary_sin"], rotary)
+        k_rotated = None if k_new is None else apply_rotary(k_new, cached, call["rotary_cos"], call["rotary_sin"],
+                                                             rotary)
+    if new:
+        appended = (*npattn.quantize_kv(k_rotated), *npattn.quantize_kv(v_new))  # k codes, k scales, v ...
+        for b in range(batch):
+            where = slice(cached[b], cached[b] + new)
+            logical[0][b, where], logical[2][b, where] = appended[0][b], appended[1][b]
+            logical[1][b, where], logical[3][b, where] = appended[2][b], appended[3][b]
+    for array, expected in zip((k_cache, v_cache, k_scale, v_scale), logical):
+        np.testing.assert_array_equal(read(array), expected)
+    keys = npattn.dequantize_kv(logical[0], logical[2], np.float64)
+    values = npattn.dequantize_kv(logical[1], logical[3], np.float64)
+    for b in range(batch):
+        length = cached[b] + new
+        expected, expected_lse = npattn.attention(
+            q_rotated[b:b + 1].astype(np.float64), keys[b:b + 1, :length], values[b:b + 1, :length], layout="bshd",
+            return_lse=True, backend="reference", **options)
+        case = call_case(q_rotated[b:b + 1], keys[b:b + 1, :length], values[b:b + 1, :length], options)
+        assert_out(out[b:b + 1], expected, case)
+        assert_lse(lse[b:b + 1], expected_lse, case)
+
+
+def quantization_error_bound(q, k_scale, v, v_scale, scale):
+    """Per (B, Sq, H) row: how far attention over a quantized cache may lie from the
+    float cache's. Each score moves by at most ``eps = scale * sum |q| * max k_scale / 2``
+    (every key value by half its scale), so each probability by a factor within
+    ``exp(+-2 eps)`` and the probabilities by ``exp(2 eps) - 1`` in total; each value by
+    half its scale. |out' - out| <= (exp(2 eps) - 1) max |v'| + max v_scale / 2."""
+    group = q.shape[2] // k_scale.shape[2]
+    k_half = np.repeat(k_scale.max(axis=1), group, axis=-1)[:, None, :] / 2  # (B, 1, H)
+    eps = scale * np.abs(q).sum(axis=-1) * k_half
+    v_largest = np.repeat(np.abs(v).max(axis=(1, 3)), group, axis=-1)[:, None, :]
+    v_half = np.repeat(v_scale.max(axis=1), group, axis=-1)[:, None, :] / 2
+    return np.expm1(2 * eps) * (v_largest + v_half) + v_half
+
+
+@pytest.mark.parametrize("keys", [64, 1024])
+def test_the_quantization_error_stays_within_its_derived_bound(keys):
+    """Against the float32 cache it came from (measured numbers: docs/tutorials/serving.rst)."""
+    rng = np.random.default_rng(keys)
+    batch, heads, kv_heads, dim = 2, 8, 2, 64
+    q = rng.normal(size=(batch, 1, heads, dim)).astype(np.float32)
+    k = rng.normal(size=(batch, keys, kv_heads, dim)).astype(np.float32)
+    v = rng.normal(size=(batch, keys, kv_heads, dim)).astype(np.float32)
+    (k_codes, k_scale), (v_codes, v_scale) = npattn.quantize_kv(k), npattn.quantize_kv(v)
+    exact = npattn.attention_with_kvcache(q, k, v, cache_seqlens=keys, backend="reference")
+    quantized = npattn.attention_with_kvcache(q, k_codes, v_codes, cache_seqlens=keys, k_scale=k_scale,
+                                              v_scale=v_scale, backend="cpu")
+    error = np.abs(quantized.astype(np.float64) - exact).max(axis=-1)
+    bound = quantization_error_bound(q.astype(np.float64), k_scale, v, v_scale, 1 / np.sqrt(dim))
+    assert (error <= bound).all(), f"worst error {error.max():.3g} past its bound {bound[error > bound].min():.3g}"
+
+
+def test_a_quantized_call_that_raises_changes_no_byte(monkeypatch):
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(2, 1, 2, HEAD_DIM)).astype(np.float32)
+    k = rng.normal(size=(2, 1, 1, HEAD_DIM)).astype(np.float32)
+    codes, scales = npattn.quantize_kv(rng.normal(size=(2, 6, 1, HEAD_DIM)).astype(np.float32))
+    caches = [codes, codes.copy(), scales, scales.copy()]
+    before = [array.copy() for array in caches]
+
+    def call(**options):
+        return npattn.attention_with_kvcache(q, caches[0], caches[1], k, k, cache_seqlens=np.array([1, 2]),
+                                             k_scale=caches[2], v_scale=caches[3], backend="cpu", **options)
+
+    def unchanged():
+        for array, old in zip(caches, before):
+            np.testing.assert_array_equal(array, old)
+
+    with pytest.raises(ValueError, match="window must be non-negative"):
+        call(window=-1)
+    unchanged()
+    with pytest.raises(ValueError, match="k_scale must be finite"):
+        caches[2][0, 0, 0] = np.nan
+        before[2][0, 0, 0] = np.nan
+        call(check_finite=True)
+    unchanged()
+    caches[2][0, 0, 0] = before[2][0, 0, 0] = 1.0
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("the attention failed after the append")
+    monkeypatch.setattr(npattn.api, "run_problem", out_of_memory)
+    with pytest.raises(MemoryError):
+        call()
+    unchanged()  # the appended codes and scales got their old bytes back
+
+
+def test_quantized_caches_reject_bad_input_by_name():
+    rng = np.random.default_rng(6)
+    q = rng.normal(size=(1, 1, 2, HEAD_DIM)).astype(np.float32)
+    codes, scales = npattn.quantize_kv(rng.normal(size=(1, 4, 1, HEAD_DIM)).astype(np.float32))
+
+    def call(k_cache=codes, v_cache=codes, **arguments):
+        arguments = {"k_scale": scales, "v_scale": scales, **arguments}
+        return npattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=2, **arguments)
+
+    with pytest.raises(TypeError, match="k_cache holds int8 codes: pass k_scale and v_scale"):
+        call(k_scale=None, v_scale=None)
+    with pytest.raises(ValueError, match="k_scale and v_scale must be given together"):
+        call(v_scale=None)
+    with pytest.raises(TypeError, match="k_scale must be float32"):
+        call(k_scale=scales.astype(np.float64))
+    with pytest.raises(ValueError, match=r"v_scale must have v_cache's shape without its last axis, \(1, 4, 1\)"):
+        call(v_scale=scales[:, :3])
+    with pytest.raises(TypeError, match="k_cache must be int8 codes"):
+        call(k_cache=codes.astype(np.int16))
+    narrow_codes, narrow_scales = npattn.quantize_kv(rng.normal(size=(1, 4, 1, 8)).astype(np.float32))
+    with pytest.raises(ValueError, match="k_cache's head dim must be a multiple of 16"):
+        npattn.attention_with_kvcache(q[..., :8], narrow_codes, narrow_codes, cache_seqlens=2, k_scale=narrow_scales,
+                                      v_scale=narrow_scales)
+    k = rng.normal(size=(1, 1, 1, HEAD_DIM)).astype(np.float32)
+    frozen = scales.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="k_scale is read-only"):
+        call(k_cache=codes.copy(), v_cache=codes.copy(), k_scale=frozen, v_scale=scales.copy(), k=k, v=k)
+    shared = scales.copy()
+    with pytest.raises(ValueError, match="k_scale and v_scale share memory"):
+        call(k_cache=codes.copy(), v_cache=codes.copy(), k_scale=shared, v_scale=shared, k=k, v=k)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_planned_quantized_step_is_the_call_layer_by_layer(paged):
+    rng = np.random.default_rng(7)
+    batch, heads, kv_heads, layers, capacity = 2, 4, 2, 3, 16
+    q = [rng.normal(size=(batch, 1, heads, HEAD_DIM)).astype(np.float32) for _ in range(layers)]
+    k = [rng.normal(size=(batch, 1, kv_heads, HEAD_DIM)).astype(np.float32) for _ in range(layers)]
+    shape = (batch * capacity // 4, 4) if paged else (batch, capacity)
+    layout = {"block_table": np.arange(batch * capacity // 4).reshape(batch, -1)} if paged else {}
+
+    def caches():
+        made = []
+        for layer in range(layers):
+            layer_rng = np.random.default_rng(layer)
+            codes, scales = npattn.quantize_kv(layer_rng.normal(size=(*shape, kv_heads, HEAD_DIM)).astype(np.float32))
+            made.append([codes, codes.copy(), scales, scales.copy()])
+        return made
+
+    planned, called = caches(), caches()
+    seqlens = np.array([3, 9])
+    step = npattn.plan_with_kvcache(q[0], *planned[0][:2], k[0], k[0], cache_seqlens=seqlens, k_scale=planned[0][2],
+                                    v_scale=planned[0][3], causal=True, **layout)
+    for layer in range(layers):
+        kc, vc, ks, vs = planned[layer]
+        out = step.run(q[layer], kc, vc, k[layer], k[layer], k_scale=ks, v_scale=vs)
+        kc2, vc2, ks2, vs2 = called[layer]
+        expected = npattn.attention_with_kvcache(q[layer], kc2, vc2, k[layer], k[layer], cache_seqlens=seqlens,
+                                                 k_scale=ks2, v_scale=vs2, causal=True, **layout)
+        np.testing.assert_array_equal(out, expected)
+        for mine, theirs in zip(planned[layer], called[layer]):
+            np.testing.assert_array_equal(mine, theirs)
+    with pytest.raises(ValueError, match="k_scale is None, but the plan was made with it"):
+        step.run(q[0], *planned[0][:2], k[0], k[0])
+
+
+def test_an_int8_paged_pool_quantizes_its_appends_and_attends_over_them():
+    from npattn.nn import PagedKVCache
+
+    rng = np.random.default_rng(8)
+    pool = PagedKVCache(num_pages=8, page_size=4, num_kv_heads=1, head_dim=HEAD_DIM, dtype="int8")
+    assert pool.keys.dtype == np.int8 and pool.key_scales.shape == (8, 4, 1)
+    names = ("a", "b")
+    for name in names:
+        pool.add(name)
+    appended = {name: [] for name in names}  # each sequence's (k codes, k scales, v codes, v scales) per step
+    for _ in range(6):
+        q = rng.normal(size=(2, 1, 2, HEAD_DIM)).astype(np.float32)
+        k, v = (rng.normal(size=(2, 1, 1, HEAD_DIM)).astype(np.float32) for _ in range(2))
+        out = pool.attend(list(names), q, k, v, causal=True)
+        for b, name in enumerate(names):
+            appended[name].append((*npattn.quantize_kv(k[b]), *npattn.quantize_kv(v[b])))
+            k_codes, k_scales, v_codes, v_scales = (np.stack([step[i] for step in appended[name]]) for i in range(4))
+            table = pool.block_table([name])[0]
+            held = len(appended[name])
+            for stored, expected in ((pool.keys, k_codes), (pool.key_scales, k_scales), (pool.values, v_codes),
+                                     (pool.value_scales, v_scales)):
+                np.testing.assert_array_equal(stored[table].reshape(-1, *stored.shape[2:])[:held], expected[:, 0])
+            keys = npattn.dequantize_kv(k_codes[:, 0], k_scales[:, 0], np.float64)[None]
+            values = npattn.dequantize_kv(v_codes[:, 0], v_scales[:, 0], np.float64)[None]
+            expected_out = npattn.attention(q[b:b + 1].astype(np.float64), keys, values, layout="bshd", causal=True,
+                                            backend="reference")
+            assert_out(out[b:b + 1], expected_out, call_case(q[b:b + 1], keys, values))
+    with pytest.raises(ValueError, match="PagedKVCache: head_dim must be a multiple of 16 for an int8 pool"):
+        PagedKVCache(num_pages=2, page_size=4, num_kv_heads=1, head_dim=8, dtype="int8")
+    with pytest.raises(ValueError, match="attend_varlen reads float pools"):
+        pool.attend_varlen(["a"], np.zeros((1, 2, HEAD_DIM), np.float32), np.zeros((1, 1, HEAD_DIM), np.float32),
+                           np.zeros((1, 1, HEAD_DIM), np.float32), np.array([0, 1]))
