@@ -316,3 +316,33 @@ def test_an_int8_paged_pool_quantizes_its_appends_and_attends_over_them():
     with pytest.raises(ValueError, match="attend_varlen reads float pools"):
         pool.attend_varlen(["a"], np.zeros((1, 2, HEAD_DIM), np.float32), np.zeros((1, 1, HEAD_DIM), np.float32),
                            np.zeros((1, 1, HEAD_DIM), np.float32), np.array([0, 1]))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_16_bit_caches_read_a_tile_at_a_time_give_the_bits_of_a_converted_copy(dtype, paged, monkeypatch):
+    """float16 and bfloat16 keys and values a decode step converts tile by tile in the
+    kernels (KvCodes.FLOAT16 / BFLOAT16) give exactly what the converted float32 copy gave."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    from npattn.core.kernel_params import KvCodes
+    from npattn.cpu import driver, operands
+
+    rng = np.random.default_rng(9)
+    q = rng.normal(size=(2, 2, 8, 32)).astype(dtype)
+    if paged:
+        k, v = (rng.normal(size=(12, 8, 2, 32)).astype(dtype) for _ in range(2))
+        layout = dict(block_table=rng.permutation(12)[:10].reshape(2, 5), cache_seqlens=np.array([37, 21]))
+    else:
+        k, v = (rng.normal(size=(2, 40, 2, 32)).astype(dtype) for _ in range(2))
+        layout = dict(cache_seqlens=np.array([40, 23]))
+    problem_codes = []
+    planned = operands.kv_codes
+    monkeypatch.setattr(operands, "kv_codes", lambda *a: problem_codes.append(planned(*a)) or problem_codes[-1])
+    tiled = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, alibi_slopes=np.ones(8), **layout)
+    assert problem_codes == [KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16]
+    monkeypatch.setattr(operands, "kv_codes", lambda *a: KvCodes.NONE)
+    monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())  # plans made afresh, by the copy
+    monkeypatch.setattr(driver, "_FORWARD_PLANS", type(driver._FORWARD_PLANS)())
+    copied = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, alibi_slopes=np.ones(8), **layout)
+    for mine, theirs in zip(tiled, copied):
+        np.testing.assert_array_equal(mine, theirs)

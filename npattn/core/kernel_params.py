@@ -51,11 +51,16 @@ Int = _positions("Int", (
     "ROW_GROUP",      # CPU: query rows per position (GQA heads folded into rows, cpu.folding)
     "PACKED_ROWS",    # CPU: every entry's rows in one memory batch (attention_varlen): out, lse and
                       # the gradients hold one batch, which each entry's disjoint live rows fill
-    # CPU: k and v are int8 codes (the k_codes / v_codes operands, strides K_STRIDE_* /
-    # V_STRIDE_*) with a scale per key (k_scale / v_scale, element strides below, bhs)
-    "QUANTIZED", "K_SCALE_STRIDE_B", "K_SCALE_STRIDE_H", "K_SCALE_STRIDE_S",
+    # CPU: how the forward reads k and v (a KvCodes): as they are, or a tile at a time from
+    # the k_codes / v_codes operands (bytes; strides K_STRIDE_* / V_STRIDE_* count their
+    # elements), int8 times a scale per key (k_scale / v_scale, element strides below, bhs)
+    # or float16 / bfloat16 bits converted to float32
+    "KV_CODES", "K_SCALE_STRIDE_B", "K_SCALE_STRIDE_H", "K_SCALE_STRIDE_S",
     "V_SCALE_STRIDE_B", "V_SCALE_STRIDE_H", "V_SCALE_STRIDE_S",
 ))
+
+# The values of Int.KV_CODES
+KvCodes = _positions("KvCodes", ("NONE", "INT8", "FLOAT16", "BFLOAT16"))
 
 # Columns of the kernels' ``spans`` operand, int64 (B, len(Span)) C-contiguous: per batch
 # entry, its live query rows [Q_START, Q_STOP), its live keys [KV_START, KV_STOP) and the
@@ -177,7 +182,7 @@ def problem_int_values(problem) -> list:
         values[Int.PAGES], values[Int.PAGE_SIZE] = problem.block_table.shape[1], problem.page_size
     values[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
     values[Int.PACKED_ROWS] = int(problem.packed_rows)
-    values[Int.QUANTIZED] = int(problem.quantized)
+    values[Int.KV_CODES] = KvCodes.INT8 if problem.quantized else KvCodes.NONE
     if problem.dropout_p:  # the seed means nothing without dropout: problems differing in it alone share ints
         values[Int.SEED_LO], values[Int.SEED_HI] = seed_words(problem.seed)
         values[Int.DROPOUT_OFFSET_B:Int.DROPOUT_OFFSET_J + 1] = problem.dropout_offset

@@ -59,9 +59,9 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     head, row, key range; zero on entry) and ``lse`` (flat (ranges, B, H, Sq), -inf on
     entry; B is 1 with PACKED_ROWS, as is out's batch stride 0). Rows outside the live
     ones (``spans``) stay as they are. ``s`` to ``dequantized``: this thread's
-    :func:`~npattn.cpu.scratch.forward_scratch_specs`. With QUANTIZED, k and v are
-    placeholders and each key tile is read from ``k_codes`` and ``v_codes`` times their
-    scales (:func:`~npattn.cpu.tiles.dequantize_tile`).
+    :func:`~npattn.cpu.scratch.forward_scratch_specs`. With KV_CODES, k and v are
+    placeholders and each key tile is read from ``k_codes`` and ``v_codes`` (int8 times
+    their scales, or 16-bit floats: :func:`~npattn.cpu.tiles.dequantize_tile`).
 
     One function from the item loop down to the tile's key loop, not a helper per
     tile: Numba optimizes and emits machine code for a function together with every
@@ -73,7 +73,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     out_row_stride = out_strides[2]
     v_row_stride = ints[Int.V_STRIDE_S]
     splits, split_keys = ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS]
-    quantized = ints[Int.QUANTIZED]
+    quantized = ints[Int.KV_CODES]
     tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
     while True:
         item = next_item(counter)
@@ -126,16 +126,16 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     for r0 in range(0, rows, band):
                         band_rows = smaller(band, rows - r0)
                         depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
-                        if quantized:  # the dequantized value rows
-                            product(s, r0 * ld, ld, 1, values, 0, dv, out, out_offset + r0 * out_row_stride,
-                                    out_row_stride, band_rows, depth, dv, 1.0, True)
-                            continue
                         c0 = 0
-                        while c0 < depth:
+                        while c0 < depth:  # (a tile from codes too: the same sums as its pages' rows)
                             run = page_run(ints, j0 + c0, depth - c0)
-                            product(s, r0 * ld + c0, ld, 1, v, v_row(ints, pages, b, kv_head, j0 + c0), v_row_stride,
-                                    out, out_offset + r0 * out_row_stride, out_row_stride, band_rows, run, dv,
-                                    1.0, True)
+                            if quantized:  # the converted value rows
+                                product(s, r0 * ld + c0, ld, 1, values, c0 * dv, dv, out,
+                                        out_offset + r0 * out_row_stride, out_row_stride, band_rows, run, dv, 1.0, True)
+                            else:
+                                product(s, r0 * ld + c0, ld, 1, v, v_row(ints, pages, b, kv_head, j0 + c0),
+                                        v_row_stride, out, out_offset + r0 * out_row_stride, out_row_stride,
+                                        band_rows, run, dv, 1.0, True)
                             c0 += run
                 else:  # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
                     c0 = 0
@@ -232,7 +232,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
             first, last = (sink_start, sink_end) if segment == 0 else (band_start, band_stop)
             for j0 in range(first, last, block_k):
                 cols = smaller(block_k, last - j0)
-                if ints[Int.QUANTIZED]:
+                if ints[Int.KV_CODES]:
                     dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                     dequantized)
                 pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)

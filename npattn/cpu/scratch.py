@@ -121,9 +121,9 @@ def weights_scratch_specs(ints, dtype) -> tuple:
 
 
 def dequantized_tile_spec(ints, dtype) -> tuple:
-    """A quantized cache's key tile as float rows, keys then values (BLOCK_K x (D + Dv),
-    :func:`npattn.cpu.tiles.dequantize_tile`); 1 element otherwise."""
-    keys = int(ints[Int.BLOCK_K] * (ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM])) if ints[Int.QUANTIZED] else 1
+    """A key tile read from codes (KV_CODES) as float rows, keys then values (BLOCK_K x
+    (D + Dv), :func:`npattn.cpu.tiles.dequantize_tile`); 1 element otherwise."""
+    keys = int(ints[Int.BLOCK_K] * (ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM])) if ints[Int.KV_CODES] else 1
     return keys, dtype
 
 

@@ -190,6 +190,33 @@ def prefetch(typingctx, array, index):
     return types.none(array, index), codegen
 
 
+@intrinsic
+def load_float16_bits(typingctx, codes, index, like, brain):
+    """The float vector (of ``like``'s type) of the lanes 16-bit floats whose bytes start
+    at ``codes[index]`` (an int8 array of raw bytes): IEEE half floats converted exactly
+    (``vcvtph2ps`` on F16C), or with ``brain`` (a compile-time bool) bfloat16, whose bits
+    are a float32's upper half. A float16 or bfloat16 cache read in place, no float32 copy."""
+    if not (isinstance(codes, types.Array) and codes.dtype == types.int8 and isinstance(index, types.Integer)
+            and isinstance(like, Vector) and isinstance(brain, types.BooleanLiteral)):
+        return None
+    bfloat = brain.literal_value
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        lanes, vector_type = like.lanes, context.get_value_type(like)
+        element = ir.IntType(16) if bfloat else ir.HalfType()
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], ir.VectorType(element, lanes))
+        loaded = builder.load(pointer, align=1)
+        if bfloat:  # the bits as a float32's upper half
+            wide = builder.zext(loaded, ir.VectorType(ir.IntType(32), lanes))
+            shifted = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [16] * lanes))
+            loaded = builder.bitcast(shifted, ir.VectorType(ir.FloatType(), lanes))
+            if like.dtype == types.float32:
+                return loaded
+        return builder.fpext(loaded, vector_type)  # (exact: float16 to float32, either to float64)
+    return like(codes, index, like, brain), codegen
+
+
 def _is_block(block, dtype):
     """Whether ``block`` is a tuple of rows, each a tuple of vectors of ``dtype``."""
     return (isinstance(block, types.UniTuple) and isinstance(block.dtype, types.UniTuple)

@@ -16,8 +16,8 @@ from numba import njit
 from .blas import gemm
 from .jit import helper
 from .microkernels import dot_products, pack_transposed, padded_width, product
-from .simd import prefetch
-from .operands import SPAN_FIELDS, Int, Real, Span
+from .simd import VECTOR_BYTES, fill, load_float16_bits, prefetch, store
+from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span
 from .signatures import as_offset, larger, plain_int, scalar_like, smaller
 
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -192,13 +192,17 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 
 @helper
 def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols, dequantized):
-    """Keys ``[j0, j0 + cols)`` of ``kv_head`` of a quantized cache (``Int.QUANTIZED``) as
-    float rows, codes times their key's scale: the keys (cols x D) from ``dequantized[0]``
-    and the values (cols x Dv) from ``dequantized[BLOCK_K * D]``, each row contiguous.
-    :func:`pack_key_tile`, :func:`score_tile` and the forward's P V then read the tile's
-    rows: the cache streams in as int8, a quarter of float32's bytes."""
+    """Keys ``[j0, j0 + cols)`` of ``kv_head`` read from codes (``Int.KV_CODES``) as float
+    rows: int8 codes times their key's scale, or float16 / bfloat16 bits converted. The
+    keys (cols x D) from ``dequantized[0]``, the values (cols x Dv) from
+    ``dequantized[BLOCK_K * D]``, each row contiguous. :func:`pack_key_tile`,
+    :func:`score_tile` and the forward's P V then read the tile's rows: an int8 cache
+    streams in at a quarter of float32's bytes, a 16-bit one at half, with no float32
+    copy of either."""
     head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
     values_at = ints[Int.BLOCK_K] * head_dim
+    codes = ints[Int.KV_CODES]
+    width = 1 if codes == KvCodes.INT8 else 2  # bytes per value
     k_step, v_step = ints[Int.K_STRIDE_S], ints[Int.V_STRIDE_S]
     k_scale_step, v_scale_step = ints[Int.K_SCALE_STRIDE_S], ints[Int.V_SCALE_STRIDE_S]
     c = 0
@@ -212,12 +216,20 @@ def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head,
                              v_scale_step)
         for r in range(run):
             if r + _PREFETCH_ROWS < run:  # the rows a few keys on: a decode step waits on memory
-                _prefetch_row(k_codes, k_at + (r + _PREFETCH_ROWS) * k_step, head_dim)
-                _prefetch_row(v_codes, v_at + (r + _PREFETCH_ROWS) * v_step, value_dim)
-            _scaled_row(k_codes, k_at + r * k_step, k_scale[k_scale_at + r * k_scale_step], dequantized,
-                        (c + r) * head_dim, head_dim)
-            _scaled_row(v_codes, v_at + r * v_step, v_scale[v_scale_at + r * v_scale_step], dequantized,
-                        values_at + (c + r) * value_dim, value_dim)
+                _prefetch_row(k_codes, k_at + (r + _PREFETCH_ROWS) * k_step, head_dim * width)
+                _prefetch_row(v_codes, v_at + (r + _PREFETCH_ROWS) * v_step, value_dim * width)
+            key_out, value_out = (c + r) * head_dim, values_at + (c + r) * value_dim
+            if codes == KvCodes.INT8:
+                _scaled_row(k_codes, k_at + r * k_step, k_scale[k_scale_at + r * k_scale_step], dequantized,
+                            key_out, head_dim)
+                _scaled_row(v_codes, v_at + r * v_step, v_scale[v_scale_at + r * v_scale_step], dequantized,
+                            value_out, value_dim)
+            elif codes == KvCodes.FLOAT16:
+                _converted_row(k_codes, k_at + r * k_step, dequantized, key_out, head_dim, False)
+                _converted_row(v_codes, v_at + r * v_step, dequantized, value_out, value_dim, False)
+            else:
+                _converted_row(k_codes, k_at + r * k_step, dequantized, key_out, head_dim, True)
+                _converted_row(v_codes, v_at + r * v_step, dequantized, value_out, value_dim, True)
         c += run
 
 
@@ -227,7 +239,8 @@ _PREFETCH_ROWS = 8
 
 @njit(inline="always")
 def _prefetch_row(codes, offset, width):
-    for line in range(0, width, 64):  # (int8: a byte per value)
+    """The cache lines of ``width`` bytes from ``codes[offset]``."""
+    for line in range(0, width, 64):
         prefetch(codes, offset + line)
 
 
@@ -238,6 +251,16 @@ def _scaled_row(codes, offset, scale, out, out_offset, width):
     start, source = as_offset(out_offset), as_offset(offset)
     for x in range(as_offset(width)):
         out[start + x] = scalar_like(codes[source + x], out) * factor
+
+
+@njit(inline="always")
+def _converted_row(codes, offset, out, out_offset, width, brain):
+    """``out[out_offset + x]`` = the 16-bit float whose bytes start at ``codes[offset + 2x]``
+    (bfloat16 with ``brain``, else float16), for x < width (whole vectors; out float32)."""
+    like = fill(0.0, out)
+    lanes = VECTOR_BYTES // out.itemsize
+    for x in range(0, width, lanes):
+        store(out, out_offset + x, load_float16_bits(codes, offset + 2 * x, like, brain))
 
 
 @njit(inline="always")
@@ -255,7 +278,7 @@ def pack_key_tile(k, dequantized, pages, ints, b, kv_head, j0, cols, packed):
     if not ints[Int.VECTOR_SCORES] or ints[Int.DOT_SCORES]:
         return
     width = padded_width(cols, packed)
-    if ints[Int.QUANTIZED]:
+    if ints[Int.KV_CODES]:
         head_dim = ints[Int.HEAD_DIM]
         pack_transposed(dequantized, 0, head_dim, cols, head_dim, packed, ints[Int.SCORE_LD], width)
         return
@@ -314,7 +337,7 @@ def score_tile(q, k, dequantized, bias, mask, alibi, spans, pages, ints, reals, 
         for r0 in range(0, rows, band):
             band_rows = smaller(band, rows - r0)
             width = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
-            if ints[Int.DOT_SCORES] and ints[Int.QUANTIZED]:  # the dequantized tile's rows
+            if ints[Int.DOT_SCORES] and ints[Int.KV_CODES]:  # the dequantized tile's rows
                 dot_products(q, q_offset + r0 * q_row, q_row, dequantized, 0, head_dim, s, r0 * ld, ld, band_rows,
                              width, head_dim, reals[Real.SCALE])
             elif ints[Int.DOT_SCORES]:
