@@ -57,7 +57,17 @@ def all_finite(array) -> bool:
         with np.errstate(all="ignore"):
             if math.isfinite(np.dot(flat, flat)):
                 return True
+    exponent = _EXPONENT_BITS.get(array.dtype.name)
+    if exponent is not None and type(array) is np.ndarray:
+        # 16-bit floats: NumPy's min and max run scalar loops there (6 ms for a million);
+        # a value is NaN or inf exactly when its exponent bits are all ones
+        bits = array.view(np.uint16) if array.flags.c_contiguous else np.ascontiguousarray(array).view(np.uint16)
+        return int(np.bitwise_and(bits, exponent).max(initial=0)) < exponent
     return math.isfinite(array.min()) and math.isfinite(array.max())
+
+
+# The exponent bits of the 16-bit floats (bfloat16's name is ml_dtypes')
+_EXPONENT_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
 
 
 def _one_block(array) -> bool:

@@ -12,6 +12,7 @@ from ..core.results import ForwardResult, Gradients
 from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from . import folding, splitting
 from .blas import single_threaded_blas
+from .conversion import converted
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import run_items
 from .scratch import (aligned_zeros, backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs,
@@ -46,6 +47,7 @@ class ForwardPlan:
     def __init__(self, problem, tuning: Tuning):
         self.tuning = tuning
         self.dtype = dtype = problem.accumulate_dtype
+        self.user_dtype = problem.dtype
         self.group = problem.group_size if folding.foldable(problem, tuning) else 1
         self.layout = problem.layout
         self.fold_shape = None
@@ -123,7 +125,9 @@ class ForwardPlan:
             weights = None if weights is None else folding.unfold_rows(weights, self.fold_shape)
             out = folding.in_layout(folding.unfold_rows(out, self.fold_shape), self.layout)
             lse = folding.unfold_rows(lse, self.fold_shape)
-        return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
+        # float16 out converted here, on the vector units (the backward keeps float32's)
+        shown = out if self.user_dtype != np.float16 else converted(out, np.float16)
+        return ForwardResult(out=out if shown is None else shown, lse=lse, weights=weights, saved=(out, lse))
 
 
 _NO_PIN = contextlib.nullcontext()

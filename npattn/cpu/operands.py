@@ -19,6 +19,7 @@ from ..core.dropout import seed_words
 from ..core.kernel_params import OPERAND_NAMES, SPAN_FIELDS, Int, KvCodes, Real, Span, default_spans, element_strides, problem_int_values, problem_pages, problem_reals, spans_with  # (Int, Real, Span: the kernels import them from here)
 from ..runtime.plans import PlanCache
 from ..core.problem import signature
+from .conversion import converted
 from .microkernels import chunk_columns
 from .simd import lanes_of as vector_lanes
 from .splitting import key_splits
@@ -52,8 +53,9 @@ def flat_view(array, dtype, unit_last_axis=False):
     if order is not None:  # the common cases, first: no copy, no stride arithmetic
         return flat_memory(array, order), element_strides(array)
     array = np.asarray(array)
-    if array.dtype != dtype:
-        array = array.astype(dtype)
+    if array.dtype != dtype:  # (float16 on the vector units, not NumPy's scalar loop)
+        fast = converted(array, dtype)
+        array = array.astype(dtype) if fast is None else fast
     itemsize = array.itemsize
     strides = array.strides
     if (any(s < 0 or s % itemsize for s in strides)

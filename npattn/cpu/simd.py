@@ -217,6 +217,23 @@ def load_float16_bits(typingctx, codes, index, like, brain):
     return like(codes, index, like, brain), codegen
 
 
+@intrinsic
+def store_float16_bits(typingctx, out, index, value):
+    """Store the float32 vector ``value`` as lanes IEEE half floats, rounded to nearest even
+    (``vcvtps2ph`` on F16C), at the bytes ``out[index : index + 2 * lanes]`` (an int8 array)."""
+    if not (isinstance(out, types.Array) and out.dtype == types.int8 and isinstance(index, types.Integer)
+            and isinstance(value, Vector) and value.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        halves = ir.VectorType(ir.HalfType(), value.lanes)
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], halves)
+        builder.store(builder.fptrunc(args[2], halves), pointer, align=1)
+        return context.get_dummy_value()
+    return types.none(out, index, value), codegen
+
+
 def _is_block(block, dtype):
     """Whether ``block`` is a tuple of rows, each a tuple of vectors of ``dtype``."""
     return (isinstance(block, types.UniTuple) and isinstance(block.dtype, types.UniTuple)

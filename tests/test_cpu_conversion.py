@@ -1,0 +1,47 @@
+"""The CPU's float16 <-> float32 conversions (npattn.cpu.conversion) give NumPy's values
+exactly, in the input's memory layout; the 16-bit finiteness check reads the exponent bits."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from npattn.core.arrays import all_finite
+from npattn.cpu import conversion
+
+SPECIAL = [0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 7e4, 6.1e-5, 6e-8, 1e-8, -3e-8, 2049.0, 2051.0]
+
+
+@pytest.mark.skipif(not conversion.MICROKERNELS, reason="the vector conversions need AVX2 or AVX-512")
+@given(shape=st.lists(st.integers(1, 7), min_size=4, max_size=4), bshd=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_conversions_equal_numpys_in_the_inputs_layout(shape, bshd, seed):
+    rng = np.random.default_rng(seed)
+    values = rng.normal(size=shape) * 10.0 ** rng.integers(-9, 6, size=shape)
+    flat = values.reshape(-1)
+    flat[:len(SPECIAL)] = SPECIAL[:flat.size]
+    single = values.astype(np.float32)
+    if bshd:  # a bhsd view of a bshd array, as the kernels see one
+        single = np.ascontiguousarray(single.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    with np.errstate(over="ignore"):
+        expected_half = single.astype(np.float16)
+    half = conversion.converted(single, np.float16)
+    assert half.strides == expected_half.strides
+    np.testing.assert_array_equal(half.view(np.uint16), expected_half.view(np.uint16))  # bits: -0.0, NaN too
+    back = conversion.converted(expected_half, np.float32)
+    np.testing.assert_array_equal(back, expected_half.astype(np.float32))
+    assert back.strides == expected_half.astype(np.float32).strides
+    assert conversion.converted(single.astype(np.float64), np.float16) is None  # not a pair it converts
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_16_bit_finiteness_reads_the_exponent_bits(dtype):
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=(2, 3, 40, 16)).astype(dtype)
+    assert all_finite(values) and all_finite(values.transpose(0, 2, 1, 3))
+    largest = ml_dtypes.finfo(dtype).max
+    assert all_finite(np.array([largest, -largest], dtype))
+    for bad in (np.nan, np.inf, -np.inf):
+        broken = values.copy()
+        broken[1, 2, 39, 15] = bad
+        assert not all_finite(broken) and not all_finite(broken.transpose(0, 2, 1, 3))
