@@ -133,6 +133,16 @@ class ForwardPlan:
 _NO_PIN = contextlib.nullcontext()
 
 
+def _narrowed(gradient):
+    """A float32 gradient as float16 (:func:`~npattn.cpu.conversion.converted`; NumPy's
+    astype where it cannot)."""
+    narrow = converted(gradient, np.float16)
+    if narrow is None:
+        with np.errstate(over="ignore"):
+            return gradient.astype(np.float16)
+    return narrow
+
+
 def _memory_batches(problem) -> int:
     """The batch entries of out, lse and the gradients: B, or 1 for packed rows
     (``problem.packed_rows``: each entry's live rows are its own rows of one batch)."""
@@ -172,6 +182,7 @@ class BackwardPlan:
         self.tuning = tuning
         self.dtype = dtype = problem.accumulate_dtype
         self.operands = operand_plan(problem, "backward", tuning)
+        self.user_dtype = problem.dtype
         ints = self.operands.ints
         heads, q_len, head_dim = problem.heads, problem.q_len, problem.head_dim
         kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim
@@ -207,7 +218,8 @@ class BackwardPlan:
         dout_flat, dout_strides = row_strides(dout, dtype)
         out_flat, out_strides = row_strides(out, dtype)
         # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
-        delta = np.einsum("bhsd,bhsd->bhs", dout.astype(dtype, copy=False), out)
+        dout_wide = converted(dout, dtype) if dout.dtype != dtype else None  # (float16 on the vector units)
+        delta = np.einsum("bhsd,bhsd->bhs", dout.astype(dtype, copy=False) if dout_wide is None else dout_wide, out)
         dq = np.zeros(self.dq_shape, dtype)
         dk = np.zeros(self.dk_shape, dtype)
         dv = np.zeros(self.dv_shape, dtype)
@@ -232,5 +244,7 @@ class BackwardPlan:
                 end_reuse()
         dsink_logits = (None if arrays is None or arrays.sink_logits is None
                         else sink_logits_gradient(np, arrays, lse, delta))
-        return Gradients(dq=dq.sum(axis=0) if self.chunks > 1 else dq[0], dk=dk, dv=dv, dbias=dbias,
-                         dsink_logits=dsink_logits)
+        dq = dq.sum(axis=0) if self.chunks > 1 else dq[0]
+        if self.user_dtype == np.float16:  # the gradients in q's dtype, on the vector units
+            dq, dk, dv = (_narrowed(gradient) for gradient in (dq, dk, dv))
+        return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink_logits=dsink_logits)
