@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+import npattn
 from npattn.tools import cli
 from npattn.tools.variants import VARIANTS, Size
 from tolerances import bound
@@ -101,6 +102,20 @@ def test_bench_table_rows_are_consistent(monkeypatch):
         if row["torch_ms"] is not None:
             assert row["torch_ratio"] == pytest.approx(row["torch_ms"] / row["npattn_ms"], rel=1e-9)
     assert "(1,2/1kv,32,16)" in printed.getvalue() and "matmul" in printed.getvalue()
+    assert all(row["float32_ratio"] is None for row in rows)
+
+
+def test_bench_in_bfloat16_times_npattns_float32_beside_it(monkeypatch):
+    from npattn.tools import bench, timing
+
+    monkeypatch.setattr(timing, "SETTLE_S", 0.0)
+    monkeypatch.setattr(bench, "_PEAK_SIZE", 64)
+    printed = io.StringIO()
+    rows = bench.compare(shapes=[(1, 2, 1, 32, 16)], repeats=1, backward=False, out=printed, progress=io.StringIO(),
+                         dtype="bfloat16")
+    assert printed.getvalue().startswith(f"npattn {npattn.__version__} bench, bfloat16,")
+    assert "f32/npattn" in printed.getvalue()
+    assert all(row["float32_ratio"] > 0 for row in rows)
 
 
 def test_bench_gpu_says_why_it_cannot_run(capsys):

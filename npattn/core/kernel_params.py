@@ -55,6 +55,9 @@ Int = _positions("Int", (
     # the k_codes / v_codes operands (bytes; strides K_STRIDE_* / V_STRIDE_* count their
     # elements), int8 times a scale per key (k_scale / v_scale, element strides below, bhs)
     # or float16 / bfloat16 bits converted to float32
+    # CPU forward: bfloat16 products on AVX512_BF16 (Q K^T and P V on pairs of bfloat16,
+    # P rounded to bfloat16 as GPU kernels round it; cpu.tiles.pack_key_pairs)
+    "BF16_PRODUCTS",
     "KV_CODES", "K_SCALE_STRIDE_B", "K_SCALE_STRIDE_H", "K_SCALE_STRIDE_S",
     "V_SCALE_STRIDE_B", "V_SCALE_STRIDE_H", "V_SCALE_STRIDE_S",
 ))

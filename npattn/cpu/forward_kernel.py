@@ -27,9 +27,10 @@ from .signatures import as_offset, as_readonly, larger, smaller
 from .threads import next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
-from .microkernels import product
+from .microkernels import pair_product, product
 from .tiles import (apply_dropout, band_keys, dequantize_tile, key_segments, memory_batch, memory_batches,
-                    pack_key_tile, page_run, score_tile, span, v_row, value_tile_rows)
+                    pack_key_pairs, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles, score_tile, span, v_row,
+                    value_tile_rows)
 from .operands import Span
 
 
@@ -73,8 +74,10 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     out_row_stride = out_strides[2]
     v_row_stride = ints[Int.V_STRIDE_S]
     splits, split_keys = ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS]
-    quantized = ints[Int.KV_CODES]
+    quantized, bf16 = ints[Int.KV_CODES], ints[Int.BF16_PRODUCTS]
     tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
+    q_pairs, p_pairs, v_pairs = pair_tiles(ints, dequantized)
+    half_head, half_ld = (ints[Int.HEAD_DIM] + 1) // 2, (ld + 1) // 2
     while True:
         item = next_item(counter)
         if item >= items:
@@ -92,6 +95,9 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
             seen[r] = False
         out_offset = split * out_strides[3] + b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
         kv_head = h // (heads // ints[Int.KV_HEADS])
+        if bf16:  # the query tile as bfloat16 pairs, once for all its key tiles
+            pair_rows(q, b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S],
+                      ints[Int.Q_STRIDE_S], rows, ints[Int.HEAD_DIM], q_pairs, half_head)
 
         sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
         range_start = split * split_keys
@@ -103,16 +109,19 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                 if quantized:
                     dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                     dequantized)
-                pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                full = score_tile(q, k, tile, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
-                                  b, h, i0, rows, j0, cols)
+                if bf16:  # (the key rows in the values' pair tile, free until P V)
+                    pack_key_pairs(k, pages, ints, b, kv_head, j0, cols, packed, v_pairs)
+                else:
+                    pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
+                full = score_tile(q, k, tile, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals, s,
+                                  ld, tanh, packed, b, h, i0, rows, j0, cols)
                 outcome = _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums)
                 if outcome != _DONE:
                     if outcome == _OVERWRITTEN:
                         # a score rose more than _HEADROOM above its row's max (rare: the running
                         # max is usually set by the first tile): recompute the scores
-                        score_tile(q, k, tile, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
-                                   b, h, i0, rows, j0, cols)
+                        score_tile(q, k, tile, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals,
+                                   s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                     _exp_with_new_max(s, ld, rows, cols, m, total, seen, out,
                                       out_offset, out_row_stride, dv)
                 if ints[Int.HAS_DROPOUT]:
@@ -121,7 +130,17 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                 # window edge cuts, each band of rows stops at its last visible key (the
                 # probabilities past it are exact zeros)
                 # (value rows run by run of one page: page_run)
-                if ints[Int.VECTOR_VALUES]:
+                if ints[Int.VECTOR_VALUES] and bf16:  # P rounded to bfloat16, V in pairs of keys
+                    pair_rows(s, 0, ld, rows, cols, p_pairs, half_ld)
+                    pack_value_pairs(v, pages, ints, b, kv_head, j0, cols, v_pairs)
+                    band = rows if full else ints[Int.EDGE_BAND]
+                    for r0 in range(0, rows, band):
+                        band_rows = smaller(band, rows - r0)
+                        depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
+                        pair_product(p_pairs, r0 * half_ld, half_ld, v_pairs, 0, dv, out,
+                                     out_offset + r0 * out_row_stride, out_row_stride, band_rows, (depth + 1) // 2,
+                                     dv, 1.0, True)
+                elif ints[Int.VECTOR_VALUES]:
                     band = rows if full else ints[Int.EDGE_BAND]
                     for r0 in range(0, rows, band):
                         band_rows = smaller(band, rows - r0)
@@ -236,8 +255,8 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                     dequantized)
                 pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                score_tile(q, k, tile, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed,
-                           b, h, i0, rows, j0, cols)
+                score_tile(q, k, tile, as_readonly(q), bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh,
+                           packed, b, h, i0, rows, j0, cols)
                 for r in range(rows):
                     row_lse = lse[row_offset + r]
                     if row_lse > -np.inf:  # an empty row keeps its zeros

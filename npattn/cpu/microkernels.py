@@ -21,13 +21,13 @@ from the key rows, one fixed sum per score.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
 from numba.extending import overload
 
 from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
-from .simd import (VECTOR_BYTES, fill, horizontal_sum, load, load_like, multiply_add, never_inline, repeat,
-                   splat_fma_rows, store_scaled_rows, transpose_square)
+from .simd import (VECTOR_BYTES, as_bits, as_float, fill, horizontal_sum, load, load_like, multiply_add,
+                   never_inline, repeat, splat_fma_rows, splat_pair_dot_rows, store_scaled_rows, transpose_square)
 
 _BLOCK_ROWS = 6
 # B's share of L1 (48 KiB on the project's machine; 32 KiB is common)
@@ -73,11 +73,11 @@ def _block(operands, r, block):
     """C's rows ``[r, r + len(block))`` and the columns of ``block`` (a tuple of rows of
     vectors, zero on entry), held in registers for the whole depth loop; returns the next
     row. ``operands``: :func:`_columns`'s, as a tuple."""
-    a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, depth, scale, accumulate = operands
+    a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, depth, scale, accumulate, pairs = operands
     a_offset += r * a_row
     row = block[0]
     for _ in range(depth):
-        block = splat_fma_rows(a, a_offset, a_row, load_like(b, b_offset, row), block)
+        block = _splat(a, a_offset, a_row, load_like(b, b_offset, row), block, pairs)
         a_offset += a_col
         b_offset += b_row
     store_scaled_rows(c, c_offset + r * c_row, c_row, block, scale, accumulate)
@@ -86,12 +86,12 @@ def _block(operands, r, block):
 
 @helper
 def _columns(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
-             accumulate, zero_row):
+             accumulate, zero_row, pairs):
     """The columns of ``zero_row``'s vectors, all rows: blocks of 6 rows, then the rest in
     one block each of 4, 2 and 1 rows where they fit, so a few rows (a decode step's
     query heads) still keep several independent FMA chains in flight."""
     operands = (a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, depth, fill(alpha, c),
-                accumulate)
+                accumulate, pairs)
     r = 0
     while r + _BLOCK_ROWS <= rows:
         r = _block(operands, r, repeat(zero_row, _BLOCK_ROWS))
@@ -114,12 +114,52 @@ def product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
     _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(a_col),
              as_readonly(b), plain_int(b_offset), plain_int(b_row),
              c, plain_int(c_offset), plain_int(c_row),
-             plain_int(rows), plain_int(depth), plain_int(width), scalar_like(alpha, c), bool(accumulate))
+             plain_int(rows), plain_int(depth), plain_int(width), scalar_like(alpha, c), bool(accumulate), None)
+
+
+@njit(inline="always")
+def pair_product(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
+                 accumulate):
+    """:func:`product` on bfloat16 pairs (float32 arrays whose elements hold two bfloat16,
+    see :func:`pair_bits`): ``C[r, x] = [C[r, x] +] alpha * sum_p (A[r, p].lo B[p, x].lo +
+    A[r, p].hi B[p, x].hi)`` for p < ``pairs``, with ``A[r, p] = a[a_offset + r * a_row + p]``
+    and ``B[p, x] = b[b_offset + p * b_row + x]``: each step two depths, one vdpbf16ps a
+    vector on AVX512_BF16 (:func:`npattn.cpu.simd.splat_pair_dot_rows`)."""
+    _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(1),
+             as_readonly(b), plain_int(b_offset), plain_int(b_row),
+             c, plain_int(c_offset), plain_int(c_row),
+             plain_int(rows), plain_int(pairs), plain_int(width), scalar_like(alpha, c), bool(accumulate), True)
+
+
+def _splat(a, index, a_row, row, block, pairs):
+    """One depth step of a register block: FMAs (``pairs`` None) or bfloat16 pair dots."""
+    raise NotImplementedError
+
+
+@overload(_splat, jit_options=OPTIONS)
+def _splat_overload(a, index, a_row, row, block, pairs):
+    if isinstance(pairs, types.NoneType):
+        return lambda a, index, a_row, row, block, pairs: splat_fma_rows(a, index, a_row, row, block)
+    return lambda a, index, a_row, row, block, pairs: splat_pair_dot_rows(a, index, a_row, row, block)
+
+
+@njit(inline="always")
+def pair_bits(low, high):
+    """The float32 whose bits hold bfloat16(``low``) in the low half and bfloat16(``high``)
+    in the high half (round to nearest even; exact for values that are bfloat16 already):
+    one element of :func:`pair_product`'s operands."""
+    return as_float(_bfloat16_bits(low) | (_bfloat16_bits(high) << np.uint32(16)))
+
+
+@njit(inline="always")
+def _bfloat16_bits(value):
+    bits = as_bits(np.float32(value))
+    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
 
 
 @helper
 def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, width,
-             alpha, accumulate):
+             alpha, accumulate, pairs):
     """:func:`product` on one compiled type of operands. The depth is cut into slices whose
     rows of B fit in L1 beside the accumulators: B is re-read once per 6 rows of C, from
     L1 rather than L2."""
@@ -134,7 +174,7 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
         wide = WIDE_VECTORS * lanes
         while x + wide <= width:
             _columns(a, a_offset, a_row, a_col, b, b_offset + x, b_row, c, c_offset + x, c_row, rows, depth,
-                     alpha, accumulate, repeat(fill(0.0, c), WIDE_VECTORS))
+                     alpha, accumulate, repeat(fill(0.0, c), WIDE_VECTORS), pairs)
             x += wide
     while x < width:
         whole = x + chunk <= width
@@ -143,9 +183,9 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
             args = (a, a_offset + j0 * a_col, a_row, a_col, b, b_offset + j0 * b_row + x, b_row,
                     c, c_offset + x, c_row, rows, j_count, alpha, accumulate or j0 > 0)
             if whole:
-                _columns(*args, repeat(fill(0.0, c), VECTORS_PER_CHUNK))
+                _columns(*args, repeat(fill(0.0, c), VECTORS_PER_CHUNK), pairs)
             else:  # the last columns, one vector at a time
-                _columns(*args, repeat(fill(0.0, c), 1))
+                _columns(*args, repeat(fill(0.0, c), 1), pairs)
         x += chunk if whole else lanes
 
 

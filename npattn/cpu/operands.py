@@ -21,7 +21,7 @@ from ..runtime.plans import PlanCache
 from ..core.problem import signature
 from .conversion import converted
 from .microkernels import chunk_columns
-from .simd import lanes_of as vector_lanes
+from .simd import BF16_DOT, lanes_of as vector_lanes
 from .splitting import key_splits
 from .tuning import Tuning, current
 
@@ -278,6 +278,17 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     return KvCodes.FLOAT16 if name == "float16" else KvCodes.BFLOAT16
 
 
+def bf16_products(problem, kind: str, tuning: Tuning, ints) -> bool:
+    """Whether a bfloat16 forward multiplies in bfloat16 (AVX512_BF16's vdpbf16ps, two
+    products per float32 lane; P rounded to bfloat16 as GPU kernels round it): where the
+    CPU has the instruction, the products run on the micro-kernels with packed keys (not
+    a decode step's dot products, nor 16-bit keys read by tiles), and no weights are
+    asked (whose recomputed scores must be the float32 ones)."""
+    return bool(kind == "forward" and BF16_DOT and tuning.bf16_products and problem.dtype.name == "bfloat16"
+                and problem.accumulate_dtype == np.float32 and ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES]
+                and not ints[Int.DOT_SCORES] and not ints[Int.KV_CODES] and not problem.return_weights)
+
+
 def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes.NONE):
     """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
     q, k, v (3 each), bias and mask (4 each)."""
@@ -310,6 +321,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = key_splits(problem, tiles) if kind == "forward" else (1, 1)
     ints[Int.ROW_GROUP] = rows_per_position
     ints[Int.KV_CODES] = codes
+    ints[Int.BF16_PRODUCTS] = bf16_products(problem, kind, tuning, ints)
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = element_strides(problem.k_scale)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = element_strides(problem.v_scale)

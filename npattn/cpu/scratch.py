@@ -122,9 +122,15 @@ def weights_scratch_specs(ints, dtype) -> tuple:
 
 def dequantized_tile_spec(ints, dtype) -> tuple:
     """A key tile read from codes (KV_CODES) as float rows, keys then values (BLOCK_K x
-    (D + Dv), :func:`npattn.cpu.tiles.dequantize_tile`); 1 element otherwise."""
-    keys = int(ints[Int.BLOCK_K] * (ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM])) if ints[Int.KV_CODES] else 1
-    return keys, dtype
+    (D + Dv), :func:`npattn.cpu.tiles.dequantize_tile`); with BF16_PRODUCTS the bfloat16
+    pair tiles instead (:func:`npattn.cpu.tiles.pair_tiles`); 1 element otherwise."""
+    rows, keys, head_dim, value_dim = (int(ints[name]) for name in (Int.BLOCK_Q, Int.BLOCK_K, Int.HEAD_DIM,
+                                                                     Int.VALUE_DIM))
+    if ints[Int.BF16_PRODUCTS]:
+        from .tiles import pair_tile_sizes  # (its Python function: one formula for the kernel and here)
+
+        return sum(pair_tile_sizes.py_func(rows, keys, head_dim, value_dim, int(ints[Int.SCORE_LD]))), dtype
+    return (keys * (head_dim + value_dim) if ints[Int.KV_CODES] else 1), dtype
 
 
 def gradient_tile_specs(ints, dtype) -> tuple:

@@ -30,7 +30,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from .isa import compiled_isa
+from .isa import compiled_isa, target_features
 
 ISA = compiled_isa()
 # One register: zmm on AVX-512, ymm elsewhere (on SSE-only CPUs LLVM splits it in two).
@@ -234,10 +234,110 @@ def store_float16_bits(typingctx, out, index, value):
     return types.none(out, index, value), codegen
 
 
+@intrinsic
+def as_bits(typingctx, value):
+    """A float32's bits as a uint32 (no conversion)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(value), codegen
+
+
+@intrinsic
+def as_float(typingctx, bits):
+    """The float32 with the low 32 bits of an integer (no conversion; Numba's arithmetic
+    widens uint32 to 64 bits)."""
+    if not isinstance(bits, types.Integer) or bits.bitwidth < 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        value = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], ir.IntType(32))
+        return builder.bitcast(value, ir.FloatType())
+    return types.float32(bits), codegen
+
+
+def _bfloat16_rounded(builder, value):
+    """The float32 vector ``value`` as bfloat16 bits (an i16 vector), rounded to nearest
+    even: ``(bits + 0x7FFF + (bits >> 16 & 1)) >> 16``."""
+    lanes = value.type.count
+    words = ir.VectorType(ir.IntType(32), lanes)
+    if not isinstance(value.type.element, ir.FloatType):  # (float64 kernels compile it, never run it)
+        value = builder.fptrunc(value, ir.VectorType(ir.FloatType(), lanes))
+
+    def splat(number):
+        return ir.Constant(words, [number] * lanes)
+    bits = builder.bitcast(value, words)
+    odd = builder.and_(builder.lshr(bits, splat(16)), splat(1))
+    rounded = builder.lshr(builder.add(builder.add(bits, splat(0x7FFF)), odd), splat(16))
+    return builder.trunc(rounded, ir.VectorType(ir.IntType(16), lanes))
+
+
+@intrinsic
+def store_bfloat16(typingctx, out, index, value):
+    """Store the float32 vector ``value`` (lanes L) rounded to bfloat16, in order, as the
+    L / 2 float32 elements ``out[index : index + L / 2]`` each holding two (the lower
+    lane in the low half): a row of bfloat16 pairs (:func:`splat_pair_dot_rows`)."""
+    if not (_check_float_array(out) and isinstance(value, Vector) and value.dtype == out.dtype):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        rounded = _bfloat16_rounded(builder, args[2])
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], rounded.type)
+        builder.store(rounded, pointer, align=2)
+        return context.get_dummy_value()
+    return types.none(out, index, value), codegen
+
+
+@intrinsic
+def store_bfloat16_pairs(typingctx, out, index, first, second):
+    """Store lane i of ``first`` and of ``second`` (float32 vectors, lanes L) rounded to
+    bfloat16 as one pair, ``out[index + i]`` (float32 elements holding two bfloat16, the
+    first in the low half), for i < L: two rows interleaved (values of consecutive keys)."""
+    if not (_check_float_array(out) and isinstance(first, Vector) and first == second
+            and first.dtype == out.dtype):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        low, high = _bfloat16_rounded(builder, args[2]), _bfloat16_rounded(builder, args[3])
+        lanes = first.lanes
+        mask = ir.Constant(ir.VectorType(ir.IntType(32), 2 * lanes),
+                           [lane // 2 + (lanes if lane % 2 else 0) for lane in range(2 * lanes)])
+        interleaved = builder.shuffle_vector(low, high, mask)
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], interleaved.type)
+        builder.store(interleaved, pointer, align=2)
+        return context.get_dummy_value()
+    return types.none(out, index, first, second), codegen
+
+
 def _is_block(block, dtype):
     """Whether ``block`` is a tuple of rows, each a tuple of vectors of ``dtype``."""
     return (isinstance(block, types.UniTuple) and isinstance(block.dtype, types.UniTuple)
             and block.dtype.dtype == Vector(dtype))
+
+
+def _splat_rows(step):
+    """The codegen of a micro-kernel step: ``step(builder, broadcast, b, c)`` for each row's
+    broadcast of ``a[index + r * a_row]`` and each vector ``b`` of ``row`` into ``c``."""
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        a_value, index_value, a_row_value, row_value, block_value = args
+        row, block = signature.args[3], signature.args[4]
+        data = context.make_array(signature.args[0])(context, builder, a_value).data
+        b_vectors = cgutils.unpack_tuple(builder, row_value, row.count)
+        rows = []
+        for r, acc in enumerate(cgutils.unpack_tuple(builder, block_value, block.count)):
+            offset = builder.add(index_value, builder.mul(a_row_value, ir.Constant(a_row_value.type, r)))
+            scalar = builder.load(builder.gep(data, [offset]))
+            broadcast = _broadcast(context, builder, row.dtype, scalar)
+            values = [step(builder, broadcast, b, c) for b, c in zip(b_vectors, cgutils.unpack_tuple(builder, acc,
+                                                                                                   row.count))]
+            rows.append(context.make_tuple(builder, row, values))
+        return context.make_tuple(builder, block, rows)
+    return codegen
 
 
 @intrinsic
@@ -248,22 +348,61 @@ def splat_fma_rows(typingctx, a, index, a_row, row, block):
     if not (_check_float_array(a) and isinstance(row, types.UniTuple) and _is_block(block, a.dtype)
             and block.dtype == row):
         return None
+    return block(a, index, a_row, row, block), _splat_rows(lambda builder, a, b, c: call_llvm_intrinsic(
+        builder, "fma", a, b, c))
 
-    def codegen(context, builder, signature, args):
-        _wide(builder)
-        a_value, index_value, a_row_value, row_value, block_value = args
-        data = context.make_array(signature.args[0])(context, builder, a_value).data
-        b_vectors = cgutils.unpack_tuple(builder, row_value, row.count)
-        rows = []
-        for r, acc in enumerate(cgutils.unpack_tuple(builder, block_value, block.count)):
-            offset = builder.add(index_value, builder.mul(a_row_value, ir.Constant(a_row_value.type, r)))
-            scalar = builder.load(builder.gep(data, [offset]))
-            broadcast = _broadcast(context, builder, row.dtype, scalar)
-            values = [call_llvm_intrinsic(builder, "fma", broadcast, b, c)
-                      for b, c in zip(b_vectors, cgutils.unpack_tuple(builder, acc, row.count))]
-            rows.append(context.make_tuple(builder, row, values))
-        return context.make_tuple(builder, block, rows)
-    return block(a, index, a_row, row, block), codegen
+
+# Whether the kernels compile bfloat16 pair products to AVX512_BF16's vdpbf16ps (Zen 4,
+# Sapphire Rapids and later); elsewhere :func:`splat_pair_dot_rows` is two FMAs per pair.
+BF16_DOT = VECTOR_BYTES == 64 and "+avx512bf16" in target_features().split(",")
+
+
+class _BFloat(ir.types.Type):
+    """LLVM's ``bfloat`` (llvmlite's IR builder has no such type), for vdpbf16ps's operands."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+def _pair_dot(builder, a, b, c):
+    """``c + a.lo * b.lo + a.hi * b.hi`` per float32 lane, where each lane of ``a`` and ``b``
+    holds two bfloat16 (the lower-addressed in the low half): vdpbf16ps where the CPU has
+    it, else the same two exact products by FMA."""
+    lanes = c.type.count
+    if not isinstance(c.type.element, ir.FloatType):  # (float64 kernels compile it, never run it)
+        return call_llvm_intrinsic(builder, "fma", a, b, c)
+    if BF16_DOT:
+        pairs = ir.VectorType(_BFloat(), 2 * lanes)
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(c.type, [c.type, pairs, pairs]), "llvm.x86.avx512bf16.dpbf16ps.512")
+        return builder.call(function, [c, builder.bitcast(a, pairs), builder.bitcast(b, pairs)])
+    words = ir.VectorType(ir.IntType(32), lanes)
+
+    def halves(value):
+        bits = builder.bitcast(value, words)
+        low = builder.shl(bits, ir.Constant(words, [16] * lanes))
+        high = builder.and_(bits, ir.Constant(words, [0xFFFF0000] * lanes))
+        return builder.bitcast(low, c.type), builder.bitcast(high, c.type)
+    (a_low, a_high), (b_low, b_high) = halves(a), halves(b)
+    return call_llvm_intrinsic(builder, "fma", a_high, b_high, call_llvm_intrinsic(builder, "fma", a_low, b_low, c))
+
+
+@intrinsic
+def splat_pair_dot_rows(typingctx, a, index, a_row, row, block):
+    """:func:`splat_fma_rows` on bfloat16 pairs: every float32 element of ``a`` and lane of
+    ``row`` holds two bfloat16 of consecutive depths (see :func:`npattn.cpu.microkernels.pair_bits`),
+    and each step adds both products (one vdpbf16ps per vector): half the depth steps of
+    float32 for the same columns."""
+    if not (_check_float_array(a) and isinstance(row, types.UniTuple) and _is_block(block, a.dtype)
+            and block.dtype == row):
+        return None
+    return block(a, index, a_row, row, block), _splat_rows(_pair_dot)
 
 
 @intrinsic

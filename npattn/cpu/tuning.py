@@ -45,13 +45,15 @@ class Tuning:
     has AVX-512 or AVX2 (:data:`npattn.cpu.simd.MICROKERNELS`); ``dot_rows``: forwards of
     at most this many rows per kv head (Sq x H / Hkv: a decode step, the GQA heads of a
     group folded in) take their scores as dot products of the key rows, with no packed
-    key tile (0: never)."""
+    key tile (0: never); ``bf16_products``: a bfloat16 forward multiplies in bfloat16 where
+    the CPU can (:func:`npattn.cpu.operands.bf16_products`; False: in float32)."""
 
     forward: tuple = (192, 384)
     backward: tuple = (96, 192)
     edge_band: int = 48
     vector: bool | None = None
     dot_rows: int = DOT_ROWS
+    bf16_products: bool = True
 
     @property
     def vector_products(self) -> bool:

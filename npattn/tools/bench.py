@@ -115,12 +115,25 @@ def suite_shapes(suite: str) -> list[Shape]:
     return [Shape.parse(",".join(map(str, s))) for s in SUITES[suite]]
 
 
-def _inputs(shape: Shape, seed=0):
+def _inputs(shape: Shape, seed=0, dtype="float32"):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((shape.batch, shape.heads, shape.q_len, shape.head_dim), np.float32)
     k = rng.standard_normal((shape.batch, shape.kv_heads, shape.kv_len, shape.head_dim), np.float32)
     v = rng.standard_normal((shape.batch, shape.kv_heads, shape.kv_len, shape.head_dim), np.float32)
-    return q, k, v
+    return tuple(x.astype(_numpy_dtype(dtype)) for x in (q, k, v)) if dtype != "float32" else (q, k, v)
+
+
+def _numpy_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _float32_runs(q, k, v, causal):
+    """npattn on the same values in float32: what a lower-precision row is measured against."""
+    return _npattn_runs(*(x.astype(np.float32) for x in (q, k, v)), causal)
 
 
 def _npattn_runs(q, k, v, causal):
@@ -130,7 +143,8 @@ def _npattn_runs(q, k, v, causal):
 def _torch_runs(q, k, v, causal):
     import torch
 
-    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    dtype = getattr(torch, q.dtype.name)  # float32, float16 or bfloat16 (converted through float32)
+    tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(dtype) for x in (q, k, v))
     options = dict(is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     if causal and q.shape[2] != k.shape[2]:  # torch's is_causal would align top-left
         options.update(is_causal=False, attn_mask=torch.from_numpy(bottom_right_causal(q.shape[2], k.shape[2])))
@@ -150,6 +164,7 @@ def _torch_runs(q, k, v, causal):
 
 def _naive_runs(q, k, v, causal):
     """Materialized float32 attention in NumPy: what a user writes without a kernel."""
+    q, k, v = (x.astype(np.float32, copy=False) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k_full, v_full = (np.repeat(x, group, axis=1) for x in (k, v))
     scale = np.float32(1 / np.sqrt(q.shape[-1]))
@@ -227,16 +242,20 @@ def _clear_progress(stream) -> None:
 
 
 def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=sys.stdout,
-            progress=sys.stderr, products: str | None = None) -> list[dict]:
+            progress=sys.stderr, products: str | None = None, dtype: str = "float32") -> list[dict]:
     """Time every shape x causal; print the table; return its rows (times in ms). ``products``
-    ("vector" or "blas") forces npattn's tile products (see :func:`npattn.cpu.products`)."""
+    ("vector" or "blas") forces npattn's tile products (see :func:`npattn.cpu.products`);
+    ``dtype`` ("float32", "bfloat16" or "float16") the inputs' dtype, npattn and torch
+    alike, with a column for npattn's float32 time on the same values."""
     if products is not None:
         from .. import cpu
 
         with cpu.products(products):
-            return compare(shapes, repeats, backward, out, progress)
+            return compare(shapes, repeats, backward, out, progress, dtype=dtype)
     shapes = [s if isinstance(s, Shape) else Shape.parse(",".join(map(str, s))) for s in shapes]
     candidates = {"npattn": _npattn_runs, "naive": _naive_runs}
+    if dtype != "float32":
+        candidates["float32"] = _float32_runs
     try:
         import torch  # noqa: F401
         candidates["torch"] = _torch_runs
@@ -245,17 +264,18 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
     except ImportError:
         torch_note = "torch not importable: no torch column"
     matmul, matmul_flops = _matmul_run(_PEAK_SIZE), 2.0 * _PEAK_SIZE ** 3
-    print(f"npattn {npattn.__version__} bench, float32, median of {repeats} interleaved runs; "
+    print(f"npattn {npattn.__version__} bench, {dtype}, median of {repeats} interleaved runs; "
           f"npattn's products: {_npattn_isa()}; {torch_note}", file=out)
     header = (f"{'shape (B,H,S,D)':<25}{'causal':<8}{'pass':<9}{'npattn ms':>10}{'GFLOP/s':>9}"
-              f"{'% peak':>8}{'torch ms':>10}{'torch/npattn':>13}{'naive ms':>10}{'matmul':>9}")
+              f"{'% peak':>8}{'torch ms':>10}{'torch/npattn':>13}{'naive ms':>10}{'matmul':>9}"
+              + (f"{'f32/npattn':>11}" if dtype != "float32" else ""))
     print(header, file=out)
     print("-" * len(header), file=out)
     rows = []
     jobs = [(shape, causal) for shape in shapes for causal in (False, True)]
     for index, (shape, causal) in enumerate(jobs):
         _progress(index, len(jobs), f"{shape} causal={causal}", progress)
-        q, k, v = _inputs(shape)
+        q, k, v = _inputs(shape, dtype=dtype)
         runs = {name: make(q, k, v, causal) for name, make in candidates.items()}
         for pass_index, pass_name in enumerate(("forward", "fwd+bwd") if backward else ("forward",)):
             timed = {name: pair[pass_index] for name, pair in runs.items() if pair[pass_index] is not None}
@@ -272,7 +292,10 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
             peak_fraction = float(np.median(samples["matmul"] / samples["npattn"])) * flops / matmul_flops
             torch_ratio = (float(np.median(samples["torch"] / samples["npattn"])) if "torch" in samples
                            else None)
+            float32_ratio = (float(np.median(samples["float32"] / samples["npattn"])) if "float32" in samples
+                             else None)
             row = dict(shape=str(shape), causal=causal, passes=pass_name, npattn_ms=ms["npattn"],
+                       float32_ratio=float32_ratio,
                        gflops=gflops, peak_fraction=peak_fraction, torch_ms=ms.get("torch"),
                        torch_ratio=torch_ratio, naive_ms=ms.get("naive"),
                        matmul_gflops=matmul_flops / (ms["matmul"] / 1e3) / 1e9)
@@ -283,11 +306,12 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
             _clear_progress(progress)
             print(f"{str(shape):<25}{str(causal):<8}{pass_name:<9}{_milliseconds(ms['npattn']):>10}{gflops:>9.1f}"
                   f"{100 * peak_fraction:>7.0f}%{torch_ms:>10}{ratio:>13}{naive_ms:>10}"
-                  f"{row['matmul_gflops']:>9.0f}", file=out)
+                  f"{row['matmul_gflops']:>9.0f}" + (f"{float32_ratio:>10.2f}x" if float32_ratio else ""), file=out)
         out.flush()
     _clear_progress(progress)
     print("torch/npattn > 1 means npattn is faster. matmul: NumPy's float32 GFLOP/s in the same "
-          "rounds, the peak of '% peak'.", file=out)
+          "rounds, the peak of '% peak'." + (" f32/npattn: npattn's float32 time on the same values over its "
+                                              f"{dtype} time." if dtype != "float32" else ""), file=out)
     return rows
 
 

@@ -190,8 +190,9 @@ def main(argv=None) -> int:
                                    "at (1, 32/8, 16384, 128) and (16, 32/8, 2048, 128)")
     bench_parser.add_argument("--gpu", action="store_true",
                               help="the CUDA kernels against torch SDPA's fastest backend on the GPU instead")
-    bench_parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
-                              help="with --gpu: the inputs' dtype (default float16)")
+    bench_parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                              help="the inputs' dtype, npattn's and torch's alike (default: float32 on the CPU, "
+                                   "with a column for npattn's float32 time when another; float16 with --gpu)")
     bench_parser.add_argument("--suite", choices=["all", "prefill", "decode", "serving"], default=None,
                               help="which shapes run: on the CPU prefill (the default), serving (small calls, "
                                    "decode steps, a chunked prefill) or all; with --gpu all (the default), "
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
             if reason is not None:
                 print(f"bench --gpu needs the gpu backend: {reason}", file=sys.stderr)
                 return 2
-            bench_gpu.compare(shapes, dtype=args.dtype, repeats=args.repeats, backward=not args.forward_only,
+            bench_gpu.compare(shapes, dtype=args.dtype or "float16", repeats=args.repeats, backward=not args.forward_only,
                               suite=suite, json_path=args.json)
         elif args.memory:
             bench.memory()
@@ -277,7 +278,8 @@ def main(argv=None) -> int:
                 return 2
             shapes = ([bench.Shape.parse(s) for s in args.shapes] if args.shapes
                       else bench.suite_shapes(args.suite or "prefill"))
-            bench.compare(shapes, repeats=args.repeats, backward=not args.forward_only, products=args.products)
+            bench.compare(shapes, repeats=args.repeats, backward=not args.forward_only, products=args.products,
+                          dtype=args.dtype or "float32")
     return 0
 
 
