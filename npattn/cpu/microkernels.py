@@ -26,7 +26,7 @@ from numba.extending import overload
 
 from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
-from .simd import (VECTOR_BYTES, as_bits, as_float, fill, horizontal_sum, load, load_like, multiply_add,
+from .simd import (BF16_DOT, VECTOR_BYTES, as_bits, as_float, fill, horizontal_sum, load, load_like, multiply_add,
                    never_inline, repeat, splat_fma_rows, splat_pair_dot_rows, store_scaled_rows, transpose_square)
 
 _BLOCK_ROWS = 6
@@ -117,18 +117,35 @@ def product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
              plain_int(rows), plain_int(depth), plain_int(width), scalar_like(alpha, c), bool(accumulate), None)
 
 
-@njit(inline="always")
 def pair_product(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
                  accumulate):
     """:func:`product` on bfloat16 pairs (float32 arrays whose elements hold two bfloat16,
     see :func:`pair_bits`): ``C[r, x] = [C[r, x] +] alpha * sum_p (A[r, p].lo B[p, x].lo +
     A[r, p].hi B[p, x].hi)`` for p < ``pairs``, with ``A[r, p] = a[a_offset + r * a_row + p]``
     and ``B[p, x] = b[b_offset + p * b_row + x]``: each step two depths, one vdpbf16ps a
-    vector on AVX512_BF16 (:func:`npattn.cpu.simd.splat_pair_dot_rows`)."""
-    _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(1),
-             as_readonly(b), plain_int(b_offset), plain_int(b_row),
-             c, plain_int(c_offset), plain_int(c_row),
-             plain_int(rows), plain_int(pairs), plain_int(width), scalar_like(alpha, c), bool(accumulate), True)
+    vector on AVX512_BF16 (:func:`npattn.cpu.simd.splat_pair_dot_rows`).
+
+    Compiled only where it can run (float32 operands on a CPU with AVX512_BF16, where
+    :func:`npattn.cpu.operands.bf16_products` turns it on); elsewhere a stub that does
+    nothing, so the kernels of other dtypes and ISAs do not compile a second micro-kernel
+    (18 s of a float32 forward's compile)."""
+    raise NotImplementedError
+
+
+@overload(pair_product, jit_options=OPTIONS)
+def _pair_product_overload(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
+                           accumulate):
+    if not (BF16_DOT and c.dtype == types.float32):
+        return lambda a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha, \
+            accumulate: None
+
+    def implementation(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
+                       accumulate):
+        _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(1),
+                 as_readonly(b), plain_int(b_offset), plain_int(b_row),
+                 c, plain_int(c_offset), plain_int(c_row),
+                 plain_int(rows), plain_int(pairs), plain_int(width), scalar_like(alpha, c), bool(accumulate), True)
+    return implementation
 
 
 def _splat(a, index, a_row, row, block, pairs):
@@ -168,7 +185,7 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
     chunk = VECTORS_PER_CHUNK * lanes
     depth_block = _L1_BYTES // (chunk * c.itemsize)
     x = 0
-    if rows <= _WIDE_ROWS:
+    if pairs is None and rows <= _WIDE_ROWS:  # (pair products never take it: less to compile)
         # one row reads each row of B once: no depth slices for L1 (and so each element
         # of C is the same one chain over the whole depth, the bits of the narrow chunks)
         wide = WIDE_VECTORS * lanes
