@@ -546,18 +546,20 @@ def kvcache_call(rng) -> Call:
 # ---- attention_with_kvcache on int8 caches ---------------------------------------------------------
 
 def quantized_kvcache_call(rng) -> Call:
-    """A kv-cache call on int8 codes with scales (head dims of 16), valid or broken in one
+    """A kv-cache call on int8 or float8 e4m3 codes with scales (head dims of 16), valid or broken in one
     argument; a valid call's oracle is the same call on copies through the reference backend
     (its float64 reading of the codes is tested against quantize_kv's definition in
     tests/test_quantized_cache.py): the same codes and scales written, out within the bound."""
     from npattn.core.quantization import quantize_rows
 
     problem = kv_problem(rng, dims=(16, 16))
-    (k_codes, k_scale), (v_codes, v_scale) = quantize_rows(problem.k_cache), quantize_rows(problem.v_cache)
+    kind = np.dtype([np.int8, np.uint8][rng.integers(2)])  # int8, or float8 e4m3 bits
+    (k_codes, k_scale), (v_codes, v_scale) = (quantize_rows(problem.k_cache, kind),
+                                              quantize_rows(problem.v_cache, kind))
     arguments = dict(problem.arguments(), k_cache=k_codes, v_cache=v_codes, k_scale=k_scale, v_scale=v_scale)
     arguments.pop("backend", None)
     caches = (k_codes, v_codes, k_scale, v_scale)
-    names, label = (), f"int8 {problem.layout} valid"
+    names, label = (), f"{kind} {problem.layout} valid"
     if rng.random() < 0.5:
         new = problem.k is not None and problem.k.shape[1] > 0
         frozen = _read_only(k_scale)
@@ -577,7 +579,7 @@ def quantized_kvcache_call(rng) -> Call:
                           (("k",), lambda a: a.update(k=problem.k.astype(np.float16)))]
         names, mutate = mutations[rng.integers(len(mutations))]
         mutate(arguments)
-        label = f"int8 {problem.layout} broken in {names[0]}"
+        label = f"{kind} {problem.layout} broken in {names[0]}"
     before = [array.copy() for array in caches]
     watched = [value for value in arguments.values() if isinstance(value, np.ndarray)] + list(caches)
 
@@ -592,7 +594,7 @@ def quantized_kvcache_call(rng) -> Call:
         keys = problem.k_cache.shape[1] * (1 if problem.block_table is None else problem.block_table.shape[1])
         magnitude = 4 * (1 + np.abs(problem.q).sum(-1).max()) * (1 + np.nanmax(np.abs(k_scale), initial=0) * 127)
         return close(out, want, problem.dtype, keys + 16, magnitude)
-    return Call("attention_with_kvcache int8", label, lambda: npattn.attention_with_kvcache(**arguments), names,
+    return Call("attention_with_kvcache quantized", label, lambda: npattn.attention_with_kvcache(**arguments), names,
                 lambda: snapshot(*watched), verify)
 
 

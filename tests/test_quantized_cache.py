@@ -44,12 +44,33 @@ def test_quantize_kv_rounds_each_value_to_half_a_scale(shape, spread, zero_rows,
     np.testing.assert_array_equal(negated_scales, scales)
 
 
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), spread=st.floats(1e-3, 1e3),
+       seed=st.integers(0, 2**32 - 1))
+def test_float8_codes_are_ml_dtypes_e4m3_rounding(shape, spread, seed):
+    """float8 e4m3 codes: x / scale rounded as ml_dtypes rounds to float8_e4m3fn (nearest,
+    ties to even), with the scale putting each row's largest value at 448."""
+    import ml_dtypes
+
+    from npattn.core.quantization import E4M3_VALUES
+
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(*shape, HEAD_DIM)) * spread).astype(np.float32)
+    x[(0,) * len(shape)][:4] = [0.0, -0.0, 1e-30, -1e-30]
+    codes, scales = npattn.quantize_kv(x, "float8_e4m3")
+    assert codes.dtype == np.uint8 and scales.dtype == np.float32
+    np.testing.assert_allclose(scales, np.abs(x).max(axis=-1) / np.float32(448), rtol=np.finfo(np.float32).eps)
+    safe = np.where(scales > 0, scales, np.float32(1))[..., None]
+    expected = (x / safe).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(E4M3_VALUES[codes], expected.astype(np.float32))  # (+-0 alike)
+    np.testing.assert_array_equal(npattn.dequantize_kv(codes, scales), E4M3_VALUES[codes] * scales[..., None])
+
+
 def test_quantize_kv_rejects_bad_input_by_name():
     with pytest.raises(TypeError, match="x must be a float array"):
         npattn.quantize_kv(np.ones((2, 16), np.int32))
     with pytest.raises(ValueError, match="x must be finite"):
         npattn.quantize_kv(np.array([[1.0, np.nan] * 8]))
-    with pytest.raises(ValueError, match="dtype must be 'int8'"):
+    with pytest.raises(ValueError, match="dtype must be 'int8' or 'float8_e4m3'"):
         npattn.quantize_kv(np.ones((2, 16)), dtype="int4")
     with pytest.raises(ValueError, match="scales must have codes's shape without its last axis"):
         npattn.dequantize_kv(np.ones((2, 16), np.int8), np.ones(3, np.float32))
@@ -68,10 +89,11 @@ def quantized_cases(draw):
     slots = draw(st.booleans())
     dtype = draw(st.sampled_from(["float32", "float64"]))
     kv_heads, group = draw(st.sampled_from([(1, 1), (2, 2), (1, 4)]))
-    return batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group
+    codes = draw(st.sampled_from(["int8", "float8_e4m3"]))
+    return batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group, codes
 
 
-def _quantized_cache(rng, batch, capacity, kv_heads, page_size, slots):
+def _quantized_cache(rng, batch, capacity, kv_heads, page_size, slots, kind="int8"):
     """Random codes and scales laid out as a contiguous cache (rows picked by
     cache_batch_idx when ``slots``) or a paged pool, with ``read`` giving each sequence's
     logical (B, capacity, ...) view of any of them and the call's layout arguments."""
@@ -93,8 +115,12 @@ def _quantized_cache(rng, batch, capacity, kv_heads, page_size, slots):
 
         def read(cache):
             return cache[table].reshape(batch, capacity, *cache.shape[2:])
-    codes = [rng.integers(-CODE_LIMIT, CODE_LIMIT + 1, size=(*shape, kv_heads, HEAD_DIM)).astype(np.int8)
-             for _ in range(2)]
+    if kind == "int8":
+        codes = [rng.integers(-CODE_LIMIT, CODE_LIMIT + 1, size=(*shape, kv_heads, HEAD_DIM)).astype(np.int8)
+                 for _ in range(2)]
+    else:  # any e4m3 bits but the two NaN patterns
+        codes = [rng.choice(np.setdiff1d(np.arange(256), [0x7F, 0xFF]), size=(*shape, kv_heads, HEAD_DIM)).astype(
+            np.uint8) for _ in range(2)]
     scales = [rng.uniform(0.001, 0.05, size=(*shape, kv_heads)).astype(np.float32) for _ in range(2)]
     return codes, scales, read, call
 
@@ -104,12 +130,12 @@ def _quantized_cache(rng, batch, capacity, kv_heads, page_size, slots):
 def test_a_quantized_cache_is_its_dequantized_cache(backend, case, seed):
     """Out and lse equal the float64 reference on the dequantized keys of each sequence,
     and the appended slots hold quantize_kv of the new (rotated) keys."""
-    batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group = case
+    batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group, kind = case
     rng = np.random.default_rng(seed)
     heads, capacity = kv_heads * group, 12
     cached = np.array(cached)
     (k_cache, v_cache), (k_scale, v_scale), read, call = _quantized_cache(rng, batch, capacity, kv_heads, page_size,
-                                                                          slots)
+                                                                          slots, kind)
     q = rng.normal(size=(batch, queries, heads, HEAD_DIM)).astype(dtype)
     k_new = rng.normal(size=(batch, new, kv_heads, HEAD_DIM)).astype(dtype) if new else None
     v_new = rng.normal(size=(batch, new, kv_heads, HEAD_DIM)).astype(dtype) if new else None
@@ -133,7 +159,7 @@ def test_a_quantized_cache_is_its_dequantized_cache(backend, case, seed):
         k_rotated = None if k_new is None else apply_rotary(k_new, cached, call["rotary_cos"], call["rotary_sin"],
                                                              rotary)
     if new:
-        appended = (*npattn.quantize_kv(k_rotated), *npattn.quantize_kv(v_new))  # k codes, k scales, v ...
+        appended = (*npattn.quantize_kv(k_rotated, kind), *npattn.quantize_kv(v_new, kind))  # k codes, k scales, v
         for b in range(batch):
             where = slice(cached[b], cached[b] + new)
             logical[0][b, where], logical[2][b, where] = appended[0][b], appended[1][b]
@@ -234,8 +260,10 @@ def test_quantized_caches_reject_bad_input_by_name():
         call(k_scale=scales.astype(np.float64))
     with pytest.raises(ValueError, match=r"v_scale must have v_cache's shape without its last axis, \(1, 4, 1\)"):
         call(v_scale=scales[:, :3])
-    with pytest.raises(TypeError, match="k_cache must be int8 codes"):
+    with pytest.raises(TypeError, match="k_cache must be int8 codes or float8 e4m3 codes held as uint8"):
         call(k_cache=codes.astype(np.int16))
+    with pytest.raises(TypeError, match="k_cache holds int8 codes but v_cache uint8"):
+        call(v_cache=codes.view(np.uint8))
     narrow_codes, narrow_scales = npattn.quantize_kv(rng.normal(size=(1, 4, 1, 8)).astype(np.float32))
     with pytest.raises(ValueError, match="k_cache's head dim must be a multiple of 16"):
         npattn.attention_with_kvcache(q[..., :8], narrow_codes, narrow_codes, cache_seqlens=2, k_scale=narrow_scales,
@@ -284,12 +312,13 @@ def test_a_planned_quantized_step_is_the_call_layer_by_layer(paged):
         step.run(q[0], *planned[0][:2], k[0], k[0])
 
 
-def test_an_int8_paged_pool_quantizes_its_appends_and_attends_over_them():
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+def test_a_quantized_paged_pool_quantizes_its_appends_and_attends_over_them(kind):
     from npattn.nn import PagedKVCache
 
     rng = np.random.default_rng(8)
-    pool = PagedKVCache(num_pages=8, page_size=4, num_kv_heads=1, head_dim=HEAD_DIM, dtype="int8")
-    assert pool.keys.dtype == np.int8 and pool.key_scales.shape == (8, 4, 1)
+    pool = PagedKVCache(num_pages=8, page_size=4, num_kv_heads=1, head_dim=HEAD_DIM, dtype=kind)
+    assert pool.keys.dtype == (np.int8 if kind == "int8" else np.uint8) and pool.key_scales.shape == (8, 4, 1)
     names = ("a", "b")
     for name in names:
         pool.add(name)
@@ -299,7 +328,7 @@ def test_an_int8_paged_pool_quantizes_its_appends_and_attends_over_them():
         k, v = (rng.normal(size=(2, 1, 1, HEAD_DIM)).astype(np.float32) for _ in range(2))
         out = pool.attend(list(names), q, k, v, causal=True)
         for b, name in enumerate(names):
-            appended[name].append((*npattn.quantize_kv(k[b]), *npattn.quantize_kv(v[b])))
+            appended[name].append((*npattn.quantize_kv(k[b], kind), *npattn.quantize_kv(v[b], kind)))
             k_codes, k_scales, v_codes, v_scales = (np.stack([step[i] for step in appended[name]]) for i in range(4))
             table = pool.block_table([name])[0]
             held = len(appended[name])
@@ -311,7 +340,7 @@ def test_an_int8_paged_pool_quantizes_its_appends_and_attends_over_them():
             expected_out = npattn.attention(q[b:b + 1].astype(np.float64), keys, values, layout="bshd", causal=True,
                                             backend="reference")
             assert_out(out[b:b + 1], expected_out, call_case(q[b:b + 1], keys, values))
-    with pytest.raises(ValueError, match="PagedKVCache: head_dim must be a multiple of 16 for an int8 pool"):
+    with pytest.raises(ValueError, match="PagedKVCache: head_dim must be a multiple of 16 for a quantized pool"):
         PagedKVCache(num_pages=2, page_size=4, num_kv_heads=1, head_dim=8, dtype="int8")
     with pytest.raises(ValueError, match="attend_varlen reads float pools"):
         pool.attend_varlen(["a"], np.zeros((1, 2, HEAD_DIM), np.float32), np.zeros((1, 1, HEAD_DIM), np.float32),

@@ -63,7 +63,7 @@ Int = _positions("Int", (
 ))
 
 # The values of Int.KV_CODES
-KvCodes = _positions("KvCodes", ("NONE", "INT8", "FLOAT16", "BFLOAT16"))
+KvCodes = _positions("KvCodes", ("NONE", "INT8", "FLOAT16", "BFLOAT16", "FLOAT8"))
 
 # Columns of the kernels' ``spans`` operand, int64 (B, len(Span)) C-contiguous: per batch
 # entry, its live query rows [Q_START, Q_STOP), its live keys [KV_START, KV_STOP) and the
@@ -166,6 +166,14 @@ def problem_parameters(problem, dtype):
     return np.array(problem_int_values(problem), np.int64), problem_reals(problem, dtype)
 
 
+def quantized_codes(problem) -> int:
+    """The KvCodes of a quantized problem's k and v (int8, or float8 e4m3 bits held as
+    uint8); NONE for float keys."""
+    if not problem.quantized:
+        return KvCodes.NONE
+    return KvCodes.FLOAT8 if problem.k.dtype == np.uint8 else KvCodes.INT8
+
+
 def problem_int_values(problem) -> list:
     """:func:`problem_parameters`'s ints as a list, for a backend that fills in its own
     entries before making the array once (a small call's every microsecond counts)."""
@@ -185,7 +193,7 @@ def problem_int_values(problem) -> list:
         values[Int.PAGES], values[Int.PAGE_SIZE] = problem.block_table.shape[1], problem.page_size
     values[Int.DROPOUT_THRESHOLD] = problem.dropout_threshold
     values[Int.PACKED_ROWS] = int(problem.packed_rows)
-    values[Int.KV_CODES] = KvCodes.INT8 if problem.quantized else KvCodes.NONE
+    values[Int.KV_CODES] = quantized_codes(problem)
     if problem.dropout_p:  # the seed means nothing without dropout: problems differing in it alone share ints
         values[Int.SEED_LO], values[Int.SEED_HI] = seed_words(problem.seed)
         values[Int.DROPOUT_OFFSET_B:Int.DROPOUT_OFFSET_J + 1] = problem.dropout_offset

@@ -17,6 +17,7 @@ import numpy as np
 
 from .dropout import keep_threshold
 from .masks import Visibility
+from .quantization import code_values
 
 
 def accumulate_dtype_of(dtype) -> np.dtype:
@@ -174,9 +175,9 @@ def dense_keys(xp, problem):
     ``block_table`` each entry's pages gathered in order (a copy); quantized k and v
     (``k_scale``) dequantized in float64."""
     k, v = problem.k, problem.v
-    if problem.quantized:  # int8 codes times their scales, in float64 (the oracle's exact reading)
-        k = k.astype(np.float64) * problem.k_scale.astype(np.float64)[..., None]
-        v = v.astype(np.float64) * problem.v_scale.astype(np.float64)[..., None]
+    if problem.quantized:  # codes times their scales, in float64 (the oracle's exact reading)
+        k = code_values(k) * problem.k_scale.astype(np.float64)[..., None]
+        v = code_values(v) * problem.v_scale.astype(np.float64)[..., None]
     if problem.block_table is None:
         return k, v
 

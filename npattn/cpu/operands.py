@@ -16,7 +16,7 @@ from collections import namedtuple
 import numpy as np
 
 from ..core.dropout import seed_words
-from ..core.kernel_params import OPERAND_NAMES, SPAN_FIELDS, Int, KvCodes, Real, Span, default_spans, element_strides, problem_int_values, problem_pages, problem_reals, spans_with  # (Int, Real, Span: the kernels import them from here)
+from ..core.kernel_params import OPERAND_NAMES, SPAN_FIELDS, Int, KvCodes, Real, Span, quantized_codes, default_spans, element_strides, problem_int_values, problem_pages, problem_reals, spans_with  # (Int, Real, Span: the kernels import them from here)
 from ..runtime.plans import PlanCache
 from ..core.problem import signature
 from .conversion import converted
@@ -40,6 +40,7 @@ from .tuning import Tuning, current
 # are then the placeholders: one compiled kernel serves both kinds of cache).
 QUANTIZED_OPERANDS = ("k_codes", "v_codes", "k_scale", "v_scale")
 Operands = namedtuple("Operands", OPERAND_NAMES + QUANTIZED_OPERANDS)
+_SCALED = (KvCodes.INT8, KvCodes.FLOAT8)  # codes with scales
 CODE_DTYPE, SCALE_DTYPE = np.dtype(np.int8), np.dtype(np.float32)
 
 
@@ -167,7 +168,7 @@ class OperandPlan:
     def __init__(self, problem, kind, tuning, rows_per_position):
         self.dtype = dtype = problem.accumulate_dtype  # float32 for float16 inputs
         self.codes = codes = kv_codes(problem, kind, tuning)
-        keys_dtype = self._keys_dtype(problem)  # k and v as the kernels read them
+        self.keys_dtype = keys_dtype = self._keys_dtype(problem)  # k and v as the kernels read them
         no_strides = (0, 0, 0, 0)
         # (16-bit codes are read as bytes: their strides in bytes)
         bytes_per_value = 2 if codes in (KvCodes.FLOAT16, KvCodes.BFLOAT16) else 1
@@ -191,8 +192,8 @@ class OperandPlan:
     def _keys_dtype(self, problem):
         """The dtype the kernels read k and v in: int8 codes, the 16-bit floats themselves
         (as bytes), or the compute dtype (converted where it differs)."""
-        if self.codes == KvCodes.INT8:
-            return CODE_DTYPE
+        if self.codes in _SCALED:  # int8, or uint8 e4m3 bits
+            return problem.k.dtype
         return problem.k.dtype if self.codes else self.dtype
 
     def operands(self, q, k, v, arrays=None) -> Operands:
@@ -200,7 +201,7 @@ class OperandPlan:
         dtype, with the bias, mask, ALiBi slopes, sink logits, lengths and seed of
         ``arrays`` (a problem of this plan's signature; None: none of them, no dropout)."""
         dtype = self.dtype
-        keys_dtype = CODE_DTYPE if self.codes == KvCodes.INT8 else dtype
+        keys_dtype = self.keys_dtype
         q_order, k_order, v_order = self.orders
         # (contiguous in some order of axes, so ravel in memory order is a view: the
         # transpose and reshape of flat_memory, at a fifth of the cost)
@@ -209,8 +210,9 @@ class OperandPlan:
         v = _frozen(v.ravel(order="K")) if v_order is not None else row_strides(v, keys_dtype)[0]
         placeholder, mask_placeholder = self.placeholders
         quantized = (self.code_placeholder, self.code_placeholder, self.scale_placeholder, self.scale_placeholder)
-        if self.codes == KvCodes.INT8:  # the codes and scales; k and v are placeholders, which nothing reads
-            quantized = (k, v, flat_view(arrays.k_scale, SCALE_DTYPE)[0], flat_view(arrays.v_scale, SCALE_DTYPE)[0])
+        if self.codes in _SCALED:  # the codes (as int8) and scales; k and v are placeholders, which nothing reads
+            quantized = (_frozen(k.view(np.int8)), _frozen(v.view(np.int8)), flat_view(arrays.k_scale, SCALE_DTYPE)[0],
+                         flat_view(arrays.v_scale, SCALE_DTYPE)[0])
             k = v = placeholder
         elif self.codes:  # 16-bit floats as their bytes (kv_codes: always in a known memory order)
             quantized = (_frozen(k.view(np.int8)), _frozen(v.view(np.int8)), self.scale_placeholder,
@@ -265,7 +267,7 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     float16 cache: 81 ms with the copy, 10.5 ms converted by tiles (float32: 13.7 ms;
     ``bench --caches``)."""
     if problem.quantized:
-        return KvCodes.INT8
+        return KvCodes(quantized_codes(problem))
     name = problem.k.dtype.name
     if (kind != "forward" or name not in ("float16", "bfloat16") or problem.v.dtype != problem.k.dtype
             or problem.accumulate_dtype != np.float32 or not tuning.vector_products):

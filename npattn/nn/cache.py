@@ -174,8 +174,8 @@ class PagedKVCache:
     Args:
         num_pages, page_size: the pool's size.
         num_kv_heads, head_dim: the shape of the keys and values it stores.
-        dtype: the stored dtype: a float dtype, or ``"int8"`` for a quantized pool (int8
-            codes in ``keys`` / ``values`` with a float32 scale per slot and kv head in
+        dtype: the stored dtype: a float dtype, or ``"int8"`` / ``"float8_e4m3"`` for a quantized
+            pool (int8 codes, or e4m3 bits as uint8, in ``keys`` / ``values`` with a float32 scale per slot and kv head in
             ``key_scales`` / ``value_scales``, (pages, page_size, Hkv); head_dim a multiple
             of 16; the new keys come as float and are quantized as they are written, see
             :func:`npattn.quantize_kv`). xp: ``numpy`` (default) or ``cupy``.
@@ -190,11 +190,13 @@ class PagedKVCache:
         page_size = arguments.size(owner, "page_size", page_size)
         num_kv_heads = arguments.size(owner, "num_kv_heads", num_kv_heads)
         head_dim = arguments.size(owner, "head_dim", head_dim)
-        quantized = isinstance(dtype, str) and dtype == "int8" or dtype is np.int8
+        codes = {"int8": np.dtype(np.int8), "float8_e4m3": np.dtype(np.uint8)}.get(dtype) if isinstance(dtype, str) \
+            else (np.dtype(np.int8) if dtype is np.int8 else None)
+        quantized = codes is not None
         if quantized and head_dim % HEAD_DIM_MULTIPLE:
-            raise ValueError(f"{owner}: head_dim must be a multiple of {HEAD_DIM_MULTIPLE} for an int8 pool, "
+            raise ValueError(f"{owner}: head_dim must be a multiple of {HEAD_DIM_MULTIPLE} for a quantized pool, "
                              f"got {head_dim}")
-        dtype = np.dtype(np.int8) if quantized else arguments.float_dtype(owner, "dtype", dtype)
+        dtype = codes if quantized else arguments.float_dtype(owner, "dtype", dtype)
         self.page_size, self.num_kv_heads, self.head_dim = page_size, num_kv_heads, head_dim
         names, shape = ("num_pages", "page_size", "num_kv_heads", "head_dim"), (num_pages, page_size, num_kv_heads,
                                                                                 head_dim)

@@ -77,7 +77,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     ``mask``, ``bias`` or dropout.
 
     ``k_scale`` and ``v_scale``: a quantized cache (:mod:`npattn.core.quantization`):
-    k_cache and v_cache hold int8 codes and these float32 arrays, shaped like the caches
+    k_cache and v_cache hold int8 codes (or uint8 float8 e4m3 bits) and these float32 arrays, shaped like the caches
     without their last axis, a scale per key slot and kv head (key t of sequence b reads
     as ``k_cache[b, t] * k_scale[b, t][:, None]``); D and Dv must be multiples of 16. New
     k and v (q's float dtype) are quantized as :func:`npattn.quantize_kv` does and written,
@@ -216,7 +216,7 @@ class KVCachePlan:
         caches, new = (k_cache, v_cache), (None if k is None else (k, v))
         if quantized:
             caches += (k_scale, v_scale)
-            new = None if k is None else _quantized_rows(k, v)
+            new = None if k is None else _quantized_rows(k, v, k_cache.dtype)
             if self._prefix:
                 scales = _quantized.Scales(k_scale[:, :self._keys_used], v_scale[:, :self._keys_used])
             # a problem of this run's arrays: the codes, their scales and q (a quantized step
@@ -314,7 +314,7 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     caches, new = (k_cache, v_cache), (None if k is None else (k, v))
     if scales is not None:  # the codes and scales written together, at the same slots
         caches += tuple(scales)
-        new = None if k is None else _quantized_rows(k, v)
+        new = None if k is None else _quantized_rows(k, v, k_cache.dtype)
     keys, values = k_cache, v_cache
     used_scales = scales
     if pages is not None:  # every page a sequence writes or reads, checked as attention's option
@@ -697,10 +697,10 @@ def _append(caches, new, slots):
     return undo
 
 
-def _quantized_rows(k, v):
+def _quantized_rows(k, v, codes_dtype):
     """What a quantized cache's call appends for new float k and v: (k codes, v codes,
-    k scales, v scales), in the order of its caches."""
-    (k_codes, k_scales), (v_codes, v_scales) = quantize_rows(k), quantize_rows(v)
+    k scales, v scales), in the order of its caches, codes of ``codes_dtype`` (the cache's)."""
+    (k_codes, k_scales), (v_codes, v_scales) = quantize_rows(k, codes_dtype), quantize_rows(v, codes_dtype)
     return k_codes, v_codes, k_scales, v_scales
 
 

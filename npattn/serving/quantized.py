@@ -1,6 +1,7 @@
 """Quantized kv caches in the kv-cache call: int8 codes with their scales.
 
-A quantized cache is a pair per tensor: ``k_cache`` int8 (Bc, S, Hkv, D) (paged: (pages,
+A quantized cache is a pair per tensor: ``k_cache`` int8, or uint8 holding float8 e4m3
+bits (``ml_dtypes.float8_e4m3fn`` arrays: pass ``.view(np.uint8)``), (Bc, S, Hkv, D) (paged: (pages,
 page_size, Hkv, D)) and ``k_scale`` float32 shaped like it without the last axis, one
 scale per key slot and kv head; the same for v (:mod:`npattn.core.quantization`).
 :func:`npattn.attention_with_kvcache` checks them here, quantizes the float keys it
@@ -46,6 +47,9 @@ def checked_scales(q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: An
         k_scale, v_scale = checks.as_arrays(k_scale=k_scale, v_scale=v_scale, reference=q)
     check_codes("k_cache", k_cache, "k_scale", k_scale)
     check_codes("v_cache", v_cache, "v_scale", v_scale)
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache holds {k_cache.dtype} codes but v_cache {v_cache.dtype}: a quantized cache's keys and "
+                        "values share one code type (int8, or uint8 for float8 e4m3)")
     for name, width in (("k_cache", k_cache.shape[3]), ("v_cache", v_cache.shape[3])):
         if width % HEAD_DIM_MULTIPLE:
             raise ValueError(f"{name}'s head dim must be a multiple of {HEAD_DIM_MULTIPLE} for a quantized cache "

@@ -2,8 +2,8 @@
 
 A decode step is memory-bound: the kernel streams every cached key and value once. The
 rows time ``attention_with_kvcache`` (one query row per sequence, no append, causal)
-against the same keys held as float32, float16 (q float16 too) and int8 codes with
-float32 scales (q float32), interleaved in one process, and report each against int8
+against the same keys held as float32, float16 (q float16 too), and float8 e4m3 or int8
+codes with float32 scales (q float32), interleaved in one process, and report each against int8
 (the median of the per-round ratios) and the bytes each step reads per second.
 
 Shapes: (B, H / Hkv, Sk, D) = (1, 32 / 8, 16384, 128) and (16, 32 / 8, 2048, 128).
@@ -19,7 +19,7 @@ from ..core.quantization import quantize_rows
 from .timing import elapsed, interleaved_samples
 
 SHAPES = ((1, 32, 8, 16384, 128), (16, 32, 8, 2048, 128))
-CACHES = ("float32", "float16", "int8")
+CACHES = ("float32", "float16", "float8_e4m3", "int8")
 
 
 def _step(shape, cache: str, rng):
@@ -29,8 +29,9 @@ def _step(shape, cache: str, rng):
     k = rng.standard_normal((batch, keys, kv_heads, dim), dtype=np.float32)
     v = rng.standard_normal((batch, keys, kv_heads, dim), dtype=np.float32)
     q = rng.standard_normal((batch, 1, heads, dim), dtype=np.float32)
-    if cache == "int8":
-        (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
+    if cache in ("int8", "float8_e4m3"):
+        codes = np.dtype(np.int8 if cache == "int8" else np.uint8)
+        (k, k_scale), (v, v_scale) = quantize_rows(k, codes), quantize_rows(v, codes)
         scales = dict(k_scale=k_scale, v_scale=v_scale)
         read = k.nbytes + v.nbytes + k_scale.nbytes + v_scale.nbytes
     else:
