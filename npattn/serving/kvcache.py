@@ -193,14 +193,12 @@ class KVCachePlan:
         check("v_scale", v_scale, structure["v_scale"])
         quantized = self._quantized
         if self._appends:
-            _check_writable("k_cache", k_cache)
-            _check_writable("v_cache", v_cache)
-            _check_apart(k_cache, v_cache)
+            written = {"k_cache": k_cache, "v_cache": v_cache}
             if quantized:
-                _check_writable("k_scale", k_scale)
-                _check_writable("v_scale", v_scale)
-                _quantized.check_apart_all(
-                    {"k_cache": k_cache, "v_cache": v_cache, "k_scale": k_scale, "v_scale": v_scale})
+                written.update(k_scale=k_scale, v_scale=v_scale)
+            for name, array in written.items():
+                _check_writable(name, array)
+            _check_apart(written)
         scales = _quantized.Scales(k_scale, v_scale) if quantized else None
         if self._finite:
             _check_finite_reads(q, k, v, *_read_caches(k_cache, v_cache, scales), self._bias, self._seqlens,
@@ -273,6 +271,8 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
                                        quantized=quantized)
     scales = _quantized.checked_scales(q, k_cache, v_cache, *scales, appending,
                                        lambda name, array: _cache(name, array, q, True))
+    if scales is not None and appending:
+        _check_apart({"k_cache": k_cache, "v_cache": v_cache, "k_scale": scales.k_scale, "v_scale": scales.v_scale})
     cache_rows, cache_len = k_cache.shape[:2]
     block_table, cache_batch_idx, capacity = _checked_layout(q, k_cache, block_table, cache_batch_idx)
     k, v = _checked_new_keys(q, k_cache, v_cache, k, v) if appending else (None, None)
@@ -379,8 +379,8 @@ def _checked_caches(q, k_cache, v_cache, paged, written, quantized=False):
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != q.shape[3]:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree on all but "
                          f"the last axis, and k_cache's last axis must be q's head dim {q.shape[3]}")
-    if written:
-        _check_apart(k_cache, v_cache)
+    if written and not quantized:  # (a quantized cache's: with its scales, once they are checked)
+        _check_apart({"k_cache": k_cache, "v_cache": v_cache})
     if paged and k_cache.shape[1] < 1:
         raise ValueError(f"k_cache's page size (axis 1 of {shape}) must be at least 1, got shape "
                          f"{tuple(k_cache.shape)}")
@@ -476,19 +476,29 @@ def _check_writable(name, cache):
                          "keys (a broadcast view or a frozen array cannot be)")
 
 
-def _check_apart(k_cache, v_cache):
-    """The two caches written must not share memory: v's append would overwrite k's."""
-    xp = _arrays.array_module(k_cache)
-    if not getattr(xp, "may_share_memory", np.may_share_memory)(k_cache, v_cache):
-        return
+def _check_apart(written: dict):
+    """No two of the ``written`` arrays (name -> array: the caches, and a quantized cache's
+    scales) may share memory: one's append would overwrite what another just took."""
+    names = list(written)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            if _share_memory(written[first], written[second]):
+                raise ValueError(f"{first} and {second} share memory: appending to {second} would overwrite what "
+                                 f"{first} just took (pass separate arrays, or views of disjoint parts of one)")
+
+
+def _share_memory(first, second) -> bool:
+    """Whether two arrays overlap: their bounds first, then NumPy's exact test (disjoint
+    interleaved views of one array pass)."""
+    xp = _arrays.array_module(first)
+    if not getattr(xp, "may_share_memory", np.may_share_memory)(first, second):
+        return False
     if xp is np:
         try:
-            if not np.shares_memory(k_cache, v_cache, max_work=10**6):
-                return
+            return bool(np.shares_memory(first, second, max_work=10**6))
         except np.exceptions.TooHardError:
             pass
-    raise ValueError("k_cache and v_cache share memory: appending v would overwrite the keys just appended "
-                     "(pass separate arrays, or views of disjoint parts of one)")
+    return True
 
 
 def _four_d(name, array, described, float_values=True):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from ..core import arrays as _arrays
 from ..core import checks
 from ..core.quantization import HEAD_DIM_MULTIPLE, check_codes
 
@@ -29,15 +28,13 @@ class Scales(NamedTuple):
 
 def checked_scales(q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any, written: bool,
                    check_cache) -> Scales | None:
-    """The scales as arrays of q's kind (None for a float cache), after checking that the
-    caches are int8 codes with float32 scales of their shape without the last axis and
-    head dims that are whole multiples of 16. ``check_cache(name, array)``: the checks a
-    cache the call writes must pass (writable, native, no broadcast axis)."""
+    """The scales as arrays of q's kind (None for a float cache, whose integer codes
+    without scales the caches' own checks refuse), after checking that the caches are
+    int8 or e4m3 codes with float32 scales of their shape without the last axis and head
+    dims that are whole multiples of 16. ``check_cache(name, array)``: the checks a cache
+    the call writes must pass (writable, native, no broadcast axis); that no two written
+    arrays overlap is the caller's check, once the scales are known."""
     if k_scale is None and v_scale is None:
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if cache.dtype.kind in "iu":
-                raise TypeError(f"{name} holds {cache.dtype} codes: pass k_scale and v_scale, the scale of every "
-                                "key slot and kv head (npattn.quantize_kv makes both)")
         return None
     if k_scale is None or v_scale is None:
         raise ValueError("k_scale and v_scale must be given together (a quantized cache has both), or neither")
@@ -54,20 +51,7 @@ def checked_scales(q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: An
         if width % HEAD_DIM_MULTIPLE:
             raise ValueError(f"{name}'s head dim must be a multiple of {HEAD_DIM_MULTIPLE} for a quantized cache "
                              f"(the kernels read whole vectors of it), got {width}")
-    if written:
-        check_apart_all({"k_cache": k_cache, "v_cache": v_cache, "k_scale": k_scale, "v_scale": v_scale})
     return Scales(k_scale, v_scale)
-
-
-def check_apart_all(arrays: dict) -> None:
-    """No two of the arrays a call writes share memory (one write would overwrite another's)."""
-    names = list(arrays)
-    for i, first in enumerate(names):
-        for second in names[i + 1:]:
-            xp = _arrays.array_module(arrays[first])
-            if getattr(xp, "may_share_memory")(arrays[first], arrays[second]):
-                raise ValueError(f"{first} and {second} share memory: appending to one would overwrite the other "
-                                 "(pass separate arrays)")
 
 
 def stand_ins(xp: Any, keys: Any, values: Any, dtype: Any) -> tuple[Any, Any]:
