@@ -42,9 +42,7 @@ def converted(array: np.ndarray, dtype) -> np.ndarray | None:
     pair = (array.dtype, dtype)
     if not MICROKERNELS or pair not in ((_FLOAT16, _FLOAT32), (_FLOAT32, _FLOAT16)) or type(array) is not np.ndarray:
         return None
-    from .operands import memory_order  # (operands imports this module: at call time, no import circle)
-
-    order = memory_order(array, array.dtype)
+    order = _memory_order(array)
     if order is None:
         return None
     source = array.transpose(order).reshape(-1)  # a view, in memory order
@@ -59,3 +57,13 @@ def converted(array: np.ndarray, dtype) -> np.ndarray | None:
         out[whole:] = source[whole:]  # the last values, fewer than a vector
     return out.reshape(tuple(array.shape[axis] for axis in order)).transpose(inverse)
 
+
+def _memory_order(array):
+    """The axis order in which ``array`` is C-contiguous: its own, or (0, 2, 1, 3) for a
+    bhsd view of a bshd array; None for any other layout. (:func:`npattn.cpu.operands.memory_order`
+    says the same with a dtype check, but operands imports this module: no import circle.)"""
+    if array.flags.c_contiguous:
+        return tuple(range(array.ndim))
+    if array.ndim == 4 and array.transpose(0, 2, 1, 3).flags.c_contiguous:
+        return (0, 2, 1, 3)
+    return None
