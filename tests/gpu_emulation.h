@@ -1,28 +1,33 @@
 // A host build of npattn's CUDA kernels, for tests on machines with no GPU.
 //
-// Every CUDA thread of a block runs as an OS thread; __syncthreads() is a barrier of
-// the block's threads, __shfl_xor_sync an exchange through a per-warp buffer between
-// two barriers of the warp's 32 threads, and mma.sync m16n8k16 a product computed from
-// the whole warp's fragments as the PTX ISA lays them out; ldmatrix gathers the warp's
-// row addresses the same way. cp.async copies are queued per thread and carried out
+// Every CUDA thread of a block runs as a fiber (its own stack and registers, switched in
+// user space) on the launching OS thread; __syncthreads() is a barrier of the block's
+// fibers, __shfl_xor_sync an exchange through a per-warp buffer between two barriers of
+// the warp's 32 fibers, and mma.sync m16n8k16 a product computed from the whole warp's
+// fragments as the PTX ISA lays them out; ldmatrix gathers the warp's row addresses the
+// same way. A fiber runs until it waits at a barrier, then the next one runs, in thread
+// order: a launch is deterministic, and a barrier costs two context switches in user
+// space instead of a futex wake of every OS thread (the emulation ran 3-5x slower with
+// one OS thread per CUDA thread, most of it in the kernel's scheduler). A barrier that
+// can never complete (warp divergence around a shuffle) aborts with a message instead
+// of hanging. cp.async copies are queued per thread and carried out
 // only when cp.async.wait_group retires their group, so a tile read before its wait
 // (or before the barrier after it) reads stale or NaN bytes, as it could on a GPU. Blocks run one after another
-// on the same threads. Dynamic shared memory starts filled with NaN bytes, so a read
+// on the same fibers. Dynamic shared memory starts filled with NaN bytes, so a read
 // before a write shows up in the results. What this cannot show: races the hardware's
-// memory model would expose, warp divergence around a shuffle (a deadlock here), the
-// hardware's own rounding inside mma, performance.
+// memory model would expose, the hardware's own rounding inside mma, performance.
 //
 // tests/gpu_emulation.py prepends this to npattn.gpu.sources.source() and adds one
 // extern "C" launcher per instantiation.
 #pragma once
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <thread>
+#include <sys/mman.h>
+#include <ucontext.h>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -37,13 +42,22 @@
 struct uint3 { unsigned x, y, z; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 
+// A barrier of `expected` fibers: the last to arrive opens it (a new generation); the
+// others yield to the next fiber until it has opened.
+struct EmulatedBarrier {
+    explicit EmulatedBarrier(int expected) : expected(expected) {}
+    void arrive_and_wait();
+    int expected, arrived = 0;
+    unsigned long generation = 0;
+};
+
 struct EmulatedBlock {
     explicit EmulatedBlock(int threads, size_t shared_bytes)
         : barrier(threads), shared(shared_bytes + 16, 0xFF) {
-        for (int w = 0; w < (threads + 31) / 32; ++w) warps.push_back(std::make_unique<std::barrier<>>(32));
+        for (int w = 0; w < (threads + 31) / 32; ++w) warps.push_back(std::make_unique<EmulatedBarrier>(32));
     }
-    std::barrier<> barrier;
-    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    EmulatedBarrier barrier;
+    std::vector<std::unique_ptr<EmulatedBarrier>> warps;
     std::vector<unsigned char> shared;
     double exchange[32][32];
     unsigned mma_a[32][32][4], mma_b[32][32][2];  // [warp][lane][register]
@@ -57,9 +71,98 @@ struct EmulatedCopies {
     std::vector<EmulatedCopy> open;
 };
 
+// A suspended fiber's registers. On x86-64, its stack pointer, with the callee-saved
+// registers pushed on its stack: a switch is a few pushes and pops, where swapcontext
+// also saves the signal mask with a system call (a quarter of the emulation's time).
+// Elsewhere, a ucontext.
+#if defined(__x86_64__)
+struct EmulatedContext { void* stack_pointer = nullptr; };
+extern "C" void npattn_emulated_switch(void** save, void* load);
+asm(R"(
+    .text
+    .p2align 4
+    .hidden npattn_emulated_switch
+    .globl npattn_emulated_switch
+    .type npattn_emulated_switch, @function
+npattn_emulated_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size npattn_emulated_switch, .-npattn_emulated_switch
+)");
+// Save the running context into `from`, resume `to`.
+inline void emulated_switch(EmulatedContext& from, EmulatedContext& to) {
+    npattn_emulated_switch(&from.stack_pointer, to.stack_pointer);
+}
+// A context that starts `entry` (which never returns) on `stack`: the first switch to it
+// pops zeroed registers and returns into `entry` with the stack aligned as after a call.
+inline void emulated_start(EmulatedContext& context, char* stack, size_t bytes, void (*entry)()) {
+    void** top = reinterpret_cast<void**>(stack + bytes);
+    *--top = nullptr;                                 // entry's own return address: none
+    *--top = reinterpret_cast<void*>(entry);
+    for (int r = 0; r < 6; ++r) *--top = nullptr;     // rbp, rbx, r12-r15
+    context.stack_pointer = top;
+}
+#else
+struct EmulatedContext { ucontext_t context; };
+inline void emulated_switch(EmulatedContext& from, EmulatedContext& to) { swapcontext(&from.context, &to.context); }
+inline void emulated_start(EmulatedContext& context, char* stack, size_t bytes, void (*entry)()) {
+    getcontext(&context.context);
+    context.context.uc_stack.ss_sp = stack;
+    context.context.uc_stack.ss_size = bytes;
+    context.context.uc_link = nullptr;
+    makecontext(&context.context, entry, 0);
+}
+#endif
+
+// The running fiber's view, set by the launch's scheduler before it switches to a fiber
+// (thread_local: launches on different OS threads run side by side).
+struct EmulatedFiber;
 thread_local uint3 threadIdx, blockIdx, blockDim;
 thread_local EmulatedBlock* emulated_block;
-thread_local EmulatedCopies emulated_copies;
+thread_local EmulatedFiber* emulated_fiber;
+thread_local EmulatedCopies* emulated_copies_of_fiber;
+#define emulated_copies (*emulated_copies_of_fiber)
+
+// One CUDA thread: its context, its stack and its cp.async queue.
+struct EmulatedFiber {
+    EmulatedContext context;
+    EmulatedCopies copies;
+    int thread = 0;
+    unsigned block = 0;
+    bool finished = false;
+};
+
+// The launch's scheduler: its own context, the fiber running, and a count of events
+// (arrivals, openings, finished fibers) by which it tells a wait from a deadlock.
+thread_local EmulatedContext* emulated_scheduler;
+thread_local unsigned long emulated_progress;
+
+// Back to the scheduler, which resumes the next fiber in thread order.
+inline void emulated_yield() { emulated_switch(emulated_fiber->context, *emulated_scheduler); }
+
+inline void EmulatedBarrier::arrive_and_wait() {
+    ++emulated_progress;
+    if (++arrived == expected) {
+        arrived = 0;
+        ++generation;
+        return;
+    }
+    const unsigned long waiting_for = generation;
+    while (generation == waiting_for) emulated_yield();
+}
 
 #define NPATTN_DYNAMIC_SHARED(name) unsigned char* name = emulated_block->shared.data()
 
@@ -196,29 +299,88 @@ std::tuple<P...> unpack_arguments(void** args, std::index_sequence<I...>) {
     return std::tuple<P...>(*static_cast<P*>(args[I])...);
 }
 
+// A fiber's stack: its own mapping, touched only as deep as the kernel goes.
+constexpr size_t EMULATED_STACK_BYTES = 1 << 20;
+
+template <typename... P>
+struct EmulatedLaunch {
+    void (*kernel)(P...);
+    std::tuple<P...> values;
+    int blocks, threads;
+    EmulatedBlock* state;
+    std::vector<EmulatedFiber>* fibers;
+};
+
+template <typename... P>
+thread_local EmulatedLaunch<P...>* emulated_launch;
+
+// A fiber's body: every block in turn on CUDA thread `emulated_fiber->thread`.
+template <typename... P>
+void emulated_fiber_body() {
+    EmulatedLaunch<P...>& launch = *emulated_launch<P...>;
+    EmulatedFiber& fiber = *emulated_fiber;
+    EmulatedBlock& state = *launch.state;
+    for (int block = 0; block < launch.blocks; ++block) {
+        fiber.block = (unsigned)block;
+        blockIdx = {(unsigned)block, 0, 0};
+        std::apply(launch.kernel, launch.values);
+        if (!fiber.copies.open.empty() || !fiber.copies.committed.empty()) {
+            std::fprintf(stderr, "npattn emulation: a kernel returned with cp.async copies never waited for\n");
+            std::abort();
+        }
+        state.barrier.arrive_and_wait();  // the whole block is done
+        if (fiber.thread == 0) std::fill(state.shared.begin(), state.shared.end(), (unsigned char)0xFF);
+        state.barrier.arrive_and_wait();  // fresh NaN-filled shared memory for the next block
+    }
+    fiber.finished = true;
+    ++emulated_progress;
+    emulated_yield();  // for good: the scheduler never resumes a finished fiber
+    std::abort();
+}
+
 template <typename... P>
 void emulate_launch(void (*kernel)(P...), int blocks, int threads, size_t shared_bytes, void** args) {
-    const std::tuple<P...> values = unpack_arguments<P...>(args, std::index_sequence_for<P...>{});
-    // one OS thread per CUDA thread of a block, reused block after block
     EmulatedBlock state(threads, shared_bytes);
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) {
-        pool.emplace_back([&, t] {
-            threadIdx = {(unsigned)t, 0, 0};
-            blockDim = {(unsigned)threads, 1, 1};
-            emulated_block = &state;
-            for (int block = 0; block < blocks; ++block) {
-                blockIdx = {(unsigned)block, 0, 0};
-                std::apply(kernel, values);
-                if (!emulated_copies.open.empty() || !emulated_copies.committed.empty()) {
-                    std::fprintf(stderr, "npattn emulation: a kernel returned with cp.async copies never waited for\n");
-                    std::abort();
-                }
-                state.barrier.arrive_and_wait();  // the whole block is done
-                if (t == 0) std::fill(state.shared.begin(), state.shared.end(), (unsigned char)0xFF);
-                state.barrier.arrive_and_wait();  // fresh NaN-filled shared memory for the next block
-            }
-        });
+    std::vector<EmulatedFiber> fibers(threads);
+    EmulatedLaunch<P...> launch{kernel, unpack_arguments<P...>(args, std::index_sequence_for<P...>{}), blocks,
+                                threads, &state, &fibers};
+    EmulatedContext scheduler;
+    const size_t stacks_bytes = EMULATED_STACK_BYTES * threads;
+    void* stacks = mmap(nullptr, stacks_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                        -1, 0);
+    if (stacks == MAP_FAILED) {
+        std::fprintf(stderr, "npattn emulation: no memory for %d fiber stacks\n", threads);
+        std::abort();
     }
-    for (auto& thread : pool) thread.join();
+    emulated_launch<P...> = &launch;
+    emulated_scheduler = &scheduler;
+    emulated_block = &state;
+    blockDim = {(unsigned)threads, 1, 1};
+    for (int t = 0; t < threads; ++t) {
+        EmulatedFiber& fiber = fibers[t];
+        fiber.thread = t;
+        emulated_start(fiber.context, static_cast<char*>(stacks) + EMULATED_STACK_BYTES * t, EMULATED_STACK_BYTES,
+                       emulated_fiber_body<P...>);
+    }
+    // Round after round, resume each unfinished fiber in thread order; a round in which
+    // nothing arrived, opened or finished means every fiber waits on a barrier that cannot open.
+    for (int alive = threads; alive > 0;) {
+        const unsigned long before = emulated_progress;
+        alive = 0;
+        for (EmulatedFiber& fiber : fibers) {
+            if (fiber.finished) continue;
+            emulated_fiber = &fiber;
+            emulated_copies_of_fiber = &fiber.copies;
+            threadIdx = {(unsigned)fiber.thread, 0, 0};
+            blockIdx = {fiber.block, 0, 0};
+            emulated_switch(scheduler, fiber.context);
+            alive += !fiber.finished;
+        }
+        if (alive > 0 && emulated_progress == before) {
+            std::fprintf(stderr, "npattn emulation: every thread of the block waits at a barrier that cannot open "
+                                 "(a barrier or shuffle some threads of a block or warp never reach)\n");
+            std::abort();
+        }
+    }
+    munmap(stacks, stacks_bytes);
 }

@@ -1,5 +1,5 @@
 """Run npattn's CUDA kernels on the CPU: the sources built by the host C++ compiler with
-tests/gpu_emulation.h (one OS thread per CUDA thread), launched through ctypes in place
+tests/gpu_emulation.h (one fiber per CUDA thread), launched through ctypes in place
 of CuPy.
 
 :func:`emulated_gpu` patches :mod:`npattn.gpu.launch` and the backend's availability so
@@ -100,9 +100,14 @@ def _built_name(launchers, kind, storage, bound, config):
 def build(directory: Path) -> tuple[ctypes.CDLL, dict]:
     """Compile the emulation library into ``directory`` (reused while the sources are
     unchanged); returns it and a map from name expression to its launcher."""
-    names = _names()
+    return build_source(directory, sources.source(), _names())
+
+
+def build_source(directory: Path, text: str, names) -> tuple[ctypes.CDLL, dict]:
+    """:func:`build` for any CUDA source ``text`` and its kernels' name expressions
+    ``names`` (the emulation's own tests build small kernels of their own)."""
     launchers = {name: f"npattn_launch_{index}" for index, name in enumerate(names)}
-    text = "\n".join([_HEADER.read_text(), sources.source()] + [
+    text = "\n".join([_HEADER.read_text(), text] + [
         f'extern "C" void {symbol}(int blocks, int threads, size_t shared, void** args) '
         f"{{ emulate_launch(&{name}, blocks, threads, shared, args); }}"
         for name, symbol in launchers.items()])
@@ -114,6 +119,15 @@ def build(directory: Path) -> tuple[ctypes.CDLL, dict]:
         subprocess.run([compiler(), "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-w",
                         "-o", str(library), str(source)], check=True)
     return ctypes.CDLL(str(library)), launchers
+
+
+def run_kernel(library: ctypes.CDLL, launchers: dict, name: str, blocks: int, threads: int, shared_bytes: int,
+           arguments) -> None:
+    """Run the kernel ``name`` on ``blocks`` blocks of ``threads`` threads with
+    ``arguments`` (NumPy arrays by their data pointers, ints as 64-bit integers)."""
+    values = [_argument(a) for a in arguments]
+    pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    getattr(library, launchers[name])(int(blocks), int(threads), ctypes.c_size_t(shared_bytes), pointers)
 
 
 def _argument(value):
@@ -132,9 +146,7 @@ def emulated_gpu(monkeypatch, library, launchers):
             return
         name = _built_name(launchers, kind, storage, bound, config)
         threads = 32 * config["warps"] if kind == "forward_tc" else sources.THREADS
-        values = [_argument(a) for a in arguments]
-        pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-        getattr(library, launchers[name])(int(blocks), threads, ctypes.c_size_t(shared_bytes), pointers)
+        run_kernel(library, launchers, name, blocks, threads, shared_bytes, arguments)
 
     with monkeypatch.context() as patch:
         patch.setattr(launch, "run", run)

@@ -29,10 +29,10 @@ ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
 # The shared strategies draw lengths up to 9: one tile of the GPU kernels (16 query rows,
 # 16-32 keys; 64 x 64 on tensor cores). Lengths up to 80 cover several query and key
 # tiles of each (the online softmax
-# across key tiles, dK/dV over query tiles), at a cost: each emulated launch runs one OS
-# thread per CUDA thread, so those get fewer examples.
+# across key tiles, dK/dV over query tiles), at a cost: each emulated launch runs every
+# CUDA thread in turn on one core, so those get fewer examples.
 MANY_TILES = dims(max_len=80, max_dim=24)
-# Each emulated launch runs one OS thread per CUDA thread: the properties here draw a
+# Each emulated launch runs every CUDA thread in turn on one core: the properties here draw a
 # quarter of the profile's examples (25 in CI, 250 with --hypothesis-profile=dev), those
 # over many tiles an eighth; the same properties on a real GPU (test_gpu.py) and on the
 # CPU draw the full count.
