@@ -18,7 +18,7 @@ from numba import njit
 FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
 # error_model "numpy": a float division by zero gives inf or NaN as IEEE says, never a
 # Python ZeroDivisionError from inside a kernel (non-finite inputs reach those divisions)
-OPTIONS = {"cache": True, "fastmath": FASTMATH, "nogil": True, "error_model": "numpy"}
+OPTIONS = {"cache": True, "fastmath": FASTMATH, "nogil": True, "error_model": "numpy", "_nrt": False}
 HELPER_OPTIONS = {**OPTIONS, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
 kernel = njit(**OPTIONS)
 helper = njit(**HELPER_OPTIONS)
