@@ -111,6 +111,25 @@ def test_the_cpu_kernels_make_rows_with_a_non_finite_score_nan_themselves(case):
         check_kernel_marks_non_finite_rows(cpu, case)
 
 
+@given(case=planted_cases(), clean=st.booleans())
+def test_the_cpu_forward_reports_whether_out_is_finite_as_reading_out_would(case, clean):
+    """The kernel's report (``ForwardResult.finite``) stands in for a pass over out: it must
+    agree with one on clean inputs and on every planted NaN and inf, in v too (the
+    ``0 * NaN`` of keys a row does not see), over tiles of 2 x 3 that split every row's
+    keys. Unknown (None) only where merged key ranges wrote rows the kernel did not."""
+    arrays = {name: getattr(case, name) for name in ("q", "k", "v")}
+    if clean:
+        arrays = {name: np.nan_to_num(array, nan=0.0, posinf=1.0, neginf=-1.0) for name, array in arrays.items()}
+    options = dict(case.options)
+    if clean and "bias" in options:
+        options["bias"] = np.nan_to_num(options["bias"], nan=0.0, posinf=1.0, neginf=-1.0)
+    problem = build_problem(arrays["q"], arrays["k"], arrays["v"], **options)
+    with cpu.tile_sizes(2, 3):
+        result = cpu.forward(problem)
+    if result.finite is not None:
+        assert result.finite == bool(np.isfinite(np.asarray(result.out, np.float64)).all())
+
+
 @pytest.mark.parametrize("planted", ["q inf", "k -inf", "bias +inf", "bias nan", "overflow"])
 def test_no_non_finite_input_raises_from_a_cpu_kernel(planted):
     rng = np.random.default_rng(0)

@@ -3,16 +3,29 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .arrays import all_finite
+
 
 class ForwardResult(NamedTuple):
     """bhsd-ordered arrays: ``out`` (B, H, Sq, Dv), ``lse`` (B, H, Sq) or None,
     ``weights`` (B, H, Sq, Sk) or None; ``saved`` is whatever the same backend's
-    backward needs (kernels keep out and lse; nothing Sq x Sk)."""
+    backward needs (kernels keep out and lse; nothing Sq x Sk). ``finite``: whether
+    ``out`` is all finite, where the backend knows it from the kernel (None: unknown,
+    :func:`out_is_finite` reads out)."""
 
     out: Any
     lse: Any = None
     weights: Any = None
     saved: Any = None
+    finite: bool | None = None
+
+
+def out_is_finite(result: ForwardResult) -> bool:
+    """No NaN or inf in ``result.out``: what the kernel reported, else a pass over out
+    (:func:`~npattn.core.arrays.all_finite`)."""
+    if result.finite is not None:
+        return result.finite
+    return all_finite(result.out)
 
 
 class Gradients(NamedTuple):

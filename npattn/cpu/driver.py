@@ -14,7 +14,7 @@ from . import folding, splitting
 from .blas import single_threaded_blas
 from .conversion import converted
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
-from .threads import run_items
+from .threads import NON_FINITE, run_items
 from .scratch import (aligned_zeros, backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs,
                       gradient_tile_specs, scratch_set, weights_scratch_specs, with_dropout_copy)
 from .operands import Int, read_only, operand_plan, row_strides
@@ -108,8 +108,9 @@ class ForwardPlan:
         with pin:
             begin_reuse()
             try:
-                run_items(forward_kernel, (*ops, out_parts.reshape(-1), self.out_strides, lse_parts.reshape(-1)),
-                          self.items, lambda: scratch_set(self.scratch_specs), self.flops)
+                status = run_items(forward_kernel, (*ops, out_parts.reshape(-1), self.out_strides,
+                                                    lse_parts.reshape(-1)),
+                                   self.items, lambda: scratch_set(self.scratch_specs), self.flops)
                 if self.bshd:
                     out = out.transpose(0, 2, 1, 3)
                 if self.splits > 1:
@@ -127,7 +128,10 @@ class ForwardPlan:
             lse = folding.unfold_rows(lse, self.fold_shape)
         # float16 out converted here, on the vector units (the backward keeps float32's)
         shown = out if self.user_dtype != np.float16 else converted(out, np.float16)
-        return ForwardResult(out=out if shown is None else shown, lse=lse, weights=weights, saved=(out, lse))
+        # the kernel saw every out row it wrote; merged key ranges are new rows it did not see
+        finite = not status[NON_FINITE] if self.splits == 1 else None
+        return ForwardResult(out=out if shown is None else shown, lse=lse, weights=weights, saved=(out, lse),
+                             finite=finite)
 
 
 _NO_PIN = contextlib.nullcontext()

@@ -24,7 +24,7 @@ import numpy as np
 from .blas import gemm
 from .jit import helper, kernel
 from .signatures import as_offset, as_readonly, larger, smaller
-from .threads import next_item
+from .threads import NON_FINITE, next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, row_max
 from .microkernels import pair_product, product
@@ -63,6 +63,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     :func:`~npattn.cpu.scratch.forward_scratch_specs`. With KV_CODES, k and v are
     placeholders and each key tile is read from ``k_codes`` and ``v_codes`` (int8 times
     their scales, or 16-bit floats: :func:`~npattn.cpu.tiles.dequantize_tile`).
+    ``counter[NON_FINITE]`` becomes 1 where an out row it wrote holds a NaN or an inf.
 
     One function from the item loop down to the tile's key loop, not a helper per
     tile: Numba optimizes and emits machine code for a function together with every
@@ -169,8 +170,15 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
             o = out_offset + r * out_row_stride
             if seen[r]:
                 factor = keep_scale / total[r]
+                # the caller need not read out again for NaN or inf: the row tells it
+                # (counter[NON_FINITE]). A comparison, which no fastmath flag here lets
+                # LLVM fold (x - x, say, it folds to 0 under "reassoc")
+                finite = True
                 for x in range(as_offset(o), as_offset(o + dv)):
                     out[x] *= factor
+                    finite &= abs(out[x]) < np.inf
+                if not finite:
+                    counter[NON_FINITE] = 1
                 lse[lse_offset + r] = m[r] + math.log(total[r])
             else:
                 for x in range(as_offset(o), as_offset(o + dv)):

@@ -10,11 +10,12 @@ Every backend's kernels follow the score rules themselves: the exp keeps a NaN s
 NaN, and a row of NaN scores is not taken for an empty one (a backend must, or a NaN
 query row would come back as an empty row's finite zeros). What a tile product cannot
 know is which zero weights belong to keys a row does not see: ``0 * NaN`` there would
-leak a value the row never reads. So a result is checked after the kernel, at the cost
-of a min and a max over ``out``: finite, it stands; not (a NaN or an inf), the call is
+leak a value the row never reads. So a result is checked after the kernel (the CPU
+kernels report it as they write out's rows; elsewhere a pass over ``out``,
+:func:`~npattn.core.results.out_is_finite`): finite, it stands; not (a NaN or an inf), the call is
 answered by the float64 reference, and its vjp by the reference's backward (a
 MemoryError says so first when the reference's S x S arrays cannot fit:
-:mod:`npattn.runtime.limits`). Finite inputs pay a min and a max over out (and over dout and
+:mod:`npattn.runtime.limits`). Finite inputs pay that check (and a pass over dout and
 the gradients in the backward) and get the kernels' results.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 from . import limits
 from .. import reference
 from ..core.arrays import all_finite, all_finite_arrays
+from ..core.results import out_is_finite
 
 
 def forward(problem, implementation):
@@ -29,7 +31,7 @@ def forward(problem, implementation):
     reference's where the inputs or the result are not all finite (then the reference
     also runs the backward)."""
     result = implementation.forward(problem)
-    if implementation is reference or all_finite(result.out):
+    if implementation is reference or out_is_finite(result):
         return result, implementation
     limits.check_memory(problem, reference.NAME, because=_WHY_REFERENCE)
     return reference.forward(problem), reference
