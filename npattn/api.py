@@ -14,7 +14,7 @@ from .core import options as _options
 from .runtime import plans as _plans
 from .core.arrays import all_finite, all_finite_arrays, array_kind, check_native
 from .core.problem import ARRAY_FIELDS, AttentionProblem, to_user_layout
-from .core.results import ForwardResult, Gradients
+from .core.results import ForwardResult, Gradients, out_is_finite
 from .types import Array, ArrayLike, Outputs, Vjp
 from .core.validation import build_problem, check_cotangent
 
@@ -146,6 +146,7 @@ class Plan:
         self._form = OutputForm.of(problem)
         self._structure = tuple(checks.structure_of(to_user_layout(x, problem.layout))
                                 for x in (problem.q, problem.k, problem.v))
+        self._exact = tuple(exact for exact, _ in self._structure)
         # the backend's own plans of the structure (the CPU's tiles, work items, scratch):
         # the forward's now, the backward's at the first vjp
         self._forward_plan = (implementation.forward_plan(problem)
@@ -227,8 +228,9 @@ class Plan:
 
     def _check(self, q: Any, k: Any, v: Any) -> None:
         """The structure check (and ``check_finite``'s), naming the first array that differs."""
-        for name, array, expected in zip("qkv", (q, k, v), self._structure):
-            checks.check_structure(name, array, expected)
+        if checks.exact_structures(q, k, v) != self._exact:
+            for name, array, expected in zip("qkv", (q, k, v), self._structure):
+                checks.check_structure(name, array, expected)
         if self._check_finite:
             for name, array in (("q", q), ("k", k), ("v", v), ("bias", self._user_bias)):
                 checks.check_all_finite(name, array)
@@ -265,7 +267,7 @@ class Plan:
         form = self._form
         arrays = (seeded or self._problem) if self._reads_problem else None
         result = self._forward_plan(_to_bhsd(form, q), _to_bhsd(form, k), _to_bhsd(form, v), arrays)
-        if result is None or not all_finite(result.out):
+        if result is None or not out_is_finite(result):
             return None
         return result
 
@@ -511,7 +513,7 @@ class OutputForm(NamedTuple):
 def _public_outputs(form: OutputForm, result: ForwardResult, finite: bool = False) -> Outputs:
     """``result`` as the user gets it. Not ``finite`` (unknown), a float64 reference answer
     (non-finite inputs) may pass the user dtype's range: inf, without a warning."""
-    if not finite:
+    if not finite and _narrows(form, result):
         with np.errstate(over="ignore"):
             return _public_outputs(form, result, finite=True)
     out = _user_array(form, result.out, form.dtype)
@@ -521,6 +523,14 @@ def _public_outputs(form: OutputForm, result: ForwardResult, finite: bool = Fals
     if form.return_weights:
         extras.append(result.weights.astype(form.dtype, copy=False))
     return (out, *extras) if extras else out
+
+
+def _narrows(form: OutputForm, result: ForwardResult) -> bool:
+    """Whether :func:`_public_outputs` converts an array of ``result`` to another dtype
+    (where a value may pass the dtype's range; the kernels' own results need none, and
+    skip the 1.5 us of ``np.errstate``)."""
+    return (result.out.dtype != form.dtype or (form.return_lse and result.lse.dtype != form.lse_dtype)
+            or (form.return_weights and result.weights.dtype != form.dtype))
 
 
 def _user_array(form: OutputForm, array_bhsd: Any, dtype: Any) -> Array:

@@ -174,6 +174,18 @@ def structure_of(array):
     return exact, exact[:3] + (tuple(0 if size == 1 else stride for size, stride in zip(array.shape, array.strides)),)
 
 
+def exact_structures(*arrays) -> tuple:
+    """Each array's ``exact`` of :func:`structure_of` (None for None), as one tuple: a plan
+    holding its arrays' tuple passes a run whose tuple is equal with one comparison
+    (1 us for five arrays, where :func:`check_structure` on each costs 2), and checks each
+    array only when it differs, to name the one that does."""
+    try:
+        return tuple(None if array is None else (type(array), array.dtype, array.shape, array.strides)
+                     for array in arrays)
+    except AttributeError:  # not an array: the checks one by one name it
+        return ()
+
+
 def check_structure(name, array, expected):
     """Raise ValueError naming ``name`` unless ``array`` has the ``expected`` structure (of
     :func:`structure_of`; None: the plan was made without this array)."""

@@ -157,6 +157,8 @@ class KVCachePlan:
         # the call that planned runs first; the api's Plan of the attention, made at a second run
         self._checked, self._attend, self._structure = checked, None, structure
         self._quantized = structure["k_scale"] is not None
+        self._exact = tuple(None if structure[name] is None else structure[name][0]
+                            for name in ("q", "k_cache", "v_cache", "k", "v", "k_scale", "v_scale"))
         self._planned_problem = api.owned(checked[0])  # for the runs, which check no option again
         (self._seqlens, self._starts, self._pages, self._rows, self._positions, self._keys_used, self._prefix,
          self._page_size) = metadata
@@ -183,14 +185,15 @@ class KVCachePlan:
                              else "the plan was made with prefix_k and prefix_v: pass this layer's")
         if shared is not None:
             shared.check_run(prefix_k, prefix_v)
-        structure, check = self._structure, checks.check_structure
-        check("q", q, structure["q"])
-        check("k_cache", k_cache, structure["k_cache"])
-        check("v_cache", v_cache, structure["v_cache"])
-        check("k", k, structure["k"])
-        check("v", v, structure["v"])
-        check("k_scale", k_scale, structure["k_scale"])
-        check("v_scale", v_scale, structure["v_scale"])
+        if checks.exact_structures(q, k_cache, v_cache, k, v, k_scale, v_scale) != self._exact:
+            structure, check = self._structure, checks.check_structure
+            check("q", q, structure["q"])
+            check("k_cache", k_cache, structure["k_cache"])
+            check("v_cache", v_cache, structure["v_cache"])
+            check("k", k, structure["k"])
+            check("v", v, structure["v"])
+            check("k_scale", k_scale, structure["k_scale"])
+            check("v_scale", v_scale, structure["v_scale"])
         quantized = self._quantized
         if self._appends:
             written = {"k_cache": k_cache, "v_cache": v_cache}
@@ -488,8 +491,12 @@ def _check_apart(written: dict):
 
 
 def _share_memory(first, second) -> bool:
-    """Whether two arrays overlap: their bounds first, then NumPy's exact test (disjoint
-    interleaved views of one array pass)."""
+    """Whether two arrays overlap: two NumPy arrays that each own their memory never do
+    (the common case, decided without reading a bound); else their bounds, then NumPy's
+    exact test (disjoint interleaved views of one array pass)."""
+    if (type(first) is np.ndarray and type(second) is np.ndarray and first.base is None and second.base is None
+            and first is not second):
+        return False
     xp = _arrays.array_module(first)
     if not getattr(xp, "may_share_memory", np.may_share_memory)(first, second):
         return False

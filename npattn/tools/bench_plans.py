@@ -5,7 +5,8 @@ CPU; each number the best of ``repeats`` runs of ``calls`` back-to-back calls, i
 
 - (1, 8, 16 x 16, 64): ``attention`` against ``plan(...).run``, causal, with
   ``kv_lengths``, and with a (16, 16) bias and ALiBi slopes (``attention`` plans only calls
-  of plain option values, and checks option arrays in full at every call);
+  of plain option values, and checks option arrays in full at every call); where torch is
+  importable, its CPU SDPA of the causal call as the bar;
 - one layer of a decode step, (1, 8/2, 1 new + 40 cached, 64) on a contiguous cache and a
   batch of 4 on pages of 16: ``attention_with_kvcache`` against ``plan_with_kvcache(...).run``,
   and the attention call the contiguous layer makes after its append, plain and planned
@@ -51,6 +52,9 @@ def compare(calls: int = 2000, repeats: int = 5, out=sys.stdout) -> dict:
         planned = plan(q, q, q, **options)
         results[f"(1, 8, 16 x 16, 64) {label}"] = (best_us(lambda: attention(q, q, q, **options), calls, repeats),
                                                    best_us(lambda: planned.run(q, q, q), calls, repeats))
+    torch_causal = _torch_causal(q)
+    if torch_causal is not None:  # the bar, in the same process (where torch is importable)
+        results["(1, 8, 16 x 16, 64) causal, torch SDPA"] = (best_us(torch_causal, calls, repeats), float("nan"))
     heads, kv_heads, dim = 8, 2, 64
     q1, k1 = rng.standard_normal((1, 1, heads, dim)).astype(np.float32), rng.standard_normal(
         (1, 1, kv_heads, dim)).astype(np.float32)
@@ -85,3 +89,18 @@ def compare(calls: int = 2000, repeats: int = 5, out=sys.stdout) -> dict:
     for label, (plain, planned) in results.items():
         print(f"{label:<52} {plain:>11.1f} {'-' if planned != planned else f'{planned:.1f}':>9}", file=out)
     return results
+
+
+def _torch_causal(q):
+    """torch's CPU SDPA of ``q`` against itself, causal, under no_grad; None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    tq = torch.from_numpy(q)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def call():
+        with torch.no_grad():
+            sdpa(tq, tq, tq, is_causal=True)
+    return call
