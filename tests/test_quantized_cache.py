@@ -342,9 +342,76 @@ def test_a_quantized_paged_pool_quantizes_its_appends_and_attends_over_them(kind
             assert_out(out[b:b + 1], expected_out, call_case(q[b:b + 1], keys, values))
     with pytest.raises(ValueError, match="PagedKVCache: head_dim must be a multiple of 16 for a quantized pool"):
         PagedKVCache(num_pages=2, page_size=4, num_kv_heads=1, head_dim=8, dtype="int8")
-    with pytest.raises(ValueError, match="attend_varlen reads float pools"):
-        pool.attend_varlen(["a"], np.zeros((1, 2, HEAD_DIM), np.float32), np.zeros((1, 1, HEAD_DIM), np.float32),
-                           np.zeros((1, 1, HEAD_DIM), np.float32), np.array([0, 1]))
+
+
+@given(steps=st.lists(st.lists(st.integers(0, 5), min_size=3, max_size=3), min_size=1, max_size=3),
+       kind=st.sampled_from(["int8", "float8_e4m3"]), seed=st.integers(0, 2**31))
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+def test_a_quantized_pools_attend_varlen_is_attend_per_sequence(backend, steps, kind, seed):
+    """PagedKVCache.attend_varlen on an int8 or e4m3 pool (prefill chunks and decode steps
+    of several sequences in one call, the kernels reading the codes; the reference one
+    sequence at a time on the pool dequantized) leaves codes and scales as attend does
+    sequence by sequence, bit for bit, and returns each sequence's rows as attend does."""
+    from npattn.nn import PagedKVCache
+
+    rng = np.random.default_rng(seed)
+    pools = [PagedKVCache(16, 4, 2, HEAD_DIM, dtype=kind) for _ in range(2)]
+    for pool in pools:
+        for name in "abc":
+            pool.add(name)
+    for counts in steps:
+        chosen = [name for name, n in zip("abc", counts) if n]
+        news = [n for n in counts if n]
+        if not chosen:
+            continue
+        q = rng.standard_normal((sum(news), 4, HEAD_DIM)).astype(np.float32)
+        k, v = (rng.standard_normal((sum(news), 2, HEAD_DIM)).astype(np.float32) for _ in range(2))
+        cu = np.concatenate([[0], np.cumsum(news)])
+        out = pools[0].attend_varlen(chosen, q, k, v, cu, causal=True, backend=backend)
+        for b, name in enumerate(chosen):
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            want = pools[1].attend([name], q[None, rows], k[None, rows], v[None, rows], causal=True, backend=backend)
+            held = pools[1].length(name)
+            table = pools[1].block_table([name])[0]
+            keys, values = (npattn.dequantize_kv(codes[table].reshape(-1, 2, HEAD_DIM)[:held],
+                                                 scales[table].reshape(-1, 2)[:held], np.float64)[None]
+                            for codes, scales in ((pools[1].keys, pools[1].key_scales),
+                                                  (pools[1].values, pools[1].value_scales)))
+            assert_out(out[None, rows], want, call_case(q[None, rows], keys, values))
+    for first, second in ((pools[0].keys, pools[1].keys), (pools[0].values, pools[1].values),
+                          (pools[0].key_scales, pools[1].key_scales), (pools[0].value_scales, pools[1].value_scales)):
+        np.testing.assert_array_equal(first, second)
+    assert [pools[0].length(n) for n in "abc"] == [pools[1].length(n) for n in "abc"]
+
+
+def test_a_quantized_pools_attend_varlen_that_raises_changes_nothing(monkeypatch):
+    """Every check before the first write, and the codes and scales back if the attention
+    fails after it."""
+    from npattn.nn import PagedKVCache
+    from npattn.serving import mixed
+
+    rng = np.random.default_rng(2)
+    pool = PagedKVCache(4, 4, 1, HEAD_DIM, dtype="int8")
+    pool.add("a")
+    floats = lambda rows, heads: rng.standard_normal((rows, heads, HEAD_DIM)).astype(np.float32)  # noqa: E731
+    pool.attend_varlen(["a"], floats(3, 2), floats(3, 1), floats(3, 1), np.array([0, 3]), causal=True)
+    state = [array.copy() for array in (pool.keys, pool.values, pool.key_scales, pool.value_scales)]
+    q, k = floats(1, 2), floats(1, 1)
+    with pytest.raises(TypeError, match="unknown option 'softmax_scale'"):
+        pool.attend_varlen(["a"], q, k, k, np.array([0, 1]), softmax_scale=0.5)
+    with pytest.raises(TypeError, match="k has dtype float64 but q has float32"):
+        pool.attend_varlen(["a"], q, k.astype(np.float64), k, np.array([0, 1]))
+    with pytest.raises(ValueError, match="backend .gpu. is unavailable here"):
+        pool.attend_varlen(["a"], q, k, k, np.array([0, 1]), backend="gpu")
+
+    def failing(problem, implementation, with_vjp=False):
+        raise MemoryError("injected after the write")
+    monkeypatch.setattr(mixed.api, "run_problem", failing)
+    with pytest.raises(MemoryError, match="injected"):
+        pool.attend_varlen(["a"], q, k, k, np.array([0, 1]), causal=True)
+    for array, before in zip((pool.keys, pool.values, pool.key_scales, pool.value_scales), state):
+        np.testing.assert_array_equal(array, before)
+    assert pool.length("a") == 3
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -288,29 +288,34 @@ class PagedKVCache:
         taken as needed), then each of its rows attends to its keys, the last level with
         the last key. ``rotary_cos`` / ``rotary_sin`` (and ``rotary_interleaved``) rotate q
         and the new k by their positions first. Returns out (T, H, Dv), or ``(out, lse)``.
+        A quantized pool (``dtype="int8"`` or ``"float8_e4m3"``) takes float q, k and v: the
+        new keys are quantized into its codes and scales, and the kernels read the codes.
         Every check runs before the first write; a call that raises changes nothing: the
         pages stay free, the lengths and the pool's bytes as they were (should the attention
         itself fail after the write, the slots it wrote get their old bytes back)."""
         from ..core import checks
-        from ..serving.kvcache import apply_rotary
+        from ..serving.kvcache import _quantized_rows, apply_rotary
+        from ..serving.quantized import Scales
         from ..serving.varlen import _cumulative, checked_paged_call
 
-        if self.key_scales is not None:
-            raise ValueError("PagedKVCache.attend_varlen reads float pools; an int8 pool attends through attend "
-                             "(one call per group of sequences with as many new tokens each)")
         sequences = list(sequences)
         for sequence in sequences:
             self._known(sequence)
         if len(set(sequences)) != len(sequences):
             raise ValueError(f"PagedKVCache.attend_varlen: sequences must be distinct; got {sequences!r}")
         xp = self._xp
+        quantized = self.key_scales is not None
         q, k, v = (xp.asarray(x) for x in (q, k, v))
         for name, array, width in (("q", q, self.head_dim), ("k", k, self.head_dim), ("v", v, self.head_dim)):
             heads = q.shape[1] if name == "q" and q.ndim == 3 else self.num_kv_heads
             if array.ndim != 3 or array.shape[0] != q.shape[0] or array.shape[1:] != (heads, width):
                 raise ValueError(f"PagedKVCache.attend_varlen: {name} must be (T, {'H' if name == 'q' else 'Hkv'}, "
                                  f"{width}) with T = q's {q.shape[0]} rows; got {tuple(array.shape)}")
-            if array.dtype != self.keys.dtype:
+            if quantized:  # floats, quantized into the pool's codes as they are written
+                checks.check_float_dtype(name, array)
+                if array.dtype != q.dtype:
+                    raise TypeError(f"PagedKVCache.attend_varlen: {name} has dtype {array.dtype} but q has {q.dtype}")
+            elif array.dtype != self.keys.dtype:
                 raise TypeError(f"PagedKVCache.attend_varlen: {name} has dtype {array.dtype} but the pool stores "
                                 f"{self.keys.dtype}")
         starts = _cumulative("cu_seqlens", cu_seqlens, q.shape[0], "T", None, "")
@@ -352,17 +357,29 @@ class PagedKVCache:
         if options.get("check_finite") is True:
             checks.check_all_finite("k", k)
             checks.check_all_finite("v", v)
-        run = checked_paged_call(q, self.keys, self.values, starts, lengths + new, xp.asarray(table), options)
+            if quantized:  # (the codes are finite by construction, int8; the scales may not be)
+                checks.check_all_finite("the pool's key_scales", self.key_scales)
+                checks.check_all_finite("the pool's value_scales", self.value_scales)
+        scales = Scales(self.key_scales, self.value_scales) if quantized else None
+        run = checked_paged_call(q, self.keys, self.values, starts, lengths + new, xp.asarray(table), options,
+                                 scales=scales)
+        # what goes into the pool: the new keys, or their codes and scales
+        pools, rows = (self.keys, self.values), (k, v)
+        if quantized:
+            pools += (self.key_scales, self.value_scales)
+            rows = _quantized_rows(k, v, self.keys.dtype)
         # where each new key goes: page and slot of positions length_b + i
         positions = np.concatenate([lengths[b] + np.arange(n) for b, n in enumerate(new)]).astype(np.int64)
         owner = np.repeat(np.arange(len(sequences)), new)
         page_of, slot_of = table[owner, positions // self.page_size], positions % self.page_size
-        old_keys, old_values = self.keys[page_of, slot_of], self.values[page_of, slot_of]  # copies
+        old = [pool[page_of, slot_of] for pool in pools]  # copies
         try:  # (the attention itself may still fail: out of memory, an interrupt)
-            self.keys[page_of, slot_of], self.values[page_of, slot_of] = k, v
+            for pool, part in zip(pools, rows):
+                pool[page_of, slot_of] = part
             result = run()
         except BaseException:
-            self.keys[page_of, slot_of], self.values[page_of, slot_of] = old_keys, old_values
+            for pool, part in zip(pools, old):
+                pool[page_of, slot_of] = part
             raise
         del self._free[len(self._free) - total:]
         for sequence, count in zip(sequences, new):

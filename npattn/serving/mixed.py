@@ -21,17 +21,19 @@ from ..core import arrays as _arrays
 from ..runtime import limits as _limits
 from ..core import checks
 from ..core import options as _options
+from . import quantized as _quantized
 from .kvcache import _used_pages
 
 
 def checked_paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, options: dict, reserved: dict,
-                         offsets_of) -> Callable[[], Any]:
+                         offsets_of, scales: "_quantized.Scales | None" = None) -> Callable[[], Any]:
     """Every check of attention_varlen with paged keys (see the module), then the function
     that runs it and returns what attention_varlen returns: a caller that writes the keys
     first (:meth:`npattn.nn.PagedKVCache.attend_varlen`) checks everything before it writes.
     ``starts``: the checked cumulative query lengths (B + 1,); ``reserved``: the options the
     packed call refuses, and why; ``offsets_of(value, B, q)``: a ``q_offset`` option as an
-    int64 (B,) array."""
+    int64 (B,) array. ``scales``: a quantized pool's (k_cache and v_cache int8 or e4m3
+    codes, :mod:`npattn.serving.quantized`), read by the kernels a tile at a time."""
     for name, why in reserved.items():
         if name in options and name != "block_table":
             raise TypeError(f"attention_varlen does not take {name}: {why} (got {name}={options[name]!r})")
@@ -42,12 +44,15 @@ def checked_paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, op
     if q.ndim != 3:
         raise ValueError(f"q must be 3-D (total_q, H, D) (packed tokens), got shape {tuple(q.shape)}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        checks.check_float_dtype(name, cache)
+        if scales is None:
+            checks.check_float_dtype(name, cache)
         if cache.ndim != 4:
             raise ValueError(f"{name} must be 4-D (pages, page_size, Hkv, D) with block_table, got shape "
                              f"{tuple(cache.shape)}")
-        if cache.dtype != q.dtype:
+        if scales is None and cache.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {cache.dtype} but q has {q.dtype}; they must share one dtype")
+    if scales is not None:
+        scales = _quantized.checked_scales(q, k_cache, v_cache, scales.k_scale, scales.v_scale, False, None)
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share (pages, "
                          f"page_size, Hkv), and k_cache's head dim must be q's {q.shape[2]}")
@@ -90,9 +95,19 @@ def checked_paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, op
     if not batch:
         options.update({name: xp.zeros(1, np.int64) for name in ("q_offset", "q_start", "q_lengths", "kv_lengths")})
         options["block_table"] = xp.zeros((1, 1), np.int64)
-    problem, implementation = api.checked_problem(shared_q, k_cache, v_cache, options)
+    # a quantized pool: the checks on float stand-ins of its shapes, then the codes in their place
+    keys, values = (k_cache, v_cache) if scales is None else _quantized.stand_ins(xp, k_cache, v_cache, q.dtype)
+    coded = (lambda problem: problem) if scales is None else (
+        lambda problem: _quantized.with_codes(problem, k_cache, v_cache, scales))
+    problem, implementation = api.checked_problem(shared_q, keys, values, options)
+    problem = coded(problem)
+    if scales is not None:
+        _quantized.check_backend(implementation)
     want_lse = bool(options.get("return_lse"))
     if not (batch and getattr(implementation, "PACKED_ROWS", False)):
+        if scales is not None:  # the reference: one call per sequence on the pool as floats, at run time
+            return lambda: _per_sequence(q, *_quantized.dequantized(k_cache, v_cache, scales, q.dtype), starts, used,
+                                         offsets, pages, options, want_lse, xp)
         return lambda: _per_sequence(q, k_cache, v_cache, starts, used, offsets, pages, options, want_lse, xp)
     _limits.check_memory(problem, implementation.NAME)
     rows, steps_problem = starts[steps], None
@@ -100,7 +115,8 @@ def checked_paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, op
         single = {name: value for name, value in options.items() if name not in ("q_start", "q_lengths")}
         single.update(block_table=xp.asarray(pages[steps]), kv_lengths=xp.asarray(used[steps]),
                       q_offset=xp.asarray(offsets[steps]))
-        steps_problem = api.checked_problem(q[rows][:, None], k_cache, v_cache, single)
+        steps_problem = api.checked_problem(q[rows][:, None], keys, values, single)
+        steps_problem = (coded(steps_problem[0]), steps_problem[1])
         _limits.check_memory(steps_problem[0], steps_problem[1].NAME)
 
     def run():

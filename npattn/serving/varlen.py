@@ -84,14 +84,15 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
 
 
 def checked_paged_call(q: Any, k_cache: Any, v_cache: Any, cu_seqlens_q: Any, seqused_k: Any, block_table: Any,
-                       options: dict, max_seqlen_q: int | None = None) -> Callable[[], Any]:
+                       options: dict, max_seqlen_q: int | None = None, scales: Any = None) -> Callable[[], Any]:
     """Every check of ``attention_varlen(q, k_cache, v_cache, cu_seqlens_q, seqused_k=...,
-    block_table=..., **options)`` (paged keys), then the function that runs it
+    block_table=..., **options)`` (paged keys; a quantized pool's codes with their
+    ``scales``, :class:`npattn.serving.quantized.Scales`), then the function that runs it
     (:mod:`npattn.serving.mixed`)."""
     (q,) = checks.as_arrays(q=q)
     starts = _cumulative("cu_seqlens_q", cu_seqlens_q, q.shape[0], "Tq", max_seqlen_q, "max_seqlen_q")
     return checked_paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, options, _RESERVED,
-                                _packed_offsets)
+                                _packed_offsets, scales)
 
 
 def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
