@@ -744,6 +744,85 @@ def paged_pool_varlen_call(rng) -> Call:
                 verify)
 
 
+def quantized_pool_varlen_call(rng) -> Call:
+    """PagedKVCache.attend_varlen on an int8 or float8 e4m3 pool (head dim 16): valid, or
+    broken in one argument; the new keys must land as quantize_kv's codes and scales, and
+    out be the float64 attention over the pool dequantized."""
+    from npattn.core.quantization import quantize_rows
+
+    kind = ["int8", "float8_e4m3"][rng.integers(2)]
+    kv_heads, head_dim = int(rng.integers(1, 3)), 16
+    heads = kv_heads * int(rng.integers(1, 3))
+    pool = PagedKVCache(num_pages=int(rng.integers(2, 9)), page_size=int(rng.integers(1, 4)), num_kv_heads=kv_heads,
+                        head_dim=head_dim, dtype=kind)
+    sequences = [f"s{i}" for i in range(int(rng.integers(1, 4)))]
+    floats = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    for name in sequences:  # some history, while pages last
+        pool.add(name)
+        if pool.free_pages * pool.page_size >= 2 and rng.random() < 0.6:
+            one = floats(1, kv_heads, head_dim)
+            pool.attend_varlen([name], floats(1, heads, head_dim), one, one, np.array([0, 1]))
+    step = [name for name in sequences if rng.random() < 0.7] or sequences[:1]
+    counts = [int(rng.integers(0, 4)) for _ in step]
+    total = sum(counts)
+    q, k, v = floats(total, heads, head_dim), floats(total, kv_heads, head_dim), floats(total, kv_heads, head_dim)
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    arguments = dict(q=q, k=k, v=v, cu_seqlens=cu, causal=True)
+    names, label = (), "valid"
+    needed = sum(max(0, -(-(pool.length(s) + n) // pool.page_size) - len(pool.block_table([s])[0]))
+                 for s, n in zip(step, counts))
+    if needed > pool.free_pages:
+        names, label = ("PagedKVCache", "pages"), "more pages than free"
+    elif rng.random() < 0.5:
+        mutations = [
+            (("sequences", "PagedKVCache"), lambda: step.append("nobody")),
+            (("k",), lambda: arguments.update(k=k.astype(np.float64))),
+            (("k",), lambda: arguments.update(k=k.astype(np.int8))),
+            (("v",), lambda: arguments.update(v=v[:, :, :8])),
+            (("cu_seqlens",), lambda: arguments.update(cu_seqlens=cu[:-1])),
+            (("window",), lambda: arguments.update(window=-2)),
+            (("backend",), lambda: arguments.update(backend="gpu")),
+        ]
+        names, mutate = mutations[rng.integers(len(mutations))]
+        mutate()
+        label = f"broken in {names[0]}"
+
+    def state():
+        tables = {s: pool.block_table([s]).tolist() for s in pool.sequences}
+        return [pool.free_pages, tables, {s: pool.length(s) for s in pool.sequences},
+                snapshot(pool.keys, pool.values, pool.key_scales, pool.value_scales, q, k, v, cu)]
+
+    def gathered(codes, scales, table, length):
+        rows = [(table[t // pool.page_size], t % pool.page_size) for t in range(length)]
+        return (np.array([codes[r] for r in rows]).reshape(length, kv_heads, head_dim),
+                np.array([scales[r] for r in rows], np.float32).reshape(length, kv_heads))
+
+    def verify(result):
+        for b, name in enumerate(step):
+            rows, length = slice(int(cu[b]), int(cu[b + 1])), pool.length(name)
+            if not counts[b]:
+                continue
+            table = pool.block_table([name])[0]
+            k_codes, k_scales = gathered(pool.keys, pool.key_scales, table, length)
+            v_codes, v_scales = gathered(pool.values, pool.value_scales, table, length)
+            for (codes, scales), new in (((k_codes, k_scales), k[rows]), ((v_codes, v_scales), v[rows])):
+                want_codes, want_scales = quantize_rows(new, pool.keys.dtype)
+                if not (np.array_equal(codes[length - counts[b]:], want_codes)
+                        and np.array_equal(scales[length - counts[b]:], want_scales)):
+                    return f"sequence {b}'s new keys are not quantize_kv's codes and scales in its pages"
+            keys = npattn.dequantize_kv(k_codes, k_scales, np.float64)
+            values = npattn.dequantize_kv(v_codes, v_scales, np.float64)
+            want, _ = oracle(q[rows], keys, values, {"causal": True}, length - counts[b])
+            text = close(result[rows], want, np.float32, length + head_dim, 4 * (1 + np.abs(values).max(initial=0)) * (
+                1 + head_dim * np.abs(q).max() * max(np.abs(keys).max(initial=0), 1)))
+            if text:
+                return f"out of sequence {b} {text}"
+        return None
+
+    return Call("PagedKVCache.attend_varlen quantized", label, lambda: pool.attend_varlen(step, **arguments), names,
+                state, verify)
+
+
 # ---- attention_varlen ------------------------------------------------------------------------------
 
 def varlen_call(rng) -> Call:
@@ -898,7 +977,8 @@ def jax_call(rng) -> Call | None:
     return Call("npattn.jax", f"broken in {names[0]}", lambda: npattn.jax.attention(*arrays, **options), names)
 
 
-SURFACES = ((kvcache_call, 0.4), (quantized_kvcache_call, 0.15), (paged_pool_call, 0.15), (paged_pool_varlen_call, 0.1), (varlen_call, 0.2),
+SURFACES = ((kvcache_call, 0.4), (quantized_kvcache_call, 0.15), (paged_pool_call, 0.15), (paged_pool_varlen_call, 0.1),
+            (quantized_pool_varlen_call, 0.08), (varlen_call, 0.2),
             (torch_call, 0.1), (jax_call, 0.05))
 
 
