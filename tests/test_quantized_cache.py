@@ -442,3 +442,53 @@ def test_16_bit_caches_read_a_tile_at_a_time_give_the_bits_of_a_converted_copy(d
     copied = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, alibi_slopes=np.ones(8), **layout)
     for mine, theirs in zip(tiled, copied):
         np.testing.assert_array_equal(mine, theirs)
+
+
+@given(lengths=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6)), min_size=1, max_size=3),
+       kind=st.sampled_from(["int8", "float8_e4m3"]), gqa=st.booleans(), seed=st.integers(0, 2**31))
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+def test_a_paged_varlen_call_reads_quantized_pools(backend, lengths, kind, gqa, seed):
+    """attention_varlen with block_table on int8 or e4m3 pools (k_scale, v_scale): each
+    sequence's rows are the float64 attention over its keys dequantized, within float32's
+    bound, with queries bottom-right among the keys as for float pools."""
+    rng = np.random.default_rng(seed)
+    page_size, kv_heads = 4, 2
+    heads = 2 * kv_heads if gqa else kv_heads
+    lengths = [(new, new + cached) for new, cached in lengths]  # queries, and the keys they sit among
+    pages_each = max(1, max(-(-keys // page_size) for _, keys in lengths))
+    pool_pages = pages_each * len(lengths) + 1
+    (k_codes, k_scale), (v_codes, v_scale) = (
+        npattn.quantize_kv(rng.standard_normal((pool_pages, page_size, kv_heads, HEAD_DIM)).astype(np.float32), kind)
+        for _ in range(2))
+    table = rng.permutation(pool_pages)[:pages_each * len(lengths)].reshape(len(lengths), pages_each)
+    cu = np.concatenate([[0], np.cumsum([new for new, _ in lengths])])
+    used = np.array([keys for _, keys in lengths])
+    q = rng.standard_normal((int(cu[-1]), heads, HEAD_DIM)).astype(np.float32)
+    out = npattn.attention_varlen(q, k_codes, v_codes, cu, seqused_k=used, block_table=table, k_scale=k_scale,
+                                  v_scale=v_scale, causal=True, backend=backend)
+    for b, (new, keys) in enumerate(lengths):
+        if not new:
+            continue
+        slots = [(table[b, t // page_size], t % page_size) for t in range(keys)]
+        gathered = [npattn.dequantize_kv(np.array([codes[s] for s in slots]).reshape(keys, kv_heads, HEAD_DIM),
+                                         np.array([scales[s] for s in slots], np.float32).reshape(keys, kv_heads),
+                                         np.float64)[None]
+                    for codes, scales in ((k_codes, k_scale), (v_codes, v_scale))]
+        rows = q[None, int(cu[b]):int(cu[b + 1])]
+        expected = npattn.attention(rows.astype(np.float64), *gathered, layout="bshd", causal=True, backend="reference")
+        assert_out(out[None, int(cu[b]):int(cu[b + 1])], expected, call_case(rows, *gathered))
+
+
+def test_a_paged_varlen_calls_scales_are_checked():
+    codes, scales = npattn.quantize_kv(np.ones((2, 4, 1, HEAD_DIM), np.float32))
+    q, cu, used, table = np.zeros((1, 1, HEAD_DIM), np.float32), np.array([0, 1]), np.array([3]), np.array([[1]])
+    call = lambda **given: npattn.attention_varlen(q, codes, codes, cu, seqused_k=used, block_table=table,  # noqa: E731
+                                                   **given)
+    with pytest.raises(ValueError, match="k_scale and v_scale must be given together"):
+        call(k_scale=scales)
+    with pytest.raises(TypeError, match="k_cache holds int8 codes: pass k_scale and v_scale"):
+        call()
+    with pytest.raises(ValueError, match=r"v_scale must have v_cache's shape without its last axis"):
+        call(k_scale=scales, v_scale=scales[:1])
+    with pytest.raises(TypeError, match="k_scale and v_scale come with block_table"):
+        npattn.attention_varlen(q, q, q, cu, cu, k_scale=scales, v_scale=scales)

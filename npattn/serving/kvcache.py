@@ -371,14 +371,8 @@ def _checked_caches(q, k_cache, v_cache, paged, written, quantized=False):
     _four_d("k_cache", k_cache, shape, float_values=False)  # (the dtypes next: codes or q's)
     _four_d("v_cache", v_cache, shape.replace("D)", "Dv)"), float_values=False)
     for name, array in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if quantized:
-            continue
-        if array.dtype.kind in "iu":
-            raise TypeError(f"{name} holds {array.dtype} codes: pass k_scale and v_scale, the scale of every key "
-                            "slot and kv head (npattn.quantize_kv makes both)")
-        checks.check_float_dtype(name, array)
-        if array.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {array.dtype} but q has {q.dtype}; they must share one dtype")
+        if not quantized:
+            _quantized.check_float_cache(name, array, q)
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != q.shape[3]:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree on all but "
                          f"the last axis, and k_cache's last axis must be q's head dim {q.shape[3]}")

@@ -45,12 +45,10 @@ def checked_paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, op
         raise ValueError(f"q must be 3-D (total_q, H, D) (packed tokens), got shape {tuple(q.shape)}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if scales is None:
-            checks.check_float_dtype(name, cache)
+            _quantized.check_float_cache(name, cache, q)
         if cache.ndim != 4:
             raise ValueError(f"{name} must be 4-D (pages, page_size, Hkv, D) with block_table, got shape "
                              f"{tuple(cache.shape)}")
-        if scales is None and cache.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {cache.dtype} but q has {q.dtype}; they must share one dtype")
     if scales is not None:
         scales = _quantized.checked_scales(q, k_cache, v_cache, scales.k_scale, scales.v_scale, False, None)
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != q.shape[2]:

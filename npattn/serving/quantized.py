@@ -54,6 +54,17 @@ def checked_scales(q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: An
     return Scales(k_scale, v_scale)
 
 
+def check_float_cache(name: str, cache: Any, q: Any) -> None:
+    """Raise naming ``name`` unless a cache given without scales holds floats of q's dtype;
+    integer codes get the hint that they need their scales."""
+    if cache.dtype.kind in "iu":
+        raise TypeError(f"{name} holds {cache.dtype} codes: pass k_scale and v_scale, the scale of every key "
+                        "slot and kv head (npattn.quantize_kv makes both)")
+    checks.check_float_dtype(name, cache)
+    if cache.dtype != q.dtype:
+        raise TypeError(f"{name} has dtype {cache.dtype} but q has {q.dtype}; they must share one dtype")
+
+
 def stand_ins(xp: Any, keys: Any, values: Any, dtype: Any) -> tuple[Any, Any]:
     """Float arrays of the codes' shapes (one element of memory each) for the checks of
     :func:`npattn.api.checked_problem`, which take float keys: it checks shapes and

@@ -32,6 +32,7 @@ from ..core import options as _options
 from ..api import attention, attention_vjp
 from ..types import Array
 from .mixed import checked_paged_varlen
+from .quantized import Scales
 
 # Options the packed call sets itself or cannot take, and why (the options table says which):
 # those of a padded batch, which a packed one replaces, and the weights (a (total, total)
@@ -42,7 +43,7 @@ _RESERVED = {**{name: "packed sequences replace a padded batch" for name in _opt
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any = None,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, *, seqused_k: Any = None,
-                     block_table: Any = None, **options: Any) -> Any:
+                     block_table: Any = None, k_scale: Any = None, v_scale: Any = None, **options: Any) -> Any:
     """Attention over the packed sequences of ``q``, ``k``, ``v`` (see :mod:`npattn.serving.varlen`).
 
     q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv); ``cu_seqlens_q`` and ``cu_seqlens_k``
@@ -65,6 +66,9 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     ``block_table`` (B, P), k and v are pools (pages, page_size, Hkv, D/Dv),
     ``cu_seqlens_k`` is None and ``seqused_k`` (B,) says how many keys of its pages each
     sequence holds; each sequence's queries sit bottom-right among its keys. Forward only.
+    Pools of int8 or float8 e4m3 codes take ``k_scale`` and ``v_scale`` (float32 (pages,
+    page_size, Hkv), one scale per key slot and kv head: :func:`npattn.quantize_kv`); the
+    kernels read the codes a tile at a time.
     """
     if block_table is not None or seqused_k is not None:
         if cu_seqlens_k is not None or max_seqlen_k is not None:
@@ -72,7 +76,10 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
                             "pass seqused_k, not cu_seqlens_k or max_seqlen_k")
         if block_table is None:
             raise TypeError("seqused_k comes with block_table (paged keys); packed keys take cu_seqlens_k")
-        return checked_paged_call(q, k, v, cu_seqlens_q, seqused_k, block_table, options, max_seqlen_q)()
+        scales = None if k_scale is None and v_scale is None else Scales(k_scale, v_scale)
+        return checked_paged_call(q, k, v, cu_seqlens_q, seqused_k, block_table, options, max_seqlen_q, scales)()
+    if k_scale is not None or v_scale is not None:
+        raise TypeError("k_scale and v_scale come with block_table: quantized keys are read from a paged pool")
     if cu_seqlens_k is None:
         raise TypeError("attention_varlen needs cu_seqlens_k for packed keys (or block_table and seqused_k for "
                         "paged ones)")
