@@ -651,9 +651,7 @@ def paged_pool_call(rng) -> Call:
         names = ("PagedKVCache", "pages")
 
     def state():
-        tables = {s: pool.block_table([s]).tolist() for s in pool.sequences}
-        return [pool.free_pages, tables, {s: pool.length(s) for s in pool.sequences},
-                snapshot(pool.keys, pool.values, q, k, v)]
+        return pool_state(pool, q, k, v)
 
     def verify(result):
         keys, values = pool.keys, pool.values
@@ -676,6 +674,31 @@ def paged_pool_call(rng) -> Call:
     return Call("PagedKVCache.attend", label, lambda: pool.attend(step, **arguments), names, state, verify)
 
 
+def pool_state(pool, *arrays) -> list:
+    """What a failing call must leave as it was: the pool's free pages, each sequence's
+    pages and length, and the bytes of its keys and values (codes and scales of a
+    quantized pool) and of ``arrays`` (the call's own)."""
+    tables = {s: pool.block_table([s]).tolist() for s in pool.sequences}
+    stored = (pool.keys, pool.values) + (() if pool.key_scales is None else (pool.key_scales, pool.value_scales))
+    return [pool.free_pages, tables, {s: pool.length(s) for s in pool.sequences}, snapshot(*stored, *arrays)]
+
+
+def _varlen_step(rng, pool, sequences, heads, dtype) -> tuple:
+    """One attend_varlen step on ``pool``: ``(step, counts, q, k, v, cu, arguments, short)``,
+    some of ``sequences`` with 0 (nothing new), 1 (a decode token) or more (a chunk) new
+    tokens each, the call's keyword arguments, and whether the pool has too few free pages."""
+    step = [name for name in sequences if rng.random() < 0.7] or sequences[:1]
+    counts = [int(rng.integers(0, 4)) for _ in step]
+    total, kv_heads, head_dim = sum(counts), pool.num_kv_heads, pool.head_dim
+    q = rng.standard_normal((total, heads, head_dim)).astype(dtype)
+    k = rng.standard_normal((total, kv_heads, head_dim)).astype(dtype)
+    v = rng.standard_normal((total, kv_heads, head_dim)).astype(dtype)
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    needed = sum(max(0, -(-(pool.length(s) + n) // pool.page_size) - len(pool.block_table([s])[0]))
+                 for s, n in zip(step, counts))
+    return step, counts, q, k, v, cu, dict(q=q, k=k, v=v, cu_seqlens=cu, causal=True), needed > pool.free_pages
+
+
 def paged_pool_varlen_call(rng) -> Call:
     """PagedKVCache.attend_varlen: prefill chunks and decode tokens of several sequences in
     one call (a packed paged attention_varlen over the pool)."""
@@ -686,18 +709,9 @@ def paged_pool_varlen_call(rng) -> Call:
             one = rng.standard_normal((1, kv_heads, head_dim)).astype(dtype)
             pool.attend_varlen([name], rng.standard_normal((1, heads, head_dim)).astype(dtype), one, one,
                                np.array([0, 1]))
-    step = [name for name in sequences if rng.random() < 0.7] or sequences[:1]
-    counts = [int(rng.integers(0, 4)) for _ in step]  # 0: nothing new; 1: a decode token; more: a chunk
-    total = sum(counts)
-    q = rng.standard_normal((total, heads, head_dim)).astype(dtype)
-    k = rng.standard_normal((total, kv_heads, head_dim)).astype(dtype)
-    v = rng.standard_normal((total, kv_heads, head_dim)).astype(dtype)
-    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    arguments = dict(q=q, k=k, v=v, cu_seqlens=cu, causal=True)
+    step, counts, q, k, v, cu, arguments, short = _varlen_step(rng, pool, sequences, heads, dtype)
     names, label = (), "valid"
-    needed = sum(max(0, -(-(pool.length(s) + n) // pool.page_size) - len(pool.block_table([s])[0]))
-                 for s, n in zip(step, counts))
-    if needed > pool.free_pages:
+    if short:
         names, label = ("PagedKVCache", "pages"), "more pages than free"
     elif rng.random() < 0.5:
         mutations = [
@@ -716,9 +730,7 @@ def paged_pool_varlen_call(rng) -> Call:
         label = f"broken in {names[0]}"
 
     def state():
-        tables = {s: pool.block_table([s]).tolist() for s in pool.sequences}
-        return [pool.free_pages, tables, {s: pool.length(s) for s in pool.sequences},
-                snapshot(pool.keys, pool.values, q, k, v, cu)]
+        return pool_state(pool, q, k, v, cu)
 
     def verify(result):
         keys, values = pool.keys, pool.values
@@ -762,16 +774,9 @@ def quantized_pool_varlen_call(rng) -> Call:
         if pool.free_pages * pool.page_size >= 2 and rng.random() < 0.6:
             one = floats(1, kv_heads, head_dim)
             pool.attend_varlen([name], floats(1, heads, head_dim), one, one, np.array([0, 1]))
-    step = [name for name in sequences if rng.random() < 0.7] or sequences[:1]
-    counts = [int(rng.integers(0, 4)) for _ in step]
-    total = sum(counts)
-    q, k, v = floats(total, heads, head_dim), floats(total, kv_heads, head_dim), floats(total, kv_heads, head_dim)
-    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    arguments = dict(q=q, k=k, v=v, cu_seqlens=cu, causal=True)
+    step, counts, q, k, v, cu, arguments, short = _varlen_step(rng, pool, sequences, heads, np.float32)
     names, label = (), "valid"
-    needed = sum(max(0, -(-(pool.length(s) + n) // pool.page_size) - len(pool.block_table([s])[0]))
-                 for s, n in zip(step, counts))
-    if needed > pool.free_pages:
+    if short:
         names, label = ("PagedKVCache", "pages"), "more pages than free"
     elif rng.random() < 0.5:
         mutations = [
@@ -788,9 +793,7 @@ def quantized_pool_varlen_call(rng) -> Call:
         label = f"broken in {names[0]}"
 
     def state():
-        tables = {s: pool.block_table([s]).tolist() for s in pool.sequences}
-        return [pool.free_pages, tables, {s: pool.length(s) for s in pool.sequences},
-                snapshot(pool.keys, pool.values, pool.key_scales, pool.value_scales, q, k, v, cu)]
+        return pool_state(pool, q, k, v, cu)
 
     def gathered(codes, scales, table, length):
         rows = [(table[t // pool.page_size], t % pool.page_size) for t in range(length)]
