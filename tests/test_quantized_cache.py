@@ -492,30 +492,3 @@ def test_a_paged_varlen_calls_scales_are_checked():
         call(k_scale=scales, v_scale=scales[:1])
     with pytest.raises(TypeError, match="k_scale and v_scale come with block_table"):
         npattn.attention_varlen(q, q, q, cu, cu, k_scale=scales, v_scale=scales)
-
-
-@pytest.mark.parametrize("kind", ["int8", "float8_e4m3", "float16"])
-def test_the_prefetch_distance_changes_no_bit(kind):
-    """Tuning.prefetch_rows only asks memory for rows early (past a tile, never past a
-    page): any distance, none included, gives the same bits, contiguous and paged."""
-    from npattn.cpu.tuning import tuned
-
-    rng = np.random.default_rng(5)
-    q = rng.standard_normal((2, 1, 4, HEAD_DIM)).astype(np.float32)
-    floats = [rng.standard_normal((6, 5, 2, HEAD_DIM)).astype(np.float32) for _ in range(2)]
-    if kind == "float16":
-        caches, scales, q = [x.astype(np.float16) for x in floats], {}, q.astype(np.float16)
-    else:
-        (k_codes, k_scale), (v_codes, v_scale) = (npattn.quantize_kv(x, kind) for x in floats)
-        caches, scales = [k_codes, v_codes], dict(k_scale=k_scale, v_scale=v_scale)
-    for layout in (dict(cache_seqlens=np.array([12, 30]), block_table=np.array([[3, 0, 5, 1, 2, 4]] * 2)),
-                   dict(cache_seqlens=np.array([2, 5]))):
-        keys, values = caches if "block_table" in layout else (caches[0][:2], caches[1][:2])
-        layer_scales = scales if "block_table" in layout else {name: s[:2] for name, s in scales.items()}
-        outs = []
-        for ahead in (0, 1, 3, 8, 64):
-            with tuned(prefetch_rows=ahead):
-                outs.append(npattn.attention_with_kvcache(q, keys, values, causal=True, backend="cpu", **layout,
-                                                          **layer_scales))
-        for out in outs[1:]:
-            np.testing.assert_array_equal(out, outs[0])

@@ -60,8 +60,6 @@ Int = _positions("Int", (
     "BF16_PRODUCTS",
     "KV_CODES", "K_SCALE_STRIDE_B", "K_SCALE_STRIDE_H", "K_SCALE_STRIDE_S",
     "V_SCALE_STRIDE_B", "V_SCALE_STRIDE_H", "V_SCALE_STRIDE_S",
-    # keys ahead whose code rows a tile read from codes asks memory for (cpu Tuning.prefetch_rows)
-    "PREFETCH_ROWS",
 ))
 
 # The values of Int.KV_CODES

@@ -324,7 +324,6 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.ROW_GROUP] = rows_per_position
     ints[Int.KV_CODES] = codes
     ints[Int.BF16_PRODUCTS] = bf16_products(problem, kind, tuning, ints)
-    ints[Int.PREFETCH_ROWS] = tuning.prefetch_rows
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = element_strides(problem.k_scale)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = element_strides(problem.v_scale)

@@ -206,26 +206,20 @@ def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head,
     codes = ints[Int.KV_CODES]
     width = 1 if codes in (KvCodes.INT8, KvCodes.FLOAT8) else 2  # bytes per value
     k_step, v_step = ints[Int.K_STRIDE_S], ints[Int.V_STRIDE_S]
-    ahead = ints[Int.PREFETCH_ROWS]
-    if ahead <= 0:
-        ahead = ints[Int.KV_LEN]  # (never: no row lies that far on)
     k_scale_step, v_scale_step = ints[Int.K_SCALE_STRIDE_S], ints[Int.V_SCALE_STRIDE_S]
     c = 0
     while c < cols:  # run by run of one page: the offsets of its first key, then strides
         j = j0 + c
         run = page_run(ints, j, cols - c)
-        # the rows one stride apart from j on, past this tile too (the next tile's first
-        # rows are then in flight before it starts), never past j's page or the cache
-        reach = page_run(ints, j, ints[Int.KV_LEN] - j)
         k_at, v_at = k_row(ints, pages, b, kv_head, j), v_row(ints, pages, b, kv_head, j)
         k_scale_at = key_row(ints, pages, b, kv_head, j, ints[Int.K_SCALE_STRIDE_B], ints[Int.K_SCALE_STRIDE_H],
                              k_scale_step)
         v_scale_at = key_row(ints, pages, b, kv_head, j, ints[Int.V_SCALE_STRIDE_B], ints[Int.V_SCALE_STRIDE_H],
                              v_scale_step)
         for r in range(run):
-            if r + ahead < reach:  # the rows some keys on: a decode step waits on memory
-                _prefetch_row(k_codes, k_at + (r + ahead) * k_step, head_dim * width)
-                _prefetch_row(v_codes, v_at + (r + ahead) * v_step, value_dim * width)
+            if r + _PREFETCH_ROWS < run:  # the rows a few keys on: a decode step waits on memory
+                _prefetch_row(k_codes, k_at + (r + _PREFETCH_ROWS) * k_step, head_dim * width)
+                _prefetch_row(v_codes, v_at + (r + _PREFETCH_ROWS) * v_step, value_dim * width)
             # the key row, then the value row, through one body: each decoder is inlined
             # once, not once per operand (the first call's compile is 1-2 s shorter). A
             # 16-bit cache's scales are a one-element placeholder with zero strides: the
@@ -249,6 +243,9 @@ def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head,
                     _converted_row(source, at, dequantized, out_at, count, True)
         c += run
 
+
+# Keys ahead that dequantize_tile asks memory for
+_PREFETCH_ROWS = 8
 
 
 @njit(inline="always")

@@ -35,13 +35,6 @@ from dataclasses import dataclass
 # 157-161 -> 142-222 (a loss in one run); D = 64: 1 row 37 -> 22, 4 rows 38 -> 27,
 # 8 rows 64 -> 57, 12 rows 62 -> 61, 16 rows 81 -> 89.
 DOT_ROWS = 8
-# Keys ahead that a tile read from codes prefetches (see Tuning.prefetch_rows). Measured on
-# the 2-core Zen 4 VM, one int8 decode step, medians of 9 rounds interleaved over the
-# distances in one process: (1, 32/8, 16384, 128) 11.6 ms with none, 10.5 ms with 8, 16,
-# 32 or 64; (16, 32/8, 2048, 128) 24.2 ms with none, 20.0-20.7 ms with 8 to 64; float16
-# (1, 32/8, 16384, 128) 13.6 ms with none, 9.0-9.7 ms with 8 to 64. Any distance from 8
-# on is as good here; another CPU's memory may want another.
-PREFETCH_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -53,9 +46,7 @@ class Tuning:
     at most this many rows per kv head (Sq x H / Hkv: a decode step, the GQA heads of a
     group folded in) take their scores as dot products of the key rows, with no packed
     key tile (0: never); ``bf16_products``: a bfloat16 forward multiplies in bfloat16 where
-    the CPU can (:func:`npattn.cpu.operands.bf16_products`; False: in float32);
-    ``prefetch_rows``: how many keys ahead a tile read from codes (a quantized or 16-bit
-    cache, :func:`npattn.cpu.tiles.dequantize_tile`) asks memory for their rows (0: none)."""
+    the CPU can (:func:`npattn.cpu.operands.bf16_products`; False: in float32)."""
 
     forward: tuple = (192, 384)
     backward: tuple = (96, 192)
@@ -63,7 +54,6 @@ class Tuning:
     vector: bool | None = None
     dot_rows: int = DOT_ROWS
     bf16_products: bool = True
-    prefetch_rows: int = PREFETCH_ROWS
 
     @property
     def vector_products(self) -> bool:
