@@ -51,6 +51,17 @@ SCALE_DTYPE = np.dtype(np.float32)
 HEAD_DIM_MULTIPLE = 16
 
 
+def code_dtype(kind: Any) -> np.dtype | None:
+    """The codes' dtype of a quantized cache kind: int8 for ``"int8"`` (or ``np.int8``),
+    uint8 holding e4m3 bits for ``"float8_e4m3"``; None for anything else (a float dtype)."""
+    if isinstance(kind, str):
+        return _CODE_DTYPES_BY_KIND.get(kind)
+    return np.dtype(np.int8) if kind is np.int8 or (isinstance(kind, np.dtype) and kind == np.int8) else None
+
+
+_CODE_DTYPES_BY_KIND = {"int8": np.dtype(np.int8), "float8_e4m3": np.dtype(np.uint8)}
+
+
 def quantize_kv(x: Any, dtype: str = "int8") -> tuple[Any, Any]:
     """``(codes, scales)`` of float keys or values ``x`` (..., D), NumPy or CuPy:
     ``codes`` (..., D) and ``scales`` float32 (...). ``dtype="int8"``: int8 codes,
@@ -58,7 +69,8 @@ def quantize_kv(x: Any, dtype: str = "int8") -> tuple[Any, Any]:
     ``"float8_e4m3"``: uint8 codes holding e4m3 bits (view them as
     ``ml_dtypes.float8_e4m3fn`` if you like), each value rounded to the nearest e4m3 (see the
     module's docs). ``x`` must be finite."""
-    if dtype not in ("int8", "float8_e4m3", np.int8, np.dtype(np.int8)):
+    codes_dtype = code_dtype(dtype)
+    if codes_dtype is None:
         raise ValueError(f"dtype must be 'int8' or 'float8_e4m3' (the cache's code type), got {dtype!r}")
     (x,) = checks.as_arrays(x=x)
     if x.dtype.kind != "f":
@@ -66,7 +78,7 @@ def quantize_kv(x: Any, dtype: str = "int8") -> tuple[Any, Any]:
     if x.ndim < 1 or x.shape[-1] < 1:
         raise ValueError(f"x must have a last axis of head-dim values, got shape {tuple(x.shape)}")
     checks.check_all_finite("x", x)
-    return quantize_rows(x, np.dtype(np.uint8) if dtype == "float8_e4m3" else np.dtype(np.int8))
+    return quantize_rows(x, codes_dtype)
 
 
 def quantize_rows(x: Any, codes_dtype=np.dtype(np.int8)) -> tuple[Any, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import arguments
-from ..core.quantization import HEAD_DIM_MULTIPLE
+from ..core.quantization import HEAD_DIM_MULTIPLE, code_dtype
 from ..adapters.dispatch import attention_with_kvcache
 
 
@@ -190,8 +190,7 @@ class PagedKVCache:
         page_size = arguments.size(owner, "page_size", page_size)
         num_kv_heads = arguments.size(owner, "num_kv_heads", num_kv_heads)
         head_dim = arguments.size(owner, "head_dim", head_dim)
-        codes = {"int8": np.dtype(np.int8), "float8_e4m3": np.dtype(np.uint8)}.get(dtype) if isinstance(dtype, str) \
-            else (np.dtype(np.int8) if dtype is np.int8 else None)
+        codes = code_dtype(dtype)
         quantized = codes is not None
         if quantized and head_dim % HEAD_DIM_MULTIPLE:
             raise ValueError(f"{owner}: head_dim must be a multiple of {HEAD_DIM_MULTIPLE} for a quantized pool, "

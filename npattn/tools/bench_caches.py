@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from ..adapters.dispatch import attention_with_kvcache
-from ..core.quantization import quantize_rows
+from ..core.quantization import code_dtype, quantize_rows
 from .timing import elapsed, interleaved_samples
 
 SHAPES = ((1, 32, 8, 16384, 128), (16, 32, 8, 2048, 128))
@@ -30,8 +30,7 @@ def _step(shape, cache: str, rng):
     v = rng.standard_normal((batch, keys, kv_heads, dim), dtype=np.float32)
     q = rng.standard_normal((batch, 1, heads, dim), dtype=np.float32)
     if cache in ("int8", "float8_e4m3"):
-        codes = np.dtype(np.int8 if cache == "int8" else np.uint8)
-        (k, k_scale), (v, v_scale) = quantize_rows(k, codes), quantize_rows(v, codes)
+        (k, k_scale), (v, v_scale) = quantize_rows(k, code_dtype(cache)), quantize_rows(v, code_dtype(cache))
         scales = dict(k_scale=k_scale, v_scale=v_scale)
         read = k.nbytes + v.nbytes + k_scale.nbytes + v_scale.nbytes
     else:
