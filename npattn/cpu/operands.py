@@ -190,10 +190,8 @@ class OperandPlan:
         self.dropout = bool(problem.dropout_p)
 
     def _keys_dtype(self, problem):
-        """The dtype the kernels read k and v in: int8 codes, the 16-bit floats themselves
-        (as bytes), or the compute dtype (converted where it differs)."""
-        if self.codes in _SCALED:  # int8, or uint8 e4m3 bits
-            return problem.k.dtype
+        """The dtype the kernels read k and v in: their own where they are codes (int8, e4m3 or 16-bit floats
+        read as bytes), else the compute dtype (converted where it differs)."""
         return problem.k.dtype if self.codes else self.dtype
 
     def operands(self, q, k, v, arrays=None) -> Operands:
@@ -210,13 +208,11 @@ class OperandPlan:
         v = _frozen(v.ravel(order="K")) if v_order is not None else row_strides(v, keys_dtype)[0]
         placeholder, mask_placeholder = self.placeholders
         quantized = (self.code_placeholder, self.code_placeholder, self.scale_placeholder, self.scale_placeholder)
-        if self.codes in _SCALED:  # the codes (as int8) and scales; k and v are placeholders, which nothing reads
-            quantized = (_frozen(k.view(np.int8)), _frozen(v.view(np.int8)), flat_view(arrays.k_scale, SCALE_DTYPE)[0],
-                         flat_view(arrays.v_scale, SCALE_DTYPE)[0])
-            k = v = placeholder
-        elif self.codes:  # 16-bit floats as their bytes (kv_codes: always in a known memory order)
-            quantized = (_frozen(k.view(np.int8)), _frozen(v.view(np.int8)), self.scale_placeholder,
-                         self.scale_placeholder)
+        if self.codes:  # the codes as bytes (int8, e4m3 or 16-bit floats; kv_codes: always in a known memory
+            # order) with their scales where they have them; k and v are placeholders, which nothing reads
+            scales = ((flat_view(arrays.k_scale, SCALE_DTYPE)[0], flat_view(arrays.v_scale, SCALE_DTYPE)[0])
+                      if self.codes in _SCALED else (self.scale_placeholder, self.scale_placeholder))
+            quantized = (_frozen(k.view(np.int8)), _frozen(v.view(np.int8)), *scales)
             k = v = placeholder
         if arrays is None:
             return Operands(q, k, v, placeholder, mask_placeholder, placeholder, placeholder,
