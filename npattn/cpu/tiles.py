@@ -195,8 +195,7 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols, dequantized):
     """Keys ``[j0, j0 + cols)`` of ``kv_head`` read from codes (``Int.KV_CODES``) as float
     rows: int8 or float8 e4m3 codes times their key's scale, or float16 / bfloat16 bits
-    converted. The
-    keys (cols x D) from ``dequantized[0]``, the values (cols x Dv) from
+    converted. The keys (cols x D) from ``dequantized[0]``, the values (cols x Dv) from
     ``dequantized[BLOCK_K * D]``, each row contiguous. :func:`pack_key_tile`,
     :func:`score_tile` and the forward's P V then read the tile's rows: an int8 cache
     streams in at a quarter of float32's bytes, a 16-bit one at half, with no float32
@@ -236,7 +235,7 @@ def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head,
                 if codes == KvCodes.INT8:
                     _scaled_row(source, at, scale, dequantized, out_at, count)
                 elif codes == KvCodes.FLOAT8:
-                    _table_row(source, at, scale, dequantized, out_at, count)
+                    _e4m3_row(source, at, scale, dequantized, out_at, count)
                 elif codes == KvCodes.FLOAT16:
                     _converted_row(source, at, dequantized, out_at, count, False)
                 else:
@@ -265,7 +264,7 @@ def _scaled_row(codes, offset, scale, out, out_offset, width):
 
 
 @njit(inline="always")
-def _table_row(codes, offset, scale, out, out_offset, width):
+def _e4m3_row(codes, offset, scale, out, out_offset, width):
     """``out[out_offset + x]`` = the float8 e4m3 value of the byte ``codes[offset + x]`` times
     ``scale``, for x < width, in out's dtype. The byte's 7 magnitude bits shifted into a
     float32's exponent and mantissa read as 2^-127 times the value, subnormals included, so
