@@ -180,8 +180,9 @@ def exact_structures(*arrays) -> tuple:
     (1 us for five arrays, where :func:`check_structure` on each costs 2), and checks each
     array only when it differs, to name the one that does."""
     try:
-        return tuple(None if array is None else (type(array), array.dtype, array.shape, array.strides)
-                     for array in arrays)
+        # (a list made first: a generator into tuple() costs 0.15 us more)
+        return tuple([None if array is None else (type(array), array.dtype, array.shape, array.strides)
+                      for array in arrays])
     except AttributeError:  # not an array: the checks one by one name it
         return ()
 

@@ -218,18 +218,22 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
     running sum and output rows rescaled by exp(m_old - m_new)."""
     for r in range(rows):
         tile_max = row_max(s, r * ld, cols)
-        new_max = larger(m[r], tile_max)
+        m_before = m[r]
+        new_max = larger(m_before, tile_max)
         if tile_max > -np.inf:
             seen[r] = True
         # nothing visible yet: a shift of 0 keeps every exp at 0 (not NaN)
         shift = new_max if new_max > -np.inf else 0.0
-        correction = math.exp(m[r] - new_max) if new_max > -np.inf else 1.0
+        # (exp(-inf) without a call into libm: the first tile of every row)
+        correction = 1.0 if new_max == -np.inf else (0.0 if m_before == -np.inf else math.exp(m_before - new_max))
         m[r] = new_max
         tile_sum = exp_shifted(s, r * ld, cols, shift)
         if tile_sum != tile_sum:  # a visible NaN score (row_max skips it): the row is NaN
             seen[r] = True
         total[r] = total[r] * correction + tile_sum
-        if correction != 1.0:
+        # a row that has seen no key yet has a zero output row: nothing to rescale (the
+        # first tile of every row; a small call's only one)
+        if correction != 1.0 and m_before > -np.inf:
             o = out_offset + r * out_row_stride
             for x in range(as_offset(o), as_offset(o + dv)):
                 out[x] *= correction
