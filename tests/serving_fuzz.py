@@ -683,6 +683,17 @@ def pool_state(pool, *arrays) -> list:
     return [pool.free_pages, tables, {s: pool.length(s) for s in pool.sequences}, snapshot(*stored, *arrays)]
 
 
+def _add_with_history(rng, pool, sequences, heads, dtype) -> None:
+    """Add ``sequences`` to ``pool``, most with one token of history while pages last."""
+    kv_heads, head_dim = pool.num_kv_heads, pool.head_dim
+    for name in sequences:
+        pool.add(name)
+        if pool.free_pages * pool.page_size >= 2 and rng.random() < 0.6:
+            one = rng.standard_normal((1, kv_heads, head_dim)).astype(dtype)
+            pool.attend_varlen([name], rng.standard_normal((1, heads, head_dim)).astype(dtype), one, one,
+                               np.array([0, 1]))
+
+
 def _varlen_step(rng, pool, sequences, heads, dtype) -> tuple:
     """One attend_varlen step on ``pool``: ``(step, counts, q, k, v, cu, arguments, short)``,
     some of ``sequences`` with 0 (nothing new), 1 (a decode token) or more (a chunk) new
@@ -703,12 +714,7 @@ def paged_pool_varlen_call(rng) -> Call:
     """PagedKVCache.attend_varlen: prefill chunks and decode tokens of several sequences in
     one call (a packed paged attention_varlen over the pool)."""
     pool, dtype, heads, kv_heads, head_dim, sequences = _pool(rng, 8)
-    for name in sequences:  # some history, while pages last
-        pool.add(name)
-        if pool.free_pages * pool.page_size >= 2 and rng.random() < 0.6:
-            one = rng.standard_normal((1, kv_heads, head_dim)).astype(dtype)
-            pool.attend_varlen([name], rng.standard_normal((1, heads, head_dim)).astype(dtype), one, one,
-                               np.array([0, 1]))
+    _add_with_history(rng, pool, sequences, heads, dtype)
     step, counts, q, k, v, cu, arguments, short = _varlen_step(rng, pool, sequences, heads, dtype)
     names, label = (), "valid"
     if short:
@@ -768,12 +774,7 @@ def quantized_pool_varlen_call(rng) -> Call:
     pool = PagedKVCache(num_pages=int(rng.integers(2, 9)), page_size=int(rng.integers(1, 4)), num_kv_heads=kv_heads,
                         head_dim=head_dim, dtype=kind)
     sequences = [f"s{i}" for i in range(int(rng.integers(1, 4)))]
-    floats = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
-    for name in sequences:  # some history, while pages last
-        pool.add(name)
-        if pool.free_pages * pool.page_size >= 2 and rng.random() < 0.6:
-            one = floats(1, kv_heads, head_dim)
-            pool.attend_varlen([name], floats(1, heads, head_dim), one, one, np.array([0, 1]))
+    _add_with_history(rng, pool, sequences, heads, np.float32)
     step, counts, q, k, v, cu, arguments, short = _varlen_step(rng, pool, sequences, heads, np.float32)
     names, label = (), "valid"
     if short:
