@@ -24,9 +24,10 @@ import numpy as np
 from .blas import gemm
 from .jit import helper, kernel
 from .signatures import as_offset, as_readonly, larger, smaller
+from .simd import VECTOR_BYTES
 from .threads import NON_FINITE, next_item
 from .operands import Int, Real
-from .rowmath import exp_shifted, row_max
+from .rowmath import exp_shifted, exp_vector_shifted, row_max, vector_max
 from .microkernels import pair_product, product
 from .tiles import (apply_dropout, band_keys, dequantize_tile, key_segments, memory_batch, memory_batches,
                     pack_key_pairs, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles, score_tile, span, v_row,
@@ -203,8 +204,9 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums):
     for r in range(rows):
         if not seen[r]:
             return _UNTOUCHED
+    one_vector = cols == VECTOR_BYTES // s.itemsize  # (rows one vector long: inlined, side by side)
     for r in range(rows):
-        sums[r] = exp_shifted(s, r * ld, cols, m[r])
+        sums[r] = exp_vector_shifted(s, r * ld, m[r]) if one_vector else exp_shifted(s, r * ld, cols, m[r])
         if not sums[r] <= _REDO_ABOVE:
             return _OVERWRITTEN
     for r in range(rows):
@@ -216,8 +218,9 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums):
 def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_row_stride, dv):
     """The textbook online-softmax step: a max pass, exp against the new max, and the
     running sum and output rows rescaled by exp(m_old - m_new)."""
+    one_vector = cols == VECTOR_BYTES // s.itemsize  # (rows one vector long: inlined, side by side)
     for r in range(rows):
-        tile_max = row_max(s, r * ld, cols)
+        tile_max = vector_max(s, r * ld) if one_vector else row_max(s, r * ld, cols)
         m_before = m[r]
         new_max = larger(m_before, tile_max)
         if tile_max > -np.inf:
@@ -227,7 +230,7 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
         # (exp(-inf) without a call into libm: the first tile of every row)
         correction = 1.0 if new_max == -np.inf else (0.0 if m_before == -np.inf else math.exp(m_before - new_max))
         m[r] = new_max
-        tile_sum = exp_shifted(s, r * ld, cols, shift)
+        tile_sum = exp_vector_shifted(s, r * ld, shift) if one_vector else exp_shifted(s, r * ld, cols, shift)
         if tile_sum != tile_sum:  # a visible NaN score (row_max skips it): the row is NaN
             seen[r] = True
         total[r] = total[r] * correction + tile_sum

@@ -103,6 +103,44 @@ def row_max(x, start, n):
 
 
 @njit(inline="always")
+def vector_max(x, start):
+    """:func:`row_max` of exactly one vector's lanes, ``x[start : start + lanes]``, with its
+    bits, inlined into the caller (no call: the rows of a short tile then overlap)."""
+    return horizontal_max(maximum(load(x, plain_int(start)), fill(-np.inf, x)))
+
+
+@njit(inline="always")
+def exp_vector_shifted(x, start, shift):
+    """:func:`exp_shifted` of exactly one vector's lanes, ``x[start : start + lanes]``,
+    with its bits, inlined into the caller.
+
+    A tile of a small call has rows one vector long (16 keys of float32 on AVX-512). Through
+    :func:`exp_shifted` each row was a call, then a chain of the polynomial's FMAs and a
+    horizontal sum that the next row's call could not overlap; inlined, the rows' chains
+    run side by side."""
+    return _exp_vector(x, plain_int(start), scalar_like(shift, x))
+
+
+def _exp_vector(x, start, shift):
+    raise NotImplementedError
+
+
+@overload(_exp_vector, jit_options=OPTIONS, inline="always")
+def _exp_vector_overload(x, start, shift):
+    if x.dtype == types.float32:
+        def polynomial(x, start, shift):
+            value = _exp_float32(load(x, start), fill(shift, x))
+            store(x, start, value)
+            return horizontal_sum(add(fill(0.0, x), value))  # exp_shifted's sum, to the bit
+        return polynomial
+    lanes = VECTOR_BYTES // (x.dtype.bitwidth // 8)
+
+    def exact(x, start, shift):
+        return _exp_shifted(x, start, lanes, shift)
+    return exact
+
+
+@njit(inline="always")
 def exp_shifted(x, start, n, shift):
     """``x[c] = exp(x[c] - shift)`` for ``start <= c < start + n``, in place (a row of a
     score tile, without the cost of a slice); returns the sum of the new values (in
