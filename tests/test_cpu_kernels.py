@@ -132,6 +132,24 @@ def test_kernels_read_inputs_in_place_in_both_layouts():
         assert np.shares_memory(bias, ops.bias) and ops.bias.size == bias.size  # never expanded to B, H
 
 
+@pytest.mark.parametrize("q_len", [2, 64])  # out of 4 KiB (NumPy's zeros) and of 128 KiB (aligned)
+def test_outputs_past_the_alignment_threshold_start_on_a_cache_line(q_len):
+    """The forward's out from 64 KiB up starts on a 64-byte line (whole-vector stores, and
+    JAX takes it without a copy); either way it is zeros where no key is visible."""
+    from npattn.cpu import scratch
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 8, q_len, 64)).astype(np.float32)
+    kv_lengths = np.array([0])  # every row sees no key: out is its initial zeros
+    out = npattn.attention(q, q, q, kv_lengths=kv_lengths, backend="cpu")
+    assert not out.any()
+    if out.nbytes >= scratch._ALIGNED_FROM:
+        assert out.ctypes.data % 64 == 0
+    out = npattn.attention(q, q, q, backend="cpu")
+    if out.nbytes >= scratch._ALIGNED_FROM:
+        assert out.ctypes.data % 64 == 0
+
+
 def test_float16_inputs_run_in_float32_and_return_float16():
     rng = np.random.default_rng(2)
     q, k, v = _problem(rng, dtype=np.float16)
