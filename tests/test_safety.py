@@ -70,8 +70,13 @@ def test_the_memory_check_runs_before_the_append():
     assert not kc.any() and not vc.any()
 
 
-def test_an_error_after_the_append_puts_the_old_bytes_back(monkeypatch):
+@pytest.mark.parametrize("paged", [False, True])  # slots as slices (views), as index arrays (copies)
+def test_an_error_after_the_append_puts_the_old_bytes_back(monkeypatch, paged):
     q, k, v, kc, vc = _setup()
+    layout = {}
+    if paged:  # the same slots as pages of 2: the new key lands on page 1, slot 0
+        kc, vc = kc.reshape(4, 2, 1, 4), vc.reshape(4, 2, 1, 4)
+        layout = dict(block_table=np.array([[3, 1, 0, 2]]))
     kc[:] = 7.0
     vc[:] = 3.0
     before = _bytes(kc, vc)
@@ -83,9 +88,9 @@ def test_an_error_after_the_append_puts_the_old_bytes_back(monkeypatch):
     monkeypatch.setattr(npattn.api, "run_problem", failing_run)  # the call's own run
     monkeypatch.setattr(npattn.api.Plan, "run_trusted", failing_run)  # a kv-cache plan's later runs
     with pytest.raises(MemoryError, match="out of memory in the kernel"):
-        npattn.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=2)
+        npattn.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=2, **layout)
     assert _bytes(kc, vc) == before
-    plan = npattn.plan_with_kvcache(q, kc, vc, k, v, cache_seqlens=2)
+    plan = npattn.plan_with_kvcache(q, kc, vc, k, v, cache_seqlens=2, **layout)
     with pytest.raises(MemoryError, match="out of memory in the kernel"):
         plan.run(q, kc, vc, k, v)
     assert _bytes(kc, vc) == before

@@ -693,19 +693,23 @@ def _append(caches, new, slots):
     """Write each of ``new`` (k, v (B, Sn, Hkv, .), then a quantized cache's scales
     (B, Sn, Hkv)) into its cache of ``caches`` at their ``slots`` (of :func:`_slots`);
     returns the function that puts the old bytes back."""
-    old = [cache[slots] for cache in caches]
+    parts = [cache[slots] for cache in caches]
+    views = type(slots[0]) is slice  # parts are views of the caches (index arrays give copies)
     if type(caches[0]) is np.ndarray:  # the old bytes (tobytes: a third of a copy's cost)
-        old = [(part.tobytes(), part.dtype, part.shape) for part in old]
-    elif type(slots[0]) is slice:  # views, which the writes below would change: copies
-        old = [part.copy() for part in old]
+        old = [part.tobytes() for part in parts]
+    else:  # views, which the writes below would change: copies
+        old = [part.copy() for part in parts] if views else parts
 
     def undo():
-        for cache, part in zip(caches, old):
-            cache[slots] = np.frombuffer(part[0], part[1]).reshape(part[2]) if type(part) is tuple else part
+        for cache, saved, part in zip(caches, old, parts):
+            cache[slots] = np.frombuffer(saved, part.dtype).reshape(part.shape) if type(saved) is bytes else saved
 
     try:
-        for cache, part in zip(caches, new):
-            cache[slots] = part
+        for cache, part, target in zip(caches, new, parts):
+            if views:  # (through the view already made: 0.2 us less than indexing again)
+                target[...] = part
+            else:
+                cache[slots] = part
     except BaseException:
         undo()
         raise
