@@ -44,10 +44,15 @@ def compiler() -> str | None:
     return shutil.which("g++")
 
 
+# tiles built beside those the driver picks (tests force them): two row fragments per warp
+EXTRA_TILES = {64: (sources.ForwardTile(4, 2, 64), sources.ForwardTile(2, 2, 32))}
+
+
 def _forward_tc_configs(dtype_name, bound):
-    """(warps, block_k, options) of every tensor-core forward built for (dtype, bound)."""
-    shapes = sorted({sources.forward_tc_config(rows, bound) for rows in (1, 64, 65)})
-    return [(warps, block_k, int(options)) for warps, block_k in shapes for options in FORWARD_TC_OPTIONS[bound]]
+    """(tile, options) of every tensor-core forward built for (dtype, bound)."""
+    shapes = {sources.forward_tc_config(rows, bound) for rows in (1, 64, 65)} | set(EXTRA_TILES.get(bound, ()))
+    shapes = sorted(shapes, key=lambda t: (t.warps, t.frags, t.block_k))
+    return [(tile, int(options)) for tile in shapes for options in FORWARD_TC_OPTIONS[bound]]
 
 
 def _names():
@@ -55,8 +60,8 @@ def _names():
     for dtype_name, bound in EMULATED:
         for kind in sources.KINDS:
             if kind == "forward_tc" and dtype_name in sources.TENSOR_CORE_STORAGE:
-                names += [sources.kernel_name(kind, dtype_name, bound, warps=warps, block_k=block_k, options=options)
-                          for warps, block_k, options in _forward_tc_configs(dtype_name, bound)]
+                names += [sources.kernel_name(kind, dtype_name, bound, tile=tile, options=options)
+                          for tile, options in _forward_tc_configs(dtype_name, bound)]
                 continue
             if kind in ("dkdv_tc", "dq_tc"):
                 if bound in sources.TENSOR_CORE_BACKWARD_BOUNDS and dtype_name in sources.TENSOR_CORE_STORAGE:
@@ -72,7 +77,7 @@ def _names():
 def _built_name(launchers, kind, storage, bound, config):
     """The built instantiation that computes what ``kind`` at ``bound`` with ``config``
     asks for: the smallest larger-or-equal head-dim bound (a larger accumulator computes
-    the same) and, for the tensor-core forward, the same warps with the fewest options
+    the same) and, for the tensor-core forward, the same tile with the fewest options
     that include the asked-for ones (an option compiled in but off at run time is a no-op)."""
     candidates = []
     for candidate in sorted(b for b in sources.HEAD_DIM_BOUNDS if b >= bound):
@@ -86,10 +91,9 @@ def _built_name(launchers, kind, storage, bound, config):
             candidates.append(sources.kernel_name(kind, storage, candidate))
             continue
         built = [c for c in _forward_tc_configs(storage, candidate) if storage in dict(EMULATED)
-                 and c[0] == config["warps"] and c[2] & config["options"] == config["options"]]
-        for warps, block_k, options in sorted(built, key=lambda c: bin(c[2]).count("1")):
-            candidates.append(sources.kernel_name(kind, storage, candidate, warps=warps, block_k=block_k,
-                                                  options=options))
+                 and c[0] == config["tile"] and c[1] & config["options"] == config["options"]]
+        for tile, options in sorted(built, key=lambda c: bin(c[1]).count("1")):
+            candidates.append(sources.kernel_name(kind, storage, candidate, tile=tile, options=options))
     built = [name for name in candidates if name in launchers]
     if not built:
         raise AssertionError(f"no {kind} kernel for {storage} with bound >= {bound} and {config} is built; "
@@ -145,7 +149,7 @@ def emulated_gpu(monkeypatch, library, launchers):
         if blocks <= 0:
             return
         name = _built_name(launchers, kind, storage, bound, config)
-        threads = 32 * config["warps"] if kind == "forward_tc" else sources.THREADS
+        threads = config["tile"].threads if kind == "forward_tc" else sources.THREADS
         run_kernel(library, launchers, name, blocks, threads, shared_bytes, arguments)
 
     with monkeypatch.context() as patch:

@@ -63,10 +63,9 @@ def test_every_dtype_and_kind_has_instantiations():
                 continue
             # the tensor-core forward: every tile shape the driver picks, plain and fully optioned
             for rows in (1, 16, 17, 64, 65, 4096):
-                warps, block_k = sources.forward_tc_config(rows, bound)
+                tile = sources.forward_tc_config(rows, bound)
                 for options in (0, ALL):
-                    assert sources.kernel_name(forward, dtype_name, bound, warps=warps, block_k=block_k,
-                                               options=options) in names
+                    assert sources.kernel_name(forward, dtype_name, bound, tile=tile, options=options) in names
         for kind in ("combine", "weights", "dbias"):
             assert sources.kernel_name(kind, dtype_name) in names
 
@@ -102,19 +101,30 @@ def test_shared_memory_fits_an_sm80_block_at_the_widest_heads(dtype):
 def test_tensor_core_shared_memory_fits_an_sm80_block_at_the_widest_heads(rows):
     widest = sources.MAX_HEAD_DIM
     for bound in sources.HEAD_DIM_BOUNDS:
-        warps, block_k = sources.forward_tc_config(rows, bound)
-        assert launch.forward_tc_shared_bytes(bound, bound, warps, block_k) <= _SM80_SHARED_BYTES
-    warps, block_k = sources.forward_tc_config(rows, widest)
+        tile = sources.forward_tc_config(rows, bound)
+        assert launch.forward_tc_shared_bytes(bound, bound, tile) <= _SM80_SHARED_BYTES
     # swizzled rows hold a multiple of 64 values; the output tile reuses the same bytes
-    assert launch.forward_tc_shared_bytes(17, 8, 4, 64) == launch.forward_tc_shared_bytes(64, 64, 4, 64)
-    assert launch.forward_tc_shared_bytes(16, 256, 8, 64) == 2 * 128 * 256  # the staged output is larger
+    tile = sources.ForwardTile(4, 1, 64)
+    assert launch.forward_tc_shared_bytes(17, 8, tile) == launch.forward_tc_shared_bytes(64, 64, tile)
+    for tile in (sources.ForwardTile(8, 1, 64), sources.ForwardTile(4, 2, 64)):  # 128 rows: the staged output is larger
+        assert launch.forward_tc_shared_bytes(16, 256, tile) == 2 * 128 * 256
 
 
 def test_tensor_core_forward_tiles_follow_the_packed_rows():
-    assert sources.forward_tc_config(1, 128) == (1, 64)       # a decode step's GQA group
-    assert sources.forward_tc_config(64, 128) == (4, 64)
-    assert sources.forward_tc_config(4096, 128) == (8, 64)
-    assert sources.forward_tc_config(4096, 256) == (4, 32)    # accumulators of 256 columns
+    Tile = sources.ForwardTile
+    assert sources.forward_tc_config(1, 128) == Tile(1, 1, 64)       # a decode step's GQA group
+    assert sources.forward_tc_config(64, 128) == Tile(4, 1, 64)
+    assert sources.forward_tc_config(4096, 128) == Tile(8, 1, 64)
+    assert sources.forward_tc_config(4096, 256) == Tile(4, 1, 32)    # accumulators of 256 columns
+    assert Tile(4, 2, 64).block_q == 128 and Tile(4, 2, 64).threads == 128
+
+
+def test_a_forced_tile_takes_prefill_calls_only_inside_its_block():
+    tile = sources.ForwardTile(4, 2, 32)
+    with sources.forced_forward_tile(tile):
+        assert sources.forward_tc_config(4096, 128) == tile
+        assert sources.forward_tc_config(16, 128) == sources.ForwardTile(1, 1, 64)  # decode keeps its own
+    assert sources.forward_tc_config(4096, 128) == sources.ForwardTile(8, 1, 64)
 
 
 def test_options_name_what_a_call_needs():
@@ -234,6 +244,27 @@ def test_gpu_wide_and_uneven_heads(backend, head_dim, value_dim, options):
     case = _wide_case(head_dim, value_dim, np.float32, **options)
     check_forward(backend, case, "bhsd")
     check_backward(backend, case, "bshd")
+
+
+@pytest.mark.parametrize("backend", GPU)
+@pytest.mark.parametrize("bound", [64, 128])
+@pytest.mark.parametrize("options", [{}, {"causal": True},
+                                     {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 3,
+                                      "kv_lengths": np.array([60, 90]), "window": (40, 0), "sinks": 2}])
+def test_gpu_forward_at_every_candidate_tile(backend, bound, options):
+    """Every tile the tuning harness times (``bench --gpu --tiles``) computes the reference's
+    answer on the device, so a tile it finds fastest can become the default."""
+    from npattn.runtime import plans
+    from npattn.tools import tune_gpu
+
+    case = _wide_case(bound, bound, np.float16, **options)
+    for tile in tune_gpu.TILES[bound]:
+        plans.clear()  # a kept plan of this structure would run its own tile
+        try:
+            with sources.forced_forward_tile(tile):
+                check_forward(backend, case, "bhsd")
+        finally:
+            plans.clear()
 
 
 @pytest.mark.parametrize("backend", GPU)

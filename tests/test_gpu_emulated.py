@@ -196,6 +196,43 @@ def test_emulated_gpu_decoding_with_a_long_cache_equals_the_full_pass():
 N = Option.NARROW  # head dims below the kernel's bound (32 and 12 of 64)
 
 
+@pytest.mark.parametrize("tile", gpu_emulation.EXTRA_TILES[64])
+@pytest.mark.parametrize("q_len, kv_len, head_dim, options", [
+    (40, 90, 64, {}),
+    (40, 90, 32, dict(causal=True, window=(30, 0), sinks=2, kv_lengths=np.array([70, 90]))),
+    (40, 90, 64, dict(causal=True, softcap=3.0, dropout_p=0.2, seed=7,
+                      bias=np.random.default_rng(1).normal(size=(40, 90)), alibi_slopes=np.linspace(0.1, 0.8, 8),
+                      mask=np.random.default_rng(2).random((2, 1, 40, 90)) < 0.8)),
+    (40, 90, 12, dict(causal=True, sink_logits=np.linspace(-1.0, 1.0, 8))),  # unaligned rows, plain loads
+])
+def test_emulated_tensor_core_forward_with_two_row_fragments_per_warp(monkeypatch, tile, q_len, kv_len, head_dim,
+                                                                       options):
+    """The tiles whose warps own two m16 row fragments (forced, as the tuning harness
+    forces them) compute what the reference does, for every kind of option."""
+    from npattn.gpu import launch, sources
+    from npattn.runtime import plans
+
+    tiles = []
+    emulated_run = launch.run
+
+    def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
+        if kind == "forward_tc":
+            tiles.append(config["tile"])
+        return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
+
+    monkeypatch.setattr(launch, "run", spy)
+    case = uniform_case(2, 8, 2, q_len, kv_len, head_dim, head_dim, values_seed=q_len + head_dim,
+                        dtype=np.float16, **options)
+    plans.clear()  # a plan kept from an earlier call of this structure has its own tile
+    try:
+        with sources.forced_forward_tile(tile):
+            for layout in ("bhsd", "bshd"):
+                check_forward("gpu", case, layout)
+    finally:
+        plans.clear()
+    assert tiles and set(tiles) == {tile}
+
+
 @pytest.mark.parametrize("q_len, kv_len, head_dim, options, warps, expected", [
     # a decode step: the 4 query heads of a GQA group fill 4 rows of a one-warp tile, split-KV
     (1, 700, 32, {}, 1, N),
@@ -238,7 +275,7 @@ def test_emulated_tensor_core_forward_runs_the_tile_shape_and_options_the_call_n
         calls.clear()
         check_forward("gpu", case, layout)
         forward = [config for kind, config in calls if kind == "forward_tc"]
-        assert forward and all(c["warps"] == warps and c["options"] == expected for c in forward), forward
+        assert forward and all(c["tile"].warps == warps and c["options"] == expected for c in forward), forward
         if q_len == 1:
             assert ("combine", {}) in calls, "a decode step against 700 keys splits them"
 

@@ -289,6 +289,7 @@ template <typename T, typename Acc, unsigned OPTIONS = NPATTN_OPTION_ALL> struct
     i64 mask_stride, bias_stride, position;
     Acc scale, softcap, slope;
 
+    __device__ ScoreRow() {}  // filled by assignment (arrays of rows, one per lane row)
     __device__ ScoreRow(const Operands<T, Acc>& in, i64 b, i64 h, i64 i) {
         const i64* ints = in.ints;
         if (OPTIONS & NPATTN_OPTION_BAND) band = key_band(ints, in.spans, b, i);

@@ -194,12 +194,12 @@ class ForwardPlan:
             if kind == "forward_tc":
                 # packed rows: the query heads of a GQA group times the query rows, per kv head
                 rows = q_len * (heads // problem.kv_heads)
-                warps, block_k = forward_tc_config(rows, bound)
+                tile = forward_tc_config(rows, bound)
                 # the options the problem's structure needs; UNALIGNED also depends on where
                 # each call's rows lie, so the call adds it (see _options)
-                self.config = dict(warps=warps, block_k=block_k, options=options_of(problem, (), bound))
-                block_q = 16 * warps
-                self.shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim, warps, block_k)
+                self.config = dict(tile=tile, options=options_of(problem, (), bound))
+                warps, block_q, block_k = tile.warps, tile.block_q, tile.block_k
+                self.shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim, tile)
                 blocks = batch * problem.kv_heads * -(-rows // block_q)
             else:
                 rows, warps = q_len, THREADS // 32

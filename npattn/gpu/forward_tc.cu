@@ -3,9 +3,11 @@
 // into swizzled shared tiles, every operand fragment loaded by ldmatrix, the online
 // softmax in registers in base 2, P fed to P V straight from S's registers.
 //
-// One block of WARPS warps per (batch, kv head, tile of 16 * WARPS packed rows); warp w
-// owns 16 rows for the whole key loop, so a row's max and sum live in the 4 lanes of a
-// quad. The rows are the query heads of one GQA group interleaved with the query rows
+// One block of WARPS warps per (batch, kv head, tile of 16 * FRAGS * WARPS packed rows);
+// warp w owns FRAGS m16 fragments of 16 rows for the whole key loop, so a row's max and
+// sum live in the 4 lanes of a quad. With FRAGS = 2 (FlashAttention-2's layout at
+// d = 128: 4 warps x 32 rows) each K or V fragment a warp loads by ldmatrix feeds two
+// mma instead of one, and each lane has two independent softmax chains in flight. The rows are the query heads of one GQA group interleaved with the query rows
 // (packed row p is query row p / group of head kv_head * group + p % group), so each
 // K/V byte a block loads serves the whole group: a decode step (one query row) fills
 // `group` rows instead of one. Causal bands stay monotone in p, so tile skipping works
@@ -58,13 +60,16 @@ struct KeyTiles {
     __device__ int keys(i64 t) const { return (int)smaller(block_k, (t < count[0] ? last[0] : last[1]) - start(t)); }
 };
 
-template <typename T, typename Acc, int MAX_D, int WARPS, int BK, unsigned OPTIONS>
+template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, unsigned OPTIONS>
 __global__ void __launch_bounds__(WARPS * 32)
 forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
                   Acc* partial) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
     static_assert(BK % 16 == 0 && MAX_D % 16 == 0, "whole mma tiles");
-    constexpr int BQ = 16 * WARPS;
+    static_assert(FRAGS == 1 || FRAGS == 2, "one or two m16 row fragments per warp");
+    constexpr int WARP_ROWS = 16 * FRAGS;
+    constexpr int BQ = WARP_ROWS * WARPS;
+    constexpr int ROWS = 2 * FRAGS;          // rows per lane: fragment f's quad + 0 and quad + 8
     constexpr int KEY_BLOCKS = BK / 8;       // 8-key column blocks of S
     constexpr int VALUE_BLOCKS = MAX_D / 8;  // 8-column blocks of O
     constexpr bool ASYNC = !(OPTIONS & NPATTN_OPTION_UNALIGNED);
@@ -94,6 +99,8 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int quad = lane / 4, in_quad = lane % 4;  // the PTX ISA's groupID and threadID_in_group
     const float lowest = negative_infinity<float>();
+    // the tile row of this lane's row x: fragment x / 2, then quad or quad + 8
+    auto tile_row = [&](int x) { return warp * WARP_ROWS + (x / 2) * 16 + quad + 8 * (x % 2); };
 
     // Q, by packed rows
     stage_tile<ASYNC>(qs, at.ld_qk, q, [&](int r) {
@@ -102,34 +109,35 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     }, rows, head_dim, BQ, qk_chunks);
     cp_async_commit();
 
-    // this lane's two rows (x = 0, 1): warp * 16 + quad and + 8; rows past `rows` stand
-    // in for the last one and are never written
-    i64 row_head[2], row_query[2];
-    bool row_valid[2];
-    for (int x = 0; x < 2; ++x) {
-        const int r = warp * 16 + quad + 8 * x;
-        row_valid[x] = r < rows;
-        const i64 p = p0 + (row_valid[x] ? r : rows - 1);
-        row_head[x] = kv_head * group + p % group;
-        row_query[x] = p / group;
-    }
-    const ScoreRow<T, Acc, OPTIONS> scorer[2] = {ScoreRow<T, Acc, OPTIONS>(in, b, row_head[0], row_query[0]),
-                                                 ScoreRow<T, Acc, OPTIONS>(in, b, row_head[1], row_query[1])};
+    // this lane's rows; rows past `rows` stand in for the last one and are never written.
+    // Their heads and query positions are worked out where needed, not kept in registers
+    // through the key loop.
+    auto row_packed = [&](int x) { return p0 + (tile_row(x) < rows ? tile_row(x) : rows - 1); };
+    auto row_head = [&](int x) { return kv_head * group + row_packed(x) % group; };
+    auto row_query = [&](int x) { return row_packed(x) / group; };
+    bool row_valid[ROWS];
+#pragma unroll
+    for (int x = 0; x < ROWS; ++x) row_valid[x] = tile_row(x) < rows;
     const bool has_sink = (OPTIONS & NPATTN_OPTION_SINK) && ints[NPATTN_INT_HAS_SINK] != 0 && splits == 1;
     const bool has_dropout = (OPTIONS & NPATTN_OPTION_DROPOUT) && ints[NPATTN_INT_HAS_DROPOUT] != 0;
-    u32 dropout_state[2] = {0u, 0u};
+    u32 dropout_state[ROWS];
     // m: the running max in base 2 (log2(e) folded into the scale); l: this lane's share
     // of the running sum (the quad's four shares are added once, at the end)
-    float m[2], l[2];
-    bool seen[2] = {false, false};
-    for (int x = 0; x < 2; ++x) {
-        m[x] = has_sink ? (float)sink[row_head[x]] * NPATTN_LOG2E : lowest;  // a first column of value 0
-        l[x] = has_sink && in_quad == 0 ? 1.0f : 0.0f;
-        if (has_dropout) dropout_state[x] = dropout_row_state(ints, b, row_head[x], row_query[x]);
-    }
-    float o[VALUE_BLOCKS][4];
+    float m[ROWS], l[ROWS];
+    bool seen[ROWS];
 #pragma unroll
-    for (int n = 0; n < VALUE_BLOCKS; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    for (int x = 0; x < ROWS; ++x) {
+        seen[x] = false;
+        m[x] = has_sink ? (float)sink[row_head(x)] * NPATTN_LOG2E : lowest;  // a first column of value 0
+        l[x] = has_sink && in_quad == 0 ? 1.0f : 0.0f;
+        dropout_state[x] = has_dropout ? dropout_row_state(ints, b, row_head(x), row_query(x)) : 0u;
+    }
+    float o[FRAGS][VALUE_BLOCKS][4];
+#pragma unroll
+    for (int f = 0; f < FRAGS; ++f) {
+#pragma unroll
+        for (int n = 0; n < VALUE_BLOCKS; ++n) o[f][n][0] = o[f][n][1] = o[f][n][2] = o[f][n][3] = 0.0f;
+    }
     const float scale_log2 = (float)in.reals[NPATTN_REAL_SCALE] * NPATTN_LOG2E;
 
     const i64 i_first = p0 / group, i_last = (p0 + rows - 1) / group;
@@ -167,21 +175,28 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         stage_v(t);
         cp_async_commit();
 
-        // S (16 x BK per warp) = Q K^T
-        float s[KEY_BLOCKS][4];
+        // S (16 FRAGS x BK per warp) = Q K^T: each K fragment pair feeds every row fragment
+        float s[FRAGS][KEY_BLOCKS][4];
 #pragma unroll
-        for (int n = 0; n < KEY_BLOCKS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        for (int f = 0; f < FRAGS; ++f) {
+#pragma unroll
+            for (int n = 0; n < KEY_BLOCKS; ++n) s[f][n][0] = s[f][n][1] = s[f][n][2] = s[f][n][3] = 0.0f;
+        }
 #pragma unroll
         for (int k0 = 0; k0 < MAX_D; k0 += 16) {
             if (k0 < at.head_dim) {
-                u32 a[4];
-                load_a_fragment(a, qs, at.ld_qk, warp * 16, k0, lane);
+                u32 a[FRAGS][4];
+#pragma unroll
+                for (int f = 0; f < FRAGS; ++f) load_a_fragment(a[f], qs, at.ld_qk, warp * WARP_ROWS + f * 16, k0, lane);
 #pragma unroll
                 for (int n = 0; n < KEY_BLOCKS; n += 2) {
                     u32 bk[4];
                     load_b_fragments(bk, ks, at.ld_qk, n * 8, k0, lane);
-                    mma_16816<T>(s[n], a, bk);
-                    mma_16816<T>(s[n + 1], a, bk + 2);
+#pragma unroll
+                    for (int f = 0; f < FRAGS; ++f) {
+                        mma_16816<T>(s[f][n], a[f], bk);
+                        mma_16816<T>(s[f][n + 1], a[f], bk + 2);
+                    }
                 }
             }
         }
@@ -189,29 +204,57 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         if (t + 1 < tile_count) stage_k(t + 1);
         cp_async_commit();
 
-        // scores in base 2, then the online softmax of this lane's two rows
+        // scores in base 2, then the online softmax of this lane's rows
         bool plain_tile = !SCORE_OPTIONS;
         if (plain_tile && (OPTIONS & NPATTN_OPTION_BAND)) {
             plain_tile = tile_fully_visible(ints, spans, b, i_first, i_last + 1, j0, j0 + cols);
         }
-        float tile_max[2] = {lowest, lowest};
+        if (plain_tile) {
 #pragma unroll
-        for (int n = 0; n < KEY_BLOCKS; ++n) {
+            for (int f = 0; f < FRAGS; ++f) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int x = e / 2, c = n * 8 + 2 * in_quad + (e & 1);
-                if (plain_tile) {
-                    s[n][e] = c < cols ? scale_log2 * s[n][e] : lowest;
-                } else {
-                    float tanh_unused;
-                    s[n][e] = (row_valid[x] && c < cols) ? scorer[x].score(j0 + c, s[n][e], &tanh_unused) * NPATTN_LOG2E
-                                                         : lowest;
+                for (int n = 0; n < KEY_BLOCKS; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int c = n * 8 + 2 * in_quad + (e & 1);
+                        s[f][n][e] = c < cols ? scale_log2 * s[f][n][e] : lowest;
+                    }
                 }
-                tile_max[x] = s[n][e] > tile_max[x] ? s[n][e] : tile_max[x];
+            }
+        } else {
+            // a row's ScoreRow is built per tile that needs it (the band's edges, the options'
+            // rows), not kept through the key loop: registers go to the accumulators
+#pragma unroll
+            for (int x = 0; x < ROWS; ++x) {
+                const ScoreRow<T, Acc, OPTIONS> scorer(in, b, row_head(x), row_query(x));
+#pragma unroll
+                for (int n = 0; n < KEY_BLOCKS; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int c = n * 8 + 2 * in_quad + e;
+                        float& score = s[x / 2][n][2 * (x % 2) + e];
+                        float tanh_unused;
+                        score = (row_valid[x] && c < cols) ? scorer.score(j0 + c, score, &tanh_unused) * NPATTN_LOG2E
+                                                           : lowest;
+                    }
+                }
             }
         }
-        float shift[2], correction[2];
-        for (int x = 0; x < 2; ++x) {
+        float tile_max[ROWS];
+#pragma unroll
+        for (int x = 0; x < ROWS; ++x) {
+            tile_max[x] = lowest;
+#pragma unroll
+            for (int n = 0; n < KEY_BLOCKS; ++n) {
+                const float* pair = &s[x / 2][n][2 * (x % 2)];
+                tile_max[x] = pair[0] > tile_max[x] ? pair[0] : tile_max[x];
+                tile_max[x] = pair[1] > tile_max[x] ? pair[1] : tile_max[x];
+            }
+        }
+        float shift[ROWS], correction[ROWS];
+#pragma unroll
+        for (int x = 0; x < ROWS; ++x) {
+#pragma unroll
             for (int offset = 1; offset < 4; offset <<= 1) {  // a row's 4 lanes: lane bits 0 and 1
                 const float other = __shfl_xor_sync(0xffffffffu, tile_max[x], offset);
                 tile_max[x] = other > tile_max[x] ? other : tile_max[x];
@@ -225,61 +268,76 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
             l[x] *= correction[x];
         }
 #pragma unroll
-        for (int n = 0; n < KEY_BLOCKS; ++n) {
+        for (int f = 0; f < FRAGS; ++f) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int x = e / 2, c = n * 8 + 2 * in_quad + (e & 1);
-                float p = exp2_approx(s[n][e] - shift[x]);
-                l[x] += p;
-                if (has_dropout && row_valid[x] && c < cols && !dropout_keeps(ints, dropout_state[x], j0 + c)) p = 0.0f;
-                s[n][e] = p;
+            for (int n = 0; n < KEY_BLOCKS; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int x = 2 * f + e / 2, c = n * 8 + 2 * in_quad + (e & 1);
+                    float p = exp2_approx(s[f][n][e] - shift[x]);
+                    l[x] += p;
+                    if (has_dropout && row_valid[x] && c < cols && !dropout_keeps(ints, dropout_state[x], j0 + c)) {
+                        p = 0.0f;
+                    }
+                    s[f][n][e] = p;
+                }
             }
-        }
 #pragma unroll
-        for (int n = 0; n < VALUE_BLOCKS; ++n) {
-            o[n][0] *= correction[0];
-            o[n][1] *= correction[0];
-            o[n][2] *= correction[1];
-            o[n][3] *= correction[1];
+            for (int n = 0; n < VALUE_BLOCKS; ++n) {
+                o[f][n][0] *= correction[2 * f];
+                o[f][n][1] *= correction[2 * f];
+                o[f][n][2] *= correction[2 * f + 1];
+                o[f][n][3] *= correction[2 * f + 1];
+            }
         }
         cp_async_wait<1>();
         __syncthreads();  // V_t landed for every thread
 
-        // O (16 x Dv per warp) += P V: S's accumulators of two 8-key blocks are the A
-        // fragment of one 16-key block
+        // O (16 FRAGS x Dv per warp) += P V: S's accumulators of two 8-key blocks are the
+        // A fragment of one 16-key block; each V fragment pair feeds every row fragment
 #pragma unroll
         for (int kb = 0; kb < BK / 16; ++kb) {
-            const u32 a[4] = {pack_pair<T>(s[2 * kb][0], s[2 * kb][1]), pack_pair<T>(s[2 * kb][2], s[2 * kb][3]),
-                              pack_pair<T>(s[2 * kb + 1][0], s[2 * kb + 1][1]),
-                              pack_pair<T>(s[2 * kb + 1][2], s[2 * kb + 1][3])};
+            u32 a[FRAGS][4];
+#pragma unroll
+            for (int f = 0; f < FRAGS; ++f) {
+                a[f][0] = pack_pair<T>(s[f][2 * kb][0], s[f][2 * kb][1]);
+                a[f][1] = pack_pair<T>(s[f][2 * kb][2], s[f][2 * kb][3]);
+                a[f][2] = pack_pair<T>(s[f][2 * kb + 1][0], s[f][2 * kb + 1][1]);
+                a[f][3] = pack_pair<T>(s[f][2 * kb + 1][2], s[f][2 * kb + 1][3]);
+            }
 #pragma unroll
             for (int n = 0; n < VALUE_BLOCKS; n += 2) {
                 if (n * 8 < at.value_dim) {
                     u32 bv[4];
                     load_b_fragments_transposed(bv, vs, at.ld_v, n * 8, kb * 16, lane);
-                    mma_16816<T>(o[n], a, bv);
-                    mma_16816<T>(o[n + 1], a, bv + 2);
+#pragma unroll
+                    for (int f = 0; f < FRAGS; ++f) {
+                        mma_16816<T>(o[f][n], a[f], bv);
+                        mma_16816<T>(o[f][n + 1], a[f], bv + 2);
+                    }
                 }
             }
         }
     }
     cp_async_wait<0>();  // the last (empty) group
 
-    for (int x = 0; x < 2; ++x) {
+#pragma unroll
+    for (int x = 0; x < ROWS; ++x) {
         l[x] += __shfl_xor_sync(0xffffffffu, l[x], 1);
         l[x] += __shfl_xor_sync(0xffffffffu, l[x], 2);
         seen[x] = seen[x] || l[x] != l[x];  // a visible NaN score (the max skips it): a NaN row, not empty
     }
     if (splits > 1) {  // unnormalized rows, max and sum (natural log) for combine_kernel
-        for (int x = 0; x < 2; ++x) {
+#pragma unroll
+        for (int x = 0; x < ROWS; ++x) {
             if (!row_valid[x]) continue;
-            const i64 row = (b * heads + row_head[x]) * q_len + row_query[x];
+            const i64 row = (b * heads + row_head(x)) * q_len + row_query(x);
             Acc* mine = partial + (row * splits + split) * (value_dim + 3);
 #pragma unroll
             for (int n = 0; n < VALUE_BLOCKS; ++n) {
                 for (int e = 0; e < 2; ++e) {
                     const int d = n * 8 + 2 * in_quad + e;
-                    if (d < value_dim) mine[d] = o[n][2 * x + e];
+                    if (d < value_dim) mine[d] = o[x / 2][n][2 * (x % 2) + e];
                 }
             }
             if (in_quad == 0) {
@@ -291,28 +349,29 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         return;
     }
 
-    // normalize, stage this warp's 16 rows in shared memory as 16-bit pairs, then write
+    // normalize, stage this warp's rows in shared memory as 16-bit pairs, then write
     // them out a 16-byte chunk at a time
     __syncthreads();  // every warp is done with V (the staging area overlaps Q, K and V)
     unsigned short* os = shared;
-    for (int x = 0; x < 2; ++x) {
+#pragma unroll
+    for (int x = 0; x < ROWS; ++x) {
         const float factor = seen[x] ? (float)in.reals[NPATTN_REAL_KEEP_SCALE] / l[x] : 0.0f;
-        const int r = warp * 16 + quad + 8 * x;
+        const int r = tile_row(x);
 #pragma unroll
         for (int n = 0; n < VALUE_BLOCKS; ++n) {
             if (n * 8 < at.value_dim) {
                 *reinterpret_cast<u32*>(os + swizzled(r, n * 8 + 2 * in_quad, at.ld_v)) =
-                    pack_pair<T>(o[n][2 * x] * factor, o[n][2 * x + 1] * factor);
+                    pack_pair<T>(o[x / 2][n][2 * (x % 2)] * factor, o[x / 2][n][2 * (x % 2) + 1] * factor);
             }
         }
         if (in_quad == 0 && row_valid[x] && seen[x]) {
-            lse[(b * heads + row_head[x]) * q_len + row_query[x]] = m[x] * NPATTN_LN2 + log_of(l[x]);
+            lse[(b * heads + row_head(x)) * q_len + row_query(x)] = m[x] * NPATTN_LN2 + log_of(l[x]);
         }
     }
     __syncwarp();
     const int out_chunks = (value_dim + 7) / 8;
-    for (int index = lane; index < 16 * out_chunks; index += 32) {
-        const int r = warp * 16 + index / out_chunks, c = index % out_chunks;
+    for (int index = lane; index < WARP_ROWS * out_chunks; index += 32) {
+        const int r = warp * WARP_ROWS + index / out_chunks, c = index % out_chunks;
         if (r >= rows) continue;
         const i64 p = p0 + r;
         T* destination = out + b * out_sb + (kv_head * group + p % group) * out_sh + (p / group) * out_ss + 8 * c;

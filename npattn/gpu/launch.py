@@ -30,14 +30,14 @@ def forward_shared_bytes(head_dim: int, value_dim: int, dtype) -> int:
     return elements * np.dtype(dtype).itemsize
 
 
-def forward_tc_shared_bytes(head_dim: int, value_dim: int, warps: int, block_k: int) -> int:
-    """Dynamic shared memory of forward_tc_kernel: ``ForwardTensorCoreLayout`` in
-    forward_tc.cu (swizzled 16-bit tiles: Q of 16 * warps rows, K and V of block_k rows;
+def forward_tc_shared_bytes(head_dim: int, value_dim: int, tile: sources.ForwardTile) -> int:
+    """Dynamic shared memory of forward_tc_kernel with ``tile``: ``ForwardTensorCoreLayout`` in
+    forward_tc.cu (swizzled 16-bit tiles: Q of tile.block_q rows, K and V of block_k rows;
     head dims rounded up to 16, rows to 64 values), or the output tile staged in the
     same bytes, if that is larger."""
     def row(dim):
         return -(-(-(-dim // 16) * 16) // 64) * 64
-    block_q = 16 * warps
+    block_q, block_k = tile.block_q, tile.block_k
     return 2 * max((block_q + block_k) * row(head_dim) + block_k * row(value_dim), block_q * row(value_dim))
 
 
@@ -85,13 +85,13 @@ def _kernel(name: str):
 
 def run(kind: str, storage: str, bound: int, blocks: int, shared_bytes: int, arguments, **config) -> None:
     """Launch ``kind``'s instantiation for ``storage`` (a dtype name) and head-dim ``bound``
-    on ``blocks`` blocks; ``config`` (warps, block_k, options) picks the tensor-core
-    forward's (of 32 * warps threads); every other kernel runs
+    on ``blocks`` blocks; ``config`` (tile, options) picks the tensor-core
+    forward's (of tile.threads threads); every other kernel runs
     :data:`~npattn.gpu.sources.THREADS` threads."""
     if blocks <= 0:
         return
     kernel = _kernel(sources.kernel_name(kind, storage, bound, **config))
-    threads = 32 * config["warps"] if kind == "forward_tc" else sources.THREADS
+    threads = config["tile"].threads if kind == "forward_tc" else sources.THREADS
     if shared_bytes > _DEFAULT_SHARED_BYTES:
         kernel.max_dynamic_shared_size_bytes = shared_bytes
     kernel((int(blocks),), (threads,), tuple(arguments), shared_mem=shared_bytes)

@@ -15,8 +15,10 @@ Imports nothing but the standard library and :mod:`npattn.core.kernel_params`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.kernel_params import SPAN_FIELDS, Int, Real, Span, operand_defines
@@ -51,7 +53,7 @@ TENSOR_CORE_BACKWARD_BOUNDS = (64, 128)
 TENSOR_CORE_STORAGE = ("float16", "bfloat16")
 # the tensor-core backward's tiles: 64 query rows (4 warps x 16) x 64 keys
 TENSOR_CORE_BLOCK = 64
-# the tensor-core forward: warps per block (16 packed rows each; see forward_tc_config)
+# the tensor-core forward: warps per block (16 packed rows per row fragment; see forward_tc_config)
 TENSOR_CORE_WARPS = (1, 4, 8)
 # the targets CI compiles for: A100 and H100/H200
 ARCHITECTURES = ("sm_80", "sm_90")
@@ -83,34 +85,69 @@ def head_dim_bound(head_dim: int, value_dim: int) -> int:
     raise ValueError(f"the gpu backend takes head dims up to {MAX_HEAD_DIM}, got {widest}")
 
 
-def forward_tc_config(packed_rows: int, bound: int) -> tuple[int, int]:
-    """``(warps, block_k)`` of the tensor-core forward for ``packed_rows`` rows per (batch,
+@dataclass(frozen=True)
+class ForwardTile:
+    """The tile shape of the tensor-core forward: ``warps`` warps per block, each owning
+    ``frags`` m16 fragments of 16 packed rows, over tiles of ``block_k`` keys."""
+
+    warps: int
+    frags: int
+    block_k: int
+
+    @property
+    def block_q(self) -> int:
+        """Packed rows per block."""
+        return 16 * self.frags * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+# Set by :func:`forced_forward_tile` (the tuning harness): the tile of every prefill-sized call.
+_FORCED_TILE: list = []
+
+
+@contextlib.contextmanager
+def forced_forward_tile(tile: ForwardTile):
+    """Within the block, calls of more than 64 packed rows take ``tile`` (plans made inside
+    keep it): how ``python -m npattn tune-gpu`` times tile shapes through the real call path."""
+    _FORCED_TILE.append(tile)
+    try:
+        yield tile
+    finally:
+        _FORCED_TILE.pop()
+
+
+def forward_tc_config(packed_rows: int, bound: int) -> ForwardTile:
+    """The tensor-core forward's :class:`ForwardTile` for ``packed_rows`` rows per (batch,
     kv head) (query rows times the GQA group) and head-dim ``bound``: one warp for a
     decode step's few rows (more blocks, each streaming its own keys), 4 warps up to 64
     rows, else 128-row tiles of 8 warps (4 for 256-wide heads, whose accumulators take
     most registers). 256-wide heads take 32-key tiles to keep S's registers small."""
+    block_k = 64 if bound <= 128 else 32
     if packed_rows <= 16:
-        warps = 1
-    elif packed_rows <= 64 or bound > 128:
-        warps = 4
-    else:
-        warps = 8
-    return warps, (64 if bound <= 128 else 32)
+        return ForwardTile(1, 1, block_k)
+    if packed_rows <= 64 or bound > 128:
+        return ForwardTile(4, 1, block_k)
+    if _FORCED_TILE:
+        return _FORCED_TILE[-1]
+    return ForwardTile(8, 1, block_k)
 
 
-def kernel_name(kind: str, dtype_name: str, bound: int = 0, *, warps: int = 8, block_k: int = 64,
+def kernel_name(kind: str, dtype_name: str, bound: int = 0, *, tile: ForwardTile = ForwardTile(8, 1, 64),
                 options: int = _options.ALL) -> str:
     """The name expression of one instantiation: ``kind`` is one of :data:`KINDS`;
     ``dtype_name`` a key of :data:`STORAGE`; ``bound`` a value of
     :data:`HEAD_DIM_BOUNDS` (used by the kinds of :data:`BOUNDED_KINDS` only);
-    ``warps`` and ``block_k`` configure the tensor-core forward; ``options`` (an
+    ``tile`` configures the tensor-core forward; ``options`` (an
     :class:`~npattn.gpu.options.Option` set) the tensor-core kernels, of which the backward
     takes the score options only (it checks its rows' alignment at run time)."""
     storage, accumulate = STORAGE[dtype_name]
     simt_block_k = FORWARD_BLOCK_K[accumulate]
     arguments = {
         "forward": f"{storage}, {accumulate}, {bound}, {simt_block_k}",
-        "forward_tc": f"{storage}, {accumulate}, {bound}, {warps}, {block_k}, {int(options)}u",
+        "forward_tc": f"{storage}, {accumulate}, {bound}, {tile.warps}, {tile.frags}, {tile.block_k}, {int(options)}u",
         "dkdv_tc": f"{storage}, {accumulate}, {bound}, {int(options & _options.ALL)}u",
         "dq_tc": f"{storage}, {accumulate}, {bound}, {int(options & _options.ALL)}u",
         "weights": f"{storage}, {accumulate}, {simt_block_k}",
@@ -131,12 +168,15 @@ def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
     ``bound``, with no option and with every option (the two ends of what a call can
     ask for; the driver instantiates the sets in between on demand), and once with
     every option on unaligned rows (plain loads instead of cp.async)."""
-    shapes = sorted({forward_tc_config(rows, bound) for rows in (1, 64, 65)})
-    names = [kernel_name("forward_tc", dtype_name, bound, warps=warps, block_k=block_k, options=options)
-             for warps, block_k in shapes for options in (0, _options.ALL)]
-    warps, block_k = shapes[0]
-    names.append(kernel_name("forward_tc", dtype_name, bound, warps=warps, block_k=block_k, options=_EVERY_OPTION))
+    shapes = sorted({forward_tc_config(rows, bound) for rows in (1, 64, 65)}, key=_tile_order)
+    names = [kernel_name("forward_tc", dtype_name, bound, tile=tile, options=options)
+             for tile in shapes for options in (0, _options.ALL)]
+    names.append(kernel_name("forward_tc", dtype_name, bound, tile=shapes[0], options=_EVERY_OPTION))
     return tuple(names)
+
+
+def _tile_order(tile: ForwardTile) -> tuple[int, int, int]:
+    return tile.warps, tile.frags, tile.block_k
 
 
 def name_expressions() -> tuple[str, ...]:

@@ -190,6 +190,8 @@ def main(argv=None) -> int:
                                    "at (1, 32/8, 16384, 128) and (16, 32/8, 2048, 128)")
     bench_parser.add_argument("--gpu", action="store_true",
                               help="the CUDA kernels against torch SDPA's fastest backend on the GPU instead")
+    bench_parser.add_argument("--tiles", action="store_true",
+                              help="with --gpu: time the tensor-core forward's candidate tile shapes beside torch")
     bench_parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
                               help="the inputs' dtype, npattn's and torch's alike (default: float32 on the CPU, "
                                    "with a column for npattn's float32 time when another; float16 with --gpu)")
@@ -252,6 +254,12 @@ def main(argv=None) -> int:
             if reason is not None:
                 print(f"bench --gpu needs the gpu backend: {reason}", file=sys.stderr)
                 return 2
+            if args.tiles:
+                from . import tune_gpu
+
+                tune_gpu.compare(shapes or bench_gpu.PREFILL_SHAPES, dtype=args.dtype or "float16",
+                                 repeats=args.repeats, json_path=args.json)
+                return 0
             bench_gpu.compare(shapes, dtype=args.dtype or "float16", repeats=args.repeats, backward=not args.forward_only,
                               suite=suite, json_path=args.json)
         elif args.memory:
