@@ -38,3 +38,17 @@ try:
     print(f"torch SDPA (1,8,16x16,64) causal: {median_us(lambda: sdpa(tq, tq, tq, is_causal=True)):.1f} us")
 except Exception as error:  # report, do not stop the session
     print("torch:", error)
+
+# where a planned small call's host time goes: 300 calls under cProfile
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
+
+q = rng.standard_normal((1, 8, 16, 64), np.float32).astype(np.float16)
+plan = npattn.plan(q, q, q, causal=True)
+profiler = cProfile.Profile()
+profiler.enable()
+for _ in range(300):
+    plan.run(q, q, q)
+    cupy.cuda.get_current_stream().synchronize()
+profiler.disable()
+pstats.Stats(profiler).sort_stats("tottime").print_stats(30)

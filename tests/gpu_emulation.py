@@ -45,12 +45,13 @@ def compiler() -> str | None:
 
 
 # tiles built beside those the driver picks (tests force them): two row fragments per warp
-EXTRA_TILES = {64: (sources.ForwardTile(4, 2, 64), sources.ForwardTile(2, 2, 32))}
+EXTRA_TILES = {64: (sources.ForwardTile(8, 2, 64), sources.ForwardTile(4, 2, 64), sources.ForwardTile(2, 2, 32))}
 
 
 def _forward_tc_configs(dtype_name, bound):
     """(tile, options) of every tensor-core forward built for (dtype, bound)."""
-    shapes = {sources.forward_tc_config(rows, bound) for rows in (1, 64, 65)} | set(EXTRA_TILES.get(bound, ()))
+    shapes = {sources.forward_tc_config(rows, bound, options) for rows in (1, 64, 65)
+              for options in (0, Option.BAND, ALL)} | set(EXTRA_TILES.get(bound, ()))
     shapes = sorted(shapes, key=lambda t: (t.warps, t.frags, t.block_k))
     return [(tile, int(options)) for tile in shapes for options in FORWARD_TC_OPTIONS[bound]]
 
@@ -152,7 +153,12 @@ def emulated_gpu(monkeypatch, library, launchers):
         threads = config["tile"].threads if kind == "forward_tc" else sources.THREADS
         run_kernel(library, launchers, name, blocks, threads, shared_bytes, arguments)
 
+    def kernel(kind, storage, bound, shared_bytes, **config):
+        # looked up at each launch, so a test's spy on launch.run sees plans' launches too
+        return lambda blocks, arguments: launch.run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
+
     with monkeypatch.context() as patch:
         patch.setattr(launch, "run", run)
+        patch.setattr(launch, "kernel", kernel)
         patch.setattr(npattn.gpu, "unavailable_reason", lambda array_kind="cupy": None)
         yield

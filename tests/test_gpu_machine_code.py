@@ -103,7 +103,7 @@ def test_the_tensor_core_kernels_do_not_spill_and_use_ldmatrix_cp_async_and_mma(
     for architecture, inspected in kernels.items():
         for name in checked_names():
             usage, counter = inspected[name]
-            problems = sass.check_fast_kernel(usage, counter)
+            problems = sass.check_fast_kernel(usage, counter, sources.stack_allowance(name))
             if problems:
                 failures.append(f"{architecture} {name} ({usage.registers} registers): {'; '.join(problems)}")
     assert not failures, f"{len(failures)} kernels are not built the fast way:\n" + "\n".join(failures)
@@ -137,6 +137,12 @@ def test_a_spilling_kernel_is_caught(small_kernels, architecture):
     evidence = sass.spill_evidence(usage, counter)
     assert f"{usage.stack} bytes of stack" in evidence and f"{counter['STL']} STL" in evidence
     assert set(evidence) <= set(sass.check_fast_kernel(usage, counter))
+    # an allowance smaller than the spill still fails, naming the allowance
+    assert f"at most {usage.stack - 4} allowed" in " ".join(
+        sass.check_fast_kernel(usage, counter, stack_allowance=usage.stack - 4))
+    # and one as large as the spill lets it pass (the missing tensor-core opcodes remain)
+    assert not any("stack" in problem for problem in
+                   sass.check_fast_kernel(usage, counter, stack_allowance=usage.stack))
 
 
 @pytest.mark.parametrize("architecture", sources.ARCHITECTURES)

@@ -194,10 +194,11 @@ class ForwardPlan:
             if kind == "forward_tc":
                 # packed rows: the query heads of a GQA group times the query rows, per kv head
                 rows = q_len * (heads // problem.kv_heads)
-                tile = forward_tc_config(rows, bound)
                 # the options the problem's structure needs; UNALIGNED also depends on where
                 # each call's rows lie, so the call adds it (see _options)
-                self.config = dict(tile=tile, options=options_of(problem, (), bound))
+                options = options_of(problem, (), bound)
+                tile = forward_tc_config(rows, bound, options)
+                self.config = dict(tile=tile, options=options)
                 warps, block_q, block_k = tile.warps, tile.block_q, tile.block_k
                 self.shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim, tile)
                 blocks = batch * problem.kv_heads * -(-rows // block_q)
@@ -228,6 +229,7 @@ class ForwardPlan:
                                                       dropout_p=0.0, **{
                 name: cp.broadcast_to(cp.zeros((), x.dtype), x.shape) for name, x in zip("qkv", (q, k, v))})
             self._plain_operands = None
+            self._launchers, self._out_strides, self._partial_stand_in = {}, None, None
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
         """The forward of bhsd ``q``, ``k``, ``v`` (this plan's structure) with the option
@@ -256,10 +258,12 @@ class ForwardPlan:
             if self.layout == "bshd":
                 out = out.transpose(0, 2, 1, 3)
             lse = cp.full(self.lse_shape, -np.inf, self.dtype)
-            out_strides = [np.int64(s) for s in element_strides(out)[:3]]
-            partial = cp.empty(self.partial_size, self.dtype)  # rows of (Dv outputs, max, sum, seen) per split
-            outputs = (out, *out_strides, lse, np.int64(self.splits), partial)
-            launch.run(self.kind, self.storage, self.bound, self.blocks, self.shared, (*operands, *outputs), **config)
+            if self._out_strides is None:  # the same for every call: the layout fixes them
+                self._out_strides = tuple(np.int64(s) for s in element_strides(out)[:3])
+            # rows of (Dv outputs, max, sum, seen) per split; unread without splits
+            partial = cp.empty(self.partial_size, self.dtype) if self.splits > 1 else self._no_partial()
+            outputs = (out, *self._out_strides, lse, np.int64(self.splits), partial)
+            self._launcher(config)(self.blocks, (*operands, *outputs))
             if self.splits > 1:  # one warp per query row
                 launch.run("combine", self.storage, 0, self.combine_blocks, 0, (*operands, *outputs))
             weights = None
@@ -268,6 +272,21 @@ class ForwardPlan:
                 launch.run("weights", self.storage, 0, self.weights_blocks, self.weights_shared,
                            (*operands, lse, weights))
         return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
+
+    def _launcher(self, config: dict):
+        """The forward kernel's launch for ``config`` (this plan's, or with UNALIGNED added),
+        looked up once per option set and kept (a plan runs on one device)."""
+        key = config.get("options")
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            launcher = self._launchers[key] = launch.kernel(self.kind, self.storage, self.bound, self.shared, **config)
+        return launcher
+
+    def _no_partial(self):
+        """A one-element stand-in for the split partials, kept per plan (unread with one split)."""
+        if self._partial_stand_in is None:
+            self._partial_stand_in = self.xp.empty(1, self.dtype)
+        return self._partial_stand_in
 
     def _make_plain_operands(self) -> dict:
         """The operands of calls without option arrays (placeholders, whole spans, one page

@@ -118,6 +118,15 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     bool row_valid[ROWS];
 #pragma unroll
     for (int x = 0; x < ROWS; ++x) row_valid[x] = tile_row(x) < rows;
+    // The rows' ScoreRows (the band's edges, the options' rows): with one fragment, built
+    // once and kept through the key loop; with two, whose accumulators take every
+    // register, built again for each tile that needs them.
+    constexpr bool KEEP_SCORERS = FRAGS == 1 && (SCORE_OPTIONS || (OPTIONS & NPATTN_OPTION_BAND) != 0);
+    ScoreRow<T, Acc, OPTIONS> kept_scorer[KEEP_SCORERS ? ROWS : 1];
+    if constexpr (KEEP_SCORERS) {
+#pragma unroll
+        for (int x = 0; x < ROWS; ++x) kept_scorer[x] = ScoreRow<T, Acc, OPTIONS>(in, b, row_head(x), row_query(x));
+    }
     const bool has_sink = (OPTIONS & NPATTN_OPTION_SINK) && ints[NPATTN_INT_HAS_SINK] != 0 && splits == 1;
     const bool has_dropout = (OPTIONS & NPATTN_OPTION_DROPOUT) && ints[NPATTN_INT_HAS_DROPOUT] != 0;
     u32 dropout_state[ROWS];
@@ -222,11 +231,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                 }
             }
         } else {
-            // a row's ScoreRow is built per tile that needs it (the band's edges, the options'
-            // rows), not kept through the key loop: registers go to the accumulators
-#pragma unroll
-            for (int x = 0; x < ROWS; ++x) {
-                const ScoreRow<T, Acc, OPTIONS> scorer(in, b, row_head(x), row_query(x));
+            auto score_row = [&](int x, const ScoreRow<T, Acc, OPTIONS>& scorer) {
 #pragma unroll
                 for (int n = 0; n < KEY_BLOCKS; ++n) {
 #pragma unroll
@@ -237,6 +242,14 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                         score = (row_valid[x] && c < cols) ? scorer.score(j0 + c, score, &tanh_unused) * NPATTN_LOG2E
                                                            : lowest;
                     }
+                }
+            };
+#pragma unroll
+            for (int x = 0; x < ROWS; ++x) {
+                if constexpr (KEEP_SCORERS) {
+                    score_row(x, kept_scorer[x]);
+                } else {
+                    score_row(x, ScoreRow<T, Acc, OPTIONS>(in, b, row_head(x), row_query(x)));
                 }
             }
         }

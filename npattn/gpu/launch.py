@@ -70,6 +70,8 @@ def _kernel(name: str):
 
     device = cupy.cuda.Device()
     key = (device.id, name)
+    if key in _MODULES:
+        return _MODULES[key]
     if key not in _MODULES:
         try:
             path, symbol = kernel_cache.cubin(f"sm_{device.compute_capability}", name)
@@ -81,6 +83,22 @@ def _kernel(name: str):
         else:
             _MODULES[key] = cupy.RawModule(path=str(path)).get_function(symbol)
     return _MODULES[key]
+
+
+def kernel(kind: str, storage: str, bound: int, shared_bytes: int, **config):
+    """A callable ``launch(blocks, arguments)`` that runs ``kind``'s instantiation (see
+    :func:`run`) on the current device: compiled or loaded now, so a plan keeps it and
+    each call pays only CuPy's launch (no name formatting or module lookup)."""
+    function = _kernel(sources.kernel_name(kind, storage, bound, **config))
+    threads = config["tile"].threads if kind == "forward_tc" else sources.THREADS
+    if shared_bytes > _DEFAULT_SHARED_BYTES:
+        function.max_dynamic_shared_size_bytes = shared_bytes
+    block = (threads,)
+
+    def launch(blocks: int, arguments) -> None:
+        if blocks > 0:
+            function((int(blocks),), block, tuple(arguments), shared_mem=shared_bytes)
+    return launch
 
 
 def run(kind: str, storage: str, bound: int, blocks: int, shared_bytes: int, arguments, **config) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from enum import IntFlag
 
 from ..core import options as _table
+from ..core.arrays import is_cupy
 
 
 def _bits(names) -> type[IntFlag]:
@@ -54,8 +55,11 @@ def _aligned(array) -> bool:
     16 bytes, and the last axis unit-stride (cp.async copies 16 bytes at a time)."""
     if array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
         return False
-    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
-    pointer = interface["data"][0]
+    if is_cupy(array):  # its memory pointer, without building the interface dict
+        pointer = array.data.ptr
+    else:
+        interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
+        pointer = interface["data"][0]
     strides = [s for n, s in zip(array.shape[:-1], array.strides[:-1]) if n > 1]
     return pointer % 16 == 0 and all(s % 16 == 0 for s in strides)
 

@@ -174,9 +174,18 @@ def spill_evidence(usage: Usage, counter: collections.Counter) -> list[str]:
     return problems
 
 
-def check_fast_kernel(usage: Usage, opcode_counter: collections.Counter) -> list[str]:
+def check_fast_kernel(usage: Usage, opcode_counter: collections.Counter, stack_allowance: int = 0) -> list[str]:
     """Every reason a tensor-core kernel is not built the fast way, in words; empty when
-    it has no spill and its SASS has each of :data:`FAST_KERNEL_OPCODES`."""
-    problems = spill_evidence(usage, opcode_counter)
+    it has no spill (or, with ``stack_allowance``, keeps at most that many bytes of stack
+    and no other local memory: a measured trade, see
+    :func:`npattn.gpu.sources.stack_allowance`) and its SASS has each of
+    :data:`FAST_KERNEL_OPCODES`."""
+    if stack_allowance and not usage.local and usage.stack <= stack_allowance:
+        problems = []
+    elif stack_allowance:
+        problems = [f"{usage.stack} bytes of stack (at most {stack_allowance} allowed)"] * (
+            usage.stack > stack_allowance) + ([f"{usage.local} bytes of local memory"] if usage.local else [])
+    else:
+        problems = spill_evidence(usage, opcode_counter)
     problems += [why for opcode, why in FAST_KERNEL_OPCODES.items() if not opcode_counter[opcode]]
     return problems

@@ -104,35 +104,68 @@ class ForwardTile:
         return 32 * self.warps
 
 
-# Set by :func:`forced_forward_tile` (the tuning harness): the tile of every prefill-sized call.
+# Set by :func:`forced_forward_tile` (the tuning harness): (tile, decode) pairs, innermost last.
 _FORCED_TILE: list = []
 
 
 @contextlib.contextmanager
-def forced_forward_tile(tile: ForwardTile):
-    """Within the block, calls of more than 64 packed rows take ``tile`` (plans made inside
-    keep it): how ``python -m npattn tune-gpu`` times tile shapes through the real call path."""
-    _FORCED_TILE.append(tile)
+def forced_forward_tile(tile: ForwardTile, decode: bool = False):
+    """Within the block, calls of more than 64 packed rows (with ``decode``: of at most 16,
+    a decode step's) take ``tile`` (plans made inside keep it): how ``python -m npattn
+    bench --gpu --tiles`` times tile shapes through the real call path."""
+    _FORCED_TILE.append((tile, decode))
     try:
         yield tile
     finally:
         _FORCED_TILE.pop()
 
 
-def forward_tc_config(packed_rows: int, bound: int) -> ForwardTile:
+def _forced(decode: bool) -> ForwardTile | None:
+    return _FORCED_TILE[-1][0] if _FORCED_TILE and _FORCED_TILE[-1][1] == decode else None
+
+
+# Options a two-fragment tile runs with (beside none): the others' per-row state would
+# take registers its accumulators need (measured with ``bench --gpu --tiles``, TUNING.md)
+TWO_FRAGMENT_OPTIONS = _options.Option.BAND | _options.Option.PAGED
+# Two-fragment tiles of 128-wide heads keep 24-48 bytes in local memory (all 255
+# registers hold accumulators) and still ran 1.15-1.25x faster than one-fragment tiles on
+# an H100: the machine-code check lets forward_tc kernels with two fragments keep this much
+TWO_FRAGMENT_STACK_BYTES = 64
+
+
+def forward_tc_config(packed_rows: int, bound: int, options: int = 0) -> ForwardTile:
     """The tensor-core forward's :class:`ForwardTile` for ``packed_rows`` rows per (batch,
-    kv head) (query rows times the GQA group) and head-dim ``bound``: one warp for a
-    decode step's few rows (more blocks, each streaming its own keys), 4 warps up to 64
-    rows, else 128-row tiles of 8 warps (4 for 256-wide heads, whose accumulators take
-    most registers). 256-wide heads take 32-key tiles to keep S's registers small."""
+    kv head) (query rows times the GQA group), head-dim ``bound`` and ``options`` (the
+    :class:`~npattn.gpu.options.Option` bits of the call):
+
+    - one warp for a decode step's few rows (more blocks, each streaming its own keys);
+    - 4 warps of one row fragment up to 64 rows, and for 256-wide heads, whose
+      accumulators take most registers (with 32-key tiles);
+    - prefill with no option beyond the band and pages: two 16-row fragments per warp
+      (FlashAttention-2's layout), 8 warps x 32 rows x 64 keys for heads up to 64 (4 warps
+      under a band, whose diagonal tiles waste less at 128 rows), 8 warps x 32 rows x 32
+      keys for heads up to 128 (1.15-1.34x faster than one fragment, H100);
+    - other prefill (masks, bias, ALiBi, softcap, dropout, sink logits, narrow heads):
+      128-row tiles of 8 warps with one fragment each, leaving registers to the options."""
     block_k = 64 if bound <= 128 else 32
     if packed_rows <= 16:
-        return ForwardTile(1, 1, block_k)
+        return _forced(decode=True) or ForwardTile(1, 1, block_k)
     if packed_rows <= 64 or bound > 128:
         return ForwardTile(4, 1, block_k)
-    if _FORCED_TILE:
-        return _FORCED_TILE[-1]
-    return ForwardTile(8, 1, block_k)
+    if _forced(decode=False):
+        return _forced(decode=False)
+    if options & ~TWO_FRAGMENT_OPTIONS:
+        return ForwardTile(8, 1, block_k)
+    if bound <= 64:
+        return ForwardTile(4 if options & _options.Option.BAND else 8, 2, 64)
+    return ForwardTile(8, 2, 32)
+
+
+def stack_allowance(name: str) -> int:
+    """The local-memory bytes the machine-code check lets instantiation ``name`` keep
+    (:data:`TWO_FRAGMENT_STACK_BYTES` for two-fragment forwards, else none)."""
+    match = re.match(r"forward_tc_kernel<[^,]+, [^,]+, \d+, \d+, (\d+),", name)
+    return TWO_FRAGMENT_STACK_BYTES if match and int(match.group(1)) == 2 else 0
 
 
 def kernel_name(kind: str, dtype_name: str, bound: int = 0, *, tile: ForwardTile = ForwardTile(8, 1, 64),
@@ -164,14 +197,16 @@ _EVERY_OPTION = _options.ALL | _options.Option.UNALIGNED | _options.Option.NARRO
 
 
 def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
-    """The tensor-core forward at every tile shape :func:`forward_tc_config` picks for
-    ``bound``, with no option and with every option (the two ends of what a call can
-    ask for; the driver instantiates the sets in between on demand), and once with
+    """The tensor-core forward at every (tile, options) :func:`forward_tc_config` picks
+    for ``bound`` with no option, the band alone and every option (the ends of what a call
+    can ask for; the driver instantiates the sets in between on demand), and once with
     every option on unaligned rows (plain loads instead of cp.async)."""
-    shapes = sorted({forward_tc_config(rows, bound) for rows in (1, 64, 65)}, key=_tile_order)
-    names = [kernel_name("forward_tc", dtype_name, bound, tile=tile, options=options)
-             for tile in shapes for options in (0, _options.ALL)]
-    names.append(kernel_name("forward_tc", dtype_name, bound, tile=shapes[0], options=_EVERY_OPTION))
+    pairs = {(forward_tc_config(rows, bound, options), int(options))
+             for rows in (1, 64, 65) for options in (0, _options.Option.BAND, _options.ALL)}
+    pairs = sorted(pairs, key=lambda pair: (_tile_order(pair[0]), pair[1]))
+    names = [kernel_name("forward_tc", dtype_name, bound, tile=tile, options=options) for tile, options in pairs]
+    names.append(kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound),
+                             options=_EVERY_OPTION))
     return tuple(names)
 
 

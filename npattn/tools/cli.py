@@ -257,7 +257,7 @@ def main(argv=None) -> int:
             if args.tiles:
                 from . import tune_gpu
 
-                tune_gpu.compare(shapes or bench_gpu.PREFILL_SHAPES, dtype=args.dtype or "float16",
+                tune_gpu.compare(shapes or bench_gpu.DEFAULT_SHAPES, dtype=args.dtype or "float16",
                                  repeats=args.repeats, json_path=args.json)
                 return 0
             bench_gpu.compare(shapes, dtype=args.dtype or "float16", repeats=args.repeats, backward=not args.forward_only,

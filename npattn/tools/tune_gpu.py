@@ -4,14 +4,14 @@ side by side, with torch's fastest SDPA backend, in one run on one GPU.
 GPU time is scarce, so one call does everything: every candidate tile of
 :data:`TILES` (warps, row fragments per warp, keys per tile) is compiled up front in
 parallel threads (NVRTC releases the GIL), then each prefill shape runs, causal and
-not, every tile through the real call path (:func:`npattn.plan` made inside
+not, every tile (each decode shape every tile of :data:`DECODE_TILES`) through the real call path (:func:`npattn.plan` made inside
 :func:`npattn.gpu.sources.forced_forward_tile`), interleaved with torch's flash and
 cuDNN backends (A B C A B C ...). Each variant's output is checked against a float64
 reference computed on the device (torch's math backend on upcast inputs), as is torch's,
 so a fast tile that computes something else shows at once. :func:`machine_code` gives
 each tile's registers and spills from its cubin, without a GPU.
 
-Rows: shape, causal, tile, ms, TFLOP/s, share of torch's best (its time over the
+Rows: shape, causal, tile, ms, TFLOP/s (decode: GB/s of K and V), share of torch's best (its time over the
 tile's), relative error (||out - ref|| / ||ref||) and torch's. The JSON keeps them all.
 """
 from __future__ import annotations
@@ -26,24 +26,29 @@ import npattn
 from ..gpu import kernel_cache, sources
 from ..gpu.options import Option
 from ..gpu.sources import ForwardTile
-from .bench_gpu import PREFILL_SHAPES, GpuShape, _inputs, _torch, write_json
+from .bench_gpu import DECODE_SHAPES, PREFILL_SHAPES, GpuShape, _inputs, _torch, write_json
 from .timing import elapsed, interleaved_samples
 
 # candidate tiles of prefill-sized calls per head-dim bound; the first is the default
+# (sources.forward_tc_config) of a call without options
 TILES = {
-    64: (ForwardTile(8, 1, 64), ForwardTile(4, 2, 64), ForwardTile(8, 2, 64), ForwardTile(8, 1, 128),
-         ForwardTile(4, 1, 128), ForwardTile(4, 1, 64)),
-    128: (ForwardTile(8, 1, 64), ForwardTile(8, 1, 32), ForwardTile(4, 1, 64), ForwardTile(4, 2, 32),
-          ForwardTile(8, 2, 32), ForwardTile(4, 1, 32)),
+    64: (ForwardTile(8, 2, 64), ForwardTile(4, 2, 64), ForwardTile(8, 1, 64), ForwardTile(8, 2, 32),
+         ForwardTile(4, 2, 32), ForwardTile(8, 1, 128)),
+    128: (ForwardTile(8, 2, 32), ForwardTile(4, 2, 32), ForwardTile(8, 1, 64), ForwardTile(8, 2, 64),
+          ForwardTile(4, 2, 64)),
 }
+# candidate tiles of decode steps (a GQA group's few rows: one warp, one fragment)
+DECODE_TILES = (ForwardTile(1, 1, 64), ForwardTile(1, 1, 32), ForwardTile(1, 1, 128))
 # the option sets timed: plain, and the causal band
 OPTION_SETS = (0, int(Option.BAND))
 
 
 def names(dtype: str = "float16", bounds=(64, 128)) -> list[str]:
-    """The name expressions of every candidate tile with each timed option set."""
+    """The name expressions of every candidate tile with each timed option set (decode
+    tiles of 128-wide heads plain)."""
     return [sources.kernel_name("forward_tc", dtype, bound, tile=tile, options=options)
-            for bound in bounds for tile in TILES[bound] for options in OPTION_SETS]
+            for bound in bounds for tile in TILES[bound] for options in OPTION_SETS] + [
+        sources.kernel_name("forward_tc", dtype, 128, tile=tile, options=0) for tile in DECODE_TILES]
 
 
 def precompile(architecture: str, expressions, workers: int = 16) -> None:
@@ -73,7 +78,7 @@ def _relative_error(out, reference) -> float:
     return float(cupy.linalg.norm(difference.ravel()) / cupy.linalg.norm(reference.ravel()))
 
 
-def compare(shapes=PREFILL_SHAPES, dtype: str = "float16", repeats: int = 10, json_path=None,
+def compare(shapes=PREFILL_SHAPES + DECODE_SHAPES, dtype: str = "float16", repeats: int = 10, json_path=None,
             out=sys.stdout) -> list[dict]:
     """Time every tile of :data:`TILES` at ``shapes`` (causal and not), forward only, beside
     torch; print a table, write JSON rows to ``json_path`` after each shape; return the rows."""
@@ -90,10 +95,11 @@ def compare(shapes=PREFILL_SHAPES, dtype: str = "float16", repeats: int = 10, js
         shape = shape if isinstance(shape, GpuShape) else GpuShape.parse(shape)
         bound = sources.head_dim_bound(shape.head_dim, shape.head_dim)
         q, k, v = _inputs(cupy, shape, dtype)
-        for causal in (False, True):
+        tiles = DECODE_TILES if shape.is_decode else TILES[bound]
+        for causal in (False,) if shape.is_decode else (False, True):
             timed, outputs = {}, {}
-            for tile in TILES[bound]:
-                with sources.forced_forward_tile(tile):
+            for tile in tiles:
+                with sources.forced_forward_tile(tile, decode=shape.is_decode):
                     plan = npattn.plan(q, k, v, causal=causal, backend="gpu")
                     outputs[tile] = plan.run(q, k, v)
 
@@ -115,18 +121,20 @@ def compare(shapes=PREFILL_SHAPES, dtype: str = "float16", repeats: int = 10, js
                 torch_error = _relative_error(cupy.from_dlpack(torch_outputs[best].contiguous()), reference)
                 torch_label = best
             flops = shape.forward_flops(causal)
-            for tile in TILES[bound]:
+            for tile in tiles:
                 ms = 1e3 * medians[tile]
                 share = None if best is None else float(np.median(np.asarray(samples[best]) / np.asarray(samples[tile])))
                 error = None if reference is None else _relative_error(outputs[tile], reference)
                 row = dict(shape=str(shape), causal=causal, dtype=dtype, warps=tile.warps, frags=tile.frags,
                            block_k=tile.block_k, ms=ms, tflops=flops / medians[tile] / 1e12, share_of_torch=share,
                            relative_error=error, torch_backend=torch_label,
+                           kv_gbps=shape.kv_bytes(dtype) / medians[tile] / 1e9 if shape.is_decode else None,
                            torch_ms=None if best is None else 1e3 * medians[best], torch_relative_error=torch_error,
                            device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
                 rows.append(row)
+                rate = f"{row['kv_gbps']:>7.0f}GB" if shape.is_decode else f"{row['tflops']:>9.1f}"
                 print(f"{str(shape):<24}{str(causal):<8}{str((tile.warps, tile.frags, tile.block_k)):<28}{ms:>9.3f}"
-                      f"{row['tflops']:>9.1f}{_cell(share, '.0%'):>10}{_cell(error, '.1e'):>10}"
+                      f"{rate}{_cell(share, '.0%'):>10}{_cell(error, '.1e'):>10}"
                       f"{_cell(torch_error, '.1e'):>10}", file=out)
             out.flush()
             if json_path is not None:
