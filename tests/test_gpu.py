@@ -112,14 +112,15 @@ def test_tensor_core_shared_memory_fits_an_sm80_block_at_the_widest_heads(rows):
 
 def test_tensor_core_forward_tiles_follow_the_packed_rows():
     Tile = sources.ForwardTile
-    assert sources.forward_tc_config(1, 128) == Tile(1, 1, 64)       # a decode step's GQA group
+    assert sources.forward_tc_config(1, 128) == Tile(1, 1, 32)       # a decode step's GQA group
+    assert sources.forward_tc_config(1, 64) == Tile(1, 1, 64)
     assert sources.forward_tc_config(64, 128) == Tile(4, 1, 64)
     assert sources.forward_tc_config(4096, 256) == Tile(4, 1, 32)    # accumulators of 256 columns
     assert Tile(4, 2, 64).block_q == 128 and Tile(4, 2, 64).threads == 128
     # prefill: two row fragments per warp with no option but the band and pages
-    assert sources.forward_tc_config(4096, 128) == Tile(8, 2, 32)
-    assert sources.forward_tc_config(4096, 128, Option.BAND | Option.PAGED) == Tile(8, 2, 32)
-    assert sources.forward_tc_config(4096, 64) == Tile(8, 2, 64)
+    assert sources.forward_tc_config(4096, 128) == Tile(8, 2, 64)
+    assert sources.forward_tc_config(4096, 128, Option.BAND | Option.PAGED) == Tile(8, 2, 64)
+    assert sources.forward_tc_config(4096, 64) == Tile(4, 2, 64)
     assert sources.forward_tc_config(4096, 64, Option.BAND) == Tile(4, 2, 64)
     # other options keep one fragment per warp: their state needs the registers
     for option in (Option.MASK, Option.BIAS, Option.ALIBI, Option.SOFTCAP, Option.DROPOUT, Option.SINK, Option.NARROW):
@@ -131,7 +132,7 @@ def test_only_two_fragment_forwards_may_keep_a_little_stack():
     names = sources.forward_tc_names("float16", 128)
     allowed = {name: sources.stack_allowance(name) for name in names}
     assert {name for name, allowance in allowed.items() if allowance} == {
-        sources.kernel_name("forward_tc", "float16", 128, tile=sources.ForwardTile(8, 2, 32), options=options)
+        sources.kernel_name("forward_tc", "float16", 128, tile=sources.ForwardTile(8, 2, 64), options=options)
         for options in (0, Option.BAND)}
     assert set(allowed.values()) == {0, sources.TWO_FRAGMENT_STACK_BYTES}
 
@@ -140,8 +141,11 @@ def test_a_forced_tile_takes_prefill_calls_only_inside_its_block():
     tile = sources.ForwardTile(4, 2, 32)
     with sources.forced_forward_tile(tile):
         assert sources.forward_tc_config(4096, 128) == tile
-        assert sources.forward_tc_config(16, 128) == sources.ForwardTile(1, 1, 64)  # decode keeps its own
-    assert sources.forward_tc_config(4096, 128) == sources.ForwardTile(8, 2, 32)
+        assert sources.forward_tc_config(16, 128) == sources.ForwardTile(1, 1, 32)  # decode keeps its own
+    with sources.forced_forward_tile(sources.ForwardTile(1, 1, 128), decode=True):
+        assert sources.forward_tc_config(16, 128) == sources.ForwardTile(1, 1, 128)
+        assert sources.forward_tc_config(4096, 128) == sources.ForwardTile(8, 2, 64)
+    assert sources.forward_tc_config(4096, 128) == sources.ForwardTile(8, 2, 64)
 
 
 def test_options_name_what_a_call_needs():

@@ -18,7 +18,7 @@ from ..core.problem import ARRAY_FIELDS
 from ..core.results import ForwardResult, Gradients
 from . import launch
 from ..core.dropout import seed_words
-from .options import ALL, Option, _aligned, options_of
+from .options import ALL, Option, _address, _strides_aligned, options_of
 from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS, backward_kinds,
                       forward_kind, forward_tc_config, head_dim_bound)
 
@@ -129,6 +129,9 @@ def _in_kernel_order(q, k, v, named) -> tuple:
     return tuple({**named, "q": q, "k": k, "v": v}[name] for name in OPERAND_NAMES)
 
 
+_Q_SLOT, _K_SLOT, _V_SLOT = (OPERAND_NAMES.index(name) for name in "qkv")
+
+
 def _spans(cp, problem):
     """The kernels' spans (:func:`npattn.core.kernel_params.problem_spans`) on the device: one
     upload, kept per value when the problem has no lengths, starts or per-entry shifts."""
@@ -197,6 +200,10 @@ class ForwardPlan:
                 # the options the problem's structure needs; UNALIGNED also depends on where
                 # each call's rows lie, so the call adds it (see _options)
                 options = options_of(problem, (), bound)
+                # rows whose strides break 16-byte alignment (after the last-axis copy a
+                # call makes) stay unaligned at every call: plain loads, decided once
+                if not all(_strides_aligned(_unit_last_axis(cp, x)) for x in (q, k, v)):
+                    options |= Option.UNALIGNED
                 tile = forward_tc_config(rows, bound, options)
                 self.config = dict(tile=tile, options=options)
                 warps, block_q, block_k = tile.warps, tile.block_q, tile.block_k
@@ -229,7 +236,7 @@ class ForwardPlan:
                                                       dropout_p=0.0, **{
                 name: cp.broadcast_to(cp.zeros((), x.dtype), x.shape) for name, x in zip("qkv", (q, k, v))})
             self._plain_operands = None
-            self._launchers, self._out_strides, self._partial_stand_in = {}, None, None
+            self._launchers, self._out_strides, self._partial_stand_in, self._plain_order = {}, None, None, None
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
         """The forward of bhsd ``q``, ``k``, ``v`` (this plan's structure) with the option
@@ -249,10 +256,18 @@ class ForwardPlan:
                     ints[Int.SEED_LO], ints[Int.SEED_HI] = seed_words(arrays.seed)
                 named = _option_operands(cp, arrays, self.dtype, ints)
                 named["ints"], named["reals"] = _parameters(cp, ints, self.reals)
-            operands = _in_kernel_order(q, k, v, named)
+            if arrays is None:  # the plan's own operands in kernel order, made once
+                if self._plain_order is None:
+                    self._plain_order = [named.get(name) for name in OPERAND_NAMES]
+                operands = self._plain_order.copy()
+            else:
+                operands = [named.get(name) for name in OPERAND_NAMES]
+            operands[_Q_SLOT], operands[_K_SLOT], operands[_V_SLOT] = q, k, v
             config = self.config
-            if config and not (config["options"] & Option.UNALIGNED) and not all(
-                    _aligned(x) for x in (q, k, v)):
+            # the structure fixed the strides (a plan of unaligned ones has UNALIGNED already):
+            # a call's rows are aligned when its arrays start on 16 bytes
+            if config and not (config["options"] & Option.UNALIGNED) and (
+                    _address(q) | _address(k) | _address(v)) % 16:
                 config = dict(config, options=config["options"] | Option.UNALIGNED)
             out = cp.zeros(self.out_shape, self.out_dtype)
             if self.layout == "bshd":

@@ -53,15 +53,22 @@ def defines() -> list[str]:
 def _aligned(array) -> bool:
     """16-byte aligned rows: the base address and every stride but the last a multiple of
     16 bytes, and the last axis unit-stride (cp.async copies 16 bytes at a time)."""
+    return _strides_aligned(array) and _address(array) % 16 == 0
+
+
+def _strides_aligned(array) -> bool:
+    """:func:`_aligned`'s part that the array's structure decides (a plan's, once)."""
     if array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
         return False
+    return all(s % 16 == 0 for n, s in zip(array.shape[:-1], array.strides[:-1]) if n > 1)
+
+
+def _address(array) -> int:
+    """Where the array's first element lies in (device) memory."""
     if is_cupy(array):  # its memory pointer, without building the interface dict
-        pointer = array.data.ptr
-    else:
-        interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
-        pointer = interface["data"][0]
-    strides = [s for n, s in zip(array.shape[:-1], array.strides[:-1]) if n > 1]
-    return pointer % 16 == 0 and all(s % 16 == 0 for s in strides)
+        return array.data.ptr
+    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
+    return interface["data"][0]
 
 
 def options_of(problem, arrays=(), bound: int = 0) -> Option:

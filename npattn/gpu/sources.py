@@ -127,10 +127,12 @@ def _forced(decode: bool) -> ForwardTile | None:
 # Options a two-fragment tile runs with (beside none): the others' per-row state would
 # take registers its accumulators need (measured with ``bench --gpu --tiles``, TUNING.md)
 TWO_FRAGMENT_OPTIONS = _options.Option.BAND | _options.Option.PAGED
-# Two-fragment tiles of 128-wide heads keep 24-48 bytes in local memory (all 255
-# registers hold accumulators) and still ran 1.15-1.25x faster than one-fragment tiles on
-# an H100: the machine-code check lets forward_tc kernels with two fragments keep this much
-TWO_FRAGMENT_STACK_BYTES = 64
+# Two-fragment tiles of 128-wide heads keep 136-248 bytes in local memory (all 255
+# registers hold accumulators and the loop's state) and still ran 1.07-1.14x faster
+# than with 32-key tiles, which keep 24-48 bytes, and 1.14-1.27x faster than one
+# fragment per warp, which keeps none (H100, TUNING.md): the machine-code check lets
+# forward_tc kernels with two fragments keep this much, and no more
+TWO_FRAGMENT_STACK_BYTES = 256
 
 
 def forward_tc_config(packed_rows: int, bound: int, options: int = 0) -> ForwardTile:
@@ -138,27 +140,26 @@ def forward_tc_config(packed_rows: int, bound: int, options: int = 0) -> Forward
     kv head) (query rows times the GQA group), head-dim ``bound`` and ``options`` (the
     :class:`~npattn.gpu.options.Option` bits of the call):
 
-    - one warp for a decode step's few rows (more blocks, each streaming its own keys);
+    - one warp for a decode step's few rows (more blocks, each streaming its own keys),
+      over 32-key tiles at 128-wide heads (1.09-1.35x faster than 64 on an H100: smaller
+      tiles, more blocks resident per SM);
     - 4 warps of one row fragment up to 64 rows, and for 256-wide heads, whose
       accumulators take most registers (with 32-key tiles);
     - prefill with no option beyond the band and pages: two 16-row fragments per warp
-      (FlashAttention-2's layout), 8 warps x 32 rows x 64 keys for heads up to 64 (4 warps
-      under a band, whose diagonal tiles waste less at 128 rows), 8 warps x 32 rows x 32
-      keys for heads up to 128 (1.15-1.34x faster than one fragment, H100);
+      (FlashAttention-2's layout) over 64-key tiles, 4 warps (128 rows) for heads up to
+      64, 8 warps (256 rows) for heads up to 128 (1.14-1.42x faster than one fragment);
     - other prefill (masks, bias, ALiBi, softcap, dropout, sink logits, narrow heads):
       128-row tiles of 8 warps with one fragment each, leaving registers to the options."""
     block_k = 64 if bound <= 128 else 32
     if packed_rows <= 16:
-        return _forced(decode=True) or ForwardTile(1, 1, block_k)
+        return _forced(decode=True) or ForwardTile(1, 1, 32 if bound == 128 else block_k)
     if packed_rows <= 64 or bound > 128:
         return ForwardTile(4, 1, block_k)
     if _forced(decode=False):
         return _forced(decode=False)
     if options & ~TWO_FRAGMENT_OPTIONS:
         return ForwardTile(8, 1, block_k)
-    if bound <= 64:
-        return ForwardTile(4 if options & _options.Option.BAND else 8, 2, 64)
-    return ForwardTile(8, 2, 32)
+    return ForwardTile(4 if bound <= 64 else 8, 2, 64)
 
 
 def stack_allowance(name: str) -> int:

@@ -32,13 +32,14 @@ from .timing import elapsed, interleaved_samples
 # candidate tiles of prefill-sized calls per head-dim bound; the first is the default
 # (sources.forward_tc_config) of a call without options
 TILES = {
-    64: (ForwardTile(8, 2, 64), ForwardTile(4, 2, 64), ForwardTile(8, 1, 64), ForwardTile(8, 2, 32),
+    64: (ForwardTile(4, 2, 64), ForwardTile(8, 2, 64), ForwardTile(8, 1, 64), ForwardTile(8, 2, 32),
          ForwardTile(4, 2, 32), ForwardTile(8, 1, 128)),
-    128: (ForwardTile(8, 2, 32), ForwardTile(4, 2, 32), ForwardTile(8, 1, 64), ForwardTile(8, 2, 64),
-          ForwardTile(4, 2, 64)),
+    128: (ForwardTile(8, 2, 64), ForwardTile(8, 2, 32), ForwardTile(4, 2, 64), ForwardTile(4, 2, 32),
+          ForwardTile(8, 1, 64)),
 }
-# candidate tiles of decode steps (a GQA group's few rows: one warp, one fragment)
-DECODE_TILES = (ForwardTile(1, 1, 64), ForwardTile(1, 1, 32), ForwardTile(1, 1, 128))
+# candidate tiles of decode steps at 128-wide heads (a GQA group's few rows: one warp,
+# one fragment); the first is the default
+DECODE_TILES = (ForwardTile(1, 1, 32), ForwardTile(1, 1, 64), ForwardTile(1, 1, 128))
 # the option sets timed: plain, and the causal band
 OPTION_SETS = (0, int(Option.BAND))
 
