@@ -120,7 +120,7 @@ def test_tensor_core_forward_tiles_follow_the_packed_rows():
     # prefill: two row fragments per warp with no option but the band and pages
     assert sources.forward_tc_config(4096, 128) == Tile(8, 2, 64)
     assert sources.forward_tc_config(4096, 128, Option.BAND | Option.PAGED) == Tile(8, 2, 64)
-    assert sources.forward_tc_config(4096, 64) == Tile(4, 2, 64)
+    assert sources.forward_tc_config(4096, 64) == Tile(8, 2, 64)
     assert sources.forward_tc_config(4096, 64, Option.BAND) == Tile(4, 2, 64)
     # other options keep one fragment per warp: their state needs the registers
     for option in (Option.MASK, Option.BIAS, Option.ALIBI, Option.SOFTCAP, Option.DROPOUT, Option.SINK, Option.NARROW):

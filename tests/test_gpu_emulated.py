@@ -241,9 +241,9 @@ def test_emulated_tensor_core_forward_with_two_row_fragments_per_warp(monkeypatc
     # chunked prefill: 16 query rows x 4 heads = 64 packed rows, 4 warps
     (16, 200, 64, dict(causal=True), 4, Option.BAND),
     (16, 200, 32, dict(window=(20, 3), sinks=2, kv_lengths=np.array([150, 200])), 4, Option.BAND | N),
-    # prefill: 160 packed rows over two 128-row tiles, of 4 warps x 2 row fragments without
-    # options, of 8 warps x 1 with them (their state takes registers)
-    (40, 90, 64, {}, 4, Option(0)),
+    # prefill: 160 packed rows, in one 256-row tile of 8 warps x 2 row fragments without
+    # options, in two 128-row tiles of 8 warps x 1 with them (their state takes registers)
+    (40, 90, 64, {}, 8, Option(0)),
     (40, 90, 32, {}, 8, N),
     (40, 90, 32, dict(causal=True, softcap=3.0, dropout_p=0.2, seed=7), 8,
      Option.BAND | Option.SOFTCAP | Option.DROPOUT | N),

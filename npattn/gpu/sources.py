@@ -128,10 +128,10 @@ def _forced(decode: bool) -> ForwardTile | None:
 # take registers its accumulators need (measured with ``bench --gpu --tiles``, TUNING.md)
 TWO_FRAGMENT_OPTIONS = _options.Option.BAND | _options.Option.PAGED
 # Two-fragment tiles of 128-wide heads keep 136-248 bytes in local memory (all 255
-# registers hold accumulators and the loop's state) and still ran 1.07-1.14x faster
-# than with 32-key tiles, which keep 24-48 bytes, and 1.14-1.27x faster than one
-# fragment per warp, which keeps none (H100, TUNING.md): the machine-code check lets
-# forward_tc kernels with two fragments keep this much, and no more
+# registers hold accumulators and the loop's state) and still ran 1.02-1.14x faster
+# than over 32-key tiles, which keep 24-48 bytes, and 1.01-1.27x faster than one
+# fragment per warp, which keeps none (two H100 runs, TUNING.md): the machine-code
+# check lets forward_tc kernels with two fragments keep this much, and no more
 TWO_FRAGMENT_STACK_BYTES = 256
 
 
@@ -141,13 +141,14 @@ def forward_tc_config(packed_rows: int, bound: int, options: int = 0) -> Forward
     :class:`~npattn.gpu.options.Option` bits of the call):
 
     - one warp for a decode step's few rows (more blocks, each streaming its own keys),
-      over 32-key tiles at 128-wide heads (1.09-1.35x faster than 64 on an H100: smaller
-      tiles, more blocks resident per SM);
+      over 32-key tiles at 128-wide heads (smaller tiles, more blocks resident per SM:
+      1.09-1.35x faster than 64 in one H100 run, 0.90-0.91x in another; TUNING.md);
     - 4 warps of one row fragment up to 64 rows, and for 256-wide heads, whose
       accumulators take most registers (with 32-key tiles);
     - prefill with no option beyond the band and pages: two 16-row fragments per warp
-      (FlashAttention-2's layout) over 64-key tiles, 4 warps (128 rows) for heads up to
-      64, 8 warps (256 rows) for heads up to 128 (1.14-1.42x faster than one fragment);
+      (FlashAttention-2's layout) over 64-key tiles, 8 warps (256 rows; 4 warps, 128 rows,
+      under a band) for heads up to 64, 8 warps for heads up to 128 (1.10-1.33x faster
+      than one fragment per warp without a band on an H100, 1.01-1.25x with one);
     - other prefill (masks, bias, ALiBi, softcap, dropout, sink logits, narrow heads):
       128-row tiles of 8 warps with one fragment each, leaving registers to the options."""
     block_k = 64 if bound <= 128 else 32
@@ -159,7 +160,9 @@ def forward_tc_config(packed_rows: int, bound: int, options: int = 0) -> Forward
         return _forced(decode=False)
     if options & ~TWO_FRAGMENT_OPTIONS:
         return ForwardTile(8, 1, block_k)
-    return ForwardTile(4 if bound <= 64 else 8, 2, 64)
+    if bound <= 64:  # under a band, 128-row tiles waste less on the diagonal than 256-row ones
+        return ForwardTile(4 if options & _options.Option.BAND else 8, 2, 64)
+    return ForwardTile(8, 2, 64)
 
 
 def stack_allowance(name: str) -> int:
