@@ -44,16 +44,22 @@ def compiler() -> str | None:
     return shutil.which("g++")
 
 
-# tiles built beside those the driver picks (tests force them): two row fragments per warp
-EXTRA_TILES = {64: (sources.ForwardTile(8, 2, 64), sources.ForwardTile(4, 2, 64), sources.ForwardTile(2, 2, 32))}
+# tiles built beside those the driver picks (tests force them, as the tuning harness
+# does): two row fragments per warp, and two K/V stages; with the option sets of the
+# test that forces them (plain, the band on narrow heads, everything, everything on
+# unaligned narrow rows)
+EXTRA_TILES = {64: (sources.ForwardTile(8, 2, 64), sources.ForwardTile(4, 2, 64), sources.ForwardTile(2, 2, 32),
+                    sources.ForwardTile(2, 2, 32, 2), sources.ForwardTile(2, 1, 16, 2))}
+EXTRA_TILE_OPTIONS = (0, Option.BAND | _NARROW, ALL, ALL | _NARROW | _UNALIGNED)
 
 
 def _forward_tc_configs(dtype_name, bound):
     """(tile, options) of every tensor-core forward built for (dtype, bound)."""
-    shapes = {sources.forward_tc_config(rows, bound, options) for rows in (1, 64, 65)
-              for options in (0, Option.BAND, ALL)} | set(EXTRA_TILES.get(bound, ()))
-    shapes = sorted(shapes, key=lambda t: (t.warps, t.frags, t.block_k))
-    return [(tile, int(options)) for tile in shapes for options in FORWARD_TC_OPTIONS[bound]]
+    picked = {sources.forward_tc_config(rows, bound, options) for rows in (1, 64, 65)
+              for options in (0, Option.BAND, ALL)}
+    configs = {(tile, int(options)) for tile in picked for options in FORWARD_TC_OPTIONS[bound]}
+    configs |= {(tile, int(options)) for tile in EXTRA_TILES.get(bound, ()) for options in EXTRA_TILE_OPTIONS}
+    return sorted(configs, key=lambda c: (c[0].warps, c[0].frags, c[0].block_k, c[0].stages, c[1]))
 
 
 def _names():

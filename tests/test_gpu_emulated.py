@@ -5,6 +5,8 @@ GPU (CI's); test_gpu.py holds them to the same properties on a real device.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -196,7 +198,8 @@ def test_emulated_gpu_decoding_with_a_long_cache_equals_the_full_pass():
 N = Option.NARROW  # head dims below the kernel's bound (32 and 12 of 64)
 
 
-@pytest.mark.parametrize("tile", gpu_emulation.EXTRA_TILES[64])
+@pytest.mark.parametrize("tile", gpu_emulation.EXTRA_TILES[64],
+                         ids=lambda t: f"warps{t.warps}-frags{t.frags}-keys{t.block_k}-stages{t.stages}")
 @pytest.mark.parametrize("q_len, kv_len, head_dim, options", [
     (40, 90, 64, {}),
     (40, 90, 32, dict(causal=True, window=(30, 0), sinks=2, kv_lengths=np.array([70, 90]))),
@@ -207,10 +210,11 @@ N = Option.NARROW  # head dims below the kernel's bound (32 and 12 of 64)
 ])
 def test_emulated_tensor_core_forward_with_two_row_fragments_per_warp(monkeypatch, tile, q_len, kv_len, head_dim,
                                                                        options):
-    """The tiles whose warps own two m16 row fragments (forced, as the tuning harness
-    forces them) compute what the reference does, for every kind of option."""
+    """The tiles whose warps own two m16 row fragments, and those with two K/V stages
+    (forced, as the tuning harness forces them), compute what the reference does, for every
+    kind of option (90 keys: several key tiles, so the stages alternate)."""
     from npattn.gpu import launch, sources
-    from npattn.runtime import plans
+    from npattn.runtime import nonfinite, plans
 
     tiles = []
     emulated_run = launch.run
@@ -221,8 +225,21 @@ def test_emulated_tensor_core_forward_with_two_row_fragments_per_warp(monkeypatc
         return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
 
     monkeypatch.setattr(launch, "run", spy)
+    # finite inputs: a result the reference had to answer for (a kernel that wrote NaN or
+    # inf, say from a stage it never filled) fails instead of passing on the reference's answer
+    answered = nonfinite.forward
+
+    def kernel_answers(problem, implementation):
+        result, used = answered(problem, implementation)
+        assert used is implementation, "the kernel's result was not finite: the reference answered for it"
+        return result, used
+
+    monkeypatch.setattr(nonfinite, "forward", kernel_answers)
     case = uniform_case(2, 8, 2, q_len, kv_len, head_dim, head_dim, values_seed=q_len + head_dim,
                         dtype=np.float16, **options)
+    # peaked rows (scores of a few units): near-uniform weights would hide a key tile read
+    # from the wrong stage
+    case = dataclasses.replace(case, q=(case.q * 8).astype(np.float16))
     plans.clear()  # a plan kept from an earlier call of this structure has its own tile
     try:
         with sources.forced_forward_tile(tile):

@@ -13,9 +13,12 @@
 // `group` rows instead of one. Causal bands stay monotone in p, so tile skipping works
 // on packed rows as on plain ones.
 //
-// Per key tile of BK keys (FlashAttention-2's overlap): wait for K_t; issue V_t's
-// copies; S = Q K_t^T; issue K_t+1's copies; scores and softmax; wait for V_t;
-// O += P V_t. So each tile's loads run under the previous product.
+// Per key tile of BK keys, with STAGES = 1 (FlashAttention-2's overlap): wait for K_t;
+// issue V_t's copies; S = Q K_t^T; issue K_t+1's copies; scores and softmax; wait for
+// V_t; O += P V_t. So each tile's loads run under the previous product. With STAGES = 2
+// (two K and two V tiles in shared memory): wait for K_t and V_t; issue K_t+1 and V_t+1
+// into the other stage; S, softmax and P V with no wait, the next tile's loads running
+// under all of it.
 //
 // OPTIONS (npattn.gpu.options) compiles in only the options a call has; tiles that
 // every row sees whole and no score option touches run the scale alone. The output is
@@ -28,19 +31,22 @@
 #define NPATTN_LOG2E 1.4426950408889634f
 #define NPATTN_LN2 0.6931471805599453f
 
-// Shared memory of forward_tc_kernel, in 16-bit elements: swizzled Q (BQ rows), K and V
-// (BK rows each); head dims rounded up to whole mma tiles (16), rows to 64 elements.
-// After the key loop the same bytes stage the output tile (BQ x value_dim).
+// Shared memory of forward_tc_kernel, in 16-bit elements: swizzled Q (BQ rows), then
+// `stages` K tiles and `stages` V tiles (BK rows each); head dims rounded up to whole mma
+// tiles (16), rows to 64 elements. After the key loop the same bytes stage the output
+// tile (BQ x value_dim).
 struct ForwardTensorCoreLayout {
-    int head_dim, value_dim, ld_qk, ld_v, q, k, v;
-    __device__ ForwardTensorCoreLayout(int head_dim_, int value_dim_, int block_q, int block_k) {
+    int head_dim, value_dim, ld_qk, ld_v, q, k, v, k_stage, v_stage;
+    __device__ ForwardTensorCoreLayout(int head_dim_, int value_dim_, int block_q, int block_k, int stages) {
         head_dim = (head_dim_ + 15) / 16 * 16;
         value_dim = (value_dim_ + 15) / 16 * 16;
         ld_qk = (head_dim + 63) / 64 * 64;
         ld_v = (value_dim + 63) / 64 * 64;
+        k_stage = block_k * ld_qk;
+        v_stage = block_k * ld_v;
         q = 0;
         k = q + block_q * ld_qk;
-        v = k + block_k * ld_qk;
+        v = k + stages * k_stage;
     }
 };
 
@@ -60,13 +66,14 @@ struct KeyTiles {
     __device__ int keys(i64 t) const { return (int)smaller(block_k, (t < count[0] ? last[0] : last[1]) - start(t)); }
 };
 
-template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, unsigned OPTIONS>
+template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
 __global__ void __launch_bounds__(WARPS * 32)
 forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
                   Acc* partial) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
     static_assert(BK % 16 == 0 && MAX_D % 16 == 0, "whole mma tiles");
     static_assert(FRAGS == 1 || FRAGS == 2, "one or two m16 row fragments per warp");
+    static_assert(STAGES == 1 || STAGES == 2, "one K/V tile in shared memory, or two");
     constexpr int WARP_ROWS = 16 * FRAGS;
     constexpr int BQ = WARP_ROWS * WARPS;
     constexpr int ROWS = 2 * FRAGS;          // rows per lane: fragment f's quad + 0 and quad + 8
@@ -93,8 +100,11 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     // without NARROW both head dims round up to MAX_D: the layout and every loop bound
     // over them are compile-time constants (no run-time tests inside the unrolled loops)
     constexpr bool NARROW = (OPTIONS & NPATTN_OPTION_NARROW) != 0;
-    const ForwardTensorCoreLayout at(NARROW ? head_dim : MAX_D, NARROW ? value_dim : MAX_D, BQ, BK);
-    unsigned short *qs = shared + at.q, *ks = shared + at.k, *vs = shared + at.v;
+    const ForwardTensorCoreLayout at(NARROW ? head_dim : MAX_D, NARROW ? value_dim : MAX_D, BQ, BK, STAGES);
+    unsigned short* qs = shared + at.q;
+    // K and V tiles of key tile t (its stage's)
+    auto ks = [&](i64 t) { return shared + at.k + (STAGES == 2 ? (int)(t & 1) * at.k_stage : 0); };
+    auto vs = [&](i64 t) { return shared + at.v + (STAGES == 2 ? (int)(t & 1) * at.v_stage : 0); };
     const int qk_chunks = at.head_dim / 8, v_chunks = at.value_dim / 8;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int quad = lane / 4, in_quad = lane % 4;  // the PTX ISA's groupID and threadID_in_group
@@ -166,22 +176,35 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         }
     };
     auto stage_k = [&](i64 t) {
-        stage_keys(k, ints[NPATTN_INT_K_STRIDE_B], ints[NPATTN_INT_K_STRIDE_H], ints[NPATTN_INT_K_STRIDE_S], ks,
+        stage_keys(k, ints[NPATTN_INT_K_STRIDE_B], ints[NPATTN_INT_K_STRIDE_H], ints[NPATTN_INT_K_STRIDE_S], ks(t),
                    at.ld_qk, head_dim, qk_chunks, t);
     };
     auto stage_v = [&](i64 t) {
-        stage_keys(v, ints[NPATTN_INT_V_STRIDE_B], ints[NPATTN_INT_V_STRIDE_H], ints[NPATTN_INT_V_STRIDE_S], vs,
+        stage_keys(v, ints[NPATTN_INT_V_STRIDE_B], ints[NPATTN_INT_V_STRIDE_H], ints[NPATTN_INT_V_STRIDE_S], vs(t),
                    at.ld_v, value_dim, v_chunks, t);
     };
-    if (tile_count > 0) stage_k(0);
+    if (tile_count > 0) {
+        stage_k(0);
+        if constexpr (STAGES == 2) stage_v(0);
+    }
     cp_async_commit();
 
     for (i64 t = 0; t < tile_count; ++t) {
         const i64 j0 = key_tiles.start(t);
         const int cols = key_tiles.keys(t);
+        const unsigned short *kt = ks(t), *vt = vs(t);
         cp_async_wait<0>();
-        __syncthreads();  // K_t (and Q) landed for every thread; every warp is done with V_t-1
-        stage_v(t);
+        // K_t (and Q; with two stages V_t too) landed for every thread; every warp is done
+        // with V_t-1 (with two stages: with tile t-1's stage, which tile t+1 now takes)
+        __syncthreads();
+        if constexpr (STAGES == 2) {
+            if (t + 1 < tile_count) {
+                stage_k(t + 1);
+                stage_v(t + 1);
+            }
+        } else {
+            stage_v(t);
+        }
         cp_async_commit();
 
         // S (16 FRAGS x BK per warp) = Q K^T: each K fragment pair feeds every row fragment
@@ -200,7 +223,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
 #pragma unroll
                 for (int n = 0; n < KEY_BLOCKS; n += 2) {
                     u32 bk[4];
-                    load_b_fragments(bk, ks, at.ld_qk, n * 8, k0, lane);
+                    load_b_fragments(bk, kt, at.ld_qk, n * 8, k0, lane);
 #pragma unroll
                     for (int f = 0; f < FRAGS; ++f) {
                         mma_16816<T>(s[f][n], a[f], bk);
@@ -209,9 +232,11 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                 }
             }
         }
-        __syncthreads();  // every warp is done with K_t
-        if (t + 1 < tile_count) stage_k(t + 1);
-        cp_async_commit();
+        if constexpr (STAGES == 1) {
+            __syncthreads();  // every warp is done with K_t
+            if (t + 1 < tile_count) stage_k(t + 1);
+            cp_async_commit();
+        }
 
         // scores in base 2, then the online softmax of this lane's rows
         bool plain_tile = !SCORE_OPTIONS;
@@ -303,8 +328,10 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                 o[f][n][3] *= correction[2 * f + 1];
             }
         }
-        cp_async_wait<1>();
-        __syncthreads();  // V_t landed for every thread
+        if constexpr (STAGES == 1) {
+            cp_async_wait<1>();
+            __syncthreads();  // V_t landed for every thread
+        }
 
         // O (16 FRAGS x Dv per warp) += P V: S's accumulators of two 8-key blocks are the
         // A fragment of one 16-key block; each V fragment pair feeds every row fragment
@@ -322,7 +349,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
             for (int n = 0; n < VALUE_BLOCKS; n += 2) {
                 if (n * 8 < at.value_dim) {
                     u32 bv[4];
-                    load_b_fragments_transposed(bv, vs, at.ld_v, n * 8, kb * 16, lane);
+                    load_b_fragments_transposed(bv, vt, at.ld_v, n * 8, kb * 16, lane);
 #pragma unroll
                     for (int f = 0; f < FRAGS; ++f) {
                         mma_16816<T>(o[f][n], a[f], bv);

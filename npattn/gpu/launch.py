@@ -32,13 +32,13 @@ def forward_shared_bytes(head_dim: int, value_dim: int, dtype) -> int:
 
 def forward_tc_shared_bytes(head_dim: int, value_dim: int, tile: sources.ForwardTile) -> int:
     """Dynamic shared memory of forward_tc_kernel with ``tile``: ``ForwardTensorCoreLayout`` in
-    forward_tc.cu (swizzled 16-bit tiles: Q of tile.block_q rows, K and V of block_k rows;
-    head dims rounded up to 16, rows to 64 values), or the output tile staged in the
-    same bytes, if that is larger."""
+    forward_tc.cu (swizzled 16-bit tiles: Q of tile.block_q rows, tile.stages K and V tiles
+    of block_k rows; head dims rounded up to 16, rows to 64 values), or the output tile
+    staged in the same bytes, if that is larger."""
     def row(dim):
         return -(-(-(-dim // 16) * 16) // 64) * 64
-    block_q, block_k = tile.block_q, tile.block_k
-    return 2 * max((block_q + block_k) * row(head_dim) + block_k * row(value_dim), block_q * row(value_dim))
+    block_q, keys = tile.block_q, tile.stages * tile.block_k
+    return 2 * max(block_q * row(head_dim) + keys * (row(head_dim) + row(value_dim)), block_q * row(value_dim))
 
 
 def backward_tc_shared_bytes(kind: str, head_dim: int, value_dim: int) -> int:

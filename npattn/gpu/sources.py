@@ -88,11 +88,14 @@ def head_dim_bound(head_dim: int, value_dim: int) -> int:
 @dataclass(frozen=True)
 class ForwardTile:
     """The tile shape of the tensor-core forward: ``warps`` warps per block, each owning
-    ``frags`` m16 fragments of 16 packed rows, over tiles of ``block_k`` keys."""
+    ``frags`` m16 fragments of 16 packed rows, over tiles of ``block_k`` keys, with
+    ``stages`` K and V tiles in shared memory (2: the next tile's copies run under all of
+    this tile's work)."""
 
     warps: int
     frags: int
     block_k: int
+    stages: int = 1
 
     @property
     def block_q(self) -> int:
@@ -184,7 +187,8 @@ def kernel_name(kind: str, dtype_name: str, bound: int = 0, *, tile: ForwardTile
     simt_block_k = FORWARD_BLOCK_K[accumulate]
     arguments = {
         "forward": f"{storage}, {accumulate}, {bound}, {simt_block_k}",
-        "forward_tc": f"{storage}, {accumulate}, {bound}, {tile.warps}, {tile.frags}, {tile.block_k}, {int(options)}u",
+        "forward_tc": (f"{storage}, {accumulate}, {bound}, {tile.warps}, {tile.frags}, {tile.block_k}, {tile.stages}, "
+                       f"{int(options)}u"),
         "dkdv_tc": f"{storage}, {accumulate}, {bound}, {int(options & _options.ALL)}u",
         "dq_tc": f"{storage}, {accumulate}, {bound}, {int(options & _options.ALL)}u",
         "weights": f"{storage}, {accumulate}, {simt_block_k}",
@@ -214,8 +218,8 @@ def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _tile_order(tile: ForwardTile) -> tuple[int, int, int]:
-    return tile.warps, tile.frags, tile.block_k
+def _tile_order(tile: ForwardTile) -> tuple[int, int, int, int]:
+    return tile.warps, tile.frags, tile.block_k, tile.stages
 
 
 def name_expressions() -> tuple[str, ...]:

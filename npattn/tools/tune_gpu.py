@@ -32,10 +32,10 @@ from .timing import elapsed, interleaved_samples
 # candidate tiles of prefill-sized calls per head-dim bound; the first is the default
 # (sources.forward_tc_config) of a call without options (at d <= 64 under a band: the second)
 TILES = {
-    64: (ForwardTile(8, 2, 64), ForwardTile(4, 2, 64), ForwardTile(8, 1, 64), ForwardTile(8, 2, 32),
-         ForwardTile(4, 2, 32), ForwardTile(8, 1, 128)),
-    128: (ForwardTile(8, 2, 64), ForwardTile(8, 2, 32), ForwardTile(4, 2, 64), ForwardTile(4, 2, 32),
-          ForwardTile(8, 1, 64)),
+    64: (ForwardTile(8, 2, 64), ForwardTile(4, 2, 64), ForwardTile(8, 1, 64), ForwardTile(8, 2, 64, 2),
+         ForwardTile(4, 2, 64, 2), ForwardTile(8, 1, 64, 2)),
+    128: (ForwardTile(8, 2, 64), ForwardTile(4, 2, 64), ForwardTile(8, 1, 64), ForwardTile(8, 2, 64, 2),
+          ForwardTile(4, 2, 64, 2), ForwardTile(8, 2, 32, 2), ForwardTile(8, 1, 64, 2)),
 }
 # candidate tiles of decode steps at 128-wide heads (a GQA group's few rows: one warp,
 # one fragment); the first is the default
@@ -90,7 +90,7 @@ def compare(shapes=PREFILL_SHAPES + DECODE_SHAPES, dtype: str = "float16", repea
     bounds = sorted({sources.head_dim_bound(s.head_dim, s.head_dim) for s in shapes})
     precompile(architecture, names(dtype, bounds))
     rows = []
-    print(f"{'shape':<24}{'causal':<8}{'tile (warps, frags, keys)':<28}{'ms':>9}{'TFLOP/s':>9}{'of torch':>10}"
+    print(f"{'shape':<24}{'causal':<8}{'tile (warps, frags, keys, stages)':<36}{'ms':>9}{'TFLOP/s':>9}{'of torch':>10}"
           f"{'rel. err':>10}{'torch err':>10}", file=out)
     for shape in shapes:
         shape = shape if isinstance(shape, GpuShape) else GpuShape.parse(shape)
@@ -127,20 +127,24 @@ def compare(shapes=PREFILL_SHAPES + DECODE_SHAPES, dtype: str = "float16", repea
                 share = None if best is None else float(np.median(np.asarray(samples[best]) / np.asarray(samples[tile])))
                 error = None if reference is None else _relative_error(outputs[tile], reference)
                 row = dict(shape=str(shape), causal=causal, dtype=dtype, warps=tile.warps, frags=tile.frags,
-                           block_k=tile.block_k, ms=ms, tflops=flops / medians[tile] / 1e12, share_of_torch=share,
+                           block_k=tile.block_k, stages=tile.stages, ms=ms, tflops=flops / medians[tile] / 1e12, share_of_torch=share,
                            relative_error=error, torch_backend=torch_label,
                            kv_gbps=shape.kv_bytes(dtype) / medians[tile] / 1e9 if shape.is_decode else None,
                            torch_ms=None if best is None else 1e3 * medians[best], torch_relative_error=torch_error,
                            device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
                 rows.append(row)
                 rate = f"{row['kv_gbps']:>7.0f}GB" if shape.is_decode else f"{row['tflops']:>9.1f}"
-                print(f"{str(shape):<24}{str(causal):<8}{str((tile.warps, tile.frags, tile.block_k)):<28}{ms:>9.3f}"
+                print(f"{str(shape):<24}{str(causal):<8}{str(_tile_tuple(tile)):<36}{ms:>9.3f}"
                       f"{rate}{_cell(share, '.0%'):>10}{_cell(error, '.1e'):>10}"
                       f"{_cell(torch_error, '.1e'):>10}", file=out)
             out.flush()
             if json_path is not None:
                 write_json(rows, json_path)
     return rows
+
+
+def _tile_tuple(tile: ForwardTile) -> tuple[int, int, int, int]:
+    return tile.warps, tile.frags, tile.block_k, tile.stages
 
 
 def _cell(value, spec: str) -> str:
