@@ -130,7 +130,8 @@ def test_the_cpu_forward_reports_whether_out_is_finite_as_reading_out_would(case
         assert result.finite == bool(np.isfinite(np.asarray(result.out, np.float64)).all())
 
 
-@pytest.mark.parametrize("planted", ["q inf", "k -inf", "bias +inf", "bias nan", "overflow"])
+@pytest.mark.parametrize("planted", ["q inf", "k -inf", "bias +inf", "bias nan",
+                                     pytest.param("overflow", marks=pytest.mark.reference_may_answer)])
 def test_no_non_finite_input_raises_from_a_cpu_kernel(planted):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(3))
