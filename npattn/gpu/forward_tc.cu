@@ -66,6 +66,20 @@ struct KeyTiles {
     __device__ int keys(i64 t) const { return (int)smaller(block_k, (t < count[0] ? last[0] : last[1]) - start(t)); }
 };
 
+// body(f, n, e, x, c) for every score a lane holds in S's accumulators (FRAGS row
+// fragments x KEY_BLOCKS 8-key blocks x 4): fragment f, block n, element e, which is of
+// the lane's row x and the tile's column c (the lane's place in its quad: in_quad).
+template <int FRAGS, int KEY_BLOCKS, typename Body> __device__ inline void each_score(int in_quad, Body&& body) {
+#pragma unroll
+    for (int f = 0; f < FRAGS; ++f) {
+#pragma unroll
+        for (int n = 0; n < KEY_BLOCKS; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) body(f, n, e, 2 * f + e / 2, n * 8 + 2 * in_quad + (e & 1));
+        }
+    }
+}
+
 template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
 __global__ void __launch_bounds__(WARPS * 32)
 forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
@@ -111,6 +125,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     const float lowest = negative_infinity<float>();
     // the tile row of this lane's row x: fragment x / 2, then quad or quad + 8
     auto tile_row = [&](int x) { return warp * WARP_ROWS + (x / 2) * 16 + quad + 8 * (x % 2); };
+
 
     // Q, by packed rows
     stage_tile<ASYNC>(qs, at.ld_qk, q, [&](int r) {
@@ -244,17 +259,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
             plain_tile = tile_fully_visible(ints, spans, b, i_first, i_last + 1, j0, j0 + cols);
         }
         if (plain_tile) {
-#pragma unroll
-            for (int f = 0; f < FRAGS; ++f) {
-#pragma unroll
-                for (int n = 0; n < KEY_BLOCKS; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int c = n * 8 + 2 * in_quad + (e & 1);
-                        s[f][n][e] = c < cols ? scale_log2 * s[f][n][e] : lowest;
-                    }
-                }
-            }
+            each_score<FRAGS, KEY_BLOCKS>(in_quad, [&](int f, int n, int e, int, int c) { s[f][n][e] = c < cols ? scale_log2 * s[f][n][e] : lowest; });
         } else {
             auto score_row = [&](int x, const ScoreRow<T, Acc, OPTIONS>& scorer) {
 #pragma unroll
@@ -305,21 +310,14 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
             seen[x] = seen[x] || tile_max[x] > lowest;
             l[x] *= correction[x];
         }
+        each_score<FRAGS, KEY_BLOCKS>(in_quad, [&](int f, int n, int e, int x, int c) {
+            float p = exp2_approx(s[f][n][e] - shift[x]);
+            l[x] += p;
+            if (has_dropout && row_valid[x] && c < cols && !dropout_keeps(ints, dropout_state[x], j0 + c)) p = 0.0f;
+            s[f][n][e] = p;
+        });
 #pragma unroll
         for (int f = 0; f < FRAGS; ++f) {
-#pragma unroll
-            for (int n = 0; n < KEY_BLOCKS; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int x = 2 * f + e / 2, c = n * 8 + 2 * in_quad + (e & 1);
-                    float p = exp2_approx(s[f][n][e] - shift[x]);
-                    l[x] += p;
-                    if (has_dropout && row_valid[x] && c < cols && !dropout_keeps(ints, dropout_state[x], j0 + c)) {
-                        p = 0.0f;
-                    }
-                    s[f][n][e] = p;
-                }
-            }
 #pragma unroll
             for (int n = 0; n < VALUE_BLOCKS; ++n) {
                 o[f][n][0] *= correction[2 * f];
