@@ -271,6 +271,54 @@ def test_threads_sharing_plans_get_their_own_answers():
     assert not failures
 
 
+@pytest.mark.parametrize("layout, kv_heads", [("bhsd", 8), ("bshd", 8), ("bhsd", 2)])
+def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_bits(monkeypatch, layout, kv_heads):
+    """From its second plain call on, a plan calls the forward kernel's compiled entry
+    point directly (no dispatcher typing each argument, npattn.cpu.threads.direct_entry):
+    the same bits as the first call, in both layouts and with GQA rows folded; q at an
+    address off the float's alignment (another Numba type) goes through the dispatcher,
+    with the same bits too."""
+    from npattn.cpu import driver
+
+    direct_calls = []
+    typed = driver.direct_entry
+
+    def counted(kernel, arguments):
+        entry = typed(kernel, arguments)
+
+        def call(*values):
+            direct_calls.append(1)
+            return entry(*values)
+        return call
+
+    monkeypatch.setattr(driver, "direct_entry", counted)
+    rng = np.random.default_rng(3)
+    heads_axis = 2 if layout == "bshd" else 1
+
+    def shaped(heads):
+        shape = [1, 8, 16, 64]
+        shape[heads_axis] = heads
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    q, k, v = shaped(8), shaped(kv_heads), shaped(kv_heads)
+    plan = npattn.plan(q, k, v, causal=True, layout=layout, return_lse=True)
+    first = plan.run(q, k, v)
+    assert not direct_calls
+    again = plan.run(q, k, v)
+    assert direct_calls, "the second plain call did not run the entry point"
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    buffer = np.zeros(q.nbytes + 1, np.uint8)
+    unaligned = np.frombuffer(buffer.data, np.float32, q.size, offset=1).reshape(q.shape)
+    unaligned[...] = q
+    assert not unaligned.flags.aligned
+    direct_calls.clear()
+    for a, b in zip(first, plan.run(unaligned, k, v)):
+        np.testing.assert_array_equal(a, b)
+    if kv_heads == 8:  # (folded GQA rows are a copy of q, aligned again)
+        assert not direct_calls
+
+
 def test_a_structure_that_never_repeats_is_never_planned():
     rng = np.random.default_rng(0)
     cache = rng.standard_normal((1, 2, 40, 8)).astype(np.float32)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 
@@ -14,8 +15,8 @@ from . import folding, splitting
 from .blas import single_threaded_blas
 from .conversion import converted
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
-from .threads import NON_FINITE, run_items
-from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, gradient_tile_specs,
+from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, run_items
+from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, fresh_set, gradient_tile_specs,
                       scratch_set, weights_scratch_specs, with_dropout_copy, zeros_maker)
 from .operands import Int, read_only, operand_plan, row_strides
 from .tuning import Tuning, current
@@ -83,6 +84,14 @@ class ForwardPlan:
         if problem.packed_rows:  # every entry writes its own rows of the one batch
             strides[0] = 0
         self.out_strides = read_only(np.array(strides, np.int64))
+        # the forward kernel's entry point for this plan's plain calls (threads.direct_entry),
+        # found after the first, and the alignment of q, k and v it was typed for
+        self._entry, self._entry_aligned = None, None
+        # calls whose whole work is one inline kernel call (no BLAS to pin, no key ranges
+        # to merge, no weights): with the entry they skip the item runner and the arena
+        self._alone = (not self.blas and self.splits == 1 and not self.weights
+                       and (self.flops < INLINE_FLOPS or self.items <= 1))
+        self._scratch = threading.local()
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
         """The forward of bhsd ``q``, ``k``, ``v`` (this plan's shapes, strides and dtypes)
@@ -98,6 +107,11 @@ class ForwardPlan:
             if arrays is not None:
                 arrays = folding.FoldedArrays.of(arrays, self.group)
         ops = self.operands.operands(q, k, v, arrays)
+        # the kernel's machine code called directly: a plain call (no option arrays, whose
+        # views are the caller's) on rows of the alignment the entry was typed for
+        direct = arrays is None and not self.operands.codes
+        aligned = (ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned) if direct else None
+        entry = self._entry if direct and aligned == self._entry_aligned else None
         out = self.out_zeros()
         lse = np.empty(self.lse_shape, dtype)
         lse.fill(-np.inf)  # (np.full, in Python, costs a small call 4 us more)
@@ -106,13 +120,25 @@ class ForwardPlan:
             lse_parts = np.full(self.parts_shape[:-1], -np.inf, dtype)
         else:
             out_parts, lse_parts = out, lse
+        if entry is not None and self._alone:
+            # one inline kernel call on the plan's own scratch: no reuse arena, no item runner
+            configured_threads()  # (a bad NPATTN_NUM_THREADS fails every call)
+            status = np.zeros(2, np.int64)
+            entry(*ops, out.reshape(-1), self.out_strides, lse.reshape(-1), *self._own_scratch(), status, self.items)
+            if self.bshd:
+                out = out.transpose(0, 2, 1, 3)
+            return self._result(out, lse, None, status)
         pin = single_threaded_blas() if self.blas else _NO_PIN
         with pin:
             begin_reuse()
             try:
-                status = run_items(forward_kernel, (*ops, out_parts.reshape(-1), self.out_strides,
-                                                    lse_parts.reshape(-1)),
-                                   self.items, lambda: scratch_set(self.scratch_specs), self.flops)
+                arguments = (*ops, out_parts.reshape(-1), self.out_strides, lse_parts.reshape(-1))
+                status = run_items(forward_kernel, arguments, self.items, lambda: scratch_set(self.scratch_specs),
+                                   self.flops, entry)
+                if direct and self._entry is None:
+                    self._entry = direct_entry(forward_kernel, (*arguments, *scratch_set(self.scratch_specs),
+                                                                status, self.items))
+                    self._entry_aligned = aligned
                 if self.bshd:
                     out = out.transpose(0, 2, 1, 3)
                 if self.splits > 1:
@@ -124,6 +150,11 @@ class ForwardPlan:
                               lambda: scratch_set(self.weights_specs), self.flops)
             finally:
                 end_reuse()
+        return self._result(out, lse, weights, status)
+
+    def _result(self, out, lse, weights, status) -> ForwardResult:
+        """The :class:`ForwardResult` of a run's out, lse, weights (all bhsd as the kernel
+        wrote them, folded rows included) and the kernel's status."""
         if self.group > 1:
             weights = None if weights is None else folding.unfold_rows(weights, self.fold_shape)
             out = folding.in_layout(folding.unfold_rows(out, self.fold_shape), self.layout)
@@ -134,6 +165,14 @@ class ForwardPlan:
         finite = not status[NON_FINITE] if self.splits == 1 else None
         # (positional: keywords cost a small call 0.2 us)
         return ForwardResult(out if shown is None else shown, lse, weights, (out, lse), finite)
+
+    def _own_scratch(self) -> tuple:
+        """This plan's scratch set for the calling thread (a plan may run on several threads
+        at once; each call on one thread is done with it before the next starts)."""
+        scratch = getattr(self._scratch, "set", None)
+        if scratch is None:
+            scratch = self._scratch.set = fresh_set(self.scratch_specs)
+        return scratch
 
 
 _NO_PIN = contextlib.nullcontext()

@@ -71,6 +71,12 @@ def scratch_set(specs: tuple) -> tuple:
     return arrays
 
 
+def fresh_set(specs: tuple) -> tuple:
+    """A new set of :func:`scratch_set`'s arrays (each on a cache line), outside any arena:
+    for an owner that keeps it (a plan's inline calls)."""
+    return tuple(_allocate(size, np.dtype(dtype)) for size, dtype in specs)
+
+
 def _allocate(size: int, dtype: np.dtype) -> np.ndarray:
     raw = np.empty(size * dtype.itemsize + _ALIGN_BYTES, np.uint8)
     # (``raw.ctypes.data``: 1 us on NumPy 2, where the array interface's dict took 2)

@@ -97,18 +97,20 @@ def _submit(calls) -> list:
 INLINE_FLOPS = 16e6
 
 
-def run_items(kernel, arguments, items: int, scratch=tuple, flops: float | None = None) -> np.ndarray:
+def run_items(kernel, arguments, items: int, scratch=tuple, flops: float | None = None, entry=None) -> np.ndarray:
     """``kernel(*arguments, *scratch(), counter, items)`` on ``min(items, threads)`` threads
     sharing one fresh ``counter``, each with scratch of its own from ``scratch()``; on the
     calling thread alone when ``flops`` (the call's work, forward FLOPs) is below
     :data:`INLINE_FLOPS`. Which thread runs an item never changes the bits. The first
     call of a kernel for a dtype in the process (a compile, or a load from Numba's cache)
-    is announced (:mod:`.compiling`). Returns the ``counter``: int64 ``(2,)``, the
+    is announced (:mod:`.compiling`). ``entry`` (of :func:`direct_entry`, for exactly
+    these arguments' types) runs an inline call without the dispatcher's typing of each
+    argument. Returns the ``counter``: int64 ``(2,)``, the
     claimed items in ``[0]``, and in ``[1]`` what the kernel reports of its run (the
     forward: 1 where it wrote a non-finite output row, see :data:`NON_FINITE`)."""
     key = (kernel, arguments[0].dtype)
     if key in _PREPARED:
-        return _run_items(kernel, arguments, items, scratch, flops)
+        return _run_items(kernel, arguments, items, scratch, flops, entry)
     with compiling.announced(getattr(kernel, "__name__", "kernel"), arguments[0].dtype):
         counter = _run_items(kernel, arguments, items, scratch, flops)
     _PREPARED.add(key)
@@ -118,17 +120,31 @@ def run_items(kernel, arguments, items: int, scratch=tuple, flops: float | None 
 _PREPARED: set = set()  # (kernel, dtype) pairs called in this process
 
 
+def direct_entry(kernel, arguments):
+    """The entry point of ``kernel``'s machine code compiled for exactly the Numba types of
+    ``arguments`` (the whole call: scratch, counter and item count included), or None
+    where none is compiled. The dispatcher types each argument on every call (1.1 us of a
+    28-argument call, a twentieth of a small attention call); a caller that knows its
+    arguments' types cannot change (a plan: frozen views of fixed layout, its own scratch
+    and outputs) calls the entry point instead. Typing them here takes tens of us: once
+    per plan."""
+    from numba import typeof
+
+    overload = kernel.overloads.get(tuple(typeof(argument) for argument in arguments))
+    return None if overload is None else overload.entry_point
+
+
 # counter[NON_FINITE]: set to 1 by a forward kernel that wrote a NaN or an inf into out
 NON_FINITE = 1
 
 
-def _run_items(kernel, arguments, items, scratch, flops) -> np.ndarray:
+def _run_items(kernel, arguments, items, scratch, flops, entry=None) -> np.ndarray:
     counter = np.zeros(2, np.int64)
     configured_threads()  # a bad NPATTN_NUM_THREADS fails every call, not only the threaded ones
     inline = (flops is not None and flops < INLINE_FLOPS) or items <= 1
     threads = 1 if inline else min(items, thread_count())
     if threads <= 1:
-        kernel(*arguments, *scratch(), counter, items)
+        (entry or kernel)(*arguments, *scratch(), counter, items)
         return counter
     futures = _submit([(kernel, (*arguments, *scratch(), counter, items)) for _ in range(threads - 1)])
     kernel(*arguments, *scratch(), counter, items)  # the calling thread works too
