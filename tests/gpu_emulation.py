@@ -49,7 +49,7 @@ def compiler() -> str | None:
 # test that forces them (plain, the band on narrow heads, everything, everything on
 # unaligned narrow rows)
 EXTRA_TILES = {64: (sources.ForwardTile(8, 2, 64), sources.ForwardTile(4, 2, 64), sources.ForwardTile(2, 2, 32),
-                    sources.ForwardTile(2, 2, 32, 2), sources.ForwardTile(2, 1, 16, 2))}
+                    sources.ForwardTile(2, 2, 32, 2), sources.ForwardTile(2, 1, 16, 2), sources.ForwardTile(1, 1, 32, 2))}
 EXTRA_TILE_OPTIONS = (0, Option.BAND | _NARROW, ALL, ALL | _NARROW | _UNALIGNED)
 
 

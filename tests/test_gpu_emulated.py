@@ -240,6 +240,32 @@ def test_emulated_tensor_core_forward_with_two_row_fragments_per_warp(monkeypatc
     assert tiles and set(tiles) == {tile}
 
 
+@pytest.mark.parametrize("options", [{}, dict(kv_lengths=np.array([250, 300]), causal=True)])
+def test_emulated_decode_steps_with_two_kv_stages(monkeypatch, options):
+    """A decode step on a one-warp tile with two K/V stages (a candidate of the tuning
+    harness, forced as it forces it), its keys split across blocks, matches the reference."""
+    from npattn.gpu import launch, sources
+    from npattn.runtime import plans
+
+    tile = sources.ForwardTile(1, 1, 32, 2)
+    tiles, emulated_run = [], launch.run
+
+    def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
+        tiles.append((kind, config.get("tile")))
+        return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
+
+    monkeypatch.setattr(launch, "run", spy)
+    case = uniform_case(2, 8, 2, 1, 300, 64, 64, values_seed=11, dtype=np.float16, **options)
+    case = dataclasses.replace(case, q=(case.q * 8).astype(np.float16))  # peaked rows
+    plans.clear()
+    try:
+        with sources.forced_forward_tile(tile, decode=True):
+            check_forward("gpu", case, "bhsd")
+    finally:
+        plans.clear()
+    assert ("forward_tc", tile) in tiles and ("combine", None) in tiles, tiles
+
+
 @pytest.mark.parametrize("q_len, kv_len, head_dim, options, warps, expected", [
     # a decode step: the 4 query heads of a GQA group fill 4 rows of a one-warp tile, split-KV
     (1, 700, 32, {}, 1, N),

@@ -38,8 +38,10 @@ TILES = {
           ForwardTile(4, 2, 64, 2), ForwardTile(8, 2, 32, 2), ForwardTile(8, 1, 64, 2)),
 }
 # candidate tiles of decode steps at 128-wide heads (a GQA group's few rows: one warp,
-# one fragment); the first is the default
-DECODE_TILES = (ForwardTile(1, 1, 32), ForwardTile(1, 1, 64), ForwardTile(1, 1, 128))
+# one fragment); the first is the default. Two stages keep twice the bytes in flight
+# per warp, which a decode step, bound by reading K and V, may want (untimed so far).
+DECODE_TILES = (ForwardTile(1, 1, 32), ForwardTile(1, 1, 64), ForwardTile(1, 1, 128), ForwardTile(1, 1, 32, 2),
+                ForwardTile(1, 1, 64, 2))
 # the option sets timed: plain, and the causal band
 OPTION_SETS = (0, int(Option.BAND))
 
