@@ -151,6 +151,7 @@ def _argument(value):
 def emulated_gpu(monkeypatch, library, launchers):
     """``backend="gpu"`` on NumPy arrays, every launch run by ``library``."""
     import npattn.gpu
+    import npattn.gpu.driver
 
     def run(kind, storage, bound, blocks, shared_bytes, arguments, **config):
         if blocks <= 0:
@@ -163,8 +164,12 @@ def emulated_gpu(monkeypatch, library, launchers):
         # looked up at each launch, so a test's spy on launch.run sees plans' launches too
         return lambda blocks, arguments: launch.run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
 
+    def unfilled(cp, shape, dtype):  # poisoned: an element the kernel leaves unwritten is NaN
+        return cp.full(shape, np.nan, dtype)
+
     with monkeypatch.context() as patch:
         patch.setattr(launch, "run", run)
         patch.setattr(launch, "kernel", kernel)
+        patch.setattr(npattn.gpu.driver, "_unfilled", unfilled)
         patch.setattr(npattn.gpu, "unavailable_reason", lambda array_kind="cupy": None)
         yield

@@ -132,6 +132,12 @@ def _in_kernel_order(q, k, v, named) -> tuple:
 _Q_SLOT, _K_SLOT, _V_SLOT = (OPERAND_NAMES.index(name) for name in "qkv")
 
 
+def _unfilled(cp, shape, dtype):
+    """An output array the kernel writes every element of (the tests' emulation fills it
+    with NaN first, so an element the kernel leaves shows)."""
+    return cp.empty(shape, dtype)
+
+
 def _spans(cp, problem):
     """The kernels' spans (:func:`npattn.core.kernel_params.problem_spans`) on the device: one
     upload, kept per value when the problem has no lengths, starts or per-entry shifts."""
@@ -218,6 +224,9 @@ class ForwardPlan:
             self.blocks = blocks * splits
             # the tensor-core forward writes out in the inputs' dtype; split partials merge in Acc
             self.out_dtype = problem.q.dtype if kind == "forward_tc" and splits == 1 else dtype
+            # the tensor-core forward without splits writes every element of out and lse of
+            # the live rows, which are all rows without per-entry starts and stops: no fill
+            self.writes_every_row = kind == "forward_tc" and splits == 1 and spans_are_default(problem)
             self.out_shape = ((batch, q_len, heads, value_dim) if self.layout == "bshd"
                               else (batch, heads, q_len, value_dim))
             self.lse_shape = (batch, heads, q_len)
@@ -269,10 +278,12 @@ class ForwardPlan:
             if config and not (config["options"] & Option.UNALIGNED) and (
                     _address(q) | _address(k) | _address(v)) % 16:
                 config = dict(config, options=config["options"] | Option.UNALIGNED)
-            out = cp.zeros(self.out_shape, self.out_dtype)
+            if self.writes_every_row:
+                out, lse = _unfilled(cp, self.out_shape, self.out_dtype), _unfilled(cp, self.lse_shape, self.dtype)
+            else:
+                out, lse = cp.zeros(self.out_shape, self.out_dtype), cp.full(self.lse_shape, -np.inf, self.dtype)
             if self.layout == "bshd":
                 out = out.transpose(0, 2, 1, 3)
-            lse = cp.full(self.lse_shape, -np.inf, self.dtype)
             if self._out_strides is None:  # the same for every call: the layout fixes them
                 self._out_strides = tuple(np.int64(s) for s in element_strides(out)[:3])
             # rows of (Dv outputs, max, sum, seen) per split; unread without splits

@@ -402,8 +402,9 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                     pack_pair<T>(o[x / 2][n][2 * (x % 2)] * factor, o[x / 2][n][2 * (x % 2) + 1] * factor);
             }
         }
-        if (in_quad == 0 && row_valid[x] && seen[x]) {
-            lse[(b * heads + row_head(x)) * q_len + row_query(x)] = m[x] * NPATTN_LN2 + log_of(l[x]);
+        if (in_quad == 0 && row_valid[x]) {  // every live row's lse: -inf for a row that saw no key
+            lse[(b * heads + row_head(x)) * q_len + row_query(x)] = seen[x] ? m[x] * NPATTN_LN2 + log_of(l[x])
+                                                                             : negative_infinity<float>();
         }
     }
     __syncwarp();
