@@ -40,6 +40,17 @@ def test_every_kernel_instantiation_compiles_for_every_architecture(machine_code
         assert len(set(lowered.values())) == len(lowered), f"{architecture}: two instantiations share a symbol"
 
 
+def test_every_tile_the_harness_times_compiles_for_hopper():
+    """What `bench --gpu --tiles` (npattn.tools.tune_gpu) will compile on a lent GPU, whose
+    minutes are scarce: a candidate that does not compile is found here first."""
+    nvrtc_or_skip()
+    from npattn.gpu import nvrtc
+    from npattn.tools import tune_gpu
+
+    lowered = nvrtc.check_compiles("sm_90", names=tune_gpu.names())
+    assert len(lowered) == len(tune_gpu.names()) == len(set(lowered.values()))
+
+
 def test_the_compile_check_fails_on_a_bad_instantiation():
     nvrtc_or_skip()
     from npattn.gpu import nvrtc
