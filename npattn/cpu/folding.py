@@ -62,6 +62,8 @@ def fold_rows(q, shape):
     """q (B, H, Sq, D) as (B, Hkv, Sq * group, D), rows position-major; ``shape``:
     :func:`fold_shape`. A view for Sq = 1, else a copy."""
     batch, kv_heads, group, q_len, head_dim = shape
+    if q_len == 1:  # a decode step: folded row g is head g of the group, one reshape
+        return q.reshape(batch, kv_heads, group, head_dim)
     return q.reshape(shape).swapaxes(2, 3).reshape(batch, kv_heads, q_len * group, head_dim)
 
 
@@ -97,6 +99,8 @@ def unfold_rows(array, shape):
     ``shape``: :func:`fold_shape`."""
     batch, kv_heads, group, q_len, _ = shape
     rest = tuple(array.shape[3:])
+    if q_len == 1:  # a decode step: one reshape (three views cost a small call 1 us)
+        return array.reshape((batch, kv_heads * group, 1) + rest)
     split = array.reshape((batch, kv_heads, q_len, group) + rest).swapaxes(2, 3)
     return split.reshape((batch, kv_heads * group, q_len) + rest)
 
