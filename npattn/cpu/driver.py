@@ -84,11 +84,12 @@ class ForwardPlan:
         if problem.packed_rows:  # every entry writes its own rows of the one batch
             strides[0] = 0
         self.out_strides = read_only(np.array(strides, np.int64))
-        # the forward kernel's entry point for this plan's plain calls (threads.direct_entry),
-        # found after the first, and the alignment of q, k and v it was typed for
-        self._entry, self._entry_aligned = None, None
         # calls whose whole work is one inline kernel call (no BLAS to pin, no key ranges
-        # to merge, no weights): with the entry they skip the item runner and the arena
+        # to merge, no weights) run, from the second plain call on, the forward kernel's
+        # entry point (threads.direct_entry, typed after the first) on the plan's own
+        # scratch: no dispatcher, item runner or arena. The entry, and the alignment of
+        # q, k and v it was typed for:
+        self._entry, self._entry_aligned = None, None
         self._alone = (not self.blas and self.splits == 1 and not self.weights
                        and (self.flops < INLINE_FLOPS or self.items <= 1))
         self._scratch = threading.local()
@@ -109,7 +110,7 @@ class ForwardPlan:
         ops = self.operands.operands(q, k, v, arrays)
         # the kernel's machine code called directly: a plain call (no option arrays, whose
         # views are the caller's) on rows of the alignment the entry was typed for
-        direct = arrays is None and not self.operands.codes
+        direct = self._alone and arrays is None and not self.operands.codes
         aligned = (ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned) if direct else None
         entry = self._entry if direct and aligned == self._entry_aligned else None
         out = self.out_zeros()
@@ -120,7 +121,7 @@ class ForwardPlan:
             lse_parts = np.full(self.parts_shape[:-1], -np.inf, dtype)
         else:
             out_parts, lse_parts = out, lse
-        if entry is not None and self._alone:
+        if entry is not None:
             # one inline kernel call on the plan's own scratch: no reuse arena, no item runner
             configured_threads()  # (a bad NPATTN_NUM_THREADS fails every call)
             status = np.zeros(2, np.int64)
@@ -134,7 +135,7 @@ class ForwardPlan:
             try:
                 arguments = (*ops, out_parts.reshape(-1), self.out_strides, lse_parts.reshape(-1))
                 status = run_items(forward_kernel, arguments, self.items, lambda: scratch_set(self.scratch_specs),
-                                   self.flops, entry)
+                                   self.flops)
                 if direct and self._entry is None:
                     self._entry = direct_entry(forward_kernel, (*arguments, *scratch_set(self.scratch_specs),
                                                                 status, self.items))

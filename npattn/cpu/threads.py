@@ -97,20 +97,18 @@ def _submit(calls) -> list:
 INLINE_FLOPS = 16e6
 
 
-def run_items(kernel, arguments, items: int, scratch=tuple, flops: float | None = None, entry=None) -> np.ndarray:
+def run_items(kernel, arguments, items: int, scratch=tuple, flops: float | None = None) -> np.ndarray:
     """``kernel(*arguments, *scratch(), counter, items)`` on ``min(items, threads)`` threads
     sharing one fresh ``counter``, each with scratch of its own from ``scratch()``; on the
     calling thread alone when ``flops`` (the call's work, forward FLOPs) is below
     :data:`INLINE_FLOPS`. Which thread runs an item never changes the bits. The first
     call of a kernel for a dtype in the process (a compile, or a load from Numba's cache)
-    is announced (:mod:`.compiling`). ``entry`` (of :func:`direct_entry`, for exactly
-    these arguments' types) runs an inline call without the dispatcher's typing of each
-    argument. Returns the ``counter``: int64 ``(2,)``, the
+    is announced (:mod:`.compiling`). Returns the ``counter``: int64 ``(2,)``, the
     claimed items in ``[0]``, and in ``[1]`` what the kernel reports of its run (the
     forward: 1 where it wrote a non-finite output row, see :data:`NON_FINITE`)."""
     key = (kernel, arguments[0].dtype)
     if key in _PREPARED:
-        return _run_items(kernel, arguments, items, scratch, flops, entry)
+        return _run_items(kernel, arguments, items, scratch, flops)
     with compiling.announced(getattr(kernel, "__name__", "kernel"), arguments[0].dtype):
         counter = _run_items(kernel, arguments, items, scratch, flops)
     _PREPARED.add(key)
@@ -138,13 +136,13 @@ def direct_entry(kernel, arguments):
 NON_FINITE = 1
 
 
-def _run_items(kernel, arguments, items, scratch, flops, entry=None) -> np.ndarray:
+def _run_items(kernel, arguments, items, scratch, flops) -> np.ndarray:
     counter = np.zeros(2, np.int64)
     configured_threads()  # a bad NPATTN_NUM_THREADS fails every call, not only the threaded ones
     inline = (flops is not None and flops < INLINE_FLOPS) or items <= 1
     threads = 1 if inline else min(items, thread_count())
     if threads <= 1:
-        (entry or kernel)(*arguments, *scratch(), counter, items)
+        kernel(*arguments, *scratch(), counter, items)
         return counter
     futures = _submit([(kernel, (*arguments, *scratch(), counter, items)) for _ in range(threads - 1)])
     kernel(*arguments, *scratch(), counter, items)  # the calling thread works too
