@@ -59,7 +59,7 @@ def _forward_tc_configs(dtype_name, bound):
               for options in (0, Option.BAND, ALL)}
     configs = {(tile, int(options)) for tile in picked for options in FORWARD_TC_OPTIONS[bound]}
     configs |= {(tile, int(options)) for tile in EXTRA_TILES.get(bound, ()) for options in EXTRA_TILE_OPTIONS}
-    return sorted(configs, key=lambda c: (c[0].warps, c[0].frags, c[0].block_k, c[0].stages, c[1]))
+    return sorted(configs)
 
 
 def _names():

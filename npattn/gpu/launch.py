@@ -70,8 +70,6 @@ def _kernel(name: str):
 
     device = cupy.cuda.Device()
     key = (device.id, name)
-    if key in _MODULES:
-        return _MODULES[key]
     if key not in _MODULES:
         try:
             path, symbol = kernel_cache.cubin(f"sm_{device.compute_capability}", name)
@@ -106,10 +104,5 @@ def run(kind: str, storage: str, bound: int, blocks: int, shared_bytes: int, arg
     on ``blocks`` blocks; ``config`` (tile, options) picks the tensor-core
     forward's (of tile.threads threads); every other kernel runs
     :data:`~npattn.gpu.sources.THREADS` threads."""
-    if blocks <= 0:
-        return
-    kernel = _kernel(sources.kernel_name(kind, storage, bound, **config))
-    threads = config["tile"].threads if kind == "forward_tc" else sources.THREADS
-    if shared_bytes > _DEFAULT_SHARED_BYTES:
-        kernel.max_dynamic_shared_size_bytes = shared_bytes
-    kernel((int(blocks),), (threads,), tuple(arguments), shared_mem=shared_bytes)
+    if blocks > 0:
+        kernel(kind, storage, bound, shared_bytes, **config)(blocks, arguments)

@@ -181,11 +181,10 @@ def check_fast_kernel(usage: Usage, opcode_counter: collections.Counter, stack_a
     :func:`npattn.gpu.sources.stack_allowance`) and its SASS has each of
     :data:`FAST_KERNEL_OPCODES`."""
     if stack_allowance and not usage.local and usage.stack <= stack_allowance:
-        problems = []
-    elif stack_allowance:
-        problems = [f"{usage.stack} bytes of stack (at most {stack_allowance} allowed)"] * (
-            usage.stack > stack_allowance) + ([f"{usage.local} bytes of local memory"] if usage.local else [])
+        problems = []  # the stack, and the LDL/STL that use it, within the allowance
     else:
         problems = spill_evidence(usage, opcode_counter)
+        if stack_allowance and usage.stack:  # (the stack's entry comes first)
+            problems[0] += f" (at most {stack_allowance} allowed)"
     problems += [why for opcode, why in FAST_KERNEL_OPCODES.items() if not opcode_counter[opcode]]
     return problems

@@ -53,8 +53,6 @@ TENSOR_CORE_BACKWARD_BOUNDS = (64, 128)
 TENSOR_CORE_STORAGE = ("float16", "bfloat16")
 # the tensor-core backward's tiles: 64 query rows (4 warps x 16) x 64 keys
 TENSOR_CORE_BLOCK = 64
-# the tensor-core forward: warps per block (16 packed rows per row fragment; see forward_tc_config)
-TENSOR_CORE_WARPS = (1, 4, 8)
 # the targets CI compiles for: A100 and H100/H200
 ARCHITECTURES = ("sm_80", "sm_90")
 
@@ -85,12 +83,12 @@ def head_dim_bound(head_dim: int, value_dim: int) -> int:
     raise ValueError(f"the gpu backend takes head dims up to {MAX_HEAD_DIM}, got {widest}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class ForwardTile:
     """The tile shape of the tensor-core forward: ``warps`` warps per block, each owning
     ``frags`` m16 fragments of 16 packed rows, over tiles of ``block_k`` keys, with
     ``stages`` K and V tiles in shared memory (2: the next tile's copies run under all of
-    this tile's work)."""
+    this tile's work). Tiles sort by their fields in this order."""
 
     warps: int
     frags: int
@@ -159,8 +157,9 @@ def forward_tc_config(packed_rows: int, bound: int, options: int = 0) -> Forward
         return _forced(decode=True) or ForwardTile(1, 1, 32 if bound == 128 else block_k)
     if packed_rows <= 64 or bound > 128:
         return ForwardTile(4, 1, block_k)
-    if _forced(decode=False):
-        return _forced(decode=False)
+    forced = _forced(decode=False)
+    if forced:
+        return forced
     if options & ~TWO_FRAGMENT_OPTIONS:
         return ForwardTile(8, 1, block_k)
     if bound <= 64:  # under a band, 128-row tiles waste less on the diagonal than 256-row ones
@@ -211,15 +210,10 @@ def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
     every option on unaligned rows (plain loads instead of cp.async)."""
     pairs = {(forward_tc_config(rows, bound, options), int(options))
              for rows in (1, 64, 65) for options in (0, _options.Option.BAND, _options.ALL)}
-    pairs = sorted(pairs, key=lambda pair: (_tile_order(pair[0]), pair[1]))
-    names = [kernel_name("forward_tc", dtype_name, bound, tile=tile, options=options) for tile, options in pairs]
+    names = [kernel_name("forward_tc", dtype_name, bound, tile=tile, options=options) for tile, options in sorted(pairs)]
     names.append(kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound),
                              options=_EVERY_OPTION))
     return tuple(names)
-
-
-def _tile_order(tile: ForwardTile) -> tuple[int, int, int, int]:
-    return tile.warps, tile.frags, tile.block_k, tile.stages
 
 
 def name_expressions() -> tuple[str, ...]:
