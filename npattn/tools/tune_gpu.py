@@ -8,8 +8,7 @@ not, every tile (each decode shape every tile of :data:`DECODE_TILES`) through t
 :func:`npattn.gpu.sources.forced_forward_tile`), interleaved with torch's flash and
 cuDNN backends (A B C A B C ...). Each variant's output is checked against a float64
 reference computed on the device (torch's math backend on upcast inputs), as is torch's,
-so a fast tile that computes something else shows at once. :func:`machine_code` gives
-each tile's registers and spills from its cubin, without a GPU.
+so a fast tile that computes something else shows at once.
 
 Rows: shape, causal, tile, ms, TFLOP/s (decode: GB/s of K and V), share of torch's best (its time over the
 tile's), relative error (||out - ref|| / ||ref||) and torch's. The JSON keeps them all.
@@ -26,7 +25,7 @@ import npattn
 from ..gpu import kernel_cache, sources
 from ..gpu.options import Option
 from ..gpu.sources import ForwardTile
-from .bench_gpu import DECODE_SHAPES, PREFILL_SHAPES, GpuShape, _inputs, _torch, write_json
+from .bench_gpu import DECODE_SHAPES, PREFILL_SHAPES, GpuShape, _device_name, _inputs, _torch, write_json
 from .timing import elapsed, interleaved_samples
 
 # candidate tiles of prefill-sized calls per head-dim bound; the first is the default
@@ -60,20 +59,6 @@ def precompile(architecture: str, expressions, workers: int = 16) -> None:
         list(pool.map(lambda name: kernel_cache.cubin(architecture, name), expressions))
 
 
-def machine_code(architecture: str = "sm_90", dtype: str = "float16") -> list[dict]:
-    """Registers, stack bytes and local loads/stores of every candidate (no GPU needed)."""
-    from ..gpu import nvrtc, sass
-
-    rows = []
-    for name in names(dtype):
-        cubin, lowered = nvrtc.compile_cubin(architecture, [name])
-        usage = sass.resource_usage(cubin)[lowered[name]]
-        counts = sass.opcodes(sass.disassemble(cubin)[lowered[name]])
-        rows.append(dict(name=name, registers=usage.registers, stack=usage.stack,
-                         local_loads=counts["LDL"], local_stores=counts["STL"]))
-    return rows
-
-
 def _relative_error(out, reference) -> float:
     import cupy
 
@@ -88,6 +73,7 @@ def compare(shapes=PREFILL_SHAPES + DECODE_SHAPES, dtype: str = "float16", repea
     import cupy
 
     torch = _torch()
+    device = _device_name(cupy)
     architecture = f"sm_{cupy.cuda.Device().compute_capability}"
     bounds = sorted({sources.head_dim_bound(s.head_dim, s.head_dim) for s in shapes})
     precompile(architecture, names(dtype, bounds))
@@ -110,30 +96,27 @@ def compare(shapes=PREFILL_SHAPES + DECODE_SHAPES, dtype: str = "float16", repea
                     plan.run(q, k, v)
                     cupy.cuda.get_current_stream().synchronize()
                 timed[tile] = run
-            reference, torch_error, torch_label = None, None, None
+            reference, torch_error, torch_outputs = None, None, {}
             if torch is not None:
                 reference, torch_runs, torch_outputs = _torch_forward(torch, cupy, q, k, v, shape, causal)
                 timed.update(torch_runs)
-                if torch_outputs:
-                    torch_label = min(torch_outputs)  # replaced by the fastest below
             samples = interleaved_samples(timed, repeats, elapsed)
             medians = {name: float(np.median(t)) for name, t in samples.items()}
             torch_names = [name for name in medians if isinstance(name, str)]
             best = min(torch_names, key=medians.get) if torch_names else None
             if best is not None:
                 torch_error = _relative_error(cupy.from_dlpack(torch_outputs[best].contiguous()), reference)
-                torch_label = best
             flops = shape.forward_flops(causal)
             for tile in tiles:
                 ms = 1e3 * medians[tile]
                 share = None if best is None else float(np.median(np.asarray(samples[best]) / np.asarray(samples[tile])))
                 error = None if reference is None else _relative_error(outputs[tile], reference)
                 row = dict(shape=str(shape), causal=causal, dtype=dtype, warps=tile.warps, frags=tile.frags,
-                           block_k=tile.block_k, stages=tile.stages, ms=ms, tflops=flops / medians[tile] / 1e12, share_of_torch=share,
-                           relative_error=error, torch_backend=torch_label,
+                           block_k=tile.block_k, stages=tile.stages, ms=ms, tflops=flops / medians[tile] / 1e12,
                            kv_gbps=shape.kv_bytes(dtype) / medians[tile] / 1e9 if shape.is_decode else None,
+                           share_of_torch=share, relative_error=error, torch_backend=best,
                            torch_ms=None if best is None else 1e3 * medians[best], torch_relative_error=torch_error,
-                           device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
+                           device=device)
                 rows.append(row)
                 rate = f"{row['kv_gbps']:>7.0f}GB" if shape.is_decode else f"{row['tflops']:>9.1f}"
                 print(f"{str(shape):<24}{str(causal):<8}{str(_tile_tuple(tile)):<36}{ms:>9.3f}"
