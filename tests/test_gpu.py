@@ -300,6 +300,28 @@ def test_gpu_forward_at_every_candidate_tile(backend, bound, options):
 
 
 @pytest.mark.parametrize("backend", GPU)
+@pytest.mark.parametrize("options", [{}, {"kv_lengths": np.array([700, 1000])}])
+def test_gpu_decode_at_every_candidate_tile(backend, options):
+    """Every decode tile the tuning harness times, one query row against 1000 keys split
+    across blocks, computes the reference's answer on the device."""
+    from npattn.runtime import plans
+    from npattn.tools import tune_gpu
+
+    rng = np.random.default_rng(9)
+    q = rng.uniform(-2, 2, (2, 8, 1, 128)).astype(np.float16)
+    k, v = (rng.uniform(-1, 1, (2, 2, 1000, 128)).astype(np.float16) for _ in range(2))
+    case = DeviceCase(Dims(batch=2, heads=8, kv_heads=2, q_len=1, kv_len=1000, head_dim=128, value_dim=128),
+                      q, k, v, options)
+    for tile in tune_gpu.DECODE_TILES:
+        plans.clear()
+        try:
+            with sources.forced_forward_tile(tile, decode=True):
+                check_forward(backend, case, "bhsd")
+        finally:
+            plans.clear()
+
+
+@pytest.mark.parametrize("backend", GPU)
 def test_gpu_backward_gives_the_same_bits_on_every_run(backend):
     import cupy
 
