@@ -309,6 +309,75 @@ def test_split_decode_steps_give_the_same_bits_on_any_thread_count(monkeypatch, 
     assert_close(lse, exact_lse, np.float32, k.shape[2] + q.shape[3], 1 + float(np.abs(exact_lse).max()), "lse")
 
 
+def _head_major(x):
+    """``x`` (B, S, H, D) as a view of head-major memory: the same values, each head's rows in order."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+
+_DECODE_OPTIONS = ({}, {"causal": True}, {"window": (300, 0)}, {"softcap": 2.0, "scale": 0.3},
+                   {"kv_lengths": np.array([2600, 1100]), "q_offset": np.array([2599, 1099])},
+                   {"dropout_p": 0.3, "seed": 7})
+_DECODE_SHAPES = ((4, 4, 1, "float32"), (8, 2, 1, "float32"), (8, 2, 2, "float32"), (6, 3, 1, "float64"),
+                  (8, 2, 1, "float16"), (8, 2, 1, "int8"), (8, 2, 1, "float8_e4m3"))
+
+
+# (a quantized cache is read through attention_with_kvcache, which sets the lengths and
+# offsets itself and takes no dropout)
+@pytest.mark.parametrize("heads, kv_heads, q_len, cache, options", [
+    (*shape, options) for shape in _DECODE_SHAPES for options in _DECODE_OPTIONS
+    if shape[3] not in ("int8", "float8_e4m3") or not {"kv_lengths", "dropout_p"} & set(options)])
+def test_decode_items_visit_every_head_of_a_key_row_with_the_bits_of_one_head_each(monkeypatch, heads, kv_heads,
+                                                                                 q_len, cache, options):
+    """A decode step's work item holds every head (cpu.operands.head_group): on keys whose
+    rows hold every head (B, S, Hkv, D) it visits each key tile head by head, prefetching
+    the next tile in memory order; on head-major keys one head at a time. Both give the
+    same bits, across many key tiles and two key ranges, float and quantized or 16-bit
+    caches alike, and match the float64 reference."""
+    from npattn.cpu import operands
+
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, q_len, heads, 32)).astype(np.float32 if cache != "float64" else np.float64)
+    k, v = (rng.standard_normal((2, 2600, kv_heads, 32)) for _ in range(2))
+    codes = {}
+    if cache in ("int8", "float8_e4m3"):
+        (k, k_scale), (v, v_scale) = npattn.quantize_kv(k, cache), npattn.quantize_kv(v, cache)
+        codes = {"k_scale": k_scale, "v_scale": v_scale}
+    else:
+        k, v = k.astype(cache), v.astype(cache)
+        q = q.astype(np.float16) if cache == "float16" else q
+    groups = []
+    real_group = operands.head_group
+    monkeypatch.setattr(operands, "head_group", lambda *a: groups.append(real_group(*a)) or groups[-1])
+
+    def run(keys, values, scales):
+        npattn.runtime.plans.clear()
+        with cpu.tile_sizes(64, 128):  # 21 key tiles, in two key ranges
+            if not scales:
+                return npattn.attention(q, keys, values, layout="bshd", return_lse=True, backend="cpu", **options)
+            return npattn.attention_with_kvcache(q, keys, values, cache_seqlens=2600, return_lse=True, backend="cpu",
+                                                 **scales, **options)
+
+    rows = run(k, v, codes)
+    (per_item, group), = set(groups)  # every head in an item; visited head by head where each reads its kv head
+    assert group == (per_item if per_item == kv_heads else 1), groups
+    groups.clear()
+    by_head = run(_head_major(k), _head_major(v), {name: _head_major(s[..., None])[..., 0]
+                                                    for name, s in codes.items()})
+    assert set(groups) == {(per_item, 1)}, groups
+    for got, expected in zip(rows, by_head):
+        assert got.tobytes() == expected.tobytes()
+    if "dropout_p" in options:
+        return
+    keys, values = (npattn.dequantize_kv(x, codes[f"{name}_scale"], np.float64) if codes else x.astype(np.float64)
+                    for name, x in (("k", k), ("v", v)))
+    exact, exact_lse = npattn.attention(q.astype(np.float64), keys, values, layout="bshd", return_lse=True,
+                                        backend="reference", **options)
+    dtype = np.float16 if cache == "float16" else q.dtype
+    assert_close(rows[0], exact, dtype, 2600 + 32, float(np.abs(values).max()), "out")
+    assert_close(rows[1], exact_lse, np.float32 if dtype == np.float16 else dtype, 2600 + 32,
+                 1 + float(np.abs(exact_lse).max()), "lse")
+
+
 def test_the_problem_signature_keys_arrays_by_layout_and_values_by_value():
     # The parameter cache keys a problem by problem.signature: every field is in it, the
     # arrays (keyed by shape, strides and dtype) in ARRAY_FIELDS, and no array among the

@@ -49,6 +49,8 @@ Int = _positions("Int", (
     "KEY_SPLITS",     # CPU forward: key ranges per query tile, merged by lse (cpu.splitting)
     "SPLIT_KEYS",     # keys per range, a multiple of BLOCK_K
     "ROW_GROUP",      # CPU: query rows per position (GQA heads folded into rows, cpu.folding)
+    "HEAD_GROUP",     # CPU forward: heads per work item, each key tile visited for all of them in turn
+                      # (decode tiles on caches whose key rows hold every head: cpu.operands.head_group)
     "PACKED_ROWS",    # CPU: every entry's rows in one memory batch (attention_varlen): out, lse and
                       # the gradients hold one batch, which each entry's disjoint live rows fill
     # CPU: how the forward reads k and v (a KvCodes): as they are, or a tile at a time from

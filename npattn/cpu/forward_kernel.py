@@ -30,25 +30,27 @@ from .operands import Int, Real
 from .rowmath import exp_shifted, exp_vector_shifted, row_max, vector_max
 from .microkernels import pair_product, product
 from .tiles import (apply_dropout, band_keys, dequantize_tile, key_segments, memory_batch, memory_batches,
-                    pack_key_pairs, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles, score_tile, span, v_row,
-                    value_tile_rows)
+                    pack_key_pairs, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles, prefetch_key_rows,
+                    score_tile, span, v_row, value_tile_rows)
 from .operands import Span
 
 
 def forward_items(ints):
     """The number of work items of :func:`forward_kernel` and (one key range)
     :func:`weights_kernel`."""
-    return ints[Int.BATCH] * ints[Int.HEADS] * -(-ints[Int.Q_LEN] // ints[Int.BLOCK_Q]) * ints[Int.KEY_SPLITS]
+    return (ints[Int.BATCH] * (ints[Int.HEADS] // ints[Int.HEAD_GROUP]) * -(-ints[Int.Q_LEN] // ints[Int.BLOCK_Q])
+            * ints[Int.KEY_SPLITS])
 
 
 @helper
 def _query_tile(ints, spans, item):
-    """Work item -> ``(b, h, i0, i1)``: its batch, head and rows ``[i0, i1)``, cut to the
-    entry's live rows ``[Q_START, Q_STOP)`` (empty when the whole tile is padding)."""
-    heads, q_len, block_q = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.BLOCK_Q]
+    """Work item -> ``(b, h, i0, i1)``: its batch, (first) head and rows ``[i0, i1)``, cut to
+    the entry's live rows ``[Q_START, Q_STOP)`` (empty when the whole tile is padding). An
+    item holds HEAD_GROUP heads from h on (one, but for the forward's decode tiles)."""
+    heads, q_len, block_q = ints[Int.HEADS] // ints[Int.HEAD_GROUP], ints[Int.Q_LEN], ints[Int.BLOCK_Q]
     tiles = (q_len + block_q - 1) // block_q
     b = item // (heads * tiles)
-    h = (item // tiles) % heads
+    h = ((item // tiles) % heads) * ints[Int.HEAD_GROUP]
     i0 = (item % tiles) * block_q
     i1 = smaller(smaller(q_len, i0 + block_q), span(spans, b, Span.Q_STOP))
     return b, h, larger(i0, span(spans, b, Span.Q_START)), i1
@@ -80,27 +82,28 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
     q_pairs, p_pairs, v_pairs = pair_tiles(ints, dequantized)
     half_head, half_ld = (ints[Int.HEAD_DIM] + 1) // 2, (ld + 1) // 2
+    group, block_q = ints[Int.HEAD_GROUP], ints[Int.BLOCK_Q]
+    share = -(-block_k // group)  # the next tile's keys each head's pass asks memory for
     while True:
         item = next_item(counter)
         if item >= items:
             break
         split = item % splits
-        b, h, i0, i1 = _query_tile(ints, spans, item // splits)
+        b, h0, i0, i1 = _query_tile(ints, spans, item // splits)
         rows = i1 - i0
         if rows <= 0:
             continue
         # the sink logit enters as a first column of value 0 (in the first key range)
         has_sink = ints[Int.HAS_SINK] and split == 0
-        for r in range(rows):
-            m[r] = sink[h] if has_sink else -np.inf
-            total[r] = 1.0 if has_sink else 0.0
-            seen[r] = False
-        out_offset = split * out_strides[3] + b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
-        kv_head = h // (heads // ints[Int.KV_HEADS])
-        if bf16:  # the query tile as bfloat16 pairs, once for all its key tiles
-            pair_rows(q, b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S],
+        for g in range(group):  # each head's running max, sum and whether it saw a key
+            for r in range(rows):
+                m[g * block_q + r] = sink[h0 + g] if has_sink else -np.inf
+                total[g * block_q + r] = 1.0 if has_sink else 0.0
+                seen[g * block_q + r] = False
+        if bf16:  # the query tile as bfloat16 pairs, once for all its key tiles (one head: BF16_PRODUCTS
+            # never comes with HEAD_GROUP, whose decode tiles take DOT_SCORES)
+            pair_rows(q, b * ints[Int.Q_STRIDE_B] + h0 * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S],
                       ints[Int.Q_STRIDE_S], rows, ints[Int.HEAD_DIM], q_pairs, half_head)
-
         sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
         range_start = split * split_keys
         for segment in range(2):
@@ -108,82 +111,95 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
             first, last = larger(first, range_start), smaller(last, range_start + split_keys)
             for j0 in range(first, last, block_k):
                 cols = smaller(block_k, last - j0)
-                if quantized:
-                    dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
-                                    dequantized)
-                if bf16:  # (the key rows in the values' pair tile, free until P V)
-                    pack_key_pairs(k, pages, ints, b, kv_head, j0, cols, packed, v_pairs)
-                else:
-                    pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                full = score_tile(q, k, tile, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals, s,
-                                  ld, tanh, packed, b, h, i0, rows, j0, cols)
-                outcome = _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums)
-                if outcome != _DONE:
-                    if outcome == _OVERWRITTEN:
-                        # a score rose more than _HEADROOM above its row's max (rare: the running
-                        # max is usually set by the first tile): recompute the scores
-                        score_tile(q, k, tile, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals,
-                                   s, ld, tanh, packed, b, h, i0, rows, j0, cols)
-                    _exp_with_new_max(s, ld, rows, cols, m, total, seen, out,
-                                      out_offset, out_row_stride, dv)
-                if ints[Int.HAS_DROPOUT]:
-                    apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
-                # O (rows x dv) += P (rows x cols) . V (cols x dv); on a tile the causal or
-                # window edge cuts, each band of rows stops at its last visible key (the
-                # probabilities past it are exact zeros)
-                # (value rows run by run of one page: page_run)
-                if ints[Int.VECTOR_VALUES] and bf16:  # P rounded to bfloat16, V in pairs of keys
-                    pair_rows(s, 0, ld, rows, cols, p_pairs, half_ld)
-                    pack_value_pairs(v, pages, ints, b, kv_head, j0, cols, v_pairs)
-                    band = rows if full else ints[Int.EDGE_BAND]
-                    for r0 in range(0, rows, band):
-                        band_rows = smaller(band, rows - r0)
-                        depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
-                        pair_product(p_pairs, r0 * half_ld, half_ld, v_pairs, 0, dv, out,
-                                     out_offset + r0 * out_row_stride, out_row_stride, band_rows, (depth + 1) // 2,
-                                     dv, 1.0, True)
-                elif ints[Int.VECTOR_VALUES]:
-                    band = rows if full else ints[Int.EDGE_BAND]
-                    for r0 in range(0, rows, band):
-                        band_rows = smaller(band, rows - r0)
-                        depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
+                for g in range(group):
+                    h = h0 + g
+                    if group > 1:  # a share of the next tile's rows of every head, in memory order (HEAD_GROUP)
+                        ahead = j0 + block_k + g * share
+                        prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b, ahead,
+                                          smaller(ahead + share, last))
+                    head_m, head_total, head_seen = m[g * block_q:], total[g * block_q:], seen[g * block_q:]
+                    out_offset = (split * out_strides[3] + b * out_strides[0] + h * out_strides[1]
+                                  + i0 * out_row_stride)
+                    kv_head = h // (heads // ints[Int.KV_HEADS])
+                    if quantized:
+                        dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
+                                        dequantized)
+                    if bf16:  # (the key rows in the values' pair tile, free until P V)
+                        pack_key_pairs(k, pages, ints, b, kv_head, j0, cols, packed, v_pairs)
+                    else:
+                        pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
+                    full = score_tile(q, k, tile, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals, s,
+                                      ld, tanh, packed, b, h, i0, rows, j0, cols)
+                    outcome = _exp_with_running_max(s, ld, rows, cols, head_m, head_total, head_seen, sums)
+                    if outcome != _DONE:
+                        if outcome == _OVERWRITTEN:
+                            # a score rose more than _HEADROOM above its row's max (rare: the running
+                            # max is usually set by the first tile): recompute the scores
+                            score_tile(q, k, tile, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals,
+                                       s, ld, tanh, packed, b, h, i0, rows, j0, cols)
+                        _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, out,
+                                          out_offset, out_row_stride, dv)
+                    if ints[Int.HAS_DROPOUT]:
+                        apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
+                    # O (rows x dv) += P (rows x cols) . V (cols x dv); on a tile the causal or
+                    # window edge cuts, each band of rows stops at its last visible key (the
+                    # probabilities past it are exact zeros)
+                    # (value rows run by run of one page: page_run)
+                    if ints[Int.VECTOR_VALUES] and bf16:  # P rounded to bfloat16, V in pairs of keys
+                        pair_rows(s, 0, ld, rows, cols, p_pairs, half_ld)
+                        pack_value_pairs(v, pages, ints, b, kv_head, j0, cols, v_pairs)
+                        band = rows if full else ints[Int.EDGE_BAND]
+                        for r0 in range(0, rows, band):
+                            band_rows = smaller(band, rows - r0)
+                            depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
+                            pair_product(p_pairs, r0 * half_ld, half_ld, v_pairs, 0, dv, out,
+                                         out_offset + r0 * out_row_stride, out_row_stride, band_rows, (depth + 1) // 2,
+                                         dv, 1.0, True)
+                    elif ints[Int.VECTOR_VALUES]:
+                        band = rows if full else ints[Int.EDGE_BAND]
+                        for r0 in range(0, rows, band):
+                            band_rows = smaller(band, rows - r0)
+                            depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
+                            c0 = 0
+                            while c0 < depth:  # (a tile from codes too: the same sums as its pages' rows)
+                                run = page_run(ints, j0 + c0, depth - c0)
+                                if quantized:  # the converted value rows
+                                    product(s, r0 * ld + c0, ld, 1, values, c0 * dv, dv, out,
+                                            out_offset + r0 * out_row_stride, out_row_stride, band_rows, run, dv, 1.0,
+                                            True)
+                                else:
+                                    product(s, r0 * ld + c0, ld, 1, v, v_row(ints, pages, b, kv_head, j0 + c0),
+                                            v_row_stride, out, out_offset + r0 * out_row_stride, out_row_stride,
+                                            band_rows, run, dv, 1.0, True)
+                                c0 += run
+                    else:  # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
                         c0 = 0
-                        while c0 < depth:  # (a tile from codes too: the same sums as its pages' rows)
-                            run = page_run(ints, j0 + c0, depth - c0)
-                            if quantized:  # the converted value rows
-                                product(s, r0 * ld + c0, ld, 1, values, c0 * dv, dv, out,
-                                        out_offset + r0 * out_row_stride, out_row_stride, band_rows, run, dv, 1.0, True)
-                            else:
-                                product(s, r0 * ld + c0, ld, 1, v, v_row(ints, pages, b, kv_head, j0 + c0),
-                                        v_row_stride, out, out_offset + r0 * out_row_stride, out_row_stride,
-                                        band_rows, run, dv, 1.0, True)
+                        while c0 < cols:
+                            run = page_run(ints, j0 + c0, cols - c0)
+                            gemm(False, False, dv, rows, run, 1.0, v[v_row(ints, pages, b, kv_head, j0 + c0):],
+                                 v_row_stride, s[c0:], ld, 1.0, out[out_offset:], out_row_stride)
                             c0 += run
-                else:  # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
-                    c0 = 0
-                    while c0 < cols:
-                        run = page_run(ints, j0 + c0, cols - c0)
-                        gemm(False, False, dv, rows, run, 1.0, v[v_row(ints, pages, b, kv_head, j0 + c0):],
-                             v_row_stride, s[c0:], ld, 1.0, out[out_offset:], out_row_stride)
-                        c0 += run
-
-        lse_offset = ((split * memory_batches(ints) + memory_batch(ints, b)) * heads + h) * ints[Int.Q_LEN] + i0
-        for r in range(rows):
-            o = out_offset + r * out_row_stride
-            if seen[r]:
-                factor = keep_scale / total[r]
-                # the caller need not read out again for NaN or inf: the row tells it
-                # (counter[NON_FINITE]). A comparison, which no fastmath flag here lets
-                # LLVM fold (x - x, say, it folds to 0 under "reassoc")
-                finite = True
-                for x in range(as_offset(o), as_offset(o + dv)):
-                    out[x] *= factor
-                    finite &= abs(out[x]) < np.inf
-                if not finite:
-                    counter[NON_FINITE] = 1
-                lse[lse_offset + r] = m[r] + math.log(total[r])
-            else:
-                for x in range(as_offset(o), as_offset(o + dv)):
-                    out[x] = 0.0
+        for g in range(group):
+            h = h0 + g
+            out_offset = split * out_strides[3] + b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
+            lse_offset = ((split * memory_batches(ints) + memory_batch(ints, b)) * heads + h) * ints[Int.Q_LEN] + i0
+            for r in range(rows):
+                o = out_offset + r * out_row_stride
+                if seen[g * block_q + r]:
+                    factor = keep_scale / total[g * block_q + r]
+                    # the caller need not read out again for NaN or inf: the row tells it
+                    # (counter[NON_FINITE]). A comparison, which no fastmath flag here lets
+                    # LLVM fold (x - x, say, it folds to 0 under "reassoc")
+                    finite = True
+                    for x in range(as_offset(o), as_offset(o + dv)):
+                        out[x] *= factor
+                        finite &= abs(out[x]) < np.inf
+                    if not finite:
+                        counter[NON_FINITE] = 1
+                    lse[lse_offset + r] = m[g * block_q + r] + math.log(total[g * block_q + r])
+                else:
+                    for x in range(as_offset(o), as_offset(o + dv)):
+                        out[x] = 0.0
 
 
 # exp(s - m) may reach exp(_HEADROOM) when m lags the true max: far below float32's

@@ -293,6 +293,26 @@ def bf16_products(problem, kind: str, tuning: Tuning, ints) -> bool:
                 and not ints[Int.DOT_SCORES] and not ints[Int.KV_CODES] and not problem.return_weights)
 
 
+def head_group(problem, kind: str, ints) -> tuple[int, int]:
+    """``(heads per work item of the shape, of these strides)`` for the forward
+    (``Int.HEAD_GROUP`` is the second). Decode tiles (DOT_SCORES: few rows per head) of
+    a problem are items of every head by their shape: the key ranges a short query is cut into
+    (:func:`npattn.cpu.splitting.key_splits`) count them so, whatever the memory layout,
+    and so do its bits. Such an item visits each key tile head by head where k's and v's
+    key rows hold every head (a head stride below the row stride: FlashAttention's
+    (B, S, Hkv, D) caches, contiguous or paged) and each head reads its own kv head
+    (MHA, or GQA folded into rows), and reads the cache in memory order
+    (:func:`npattn.cpu.tiles.prefetch_key_rows`), where one item per head would read it
+    a slice per row at half the bandwidth; elsewhere (head-major memory, which a head's
+    pass reads in order) it stays one head per item. Each head's arithmetic is the same
+    either way."""
+    if kind != "forward" or not ints[Int.DOT_SCORES] or problem.return_weights:
+        return 1, 1
+    heads = int(ints[Int.HEADS])
+    interleaved = (0 < ints[Int.K_STRIDE_H] < ints[Int.K_STRIDE_S] and 0 < ints[Int.V_STRIDE_H] < ints[Int.V_STRIDE_S])
+    return heads, heads if interleaved and heads == ints[Int.KV_HEADS] else 1
+
+
 def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes.NONE):
     """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
     q, k, v (3 each), bias and mask (4 each)."""
@@ -322,7 +342,9 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.DOT_SCORES] = (kind == "forward" and ints[Int.VECTOR_KEYS]
                             and problem.q_len * problem.group_size <= tuning.dot_rows)
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk) * chunk if vector else tiles[1]
-    ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = key_splits(problem, tiles) if kind == "forward" else (1, 1)
+    heads_per_item, ints[Int.HEAD_GROUP] = head_group(problem, kind, ints)
+    ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = (key_splits(problem, tiles, heads_per_item) if kind == "forward"
+                                                  else (1, 1))
     ints[Int.ROW_GROUP] = rows_per_position
     ints[Int.KV_CODES] = codes
     ints[Int.BF16_PRODUCTS] = bf16_products(problem, kind, tuning, ints)

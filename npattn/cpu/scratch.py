@@ -119,11 +119,12 @@ def score_tile_specs(ints, dtype) -> tuple:
 
 
 def forward_scratch_specs(ints, dtype) -> tuple:
-    """:func:`score_tile_specs`, then per row of a query tile (BLOCK_Q each) the running
-    max ``m``, the running sum ``total``, one tile's sums, and whether any key was seen;
-    last :func:`dequantized_tile_spec`."""
+    """:func:`score_tile_specs`, then per row of a query tile (BLOCK_Q each, times
+    HEAD_GROUP heads) the running max ``m``, the running sum ``total``, one tile's sums
+    (one head at a time), and whether any key was seen; last :func:`dequantized_tile_spec`."""
     rows = int(ints[Int.BLOCK_Q])
-    return (*score_tile_specs(ints, dtype), (rows, dtype), (rows, dtype), (rows, dtype), (rows, np.bool_),
+    heads = rows * int(ints[Int.HEAD_GROUP])  # m, total and seen: one set per head of an item
+    return (*score_tile_specs(ints, dtype), (heads, dtype), (heads, dtype), (rows, dtype), (heads, np.bool_),
             dequantized_tile_spec(ints, dtype))
 
 

@@ -29,15 +29,17 @@ SPLIT_ITEMS = 8
 MIN_SPLIT_KEYS = 1024
 
 
-def key_splits(problem, tiles) -> tuple[int, int]:
-    """``(ranges, keys per range)`` for ``problem`` with ``tiles`` = (block_q, block_k):
-    ``(1, Sk)`` when it does not split. Ranges are whole key tiles, none empty."""
+def key_splits(problem, tiles, heads_per_item: int = 1) -> tuple[int, int]:
+    """``(ranges, keys per range)`` for ``problem`` with ``tiles`` = (block_q, block_k) and
+    ``heads_per_item`` heads per work item (:func:`npattn.cpu.operands.head_group`: from
+    the shape alone): ``(1, Sk)`` when it does not split. Ranges are whole key tiles,
+    none empty."""
     block_q, block_k = tiles
     kv_len = problem.kv_len
     whole = (1, max(kv_len, 1))
     if problem.q_len > block_q or problem.return_weights or problem.sink_logits is not None or problem.packed_rows:
         return whole
-    items = problem.batch * problem.heads
+    items = problem.batch * problem.heads // heads_per_item
     ranges = min(-(-SPLIT_ITEMS // max(items, 1)), kv_len // MIN_SPLIT_KEYS)
     if ranges < 2:
         return whole
