@@ -266,7 +266,8 @@ def test_short_queries_split_over_key_ranges_match_the_reference(case, layout, b
 
 def test_decode_key_ranges_depend_on_the_shapes_only():
     """An MQA decode step at B = 1 is one work item: cut into 8 ranges of whole key tiles
-    (none empty); GQA with 8 kv heads already has the items, as do long queries; the
+    (none empty), as is any decode step at B = 1 once its items hold every head; 8 items
+    of one head each, or 16 entries, need no split, nor do long queries; the
     weights and sink logits need the whole row, and packed rows write their out and lse
     in place."""
     from npattn.cpu import splitting
@@ -279,6 +280,9 @@ def test_decode_key_ranges_depend_on_the_shapes_only():
     assert splitting.key_splits(problem(), (192, 384)) == (8, 1152)
     assert splitting.key_splits(problem(kv_len=2500), (192, 384)) == (2, 1536)
     assert splitting.key_splits(problem(heads=8), (192, 384)) == (1, 8192)
+    # a decode step's items hold every head (cpu.operands.head_group): B of them
+    assert splitting.key_splits(problem(heads=8), (192, 384), heads_per_item=8) == (8, 1152)
+    assert splitting.key_splits(problem(batch=16, heads=8), (192, 384), heads_per_item=8) == (1, 8192)
     assert splitting.key_splits(problem(kv_len=1500), (192, 384)) == (1, 1500)
     assert splitting.key_splits(problem(q_len=193), (192, 384)) == (1, 8192)
     assert splitting.key_splits(problem(return_weights=True), (192, 384)) == (1, 8192)

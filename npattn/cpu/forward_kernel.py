@@ -1,7 +1,9 @@
 """The tiled forward (FlashAttention-2): out and lse with an online softmax, and the
 exact attention weights recomputed from lse.
 
-Work items are (batch, head, query tile, key range); each thread of
+Work items are (batch, head, query tile, key range), a decode step's holding every head
+(``Int.HEAD_GROUP``: on caches whose key rows hold every head, each key tile is visited
+head by head, the next one asked of memory in order); each thread of
 :mod:`npattn.cpu.threads` claims the next item until none is left (``counter``,
 ``items``). There is one key range (all keys) unless :mod:`npattn.cpu.splitting` cuts a
 short query's keys into several, whose results it merges. For
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit
 
 from .blas import gemm
 from .jit import helper, kernel
@@ -54,6 +57,12 @@ def _query_tile(ints, spans, item):
     i0 = (item % tiles) * block_q
     i1 = smaller(smaller(q_len, i0 + block_q), span(spans, b, Span.Q_STOP))
     return b, h, larger(i0, span(spans, b, Span.Q_START)), i1
+
+
+@njit(inline="always")
+def _out_offset(out_strides, split, b, h, i0):
+    """Where row ``i0`` of head ``h`` of entry ``b`` (key range ``split``) starts in out."""
+    return split * out_strides[3] + b * out_strides[0] + h * out_strides[1] + i0 * out_strides[2]
 
 
 @kernel
@@ -118,8 +127,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                         prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b, ahead,
                                           smaller(ahead + share, last))
                     head_m, head_total, head_seen = m[g * block_q:], total[g * block_q:], seen[g * block_q:]
-                    out_offset = (split * out_strides[3] + b * out_strides[0] + h * out_strides[1]
-                                  + i0 * out_row_stride)
+                    out_offset = _out_offset(out_strides, split, b, h, i0)
                     kv_head = h // (heads // ints[Int.KV_HEADS])
                     if quantized:
                         dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
@@ -181,7 +189,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                             c0 += run
         for g in range(group):
             h = h0 + g
-            out_offset = split * out_strides[3] + b * out_strides[0] + h * out_strides[1] + i0 * out_row_stride
+            out_offset = _out_offset(out_strides, split, b, h, i0)
             lse_offset = ((split * memory_batches(ints) + memory_batch(ints, b)) * heads + h) * ints[Int.Q_LEN] + i0
             for r in range(rows):
                 o = out_offset + r * out_row_stride
