@@ -2,6 +2,8 @@
 exactly, in the input's memory layout; the 16-bit finiteness check reads the exponent bits."""
 from __future__ import annotations
 
+from unittest import mock
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -25,13 +27,30 @@ def test_conversions_equal_numpys_in_the_inputs_layout(shape, bshd, seed):
         single = np.ascontiguousarray(single.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     with np.errstate(over="ignore"):
         expected_half = single.astype(np.float16)
-    half = conversion.converted(single, np.float16)
+    assert conversion.converted(single, np.float16) is None  # small: NumPy's astype is sooner
+    with mock.patch.object(conversion, "VECTOR_VALUES", 1):  # (the vector path on these small arrays)
+        half = conversion.converted(single, np.float16)
+        back = conversion.converted(expected_half, np.float32)
+        assert conversion.converted(single.astype(np.float64), np.float16) is None  # not a pair it converts
     assert half.strides == expected_half.strides
     np.testing.assert_array_equal(half.view(np.uint16), expected_half.view(np.uint16))  # bits: -0.0, NaN too
-    back = conversion.converted(expected_half, np.float32)
     np.testing.assert_array_equal(back, expected_half.astype(np.float32))
     assert back.strides == expected_half.astype(np.float32).strides
-    assert conversion.converted(single.astype(np.float64), np.float16) is None  # not a pair it converts
+
+
+@pytest.mark.skipif(not conversion.MICROKERNELS, reason="the vector conversions need AVX2 or AVX-512")
+@pytest.mark.parametrize("bshd", [False, True])
+def test_arrays_of_many_values_convert_on_the_vector_units(bshd):
+    """From VECTOR_VALUES values on, with a tail shorter than a vector: NumPy's values."""
+    values = np.random.default_rng(2).normal(size=(1, 3, 701, 3)) * 1e3
+    single = values.astype(np.float32)
+    if bshd:
+        single = np.ascontiguousarray(single.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    assert single.size >= conversion.VECTOR_VALUES and single.size % 16
+    half = conversion.converted(single, np.float16)
+    np.testing.assert_array_equal(half.view(np.uint16), single.astype(np.float16).view(np.uint16))
+    assert half.strides == single.astype(np.float16).strides
+    np.testing.assert_array_equal(conversion.converted(half, np.float32), half.astype(np.float32))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])

@@ -271,13 +271,17 @@ def test_threads_sharing_plans_get_their_own_answers():
     assert not failures
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("layout, kv_heads", [("bhsd", 8), ("bshd", 8), ("bhsd", 2)])
-def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_bits(monkeypatch, layout, kv_heads):
+def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_bits(monkeypatch, layout, kv_heads,
+                                                                                    dtype):
     """From its second plain call on, a plan calls the forward kernel's compiled entry
     point directly (no dispatcher typing each argument, npattn.cpu.threads.direct_entry):
-    the same bits as the first call, in both layouts and with GQA rows folded; q at an
-    address off the float's alignment (another Numba type) goes through the dispatcher,
-    with the same bits too."""
+    the same bits as the first call, in both layouts and with GQA rows folded, float16
+    too (its keys read as bytes a tile at a time, its q widened in its memory order: the
+    bits of flat_view's copy); q at an address off the float's alignment (another Numba
+    type) goes through the dispatcher, with the same bits too (a float16 q is widened
+    into an aligned copy first)."""
     from npattn.cpu import driver
 
     direct_calls = []
@@ -298,7 +302,7 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
     def shaped(heads):
         shape = [1, 8, 16, 64]
         shape[heads_axis] = heads
-        return rng.standard_normal(shape, dtype=np.float32)
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
     q, k, v = shaped(8), shaped(kv_heads), shaped(kv_heads)
     plan = npattn.plan(q, k, v, causal=True, layout=layout, return_lse=True)
@@ -308,14 +312,22 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
     assert direct_calls, "the second plain call did not run the entry point"
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a, b)
+    operands = plan._forward_plan.operands
+
+    if operands.widened_q:
+        monkeypatch.setattr(operands, "widened_q", False)  # flat_view's copy instead
+        for a, b in zip(first, plan.run(q, k, v)):
+            np.testing.assert_array_equal(a, b)
+        monkeypatch.undo()
+        monkeypatch.setattr(driver, "direct_entry", counted)
     buffer = np.zeros(q.nbytes + 1, np.uint8)
-    unaligned = np.frombuffer(buffer.data, np.float32, q.size, offset=1).reshape(q.shape)
+    unaligned = np.frombuffer(buffer.data, dtype, q.size, offset=1).reshape(q.shape)
     unaligned[...] = q
     assert not unaligned.flags.aligned
     direct_calls.clear()
     for a, b in zip(first, plan.run(unaligned, k, v)):
         np.testing.assert_array_equal(a, b)
-    if kv_heads == 8:  # (folded GQA rows are a copy of q, aligned again)
+    if kv_heads == 8 and dtype == np.float32:  # (folded GQA rows are a copy of q, aligned again)
         assert not direct_calls
 
 

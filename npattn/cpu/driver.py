@@ -109,8 +109,9 @@ class ForwardPlan:
                 arrays = folding.FoldedArrays.of(arrays, self.group)
         ops = self.operands.operands(q, k, v, arrays)
         # the kernel's machine code called directly: a plain call (no option arrays, whose
-        # views are the caller's) on rows of the alignment the entry was typed for
-        direct = self._alone and arrays is None and not self.operands.codes
+        # views are the caller's; 16-bit keys read as bytes have none either, and their byte
+        # views are always aligned) on rows of the alignment the entry was typed for
+        direct = self._alone and arrays is None
         aligned = (ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned) if direct else None
         entry = self._entry if direct and aligned == self._entry_aligned else None
         out = self.out_zeros()

@@ -5,7 +5,8 @@ CPU; each number the best of ``repeats`` runs of ``calls`` back-to-back calls, i
 
 - (1, 8, 16 x 16, 64): ``attention`` against ``plan(...).run``, causal, with
   ``kv_lengths``, and with a (16, 16) bias and ALiBi slopes (``attention`` plans only calls
-  of plain option values, and checks option arrays in full at every call); where torch is
+  of plain option values, and checks option arrays in full at every call), and causal in
+  float16 (its conversions on top of float32's call); where torch is
   importable, its CPU SDPA of the causal call as the bar;
 - one layer of a decode step, (1, 8/2, 1 new + 40 cached, 64) on a contiguous cache and a
   batch of 4 on pages of 16: ``attention_with_kvcache`` against ``plan_with_kvcache(...).run``,
@@ -52,6 +53,11 @@ def compare(calls: int = 2000, repeats: int = 5, out=sys.stdout) -> dict:
         planned = plan(q, q, q, **options)
         results[f"(1, 8, 16 x 16, 64) {label}"] = (best_us(lambda: attention(q, q, q, **options), calls, repeats),
                                                    best_us(lambda: planned.run(q, q, q), calls, repeats))
+    half = q.astype(np.float16)  # computed in float32: q widened, keys read as 16-bit a tile at a time, out narrowed
+    planned_half = plan(half, half, half, causal=True)
+    results["(1, 8, 16 x 16, 64) causal, float16"] = (best_us(lambda: attention(half, half, half, causal=True), calls,
+                                                             repeats),
+                                                      best_us(lambda: planned_half.run(half, half, half), calls, repeats))
     torch_causal = _torch_causal(q)
     if torch_causal is not None:  # the bar, in the same process (where torch is importable)
         results["(1, 8, 16 x 16, 64) causal, torch SDPA"] = (best_us(torch_causal, calls, repeats), float("nan"))
@@ -84,7 +90,7 @@ def compare(calls: int = 2000, repeats: int = 5, out=sys.stdout) -> dict:
     results["the contiguous layer's attention alone"] = (
         best_us(lambda: attention(q1, keys, values, layout="bshd"), calls, repeats),
         best_us(lambda: alone.run(q1, keys, values), calls, repeats))
-    print(f"npattn planned calls, float32 on the CPU, best of {repeats} x {calls} calls, us a call", file=out)
+    print(f"npattn planned calls on the CPU (float32 but the float16 row), best of {repeats} x {calls} calls, us a call", file=out)
     print(f"{'call':<52} {'plain call':>11} {'planned':>9}", file=out)
     for label, (plain, planned) in results.items():
         print(f"{label:<52} {plain:>11.1f} {'-' if planned != planned else f'{planned:.1f}':>9}", file=out)
