@@ -7,6 +7,8 @@ products on both paths: the vector micro-kernels and BLAS.
 """
 import dataclasses
 
+import ml_dtypes
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -322,7 +324,7 @@ _DECODE_OPTIONS = ({}, {"causal": True}, {"window": (300, 0)}, {"softcap": 2.0, 
                    {"kv_lengths": np.array([2600, 1100]), "q_offset": np.array([2599, 1099])},
                    {"dropout_p": 0.3, "seed": 7})
 _DECODE_SHAPES = ((4, 4, 1, "float32"), (8, 2, 1, "float32"), (8, 2, 2, "float32"), (6, 3, 1, "float64"),
-                  (8, 2, 1, "float16"), (8, 2, 1, "int8"), (8, 2, 1, "float8_e4m3"))
+                  (8, 2, 1, "float16"), (8, 2, 1, "bfloat16"), (8, 2, 1, "int8"), (8, 2, 1, "float8_e4m3"))
 
 
 # (a quantized cache is read through attention_with_kvcache, which sets the lengths and
@@ -347,8 +349,9 @@ def test_decode_items_visit_every_head_of_a_key_row_with_the_bits_of_one_head_ea
         (k, k_scale), (v, v_scale) = npattn.quantize_kv(k, cache), npattn.quantize_kv(v, cache)
         codes = {"k_scale": k_scale, "v_scale": v_scale}
     else:
-        k, v = k.astype(cache), v.astype(cache)
-        q = q.astype(np.float16) if cache == "float16" else q
+        dtype = np.dtype(ml_dtypes.bfloat16 if cache == "bfloat16" else cache)
+        k, v = k.astype(dtype), v.astype(dtype)
+        q = q.astype(dtype) if dtype.itemsize == 2 else q
     groups = []
     real_group = operands.head_group
     monkeypatch.setattr(operands, "head_group", lambda *a: groups.append(real_group(*a)) or groups[-1])
@@ -376,9 +379,9 @@ def test_decode_items_visit_every_head_of_a_key_row_with_the_bits_of_one_head_ea
                     for name, x in (("k", k), ("v", v)))
     exact, exact_lse = npattn.attention(q.astype(np.float64), keys, values, layout="bshd", return_lse=True,
                                         backend="reference", **options)
-    dtype = np.float16 if cache == "float16" else q.dtype
+    dtype = q.dtype
     assert_close(rows[0], exact, dtype, 2600 + 32, float(np.abs(values).max()), "out")
-    assert_close(rows[1], exact_lse, np.float32 if dtype == np.float16 else dtype, 2600 + 32,
+    assert_close(rows[1], exact_lse, np.float32 if dtype.itemsize == 2 else dtype, 2600 + 32,
                  1 + float(np.abs(exact_lse).max()), "lse")
 
 
