@@ -368,6 +368,21 @@ def test_compiled_kernels_are_kept_on_disk_per_instantiation(tmp_path, monkeypat
     assert kernel_cache.key("sm_80", sources.kernel_name("combine", "float64")) != kernel_cache.key("sm_80", name)
 
 
+def test_tuning_switches_reach_nvrtc_and_the_cache_key(monkeypatch):
+    """NPATTN_GPU_DEFINES (the harness's A/B switches) becomes one -D per name, and a
+    cubin built with them never stands in for the default build's."""
+    from npattn.gpu import kernel_cache
+
+    nvrtc_or_skip()
+    name = sources.kernel_name("combine", "float32")
+    monkeypatch.delenv("NPATTN_GPU_DEFINES", raising=False)
+    default_options, default_key = sources.compile_options("sm_90"), kernel_cache.key("sm_90", name)
+    assert not any(option.startswith("-D") for option in default_options)
+    monkeypatch.setenv("NPATTN_GPU_DEFINES", " NPATTN_A  NPATTN_B ")
+    assert sources.compile_options("sm_90") == (*default_options, "-DNPATTN_A", "-DNPATTN_B")
+    assert kernel_cache.key("sm_90", name) != default_key
+
+
 @pytest.mark.parametrize("backend", GPU)
 def test_gpu_results_of_non_finite_inputs_are_the_references(backend):
     """A NaN in v reaches exactly the rows that see its key (the non-finite check on the

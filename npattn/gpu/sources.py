@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,13 +144,15 @@ def forward_tc_config(packed_rows: int, bound: int, options: int = 0) -> Forward
 
     - one warp for a decode step's few rows (more blocks, each streaming its own keys),
       over 32-key tiles at 128-wide heads (smaller tiles, more blocks resident per SM:
-      1.09-1.35x faster than 64 in one H100 run, 0.90-0.91x in another; TUNING.md);
+      1.09-1.35x faster than 64 in one H100 run, 0.90-0.91x in another; TUNING.md), one
+      K/V stage deep (two ran 0.74-1.13x of one in three H200 runs);
     - 4 warps of one row fragment up to 64 rows, and for 256-wide heads, whose
       accumulators take most registers (with 32-key tiles);
     - prefill with no option beyond the band and pages: two 16-row fragments per warp
       (FlashAttention-2's layout) over 64-key tiles, 8 warps (256 rows; 4 warps, 128 rows,
       under a band) for heads up to 64, 8 warps for heads up to 128 (1.10-1.33x faster
-      than one fragment per warp without a band on an H100, 1.01-1.25x with one);
+      than one fragment per warp without a band on an H100, 1.01-1.25x with one), one K/V
+      stage deep (two ran 0.94-1.14x of one in three H200 runs: no steady gain);
     - other prefill (masks, bias, ALiBi, softcap, dropout, sink logits, narrow heads):
       128-row tiles of 8 warps with one fragment each, leaving registers to the options."""
     block_k = 64 if bound <= 128 else 32
@@ -262,4 +265,9 @@ def forward_kind(dtype_name: str) -> str:
 
 
 def compile_options(architecture: str) -> tuple[str, ...]:
-    return (f"--gpu-architecture={architecture}", "--std=c++17")
+    """NVRTC's options for ``architecture``, with a ``-D`` for each macro named in
+    ``$NPATTN_GPU_DEFINES`` (space-separated): how ``.ci/gpu-variants`` times a kernel
+    change kept behind an ``#ifdef`` against the build without it, in one GPU call. The
+    options are part of the kernel cache's key. No shipped kernel reads such a macro."""
+    defines = tuple(f"-D{name}" for name in os.environ.get("NPATTN_GPU_DEFINES", "").split())
+    return (f"--gpu-architecture={architecture}", "--std=c++17", *defines)
