@@ -227,12 +227,18 @@ weights_kernel(NPATTN_OPERAND_PARAMS, const Acc* lse, Acc* weights) {
 }
 
 // Merge the forward's split-KV partial rows, in split order (the same bits on every
-// run): one warp per query row, its lanes over the output columns, with the sink logit
-// as the starting max and sum.
+// run): one warp per query row, with the sink logit as the starting max and sum. The
+// lanes find the max over their own splits (a max is exact in any order); then one pass
+// over the splits in order adds each one's sum to l and its row, lane d holding columns
+// d, d + 32, ...: a split's max, sum and seen flag are one broadcast load, its row one
+// coalesced load, and no load waits on the sums, so unrolled iterations keep several
+// splits' loads in flight. (It was a loop over the splits per 32 columns with a
+// branch on each split, which at batch 1 with 256 splits kept one load in flight.)
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NPATTN_THREADS)
 combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
                const Acc* partial) {
+    constexpr int COLUMNS = NPATTN_MAX_HEAD_DIM / 32;  // columns per lane
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
     const i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
@@ -244,29 +250,38 @@ combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
     const Acc* parts = partial + row * splits * value_dim3;
     const bool has_sink = ints[NPATTN_INT_HAS_SINK] != 0;
     Acc m = has_sink ? sink[h] : negative_infinity<Acc>();
-    bool seen = false;
-    for (i64 s = 0; s < splits; ++s) {
+    int seen = 0;
+    for (i64 s = lane; s < splits; s += 32) {
         const Acc* part = parts + s * value_dim3;
         if (part[value_dim + 2] != 0) {
-            seen = true;
+            seen = 1;
             m = part[value_dim] > m ? part[value_dim] : m;
         }
     }
-    if (!seen) return;  // no visible key: zeros and -inf, as without splits
+    m = warp_max(m);
+    if (warp_sum(seen) == 0) return;  // no visible key: zeros and -inf, as without splits
     Acc l = has_sink ? exp_of(sink[h] - m) : (Acc)0;
+    Acc total[COLUMNS];
+#pragma unroll
+    for (int c = 0; c < COLUMNS; ++c) total[c] = 0;
+#pragma unroll 4
     for (i64 s = 0; s < splits; ++s) {
         const Acc* part = parts + s * value_dim3;
-        if (part[value_dim + 2] != 0) l += part[value_dim + 1] * exp_of(part[value_dim] - m);
+        const bool kept = part[value_dim + 2] != 0;
+        const Acc weight = exp_of(part[value_dim] - m);
+        l = kept ? l + part[value_dim + 1] * weight : l;
+#pragma unroll
+        for (int c = 0; c < COLUMNS; ++c) {
+            const i64 d = lane + 32 * c;
+            if (d < value_dim) total[c] = kept ? total[c] + part[d] * weight : total[c];
+        }
     }
     const Acc factor = reals[NPATTN_REAL_KEEP_SCALE] / l;
     Acc* row_out = out + b * out_sb + h * out_sh + i * out_ss;
-    for (i64 d = lane; d < value_dim; d += 32) {
-        Acc total = 0;
-        for (i64 s = 0; s < splits; ++s) {
-            const Acc* part = parts + s * value_dim3;
-            if (part[value_dim + 2] != 0) total += part[d] * exp_of(part[value_dim] - m);
-        }
-        row_out[d] = total * factor;
+#pragma unroll
+    for (int c = 0; c < COLUMNS; ++c) {
+        const i64 d = lane + 32 * c;
+        if (d < value_dim) row_out[d] = total[c] * factor;
     }
     if (lane == 0) lse[row] = m + log_of(l);
 }

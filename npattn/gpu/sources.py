@@ -65,6 +65,7 @@ def source() -> str:
     parts += [f"#define NPATTN_INT_{member.name} {member.value}" for member in Int]
     parts += [f"#define NPATTN_SPAN_{member.name} {member.value}" for member in Span]
     parts.append(f"#define NPATTN_SPAN_FIELDS {SPAN_FIELDS}")
+    parts.append(f"#define NPATTN_MAX_HEAD_DIM {MAX_HEAD_DIM}")
     parts += [f"#define NPATTN_REAL_{member.name} {member.value}" for member in Real]
     parts += operand_defines()
     parts += _options.defines()
