@@ -209,6 +209,8 @@ inline unsigned emulated_pack_pair(float low, float high, bool bf16) {
 }
 
 // cvt.rn.f16.f32 / cvt.rn.bf16.f32, back to float: x rounded to the 16-bit type
+inline unsigned short half_bits_of(float x) { return (unsigned short)emulated_pack_pair(x, 0.0f, false); }
+inline unsigned short bf16_bits_of(float x) { return (unsigned short)emulated_pack_pair(x, 0.0f, true); }
 inline float round_to_half(float x) { return bits_to_float((unsigned short)emulated_pack_pair(x, 0.0f, false), false); }
 inline float round_to_bf16(float x) { return bits_to_float((unsigned short)emulated_pack_pair(x, 0.0f, true), true); }
 

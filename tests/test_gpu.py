@@ -385,9 +385,9 @@ def test_tuning_switches_reach_nvrtc_and_the_cache_key(monkeypatch):
 
 @pytest.mark.parametrize("backend", GPU)
 def test_gpu_results_of_non_finite_inputs_are_the_references(backend):
-    """A NaN in v reaches exactly the rows that see its key (the non-finite check on the
-    device, one fused reduction per output, sends the call to the reference), forward and
-    backward."""
+    """A NaN in v reaches exactly the rows that see its key, forward (the repair pass
+    recomputes on the device the rows the tile products made NaN) and backward (the
+    check of the gradients sends them to the reference)."""
     import cupy
 
     rng = np.random.default_rng(4)

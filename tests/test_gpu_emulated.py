@@ -16,7 +16,7 @@ import npattn
 from npattn.gpu.options import Option
 from strategies import DECISIVE_EXAMPLES, Case, Dims, cases, dims, layouts
 from test_backend_equivalence import check_backward, check_forward, check_peaked_backward, peaked_cases, upcast
-from test_nonfinite import check_kernel_marks_non_finite_rows, planted_cases
+from test_nonfinite import assert_same_values, check_kernel_marks_non_finite_rows, finite_values, planted_cases
 from test_odd_views import DEVICE_VIEW_KINDS, check_odd_views, viewed_cases
 from test_options import check_option_is_read
 from test_serving import (cache_cases, check_kvcache, check_paged_forward, check_varlen, packed_batches,
@@ -365,6 +365,62 @@ def test_emulated_tensor_core_kernels_make_rows_with_a_non_finite_score_nan(q_le
     bias = np.zeros((q_len, kv_len), np.float16)
     bias[q_len - 1, 0] = np.inf
     check_kernel_marks_non_finite_rows(npattn.gpu, Case(case.dims, q, k, case.v, {**case.options, "bias": bias}))
+
+
+def check_gpu_forward_repairs_its_rows(case):
+    """The GPU forward on its own (no reference to fall back on, no check of out on the
+    host): NaN, +inf and -inf where the reference has them, the rest within the dtype's
+    bound, and a result that says it needs no check."""
+    from npattn.core.validation import build_problem
+
+    problem = build_problem(case.q, case.k, case.v, **case.options)
+    expected = npattn.reference.forward(problem)
+    result = npattn.gpu.forward(problem)
+    assert result.finite is (True if result.weights is None else None)
+    finite = finite_values(case)
+    length = tolerances.output_bound_terms(finite)[0]
+    assert_same_values(result.out, expected.out, case.dtype, *tolerances.output_bound_terms(finite), "out")
+    lse_size = 1 + tolerances.score_magnitude(finite) + np.abs(expected.lse[np.isfinite(expected.lse)]).max(initial=0)
+    assert_same_values(result.lse, expected.lse, case.dtype, length, lse_size, "lse")
+
+
+@EMULATED
+@given(case=planted_cases())
+def test_emulated_gpu_forward_gives_the_references_non_finite_rows_itself(case):
+    """NaN and inf planted in q, k, v and bias under every option (float32 and float64:
+    the SIMT kernels, whose tile products leak 0 * NaN of keys a row does not see): the
+    repair pass on the device gives each such row the reference's answer."""
+    check_gpu_forward_repairs_its_rows(case)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])  # the SIMT kernels, the tensor-core ones
+@pytest.mark.parametrize("q_len, kv_len, options", [
+    (70, 90, dict(causal=True)),                                 # prefill over several tiles
+    (1, 700, {}),                                                # a split decode step (combine)
+    (3, 300, dict(window=(40, 0), sinks=2, kv_lengths=np.array([170]))),
+    (5, 80, dict(mask=np.random.default_rng(1).random((5, 80)) < 0.5, dropout_p=0.3, seed=3))])
+def test_emulated_gpu_forward_gives_the_references_non_finite_rows_in_v_and_q(dtype, q_len, kv_len, options):
+    """A NaN and an inf in v of keys some rows do not see (a causal future key, a masked
+    or windowed one), a NaN query row and a NaN key."""
+    case = uniform_case(1, 4, 2, q_len, kv_len, 64, 64, values_seed=7, dtype=dtype, **options)
+    q, v = case.q.copy(), case.v.copy()
+    v[0, 0, kv_len - 3, 5] = np.nan
+    v[0, 1, kv_len // 2, 9] = np.inf
+    v[0, 1, 1, 2] = np.nan
+    q[0, 2, q_len // 2, 3] = np.nan
+    check_gpu_forward_repairs_its_rows(dataclasses.replace(case, q=q, v=v))
+
+
+def test_emulated_gpu_forward_recomputes_rows_whose_scores_overflow_float32():
+    """bfloat16 inputs whose products overflow float32 (the kernels give inf or NaN): the
+    repair recomputes those rows in float64, where the scores are finite."""
+    from ml_dtypes import bfloat16
+
+    case = uniform_case(1, 2, 1, 3, 40, 16, 16, values_seed=2, dtype=bfloat16)
+    q = case.q.copy()
+    q[0, 0, 1] = 1e38  # q . k reaches 1e38 * 16: beyond float32, within float64
+    case = dataclasses.replace(case, q=q, options={"scale": 1e-30})
+    check_gpu_forward_repairs_its_rows(case)
 
 
 # paged keys: the SIMT forward (float32) and the tensor-core one (float16, PAGED built)

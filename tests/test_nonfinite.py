@@ -63,7 +63,7 @@ def _finite_part(array):
     return np.where(np.isfinite(array), array, 0.0)
 
 
-def _finite_values(case):
+def finite_values(case):
     """``case`` with its planted values set to 0: the sizes the bounds are derived from
     (the planted ones are compared by place, not size)."""
     return dataclasses.replace(case, q=_finite_part(case.q), k=_finite_part(case.k), v=_finite_part(case.v))
@@ -75,7 +75,7 @@ def test_every_backend_gives_the_references_non_finite_outputs(backend, case):
     expected_out, expected_lse = case.run("reference", return_lse=True)
     with cpu.tile_sizes(2, 3):  # many tile edges: the partly visible tiles where 0 * NaN could leak
         out, lse = case.run(backend, return_lse=True)
-    finite = _finite_values(case)
+    finite = finite_values(case)
     length = output_bound_terms(finite)[0]
     assert_same_values(out, expected_out, case.dtype, *output_bound_terms(finite), "out")
     lse_size = 1 + score_magnitude(finite) + np.abs(expected_lse[np.isfinite(expected_lse)]).max(initial=0)
@@ -87,7 +87,7 @@ def test_every_backend_gives_the_references_non_finite_outputs(backend, case):
 def test_every_backend_gives_the_references_non_finite_gradients(backend, case, seed):
     dout = np.random.default_rng(seed).uniform(-1, 1, (*case.q.shape[:3], case.v.shape[-1])).astype(case.dtype)
     (_, expected_vjp), (_, vjp) = case.vjp("reference"), case.vjp(backend)
-    terms = gradient_bound_terms(_finite_values(case), dout)
+    terms = gradient_bound_terms(finite_values(case), dout)
     for name, got, want in zip(("dq", "dk", "dv", "dbias", "dsink_logits"), vjp(dout), expected_vjp(dout)):
         assert_same_values(got, want, case.dtype, *terms, name)
 
@@ -102,7 +102,7 @@ def check_kernel_marks_non_finite_rows(backend, case):
     np.testing.assert_array_equal(np.isnan(lse), np.isnan(expected.lse))
     np.testing.assert_array_equal(np.isnan(out).any(axis=-1), np.isnan(expected.out).any(axis=-1))
     rows = ~np.isnan(expected.lse)
-    assert_same_values(out[rows], expected.out[rows], case.dtype, *output_bound_terms(_finite_values(case)), "out")
+    assert_same_values(out[rows], expected.out[rows], case.dtype, *output_bound_terms(finite_values(case)), "out")
 
 
 @given(case=planted_cases(into=("q", "k", "bias")))

@@ -10,8 +10,10 @@ class ForwardResult(NamedTuple):
     """bhsd-ordered arrays: ``out`` (B, H, Sq, Dv), ``lse`` (B, H, Sq) or None,
     ``weights`` (B, H, Sq, Sk) or None; ``saved`` is whatever the same backend's
     backward needs (kernels keep out and lse; nothing Sq x Sk). ``finite``: whether
-    ``out`` is all finite, where the backend knows it from the kernel (None: unknown,
-    :func:`out_is_finite` reads out)."""
+    ``out`` needs no check for NaN and inf, where the backend knows it: True where the
+    kernel found it all finite, or where the backend already gave every row that is not
+    finite the reference's answer (the GPU's repair pass); False where a row may hold a
+    NaN or inf the reference would not (None: unknown, :func:`out_is_finite` reads out)."""
 
     out: Any
     lse: Any = None
@@ -21,7 +23,8 @@ class ForwardResult(NamedTuple):
 
 
 def out_is_finite(result: ForwardResult) -> bool:
-    """No NaN or inf in ``result.out``: what the kernel reported, else a pass over out
+    """Whether ``result.out`` stands as it is: what the backend reported
+    (``ForwardResult.finite``), else whether a pass over out finds no NaN or inf
     (:func:`~npattn.core.arrays.all_finite`)."""
     if result.finite is not None:
         return result.finite

@@ -21,15 +21,18 @@ struct bf16_bits { unsigned short bits; };
 // written in the compute dtype; the caller casts them).
 template <typename T> struct Storage;
 
-// Storage<T>::round(x): a float32/float64 x rounded to T and back (what storing it in T keeps).
+// Storage<T>::round(x): a float32/float64 x rounded to T and back (what storing it in T keeps);
+// Storage<T>::store(p, i, x): x into element i of p (16-bit types: rounded from float32).
 template <> struct Storage<float> {
     template <typename Acc> __device__ static Acc load(const float* p, i64 i) { return (Acc)p[i]; }
     template <typename Acc> __device__ static Acc round(Acc x) { return (Acc)(float)x; }
+    __device__ static void store(float* p, i64 i, double x) { p[i] = (float)x; }
 };
 
 template <> struct Storage<double> {
     template <typename Acc> __device__ static Acc load(const double* p, i64 i) { return (Acc)p[i]; }
     template <typename Acc> __device__ static Acc round(Acc x) { return x; }
+    __device__ static void store(double* p, i64 i, double x) { p[i] = x; }
 };
 
 // half -> float through PTX. A host build of these sources (the
@@ -40,16 +43,18 @@ __device__ inline float half_to_float(unsigned short bits) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(bits));
     return x;
 }
-__device__ inline float round_to_half(float x) {
+__device__ inline unsigned short half_bits_of(float x) {
     unsigned short bits;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(x));
-    return half_to_float(bits);
+    return bits;
 }
-__device__ inline float round_to_bf16(float x) {
+__device__ inline unsigned short bf16_bits_of(float x) {
     unsigned short bits;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(x));
-    return __uint_as_float(((u32)bits) << 16);
+    return bits;
 }
+__device__ inline float round_to_half(float x) { return half_to_float(half_bits_of(x)); }
+__device__ inline float round_to_bf16(float x) { return __uint_as_float(((u32)bf16_bits_of(x)) << 16); }
 #define NPATTN_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
@@ -58,6 +63,7 @@ template <> struct Storage<half_bits> {
         return (Acc)half_to_float(p[i].bits);
     }
     template <typename Acc> __device__ static Acc round(Acc x) { return (Acc)round_to_half((float)x); }
+    __device__ static void store(half_bits* p, i64 i, double x) { p[i].bits = half_bits_of((float)x); }
 };
 
 template <> struct Storage<bf16_bits> {
@@ -65,6 +71,7 @@ template <> struct Storage<bf16_bits> {
         return (Acc)__uint_as_float(((u32)p[i].bits) << 16);
     }
     template <typename Acc> __device__ static Acc round(Acc x) { return (Acc)round_to_bf16((float)x); }
+    __device__ static void store(bf16_bits* p, i64 i, double x) { p[i].bits = bf16_bits_of((float)x); }
 };
 
 template <typename Acc> __device__ inline Acc negative_infinity();

@@ -235,6 +235,12 @@ class ForwardPlan:
             self.weights_shape = (batch, heads, q_len, problem.kv_len) if problem.return_weights else None
             self.weights_shared = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)
             self.weights_blocks = batch * heads * -(-q_len // BLOCK_Q)
+            # rows of out that are not finite are recomputed on the device as the reference
+            # does (repair.cu), so no call waits for the device to check out; a call that
+            # returns the weights keeps the host's check (they are computed from lse)
+            self.repair_kind = None
+            if self.weights_shape is None:
+                self.repair_kind = "repair" if self.out_dtype == problem.q.dtype else "repair_accumulated"
             # the parameters (q, k and v strides included: a structure fixes them) and, for
             # calls without option arrays, every other operand, on the device once
             self.ints, self.reals = problem_parameters(problem, dtype)
@@ -246,6 +252,7 @@ class ForwardPlan:
                 name: cp.broadcast_to(cp.zeros((), x.dtype), x.shape) for name, x in zip("qkv", (q, k, v))})
             self._plain_operands = None
             self._launchers, self._out_strides, self._partial_stand_in, self._plain_order = {}, None, None, None
+            self._repair = None
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
         """The forward of bhsd ``q``, ``k``, ``v`` (this plan's structure) with the option
@@ -292,12 +299,18 @@ class ForwardPlan:
             self._launcher(config)(self.blocks, (*operands, *outputs))
             if self.splits > 1:  # one warp per query row
                 launch.run("combine", self.storage, 0, self.combine_blocks, 0, (*operands, *outputs))
+            if self.repair_kind is not None:  # one warp per query row
+                if self._repair is None:
+                    self._repair = launch.kernel(self.repair_kind, self.storage, 0, 0)
+                self._repair(self.combine_blocks, (*operands, out, *self._out_strides, lse))
             weights = None
             if self.weights_shape is not None:
                 weights = cp.zeros(self.weights_shape, self.dtype)
                 launch.run("weights", self.storage, 0, self.weights_blocks, self.weights_shared,
                            (*operands, lse, weights))
-        return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse))
+        # finite=True: out needs no check (its non-finite rows already are the reference's)
+        return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse),
+                             finite=True if self.repair_kind is not None else None)
 
     def _launcher(self, config: dict):
         """The forward kernel's launch for ``config`` (this plan's, or with UNALIGNED added),
