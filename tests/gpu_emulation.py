@@ -34,7 +34,7 @@ EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("bfloat16", 64),
 _NARROW, _UNALIGNED = Option.NARROW, Option.UNALIGNED
 FORWARD_TC_OPTIONS = {64: (0, Option.BAND, ALL, _NARROW, Option.BAND | _NARROW, ALL | _NARROW,
                            ALL | _NARROW | _UNALIGNED, Option.BAND | Option.PAGED | _NARROW),
-                      128: (ALL | _NARROW, ALL | _NARROW | _UNALIGNED),
+                      128: (0, ALL | _NARROW, ALL | _NARROW | _UNALIGNED),
                       256: (ALL | _NARROW, ALL | _NARROW | _UNALIGNED)}
 # option sets of the tensor-core backward built: plain, the band alone, and everything
 BACKWARD_TC_OPTIONS = (0, Option.BAND, ALL)

@@ -266,6 +266,27 @@ def test_emulated_decode_steps_with_two_kv_stages(monkeypatch, options):
     assert ("forward_tc", tile) in tiles and ("combine", None) in tiles, tiles
 
 
+@pytest.mark.parametrize("head_dim, kv_len, options", [
+    (64, 300, {}), (64, 300, dict(kv_lengths=np.array([250, 300]))), (128, 77, {}), (128, 1000, {})])
+def test_emulated_decode_tiles_stage_whole_rows_with_strided_copies(monkeypatch, head_dim, kv_len, options):
+    """A decode step's one-warp tile at a head dim that fills its bound stages K and V by
+    stage_strided_rows (whole tiles and a last partial one, split keys or not): the
+    reference's answer."""
+    from npattn.gpu import launch
+
+    ran, emulated_kernel = [], launch.kernel
+
+    def spy(kind, storage, bound, shared_bytes, **config):
+        ran.append((kind, bound, config.get("tile"), config.get("options")))
+        return emulated_kernel(kind, storage, bound, shared_bytes, **config)
+
+    monkeypatch.setattr(launch, "kernel", spy)
+    case = uniform_case(2, 8, 2, 1, kv_len, head_dim, head_dim, values_seed=13, dtype=np.float16, **options)
+    check_forward("gpu", dataclasses.replace(case, q=(case.q * 8).astype(np.float16)), "bhsd")  # peaked rows
+    tiles = [(tile, options) for kind, _, tile, options in ran if kind == "forward_tc"]
+    assert tiles and all(tile.warps == 1 and not options & (Option.NARROW | Option.UNALIGNED) for tile, options in tiles)
+
+
 @pytest.mark.parametrize("q_len, kv_len, head_dim, options, warps, expected", [
     # a decode step: the 4 query heads of a GQA group fill 4 rows of a one-warp tile, split-KV
     (1, 700, 32, {}, 1, N),

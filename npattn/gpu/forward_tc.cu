@@ -31,6 +31,19 @@
 #define NPATTN_LOG2E 1.4426950408889634f
 #define NPATTN_LN2 0.6931471805599453f
 
+// A decode step's one-warp tiles stage whole-width contiguous K and V tiles with
+// stage_strided_rows (tensor_core.cuh): a few instructions per 16-byte copy where
+// stage_tile's general loop spends about 60, which was three quarters of such a tile's
+// instructions (about 2,500 -> 1,000 per 32-key tile at d = 128, read off the SASS;
+// untimed). NPATTN_GENERIC_STAGING (through NPATTN_GPU_DEFINES,
+// npattn.gpu.sources.compile_options) turns it off, to time the two in one GPU call:
+// `.ci/gpu-variants NPATTN_GENERIC_STAGING`.
+#ifdef NPATTN_GENERIC_STAGING
+constexpr bool STRIDED_STAGING = false;
+#else
+constexpr bool STRIDED_STAGING = true;
+#endif
+
 // Shared memory of forward_tc_kernel, in 16-bit elements: swizzled Q (BQ rows), then
 // `stages` K tiles and `stages` V tiles (BK rows each); head dims rounded up to whole mma
 // tiles (16), rows to 64 elements. After the key loop the same bytes stage the output
@@ -187,7 +200,14 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                               key_tiles.keys(t), width, BK, chunks);
         } else {
             const i64 row = b * sb + kv_head * sh + j0 * ss;
-            stage_tile<ASYNC>(tile, ld, x, [&](int r) { return row + r * ss; }, key_tiles.keys(t), width, BK, chunks);
+            constexpr int THREADS = WARPS * 32, CHUNKS = MAX_D / 8;
+            if constexpr (STRIDED_STAGING && WARPS == 1 && ASYNC && !NARROW && THREADS % CHUNKS == 0 &&
+                          BK % (THREADS / CHUNKS) == 0) {
+                stage_strided_rows<THREADS, BK, CHUNKS>(tile, ld, x + row, ss, key_tiles.keys(t));
+            } else {
+                stage_tile<ASYNC>(tile, ld, x, [&](int r) { return row + r * ss; }, key_tiles.keys(t), width, BK,
+                                  chunks);
+            }
         }
     };
     auto stage_k = [&](i64 t) {

@@ -171,3 +171,36 @@ __device__ inline void stage_tile(unsigned short* tile, int ld, const T* x, RowO
         }
     }
 }
+
+// stage_tile for the commonest K and V tile: rows `row_stride` apart from `first`, every
+// chunk of each row copied by cp.async (aligned, full-width rows), `rows` of TILE_ROWS
+// live (the rest zero-filled). Thread t copies chunk c = t % CHUNKS of rows r0 = t / CHUNKS,
+// r0 + P, r0 + 2P, ... (P = THREADS / CHUNKS, a power of two, so r0 + kP = r0 | kP and
+// the swizzle's (c ^ r) & 7 is (c ^ r0) & 7 ^ kP & 7: one logic operation per copy). Its
+// source pointer steps by a constant and every bound is known at compile time, so a
+// 16-byte copy costs a few instructions where stage_tile spends about 60 on its division,
+// bounds and offsets (a one-warp decode tile of 32 x 128 values is 16 copies per lane
+// for K and 16 for V). THREADS % CHUNKS == 0.
+template <int THREADS, int TILE_ROWS, int CHUNKS, typename T>
+__device__ inline void stage_strided_rows(unsigned short* tile, int ld, const T* first, i64 row_stride, int rows) {
+    constexpr int P = THREADS / CHUNKS;
+    static_assert(THREADS % CHUNKS == 0 && (P & (P - 1)) == 0 && TILE_ROWS % P == 0, "whole passes over the tile");
+    const int c = threadIdx.x % CHUNKS, r0 = threadIdx.x / CHUNKS;
+    const int low = (c ^ r0) & 7, high = c & ~7;
+    unsigned short* destination = tile + r0 * ld;
+    const T* source = first + r0 * row_stride + 8 * c;
+    const i64 step = P * row_stride;
+    if (rows == TILE_ROWS) {  // a whole tile: no row is past the keys
+#pragma unroll
+        for (int k = 0; k < TILE_ROWS / P; ++k) {
+            cp_async_16(destination + k * P * ld + (((low ^ (k * P)) & 7) | high) * 8, source + k * step, 16);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < TILE_ROWS / P; ++k) {
+            const bool live = r0 + k * P < rows;
+            cp_async_16(destination + k * P * ld + (((low ^ (k * P)) & 7) | high) * 8,
+                        live ? (const void*)(source + k * step) : (const void*)first, live ? 16 : 0);
+        }
+    }
+}
