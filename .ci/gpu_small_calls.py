@@ -3,8 +3,9 @@ causal call and a GQA decode step against 40 keys, planned and through ``attenti
 beside torch's SDPA on the same small call. Median of 300 calls, each ending with a
 synchronize. Then each planned call's host and device time apart (cupyx's benchmark:
 CPU time to return, and CUDA-event time on the stream), also for two long decode steps,
-with and without the check of out for NaN and inf (the second is a measurement only: it
-drops the promise the check keeps)."""
+with and without the host's check of out for NaN and inf (the second is a measurement only:
+it drops the promise the check keeps; since npattn/gpu/repair.cu planned calls make no such
+check, so the two should agree)."""
 import time
 
 import cupy
