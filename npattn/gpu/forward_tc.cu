@@ -32,17 +32,10 @@
 #define NPATTN_LN2 0.6931471805599453f
 
 // A decode step's one-warp tiles stage whole-width contiguous K and V tiles with
-// stage_strided_rows (tensor_core.cuh): a few instructions per 16-byte copy where
-// stage_tile's general loop spends about 60, which was three quarters of such a tile's
-// instructions (about 2,500 -> 1,000 per 32-key tile at d = 128, read off the SASS;
-// untimed). NPATTN_GENERIC_STAGING (through NPATTN_GPU_DEFINES,
-// npattn.gpu.sources.compile_options) turns it off, to time the two in one GPU call:
-// `.ci/gpu-variants NPATTN_GENERIC_STAGING`.
-#ifdef NPATTN_GENERIC_STAGING
-constexpr bool STRIDED_STAGING = false;
-#else
-constexpr bool STRIDED_STAGING = true;
-#endif
+// stage_strided_rows (tensor_core.cuh; STRIDED_STAGING): a few instructions per 16-byte
+// copy where stage_tile's general loop spends about 60, which was three quarters of such
+// a tile's instructions (about 2,500 -> 1,000 per 32-key tile at d = 128, read off the
+// SASS; untimed).
 
 // Shared memory of forward_tc_kernel, in 16-bit elements: swizzled Q (BQ rows), then
 // `stages` K tiles and `stages` V tiles (BK rows each); head dims rounded up to whole mma

@@ -172,6 +172,16 @@ __device__ inline void stage_tile(unsigned short* tile, int ld, const T* x, RowO
     }
 }
 
+// Whether the decode forward's one-warp tiles stage whole-width K and V rows with
+// stage_strided_rows (forward_tc.cu). NPATTN_GENERIC_STAGING (through
+// NPATTN_GPU_DEFINES, npattn.gpu.sources.compile_options) turns it off, to time the two
+// in one GPU call: `.ci/gpu-variants NPATTN_GENERIC_STAGING`. Untimed so far.
+#ifdef NPATTN_GENERIC_STAGING
+constexpr bool STRIDED_STAGING = false;
+#else
+constexpr bool STRIDED_STAGING = true;
+#endif
+
 // stage_tile for the commonest K and V tile: rows `row_stride` apart from `first`, every
 // chunk of each row copied by cp.async (aligned, full-width rows), `rows` of TILE_ROWS
 // live (the rest zero-filled). Thread t copies chunk c = t % CHUNKS of rows r0 = t / CHUNKS,
