@@ -279,6 +279,6 @@ def compile_options(architecture: str) -> tuple[str, ...]:
     ``$NPATTN_GPU_DEFINES`` (space-separated): how ``.ci/gpu-variants`` times a kernel
     change kept behind an ``#ifdef`` against the build without it, in one GPU call. The
     options are part of the kernel cache's key. The switches the kernels read are
-    listed in their sources (forward_tc.cu: NPATTN_GENERIC_STAGING)."""
+    listed in their sources (tensor_core.cuh: NPATTN_GENERIC_STAGING)."""
     defines = tuple(f"-D{name}" for name in os.environ.get("NPATTN_GPU_DEFINES", "").split())
     return (f"--gpu-architecture={architecture}", "--std=c++17", *defines)
