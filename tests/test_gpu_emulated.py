@@ -140,7 +140,9 @@ def test_emulated_gpu_split_kv_decoding_matches_the_reference():
     assert driver.decode_splits(2 * 4, 3, 300, 16, 32) > 1
     for options in [{}, dict(causal=True, sink_logits=rng.normal(size=4), dropout_p=0.3, seed=4),
                     dict(window=(40, 0), sinks=2, kv_lengths=np.array([0, 170])),
-                    dict(mask=rng.random((2, 1, 3, 300)) < 0.5, q_lengths=np.array([3, 1]))]:
+                    dict(mask=rng.random((2, 1, 3, 300)) < 0.5, q_lengths=np.array([3, 1])),
+                    # a row that sees no key, out and lse left unfilled: the combine writes its zeros and -inf
+                    dict(mask=np.arange(3)[:, None] + np.zeros((2, 1, 1, 300), int) != 1)]:
         check_forward("gpu", uniform_case(2, 4, 2, 3, 300, 32, 24, values_seed=3, **options), "bhsd")
 
 

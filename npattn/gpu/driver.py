@@ -224,9 +224,10 @@ class ForwardPlan:
             self.blocks = blocks * splits
             # the tensor-core forward writes out in the inputs' dtype; split partials merge in Acc
             self.out_dtype = problem.q.dtype if kind == "forward_tc" and splits == 1 else dtype
-            # the tensor-core forward without splits writes every element of out and lse of
-            # the live rows, which are all rows without per-entry starts and stops: no fill
-            self.writes_every_row = kind == "forward_tc" and splits == 1 and spans_are_default(problem)
+            # the tensor-core forward without splits, and the combine after split keys, write
+            # every element of out and lse of the live rows, which are all rows without
+            # per-entry starts and stops: no fill
+            self.writes_every_row = (kind == "forward_tc" or splits > 1) and spans_are_default(problem)
             self.out_shape = ((batch, q_len, heads, value_dim) if self.layout == "bshd"
                               else (batch, heads, q_len, value_dim))
             self.lse_shape = (batch, heads, q_len)
@@ -252,7 +253,7 @@ class ForwardPlan:
                 name: cp.broadcast_to(cp.zeros((), x.dtype), x.shape) for name, x in zip("qkv", (q, k, v))})
             self._plain_operands = None
             self._launchers, self._out_strides, self._partial_stand_in, self._plain_order = {}, None, None, None
-            self._repair = None
+            self._combine = self._repair = None
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
         """The forward of bhsd ``q``, ``k``, ``v`` (this plan's structure) with the option
@@ -298,7 +299,9 @@ class ForwardPlan:
             outputs = (out, *self._out_strides, lse, np.int64(self.splits), partial)
             self._launcher(config)(self.blocks, (*operands, *outputs))
             if self.splits > 1:  # one warp per query row
-                launch.run("combine", self.storage, 0, self.combine_blocks, 0, (*operands, *outputs))
+                if self._combine is None:
+                    self._combine = launch.kernel("combine", self.storage, 0, 0)
+                self._combine(self.combine_blocks, (*operands, *outputs))
             if self.repair_kind is not None:  # one warp per query row
                 if self._repair is None:
                     self._repair = launch.kernel(self.repair_kind, self.storage, 0, 0)

@@ -259,7 +259,12 @@ combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
         }
     }
     m = warp_max(m);
-    if (warp_sum(seen) == 0) return;  // no visible key: zeros and -inf, as without splits
+    Acc* row_out = out + b * out_sb + h * out_sh + i * out_ss;
+    if (warp_sum(seen) == 0) {  // no visible key: zeros and -inf, as without splits (out is not filled)
+        for (i64 d = lane; d < value_dim; d += 32) row_out[d] = 0;
+        if (lane == 0) lse[row] = negative_infinity<Acc>();
+        return;
+    }
     Acc l = has_sink ? exp_of(sink[h] - m) : (Acc)0;
     Acc total[COLUMNS];
 #pragma unroll
@@ -277,7 +282,6 @@ combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
         }
     }
     const Acc factor = reals[NPATTN_REAL_KEEP_SCALE] / l;
-    Acc* row_out = out + b * out_sb + h * out_sh + i * out_ss;
 #pragma unroll
     for (int c = 0; c < COLUMNS; ++c) {
         const i64 d = lane + 32 * c;
