@@ -222,8 +222,9 @@ class ForwardPlan:
                 blocks = batch * heads * -(-q_len // block_q)
             self.splits = splits = decode_splits(blocks, rows, problem.kv_len, block_q, block_k, warps)
             self.blocks = blocks * splits
-            # the tensor-core forward writes out in the inputs' dtype; split partials merge in Acc
-            self.out_dtype = problem.q.dtype if kind == "forward_tc" and splits == 1 else dtype
+            # out in the inputs' dtype (the tensor-core forward, or the combine after split
+            # keys, rounds each value once; the SIMT kernels' inputs are their Acc)
+            self.out_dtype = problem.q.dtype if kind == "forward_tc" else dtype
             # the tensor-core forward without splits, and the combine after split keys, write
             # every element of out and lse of the live rows, which are all rows without
             # per-entry starts and stops: no fill
@@ -239,9 +240,7 @@ class ForwardPlan:
             # rows of out that are not finite are recomputed on the device as the reference
             # does (repair.cu), so no call waits for the device to check out; a call that
             # returns the weights keeps the host's check (they are computed from lse)
-            self.repair_kind = None
-            if self.weights_shape is None:
-                self.repair_kind = "repair" if self.out_dtype == problem.q.dtype else "repair_accumulated"
+            self.repairs = self.weights_shape is None
             # the parameters (q, k and v strides included: a structure fixes them) and, for
             # calls without option arrays, every other operand, on the device once
             self.ints, self.reals = problem_parameters(problem, dtype)
@@ -302,9 +301,9 @@ class ForwardPlan:
                 if self._combine is None:
                     self._combine = launch.kernel("combine", self.storage, 0, 0)
                 self._combine(self.combine_blocks, (*operands, *outputs))
-            if self.repair_kind is not None:  # one warp per query row
+            if self.repairs:  # one warp per query row
                 if self._repair is None:
-                    self._repair = launch.kernel(self.repair_kind, self.storage, 0, 0)
+                    self._repair = launch.kernel("repair", self.storage, 0, 0)
                 self._repair(self.combine_blocks, (*operands, out, *self._out_strides, lse))
             weights = None
             if self.weights_shape is not None:
@@ -313,7 +312,7 @@ class ForwardPlan:
                            (*operands, lse, weights))
         # finite=True: out needs no check (its non-finite rows already are the reference's)
         return ForwardResult(out=out, lse=lse, weights=weights, saved=(out, lse),
-                             finite=True if self.repair_kind is not None else None)
+                             finite=True if self.repairs else None)
 
     def _launcher(self, config: dict):
         """The forward kernel's launch for ``config`` (this plan's, or with UNALIGNED added),

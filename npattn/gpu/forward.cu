@@ -236,7 +236,7 @@ weights_kernel(NPATTN_OPERAND_PARAMS, const Acc* lse, Acc* weights) {
 // branch on each split, which at batch 1 with 256 splits kept one load in flight.)
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(NPATTN_THREADS)
-combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
+combine_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
                const Acc* partial) {
     constexpr int COLUMNS = NPATTN_MAX_HEAD_DIM / 32;  // columns per lane
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
@@ -259,9 +259,9 @@ combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
         }
     }
     m = warp_max(m);
-    Acc* row_out = out + b * out_sb + h * out_sh + i * out_ss;
+    T* row_out = out + b * out_sb + h * out_sh + i * out_ss;  // in the inputs' dtype, rounded once
     if (warp_sum(seen) == 0) {  // no visible key: zeros and -inf, as without splits (out is not filled)
-        for (i64 d = lane; d < value_dim; d += 32) row_out[d] = 0;
+        for (i64 d = lane; d < value_dim; d += 32) Storage<T>::store(row_out, d, 0.0);
         if (lane == 0) lse[row] = negative_infinity<Acc>();
         return;
     }
@@ -285,7 +285,7 @@ combine_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
 #pragma unroll
     for (int c = 0; c < COLUMNS; ++c) {
         const i64 d = lane + 32 * c;
-        if (d < value_dim) row_out[d] = total[c] * factor;
+        if (d < value_dim) Storage<T>::store(row_out, d, (double)(total[c] * factor));
     }
     if (lane == 0) lse[row] = m + log_of(l);
 }

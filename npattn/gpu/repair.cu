@@ -17,8 +17,8 @@
 // sees: scores (scale, softcap, bias, ALiBi; ScoreRow's parameters and visibility),
 // the max (NaN-propagating) with the sink logit, the sum, dropout's keep mask, and out
 // as the sum over the visible keys of weight * v in key order, so 0 * NaN reaches the
-// row exactly when the reference's does. Then out (in out's dtype, rounded once from
-// float32 for 16-bit outputs) and lse are written over the row.
+// row exactly when the reference's does. Then out (in the inputs' dtype, rounded once
+// from float32 for 16-bit inputs) and lse are written over the row.
 #include "common.cuh"
 #include "forward.cu"
 
@@ -40,9 +40,9 @@ __device__ inline double score_in_double(const ScoreRow<T, Acc>& scorer, const T
     return score - (double)scorer.slope * (double)distance;
 }
 
-template <typename T, typename Acc, typename O>
+template <typename T, typename Acc>
 __global__ void __launch_bounds__(NPATTN_THREADS)
-repair_kernel(NPATTN_OPERAND_PARAMS, O* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse) {
+repair_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse) {
     constexpr int COLUMNS = NPATTN_MAX_HEAD_DIM / 32;  // columns per lane
     const Operands<T, Acc> in = NPATTN_OPERANDS;
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN], kv_len = ints[NPATTN_INT_KV_LEN];
@@ -53,12 +53,12 @@ repair_kernel(NPATTN_OPERAND_PARAMS, O* out, i64 out_sb, i64 out_sh, i64 out_ss,
     // padding rows keep the zeros and -inf they were given
     if (i < span(spans, b, NPATTN_SPAN_Q_START) || i >= span(spans, b, NPATTN_SPAN_Q_STOP)) return;
     const int value_dim = (int)ints[NPATTN_INT_VALUE_DIM], head_dim = (int)ints[NPATTN_INT_HEAD_DIM];
-    O* row_out = out + b * out_sb + h * out_sh + i * out_ss;
+    T* row_out = out + b * out_sb + h * out_sh + i * out_ss;
 
     // the check: x - x is 0 for a finite x, NaN for NaN and inf
     int bad = 0;
     for (int d = lane; d < value_dim; d += 32) {
-        const double x = Storage<O>::template load<double>(row_out, d);
+        const double x = Storage<T>::template load<double>(row_out, d);
         bad |= !(x - x == 0);
     }
     if (lane == 0) bad |= lse[row] != lse[row] || lse[row] == -negative_infinity<Acc>();
@@ -80,7 +80,7 @@ repair_kernel(NPATTN_OPERAND_PARAMS, O* out, i64 out_sb, i64 out_sh, i64 out_ss,
     }
     for (int offset = 16; offset > 0; offset >>= 1) top = nan_max(top, __shfl_xor_sync(0xffffffffu, top, offset));
     if (warp_sum(has_key) == 0) {  // sees nothing: zeros and -inf, whatever its keys hold
-        for (int d = lane; d < value_dim; d += 32) Storage<O>::store(row_out, d, 0.0);
+        for (int d = lane; d < value_dim; d += 32) Storage<T>::store(row_out, d, 0.0);
         if (lane == 0) lse[row] = negative_infinity<Acc>();
         return;
     }
@@ -121,7 +121,7 @@ repair_kernel(NPATTN_OPERAND_PARAMS, O* out, i64 out_sb, i64 out_sh, i64 out_ss,
 #pragma unroll
     for (int c = 0; c < COLUMNS; ++c) {
         const int d = lane + 32 * c;
-        if (d < value_dim) Storage<O>::store(row_out, d, sums[c] / total);
+        if (d < value_dim) Storage<T>::store(row_out, d, sums[c] / total);
     }
     if (lane == 0) lse[row] = (Acc)(top + log(total));
 }

@@ -47,10 +47,8 @@ BACKWARD_BLOCK_K = 16        # keys per tile in the backward kernels
 # are halved so a 256-wide head's shared memory stays within sm_80's 163 KiB
 FORWARD_BLOCK_K = {"float": 32, "double": 16}
 # every kernel template; those with register accumulators sized by the head dims
-# (repair: the forward's rows that are not finite recomputed as the reference does, out in
-# the inputs' dtype; repair_accumulated: out in the accumulation dtype, after a split combine)
-KINDS = ("forward", "forward_tc", "combine", "repair", "repair_accumulated", "weights", "dkdv", "dq", "dkdv_tc",
-         "dq_tc", "dbias")
+# (repair: the forward's rows that are not finite recomputed as the reference does)
+KINDS = ("forward", "forward_tc", "combine", "repair", "weights", "dkdv", "dq", "dkdv_tc", "dq_tc", "dbias")
 BOUNDED_KINDS = ("forward", "forward_tc", "dkdv", "dq", "dkdv_tc", "dq_tc")
 # the tensor-core backward holds two D-wide accumulators per lane: heads up to 128
 TENSOR_CORE_BACKWARD_BOUNDS = (64, 128)
@@ -203,11 +201,9 @@ def kernel_name(kind: str, dtype_name: str, bound: int = 0, *, tile: ForwardTile
         "dq": f"{storage}, {accumulate}, {bound}",
         "dbias": f"{storage}, {accumulate}",
         "combine": f"{storage}, {accumulate}",
-        "repair": f"{storage}, {accumulate}, {storage}",
-        "repair_accumulated": f"{storage}, {accumulate}, {accumulate}",
+        "repair": f"{storage}, {accumulate}",
     }[kind]
-    template = "repair" if kind == "repair_accumulated" else kind  # one template, two output dtypes
-    return f"{template}_kernel<{arguments}>"
+    return f"{kind}_kernel<{arguments}>"
 
 
 # every option, on rows that need plain loads and dims below the bound: the slowest path
@@ -235,8 +231,6 @@ def name_expressions() -> tuple[str, ...]:
         tensor_cores = dtype_name in TENSOR_CORE_STORAGE
         for kind in KINDS:
             if kind == "forward" and tensor_cores or kind.endswith("_tc") and not tensor_cores:
-                continue
-            if kind == "repair_accumulated" and not tensor_cores:  # the same as "repair" there
                 continue
             bounds = HEAD_DIM_BOUNDS if kind in BOUNDED_KINDS else (0,)
             if kind in ("dkdv_tc", "dq_tc"):
