@@ -499,6 +499,38 @@ def test_a_gpu_plan_runs_new_arrays_as_a_gpu_call_does(case, layout, seed):
             np.testing.assert_array_equal(plan.run(*shifted)[0], npattn.attention(*fresh, **options)[0])
 
 
+@pytest.mark.parametrize("dtype, q_len", [(np.float16, 24), (np.float16, 1), (np.float32, 5)])
+def test_a_planned_gpu_call_never_reads_out_back_to_check_it(monkeypatch, dtype, q_len):
+    """No check of out for NaN and inf on the host (on a GPU: a reduction and a wait for
+    the device): the repair pass answers for it, on a prefill call, a split decode step
+    and the SIMT kernels; a NaN planted in v of a key some rows do not see still reaches
+    exactly the reference's rows. A call that returns the weights keeps the host's check."""
+    import npattn.api
+    import npattn.runtime.nonfinite
+
+    def no_host_check(array):
+        raise AssertionError("a planned GPU call read out back to check it")
+
+    case = uniform_case(1, 4, 2, q_len, 300, 64, 64, values_seed=17, dtype=dtype, causal=True)
+    v = case.v.copy()
+    v[0, 1, 299, 4] = np.nan  # seen by the last query row only
+    plan = npattn.plan(case.q, case.k, v, causal=True, backend="gpu")
+    with monkeypatch.context() as patch:
+        for module in (npattn.api, npattn.core.results, npattn.runtime.nonfinite):
+            if hasattr(module, "all_finite"):
+                patch.setattr(module, "all_finite", no_host_check)
+        out = np.asarray(plan.run(case.q, case.k, v), np.float64)
+    expected = np.asarray(npattn.attention(case.q, case.k, v, causal=True, backend="reference"), np.float64)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    assert np.isnan(out).sum() == 2  # head 2's and head 3's last row, column 4
+    weights_plan = npattn.plan(case.q, case.k, case.v, causal=True, backend="gpu", return_weights=True)
+    checked = []
+    with monkeypatch.context() as patch:
+        patch.setattr(npattn.core.results, "all_finite", lambda array: checked.append(array) or True)
+        weights_plan.run(case.q, case.k, case.v)
+    assert checked
+
+
 def test_the_serving_calls_new_paths_run_on_the_emulated_gpu():
     """A shared prefix (its stacked and per-entry parts) and prefill with decode in one
     paged attention_varlen call (a call per sequence on the GPU) against the reference."""
