@@ -8,7 +8,6 @@ products on both paths: the vector micro-kernels and BLAS.
 import dataclasses
 
 import ml_dtypes
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
