@@ -91,6 +91,8 @@ repair_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss,
     const double keep_scale = (double)reals[NPATTN_REAL_KEEP_SCALE];
     // out = sum over the keys the row sees of exp(s - top) * keep * v, in key order: each
     // lane scores one key of 32, then the warp adds the 32 keys' rows one after another
+    // (the scores of the first pass are computed again: only rows that are not finite
+    // come here, and no buffer of one score per key is kept)
     double total = 0, sums[COLUMNS];
 #pragma unroll
     for (int c = 0; c < COLUMNS; ++c) sums[c] = 0;
