@@ -378,6 +378,58 @@ def test_a_call_that_raises_leaves_the_cache_as_it_was():
     np.testing.assert_array_equal(v_cache, before[1])
 
 
+def _random_bytes(rng, shape, dtype):
+    """An array of ``dtype`` and ``shape`` whose bytes are random (NaN payloads included)."""
+    return rng.integers(0, 256, size=(*shape, dtype.itemsize), dtype=np.uint8).view(dtype).reshape(shape)
+
+
+def _aliased_rows(caches):
+    """New k and v rows that are views of the key cache, over slots the step writes: the
+    last sequence's k rows are the slots the first sequence writes (contiguous layout)."""
+    return [caches[0][2::-1, 0:2], caches[0][0:3, 0:2]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", ["contiguous", "rows", "paged"])
+@pytest.mark.parametrize("aliased", [False, True])
+def test_the_compiled_append_writes_numpys_bytes_and_puts_them_back(dtype, layout, aliased):
+    """The CPU backend's append (npattn.cpu.slots) against NumPy's assignments, one cache
+    after the other, byte for byte: dtypes Numba types as they are and those it copies as
+    unsigned ints, k and v of different widths, a quantized cache's scales (3-D) beside
+    its codes, new rows that are views of the cache; then the old bytes put back."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from npattn.cpu.slots import SlotWriter
+    from npattn.serving.kvcache import _slots
+
+    dtype = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
+    rng = np.random.default_rng(len(layout) + 2 * aliased)
+    batch, new_len, kv_heads, widths = 3, 2, 2, ((4, 4) if aliased else (4, 6))
+    seqlens, pages, rows, slots = np.array([0, 5, 3]), None, None, 8
+    if layout == "paged":  # pages of 4, each sequence's pages a shuffle of the pool's
+        pages, slots = rng.permutation(12)[:9].reshape(batch, 3), 4
+    elif layout == "rows":
+        rows = rng.permutation(5)[:batch]
+    caches = [_random_bytes(rng, (12 if pages is not None else 5, slots, kv_heads, width), dtype) for width in widths]
+    new = (_aliased_rows(caches) if aliased else
+           [_random_bytes(rng, (batch, new_len, kv_heads, width), dtype) for width in widths])
+    if dtype.itemsize == 1:  # a quantized cache: int8 or e4m3 codes, then float32 scales per row
+        caches += [rng.uniform(0.5, 2.0, caches[0].shape[:3]).astype(np.float32) for _ in range(2)]
+        new += [rng.uniform(0.5, 2.0, (batch, new_len, kv_heads)).astype(np.float32) for _ in range(2)]
+    targets, positions = _slots(np, batch, new_len, seqlens, pages, rows, slots, views=False)
+    before = [cache.copy() for cache in caches]
+    expected = [cache.copy() for cache in caches]
+    sources = _aliased_rows(expected) + new[2:] if aliased else new
+    for cache, rows_in in zip(expected, sources):  # NumPy reads each source as the writes before left it
+        cache[targets, positions] = rows_in
+    writer = SlotWriter(caches, new, targets, positions)
+    olds = writer.write(caches, new)
+    for actual, wanted in zip(caches, expected):
+        np.testing.assert_array_equal(actual.view(np.uint8), wanted.view(np.uint8))
+    writer.restore(caches, new, olds)
+    for actual, old in zip(caches, before):
+        np.testing.assert_array_equal(actual.view(np.uint8), old.view(np.uint8))
+
+
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)
 def test_kvcache_attend_keeps_a_length_per_row(backend):
     from npattn.nn import KVCache

@@ -67,6 +67,14 @@ def backward(problem, saved, dout):
     return run(problem, saved, dout)
 
 
+def slot_writer(caches, new, targets, positions):
+    """The kv-cache call's append to NumPy caches, compiled: a
+    :class:`~npattn.cpu.slots.SlotWriter` (one call for both caches where NumPy's
+    indexing takes four)."""
+    from .slots import SlotWriter
+    return SlotWriter(caches, new, targets, positions)
+
+
 def products(kind: str):
     """A context manager: run the block with the tiles' matrix products on ``"vector"``
     (the register-blocked micro-kernels of :mod:`.microkernels`, the default where the CPU

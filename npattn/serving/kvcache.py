@@ -167,9 +167,14 @@ class KVCachePlan:
         self._prefix_arrays = prefix_arrays  # (q rotated, prefix_k, prefix_v) of the call that planned
         new_keys = 0 if structure["k"] is None else structure["k"][0][2][1]
         self._appends = new_keys > 0
-        # where each new key goes: fixed by the step's metadata, worked out once
-        self._slots = (_slots(checked[0].xp, structure["q"][0][2][0], new_keys, self._seqlens, self._pages, self._rows,
-                              self._page_size) if self._appends else None)
+        # where each new key goes: fixed by the step's metadata, worked out once; NumPy
+        # caches take them through the backend's compiled writer where it has one
+        problem, implementation, caches, new = checked
+        xp = problem.xp
+        compiled = self._appends and xp is np and hasattr(implementation, "slot_writer")
+        self._slots = (_slots(xp, structure["q"][0][2][0], new_keys, self._seqlens, self._pages, self._rows,
+                              self._page_size, views=not compiled) if self._appends else None)
+        self._writer = implementation.slot_writer(caches, new, *self._slots) if compiled else None
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, prefix_k: Any = None,
             prefix_v: Any = None, k_scale: Any = None, v_scale: Any = None) -> Outputs:
@@ -248,12 +253,21 @@ class KVCachePlan:
     def _appended(self, caches, new, attend):
         """``attend()`` after appending ``new`` to ``caches`` (:func:`_append`) at the plan's
         slots; the slots get their old bytes back if anything raises after the first write."""
-        undo = _append(caches, new, self._slots) if self._appends else None
+        if not self._appends:
+            return attend()
+        writer = self._writer
+        if writer is None:
+            undo = _append(caches, new, self._slots)
+            try:
+                return attend()
+            except BaseException:
+                undo()
+                raise
+        olds = writer.write(caches, new)
         try:
             return attend()
         except BaseException:
-            if undo is not None:
-                undo()
+            writer.restore(caches, new, olds)
             raise
 
 
@@ -673,20 +687,24 @@ def _check_slots_finite(name, cache, row, start, stop, sequence):
                      f"{name}[{', '.join(map(str, index))}] = {value!r} (a cached key of sequence {sequence})")
 
 
-def _slots(xp, batch, new_len, seqlens, pages, rows, page_size):
+def _slots(xp, batch, new_len, seqlens, pages, rows, page_size, views=True):
     """The index of every new key in a cache (keys ``[seqlens[b], seqlens[b] + Sn)`` of
     each sequence b), as ``cache[index]`` takes it: ``(targets, positions)`` (B, Sn) each,
-    the cache row or page and the slot in it; or, where every sequence of a contiguous
-    cache writes at one position, one basic slice of rows 0..B-1 (no gather)."""
-    if pages is None and rows is None and seqlens.size and bool((seqlens == seqlens[0]).all()):
+    the cache row or page and the slot in it (int64 and contiguous unless ``views``);
+    or, with ``views``, where every sequence of a contiguous cache writes at one position,
+    one basic slice of rows 0..B-1 (no gather)."""
+    if views and pages is None and rows is None and seqlens.size and bool((seqlens == seqlens[0]).all()):
         start = int(seqlens[0])
         return slice(0, batch), slice(start, start + new_len)
     positions = xp.asarray(seqlens)[:, None] + xp.arange(new_len)[None, :]  # (B, Sn)
     if pages is not None:
         targets = xp.take_along_axis(pages, positions // page_size, axis=1)
-        return targets, positions % page_size
-    targets = xp.arange(batch) if rows is None else rows
-    return xp.broadcast_to(targets[:, None], positions.shape), positions
+        positions = positions % page_size
+    else:
+        targets = xp.broadcast_to((xp.arange(batch) if rows is None else xp.asarray(rows))[:, None], positions.shape)
+    if views:
+        return targets, positions
+    return xp.ascontiguousarray(targets, dtype=np.int64), xp.ascontiguousarray(positions, dtype=np.int64)
 
 
 def _append(caches, new, slots):

@@ -10,8 +10,8 @@ CPU; each number the best of ``repeats`` runs of ``calls`` back-to-back calls, i
   importable, its CPU SDPA of the causal call as the bar;
 - one layer of a decode step, (1, 8/2, 1 new + 40 cached, 64) on a contiguous cache and a
   batch of 4 on pages of 16: ``attention_with_kvcache`` against ``plan_with_kvcache(...).run``,
-  and the attention call the contiguous layer makes after its append, plain and planned
-  (what a kv-cache plan could come down to);
+  and the attention call each layer makes after its append, plain and planned (what a
+  kv-cache plan could come down to);
 - one layer of a packed batch (3 decode steps and a 16-token chunk, 8/2 heads, D 64):
   ``attention_varlen`` against ``plan_varlen(...).run``.
 """
@@ -81,12 +81,16 @@ def compare(calls: int = 2000, repeats: int = 5, out=sys.stdout) -> dict:
     results["packed layer, 4 sequences (1, 1, 1, 16 x 40-90 keys)"] = (
         best_us(lambda: attention_varlen(*packed, cu_q, cu_k, causal=True), calls, repeats),
         best_us(lambda: varlen_step.run(*packed), calls, repeats))
-    # the attention the contiguous layer runs after its append: q against the cache's 41 keys
+    # the attention each layer runs after its append: q against the contiguous cache's 41
+    # keys; the 4 sequences against their pages, each at its own length
     keys, values = caches[0][:, :41], caches[1][:, :41]
-    alone = plan(q1, keys, values, layout="bshd")
-    results["the contiguous layer's attention alone"] = (
-        best_us(lambda: attention(q1, keys, values, layout="bshd"), calls, repeats),
-        best_us(lambda: alone.run(q1, keys, values), calls, repeats))
+    lengths = steps[1][4]["cache_seqlens"] + 1
+    paged = dict(layout="bshd", block_table=steps[1][4]["block_table"], kv_lengths=lengths, q_offset=lengths - 1)
+    for label, arrays, options in (("the contiguous layer's attention alone", (q1, keys, values), dict(layout="bshd")),
+                                   ("the paged layer's attention alone", (q4, *pools), paged)):
+        alone = plan(*arrays, **options)
+        results[label] = (best_us(lambda: attention(*arrays, **options), calls, repeats),
+                          best_us(lambda: alone.run(*arrays), calls, repeats))
     print(f"npattn planned calls on the CPU (float32 but the float16 row), best of {repeats} x {calls} calls, "
           "us a call", file=out)
     print(f"{'call':<52} {'plain call':>11} {'planned':>9}", file=out)
