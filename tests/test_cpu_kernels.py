@@ -151,6 +151,42 @@ def test_outputs_past_the_alignment_threshold_start_on_a_cache_line(q_len):
         assert out.ctypes.data % 64 == 0
 
 
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal="top_left", window=(1, 0)), dict(sinks=2, window=3),
+                                     dict(layout="bshd", causal=True), dict(gqa=True, causal=True)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_plain_planned_call_writes_every_byte_of_out_and_lse(options, dtype):
+    """A plan's plain calls run the kernel's entry point on uninitialized out and lse
+    (no zeros, no -inf fill): poisoned with NaN, they come back with the bits of a
+    run on zeros and -inf, rows that see no key included (9 queries, 5 keys)."""
+    options = dict(options)
+    kv_heads = 2 if options.pop("gqa", False) else 4
+    layout = options.get("layout", "bhsd")
+    rng = np.random.default_rng(4)
+    shapes = [(1, 4, 9, 32), (1, kv_heads, 5, 32), (1, kv_heads, 5, 32)]
+    q, k, v = (rng.standard_normal(shape).astype(dtype) for shape in shapes)
+    if layout == "bshd":
+        q, k, v = (array.transpose(0, 2, 1, 3).copy() for array in (q, k, v))
+    plan = npattn.plan(q, k, v, return_lse=True, backend="cpu", **options)
+    plan.run(q, k, v)  # the first call types the entry point (on zeros and -inf)
+    expected = plan.planned_forward(q, k, v)
+    forward = plan._forward_plan
+
+    def poisoned(make):
+        return lambda: np.full_like(make(), np.nan)
+
+    forward.out_empty, forward.lse_empty = poisoned(forward.out_empty), poisoned(forward.lse_empty)
+    assert forward._entry is not None
+    # (the kernel's own result: a NaN left in out would send run() to the full path, which
+    # would answer right all the same)
+    result = plan.planned_forward(q, k, v)
+    assert result is not None, "the kernel left a NaN of the poisoned out"
+    np.testing.assert_array_equal(result.out.view(np.uint8), expected.out.view(np.uint8))
+    np.testing.assert_array_equal(result.lse.view(np.uint8), expected.lse.view(np.uint8))
+    out, lse = plan.run(q, k, v)
+    if options.get("causal") is True:  # bottom-right: queries 0-3 see no key
+        assert np.isneginf(lse[:, :, :4]).all() and not (out[:, :4] if layout == "bshd" else out[:, :, :4]).any()
+
+
 def test_float16_inputs_run_in_float32_and_return_float16():
     rng = np.random.default_rng(2)
     q, k, v = _problem(rng, dtype=np.float16)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import numpy as np
@@ -71,6 +72,9 @@ class ForwardPlan:
         self.out_shape = (batch, q_len, heads, value_dim) if self.bshd else (batch, heads, q_len, value_dim)
         self.out_zeros = zeros_maker(self.out_shape, dtype)
         self.lse_shape = (batch, heads, q_len)
+        # (a call whose rows are all live: the kernel writes both whole)
+        self.out_empty = zeros_maker(self.out_shape, dtype, zeroed=False)
+        self.lse_empty = functools.partial(np.empty, self.lse_shape, dtype)
         self.weights_shape = (batch, heads, q_len, problem.kv_len)
         # each key range's rows go to their own (out, lse) slice, merged after the kernel
         self.parts_shape = (self.splits, batch, heads, q_len, value_dim)
@@ -107,16 +111,23 @@ class ForwardPlan:
             q = folding.fold_rows(q, self.fold_shape)
             if arrays is not None:
                 arrays = folding.FoldedArrays.of(arrays, self.group)
-        ops = self.operands.operands(q, k, v, arrays)
         # the kernel's machine code called directly: a plain call (no option arrays, whose
         # views are the caller's; 16-bit keys read as bytes have none either, and their byte
         # views are always aligned) on rows of the alignment the entry was typed for
         direct = self._alone and arrays is None
-        aligned = (ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned) if direct else None
-        entry = self._entry if direct and aligned == self._entry_aligned else None
-        out = self.out_zeros()
-        lse = np.empty(self.lse_shape, dtype)
-        lse.fill(-np.inf)  # (np.full, in Python, costs a small call 4 us more)
+        entry = None
+        if direct and self._entry is not None:
+            ops = self.operands.entry_operands(q, k, v)
+            if (ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned) == self._entry_aligned:
+                entry = self._entry
+        if entry is None:
+            ops = self.operands.operands(q, k, v, arrays)
+        if entry is not None:  # every row is live: the kernel writes out and lse whole
+            out, lse = self.out_empty(), self.lse_empty()
+        else:
+            out = self.out_zeros()
+            lse = np.empty(self.lse_shape, dtype)
+            lse.fill(-np.inf)  # (np.full, in Python, costs a small call 4 us more)
         if self.splits > 1:
             out_parts = np.zeros(self.parts_shape, dtype)
             lse_parts = np.full(self.parts_shape[:-1], -np.inf, dtype)
@@ -140,7 +151,7 @@ class ForwardPlan:
                 if direct and self._entry is None:
                     self._entry = direct_entry(forward_kernel, (*arguments, *scratch_set(self.scratch_specs),
                                                                 status, self.items))
-                    self._entry_aligned = aligned
+                    self._entry_aligned = (ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned)
                 if self.bshd:
                     out = out.transpose(0, 2, 1, 3)
                 if self.splits > 1:

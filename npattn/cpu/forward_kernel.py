@@ -69,9 +69,10 @@ def _out_offset(out_strides, split, b, h, i0):
 def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_codes, v_codes, k_scale, v_scale,
                    out, out_strides, lse, s, tanh, packed, m, total, sums, seen, dequantized, counter, items):
     """Fill ``out`` (a flat view with element strides ``out_strides``, int64 (4,): batch,
-    head, row, key range; zero on entry) and ``lse`` (flat (ranges, B, H, Sq), -inf on
-    entry; B is 1 with PACKED_ROWS, as is out's batch stride 0). Rows outside the live
-    ones (``spans``) stay as they are. ``s`` to ``dequantized``: this thread's
+    head, row, key range) and ``lse`` (flat (ranges, B, H, Sq); B is 1 with PACKED_ROWS,
+    as is out's batch stride 0): every live row (``spans``) whole, zeros and -inf where it
+    sees no key; rows outside the live ones stay as they are (a plain call has none: its
+    out and lse may start uninitialized). ``s`` to ``dequantized``: this thread's
     :func:`~npattn.cpu.scratch.forward_scratch_specs`. With KV_CODES, k and v are
     placeholders and each key tile is read from ``k_codes`` and ``v_codes`` (int8 times
     their scales, or 16-bit floats: :func:`~npattn.cpu.tiles.dequantize_tile`).
@@ -104,11 +105,14 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
             continue
         # the sink logit enters as a first column of value 0 (in the first key range)
         has_sink = ints[Int.HAS_SINK] and split == 0
-        for g in range(group):  # each head's running max, sum and whether it saw a key
+        for g in range(group):  # each head's running max, sum and whether it saw a key; its out rows zero
             for r in range(rows):
                 m[g * block_q + r] = sink[h0 + g] if has_sink else -np.inf
                 total[g * block_q + r] = 1.0 if has_sink else 0.0
                 seen[g * block_q + r] = False
+                o = _out_offset(out_strides, split, b, h0 + g, i0 + r)
+                for x in range(as_offset(o), as_offset(o + dv)):
+                    out[x] = 0.0
         if bf16:  # the query tile as bfloat16 pairs, once for all its key tiles (one head: BF16_PRODUCTS
             # never comes with HEAD_GROUP, whose decode tiles take DOT_SCORES)
             pair_rows(q, b * ints[Int.Q_STRIDE_B] + h0 * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S],
@@ -205,7 +209,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     if not finite:
                         counter[NON_FINITE] = 1
                     lse[lse_offset + r] = m[g * block_q + r] + math.log(total[g * block_q + r])
-                else:
+                else:  # (zeros again: the products may have left 0 * inf = NaN from a value row)
+                    lse[lse_offset + r] = -np.inf
                     for x in range(as_offset(o), as_offset(o + dv)):
                         out[x] = 0.0
 

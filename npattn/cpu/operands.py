@@ -254,6 +254,17 @@ class OperandPlan:
             ints = _frozen(ints)
         return Operands(q, k, v, bias, mask, alibi, sink, spans, pages, ints, self.reals, *quantized)
 
+    def entry_operands(self, q, k, v) -> tuple:
+        """:meth:`operands` of a plain call (no option arrays) for a kernel's typed entry
+        point (:func:`~npattn.cpu.threads.direct_entry`), which reads no array's flags: q,
+        k and v viewed as :meth:`operands` views them, but not marked read-only where
+        they are read in place (three ``setflags``: 0.3 us of a small call). Jitted code
+        typed them read-only, so it never writes them."""
+        q_order, k_order, v_order = self.orders
+        if q_order is None or k_order is None or v_order is None or self.codes:
+            return self.operands(q, k, v)
+        return (q.ravel(order="K"), k.ravel(order="K"), v.ravel(order="K"), *self.plain_rest)
+
 
 def operand_plan(problem, kind: str, tuning: Tuning, rows_per_position: int = 1) -> OperandPlan:
     """The :class:`OperandPlan` of ``problem``'s signature, made on first use and kept

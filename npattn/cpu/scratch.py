@@ -84,21 +84,23 @@ def _allocate(size: int, dtype: np.dtype) -> np.ndarray:
     return raw[start:start + size * dtype.itemsize].view(dtype)
 
 
-def zeros_maker(shape: tuple, dtype) -> Callable[[], np.ndarray]:
-    """A function making ``np.zeros(shape, dtype)`` starting on a cache line: a result array
+def zeros_maker(shape: tuple, dtype, zeroed: bool = True) -> Callable[[], np.ndarray]:
+    """A function making ``np.zeros(shape, dtype)`` (``zeroed`` False: ``np.empty``, for
+    a kernel that writes every element) starting on a cache line: a result array
     the kernels store whole vectors into, and that JAX takes without a copy (it copies a
     buffer off a 64-byte boundary; NumPy's own arrays start 16 bytes past one). Below
-    :data:`_ALIGNED_FROM` bytes, NumPy's own zeros: aligning costs a small call 2 us, more
+    :data:`_ALIGNED_FROM` bytes, NumPy's own: aligning costs a small call 2 us, more
     than the straddled cache lines and a copy of so small an array cost. Decided once, by
     a plan (the decision itself cost a small call 0.4 us)."""
     dtype = np.dtype(dtype)
     size = math.prod(shape)
     if size * dtype.itemsize < _ALIGNED_FROM:
-        return functools.partial(np.zeros, shape, dtype)
+        return functools.partial(np.zeros if zeroed else np.empty, shape, dtype)
 
     def aligned() -> np.ndarray:
         array = _allocate(size, dtype).reshape(shape)
-        array.fill(0)
+        if zeroed:
+            array.fill(0)
         return array
     return aligned
 
