@@ -27,7 +27,8 @@ def test_conversions_equal_numpys_in_the_inputs_layout(shape, bshd, seed):
         single = np.ascontiguousarray(single.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     with np.errstate(over="ignore"):
         expected_half = single.astype(np.float16)
-    assert conversion.converted(single, np.float16) is None  # small: NumPy's astype is sooner
+    if single.size < conversion.VECTOR_VALUES:  # small: NumPy's astype is sooner
+        assert conversion.converted(single, np.float16) is None
     with mock.patch.object(conversion, "VECTOR_VALUES", 1):  # (the vector path on these small arrays)
         half = conversion.converted(single, np.float16)
         back = conversion.converted(expected_half, np.float32)
