@@ -1,7 +1,8 @@
 """``python -m npattn bench --plans``: what a planned call saves, side by side in one process.
 
 Small calls, where the checks and the set-up cost as much as the kernels (float32 on the
-CPU; each number the best of ``repeats`` runs of ``calls`` back-to-back calls, in us):
+CPU; each number the best of ``5 * repeats`` runs of ``calls`` back-to-back calls, in us,
+the runs of every call taken in turn):
 
 - (1, 8, 16 x 16, 64): ``attention`` against ``plan(...).run``, causal, with
   ``kv_lengths``, and with a (16, 16) bias and ALiBi slopes (``attention`` plans only calls
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 
 import numpy as np
 
@@ -28,21 +30,30 @@ from ..serving.kvcache import plan_with_kvcache
 from ..serving.varlen import plan_varlen
 
 
-def best_us(call, calls: int, repeats: int) -> float:
-    """The best of ``repeats`` runs of ``calls`` back-to-back calls, in us a call."""
-    for _ in range(max(1, calls // 10)):  # warm: compiled, planned, caches filled
-        call()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
+def best_us(calls_by_label: dict, calls: int, repeats: int) -> dict:
+    """``{label: (us a call, plain; us a call, planned or NaN)}`` for ``{label: (plain call,
+    planned call or None)}``: each the best of ``repeats`` runs of ``calls`` back-to-back
+    calls, the runs of every call taken in turn (round by round, so that a slow spell of
+    the machine reaches every row alike, and a row's plain and planned times come from
+    the same rounds)."""
+    timed = [(label, which, call) for label, pair in calls_by_label.items() for which, call in enumerate(pair)
+             if call is not None]
+    for _, _, call in timed:
+        for _ in range(max(1, calls // 10)):  # warm: compiled, planned, caches filled
             call()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
+    best = {(label, which): float("inf") for label, which, _ in timed}
+    for _ in range(repeats):
+        for label, which, call in timed:
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            best[label, which] = min(best[label, which], (time.perf_counter() - start) / calls * 1e6)
+    return {label: (best[label, 0], best.get((label, 1), float("nan"))) for label in calls_by_label}
 
 
-def compare(calls: int = 2000, repeats: int = 5, out=sys.stdout) -> dict:
-    """Print and return ``{label: (through the plain call, through the plan)}`` in us."""
+def compare(calls: int = 400, repeats: int = 5, out=sys.stdout) -> dict:
+    """Print and return ``{label: (through the plain call, through the plan)}`` in us:
+    the best of ``5 * repeats`` rounds of ``calls`` calls of each (:func:`best_us`)."""
     rng = np.random.default_rng(0)
     results = {}
     q = rng.standard_normal((1, 8, 16, 64)).astype(np.float32)
@@ -53,11 +64,11 @@ def compare(calls: int = 2000, repeats: int = 5, out=sys.stdout) -> dict:
                                                                   alibi_slopes=np.linspace(0.1, 0.8, 8))),
                               ("causal, float16", half, dict(causal=True))):
         planned = plan(x, x, x, **options)
-        results[f"(1, 8, 16 x 16, 64) {label}"] = (best_us(lambda: attention(x, x, x, **options), calls, repeats),
-                                                   best_us(lambda: planned.run(x, x, x), calls, repeats))
+        results[f"(1, 8, 16 x 16, 64) {label}"] = (partial(attention, x, x, x, **options),
+                                                   partial(planned.run, x, x, x))
     torch_causal = _torch_causal(q)
     if torch_causal is not None:  # the bar, in the same process (where torch is importable)
-        results["(1, 8, 16 x 16, 64) causal, torch SDPA"] = (best_us(torch_causal, calls, repeats), float("nan"))
+        results["(1, 8, 16 x 16, 64) causal, torch SDPA"] = (torch_causal, None)
     heads, kv_heads, dim = 8, 2, 64
     q1, k1 = rng.standard_normal((1, 1, heads, dim)).astype(np.float32), rng.standard_normal(
         (1, 1, kv_heads, dim)).astype(np.float32)
@@ -70,17 +81,15 @@ def compare(calls: int = 2000, repeats: int = 5, out=sys.stdout) -> dict:
               dict(cache_seqlens=np.array([40, 30, 20, 50]), block_table=np.arange(16).reshape(4, 4))))
     for label, qs, ks, (key_cache, value_cache), metadata in steps:
         step = plan_with_kvcache(qs, key_cache, value_cache, ks, ks, **metadata)
-        results[label] = (
-            best_us(lambda: attention_with_kvcache(qs, key_cache, value_cache, ks, ks, **metadata), calls, repeats),
-            best_us(lambda: step.run(qs, key_cache, value_cache, ks, ks), calls, repeats))
+        results[label] = (partial(attention_with_kvcache, qs, key_cache, value_cache, ks, ks, **metadata),
+                          partial(step.run, qs, key_cache, value_cache, ks, ks))
     # a packed batch of 4 sequences (decode steps and a short prefill chunk), one layer
     cu_q, cu_k = np.array([0, 1, 2, 3, 19]), np.array([0, 40, 70, 90, 130])
     packed = [rng.standard_normal((int(cu[-1]), h, dim)).astype(np.float32)
               for cu, h in ((cu_q, heads), (cu_k, kv_heads), (cu_k, kv_heads))]
     varlen_step = plan_varlen(*packed, cu_q, cu_k, causal=True)
     results["packed layer, 4 sequences (1, 1, 1, 16 x 40-90 keys)"] = (
-        best_us(lambda: attention_varlen(*packed, cu_q, cu_k, causal=True), calls, repeats),
-        best_us(lambda: varlen_step.run(*packed), calls, repeats))
+        partial(attention_varlen, *packed, cu_q, cu_k, causal=True), partial(varlen_step.run, *packed))
     # the attention each layer runs after its append: q against the contiguous cache's 41
     # keys; the 4 sequences against their pages, each at its own length
     keys, values = caches[0][:, :41], caches[1][:, :41]
@@ -89,10 +98,10 @@ def compare(calls: int = 2000, repeats: int = 5, out=sys.stdout) -> dict:
     for label, arrays, options in (("the contiguous layer's attention alone", (q1, keys, values), dict(layout="bshd")),
                                    ("the paged layer's attention alone", (q4, *pools), paged)):
         alone = plan(*arrays, **options)
-        results[label] = (best_us(lambda: attention(*arrays, **options), calls, repeats),
-                          best_us(lambda: alone.run(*arrays), calls, repeats))
-    print(f"npattn planned calls on the CPU (float32 but the float16 row), best of {repeats} x {calls} calls, "
-          "us a call", file=out)
+        results[label] = (partial(attention, *arrays, **options), partial(alone.run, *arrays))
+    results = best_us(results, calls, 5 * repeats)
+    print(f"npattn planned calls on the CPU (float32 but the float16 row), best of {5 * repeats} rounds of {calls} "
+          "calls of each, in turn, us a call", file=out)
     print(f"{'call':<52} {'plain call':>11} {'planned':>9}", file=out)
     for label, (plain, planned) in results.items():
         print(f"{label:<52} {plain:>11.1f} {'-' if planned != planned else f'{planned:.1f}':>9}", file=out)
