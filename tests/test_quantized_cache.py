@@ -209,6 +209,52 @@ def test_the_quantization_error_stays_within_its_derived_bound(keys):
     assert (error <= bound).all(), f"worst error {error.max():.3g} past its bound {bound[error > bound].min():.3g}"
 
 
+@given(magnitude=st.integers(-40, 37), ties=st.booleans(), zero_row=st.booleans(),
+       dtype=st.sampled_from(["float32", "float64"]), paged=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_the_compiled_append_quantizes_with_quantize_rows_bits(magnitude, ties, zero_row, dtype, paged, seed):
+    """The CPU backend's int8 append (npattn.cpu.slots.SlotWriter.quantize) writes the
+    codes and scales that quantize_rows gives and NumPy's assignment writes, byte for
+    byte: values from 1e-40 to 1e38, rows of exact ties at half a step, rows of zeros, k
+    and v of different widths; then puts the old bytes back. A row that is not finite
+    in float32 is left to NumPy: nothing written, None."""
+    from npattn.core.quantization import quantize_rows
+    from npattn.cpu.slots import SlotWriter
+    from npattn.serving.kvcache import _slots
+
+    rng = np.random.default_rng(seed)
+    batch, new_len, kv_heads, widths = 3, 2, 2, (HEAD_DIM, 2 * HEAD_DIM)
+    slots = 4 if paged else 8
+    pages = rng.permutation(12)[:6].reshape(batch, 2) if paged else None
+    pool = 12 if paged else batch
+    rows = [(rng.normal(size=(batch, new_len, kv_heads, width)) * 10.0 ** magnitude).astype(dtype) for width in widths]
+    if ties:  # values at n + 1/2 steps of their row's scale: rint's ties, to the even code
+        step = np.float32(np.abs(rows[0].astype(np.float32)).max(axis=-1, keepdims=True) / np.float32(CODE_LIMIT))
+        rows[0] = ((rng.integers(-126, 126, size=rows[0].shape) + 0.5) * step).astype(dtype)
+        rows[0][..., 0] = CODE_LIMIT * step[..., 0]
+    if zero_row:
+        rows[1][1, 0] = 0
+    caches = [rng.integers(-127, 128, size=(pool, slots, kv_heads, width)).astype(np.int8) for width in widths]
+    caches += [rng.uniform(0.1, 2.0, (pool, slots, kv_heads)).astype(np.float32) for _ in range(2)]
+    targets, positions = _slots(np, batch, new_len, np.array([0, 3, 2]), pages, None, slots, views=False)
+    (k_codes, k_scales), (v_codes, v_scales) = (quantize_rows(row) for row in rows)
+    expected = [cache.copy() for cache in caches]
+    for cache, new in zip(expected, (k_codes, v_codes, k_scales, v_scales)):
+        cache[targets, positions] = new
+    before = [cache.copy() for cache in caches]
+    writer = SlotWriter(caches, (k_codes, v_codes, k_scales, v_scales), targets, positions)
+    assert writer.quantizes(rows[0].dtype)
+    olds = writer.quantize(caches, rows)
+    for actual, wanted in zip(caches, expected):
+        np.testing.assert_array_equal(actual.view(np.uint8), wanted.view(np.uint8))
+    writer.restore(caches, rows, olds)
+    for actual, old in zip(caches, before):
+        np.testing.assert_array_equal(actual.view(np.uint8), old.view(np.uint8))
+    rows[1][2, 1, 0, 3] = np.nan if magnitude % 2 else np.inf
+    assert writer.quantize(caches, rows) is None
+    for actual, old in zip(caches, before):
+        np.testing.assert_array_equal(actual.view(np.uint8), old.view(np.uint8))
+
+
 def test_a_quantized_call_that_raises_changes_no_byte(monkeypatch):
     rng = np.random.default_rng(5)
     q = rng.normal(size=(2, 1, 2, HEAD_DIM)).astype(np.float32)

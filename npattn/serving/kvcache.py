@@ -175,6 +175,10 @@ class KVCachePlan:
         self._slots = (_slots(xp, structure["q"][0][2][0], new_keys, self._seqlens, self._pages, self._rows,
                               self._page_size, views=not compiled) if self._appends else None)
         self._writer = implementation.slot_writer(caches, new, *self._slots) if compiled else None
+        # an int8 cache's new float rows quantized in the writer's pass (its runs; the call
+        # that planned has its codes already)
+        self._quantizing = (self._writer is not None and self._quantized
+                            and self._writer.quantizes(structure["k"][0][1]))
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, prefix_k: Any = None,
             prefix_v: Any = None, k_scale: Any = None, v_scale: Any = None) -> Outputs:
@@ -224,7 +228,8 @@ class KVCachePlan:
         caches, new = (k_cache, v_cache), (None if k is None else (k, v))
         if quantized:
             caches += (k_scale, v_scale)
-            new = None if k is None else _quantized_rows(k, v, k_cache.dtype)
+            if not self._quantizing:  # (else the writer quantizes k and v as it writes them)
+                new = None if k is None else _quantized_rows(k, v, k_cache.dtype)
             if self._prefix:
                 scales = _quantized.Scales(k_scale[:, :self._keys_used], v_scale[:, :self._keys_used])
             # a problem of this run's arrays: the codes, their scales and q (a quantized step
@@ -237,8 +242,9 @@ class KVCachePlan:
                 self._attend = api.Plan(self._planned_problem, self._checked[1])
             attention = lambda: self._attend.run_trusted(q, keys, values)  # noqa: E731
         if shared is None:
-            return self._appended(caches, new, attention)
-        return self._appended(caches, new, lambda: shared.attend(q, prefix_k, prefix_v, attention()))
+            return self._appended(caches, new, attention, self._quantizing)
+        return self._appended(caches, new, lambda: shared.attend(q, prefix_k, prefix_v, attention()),
+                              self._quantizing)
 
     def run_checked(self) -> Outputs:
         """The run of the call that made the plan (:func:`attention_with_kvcache`), on the
@@ -250,9 +256,10 @@ class KVCachePlan:
         return self._appended(caches, new, lambda: self._shared.attend(
             q, prefix_k, prefix_v, api.run_problem(problem, implementation)))
 
-    def _appended(self, caches, new, attend):
+    def _appended(self, caches, new, attend, quantize=False):
         """``attend()`` after appending ``new`` to ``caches`` (:func:`_append`) at the plan's
-        slots; the slots get their old bytes back if anything raises after the first write."""
+        slots (``quantize``: ``new`` is an int8 cache's float k and v, which the writer
+        quantizes); the slots get their old bytes back if anything raises after the first write."""
         if not self._appends:
             return attend()
         writer = self._writer
@@ -263,7 +270,11 @@ class KVCachePlan:
             except BaseException:
                 undo()
                 raise
-        olds = writer.write(caches, new)
+        olds = writer.quantize(caches, new) if quantize else None
+        if olds is None:
+            if quantize:  # a row not finite in float32: NumPy's rounding, as the call that planned has it
+                new = _quantized_rows(*new, caches[0].dtype)
+            olds = writer.write(caches, new)
         try:
             return attend()
         except BaseException:
