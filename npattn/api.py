@@ -150,7 +150,7 @@ class Plan:
         # the backend's own plans of the structure (the CPU's tiles, work items, scratch):
         # the forward's now, the backward's at the first vjp
         self._forward_plan = (implementation.forward_plan(problem)
-                              if hasattr(implementation, "forward_plan") and problem.block_table is None else None)
+                              if hasattr(implementation, "forward_plan") else None)
         self._backward_plan: Any = None
         # q, k and v only gave the structure: stand-ins of their shape and dtype (one element
         # of memory each) keep the plan from holding the caller's arrays alive; every run
