@@ -392,18 +392,21 @@ def _aliased_rows(caches):
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", ["contiguous", "rows", "paged"])
 @pytest.mark.parametrize("aliased", [False, True])
-def test_the_compiled_append_writes_numpys_bytes_and_puts_them_back(dtype, layout, aliased):
+@pytest.mark.parametrize("vectors", [False, True])
+def test_the_compiled_append_writes_numpys_bytes_and_puts_them_back(dtype, layout, aliased, vectors):
     """The CPU backend's append (npattn.cpu.slots) against NumPy's assignments, one cache
     after the other, byte for byte: dtypes Numba types as they are and those it copies as
-    unsigned ints, k and v of different widths, a quantized cache's scales (3-D) beside
-    its codes, new rows that are views of the cache; then the old bytes put back."""
+    unsigned ints, k and v of different widths (``vectors``: whole vectors, which float
+    caches copy a vector at a time), a quantized cache's scales (3-D) beside its codes,
+    new rows that are views of the cache; then the old bytes put back."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
     from npattn.cpu.slots import SlotWriter
     from npattn.serving.kvcache import _slots
 
     dtype = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
     rng = np.random.default_rng(len(layout) + 2 * aliased)
-    batch, new_len, kv_heads, widths = 3, 2, 2, ((4, 4) if aliased else (4, 6))
+    batch, new_len, kv_heads = 3, 2, 2
+    widths = (16, 16 if aliased else 32) if vectors else (4, 4 if aliased else 6)
     seqlens, pages, rows, slots = np.array([0, 5, 3]), None, None, 8
     if layout == "paged":  # pages of 4, each sequence's pages a shuffle of the pool's
         pages, slots = rng.permutation(12)[:9].reshape(batch, 3), 4
