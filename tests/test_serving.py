@@ -433,6 +433,37 @@ def test_the_compiled_append_writes_numpys_bytes_and_puts_them_back(dtype, layou
         np.testing.assert_array_equal(actual.view(np.uint8), old.view(np.uint8))
 
 
+def test_a_compiled_append_that_fails_midway_puts_the_codes_back(monkeypatch):
+    """A quantized cache's append writes its codes, then its scales: a failure at the
+    scales (memory, say) gives the codes their old bytes back before it raises."""
+    from npattn.cpu import slots
+    from npattn.serving.kvcache import _slots
+
+    rng = np.random.default_rng(9)
+    codes, scales = npattn.quantize_kv(rng.normal(size=(2, 8, 2, 16)).astype(np.float32))
+    caches = [codes, codes.copy(), scales, scales.copy()]
+    new_codes, new_scales = npattn.quantize_kv(rng.normal(size=(2, 1, 2, 16)).astype(np.float32))
+    new = (new_codes, new_codes.copy(), new_scales, new_scales.copy())
+    targets, positions = _slots(np, 2, 1, np.array([3, 5]), None, None, 8, views=False)
+    before = [cache.copy() for cache in caches]
+    writer = slots.SlotWriter(caches, new, targets, positions)
+    write = slots._write_slots
+    calls = []
+
+    def failing(*arguments):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("no memory for the scales")
+        return write(*arguments)
+
+    monkeypatch.setattr(slots, "_write_slots", failing)
+    with pytest.raises(MemoryError, match="no memory for the scales"):
+        writer.write(caches, new)
+    assert len(calls) == 2
+    for actual, old in zip(caches, before):
+        np.testing.assert_array_equal(actual, old)
+
+
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)
 def test_kvcache_attend_keeps_a_length_per_row(backend):
     from npattn.nn import KVCache

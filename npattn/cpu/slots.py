@@ -19,6 +19,7 @@ plan existed (every slot inside its cache, no slot written twice).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -97,14 +98,14 @@ class SlotWriter:
                                self._positions, staged[:self._scales_at].view(np.int8),
                                staged[self._scales_at:].view(np.float32)):
             return None
-        return (staged,)
+        return _Quantized(staged)
 
     def restore(self, caches, new, olds) -> None:
         """Put back the old bytes :meth:`write` returned (rare: what ran after the write
         raised), through NumPy."""
         index = (self._targets, self._positions)
-        if len(olds) == 1 and len(self._pairs) == 2:  # (:meth:`quantize`'s one staging)
-            staged = olds[0]
+        if type(olds) is _Quantized:  # (:meth:`quantize`'s one staging)
+            staged = olds.staged
             scales = staged[self._scales_at:].view(np.float32)
             rows = math.prod(new[0].shape[:3])
             sizes = (rows * caches[0].shape[3], rows * caches[1].shape[3])
@@ -118,6 +119,13 @@ class SlotWriter:
             sizes = (new[2 * pair].size, new[2 * pair + 1].size)
             for cache, start, size in ((first, 0, sizes[0]), (second, 2 * sizes[0], sizes[1])):
                 cache[index] = staged[start:start + size].view(cache.dtype).reshape(cache[index].shape)
+
+
+class _Quantized(NamedTuple):
+    """What :meth:`SlotWriter.quantize` returns: its staging (old codes, new codes, then
+    old and new scales), which :meth:`SlotWriter.restore` reads apart from a pair's."""
+
+    staged: np.ndarray
 
 
 def _as_rows(array, bits):
