@@ -389,10 +389,18 @@ def _aliased_rows(caches):
     return [caches[0][2::-1, 0:2], caches[0][0:3, 0:2]]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int8", "float8_e4m3fn"])
-@pytest.mark.parametrize("layout", ["contiguous", "rows", "paged"])
-@pytest.mark.parametrize("aliased", [False, True])
-@pytest.mark.parametrize("vectors", [False, True])
+_SLOT_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "float8_e4m3fn")
+_SLOT_LAYOUTS = ("contiguous", "rows", "paged")
+# every dtype and layout; aliased rows for a typed, a bits-viewed and a quantized cache;
+# the vector copies (float caches) with and without aliasing (a case a distinct compile)
+_SLOT_CASES = ([(dtype, layout, False, False) for dtype in _SLOT_DTYPES for layout in _SLOT_LAYOUTS]
+               + [(dtype, layout, True, False) for dtype in ("float32", "bfloat16", "int8")
+                  for layout in ("contiguous", "paged")]
+               + [(dtype, layout, aliased, True) for dtype in ("float32", "float64") for layout in ("contiguous", "paged")
+                  for aliased in (False, True)])
+
+
+@pytest.mark.parametrize("dtype, layout, aliased, vectors", _SLOT_CASES)
 def test_the_compiled_append_writes_numpys_bytes_and_puts_them_back(dtype, layout, aliased, vectors):
     """The CPU backend's append (npattn.cpu.slots) against NumPy's assignments, one cache
     after the other, byte for byte: dtypes Numba types as they are and those it copies as

@@ -122,12 +122,11 @@ class ForwardPlan:
                 entry = self._entry
         if entry is None:
             ops = self.operands.operands(q, k, v, arrays)
-        if entry is not None:  # every row is live: the kernel writes out and lse whole
-            out, lse = self.out_empty(), self.lse_empty()
-        else:
             out = self.out_zeros()
             lse = np.empty(self.lse_shape, dtype)
             lse.fill(-np.inf)  # (np.full, in Python, costs a small call 4 us more)
+        else:  # every row is live: the kernel writes out and lse whole
+            out, lse = self.out_empty(), self.lse_empty()
         if self.splits > 1:
             out_parts = np.zeros(self.parts_shape, dtype)
             lse_parts = np.full(self.parts_shape[:-1], -np.inf, dtype)
