@@ -12,7 +12,7 @@ import npattn
 from npattn.core.quantization import CODE_LIMIT
 from npattn.serving.kvcache import apply_rotary
 from conftest import NUMPY_BACKENDS
-from test_serving import assert_lse, assert_out, call_case, draw_positional_options
+from test_serving import assert_lse, assert_out, assert_same_bytes, call_case, draw_positional_options
 
 HEAD_DIM = 16  # quantized caches take head dims in multiples of 16
 
@@ -244,15 +244,12 @@ def test_the_compiled_append_quantizes_with_quantize_rows_bits(magnitude, ties, 
     writer = SlotWriter(caches, (k_codes, v_codes, k_scales, v_scales), targets, positions)
     assert writer.quantizes(rows[0].dtype)
     olds = writer.quantize(caches, rows)
-    for actual, wanted in zip(caches, expected):
-        np.testing.assert_array_equal(actual.view(np.uint8), wanted.view(np.uint8))
+    assert_same_bytes(caches, expected)
     writer.restore(caches, rows, olds)
-    for actual, old in zip(caches, before):
-        np.testing.assert_array_equal(actual.view(np.uint8), old.view(np.uint8))
+    assert_same_bytes(caches, before)
     rows[1][2, 1, 0, 3] = np.nan if magnitude % 2 else np.inf
     assert writer.quantize(caches, rows) is None
-    for actual, old in zip(caches, before):
-        np.testing.assert_array_equal(actual.view(np.uint8), old.view(np.uint8))
+    assert_same_bytes(caches, before)
 
 
 def test_a_quantized_call_that_raises_changes_no_byte(monkeypatch):

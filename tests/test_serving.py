@@ -378,6 +378,12 @@ def test_a_call_that_raises_leaves_the_cache_as_it_was():
     np.testing.assert_array_equal(v_cache, before[1])
 
 
+def assert_same_bytes(arrays, expected):
+    """Each of ``arrays`` holds the bytes of its ``expected`` (NaN payloads and -0.0 included)."""
+    for actual, wanted in zip(arrays, expected, strict=True):
+        np.testing.assert_array_equal(actual.view(np.uint8), wanted.view(np.uint8))
+
+
 def _random_bytes(rng, shape, dtype):
     """An array of ``dtype`` and ``shape`` whose bytes are random (NaN payloads included)."""
     return rng.integers(0, 256, size=(*shape, dtype.itemsize), dtype=np.uint8).view(dtype).reshape(shape)
@@ -434,11 +440,9 @@ def test_the_compiled_append_writes_numpys_bytes_and_puts_them_back(dtype, layou
         cache[targets, positions] = rows_in
     writer = SlotWriter(caches, new, targets, positions)
     olds = writer.write(caches, new)
-    for actual, wanted in zip(caches, expected):
-        np.testing.assert_array_equal(actual.view(np.uint8), wanted.view(np.uint8))
+    assert_same_bytes(caches, expected)
     writer.restore(caches, new, olds)
-    for actual, old in zip(caches, before):
-        np.testing.assert_array_equal(actual.view(np.uint8), old.view(np.uint8))
+    assert_same_bytes(caches, before)
 
 
 def test_a_compiled_append_that_fails_midway_puts_the_codes_back(monkeypatch):
