@@ -4,6 +4,7 @@ of another structure by name, and owns the option arrays whose values it checked
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 
 import numpy as np
@@ -173,6 +174,40 @@ def test_a_kvcache_plan_refuses_arrays_of_another_structure_and_read_only_caches
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="plan_with_kvcache takes NumPy or CuPy arrays"):
         npattn.plan_with_kvcache(torch.ones(2, 1, 4, 8), *caches, k, k, cache_seqlens=3)
+
+
+def test_a_kvcache_plans_later_runs_check_every_array_before_writing():
+    """From its second run a plan checks a plain step in the append's compiled call: an
+    array of the plan's shape but other strides, a read-only cache and one cache passed
+    twice still get their named errors with nothing written, and an array of the plan's
+    structure lying unaligned in memory runs as an aligned one does."""
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((2, 1, 4, 8), (2, 1, 2, 8), (2, 1, 2, 8)))
+    caches = [rng.standard_normal((2, 16, 2, 8)).astype(np.float32) for _ in range(2)]
+    plan = npattn.plan_with_kvcache(q, *caches, k, v, cache_seqlens=np.array([3, 5]), causal=True)
+    plan.run(q, *[cache.copy() for cache in caches], k, v)  # the first run plans the attention
+    arrays = dict(q=q, k_cache=caches[0], v_cache=caches[1], k=k, v=v)
+    want = plan.run(**{name: (array.copy() if "cache" in name else array) for name, array in arrays.items()})
+    for name, array in arrays.items():
+        spread = np.zeros((*array.shape[:-1], 2 * array.shape[-1]), np.float32)[..., ::2]  # other strides
+        spread[...] = array
+        before = [cache.tobytes() for cache in caches]
+        with pytest.raises(ValueError, match=rf"^{name} is ndarray float32 shape {re.escape(str(array.shape))} "
+                                             r"strides \(\d+, \d+, \d+, 8\)"):
+            plan.run(**{**arrays, name: spread})
+        assert [cache.tobytes() for cache in caches] == before
+        unaligned = np.frombuffer(bytearray(array.nbytes + 1), np.uint8)[1:].view(np.float32).reshape(array.shape)
+        unaligned[...] = array
+        assert not unaligned.flags.aligned and unaligned.strides == array.strides
+        layer = {name: (array.copy() if "cache" in name else array) for name, array in {**arrays, name: unaligned}.items()}
+        _same(plan.run(**layer), want)
+    frozen = caches[0].copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="k_cache is read-only"):
+        plan.run(q, frozen, caches[1], k, v)
+    with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
+        plan.run(q, caches[0], caches[0], k, v)
+    assert [cache.tobytes() for cache in caches] == before
 
 
 # ---- a packed batch's plan, run on every layer -----------------------------------------------

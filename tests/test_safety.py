@@ -91,9 +91,10 @@ def test_an_error_after_the_append_puts_the_old_bytes_back(monkeypatch, paged):
         npattn.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=2, **layout)
     assert _bytes(kc, vc) == before
     plan = npattn.plan_with_kvcache(q, kc, vc, k, v, cache_seqlens=2, **layout)
-    with pytest.raises(MemoryError, match="out of memory in the kernel"):
-        plan.run(q, kc, vc, k, v)
-    assert _bytes(kc, vc) == before
+    for _ in range(2):  # the first run checks in Python, later runs in the append's compiled call
+        with pytest.raises(MemoryError, match="out of memory in the kernel"):
+            plan.run(q, kc, vc, k, v)
+        assert _bytes(kc, vc) == before
 
 
 @pytest.mark.parametrize("broken", ["dtype", "shape", "k without v", "window"])

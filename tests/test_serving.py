@@ -445,6 +445,36 @@ def test_the_compiled_append_writes_numpys_bytes_and_puts_them_back(dtype, layou
     assert_same_bytes(caches, before)
 
 
+def test_a_checked_append_writes_nothing_for_arrays_of_other_strides_or_alignment():
+    """SlotWriter.write_checked compares each array's shape, strides and alignment with
+    the plan's in its compiled call, before any write: None, and the caches untouched,
+    where one differs; the write, as write's, where none does."""
+    from npattn.cpu.slots import SlotWriter
+    from npattn.serving.kvcache import _slots
+
+    rng = np.random.default_rng(10)
+    q = rng.normal(size=(2, 1, 4, 16)).astype(np.float32)
+    caches = [rng.normal(size=(2, 8, 2, 16)).astype(np.float32) for _ in range(2)]
+    new = [rng.normal(size=(2, 1, 2, 16)).astype(np.float32) for _ in range(2)]
+    arrays = [q, *caches, *new]
+    expected = np.array([(*array.shape, *array.strides) for array in arrays], np.int64)
+    expected.setflags(write=False)
+    targets, positions = _slots(np, 2, 1, np.array([3, 5]), None, None, 8, views=False)
+    writer = SlotWriter(caches, new, targets, positions)
+    before = [cache.copy() for cache in caches]
+    for index, array in enumerate(arrays):
+        spread = np.zeros((*array.shape[:-1], 2 * array.shape[-1]), np.float32)[..., ::2]
+        unaligned = np.frombuffer(bytearray(array.nbytes + 1), np.uint8)[1:].view(np.float32).reshape(array.shape)
+        for other in (spread, unaligned):
+            other[...] = array
+            assert writer.write_checked(*arrays[:index], other, *arrays[index + 1:], expected) is None
+            assert_same_bytes(caches, before)
+    assert writer.write_checked(*arrays, expected) is not None
+    for cache, old, rows in zip(caches, before, new):
+        old[targets, positions] = rows
+    assert_same_bytes(caches, before)
+
+
 def test_a_compiled_append_that_fails_midway_puts_the_codes_back(monkeypatch):
     """A quantized cache's append writes its codes, then its scales: a failure at the
     scales (memory, say) gives the codes their old bytes back before it raises."""

@@ -14,19 +14,30 @@ by :func:`npattn.core.quantization.quantize_rows`'s float32 steps, to its bits: 
 eight array operations on a decode step's two rows cost 23 us of a 104 us step.
 
 Slots are not checked here: the kv-cache call checked them, once per step, before its
-plan existed (every slot inside its cache, no slot written twice).
+plan existed (every slot inside its cache, no slot written twice). A plan's later runs
+check the arrays' shapes, strides and alignment here, in the write's compiled call, before
+its first write (:meth:`SlotWriter.write_checked`, through the machine code's entry point):
+0.6-0.7 us for the checked write of a (1, 8/2, 1 + 40, 64) step, where the dispatcher's call
+of the write costs 1.0-1.2 and comparing the five arrays' shapes and strides in Python 1.1.
 """
 from __future__ import annotations
 
 import math
+import threading
 from typing import NamedTuple
 
 import numpy as np
 
-from numba import njit
+from numba import njit, typeof
+
+try:  # the dispatcher's own key of an argument's type (0.15 us; typeof costs tens of us)
+    from numba._dispatcher import compute_fingerprint
+except ImportError:  # (not public: a Numba without it keys by type)
+    compute_fingerprint = typeof
 
 from ..core.quantization import CODE_LIMIT
 from .jit import helper, kernel
+from .threads import direct_entry
 from .simd import MICROKERNELS, VECTOR_BYTES, load, store
 
 
@@ -52,7 +63,8 @@ class SlotWriter:
         lanes = VECTOR_BYTES // caches[0].itemsize
         vectors = plain and MICROKERNELS and all(array.shape[3] % lanes == 0 and array.strides[3] == array.itemsize
                                                  for array in (*caches[:2], *new[:2]))
-        self._plain = (plain, size, caches[0].dtype, _write_vector_slots if vectors else _write_slots)
+        self._plain = (plain, size, caches[0].dtype, _write_vector_plain if vectors else _write_plain)
+        self._entry, self._local = None, threading.local()  # write_checked's entry point and staging
         # an int8 cache's quantizing write: its staging, the old codes of both caches then
         # their old scales (as float32, from byte _scales_at on), and new codes and scales
         self._codes = caches[0].dtype
@@ -66,7 +78,7 @@ class SlotWriter:
         plain, size, dtype, write = self._plain
         if plain:
             staged = np.empty(size, dtype)
-            write(caches[0], caches[1], new[0], new[1], self._targets, self._positions, staged)
+            write(caches[0], caches[0], caches[1], new[0], new[1], self._targets, self._positions, staged, _UNCHECKED)
             return (staged,)
         olds = []
         try:
@@ -80,6 +92,34 @@ class SlotWriter:
             self.restore(caches, new, olds)
             raise
         return tuple(olds)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the writer takes one pair of caches Numba types as they are (float32,
+        float64): the pair :meth:`write_checked` writes."""
+        return self._plain[0]
+
+    def write_checked(self, q, k_cache, v_cache, k, v, expected) -> np.ndarray | None:
+        """:meth:`write` of a :attr:`plain` writer for a plan's run that has checked only
+        the kind, dtype, ndim and writability of its arrays (q is read for its structure
+        only): their shapes, strides and alignment are compared with ``expected`` (int64
+        (5, 8), read-only: each array's shape, then its strides in bytes) in the compiled
+        call, before its first write. Returns the staging :meth:`write` returns in a tuple
+        (this thread's, reused by its next call), or None, with nothing written, where an
+        array differs (the caller checks them one by one, to name it).
+
+        It runs the write's machine code typed for the arrays' Numba types, which the
+        caller's checks and the compiled comparison fix (kind, dtype, ndim, writable caches;
+        layout, alignment): the dispatcher's typing of nine arguments costs twice the write."""
+        staged = getattr(self._local, "staged", None)
+        if staged is None:
+            _, size, dtype, _ = self._plain
+            staged = self._local.staged = np.empty(size, dtype)
+        entry = self._entry
+        if entry is None:
+            entry = self._entry = _typed_entry(self._plain[3], (q, k_cache, v_cache, k, v, self._targets,
+                                                                 self._positions, staged, expected))
+        return staged if entry(q, k_cache, v_cache, k, v, self._targets, self._positions, staged, expected) else None
 
     def quantizes(self, rows_dtype) -> bool:
         """Whether :meth:`quantize` takes new rows of ``rows_dtype``: the writer's caches
@@ -121,6 +161,24 @@ class SlotWriter:
                 cache[index] = staged[start:start + size].view(cache.dtype).reshape(cache[index].shape)
 
 
+def _typed_entry(kernel, arguments):
+    """The entry point of ``kernel``'s machine code for the Numba types of ``arguments``
+    (compiled by a call that writes nothing: an expected structure no array has), kept per
+    Numba fingerprint of the arguments: a plan per decode step looks it up in 1.3 us, where
+    typing the arguments costs tens."""
+    key = (kernel, *(compute_fingerprint(argument) for argument in arguments))
+    entry = _ENTRIES.get(key)
+    if entry is None:
+        nothing = np.full_like(arguments[-1], -1)
+        nothing.setflags(write=False)
+        kernel(*arguments[:-1], nothing)
+        entry = _ENTRIES[key] = direct_entry(kernel, arguments)
+    return entry
+
+
+_ENTRIES: dict = {}  # _typed_entry's entry points
+
+
 class _Quantized(NamedTuple):
     """What :meth:`SlotWriter.quantize` returns: its staging (old codes, new codes, then
     old and new scales), which :meth:`SlotWriter.restore` reads apart from a pair's."""
@@ -142,6 +200,8 @@ def _bits(dtype: np.dtype) -> np.dtype | None:
     return None if dtype in _TYPED else np.dtype(f"u{dtype.itemsize}")
 
 
+_UNCHECKED = np.zeros((0, 8), np.int64)  # no rows: _write_plain compares no array
+_UNCHECKED.setflags(write=False)
 _TYPED = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int8))
 _INT8 = np.dtype(np.int8)
 
@@ -154,6 +214,36 @@ def _write_slots(first, second, first_new, second_new, targets, positions, stage
     rows, taken before its first write."""
     _write_cache(second, second_new, targets, positions, staged,
                  _write_cache(first, first_new, targets, positions, staged, 0))
+
+
+@kernel
+def _write_plain(query, first, second, first_new, second_new, targets, positions, staged, expected):
+    """:func:`_write_slots` where ``query``, the caches and their new rows have the shapes,
+    strides (bytes) and alignment of ``expected``'s rows (:func:`_matches`; no rows: not
+    compared); False, with nothing written, where one does not."""
+    if not _all_match(query, first, second, first_new, second_new, expected):
+        return False
+    _write_cache(second, second_new, targets, positions, staged,
+                 _write_cache(first, first_new, targets, positions, staged, 0))
+    return True
+
+
+@helper
+def _all_match(query, first, second, first_new, second_new, expected):
+    return expected.shape[0] == 0 or (
+        _matches(query, expected[0]) and _matches(first, expected[1]) and _matches(second, expected[2])
+        and _matches(first_new, expected[3]) and _matches(second_new, expected[4]))
+
+
+@helper
+def _matches(array, expected):
+    """Whether ``array`` has the shape, then strides, of ``expected`` and lies aligned."""
+    if array.ctypes.data % array.itemsize:
+        return False
+    for axis in range(array.ndim):
+        if array.shape[axis] != expected[axis] or array.strides[axis] != expected[array.ndim + axis]:
+            return False
+    return True
 
 
 @helper
@@ -182,12 +272,15 @@ def _write_cache(cache, new, targets, positions, staged, start):
 
 
 @kernel
-def _write_vector_slots(first, second, first_new, second_new, targets, positions, staged):
-    """:func:`_write_slots` for float caches whose rows, and new rows, are whole vectors
+def _write_vector_plain(query, first, second, first_new, second_new, targets, positions, staged, expected):
+    """:func:`_write_plain` for float caches whose rows, and new rows, are whole vectors
     and contiguous: a vector a copy (the element loops ran scalar, 1.3 us of a 4-sequence
     step's write)."""
+    if not _all_match(query, first, second, first_new, second_new, expected):
+        return False
     _write_vector_cache(second, second_new, targets, positions, staged,
                         _write_vector_cache(first, first_new, targets, positions, staged, 0))
+    return True
 
 
 @helper
