@@ -18,7 +18,7 @@ pytest.importorskip("scipy")
 
 from numba import njit  # noqa: E402
 
-from npattn.cpu import isa, microkernels, simd  # noqa: E402
+from npattn.cpu import code_products, isa, microkernels, simd  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 from conftest import started  # noqa: E402
 
@@ -83,6 +83,45 @@ def test_dot_products_match_numpy_and_each_score_is_one_fixed_sum(rows, cols, ve
         np.testing.assert_array_equal(alone[:, 0], c[:, j])
 
 
+@njit  # not cached, as above
+def _code_dot_products(a, codes, scales, c, rows, cols, depth, b_row, scale_step, alpha):
+    code_products.code_dot_products(a, 0, depth, codes, 0, b_row, scales, 1, scale_step, c, 0, cols, rows, cols,
+                                    depth, alpha)
+
+
+@njit  # not cached, as above
+def _code_product(p, codes, scales, c, rows, cols, width, b_row, scale_step):
+    code_products.code_product(p, 0, cols, codes, 0, b_row, scales, 1, scale_step, c, 0, width, rows, cols, width)
+
+
+# (query rows, keys, vectors of the head dim): blocks of 2 rows and an odd last row, blocks
+# of 4 keys and the keys left after them, columns 4 vectors at a time and one at a time
+@pytest.mark.parametrize("rows, cols, vectors", [(1, 1, 1), (1, 4, 4), (2, 7, 5), (3, 9, 2), (4, 12, 9), (5, 3, 8),
+                                                 (2, 0, 1)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_products_on_int8_codes_match_numpy(rows, cols, vectors, dtype):
+    """Both products read int8 codes (rows farther apart than the head dim, scales every
+    other element from element 1) and match the float64 products on the codes times their
+    scales: the scores, and P V added to what C held."""
+    rng = np.random.default_rng(rows * 100 + cols * 10 + vectors)
+    depth = vectors * simd.lanes_of(np.dtype(dtype))
+    b_row = depth + 5
+    codes = rng.integers(-127, 128, size=(cols, b_row)).astype(np.int8)
+    scales = rng.uniform(0.001, 0.05, size=2 * cols + 1).astype(np.float32)
+    dequantized = codes[:, :depth].astype(np.float64) * scales[1::2, None]
+    a = rng.standard_normal((rows, depth)).astype(dtype)
+    c = np.full((rows, cols), np.nan, dtype)
+    _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), rows, cols, depth, b_row, 2, 0.5)
+    exact = 0.5 * a.astype(np.float64) @ dequantized.T
+    assert_close(c, exact, dtype, depth, 0.5 * float(np.abs(a).max() * np.abs(dequantized).max(initial=0)),
+                 what="code_dot_products")
+    p = rng.uniform(0, 1, size=(rows, cols)).astype(dtype)
+    out = rng.standard_normal((rows, depth)).astype(dtype)
+    exact = out.astype(np.float64) + p.astype(np.float64) @ dequantized
+    _code_product(p.ravel(), codes.ravel(), scales, out.ravel(), rows, cols, depth, b_row, 2)
+    assert_close(out, exact, dtype, cols + 1, 1 + float(np.abs(dequantized).max(initial=0)), what="code_product")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_packed_transposes_are_exact_and_zero_padded(dtype):
     lanes = simd.lanes_of(np.dtype(dtype))
@@ -101,6 +140,7 @@ def forced_avx2_child():
                        "tests/test_cpu_isa.py::test_micro_kernel_products_match_numpy",
                        "tests/test_cpu_isa.py::test_packed_transposes_are_exact_and_zero_padded",
                        "tests/test_cpu_isa.py::test_dot_products_match_numpy_and_each_score_is_one_fixed_sum",
+                       "tests/test_cpu_isa.py::test_products_on_int8_codes_match_numpy",
                        "tests/test_cpu_isa.py::test_the_child_compiles_for_avx2",
                        "tests/test_cpu_kernels.py::test_vector_products_match_the_reference_at_vector_widths"],
                       None)

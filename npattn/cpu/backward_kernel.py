@@ -32,6 +32,8 @@ from .microkernels import padded_width, product
 from .tiles import (apply_dropout, k_row, key_segments, memory_batch, memory_batches, pack_key_tile, pack_value_tile,
                     packed_values, score_tile, span, v_row)
 
+# the key codes and scales score_tile takes, for a backward, which never reads codes
+_NO_CODES, _NO_SCALES = np.zeros(1, np.int8), np.zeros(1, np.float32)
 
 
 # Above this probability a key's score gradient comes from dominant_key_gradient: above
@@ -55,8 +57,8 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, d
     dbias needs; the caller applies softcap's derivative and the scale)."""
     ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
-    # (never quantized nor BF16_PRODUCTS: forward-only; k and q stand in for the unused tiles)
-    score_tile(q, k, as_readonly(k), as_readonly(q), bias, mask, alibi, spans, pages, ints, reals, p, ld, tanh,
+    # (never quantized nor BF16_PRODUCTS: forward-only; k, q and _NO_CODES stand in for the unused tiles)
+    score_tile(q, k, as_readonly(k), _NO_CODES, _NO_SCALES, as_readonly(q), bias, mask, alibi, spans, pages, ints, reals, p, ld, tanh,
                packed, b, h, i0, rows, j0, cols)
     row_offset = (memory_batch(ints, b) * heads + h) * ints[Int.Q_LEN] + i0
     for r in range(rows):

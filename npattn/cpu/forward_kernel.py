@@ -31,10 +31,11 @@ from .simd import VECTOR_BYTES
 from .threads import NON_FINITE, next_item
 from .operands import Int, Real
 from .rowmath import exp_shifted, exp_vector_shifted, row_max, vector_max
+from .code_products import code_product
 from .microkernels import pair_product, product
-from .tiles import (apply_dropout, band_keys, dequantize_tile, key_segments, memory_batch, memory_batches,
-                    pack_key_pairs, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles, prefetch_key_rows,
-                    score_tile, span, v_row, value_tile_rows)
+from .tiles import (apply_dropout, band_keys, codes_in_registers, dequantize_tile, key_segments, memory_batch,
+                    memory_batches, pack_key_pairs, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles,
+                    prefetch_key_rows, score_tile, span, v_row, v_scale_row, value_tile_rows)
 from .operands import Span
 
 
@@ -89,6 +90,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     v_row_stride = ints[Int.V_STRIDE_S]
     splits, split_keys = ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS]
     quantized, bf16 = ints[Int.KV_CODES], ints[Int.BF16_PRODUCTS]
+    in_registers = codes_in_registers(ints)  # (a quantized tile not dequantized: code_products)
     tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
     q_pairs, p_pairs, v_pairs = pair_tiles(ints, dequantized)
     half_head, half_ld = (ints[Int.HEAD_DIM] + 1) // 2, (ld + 1) // 2
@@ -133,21 +135,21 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     head_m, head_total, head_seen = m[g * block_q:], total[g * block_q:], seen[g * block_q:]
                     out_offset = _out_offset(out_strides, split, b, h, i0)
                     kv_head = h // (heads // ints[Int.KV_HEADS])
-                    if quantized:
+                    if quantized and not in_registers:
                         dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                         dequantized)
                     if bf16:  # (the key rows in the values' pair tile, free until P V)
                         pack_key_pairs(k, pages, ints, b, kv_head, j0, cols, packed, v_pairs)
                     else:
                         pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                    full = score_tile(q, k, tile, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals, s,
+                    full = score_tile(q, k, tile, k_codes, k_scale, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals, s,
                                       ld, tanh, packed, b, h, i0, rows, j0, cols)
                     outcome = _exp_with_running_max(s, ld, rows, cols, head_m, head_total, head_seen, sums)
                     if outcome != _DONE:
                         if outcome == _OVERWRITTEN:
                             # a score rose more than _HEADROOM above its row's max (rare: the running
                             # max is usually set by the first tile): recompute the scores
-                            score_tile(q, k, tile, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals,
+                            score_tile(q, k, tile, k_codes, k_scale, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals,
                                        s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                         _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, out,
                                           out_offset, out_row_stride, dv)
@@ -175,7 +177,13 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                             c0 = 0
                             while c0 < depth:  # (a tile from codes too: the same sums as its pages' rows)
                                 run = page_run(ints, j0 + c0, depth - c0)
-                                if quantized:  # the converted value rows
+                                if in_registers:
+                                    j = j0 + c0
+                                    code_product(s, r0 * ld + c0, ld, v_codes, v_row(ints, pages, b, kv_head, j),
+                                                 v_row_stride, v_scale, v_scale_row(ints, pages, b, kv_head, j),
+                                                 ints[Int.V_SCALE_STRIDE_S], out, out_offset + r0 * out_row_stride,
+                                                 out_row_stride, band_rows, run, dv)
+                                elif quantized:  # the converted value rows
                                     product(s, r0 * ld + c0, ld, 1, values, c0 * dv, dv, out,
                                             out_offset + r0 * out_row_stride, out_row_stride, band_rows, run, dv, 1.0,
                                             True)
@@ -295,11 +303,11 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
             first, last = (sink_start, sink_end) if segment == 0 else (band_start, band_stop)
             for j0 in range(first, last, block_k):
                 cols = smaller(block_k, last - j0)
-                if ints[Int.KV_CODES]:
+                if ints[Int.KV_CODES] and not codes_in_registers(ints):
                     dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                     dequantized)
                 pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                score_tile(q, k, tile, as_readonly(q), bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh,
+                score_tile(q, k, tile, k_codes, k_scale, as_readonly(q), bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh,
                            packed, b, h, i0, rows, j0, cols)
                 for r in range(rows):
                     row_lse = lse[row_offset + r]

@@ -14,10 +14,11 @@ import numpy as np
 from numba import njit
 
 from .blas import gemm
+from .code_products import code_dot_products
 from .jit import helper
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
-from .simd import (VECTOR_BYTES, as_float, fill, load, load_float16_bits, prefetch, store, store_bfloat16,
-                   store_bfloat16_pairs)
+from .simd import (VECTOR_BYTES, as_float, fill, load, load_float16_bits, prefetch, prefetch_to_l2, store,
+                   store_bfloat16, store_bfloat16_pairs)
 from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span
 from .signatures import as_offset, larger, plain_int, scalar_like, smaller
 
@@ -211,6 +212,28 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
             s[row + c] = s[row + c] * keep_scale if kept else 0.0
 
 
+@njit(inline="always")
+def codes_in_registers(ints):
+    """Whether a tile's products read an int8 cache's codes in registers
+    (:mod:`npattn.cpu.code_products`), with no :func:`dequantize_tile`: a decode tile (a few
+    rows, DOT_SCORES) whose values are whole vectors."""
+    return ints[Int.KV_CODES] == KvCodes.INT8 and ints[Int.DOT_SCORES] and ints[Int.VECTOR_VALUES]
+
+
+@njit(inline="always")
+def k_scale_row(ints, pages, b, head, j):
+    """Where key ``j``'s scale of ``head`` (its kv head) lies in the key scales."""
+    return key_row(ints, pages, b, head, j, ints[Int.K_SCALE_STRIDE_B], ints[Int.K_SCALE_STRIDE_H],
+                   ints[Int.K_SCALE_STRIDE_S])
+
+
+@njit(inline="always")
+def v_scale_row(ints, pages, b, head, j):
+    """Where key ``j``'s scale of ``head`` (its kv head) lies in the value scales."""
+    return key_row(ints, pages, b, head, j, ints[Int.V_SCALE_STRIDE_B], ints[Int.V_SCALE_STRIDE_H],
+                   ints[Int.V_SCALE_STRIDE_S])
+
+
 @helper
 def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols, dequantized):
     """Keys ``[j0, j0 + cols)`` of ``kv_head`` read from codes (``Int.KV_CODES``) as float
@@ -231,10 +254,7 @@ def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head,
         j = j0 + c
         run = page_run(ints, j, cols - c)
         k_at, v_at = k_row(ints, pages, b, kv_head, j), v_row(ints, pages, b, kv_head, j)
-        k_scale_at = key_row(ints, pages, b, kv_head, j, ints[Int.K_SCALE_STRIDE_B], ints[Int.K_SCALE_STRIDE_H],
-                             k_scale_step)
-        v_scale_at = key_row(ints, pages, b, kv_head, j, ints[Int.V_SCALE_STRIDE_B], ints[Int.V_SCALE_STRIDE_H],
-                             v_scale_step)
+        k_scale_at, v_scale_at = k_scale_row(ints, pages, b, kv_head, j), v_scale_row(ints, pages, b, kv_head, j)
         for r in range(run):
             if r + _PREFETCH_ROWS < run:  # the rows a few keys on: a decode step waits on memory
                 k_ahead, v_ahead = k_at + (r + _PREFETCH_ROWS) * k_step, v_at + (r + _PREFETCH_ROWS) * v_step
@@ -276,30 +296,38 @@ def prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b, 
     head's pass alone reads a cache whose key rows hold every head (B, S, Hkv, D) a slice
     per row, at half the bandwidth of reading it in order (measured: 5.2 against 10.6
     GB/s on one core of the 2-core AVX-512 VM); these requests read the next tile in
-    order while this one is worked on, and the heads' passes find it in cache."""
+    order while this one is worked on, into L2 (:data:`~npattn.cpu.simd.prefetch_to_l2`:
+    a tile ahead in L1 would crowd out the tile being worked on), and the heads' passes
+    find it there."""
     heads, head_dim, value_dim = ints[Int.KV_HEADS], ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
     codes = ints[Int.KV_CODES]
     width = 1 if codes in (KvCodes.INT8, KvCodes.FLOAT8) else 2  # bytes per code
     for j in range(j_start, j_stop):
         if codes:
-            _prefetch_span(k_codes, k_row(ints, pages, b, 0, j), k_row(ints, pages, b, heads - 1, j) + head_dim * width)
-            _prefetch_span(v_codes, v_row(ints, pages, b, 0, j),
-                           v_row(ints, pages, b, heads - 1, j) + value_dim * width)
+            _prefetch_tile_span(k_codes, k_row(ints, pages, b, 0, j),
+                                k_row(ints, pages, b, heads - 1, j) + head_dim * width)
+            _prefetch_tile_span(v_codes, v_row(ints, pages, b, 0, j),
+                                v_row(ints, pages, b, heads - 1, j) + value_dim * width)
             if codes in (KvCodes.INT8, KvCodes.FLOAT8):  # (16-bit codes have no scales)
-                prefetch(k_scale, key_row(ints, pages, b, 0, j, ints[Int.K_SCALE_STRIDE_B],
-                                          ints[Int.K_SCALE_STRIDE_H], ints[Int.K_SCALE_STRIDE_S]))
-                prefetch(v_scale, key_row(ints, pages, b, 0, j, ints[Int.V_SCALE_STRIDE_B],
-                                          ints[Int.V_SCALE_STRIDE_H], ints[Int.V_SCALE_STRIDE_S]))
+                prefetch_to_l2(k_scale, k_scale_row(ints, pages, b, 0, j))
+                prefetch_to_l2(v_scale, v_scale_row(ints, pages, b, 0, j))
         else:
-            _prefetch_span(k, k_row(ints, pages, b, 0, j), k_row(ints, pages, b, heads - 1, j) + head_dim)
-            _prefetch_span(v, v_row(ints, pages, b, 0, j), v_row(ints, pages, b, heads - 1, j) + value_dim)
+            _prefetch_tile_span(k, k_row(ints, pages, b, 0, j), k_row(ints, pages, b, heads - 1, j) + head_dim)
+            _prefetch_tile_span(v, v_row(ints, pages, b, 0, j), v_row(ints, pages, b, heads - 1, j) + value_dim)
 
 
 @njit(inline="always")
 def _prefetch_span(array, start, stop):
-    """The cache lines of ``array[start:stop]``."""
+    """The cache lines of ``array[start:stop]``, into L1 (for use a few rows on)."""
     for x in range(start, stop, 64 // array.itemsize):
         prefetch(array, x)
+
+
+@njit(inline="always")
+def _prefetch_tile_span(array, start, stop):
+    """The cache lines of ``array[start:stop]``, into L2 (for the next key tile)."""
+    for x in range(start, stop, 64 // array.itemsize):
+        prefetch_to_l2(array, x)
 
 
 @njit(inline="always")
@@ -467,13 +495,14 @@ def packed_values(ints, packed):
 
 
 @helper
-def score_tile(q, k, dequantized, q_pairs, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed, b,
-               h, i0, rows, j0, cols):
+def score_tile(q, k, dequantized, k_codes, k_scale, q_pairs, bias, mask, alibi, spans, pages, ints, reals, s, ld,
+               tanh, packed, b, h, i0, rows, j0, cols):
     """Scores of rows ``[i0, i0 + rows)`` against keys ``[j0, j0 + cols)`` of head ``h``
     into ``s[r * ld + c]``: ``scale * q.k``, softcap (its tanh kept in ``tanh`` for the
     backward), bias, ALiBi, then -inf where the key is invisible. ``packed`` holds
     the key tile from :func:`pack_key_tile` (and ``dequantized``, for a quantized cache,
-    its keys as rows; ``q_pairs``, with BF16_PRODUCTS, the query tile as :func:`pair_rows`
+    its keys as rows, or, where :func:`codes_in_registers`, ``k_codes`` and ``k_scale``
+    are read as they lie; ``q_pairs``, with BF16_PRODUCTS, the query tile as :func:`pair_rows`
     made it); keys read from k go run by run of one page
     (:func:`page_run`). Returns whether every row sees every key of the tile
     (:func:`tile_fully_visible`), which the caller's own products reuse."""
@@ -492,7 +521,17 @@ def score_tile(q, k, dequantized, q_pairs, bias, mask, alibi, spans, pages, ints
         for r0 in range(0, rows, band):
             band_rows = smaller(band, rows - r0)
             width = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
-            if ints[Int.DOT_SCORES] and ints[Int.KV_CODES]:  # the dequantized tile's rows
+            if ints[Int.DOT_SCORES] and codes_in_registers(ints):  # the codes, run by run of one page
+                c0 = 0
+                while c0 < width:
+                    run = page_run(ints, j0 + c0, width - c0)
+                    j = j0 + c0
+                    code_dot_products(q, q_offset + r0 * q_row, q_row, k_codes, k_row(ints, pages, b, kv_head, j),
+                                      ints[Int.K_STRIDE_S], k_scale, k_scale_row(ints, pages, b, kv_head, j),
+                                      ints[Int.K_SCALE_STRIDE_S], s, r0 * ld + c0, ld, band_rows, run, head_dim,
+                                      reals[Real.SCALE])
+                    c0 += run
+            elif ints[Int.DOT_SCORES] and ints[Int.KV_CODES]:  # the dequantized tile's rows
                 dot_products(q, q_offset + r0 * q_row, q_row, dequantized, 0, head_dim, s, r0 * ld, ld, band_rows,
                              width, head_dim, reals[Real.SCALE])
             elif ints[Int.DOT_SCORES]:
