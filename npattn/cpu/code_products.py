@@ -19,8 +19,13 @@ from __future__ import annotations
 from numba import njit
 
 from .jit import helper
-from .signatures import as_readonly, plain_int, scalar_like
+from .signatures import as_offset, as_readonly, plain_int, scalar_like
 from .simd import VECTOR_BYTES, add, fill, horizontal_sum, load, load_int8, multiply_add, never_inline, store
+
+
+# Query rows per register block: 4 x 4 accumulators of the 32 zmm registers (each key's
+# codes converted once for a GQA group of 4), 2 x 4 of the 16 ymm
+ROW_BLOCK = 4 if VECTOR_BYTES == 64 else 2
 
 
 @njit(inline="always")
@@ -39,63 +44,81 @@ def code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_
 @helper
 def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
                        c_row, rows, cols, depth, alpha):
-    """4 keys at a time against 2 query rows (8 FMA chains; each key's codes converted
-    once per pair of rows), or 1 row for an odd last one; then the keys left one by one."""
+    """4 keys at a time against blocks of query rows (:data:`ROW_BLOCK`, then 2, then 1:
+    each key's codes converted once per block, 4 FMA chains per row); then the keys left
+    one by one."""
     never_inline()
     lanes = VECTOR_BYTES // c.itemsize
-    zero = fill(0.0, c)
     j = 0
     while j + 4 <= cols:
         k = b_offset + j * b_row
-        factors = (alpha * scales[scale_offset + j * scale_step], alpha * scales[scale_offset + (j + 1) * scale_step],
-                   alpha * scales[scale_offset + (j + 2) * scale_step],
-                   alpha * scales[scale_offset + (j + 3) * scale_step])
+        at = scale_offset + j * scale_step
+        factors = (alpha * scales[as_offset(at)], alpha * scales[as_offset(at + scale_step)],
+                   alpha * scales[as_offset(at + 2 * scale_step)], alpha * scales[as_offset(at + 3 * scale_step)])
         r = 0
+        if ROW_BLOCK == 4:
+            while r + 4 <= rows:
+                _four_keys(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
+                           factors, 4, depth, lanes)
+                r += 4
         while r + 2 <= rows:
-            q0 = a_offset + r * a_row
-            q1 = q0 + a_row
-            s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = zero
-            for x in range(0, depth, lanes):
-                b0, b1 = load_int8(codes, k + x, zero), load_int8(codes, k + b_row + x, zero)
-                b2, b3 = load_int8(codes, k + 2 * b_row + x, zero), load_int8(codes, k + 3 * b_row + x, zero)
-                row = load(a, q0 + x)
-                s0, s1 = multiply_add(row, b0, s0), multiply_add(row, b1, s1)
-                s2, s3 = multiply_add(row, b2, s2), multiply_add(row, b3, s3)
-                row = load(a, q1 + x)
-                t0, t1 = multiply_add(row, b0, t0), multiply_add(row, b1, t1)
-                t2, t3 = multiply_add(row, b2, t2), multiply_add(row, b3, t3)
-            _store_four(c, c_offset + r * c_row + j, factors, s0, s1, s2, s3)
-            _store_four(c, c_offset + (r + 1) * c_row + j, factors, t0, t1, t2, t3)
+            _four_keys(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
+                       factors, 2, depth, lanes)
             r += 2
         if r < rows:
-            q0 = a_offset + r * a_row
-            s0 = s1 = s2 = s3 = zero
-            for x in range(0, depth, lanes):
-                row = load(a, q0 + x)
-                s0 = multiply_add(row, load_int8(codes, k + x, zero), s0)
-                s1 = multiply_add(row, load_int8(codes, k + b_row + x, zero), s1)
-                s2 = multiply_add(row, load_int8(codes, k + 2 * b_row + x, zero), s2)
-                s3 = multiply_add(row, load_int8(codes, k + 3 * b_row + x, zero), s3)
-            _store_four(c, c_offset + r * c_row + j, factors, s0, s1, s2, s3)
+            _four_keys(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
+                       factors, 1, depth, lanes)
         j += 4
+    zero = fill(0.0, c)
     while j < cols:
         k = b_offset + j * b_row
-        factor = alpha * scales[scale_offset + j * scale_step]
+        factor = alpha * scales[as_offset(scale_offset + j * scale_step)]
         for r in range(rows):
             q0 = a_offset + r * a_row
             s0 = zero
             for x in range(0, depth, lanes):
                 s0 = multiply_add(load(a, q0 + x), load_int8(codes, k + x, zero), s0)
-            c[c_offset + r * c_row + j] = factor * horizontal_sum(s0)
+            c[as_offset(c_offset + r * c_row + j)] = factor * horizontal_sum(s0)
         j += 1
 
 
 @njit(inline="always")
+def _four_keys(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, depth, lanes):
+    """The scores of 4 keys for ``rows`` (1, 2 or 4, a constant) query rows of
+    :func:`_code_dot_products`."""
+    zero = fill(0.0, c)
+    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = zero
+    for x in range(0, depth, lanes):
+        b0, b1 = load_int8(codes, k + x, zero), load_int8(codes, k + b_row + x, zero)
+        b2, b3 = load_int8(codes, k + 2 * b_row + x, zero), load_int8(codes, k + 3 * b_row + x, zero)
+        row = load(a, q_at + x)
+        s0, s1, s2, s3 = multiply_add(row, b0, s0), multiply_add(row, b1, s1), multiply_add(row, b2, s2), \
+            multiply_add(row, b3, s3)
+        if rows >= 2:
+            row = load(a, q_at + a_row + x)
+            t0, t1, t2, t3 = multiply_add(row, b0, t0), multiply_add(row, b1, t1), multiply_add(row, b2, t2), \
+                multiply_add(row, b3, t3)
+        if rows == 4:
+            row = load(a, q_at + 2 * a_row + x)
+            u0, u1, u2, u3 = multiply_add(row, b0, u0), multiply_add(row, b1, u1), multiply_add(row, b2, u2), \
+                multiply_add(row, b3, u3)
+            row = load(a, q_at + 3 * a_row + x)
+            w0, w1, w2, w3 = multiply_add(row, b0, w0), multiply_add(row, b1, w1), multiply_add(row, b2, w2), \
+                multiply_add(row, b3, w3)
+    _store_four(c, c_at, factors, s0, s1, s2, s3)
+    if rows >= 2:
+        _store_four(c, c_at + c_row, factors, t0, t1, t2, t3)
+    if rows == 4:
+        _store_four(c, c_at + 2 * c_row, factors, u0, u1, u2, u3)
+        _store_four(c, c_at + 3 * c_row, factors, w0, w1, w2, w3)
+
+
+@njit(inline="always")
 def _store_four(c, at, factors, s0, s1, s2, s3):
-    c[at] = factors[0] * horizontal_sum(s0)
-    c[at + 1] = factors[1] * horizontal_sum(s1)
-    c[at + 2] = factors[2] * horizontal_sum(s2)
-    c[at + 3] = factors[3] * horizontal_sum(s3)
+    c[as_offset(at)] = factors[0] * horizontal_sum(s0)
+    c[as_offset(at + 1)] = factors[1] * horizontal_sum(s1)
+    c[as_offset(at + 2)] = factors[2] * horizontal_sum(s2)
+    c[as_offset(at + 3)] = factors[3] * horizontal_sum(s3)
 
 
 @njit(inline="always")
@@ -113,48 +136,81 @@ def code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offse
 @helper
 def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
                   rows, cols, width):
-    """Columns 4 vectors at a time (then one at a time), 2 rows of C at a time (then an odd
-    last one) held in registers over every key: each key's codes of those columns converted
-    once per pair of rows, its probabilities scaled once."""
+    """Columns 4 vectors at a time, 2 rows of C at a time (then an odd last one), held in
+    registers over every key: each key's codes of those columns converted once per pair of
+    rows, its probabilities scaled once; then the columns left a vector at a time."""
     never_inline()
     lanes = VECTOR_BYTES // c.itemsize
-    zero = fill(0.0, c)
     x0 = 0
-    while x0 < width:
-        wide = x0 + 4 * lanes <= width  # 4 vectors, else 1
+    while x0 + 4 * lanes <= width:
         r = 0
-        while r < rows:
-            two = r + 1 < rows
-            first, second = p_offset + r * p_row, p_offset + (r + 1) * p_row
-            s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = zero
-            for j in range(cols):
-                scale = scales[scale_offset + j * scale_step]
-                weight = fill(scalar_like(p[first + j] * scale, c), c)
-                at = b_offset + j * b_row + x0
-                b0 = load_int8(codes, at, zero)
-                b1 = b2 = b3 = zero
-                s0 = multiply_add(weight, b0, s0)
-                if wide:
-                    b1, b2, b3 = (load_int8(codes, at + lanes, zero), load_int8(codes, at + 2 * lanes, zero),
-                                  load_int8(codes, at + 3 * lanes, zero))
-                    s1, s2, s3 = multiply_add(weight, b1, s1), multiply_add(weight, b2, s2), multiply_add(weight, b3, s3)
-                if two:
-                    weight = fill(scalar_like(p[second + j] * scale, c), c)
-                    t0 = multiply_add(weight, b0, t0)
-                    if wide:
-                        t1, t2, t3 = (multiply_add(weight, b1, t1), multiply_add(weight, b2, t2),
-                                      multiply_add(weight, b3, t3))
-            _add_row(c, c_offset + r * c_row + x0, lanes, wide, s0, s1, s2, s3)
-            if two:
-                _add_row(c, c_offset + (r + 1) * c_row + x0, lanes, wide, t0, t1, t2, t3)
+        if ROW_BLOCK == 4:
+            while r + 4 <= rows:
+                _four_vectors(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
+                              scale_step, c, c_offset + r * c_row + x0, c_row, 4, cols, lanes)
+                r += 4
+        while r + 2 <= rows:
+            _four_vectors(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
+                          scale_step, c, c_offset + r * c_row + x0, c_row, 2, cols, lanes)
             r += 2
-        x0 += 4 * lanes if wide else lanes
+        if r < rows:
+            _four_vectors(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
+                          scale_step, c, c_offset + r * c_row + x0, c_row, 1, cols, lanes)
+        x0 += 4 * lanes
+    while x0 < width:
+        for r in range(rows):
+            _one_vector(p, p_offset + r * p_row, codes, b_offset + x0, b_row, scales, scale_offset, scale_step, c,
+                        c_offset + r * c_row + x0, cols)
+        x0 += lanes
 
 
 @njit(inline="always")
-def _add_row(c, at, lanes, wide, s0, s1, s2, s3):
+def _four_vectors(p, p_at, p_row, codes, b_at, b_row, scales, scale_offset, scale_step, c, c_at, c_row, rows, cols,
+                  lanes):
+    """4 vectors of columns of ``rows`` (1, 2 or 4, a constant) rows of :func:`_code_product`."""
+    zero = fill(0.0, c)
+    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = zero
+    for j in range(cols):
+        scale = scales[as_offset(scale_offset + j * scale_step)]
+        at = b_at + j * b_row
+        b0, b1 = load_int8(codes, at, zero), load_int8(codes, at + lanes, zero)
+        b2, b3 = load_int8(codes, at + 2 * lanes, zero), load_int8(codes, at + 3 * lanes, zero)
+        weight = fill(scalar_like(p[as_offset(p_at + j)] * scale, c), c)
+        s0, s1, s2, s3 = multiply_add(weight, b0, s0), multiply_add(weight, b1, s1), multiply_add(weight, b2, s2), \
+            multiply_add(weight, b3, s3)
+        if rows >= 2:
+            weight = fill(scalar_like(p[as_offset(p_at + p_row + j)] * scale, c), c)
+            t0, t1, t2, t3 = multiply_add(weight, b0, t0), multiply_add(weight, b1, t1), \
+                multiply_add(weight, b2, t2), multiply_add(weight, b3, t3)
+        if rows == 4:
+            weight = fill(scalar_like(p[as_offset(p_at + 2 * p_row + j)] * scale, c), c)
+            u0, u1, u2, u3 = multiply_add(weight, b0, u0), multiply_add(weight, b1, u1), \
+                multiply_add(weight, b2, u2), multiply_add(weight, b3, u3)
+            weight = fill(scalar_like(p[as_offset(p_at + 3 * p_row + j)] * scale, c), c)
+            w0, w1, w2, w3 = multiply_add(weight, b0, w0), multiply_add(weight, b1, w1), \
+                multiply_add(weight, b2, w2), multiply_add(weight, b3, w3)
+    _add_four(c, c_at, lanes, s0, s1, s2, s3)
+    if rows >= 2:
+        _add_four(c, c_at + c_row, lanes, t0, t1, t2, t3)
+    if rows == 4:
+        _add_four(c, c_at + 2 * c_row, lanes, u0, u1, u2, u3)
+        _add_four(c, c_at + 3 * c_row, lanes, w0, w1, w2, w3)
+
+
+@njit(inline="always")
+def _one_vector(p, p_at, codes, b_at, b_row, scales, scale_offset, scale_step, c, c_at, cols):
+    """One vector of columns of one row of :func:`_code_product`."""
+    zero = fill(0.0, c)
+    s0 = zero
+    for j in range(cols):
+        weight = fill(scalar_like(p[as_offset(p_at + j)] * scales[as_offset(scale_offset + j * scale_step)], c), c)
+        s0 = multiply_add(weight, load_int8(codes, b_at + j * b_row, zero), s0)
+    store(c, c_at, add(load(c, c_at), s0))
+
+
+@njit(inline="always")
+def _add_four(c, at, lanes, s0, s1, s2, s3):
     store(c, at, add(load(c, at), s0))
-    if wide:
-        store(c, at + lanes, add(load(c, at + lanes), s1))
-        store(c, at + 2 * lanes, add(load(c, at + 2 * lanes), s2))
-        store(c, at + 3 * lanes, add(load(c, at + 3 * lanes), s3))
+    store(c, at + lanes, add(load(c, at + lanes), s1))
+    store(c, at + 2 * lanes, add(load(c, at + 2 * lanes), s2))
+    store(c, at + 3 * lanes, add(load(c, at + 3 * lanes), s3))
