@@ -20,7 +20,8 @@ from numba import njit
 
 from .jit import helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like
-from .simd import VECTOR_BYTES, add, fill, horizontal_sum, load, load_int8, multiply_add, never_inline, store
+from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, load, load_int8, multiply_add, never_inline, store,
+                   store_key_sums)
 
 
 # Query rows per register block: 4 x 4 accumulators of the 32 zmm registers (each key's
@@ -105,20 +106,12 @@ def _four_keys(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, d
             row = load(a, q_at + 3 * a_row + x)
             w0, w1, w2, w3 = multiply_add(row, b0, w0), multiply_add(row, b1, w1), multiply_add(row, b2, w2), \
                 multiply_add(row, b3, w3)
-    _store_four(c, c_at, factors, s0, s1, s2, s3)
-    if rows >= 2:
-        _store_four(c, c_at + c_row, factors, t0, t1, t2, t3)
     if rows == 4:
-        _store_four(c, c_at + 2 * c_row, factors, u0, u1, u2, u3)
-        _store_four(c, c_at + 3 * c_row, factors, w0, w1, w2, w3)
-
-
-@njit(inline="always")
-def _store_four(c, at, factors, s0, s1, s2, s3):
-    c[as_offset(at)] = factors[0] * horizontal_sum(s0)
-    c[as_offset(at + 1)] = factors[1] * horizontal_sum(s1)
-    c[as_offset(at + 2)] = factors[2] * horizontal_sum(s2)
-    c[as_offset(at + 3)] = factors[3] * horizontal_sum(s3)
+        store_key_sums(c, c_at, c_row, (s0, s1, s2, s3, t0, t1, t2, t3, u0, u1, u2, u3, w0, w1, w2, w3), factors)
+    elif rows == 2:
+        store_key_sums(c, c_at, c_row, (s0, s1, s2, s3, t0, t1, t2, t3), factors)
+    else:
+        store_key_sums(c, c_at, c_row, (s0, s1, s2, s3), factors)
 
 
 @njit(inline="always")

@@ -470,6 +470,67 @@ def store_scaled_rows(typingctx, c, index, c_row, block, scale, accumulate):
     return types.none(c, index, c_row, block, scale, accumulate), codegen
 
 
+def _lane_sums(builder, vectors, lanes):
+    """A vector whose first ``len(vectors)`` lanes (a power of two, at most ``lanes``) are the
+    sums of each vector's lanes, in order: pairs of vectors folded into one, halves of each
+    one's lanes added (a shuffle network of 3 (n - 1) instructions for n vectors, where a
+    reduction of each costs 2 log2(lanes))."""
+    group = lanes  # partial sums each vector holds per accumulator
+    while len(vectors) > 1:
+        half, groups = group // 2, lanes // group
+        low = [g * group + x for g in range(groups) for x in range(half)]
+        high = [g * group + half + x for g in range(groups) for x in range(half)]
+        vectors = [builder.fadd(builder.shuffle_vector(a, b, _lane_indices(low + [lanes + i for i in low])),
+                                builder.shuffle_vector(a, b, _lane_indices(high + [lanes + i for i in high])))
+                   for a, b in zip(vectors[0::2], vectors[1::2])]
+        group = half
+    value, count = vectors[0], lanes // group  # count groups of `group` partial sums
+    while group > 1:  # the rest within each group (fewer vectors than lanes)
+        half = group // 2
+        swapped = [lane - lane % group + (lane % group + half) % group for lane in range(lanes)]
+        value = builder.fadd(value, builder.shuffle_vector(value, value, _lane_indices(swapped)))
+        group = half
+    step = lanes // count
+    return builder.shuffle_vector(value, value, _lane_indices([(i * step) % lanes for i in range(lanes)]))
+
+
+@intrinsic
+def store_key_sums(typingctx, c, index, c_row, sums, factors):
+    """``c[index + r * c_row + j] = factors[j] * (the sum of sums[4 r + j]'s lanes)`` for
+    the 4 keys j of each row r of a dot-product block (``sums``: a tuple of 4 x rows
+    vectors, row by row; ``factors``: 4 scalars): the lanes summed ``lanes`` vectors at a
+    time by one shuffle network (:func:`_lane_sums`), scaled by one multiply and stored 4
+    scores a row."""
+    if not (_check_float_array(c) and isinstance(sums, types.UniTuple) and isinstance(sums.dtype, Vector)
+            and sums.dtype.dtype == c.dtype and sums.count % 4 == 0 and isinstance(factors, types.UniTuple)
+            and factors.count == 4 and factors.dtype == c.dtype):
+        return None
+    vector = sums.dtype
+    lanes = vector.lanes
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        c_value, index_value, c_row_value, sums_value, factors_value = args
+        accumulators = cgutils.unpack_tuple(builder, sums_value, sums.count)
+        scalars = cgutils.unpack_tuple(builder, factors_value, 4)
+        vector_type = context.get_value_type(vector)
+        factor = ir.Constant(vector_type, ir.Undefined)
+        for lane in range(lanes):
+            factor = builder.insert_element(factor, scalars[lane % 4], ir.Constant(ir.IntType(32), lane))
+        four = ir.VectorType(vector_type.element, 4)
+        chunk = min(lanes, sums.count)  # accumulators a network takes: whole rows of 4
+        for first in range(0, sums.count, chunk):
+            scores = builder.fmul(_lane_sums(builder, accumulators[first:first + chunk], lanes), factor)
+            for row in range(chunk // 4):
+                r = (first + 4 * row) // 4
+                offset = builder.add(index_value, builder.mul(c_row_value, ir.Constant(c_row_value.type, r)))
+                pointer = _pointer(context, builder, signature.args[0], c_value, offset, four)
+                part = builder.shuffle_vector(scores, scores, _lane_indices([4 * row + x for x in range(4)]))
+                builder.store(part, pointer, align=c.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+    return types.none(c, index, c_row, sums, factors), codegen
+
+
 def call_llvm_intrinsic(builder, stem, *operands):
     """``llvm.<stem>`` (``fma``, ``floor``, ...) on floating-point vector operands of one
     type. llvmlite's builder has scalar forms only; LLVM overloads them on vectors by
