@@ -489,7 +489,7 @@ def test_a_compiled_append_that_fails_midway_puts_the_codes_back(monkeypatch):
     targets, positions = _slots(np, 2, 1, np.array([3, 5]), None, None, 8, views=False)
     before = [cache.copy() for cache in caches]
     writer = slots.SlotWriter(caches, new, targets, positions)
-    write = slots._write_slots
+    write = slots._write_plain
     calls = []
 
     def failing(*arguments):
@@ -498,7 +498,7 @@ def test_a_compiled_append_that_fails_midway_puts_the_codes_back(monkeypatch):
             raise MemoryError("no memory for the scales")
         return write(*arguments)
 
-    monkeypatch.setattr(slots, "_write_slots", failing)
+    monkeypatch.setattr(slots, "_write_plain", failing)
     with pytest.raises(MemoryError, match="no memory for the scales"):
         writer.write(caches, new)
     assert len(calls) == 2

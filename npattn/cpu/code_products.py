@@ -25,7 +25,9 @@ from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, load, load_int8, mul
 
 
 # Query rows per register block: 4 x 4 accumulators of the 32 zmm registers (each key's
-# codes converted once for a GQA group of 4), 2 x 4 of the 16 ymm
+# codes converted once for a GQA group of 4), 2 x 4 of the 16 ymm; rows left over go one
+# at a time (no 2-row block on AVX-512: each block size is compiled into both kernels,
+# 2-3 s of a first call's compile)
 ROW_BLOCK = 4 if VECTOR_BYTES == 64 else 2
 
 
@@ -45,8 +47,8 @@ def code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_
 @helper
 def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
                        c_row, rows, cols, depth, alpha):
-    """4 keys at a time against blocks of query rows (:data:`ROW_BLOCK`, then 2, then 1:
-    each key's codes converted once per block, 4 FMA chains per row); then the keys left
+    """4 keys at a time against blocks of :data:`ROW_BLOCK` query rows, then single rows
+    (each key's codes converted once per block, 4 FMA chains per row); then the keys left
     one by one."""
     never_inline()
     lanes = VECTOR_BYTES // c.itemsize
@@ -57,18 +59,14 @@ def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale
         factors = (alpha * scales[as_offset(at)], alpha * scales[as_offset(at + scale_step)],
                    alpha * scales[as_offset(at + 2 * scale_step)], alpha * scales[as_offset(at + 3 * scale_step)])
         r = 0
-        if ROW_BLOCK == 4:
-            while r + 4 <= rows:
-                _four_keys(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
-                           factors, 4, depth, lanes)
-                r += 4
-        while r + 2 <= rows:
+        while r + ROW_BLOCK <= rows:
             _four_keys(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
-                       factors, 2, depth, lanes)
-            r += 2
-        if r < rows:
+                       factors, ROW_BLOCK, depth, lanes)
+            r += ROW_BLOCK
+        while r < rows:
             _four_keys(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
                        factors, 1, depth, lanes)
+            r += 1
         j += 4
     zero = fill(0.0, c)
     while j < cols:
@@ -85,7 +83,7 @@ def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale
 
 @njit(inline="always")
 def _four_keys(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, depth, lanes):
-    """The scores of 4 keys for ``rows`` (1, 2 or 4, a constant) query rows of
+    """The scores of 4 keys for ``rows`` (1 or :data:`ROW_BLOCK`, a constant) query rows of
     :func:`_code_dot_products`."""
     zero = fill(0.0, c)
     s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = zero
@@ -129,26 +127,22 @@ def code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offse
 @helper
 def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
                   rows, cols, width):
-    """Columns 4 vectors at a time, 2 rows of C at a time (then an odd last one), held in
-    registers over every key: each key's codes of those columns converted once per pair of
-    rows, its probabilities scaled once; then the columns left a vector at a time."""
+    """Columns 4 vectors at a time, blocks of :data:`ROW_BLOCK` rows of C (then single
+    rows) held in registers over every key: each key's codes of those columns converted
+    once per block, its probabilities scaled once; then the columns left a vector at a time."""
     never_inline()
     lanes = VECTOR_BYTES // c.itemsize
     x0 = 0
     while x0 + 4 * lanes <= width:
         r = 0
-        if ROW_BLOCK == 4:
-            while r + 4 <= rows:
-                _four_vectors(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
-                              scale_step, c, c_offset + r * c_row + x0, c_row, 4, cols, lanes)
-                r += 4
-        while r + 2 <= rows:
+        while r + ROW_BLOCK <= rows:
             _four_vectors(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
-                          scale_step, c, c_offset + r * c_row + x0, c_row, 2, cols, lanes)
-            r += 2
-        if r < rows:
+                          scale_step, c, c_offset + r * c_row + x0, c_row, ROW_BLOCK, cols, lanes)
+            r += ROW_BLOCK
+        while r < rows:
             _four_vectors(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
                           scale_step, c, c_offset + r * c_row + x0, c_row, 1, cols, lanes)
+            r += 1
         x0 += 4 * lanes
     while x0 < width:
         for r in range(rows):
@@ -160,7 +154,8 @@ def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offs
 @njit(inline="always")
 def _four_vectors(p, p_at, p_row, codes, b_at, b_row, scales, scale_offset, scale_step, c, c_at, c_row, rows, cols,
                   lanes):
-    """4 vectors of columns of ``rows`` (1, 2 or 4, a constant) rows of :func:`_code_product`."""
+    """4 vectors of columns of ``rows`` (1 or :data:`ROW_BLOCK`, a constant) rows of
+    :func:`_code_product`."""
     zero = fill(0.0, c)
     s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = zero
     for j in range(cols):

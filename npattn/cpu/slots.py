@@ -86,7 +86,7 @@ class SlotWriter:
                 arrays = [_as_rows(array, bits) for array in (caches[2 * index], caches[2 * index + 1],
                                                                new[2 * index], new[2 * index + 1])]
                 staged = np.empty(size, arrays[0].dtype)
-                _write_slots(*arrays, self._targets, self._positions, staged)
+                _write_plain(arrays[0], *arrays, self._targets, self._positions, staged, _UNCHECKED)
                 olds.append(staged)
         except BaseException:
             self.restore(caches, new, olds)
@@ -187,7 +187,7 @@ class _Quantized(NamedTuple):
 
 
 def _as_rows(array, bits):
-    """``array`` as :func:`_write_slots` takes it: 4-D (a unit last axis for scales), its
+    """``array`` as :func:`_write_plain` takes it: 4-D (a unit last axis for scales), its
     bytes as ``bits`` (unsigned ints) where Numba cannot type its dtype."""
     if array.ndim == 3:
         array = array[..., None]
@@ -207,20 +207,13 @@ _INT8 = np.dtype(np.int8)
 
 
 @kernel
-def _write_slots(first, second, first_new, second_new, targets, positions, staged):
-    """:func:`SlotWriter.write` on arrays Numba types, one cache after the other (as
+def _write_plain(query, first, second, first_new, second_new, targets, positions, staged, expected):
+    """:meth:`SlotWriter.write` on arrays Numba types, one cache after the other (as
     NumPy's two assignments would: rows of ``second_new`` read after ``first`` took its
     rows); ``staged`` (flat): for each cache its slots' old bytes, then a copy of its new
-    rows, taken before its first write."""
-    _write_cache(second, second_new, targets, positions, staged,
-                 _write_cache(first, first_new, targets, positions, staged, 0))
-
-
-@kernel
-def _write_plain(query, first, second, first_new, second_new, targets, positions, staged, expected):
-    """:func:`_write_slots` where ``query``, the caches and their new rows have the shapes,
-    strides (bytes) and alignment of ``expected``'s rows (:func:`_matches`; no rows: not
-    compared); False, with nothing written, where one does not."""
+    rows, taken before its first write. Where ``expected`` has rows, first whether
+    ``query``, the caches and their new rows have the shapes, strides (bytes) and alignment
+    of its rows (:func:`_matches`): False, with nothing written, where one does not."""
     if not _all_match(query, first, second, first_new, second_new, expected):
         return False
     _write_cache(second, second_new, targets, positions, staged,
@@ -248,7 +241,7 @@ def _matches(array, expected):
 
 @helper
 def _write_cache(cache, new, targets, positions, staged, start):
-    """One cache of :func:`_write_slots` from ``staged[start:]``; returns where the next starts."""
+    """One cache of :func:`_write_plain` from ``staged[start:]``; returns where the next starts."""
     batch, new_len, heads, width = new.shape
     rows = batch * new_len * heads * width
     at = start
