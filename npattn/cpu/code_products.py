@@ -12,13 +12,16 @@ once per product instead of once per value:
 
 Both round differently from the float32 staging (one scale multiply per product, not
 per value); the sums are the same float32 sums otherwise, within the same error bound of
-the float64 result on the dequantized cache.
+the float64 result on the dequantized cache. Compiled for float32 sums only (float32 and
+16-bit queries): a float64 query's step, rare, dequantizes its tiles, and its kernels skip
+this code's compile (2-5 s of a first float64 call).
 """
 from __future__ import annotations
 
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
-from .jit import helper
+from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like
 from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, load, load_int8, multiply_add, never_inline, store,
                    store_key_sums)
@@ -31,17 +34,30 @@ from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, load, load_int8, mul
 ROW_BLOCK = 4 if VECTOR_BYTES == 64 else 2
 
 
-@njit(inline="always")
 def code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
                       c_row, rows, cols, depth, alpha):
     """``C[r, j] = alpha * scales[scale_offset + j * scale_step] * sum_x A[r, x] B[j, x]``
     for r < rows, j < cols, where ``A[r, x] = a[a_offset + r * a_row + x]`` (floats),
     ``B[j, x] = codes[b_offset + j * b_row + x]`` (int8) and ``C[r, j] = c[c_offset + r *
-    c_row + j]``; ``depth`` a multiple of the vector's lanes."""
-    _code_dot_products(as_readonly(a), plain_int(a_offset), plain_int(a_row), as_readonly(codes),
-                       plain_int(b_offset), plain_int(b_row), as_readonly(scales), plain_int(scale_offset),
-                       plain_int(scale_step), c, plain_int(c_offset), plain_int(c_row), plain_int(rows),
-                       plain_int(cols), plain_int(depth), scalar_like(alpha, c))
+    c_row + j]``; ``depth`` a multiple of the vector's lanes. float32 only (see
+    :func:`~npattn.cpu.tiles.codes_in_registers`): elsewhere a stub that does nothing."""
+    raise NotImplementedError
+
+
+@overload(code_dot_products, jit_options=OPTIONS)
+def _code_dot_products_overload(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c,
+                                c_offset, c_row, rows, cols, depth, alpha):
+    if c.dtype != types.float32:
+        return lambda a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, \
+            c_row, rows, cols, depth, alpha: None
+
+    def implementation(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
+                       c_row, rows, cols, depth, alpha):
+        _code_dot_products(as_readonly(a), plain_int(a_offset), plain_int(a_row), as_readonly(codes),
+                           plain_int(b_offset), plain_int(b_row), as_readonly(scales), plain_int(scale_offset),
+                           plain_int(scale_step), c, plain_int(c_offset), plain_int(c_row), plain_int(rows),
+                           plain_int(cols), plain_int(depth), scalar_like(alpha, c))
+    return implementation
 
 
 @helper
@@ -112,16 +128,29 @@ def _four_keys(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, d
         store_key_sums(c, c_at, c_row, (s0, s1, s2, s3), factors)
 
 
-@njit(inline="always")
 def code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
                  rows, cols, width):
     """``C[r, x] += sum_j (P[r, j] * scales[scale_offset + j * scale_step]) * B[j, x]`` for
     r < rows, j < cols, x < width, where ``P[r, j] = p[p_offset + r * p_row + j]`` (floats),
     ``B[j, x] = codes[b_offset + j * b_row + x]`` (int8) and ``C[r, x] = c[c_offset + r *
-    c_row + x]``; ``width`` a multiple of the vector's lanes."""
-    _code_product(as_readonly(p), plain_int(p_offset), plain_int(p_row), as_readonly(codes), plain_int(b_offset),
-                  plain_int(b_row), as_readonly(scales), plain_int(scale_offset), plain_int(scale_step), c,
-                  plain_int(c_offset), plain_int(c_row), plain_int(rows), plain_int(cols), plain_int(width))
+    c_row + x]``; ``width`` a multiple of the vector's lanes. float32 only, as
+    :func:`code_dot_products`."""
+    raise NotImplementedError
+
+
+@overload(code_product, jit_options=OPTIONS)
+def _code_product_overload(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
+                           c_row, rows, cols, width):
+    if c.dtype != types.float32:
+        return lambda p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, \
+            c_row, rows, cols, width: None
+
+    def implementation(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
+                       c_row, rows, cols, width):
+        _code_product(as_readonly(p), plain_int(p_offset), plain_int(p_row), as_readonly(codes), plain_int(b_offset),
+                      plain_int(b_row), as_readonly(scales), plain_int(scale_offset), plain_int(scale_step), c,
+                      plain_int(c_offset), plain_int(c_row), plain_int(rows), plain_int(cols), plain_int(width))
+    return implementation
 
 
 @helper

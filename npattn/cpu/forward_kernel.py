@@ -90,7 +90,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     v_row_stride = ints[Int.V_STRIDE_S]
     splits, split_keys = ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS]
     quantized, bf16 = ints[Int.KV_CODES], ints[Int.BF16_PRODUCTS]
-    in_registers = codes_in_registers(ints)  # (a quantized tile not dequantized: code_products)
+    in_registers = codes_in_registers(ints, s)  # (a quantized tile not dequantized: code_products)
     tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
     q_pairs, p_pairs, v_pairs = pair_tiles(ints, dequantized)
     half_head, half_ld = (ints[Int.HEAD_DIM] + 1) // 2, (ld + 1) // 2
@@ -303,7 +303,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
             first, last = (sink_start, sink_end) if segment == 0 else (band_start, band_stop)
             for j0 in range(first, last, block_k):
                 cols = smaller(block_k, last - j0)
-                if ints[Int.KV_CODES] and not codes_in_registers(ints):
+                if ints[Int.KV_CODES] and not codes_in_registers(ints, s):
                     dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                     dequantized)
                 pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)

@@ -351,7 +351,8 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
     q, k, v (3 each), bias and mask (4 each)."""
     block_q, block_k = tuning.forward if kind == "forward" else tuning.backward
-    if codes == KvCodes.INT8 and kind == "forward" and problem.q_len * problem.group_size <= tuning.dot_rows:
+    if (codes == KvCodes.INT8 and kind == "forward" and problem.accumulate_dtype == np.float32
+            and problem.q_len * problem.group_size <= tuning.dot_rows):
         block_k = min(block_k, CODE_TILE_KEYS)  # a decode tile read in registers (tiles.codes_in_registers)
     # A problem smaller than a tile gets a tile of its own size: the same single tile,
     # so the same arithmetic, with scratch a small call can allocate in microseconds

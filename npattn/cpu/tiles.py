@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from .blas import gemm
 from .code_products import code_dot_products
-from .jit import helper
+from .jit import OPTIONS, helper
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
 from .simd import (VECTOR_BYTES, as_float, fill, load, load_float16_bits, prefetch, prefetch_to_l2, store,
                    store_bfloat16, store_bfloat16_pairs)
@@ -212,12 +213,20 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
             s[row + c] = s[row + c] * keep_scale if kept else 0.0
 
 
-@njit(inline="always")
-def codes_in_registers(ints):
+def codes_in_registers(ints, scores):
     """Whether a tile's products read an int8 cache's codes in registers
     (:mod:`npattn.cpu.code_products`), with no :func:`dequantize_tile`: a decode tile (a few
-    rows, DOT_SCORES) whose values are whole vectors."""
-    return ints[Int.KV_CODES] == KvCodes.INT8 and ints[Int.DOT_SCORES] and ints[Int.VECTOR_VALUES]
+    rows, DOT_SCORES) whose values are whole vectors, its sums in float32 (``scores``' dtype;
+    a float64 kernel answers False when compiled, so its code is not compiled there)."""
+    raise NotImplementedError
+
+
+@overload(codes_in_registers, jit_options=OPTIONS)
+def _codes_in_registers_overload(ints, scores):
+    if scores.dtype != types.float32:
+        return lambda ints, scores: False
+    return lambda ints, scores: (ints[Int.KV_CODES] == KvCodes.INT8 and ints[Int.DOT_SCORES]
+                                 and ints[Int.VECTOR_VALUES])
 
 
 @njit(inline="always")
@@ -536,7 +545,7 @@ def score_tile(q, k, dequantized, k_codes, k_scale, q_pairs, bias, mask, alibi, 
         for r0 in range(0, rows, band):
             band_rows = smaller(band, rows - r0)
             width = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
-            if ints[Int.DOT_SCORES] and codes_in_registers(ints):  # the codes, run by run of one page
+            if ints[Int.DOT_SCORES] and codes_in_registers(ints, s):  # the codes, run by run of one page
                 c0 = 0
                 while c0 < width:
                     run = page_run(ints, j0 + c0, width - c0)
