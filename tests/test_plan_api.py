@@ -199,7 +199,8 @@ def test_a_kvcache_plans_later_runs_check_every_array_before_writing():
         unaligned = np.frombuffer(bytearray(array.nbytes + 1), np.uint8)[1:].view(np.float32).reshape(array.shape)
         unaligned[...] = array
         assert not unaligned.flags.aligned and unaligned.strides == array.strides
-        layer = {name: (array.copy() if "cache" in name else array) for name, array in {**arrays, name: unaligned}.items()}
+        layer = {key: (value.copy() if "cache" in key else value)
+                 for key, value in {**arrays, name: unaligned}.items()}
         _same(plan.run(**layer), want)
     frozen = caches[0].copy()
     frozen.flags.writeable = False

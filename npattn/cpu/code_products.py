@@ -14,7 +14,7 @@ Both round differently from the float32 staging (one scale multiply per product,
 per value); the sums are the same float32 sums otherwise, within the same error bound of
 the float64 result on the dequantized cache. Compiled for float32 sums only (float32 and
 16-bit queries): a float64 query's step, rare, dequantizes its tiles, and its kernels skip
-this code's compile (2-5 s of a first float64 call).
+this code's compile (a first float64 forward compiled in 16.8-21.8 s with it, 13.9 without).
 """
 from __future__ import annotations
 
