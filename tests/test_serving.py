@@ -502,8 +502,7 @@ def test_a_compiled_append_that_fails_midway_puts_the_codes_back(monkeypatch):
     with pytest.raises(MemoryError, match="no memory for the scales"):
         writer.write(caches, new)
     assert len(calls) == 2
-    for actual, old in zip(caches, before):
-        np.testing.assert_array_equal(actual, old)
+    assert_same_bytes(caches, before)
 
 
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)

@@ -142,15 +142,15 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                         pack_key_pairs(k, pages, ints, b, kv_head, j0, cols, packed, v_pairs)
                     else:
                         pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                    full = score_tile(q, k, tile, k_codes, k_scale, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals, s,
-                                      ld, tanh, packed, b, h, i0, rows, j0, cols)
+                    full = score_tile(q, k, tile, k_codes, k_scale, as_readonly(q_pairs), bias, mask, alibi, spans,
+                                      pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                     outcome = _exp_with_running_max(s, ld, rows, cols, head_m, head_total, head_seen, sums)
                     if outcome != _DONE:
                         if outcome == _OVERWRITTEN:
                             # a score rose more than _HEADROOM above its row's max (rare: the running
                             # max is usually set by the first tile): recompute the scores
-                            score_tile(q, k, tile, k_codes, k_scale, as_readonly(q_pairs), bias, mask, alibi, spans, pages, ints, reals,
-                                       s, ld, tanh, packed, b, h, i0, rows, j0, cols)
+                            score_tile(q, k, tile, k_codes, k_scale, as_readonly(q_pairs), bias, mask, alibi, spans,
+                                       pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                         _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, out,
                                           out_offset, out_row_stride, dv)
                     if ints[Int.HAS_DROPOUT]:
@@ -307,8 +307,8 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                     dequantized)
                 pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                score_tile(q, k, tile, k_codes, k_scale, as_readonly(q), bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh,
-                           packed, b, h, i0, rows, j0, cols)
+                score_tile(q, k, tile, k_codes, k_scale, as_readonly(q), bias, mask, alibi, spans, pages, ints, reals,
+                           s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                 for r in range(rows):
                     row_lse = lse[row_offset + r]
                     if row_lse > -np.inf:  # an empty row keeps its zeros

@@ -351,13 +351,20 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
     q, k, v (3 each), bias and mask (4 each)."""
     block_q, block_k = tuning.forward if kind == "forward" else tuning.backward
-    if (codes == KvCodes.INT8 and kind == "forward" and problem.accumulate_dtype == np.float32
-            and problem.q_len * problem.group_size <= tuning.dot_rows):
+    dtype = problem.accumulate_dtype
+    # a quantized cache's tiles are read as dequantized rows by the micro-kernels, never by
+    # BLAS (its head dims are whole vectors: core.quantization.HEAD_DIM_MULTIPLE)
+    vector = tuning.vector_products or problem.quantized
+    lanes, chunk = vector_lanes(dtype), chunk_columns(dtype)
+    vector_values, vector_keys = vector and problem.value_dim % lanes == 0, vector and problem.head_dim % lanes == 0
+    # rows counted as Sq x group both folded (Sq * group rows, group 1) and not (Sq rows
+    # per head): the same problem takes the same path, so folding keeps the bits
+    dot_scores = kind == "forward" and vector_keys and problem.q_len * problem.group_size <= tuning.dot_rows
+    if codes == KvCodes.INT8 and dot_scores and vector_values and dtype == np.float32:
         block_k = min(block_k, CODE_TILE_KEYS)  # a decode tile read in registers (tiles.codes_in_registers)
     # A problem smaller than a tile gets a tile of its own size: the same single tile,
     # so the same arithmetic, with scratch a small call can allocate in microseconds
     tiles = (min(block_q, max(problem.q_len, 1)), min(block_k, max(problem.kv_len, 1)))
-    dtype = problem.accumulate_dtype
     q_strides, k_strides, v_strides, bias_strides, mask_strides = strides
     ints = problem_int_values(problem)
     ints[Int.Q_STRIDE_B:Int.Q_STRIDE_S + 1] = q_strides
@@ -367,17 +374,8 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.MASK_STRIDE_B:Int.MASK_STRIDE_K + 1] = mask_strides
     ints[Int.BLOCK_Q], ints[Int.BLOCK_K] = tiles
     ints[Int.EDGE_BAND] = tuning.edge_band
-    # a quantized cache's tiles are read as dequantized rows by the micro-kernels, never by
-    # BLAS (its head dims are whole vectors: core.quantization.HEAD_DIM_MULTIPLE)
-    vector = tuning.vector_products or problem.quantized
-    lanes, chunk = vector_lanes(dtype), chunk_columns(dtype)
-    ints[Int.VECTOR_SCORES] = vector
-    ints[Int.VECTOR_VALUES] = vector and problem.value_dim % lanes == 0
-    ints[Int.VECTOR_KEYS] = vector and problem.head_dim % lanes == 0
-    # rows counted as Sq x group both folded (Sq * group rows, group 1) and not (Sq rows
-    # per head): the same problem takes the same path, so folding keeps the bits
-    ints[Int.DOT_SCORES] = (kind == "forward" and ints[Int.VECTOR_KEYS]
-                            and problem.q_len * problem.group_size <= tuning.dot_rows)
+    ints[Int.VECTOR_SCORES], ints[Int.VECTOR_VALUES], ints[Int.VECTOR_KEYS] = vector, vector_values, vector_keys
+    ints[Int.DOT_SCORES] = dot_scores
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk) * chunk if vector else tiles[1]
     heads_per_item, ints[Int.HEAD_GROUP] = head_group(problem, kind, ints)
     ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = (key_splits(problem, tiles, heads_per_item) if kind == "forward"

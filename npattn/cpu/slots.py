@@ -104,9 +104,9 @@ class SlotWriter:
         the kind, dtype, ndim and writability of its arrays (q is read for its structure
         only): their shapes, strides and alignment are compared with ``expected`` (int64
         (5, 8), read-only: each array's shape, then its strides in bytes) in the compiled
-        call, before its first write. Returns the staging :meth:`write` returns in a tuple
-        (this thread's, reused by its next call), or None, with nothing written, where an
-        array differs (the caller checks them one by one, to name it).
+        call, before its first write. Returns the staging (the one array of the tuple
+        :meth:`write` returns; this thread's, reused by its next call), or None, with nothing
+        written, where an array differs (the caller checks them one by one, to name it).
 
         It runs the write's machine code typed for the arrays' Numba types, which the
         caller's checks and the compiled comparison fix (kind, dtype, ndim, writable caches;

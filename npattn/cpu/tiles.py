@@ -534,7 +534,7 @@ def score_tile(q, k, dequantized, k_codes, k_scale, q_pairs, bias, mask, alibi, 
         for r0 in range(0, rows, band):
             band_rows = smaller(band, rows - r0)
             width = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
-            if ints[Int.DOT_SCORES] and codes_in_registers(ints, s):  # the codes, run by run of one page
+            if codes_in_registers(ints, s):  # (a decode tile: DOT_SCORES) the codes, run by run of one page
                 c0 = 0
                 while c0 < width:
                     run = page_run(ints, j0 + c0, width - c0)
