@@ -37,6 +37,10 @@ def test_bfloat16_products_keep_the_bfloat16_bound(batch, heads, q_len, kv_len, 
     else:
         arguments = (q, k, v)
     out, lse = npattn.attention(*arguments, return_lse=True, **options)
+    # the same values starting 2 bytes off a 4-byte boundary (read from an aligned copy):
+    # the same bits
+    np.testing.assert_array_equal(npattn.attention(*map(_off_boundary, arguments), **options).view(np.uint16),
+                                  out.view(np.uint16))
     with tuned(bf16_products=False):
         plain = npattn.attention(*arguments, **options)
     expected, expected_lse = npattn.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
@@ -54,15 +58,26 @@ def test_bfloat16_products_keep_the_bfloat16_bound(batch, heads, q_len, kv_len, 
     np.testing.assert_allclose(out.astype(np.float64), plain.astype(np.float64), rtol=0, atol=near)
 
 
+def _off_boundary(array):
+    """A C-contiguous copy of ``array`` whose data starts 2 bytes past a 4-byte boundary."""
+    flat = np.empty(array.size + 2, array.dtype)
+    start = 1 if flat.__array_interface__["data"][0] % 4 == 0 else 0
+    copy = flat[start:start + array.size].reshape(array.shape)
+    copy[...] = array
+    assert copy.__array_interface__["data"][0] % 4 == 2
+    return copy
+
+
 @needs_bf16
 def test_bfloat16_products_are_taken_where_they_pay_and_nowhere_else():
     from npattn.core.validation import build_problem
     from npattn.cpu.operands import Int, operand_plan
     from npattn.cpu.tuning import current
 
-    def taken(q_len, kv_len, dtype="bfloat16", kind="forward", **options):
-        x = np.zeros((1, 2, q_len, 64), dtype)
-        keys = np.zeros((1, 2, kv_len, 64), dtype)
+    def taken(q_len, kv_len, dtype="bfloat16", kind="forward", head_dim=64, every_other_key=False, **options):
+        x = np.zeros((1, 2, q_len, head_dim), dtype)
+        keys = np.zeros((1, 2, 2 * kv_len, head_dim), dtype)[:, :, ::2] if every_other_key else np.zeros(
+            (1, 2, kv_len, head_dim), dtype)
         problem = build_problem(x, keys, keys, **options)
         return bool(operand_plan(problem, kind, current()).ints[Int.BF16_PRODUCTS])
 
@@ -70,37 +85,50 @@ def test_bfloat16_products_are_taken_where_they_pay_and_nowhere_else():
     assert not taken(256, 256, dtype="float32") and not taken(256, 256, dtype="float16")
     assert not taken(256, 256, kind="backward") and not taken(256, 256, return_weights=True)
     assert not taken(1, 4096)  # a decode step's dot products (and 16-bit tiles) instead
+    # the kernels read q, k and v as float32 words of two bfloat16, in a known memory
+    # order: an odd head dim, or keys in no such order, take the float32 products on
+    # converted copies
+    assert taken(256, 256, head_dim=48) and not taken(256, 256, head_dim=47)
+    assert not taken(256, 256, every_other_key=True)
     with tuned(bf16_products=False):
         assert not taken(256, 256)
 
 
 def test_pair_layouts_hold_bfloat16_pairs_in_order():
     """pair_bits's word: bfloat16 of its first value in the low half, rounded to nearest
-    even; the vector stores agree with it."""
+    even; store_bfloat16 agrees with it; store_interleaved_pairs puts two rows of
+    bfloat16 memory (seen as float32 words) side by side, pair by pair, and zeros for an
+    absent second row."""
     from numba import njit
 
     from npattn.cpu.microkernels import pair_bits
-    from npattn.cpu.simd import VECTOR_BYTES, load, store_bfloat16, store_bfloat16_pairs
+    from npattn.cpu.simd import VECTOR_BYTES, load, store_bfloat16, store_interleaved_pairs
 
     lanes = VECTOR_BYTES // 4
     rng = np.random.default_rng(3)
     first = rng.normal(size=lanes).astype(np.float32)
     second = rng.normal(size=lanes).astype(np.float32)
     first[:3] = [1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -0.0]  # ties: to even, down then up
+    # two rows of bfloat16 memory, each lanes values (lanes / 2 words), at odd word offsets
+    memory = rng.normal(size=3 * lanes + 2).astype(ml_dtypes.bfloat16)
 
     @njit
-    def words(first, second):
+    def words(first, second, memory_words):
         scalar = np.empty(lanes, np.float32)
         for i in range(lanes):
             scalar[i] = pair_bits(first[i], second[i])
         rows = np.empty(lanes // 2, np.float32)
         store_bfloat16(rows, 0, load(first, 0))
-        pairs = np.empty(lanes, np.float32)
-        store_bfloat16_pairs(pairs, 0, load(first, 0), load(second, 0))
+        pairs = np.empty(2 * lanes, np.float32)
+        store_interleaved_pairs(pairs, 0, memory_words, 1, lanes + 1, True)
+        store_interleaved_pairs(pairs, lanes, memory_words, 1, 1, False)
         return scalar, rows, pairs
 
-    scalar, rows, pairs = (w.view(np.uint32) for w in words(first, second))
+    scalar, rows, pairs = (w.view(np.uint32) for w in words(first, second, memory.view(np.float32)))
     low, high = first.astype(ml_dtypes.bfloat16).view(np.uint16), second.astype(ml_dtypes.bfloat16).view(np.uint16)
     np.testing.assert_array_equal(scalar, low.astype(np.uint32) | (high.astype(np.uint32) << 16))
-    np.testing.assert_array_equal(pairs, scalar)
     np.testing.assert_array_equal(rows, low[0::2].astype(np.uint32) | (low[1::2].astype(np.uint32) << 16))
+    bits = memory.view(np.uint16).astype(np.uint32)
+    row_one, row_two = bits[2:2 + lanes], bits[2 * lanes + 2:3 * lanes + 2]
+    np.testing.assert_array_equal(pairs[:lanes], row_one | (row_two << 16))
+    np.testing.assert_array_equal(pairs[lanes:], row_one)

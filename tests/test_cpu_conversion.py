@@ -1,5 +1,6 @@
-"""The CPU's float16 <-> float32 conversions (npattn.cpu.conversion) give NumPy's values
-exactly, in the input's memory layout; the 16-bit finiteness check reads the exponent bits."""
+"""The CPU's float16 <-> float32 and float32 -> bfloat16 conversions (npattn.cpu.conversion)
+give NumPy's and ml_dtypes' values exactly, in the input's memory layout; the 16-bit
+finiteness check reads the exponent bits."""
 from __future__ import annotations
 
 from unittest import mock
@@ -52,6 +53,26 @@ def test_arrays_of_many_values_convert_on_the_vector_units(bshd):
     np.testing.assert_array_equal(half.view(np.uint16), single.astype(np.float16).view(np.uint16))
     assert half.strides == single.astype(np.float16).strides
     np.testing.assert_array_equal(conversion.converted(half, np.float32), half.astype(np.float32))
+
+
+@pytest.mark.skipif(not conversion.MICROKERNELS, reason="the vector conversions need AVX2 or AVX-512")
+@given(seed=st.integers(0, 2**32 - 1), size=st.integers(1024, 1100), bshd=st.booleans())
+def test_bfloat16_out_equals_ml_dtypes_bit_for_bit(seed, size, bshd):
+    """Every kind of float32: random bits (NaNs with payloads of either sign, infinities,
+    subnormals, the largest finite values that round to inf), and ties at every
+    exponent, which round to even."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**32, size=size, dtype=np.uint32)
+    bits[:64] = (bits[:64] & 0xFFFF0000) | 0x8000  # ties
+    bits[64:72] = [0x7F800001, 0xFFC00000, 0x7FFFFFFF, 0x7F800000, 0xFF800000, 0x00000001, 0x807FFFFF, 0x7F7FFFFF]
+    single = bits.view(np.float32).reshape(1, size, 1, 1)
+    if bshd:
+        single = single.reshape(1, 1, size, 1).transpose(0, 2, 1, 3)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = single.astype(ml_dtypes.bfloat16)
+    narrow = conversion.converted(single, ml_dtypes.bfloat16)
+    assert narrow.dtype == expected.dtype and narrow.strides == expected.strides
+    np.testing.assert_array_equal(narrow.view(np.uint16), expected.view(np.uint16))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])

@@ -58,7 +58,8 @@ Int = _positions("Int", (
     # elements), int8 times a scale per key (k_scale / v_scale, element strides below, bhs)
     # or float16 / bfloat16 bits converted to float32
     # CPU forward: bfloat16 products on AVX512_BF16 (Q K^T and P V on pairs of bfloat16,
-    # P rounded to bfloat16 as GPU kernels round it; cpu.tiles.pack_key_pairs)
+    # P rounded to bfloat16 as GPU kernels round it): q, k and v are then bfloat16 memory
+    # seen as float32 words, their strides counting words (cpu.tiles.key_words)
     "BF16_PRODUCTS",
     "KV_CODES", "K_SCALE_STRIDE_B", "K_SCALE_STRIDE_H", "K_SCALE_STRIDE_S",
     "V_SCALE_STRIDE_B", "V_SCALE_STRIDE_H", "V_SCALE_STRIDE_S",

@@ -57,9 +57,9 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, d
     dbias needs; the caller applies softcap's derivative and the scale)."""
     ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
-    # (never quantized nor BF16_PRODUCTS: forward-only; k, q and _NO_CODES stand in for the unused tiles)
-    score_tile(q, k, as_readonly(k), _NO_CODES, _NO_SCALES, as_readonly(q), bias, mask, alibi, spans, pages, ints,
-               reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
+    # (never quantized nor BF16_PRODUCTS: forward-only; k and _NO_CODES stand in for the unused tiles)
+    score_tile(q, k, as_readonly(k), _NO_CODES, _NO_SCALES, bias, mask, alibi, spans, pages, ints, reals, p, ld,
+               tanh, packed, b, h, i0, rows, j0, cols)
     row_offset = (memory_batch(ints, b) * heads + h) * ints[Int.Q_LEN] + i0
     for r in range(rows):
         row_lse = lse[row_offset + r]

@@ -14,7 +14,7 @@ from ..core.results import ForwardResult, Gradients
 from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from . import folding, splitting
 from .blas import single_threaded_blas
-from .conversion import converted
+from .conversion import NARROW, converted
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, run_items
 from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, fresh_set, gradient_tile_specs,
@@ -49,8 +49,8 @@ class ForwardPlan:
     def __init__(self, problem, tuning: Tuning):
         self.tuning = tuning
         self.dtype = dtype = np.dtype(problem.accumulate_dtype)
-        # (a dtype compared with np.float16 costs a small call 0.5 us: asked once here)
-        self.narrows = problem.dtype == np.float16
+        # out's 16-bit dtype, or None (the dtype asked once here: 0.5 us of a small call)
+        self.narrow = _narrow_dtype(problem)
         self.group = problem.group_size if folding.foldable(problem, tuning) else 1
         self.layout = problem.layout
         self.fold_shape = None
@@ -171,8 +171,8 @@ class ForwardPlan:
             weights = None if weights is None else folding.unfold_rows(weights, self.fold_shape)
             out = folding.in_layout(folding.unfold_rows(out, self.fold_shape), self.layout)
             lse = folding.unfold_rows(lse, self.fold_shape)
-        # float16 out converted here, on the vector units (the backward keeps float32's)
-        shown = converted(out, np.float16) if self.narrows else out
+        # a 16-bit out converted here, on the vector units (the backward keeps float32's)
+        shown = out if self.narrow is None else converted(out, self.narrow)
         # the kernel saw every out row it wrote; merged key ranges are new rows it did not see
         finite = not status[NON_FINITE] if self.splits == 1 else None
         # (positional: keywords cost a small call 0.2 us)
@@ -190,13 +190,19 @@ class ForwardPlan:
 _NO_PIN = contextlib.nullcontext()
 
 
-def _narrowed(gradient):
-    """A float32 gradient as float16 (:func:`~npattn.cpu.conversion.converted`; NumPy's
-    astype where it cannot)."""
-    narrow = converted(gradient, np.float16)
+def _narrow_dtype(problem):
+    """The 16-bit dtype (float16 or bfloat16) a float32 computation of ``problem`` hands its
+    results back in, or None."""
+    return problem.dtype if problem.dtype.name in NARROW and problem.accumulate_dtype == np.float32 else None
+
+
+def _narrowed(gradient, dtype):
+    """A float32 gradient in the 16-bit ``dtype`` (:func:`~npattn.cpu.conversion.converted`;
+    NumPy's astype where it cannot)."""
+    narrow = converted(gradient, dtype)
     if narrow is None:
         with np.errstate(over="ignore"):
-            return gradient.astype(np.float16)
+            return gradient.astype(dtype)
     return narrow
 
 
@@ -239,7 +245,7 @@ class BackwardPlan:
         self.tuning = tuning
         self.dtype = dtype = problem.accumulate_dtype
         self.operands = operand_plan(problem, "backward", tuning)
-        self.narrows = problem.dtype == np.float16
+        self.narrow = _narrow_dtype(problem)
         ints = self.operands.ints
         heads, q_len, head_dim = problem.heads, problem.q_len, problem.head_dim
         kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim
@@ -302,6 +308,6 @@ class BackwardPlan:
         dsink_logits = (None if arrays is None or arrays.sink_logits is None
                         else sink_logits_gradient(np, arrays, lse, delta))
         dq = dq.sum(axis=0) if self.chunks > 1 else dq[0]
-        if self.narrows:  # the gradients in q's dtype, on the vector units
-            dq, dk, dv = (_narrowed(gradient) for gradient in (dq, dk, dv))
+        if self.narrow is not None:  # the gradients in q's dtype, on the vector units
+            dq, dk, dv = (_narrowed(gradient, self.narrow) for gradient in (dq, dk, dv))
         return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink_logits=dsink_logits)

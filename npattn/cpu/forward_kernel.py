@@ -34,7 +34,7 @@ from .rowmath import exp_shifted, exp_vector_shifted, row_max, vector_max
 from .code_products import code_product
 from .microkernels import pair_product, product
 from .tiles import (apply_dropout, band_keys, codes_in_registers, dequantize_tile, key_segments, memory_batch,
-                    memory_batches, pack_key_pairs, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles,
+                    memory_batches, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles,
                     prefetch_key_rows, score_tile, span, v_row, v_scale_row, value_tile_rows)
 from .operands import Span
 
@@ -92,8 +92,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     quantized, bf16 = ints[Int.KV_CODES], ints[Int.BF16_PRODUCTS]
     in_registers = codes_in_registers(ints, s)  # (a quantized tile not dequantized: code_products)
     tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
-    q_pairs, p_pairs, v_pairs = pair_tiles(ints, dequantized)
-    half_head, half_ld = (ints[Int.HEAD_DIM] + 1) // 2, (ld + 1) // 2
+    p_pairs, v_pairs = pair_tiles(ints, dequantized)
+    half_ld = (ld + 1) // 2
     group, block_q = ints[Int.HEAD_GROUP], ints[Int.BLOCK_Q]
     share = -(-block_k // group)  # the next tile's keys each head's pass asks memory for
     while True:
@@ -115,10 +115,6 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                 o = _out_offset(out_strides, split, b, h0 + g, i0 + r)
                 for x in range(as_offset(o), as_offset(o + dv)):
                     out[x] = 0.0
-        if bf16:  # the query tile as bfloat16 pairs, once for all its key tiles (one head: BF16_PRODUCTS
-            # never comes with HEAD_GROUP, whose decode tiles take DOT_SCORES)
-            pair_rows(q, b * ints[Int.Q_STRIDE_B] + h0 * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S],
-                      ints[Int.Q_STRIDE_S], rows, ints[Int.HEAD_DIM], q_pairs, half_head)
         sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
         range_start = split * split_keys
         for segment in range(2):
@@ -138,19 +134,16 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     if quantized and not in_registers:
                         dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                         dequantized)
-                    if bf16:  # (the key rows in the values' pair tile, free until P V)
-                        pack_key_pairs(k, pages, ints, b, kv_head, j0, cols, packed, v_pairs)
-                    else:
-                        pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                    full = score_tile(q, k, tile, k_codes, k_scale, as_readonly(q_pairs), bias, mask, alibi, spans,
-                                      pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows, j0, cols)
+                    pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
+                    full = score_tile(q, k, tile, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals, s,
+                                      ld, tanh, packed, b, h, i0, rows, j0, cols)
                     outcome = _exp_with_running_max(s, ld, rows, cols, head_m, head_total, head_seen, sums)
                     if outcome != _DONE:
                         if outcome == _OVERWRITTEN:
                             # a score rose more than _HEADROOM above its row's max (rare: the running
                             # max is usually set by the first tile): recompute the scores
-                            score_tile(q, k, tile, k_codes, k_scale, as_readonly(q_pairs), bias, mask, alibi, spans,
-                                       pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows, j0, cols)
+                            score_tile(q, k, tile, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals,
+                                       s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                         _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, out,
                                           out_offset, out_row_stride, dv)
                     if ints[Int.HAS_DROPOUT]:
@@ -307,7 +300,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                     dequantized)
                 pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                score_tile(q, k, tile, k_codes, k_scale, as_readonly(q), bias, mask, alibi, spans, pages, ints, reals,
+                score_tile(q, k, tile, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals,
                            s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                 for r in range(rows):
                     row_lse = lse[row_offset + r]

@@ -175,15 +175,20 @@ class OperandPlan:
         self.dtype = dtype = problem.accumulate_dtype  # float32 for float16 inputs
         self.codes = codes = kv_codes(problem, kind, tuning)
         self.keys_dtype = keys_dtype = self._keys_dtype(problem)  # k and v as the kernels read them
+        # bfloat16 q, k and v read as they lie, in float32 words of two (strides in words)
+        self.pairs = pairs = bf16_products(problem, kind, tuning, codes)
         no_strides = (0, 0, 0, 0)
-        # (16-bit codes are read as bytes: their strides in bytes)
-        bytes_per_value = 2 if codes in (KvCodes.FLOAT16, KvCodes.BFLOAT16) else 1
-        strides = (row_view_strides(problem.q, dtype),
-                   tuple(bytes_per_value * n for n in row_view_strides(problem.k, keys_dtype)),
-                   tuple(bytes_per_value * n for n in row_view_strides(problem.v, keys_dtype)),
+        if pairs:
+            row_words = [tuple(n // 2 for n in row_view_strides(x, x.dtype)) for x in (problem.q, problem.k, problem.v)]
+        else:  # (16-bit codes are read as bytes: their strides in bytes)
+            bytes_per_value = 2 if codes in (KvCodes.FLOAT16, KvCodes.BFLOAT16) else 1
+            row_words = [row_view_strides(problem.q, dtype),
+                         tuple(bytes_per_value * n for n in row_view_strides(problem.k, keys_dtype)),
+                         tuple(bytes_per_value * n for n in row_view_strides(problem.v, keys_dtype))]
+        strides = (*row_words,
                    no_strides if problem.bias is None else view_strides(problem.bias, dtype),
                    no_strides if problem.mask is None else view_strides(problem.mask.view(np.uint8), np.uint8))
-        self.ints, self.reals = _parameters(problem, kind, tuning, rows_per_position, strides, codes)
+        self.ints, self.reals = _parameters(problem, kind, tuning, rows_per_position, strides, codes, pairs)
         self.spans = default_spans(problem)  # with the call's lengths and starts, per call
         self.plain_spans = _frozen(self.spans.reshape(-1))
         self.plain_pages = _frozen(np.arange(problem.batch, dtype=np.int64))  # not paged: entry b's keys in k[b]
@@ -218,14 +223,17 @@ class OperandPlan:
         q_order, k_order, v_order = self.orders
         # (contiguous in some order of axes, so ravel in memory order is a view: the
         # transpose and reshape of flat_memory, at a fifth of the cost)
-        if q_order is not None:
-            q = _frozen(q.ravel(order="K"))
-        elif self.widened_q:  # (flat_view's copy, in memory order: 3 us less of a small call)
-            q = _frozen(widened(q, dtype).ravel(order="K"))
+        if self.pairs:  # bfloat16 read as it lies
+            q, k, v = pair_words(q), pair_words(k), pair_words(v)
         else:
-            q = row_strides(q, dtype)[0]
-        k = _frozen(k.ravel(order="K")) if k_order is not None else row_strides(k, keys_dtype)[0]
-        v = _frozen(v.ravel(order="K")) if v_order is not None else row_strides(v, keys_dtype)[0]
+            if q_order is not None:
+                q = _frozen(q.ravel(order="K"))
+            elif self.widened_q:  # (flat_view's copy, in memory order: 3 us less of a small call)
+                q = _frozen(widened(q, dtype).ravel(order="K"))
+            else:
+                q = row_strides(q, dtype)[0]
+            k = _frozen(k.ravel(order="K")) if k_order is not None else row_strides(k, keys_dtype)[0]
+            v = _frozen(v.ravel(order="K")) if v_order is not None else row_strides(v, keys_dtype)[0]
         if arrays is None and not self.codes:  # (a small call's usual case: 0.5 us less)
             return Operands._make((q, k, v, *self.plain_rest))
         placeholder, mask_placeholder = self.placeholders
@@ -261,7 +269,7 @@ class OperandPlan:
         they are read in place (three ``setflags``: 0.3 us of a small call). Jitted code
         typed them read-only, so it never writes them."""
         q_order, k_order, v_order = self.orders
-        if q_order is None or k_order is None or v_order is None or self.codes:
+        if q_order is None or k_order is None or v_order is None or self.codes or self.pairs:
             return self.operands(q, k, v)
         return (q.ravel(order="K"), k.ravel(order="K"), v.ravel(order="K"), *self.plain_rest)
 
@@ -308,15 +316,32 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     return KvCodes.FLOAT16 if name == "float16" else KvCodes.BFLOAT16
 
 
-def bf16_products(problem, kind: str, tuning: Tuning, ints) -> bool:
+def bf16_products(problem, kind: str, tuning: Tuning, codes=KvCodes.NONE) -> bool:
     """Whether a bfloat16 forward multiplies in bfloat16 (AVX512_BF16's vdpbf16ps, two
     products per float32 lane; P rounded to bfloat16 as GPU kernels round it): where the
     CPU has the instruction, the products run on the micro-kernels with packed keys (not
-    a decode step's dot products, nor 16-bit keys read by tiles), and no weights are
-    asked (whose recomputed scores must be the float32 ones)."""
-    return bool(kind == "forward" and BF16_DOT and tuning.bf16_products and problem.dtype.name == "bfloat16"
-                and problem.accumulate_dtype == np.float32 and ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES]
-                and not ints[Int.DOT_SCORES] and not ints[Int.KV_CODES] and not problem.return_weights)
+    a decode step's dot products, nor 16-bit keys read by tiles), no weights are asked
+    (whose recomputed scores must be the float32 ones), and q, k and v are bfloat16 in a
+    known memory order with even head dims: the kernels then read their memory as it
+    lies, as float32 words of two bfloat16 (:func:`pair_words`), with no float32 copy."""
+    if not (kind == "forward" and BF16_DOT and tuning.bf16_products and codes == KvCodes.NONE
+            and not problem.return_weights and problem.accumulate_dtype == np.float32):
+        return False
+    vector, vector_values, _, dot_scores = _product_paths(problem, kind, tuning)
+    return (vector and vector_values and not dot_scores and problem.head_dim % 2 == 0 and problem.value_dim % 2 == 0
+            and all(x.dtype.name == "bfloat16" and _row_order(x, x.dtype) is not None
+                    for x in (problem.q, problem.k, problem.v)))
+
+
+def pair_words(array):
+    """A bfloat16 array in a known memory order (:func:`bf16_products`) as a read-only flat
+    float32 view of its memory, each word two bfloat16 of one row; an aligned copy of that
+    memory where the array starts off a 4-byte boundary (the kernels are typed for
+    aligned arrays: another alignment would compile them again)."""
+    flat = array.ravel(order="K")
+    if flat.__array_interface__["data"][0] % 4:
+        flat = flat.copy()
+    return _frozen(flat.view(np.float32))
 
 
 def head_group(problem, kind: str, ints) -> tuple[int, int]:
@@ -347,19 +372,29 @@ def head_group(problem, kind: str, ints) -> tuple[int, int]:
 CODE_TILE_KEYS = 32
 
 
-def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes.NONE):
-    """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
-    q, k, v (3 each), bias and mask (4 each)."""
-    block_q, block_k = tuning.forward if kind == "forward" else tuning.backward
-    dtype = problem.accumulate_dtype
+def _product_paths(problem, kind, tuning) -> tuple:
+    """``(vector, vector_values, vector_keys, dot_scores)``: whether the products run on the
+    micro-kernels, whether the values' and keys' rows are whole vectors, and whether the
+    scores are dot products of the key rows (a decode step's few rows)."""
     # a quantized cache's tiles are read as dequantized rows by the micro-kernels, never by
     # BLAS (its head dims are whole vectors: core.quantization.HEAD_DIM_MULTIPLE)
     vector = tuning.vector_products or problem.quantized
-    lanes, chunk = vector_lanes(dtype), chunk_columns(dtype)
+    lanes = vector_lanes(problem.accumulate_dtype)
     vector_values, vector_keys = vector and problem.value_dim % lanes == 0, vector and problem.head_dim % lanes == 0
     # rows counted as Sq x group both folded (Sq * group rows, group 1) and not (Sq rows
     # per head): the same problem takes the same path, so folding keeps the bits
     dot_scores = kind == "forward" and vector_keys and problem.q_len * problem.group_size <= tuning.dot_rows
+    return vector, vector_values, vector_keys, dot_scores
+
+
+def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes.NONE, pairs=False):
+    """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
+    q, k, v (3 each: float32 words with ``pairs``, :func:`bf16_products`), bias and mask
+    (4 each)."""
+    block_q, block_k = tuning.forward if kind == "forward" else tuning.backward
+    dtype = problem.accumulate_dtype
+    chunk = chunk_columns(dtype)
+    vector, vector_values, vector_keys, dot_scores = _product_paths(problem, kind, tuning)
     if codes == KvCodes.INT8 and dot_scores and vector_values and dtype == np.float32:
         block_k = min(block_k, CODE_TILE_KEYS)  # a decode tile read in registers (tiles.codes_in_registers)
     # A problem smaller than a tile gets a tile of its own size: the same single tile,
@@ -382,7 +417,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
                                                   else (1, 1))
     ints[Int.ROW_GROUP] = rows_per_position
     ints[Int.KV_CODES] = codes
-    ints[Int.BF16_PRODUCTS] = bf16_products(problem, kind, tuning, ints)
+    ints[Int.BF16_PRODUCTS] = pairs
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = element_strides(problem.k_scale)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = element_strides(problem.v_scale)

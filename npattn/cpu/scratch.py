@@ -144,7 +144,7 @@ def dequantized_tile_spec(ints, dtype) -> tuple:
     if ints[Int.BF16_PRODUCTS]:
         from .tiles import pair_tile_sizes  # (its Python function: one formula for the kernel and here)
 
-        return sum(pair_tile_sizes.py_func(rows, keys, head_dim, value_dim, int(ints[Int.SCORE_LD]))), dtype
+        return sum(pair_tile_sizes.py_func(rows, keys, value_dim, int(ints[Int.SCORE_LD]))), dtype
     return (keys * (head_dim + value_dim) if ints[Int.KV_CODES] else 1), dtype
 
 

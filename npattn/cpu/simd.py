@@ -248,20 +248,25 @@ def load_int8(typingctx, codes, index, like):
 
 
 @intrinsic
-def store_float16_bits(typingctx, out, index, value):
-    """Store the float32 vector ``value`` as lanes IEEE half floats, rounded to nearest even
-    (``vcvtps2ph`` on F16C), at the bytes ``out[index : index + 2 * lanes]`` (an int8 array)."""
+def store_float16_bits(typingctx, out, index, value, brain):
+    """Store the float32 vector ``value`` as lanes 16-bit floats, rounded to nearest even,
+    at the bytes ``out[index : index + 2 * lanes]`` (an int8 array): IEEE half floats
+    (``vcvtps2ph`` on F16C), or with ``brain`` (a compile-time bool) bfloat16, a NaN as
+    the quiet NaN of its sign (both as NumPy and ml_dtypes convert)."""
     if not (isinstance(out, types.Array) and out.dtype == types.int8 and isinstance(index, types.Integer)
-            and isinstance(value, Vector) and value.dtype == types.float32):
+            and isinstance(value, Vector) and value.dtype == types.float32
+            and isinstance(brain, types.BooleanLiteral)):
         return None
+    bfloat = brain.literal_value
 
     def codegen(context, builder, signature, args):
         _wide(builder)
-        halves = ir.VectorType(ir.HalfType(), value.lanes)
+        halves = ir.VectorType(ir.IntType(16) if bfloat else ir.HalfType(), value.lanes)
         pointer = _pointer(context, builder, signature.args[0], args[0], args[1], halves)
-        builder.store(builder.fptrunc(args[2], halves), pointer, align=1)
+        narrow = _bfloat16_rounded(builder, args[2], True) if bfloat else builder.fptrunc(args[2], halves)
+        builder.store(narrow, pointer, align=1)
         return context.get_dummy_value()
-    return types.none(out, index, value), codegen
+    return types.none(out, index, value, brain), codegen
 
 
 @intrinsic
@@ -288,9 +293,10 @@ def as_float(typingctx, bits):
     return types.float32(bits), codegen
 
 
-def _bfloat16_rounded(builder, value):
+def _bfloat16_rounded(builder, value, keep_nan=False):
     """The float32 vector ``value`` as bfloat16 bits (an i16 vector), rounded to nearest
-    even: ``(bits + 0x7FFF + (bits >> 16 & 1)) >> 16``."""
+    even: ``(bits + 0x7FFF + (bits >> 16 & 1)) >> 16``; with ``keep_nan``, a NaN lane as
+    the quiet NaN of its sign (the sum would carry a NaN's payload into inf or -0)."""
     lanes = value.type.count
     words = ir.VectorType(ir.IntType(32), lanes)
     if not isinstance(value.type.element, ir.FloatType):  # (float64 kernels compile it, never run it)
@@ -299,8 +305,11 @@ def _bfloat16_rounded(builder, value):
     def splat(number):
         return ir.Constant(words, [number] * lanes)
     bits = builder.bitcast(value, words)
-    odd = builder.and_(builder.lshr(bits, splat(16)), splat(1))
-    rounded = builder.lshr(builder.add(builder.add(bits, splat(0x7FFF)), odd), splat(16))
+    high = builder.lshr(bits, splat(16))
+    rounded = builder.lshr(builder.add(builder.add(bits, splat(0x7FFF)), builder.and_(high, splat(1))), splat(16))
+    if keep_nan:
+        nan = builder.icmp_unsigned(">", builder.and_(bits, splat(0x7FFFFFFF)), splat(0x7F800000))
+        rounded = builder.select(nan, builder.or_(builder.and_(high, splat(0x8000)), splat(0x7FC0)), rounded)
     return builder.trunc(rounded, ir.VectorType(ir.IntType(16), lanes))
 
 
@@ -322,25 +331,32 @@ def store_bfloat16(typingctx, out, index, value):
 
 
 @intrinsic
-def store_bfloat16_pairs(typingctx, out, index, first, second):
-    """Store lane i of ``first`` and of ``second`` (float32 vectors, lanes L) rounded to
-    bfloat16 as one pair, ``out[index + i]`` (float32 elements holding two bfloat16, the
-    first in the low half), for i < L: two rows interleaved (values of consecutive keys)."""
-    if not (_check_float_array(out) and isinstance(first, Vector) and first == second
-            and first.dtype == out.dtype):
+def store_interleaved_pairs(typingctx, out, index, pairs, first, second, has_second):
+    """Store the L bfloat16 that start at word ``pairs[first]`` (a float32 array whose
+    words hold two bfloat16 each: bfloat16 memory seen as float32) interleaved with the L
+    at ``pairs[second]`` (zeros where ``has_second`` is False; ``second`` must still be a
+    readable index, ``first`` say), as ``out[index + i]`` = pair (first's i, second's i),
+    i < L (the float32 lanes of a vector): two rows of values of consecutive keys as
+    :func:`splat_pair_dot_rows` reads them, with no rounding (the values are bfloat16
+    already) and one shuffle for the lot."""
+    # (float64 kernels compile it too, and never run it)
+    if not (_check_float_array(out) and _check_float_array(pairs) and isinstance(has_second, types.Boolean)):
         return None
 
     def codegen(context, builder, signature, args):
         _wide(builder)
-        low, high = _bfloat16_rounded(builder, args[2]), _bfloat16_rounded(builder, args[3])
-        lanes = first.lanes
+        lanes = VECTOR_BYTES // 4
+        halves = ir.VectorType(ir.IntType(16), lanes)
+        low = builder.load(_pointer(context, builder, signature.args[2], args[2], args[3], halves), align=2)
+        high = builder.load(_pointer(context, builder, signature.args[2], args[2], args[4], halves), align=2)
+        high = builder.select(args[5], high, ir.Constant(halves, [0] * lanes))
         mask = ir.Constant(ir.VectorType(ir.IntType(32), 2 * lanes),
                            [lane // 2 + (lanes if lane % 2 else 0) for lane in range(2 * lanes)])
         interleaved = builder.shuffle_vector(low, high, mask)
         pointer = _pointer(context, builder, signature.args[0], args[0], args[1], interleaved.type)
-        builder.store(interleaved, pointer, align=2)
+        builder.store(interleaved, pointer, align=4)
         return context.get_dummy_value()
-    return types.none(out, index, first, second), codegen
+    return types.none(out, index, pairs, first, second, has_second), codegen
 
 
 def _is_block(block, dtype):

@@ -19,7 +19,7 @@ from .code_products import code_dot_products
 from .jit import OPTIONS, helper
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
 from .simd import (VECTOR_BYTES, as_float, fill, load, load_float16_bits, prefetch, prefetch_to_l2, store,
-                   store_bfloat16, store_bfloat16_pairs)
+                   store_bfloat16, store_interleaved_pairs)
 from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span
 from .signatures import as_offset, larger, plain_int, scalar_like, smaller
 
@@ -393,7 +393,10 @@ def pack_key_tile(k, dequantized, pages, ints, b, kv_head, j0, cols, packed):
     """Keys ``[j0, j0 + cols)`` of ``kv_head`` as K^T (D x SCORE_LD) at the start of
     ``packed``, zero-padded to whole vector chunks: the B operand of Q K^T. A no-op
     when the products go through BLAS. A quantized cache's keys come from the
-    ``dequantized`` tile (:func:`dequantize_tile`)."""
+    ``dequantized`` tile (:func:`dequantize_tile`). With BF16_PRODUCTS, k is bfloat16
+    memory seen as float32 words (pairs of consecutive depths): the words are
+    transposed as float32 are, K^T in pairs (D / 2 x SCORE_LD), as
+    :func:`~npattn.cpu.microkernels.pair_product` reads its B."""
     if not ints[Int.VECTOR_SCORES] or ints[Int.DOT_SCORES]:
         return
     width = padded_width(cols, packed)
@@ -404,28 +407,9 @@ def pack_key_tile(k, dequantized, pages, ints, b, kv_head, j0, cols, packed):
     c0 = 0
     while c0 < cols:  # run by run of one page; the last run pads the tile with zeros
         run = page_run(ints, j0 + c0, cols - c0)
-        pack_transposed(k, k_row(ints, pages, b, kv_head, j0 + c0), ints[Int.K_STRIDE_S], run, ints[Int.HEAD_DIM],
+        pack_transposed(k, k_row(ints, pages, b, kv_head, j0 + c0), ints[Int.K_STRIDE_S], run, key_words(ints),
                         packed[c0:], ints[Int.SCORE_LD], width - c0 if c0 + run == cols else run)
         c0 += run
-
-
-@helper
-def pack_key_pairs(k, pages, ints, b, kv_head, j0, cols, packed, rows_scratch):
-    """BF16_PRODUCTS: K^T of the keys ``[j0, j0 + cols)`` as bfloat16 pairs of consecutive
-    depths, ``packed[p * SCORE_LD + c]`` = pair (k[c, 2p], k[c, 2p + 1]) (:func:`pair_bits`),
-    zero past ``cols`` up to ``width``: :func:`~npattn.cpu.microkernels.pair_product`'s B.
-    Each key row is rounded to bfloat16 in ``rows_scratch`` (a pair is one float32 word
-    there), then the words are transposed as float32 are (:func:`pack_transposed`)."""
-    head_dim = ints[Int.HEAD_DIM]
-    half, step = (head_dim + 1) // 2, ints[Int.K_STRIDE_S]
-    width = padded_width(cols, packed)
-    c = 0
-    while c < cols:  # run by run of one page
-        run = page_run(ints, j0 + c, cols - c)
-        at = k_row(ints, pages, b, kv_head, j0 + c)
-        pair_rows(k, at, step, run, head_dim, rows_scratch[c * half:], half)
-        c += run
-    pack_transposed(rows_scratch, 0, half, cols, half, packed, ints[Int.SCORE_LD], width)
 
 
 @helper
@@ -446,43 +430,45 @@ def pair_rows(x, offset, row_stride, rows, cols, out, out_row):
             out[target + p] = pair_bits(x[source + 2 * p], high)
 
 
+@njit(inline="always")
+def key_words(ints):
+    """The elements of k (and q) per key row as the kernels read them: D, or D / 2
+    float32 words of bfloat16 pairs with BF16_PRODUCTS."""
+    return ints[Int.HEAD_DIM] // 2 if ints[Int.BF16_PRODUCTS] else ints[Int.HEAD_DIM]
+
+
 @helper
 def pack_value_pairs(v, pages, ints, b, kv_head, j0, cols, out):
-    """BF16_PRODUCTS: the values of keys ``[j0, j0 + cols)`` as bfloat16 pairs of
-    consecutive keys, ``out[p * Dv + x]`` = pair (v[2p, x], v[2p + 1, x]) (0 past ``cols``):
-    P V's B operand (Dv whole vectors: VECTOR_VALUES)."""
+    """BF16_PRODUCTS: the values of keys ``[j0, j0 + cols)`` (v: bfloat16 memory seen as
+    float32 words, :func:`key_words`) as bfloat16 pairs of consecutive keys, ``out[p * Dv
+    + x]`` = pair (v[2p, x], v[2p + 1, x]) (0 past ``cols``): P V's B operand (Dv whole
+    vectors: VECTOR_VALUES), two rows' halves interleaved a vector at a time."""
     value_dim = ints[Int.VALUE_DIM]
     lanes = VECTOR_BYTES // 4
-    zero = fill(0.0, out)
     for p in range((cols + 1) // 2):
         first = v_row(ints, pages, b, kv_head, j0 + 2 * p)
+        has_second = 2 * p + 1 < cols
+        second = v_row(ints, pages, b, kv_head, j0 + 2 * p + 1) if has_second else first
         target = p * value_dim
-        if 2 * p + 1 < cols:
-            second = v_row(ints, pages, b, kv_head, j0 + 2 * p + 1)
-            for x in range(0, value_dim, lanes):
-                store_bfloat16_pairs(out, target + x, load(v, first + x), load(v, second + x))
-        else:
-            for x in range(0, value_dim, lanes):
-                store_bfloat16_pairs(out, target + x, load(v, first + x), zero)
+        for x in range(0, value_dim, lanes):
+            store_interleaved_pairs(out, target + x, v, first + x // 2, second + x // 2, has_second)
 
 
 @njit(inline="always")
 def pair_tiles(ints, scratch):
-    """BF16_PRODUCTS: ``(q pairs, p pairs, key pairs)``, the forward's bfloat16 tiles carved
-    from its :func:`dequantize_tile` scratch (which a bfloat16 prefill does not use): a query
-    tile (BLOCK_Q x D / 2), the probabilities (BLOCK_Q x SCORE_LD / 2), and a key tile's
-    rows (BLOCK_K x D / 2, for :func:`pack_key_pairs`) or its values (BLOCK_K / 2 x Dv),
+    """BF16_PRODUCTS: ``(p pairs, value pairs)``, the forward's bfloat16 tiles carved from
+    its :func:`dequantize_tile` scratch (which a bfloat16 prefill does not use): the
+    probabilities (BLOCK_Q x SCORE_LD / 2) and a key tile's values (BLOCK_K / 2 x Dv),
     rows of pairs (:func:`npattn.cpu.scratch.dequantized_tile_spec`)."""
-    q_size, p_size, key_size = pair_tile_sizes(ints[Int.BLOCK_Q], ints[Int.BLOCK_K], ints[Int.HEAD_DIM],
-                                               ints[Int.VALUE_DIM], ints[Int.SCORE_LD])
-    return scratch[:q_size], scratch[q_size:q_size + p_size], scratch[q_size + p_size:q_size + p_size + key_size]
+    p_size, value_size = pair_tile_sizes(ints[Int.BLOCK_Q], ints[Int.BLOCK_K], ints[Int.VALUE_DIM],
+                                         ints[Int.SCORE_LD])
+    return scratch[:p_size], scratch[p_size:p_size + value_size]
 
 
 @njit(inline="always")
-def pair_tile_sizes(rows, keys, head_dim, value_dim, ld):
-    """The sizes of :func:`pair_tiles`' three tiles, in float32 words."""
-    return (rows * ((head_dim + 1) // 2), rows * ((ld + 1) // 2),
-            max(keys * ((head_dim + 1) // 2), (keys + 1) // 2 * value_dim))
+def pair_tile_sizes(rows, keys, value_dim, ld):
+    """The sizes of :func:`pair_tiles`' two tiles, in float32 words."""
+    return rows * ((ld + 1) // 2), (keys + 1) // 2 * value_dim
 
 
 @helper
@@ -508,15 +494,15 @@ def packed_values(ints, packed):
 
 
 @helper
-def score_tile(q, k, dequantized, k_codes, k_scale, q_pairs, bias, mask, alibi, spans, pages, ints, reals, s, ld,
+def score_tile(q, k, dequantized, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals, s, ld,
                tanh, packed, b, h, i0, rows, j0, cols):
     """Scores of rows ``[i0, i0 + rows)`` against keys ``[j0, j0 + cols)`` of head ``h``
     into ``s[r * ld + c]``: ``scale * q.k``, softcap (its tanh kept in ``tanh`` for the
     backward), bias, ALiBi, then -inf where the key is invisible. ``packed`` holds
     the key tile from :func:`pack_key_tile` (and ``dequantized``, for a quantized cache,
     its keys as rows, or, where :func:`codes_in_registers`, ``k_codes`` and ``k_scale``
-    are read as they lie; ``q_pairs``, with BF16_PRODUCTS, the query tile as :func:`pair_rows`
-    made it); keys read from k go run by run of one page
+    are read as they lie; with BF16_PRODUCTS, q and k are bfloat16 pairs, :func:`key_words`);
+    keys read from k go run by run of one page
     (:func:`page_run`). Returns whether every row sees every key of the tile
     (:func:`tile_fully_visible`), which the caller's own products reuse."""
     q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
@@ -556,10 +542,9 @@ def score_tile(q, k, dequantized, k_codes, k_scale, q_pairs, bias, mask, alibi, 
                     c0 += run
             else:
                 width = padded_width(width, s)
-                if width > 0 and ints[Int.BF16_PRODUCTS]:  # the query tile's pairs (pair_rows)
-                    half = (head_dim + 1) // 2
-                    pair_product(q_pairs, r0 * half, half, packed, 0, ld, s, r0 * ld, ld, band_rows, half, width,
-                                 reals[Real.SCALE], False)
+                if width > 0 and ints[Int.BF16_PRODUCTS]:  # q's rows of pairs as they lie
+                    pair_product(q, q_offset + r0 * q_row, q_row, packed, 0, ld, s, r0 * ld, ld, band_rows,
+                                 key_words(ints), width, reals[Real.SCALE], False)
                 elif width > 0:
                     product(q, q_offset + r0 * q_row, q_row, 1, packed, 0, ld, s, r0 * ld, ld, band_rows,
                             head_dim, width, reals[Real.SCALE], False)
