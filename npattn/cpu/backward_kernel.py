@@ -64,7 +64,7 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, d
     for r in range(rows):
         row_lse = lse[row_offset + r]
         if row_lse > -np.inf:
-            exp_shifted(p, r * ld, cols, row_lse)
+            exp_shifted(p, r * ld, cols, row_lse, False)
         else:  # an empty row: no probability, no gradient
             for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
                 p[x] = 0.0

@@ -137,7 +137,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
                     full = score_tile(q, k, tile, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals, s,
                                       ld, tanh, packed, b, h, i0, rows, j0, cols)
-                    outcome = _exp_with_running_max(s, ld, rows, cols, head_m, head_total, head_seen, sums)
+                    outcome = _exp_with_running_max(s, ld, rows, cols, head_m, head_total, head_seen, sums, bf16)
                     if outcome != _DONE:
                         if outcome == _OVERWRITTEN:
                             # a score rose more than _HEADROOM above its row's max (rare: the running
@@ -145,7 +145,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                             score_tile(q, k, tile, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals,
                                        s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                         _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, out,
-                                          out_offset, out_row_stride, dv)
+                                          out_offset, out_row_stride, dv, bf16)
                     if ints[Int.HAS_DROPOUT]:
                         apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
                     # O (rows x dv) += P (rows x cols) . V (cols x dv); on a tile the causal or
@@ -225,18 +225,19 @@ _DONE, _UNTOUCHED, _OVERWRITTEN = 0, 1, 2
 
 
 @helper
-def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums):
+def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief):
     """The common tile: exp against each row's running max ``m`` as it stands, with no
     max pass and no rescale of the output. Returns _DONE; or _UNTOUCHED when a row
     has seen no key yet, and _OVERWRITTEN (scores replaced) when a row's sum shows
     a score more than the headroom above its max: the caller then takes
-    :func:`_exp_with_new_max`."""
+    :func:`_exp_with_new_max`. ``brief``: exp to bfloat16's needs (BF16_PRODUCTS,
+    :func:`~npattn.cpu.rowmath.exp_shifted`)."""
     for r in range(rows):
         if not seen[r]:
             return _UNTOUCHED
     one_vector = cols == VECTOR_BYTES // s.itemsize  # (rows one vector long: inlined, side by side)
     for r in range(rows):
-        sums[r] = exp_vector_shifted(s, r * ld, m[r]) if one_vector else exp_shifted(s, r * ld, cols, m[r])
+        sums[r] = exp_vector_shifted(s, r * ld, m[r]) if one_vector else exp_shifted(s, r * ld, cols, m[r], brief)
         if not sums[r] <= _REDO_ABOVE:
             return _OVERWRITTEN
     for r in range(rows):
@@ -245,9 +246,10 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums):
 
 
 @helper
-def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_row_stride, dv):
+def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_row_stride, dv, brief):
     """The textbook online-softmax step: a max pass, exp against the new max, and the
-    running sum and output rows rescaled by exp(m_old - m_new)."""
+    running sum and output rows rescaled by exp(m_old - m_new) (``brief``: as
+    :func:`_exp_with_running_max`'s)."""
     one_vector = cols == VECTOR_BYTES // s.itemsize  # (rows one vector long: inlined, side by side)
     for r in range(rows):
         tile_max = vector_max(s, r * ld) if one_vector else row_max(s, r * ld, cols)
@@ -260,7 +262,8 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
         # (exp(-inf) without a call into libm: the first tile of every row)
         correction = 1.0 if new_max == -np.inf else (0.0 if m_before == -np.inf else math.exp(m_before - new_max))
         m[r] = new_max
-        tile_sum = exp_vector_shifted(s, r * ld, shift) if one_vector else exp_shifted(s, r * ld, cols, shift)
+        tile_sum = (exp_vector_shifted(s, r * ld, shift) if one_vector
+                    else exp_shifted(s, r * ld, cols, shift, brief))
         if tile_sum != tile_sum:  # a visible NaN score (row_max skips it): the row is NaN
             seen[r] = True
         total[r] = total[r] * correction + tile_sum
@@ -305,7 +308,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                 for r in range(rows):
                     row_lse = lse[row_offset + r]
                     if row_lse > -np.inf:  # an empty row keeps its zeros
-                        exp_shifted(s, r * ld, cols, row_lse)
+                        exp_shifted(s, r * ld, cols, row_lse, False)
                         w, row = as_offset((row_offset + r) * kv_len + j0), as_offset(r * ld)
                         for c in range(as_offset(cols)):  # not a slice copy: its shape check compiles str()
                             weights[w + c] = s[row + c]

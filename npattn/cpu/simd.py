@@ -304,6 +304,10 @@ def _bfloat16_rounded(builder, value, keep_nan=False):
 
     def splat(number):
         return ir.Constant(words, [number] * lanes)
+    if BF16_DOT and not keep_nan and lanes == 16:  # vcvtneps2bf16 (subnormals in and out are 0)
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.VectorType(_BFloat(), lanes), [value.type]), "llvm.x86.avx512bf16.cvtneps2bf16.512")
+        return builder.bitcast(builder.call(function, [value]), ir.VectorType(ir.IntType(16), lanes))
     bits = builder.bitcast(value, words)
     high = builder.lshr(bits, splat(16))
     rounded = builder.lshr(builder.add(builder.add(bits, splat(0x7FFF)), builder.and_(high, splat(1))), splat(16))
