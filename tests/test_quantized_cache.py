@@ -487,6 +487,35 @@ def test_16_bit_caches_read_a_tile_at_a_time_give_the_bits_of_a_converted_copy(d
         np.testing.assert_array_equal(mine, theirs)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_16_bit_prefill_longer_than_a_tile_reads_k_and_v_a_tile_at_a_time(dtype, monkeypatch):
+    """A prefill whose rows span several query tiles converts each key tile where it uses it
+    (no float32 copy of k and v, which a call allocated and page-faulted in afresh), with
+    the copy's bits; bfloat16 where the CPU multiplies in bfloat16 reads k and v as they
+    lie instead (npattn.cpu.operands.bf16_products)."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    from npattn.core.kernel_params import KvCodes
+    from npattn.cpu import driver, operands, simd
+    from npattn.cpu.tuning import tuned
+
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.normal(size=(1, 2, 100, 32)).astype(dtype) for _ in range(3))
+    problem_codes = []
+    planned = operands.kv_codes
+    monkeypatch.setattr(operands, "kv_codes", lambda *a: problem_codes.append(planned(*a)) or problem_codes[-1])
+    with tuned(forward=(32, 48)):  # 100 rows: four query tiles
+        tiled = npattn.attention(q, k, v, causal=True, return_lse=True)
+        pairs = dtype == "bfloat16" and simd.BF16_DOT
+        assert problem_codes == [KvCodes.NONE if pairs else KvCodes(
+            KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16)]
+        monkeypatch.setattr(operands, "kv_codes", lambda *a: KvCodes.NONE)
+        monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())  # plans made afresh, by the copy
+        monkeypatch.setattr(driver, "_FORWARD_PLANS", type(driver._FORWARD_PLANS)())
+        copied = npattn.attention(q, k, v, causal=True, return_lse=True)
+    for mine, theirs in zip(tiled, copied):
+        np.testing.assert_array_equal(mine, theirs)
+
+
 @given(lengths=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6)), min_size=1, max_size=3),
        kind=st.sampled_from(["int8", "float8_e4m3"]), gqa=st.booleans(), seed=st.integers(0, 2**31))
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)

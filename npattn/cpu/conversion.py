@@ -67,10 +67,9 @@ def converted(array: np.ndarray, dtype) -> np.ndarray | None:
             return None
         narrowing, dtype = None, _FLOAT32
     elif source_dtype is _FLOAT32 or source_dtype == _FLOAT32:
-        dtype = np.dtype(dtype)
-        if dtype.name not in NARROW:
+        narrowing, dtype = _narrowing(dtype)
+        if narrowing is None:
             return None
-        narrowing = _to_float16 if dtype.name == "float16" else _to_bfloat16
     else:
         return None
     if array.flags.c_contiguous:
@@ -94,6 +93,21 @@ def converted(array: np.ndarray, dtype) -> np.ndarray | None:
             target[whole:] = source[whole:]  # the last values, fewer than a vector
     # (the orders _memory_order gives are their own inverses)
     return out if order is None else out.transpose(order)
+
+
+_NARROWINGS = {}
+
+
+def _narrowing(dtype):
+    """``(kernel, np.dtype)`` of a float32 -> ``dtype`` conversion here, ``(None, None)``
+    where there is none; by the dtype object first (its ``name`` costs a small call
+    microseconds)."""
+    known = _NARROWINGS.get(dtype)
+    if known is None:
+        dtype_object = np.dtype(dtype)
+        kernel = dict(zip(NARROW, (_to_float16, _to_bfloat16))).get(dtype_object.name)
+        known = _NARROWINGS[dtype] = (kernel, dtype_object if kernel is not None else None)
+    return known
 
 
 def _memory_order(array):

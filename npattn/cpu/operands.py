@@ -293,15 +293,17 @@ def _row_order(array, dtype):
 def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     """How the forward reads ``problem``'s k and v: int8 codes with scales (a quantized
     cache); float16 or bfloat16 converted a tile at a time, where the products run on the
-    micro-kernels over whole vectors, the rows of a GQA group fit one query tile (a decode
-    step or a chunk: each key tile is converted once) and k and v lie in a known memory
-    order; else as they are (a converted float32 copy for 16-bit floats, made once: a long
-    prefill reuses it across its query tiles). Bits are the same either way: the
-    conversion is exact and the products see the same values in the same order.
+    micro-kernels over whole vectors and k and v lie in a known memory order (a long
+    bfloat16 prefill that multiplies in bfloat16 reads them as they lie instead,
+    :func:`bf16_products`); else as they are (a converted float32 copy for 16-bit floats).
+    Bits are the same either way: the conversion is exact and the products see the same
+    values in the same order.
 
     Measured on the 2-core AVX-512 VM, a decode step at (1, 32/8, 16384, 128) with a
     float16 cache: 81 ms with the copy, 10.5 ms converted by tiles (float32: 13.7 ms;
-    ``bench --caches``)."""
+    ``bench --caches``). A prefill converts each key tile once per query tile, in cache,
+    where the copy allocated and page-faulted two arrays per call: (1, 8, 2048, 64) causal,
+    float16 over float32 in one process, 1.20x -> 1.05-1.10x (medians of 9 rounds)."""
     if problem.quantized:
         return KvCodes(quantized_codes(problem))
     name = problem.k.dtype.name
@@ -310,7 +312,7 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
         return KvCodes.NONE
     lanes = vector_lanes(problem.accumulate_dtype)
     if (problem.head_dim % lanes or problem.value_dim % lanes
-            or problem.q_len * problem.group_size > tuning.forward[0]
+            or (problem.q_len * problem.group_size > tuning.forward[0] and bf16_products(problem, kind, tuning))
             or _row_order(problem.k, problem.k.dtype) is None or _row_order(problem.v, problem.v.dtype) is None):
         return KvCodes.NONE
     return KvCodes.FLOAT16 if name == "float16" else KvCodes.BFLOAT16
