@@ -161,7 +161,7 @@ class Plan:
         # what the backend's plans read of the problem they are given: its option arrays and
         # seed; a call with neither passes None (the plans then skip them)
         self._reads_problem = fresh_seed or problem.dropout_p > 0 or any(
-            getattr(problem, name) is not None for name in (*_CHECKED_ARRAY_FIELDS, "mask", "bias")) or (
+            getattr(problem, name) is not None for name in (*_CHECKED_ARRAY_FIELDS, "mask", "bias", "k_scale")) or (
             problem.row_shifts is not None)
         # the backend's plan, where a run is its call on the arrays as given (bhsd: no
         # transposes; no option arrays or seed to pass); else None
@@ -280,6 +280,10 @@ class Plan:
         if result is None or not out_is_finite(result):
             return None
         return result
+
+    def outputs(self, result: ForwardResult) -> Outputs:
+        """What :meth:`run` returns for a :meth:`planned_forward` result (finite)."""
+        return _public_outputs(self._form, result, finite=True)
 
     def backward_plan(self, q: Any, k: Any, v: Any) -> Any:
         """The backend's plan of the backward (made at the first use, from the first

@@ -96,12 +96,13 @@ def _within_base(array, extent):
     return _frozen(base.reshape(-1)[start:start + extent])
 
 
-_BSHD = (0, 2, 1, 3)
+_BSHD, _BSH = (0, 2, 1, 3), (0, 2, 1)
 
 
 def memory_order(array, dtype, unit_last_axis=False):
     """The axis order in which ``array`` is C-contiguous: ``(0, 1, 2, 3)`` for its own, or
-    (0, 2, 1, 3) for a bshd array seen as bhsd (the usual cases); None otherwise, or when it
+    (0, 2, 1, 3) for a bshd array seen as bhsd (the usual cases; (0, 2, 1) for a (B, S, H)
+    array of scales seen as bhs); None otherwise, or when it
     is empty or not of ``dtype``: then :func:`flat_memory` cannot view it. With
     ``unit_last_axis``, also None unless the last axis has unit stride."""
     if array.dtype != dtype or not array.size:
@@ -112,6 +113,8 @@ def memory_order(array, dtype, unit_last_axis=False):
         return None
     if array.ndim == 4 and array.transpose(_BSHD).flags.c_contiguous:
         return _BSHD
+    if array.ndim == 3 and array.transpose(_BSH).flags.c_contiguous:  # a (B, S, H) cache's scales seen as bhs
+        return _BSH
     return None  # other orders (views into a larger array) are read by flat_view's slower path
 
 

@@ -156,6 +156,7 @@ class KVCachePlan:
         # what the call appends to them (k rotated, v[, as codes and scales]) or None): what
         # the call that planned runs first; the api's Plan of the attention, made at a second run
         self._checked, self._attend, self._structure = checked, None, structure
+        self._codes_plan = None  # a quantized step's api Plan of the codes' structure, made at a second run
         self._quantized = structure["k_scale"] is not None
         self._exact = tuple(None if structure[name] is None else structure[name][0]
                             for name in ("q", "k_cache", "v_cache", "k", "v", "k_scale", "v_scale"))
@@ -274,11 +275,7 @@ class KVCachePlan:
                 new = None if k is None else _quantized_rows(k, v, k_cache.dtype)
             if self._prefix:
                 scales = _quantized.Scales(k_scale[:, :self._keys_used], v_scale[:, :self._keys_used])
-            # a problem of this run's arrays: the codes, their scales and q (a quantized step
-            # is long enough that the api's plan of float keys would save nothing worth its paths)
-            problem = _quantized.with_codes(
-                dataclasses.replace(self._planned_problem, q=q.transpose(0, 2, 1, 3)), keys, values, scales)
-            attention = lambda: api.run_problem(problem, self._checked[1])  # noqa: E731
+            attention = lambda: self._codes_attention(q, keys, values, scales)  # noqa: E731
         else:
             if self._attend is None:
                 self._attend = api.Plan(self._planned_problem, self._checked[1])
@@ -289,6 +286,24 @@ class KVCachePlan:
             return self._appended(caches, new, attention, self._quantizing)
         return self._appended(caches, new, lambda: shared.attend(q, prefix_k, prefix_v, attention()),
                               self._quantizing)
+
+    def _codes_attention(self, q: Any, keys: Any, values: Any, scales: Any) -> Outputs:
+        """The attention of a quantized step on this run's codes (``keys``, ``values``, bshd
+        or pools) and ``scales``: through the api's Plan of the codes' structure with the
+        run's scales in place of its problem's (:class:`~npattn.serving.quantized.RunScales`);
+        on a problem of this run's arrays where the plan gives no answer (a result that is
+        not all finite, plans of another tuning, a backend without plans)."""
+        plan = self._codes_plan
+        if plan is None:
+            problem = _quantized.with_codes(
+                dataclasses.replace(self._planned_problem, q=q.transpose(0, 2, 1, 3)), keys, values, scales)
+            plan = self._codes_plan = api.Plan(problem, self._checked[1])
+        result = plan.planned_forward(q, keys, values, _quantized.RunScales(self._planned_problem, scales))
+        if result is not None:
+            return plan.outputs(result)
+        problem = _quantized.with_codes(
+            dataclasses.replace(self._planned_problem, q=q.transpose(0, 2, 1, 3)), keys, values, scales)
+        return api.run_problem(problem, self._checked[1])
 
     def run_checked(self) -> Outputs:
         """The run of the call that made the plan (:func:`attention_with_kvcache`), on the
