@@ -79,7 +79,9 @@ def _exp_float32(typingctx, x, shift, brief):
             return constant(value_type, float(np.float32(number)))
 
         def fused(a, b, c):  # a b + c: an FMA on vectors
-            return builder.fadd(builder.fmul(a, b), c) if lanes is None else call_llvm_intrinsic(builder, "fma", a, b, c)
+            if lanes is None:
+                return builder.fadd(builder.fmul(a, b), c)
+            return call_llvm_intrinsic(builder, "fma", a, b, c)
 
         def clamp(value, compare, bound):
             # compare-and-select, not minnum/maxnum, and unordered: a NaN stays NaN (exp of
@@ -93,9 +95,10 @@ def _exp_float32(typingctx, x, shift, brief):
         if brief.literal_value and lanes == 16:  # AVX-512: vrndscaleps, then vscalefps makes p * 2**n
             exponent = clamp(clamp(exponent, ">", floating(_SCALED_LOWEST)), "<", floating(_SCALED_HIGHEST))
             whole = call_llvm_intrinsic(builder, "roundeven", exponent)
+            fraction = builder.fsub(exponent, whole)
             polynomial = floating(coefficients[-1])
             for coefficient in reversed(coefficients[:-1]):
-                polynomial = fused(polynomial, builder.fsub(exponent, whole), floating(coefficient))
+                polynomial = fused(polynomial, fraction, floating(coefficient))
             scalef = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
                 value_type, [value_type, value_type, value_type, ir.IntType(16), ir.IntType(32)]),
                 "llvm.x86.avx512.mask.scalef.ps.512")

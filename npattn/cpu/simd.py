@@ -321,7 +321,9 @@ def _bfloat16_rounded(builder, value, keep_nan=False):
 def store_bfloat16(typingctx, out, index, value):
     """Store the float32 vector ``value`` (lanes L) rounded to bfloat16, in order, as the
     L / 2 float32 elements ``out[index : index + L / 2]`` each holding two (the lower
-    lane in the low half): a row of bfloat16 pairs (:func:`splat_pair_dot_rows`)."""
+    lane in the low half): a row of bfloat16 pairs (:func:`splat_pair_dot_rows`). On
+    AVX512_BF16 CPUs by ``vcvtneps2bf16``, which gives 0 for a subnormal value (below
+    1.2e-38, where the integer rounding elsewhere keeps a subnormal bfloat16)."""
     if not (_check_float_array(out) and isinstance(value, Vector) and value.dtype == out.dtype):
         return None
 
