@@ -19,18 +19,20 @@ needs_bf16 = pytest.mark.skipif(not simd.BF16_DOT, reason="the CPU has no AVX512
 
 
 @needs_bf16
-@given(batch=st.integers(1, 2), heads=st.integers(1, 3), q_len=st.integers(1, 300), kv_len=st.integers(1, 300),
-       head_dim=st.sampled_from([16, 32, 48, 64, 128]), causal=st.booleans(), paged=st.booleans(),
-       seed=st.integers(0, 2**32 - 1))
-def test_bfloat16_products_keep_the_bfloat16_bound(batch, heads, q_len, kv_len, head_dim, causal, paged, seed):
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 1, 2, 3]),
+       q_len=st.integers(1, 300), kv_len=st.integers(1, 300), head_dim=st.sampled_from([16, 32, 48, 64, 128]),
+       causal=st.booleans(), paged=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_bfloat16_products_keep_the_bfloat16_bound(batch, kv_heads, group, q_len, kv_len, head_dim, causal, paged,
+                                                   seed):
     rng = np.random.default_rng(seed)
+    heads = kv_heads * group  # (GQA: groups folded into rows where a group's rows fit a tile)
     q = rng.normal(size=(batch, heads, q_len, head_dim)).astype(ml_dtypes.bfloat16)
-    k, v = (rng.normal(size=(batch, heads, kv_len, head_dim)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    k, v = (rng.normal(size=(batch, kv_heads, kv_len, head_dim)).astype(ml_dtypes.bfloat16) for _ in range(2))
     options = dict(causal=causal)
     if paged and kv_len % 4 == 0:  # pools of 4-key pages, in a shuffled order
         per_entry = kv_len // 4
         table = rng.permutation(batch * per_entry).reshape(batch, per_entry)
-        pool = lambda x: x.transpose(0, 2, 1, 3).reshape(batch * per_entry, 4, heads, head_dim)[  # noqa: E731
+        pool = lambda x: x.transpose(0, 2, 1, 3).reshape(batch * per_entry, 4, kv_heads, head_dim)[  # noqa: E731
             np.argsort(table.reshape(-1))]
         arguments = (q.transpose(0, 2, 1, 3), pool(k), pool(v))
         options.update(block_table=table, layout="bshd")
