@@ -84,35 +84,49 @@ def test_dot_products_match_numpy_and_each_score_is_one_fixed_sum(rows, cols, ve
 
 
 @njit  # not cached, as above
-def _code_dot_products(a, codes, scales, c, rows, cols, depth, b_row, scale_step, alpha):
+def _code_dot_products(a, codes, scales, c, rows, cols, depth, b_row, scale_step, alpha, e4m3):
     code_products.code_dot_products(a, 0, depth, codes, 0, b_row, scales, 1, scale_step, c, 0, cols, rows, cols,
-                                    depth, alpha)
+                                    depth, alpha, e4m3)
 
 
 @njit  # not cached, as above
-def _code_product(p, codes, scales, c, rows, cols, width, b_row, scale_step):
-    code_products.code_product(p, 0, cols, codes, 0, b_row, scales, 1, scale_step, c, 0, width, rows, cols, width)
+def _code_product(p, codes, scales, c, rows, cols, width, b_row, scale_step, e4m3):
+    code_products.code_product(p, 0, cols, codes, 0, b_row, scales, 1, scale_step, c, 0, width, rows, cols, width,
+                               e4m3)
+
+
+def _code_values(codes, e4m3):
+    """The values of one-byte codes in float64: int8, or float8 e4m3 bits (ml_dtypes)."""
+    if not e4m3:
+        return codes.astype(np.float64)
+    import ml_dtypes
+
+    return codes.view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
 # (query rows, keys, vectors of the head dim): blocks of 2 rows and an odd last row, blocks
 # of 4 keys and the keys left after them, columns 4 vectors at a time and one at a time
+@pytest.mark.parametrize("e4m3", [False, True])
 @pytest.mark.parametrize("rows, cols, vectors", [(1, 1, 1), (1, 4, 4), (2, 7, 5), (3, 9, 2), (4, 12, 9), (5, 3, 8),
                                                  (8, 5, 4), (2, 0, 1)])
-def test_products_on_int8_codes_match_numpy(rows, cols, vectors):
-    """Both products read int8 codes (rows farther apart than the head dim, scales every
-    other element from element 1) and match the float64 products on the codes times their
-    scales: the scores, and P V added to what C held (float32 sums: the only ones they are
-    compiled for)."""
+def test_products_on_int8_codes_match_numpy(rows, cols, vectors, e4m3):
+    """Both products read one-byte codes, int8 or float8 e4m3 (every byte but the NaNs:
+    subnormals, both zeros, the largest), rows farther apart than the head dim, scales
+    every other element from element 1, and match the float64 products on the codes' values
+    times their scales: the scores, and P V added to what C held (float32 sums: the only
+    ones they are compiled for)."""
     dtype = np.float32
     rng = np.random.default_rng(rows * 100 + cols * 10 + vectors)
     depth = vectors * simd.lanes_of(np.dtype(dtype))
     b_row = depth + 5
     codes = rng.integers(-127, 128, size=(cols, b_row)).astype(np.int8)
+    if e4m3:  # (0x7F and 0xFF are NaN: replaced by the largest value of their sign)
+        codes[(codes.view(np.uint8) & 0x7F) == 0x7F] -= 1
     scales = rng.uniform(0.001, 0.05, size=2 * cols + 1).astype(np.float32)
-    dequantized = codes[:, :depth].astype(np.float64) * scales[1::2, None]
+    dequantized = _code_values(codes[:, :depth], e4m3) * scales[1::2, None]
     a = rng.standard_normal((rows, depth)).astype(dtype)
     c = np.full((rows, cols), np.nan, dtype)
-    _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), rows, cols, depth, b_row, 2, 0.5)
+    _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), rows, cols, depth, b_row, 2, 0.5, e4m3)
     exact = 0.5 * a.astype(np.float64) @ dequantized.T
     assert_close(c, exact, dtype, depth, 0.5 * float(np.abs(a).max() * np.abs(dequantized).max(initial=0)),
                  what="code_dot_products")
@@ -121,8 +135,27 @@ def test_products_on_int8_codes_match_numpy(rows, cols, vectors):
     exact = out.astype(np.float64) + p.astype(np.float64) @ dequantized
     # the size of each term: C's start, or a probability (at most 1) times a value
     magnitude = max(float(np.abs(out).max()), float(np.abs(dequantized).max(initial=0)))
-    _code_product(p.ravel(), codes.ravel(), scales, out.ravel(), rows, cols, depth, b_row, 2)
+    _code_product(p.ravel(), codes.ravel(), scales, out.ravel(), rows, cols, depth, b_row, 2, e4m3)
     assert_close(out, exact, dtype, cols + 1, magnitude, what="code_product")
+
+
+@pytest.mark.parametrize("nan_code", [0x7F, -1])  # 0x7F and 0xFF (-1 as int8)
+def test_an_e4m3_nan_code_reads_as_nan(nan_code):
+    """e4m3's NaN bytes are NaN in the products (as in the reference's dequantized cache):
+    the score of that key, and the P V column of that value, and nothing else."""
+    lanes = simd.lanes_of(np.dtype(np.float32))
+    rng = np.random.default_rng(5)
+    codes = rng.integers(-100, 100, size=(5, lanes)).astype(np.int8)
+    codes[2, 3] = nan_code
+    scales = np.full(5, 0.01, np.float32)
+    a = rng.standard_normal((4, lanes)).astype(np.float32)
+    c = np.zeros((4, 5), np.float32)
+    _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), 4, 5, lanes, lanes, 1, 1.0, True)
+    assert np.isnan(c[:, 2]).all() and np.isfinite(np.delete(c, 2, axis=1)).all()
+    out = np.zeros((4, lanes), np.float32)
+    _code_product(np.full((4, 5), 0.2, np.float32).ravel(), codes.ravel(), scales, out.ravel(), 4, 5, lanes, lanes,
+                  1, True)
+    assert np.isnan(out[:, 3]).all() and np.isfinite(np.delete(out, 3, axis=1)).all()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

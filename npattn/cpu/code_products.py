@@ -1,11 +1,12 @@
-"""A decode step's products straight from an int8 cache's codes, converted in registers.
+"""A decode step's products straight from an int8 or float8 e4m3 cache's codes, converted in registers.
 
 A quantized decode step is a few query rows (a GQA group folded into rows) against many
 keys. Dequantizing a key tile into a float32 staging first (:func:`~npattn.cpu.tiles.dequantize_tile`)
 costs more than the products that read it: each code is converted, scaled, stored, then
-loaded again once per query row. Here the codes are loaded as int8 and converted in
-registers (:func:`~npattn.cpu.simd.load_int8`, exact), and the per-key scale is applied
-once per product instead of once per value:
+loaded again once per query row. Here the codes are loaded as bytes and converted in registers
+(:func:`~npattn.cpu.simd.load_code`, exact: int8, or e4m3 as 2**-8 times its value,
+which the key's scale takes back), and the per-key scale is applied once per product
+instead of once per value:
 
 - :func:`code_dot_products`: ``S[r, j] = alpha * scale_j * (q_r . codes_j)``,
 - :func:`code_product`: ``O[r, :] += sum_j (P[r, j] * scale_j) * codes_j``.
@@ -18,12 +19,13 @@ this code's compile (a first float64 forward compiled in 16.8-21.8 s with it, 13
 """
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
 from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like
-from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, load, load_int8, multiply_add, never_inline, store,
+from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, load, load_code, multiply_add, never_inline, store,
                    store_key_sums)
 
 
@@ -32,41 +34,58 @@ from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, load, load_int8, mul
 # at a time (no 2-row block on AVX-512: each block size is compiled into both kernels,
 # 2-3 s of a first call's compile)
 ROW_BLOCK = 4 if VECTOR_BYTES == 64 else 2
+# What an e4m3 code's scale is multiplied by: load_code gives 2**-8 times its value
+E4M3_UNIT = np.float32(256.0)
+_ONE = np.float32(1.0)
 
 
 def code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                      c_row, rows, cols, depth, alpha):
+                      c_row, rows, cols, depth, alpha, e4m3):
     """``C[r, j] = alpha * scales[scale_offset + j * scale_step] * sum_x A[r, x] B[j, x]``
     for r < rows, j < cols, where ``A[r, x] = a[a_offset + r * a_row + x]`` (floats),
-    ``B[j, x] = codes[b_offset + j * b_row + x]`` (int8) and ``C[r, j] = c[c_offset + r *
-    c_row + j]``; ``depth`` a multiple of the vector's lanes. float32 only (see
+    ``B[j, x]`` the value of the byte ``codes[b_offset + j * b_row + x]`` (int8, or with
+    ``e4m3`` float8 e4m3) and ``C[r, j] = c[c_offset + r * c_row + j]``; ``depth`` a
+    multiple of the vector's lanes. float32 only (see
     :func:`~npattn.cpu.tiles.codes_in_registers`): elsewhere a stub that does nothing."""
     raise NotImplementedError
 
 
 @overload(code_dot_products, jit_options=OPTIONS)
 def _code_dot_products_overload(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c,
-                                c_offset, c_row, rows, cols, depth, alpha):
+                                c_offset, c_row, rows, cols, depth, alpha, e4m3):
     if c.dtype != types.float32:
         return lambda a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, \
-            c_row, rows, cols, depth, alpha: None
+            c_row, rows, cols, depth, alpha, e4m3: None
 
     def implementation(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                       c_row, rows, cols, depth, alpha):
+                       c_row, rows, cols, depth, alpha, e4m3):
         _code_dot_products(as_readonly(a), plain_int(a_offset), plain_int(a_row), as_readonly(codes),
                            plain_int(b_offset), plain_int(b_row), as_readonly(scales), plain_int(scale_offset),
                            plain_int(scale_step), c, plain_int(c_offset), plain_int(c_row), plain_int(rows),
-                           plain_int(cols), plain_int(depth), scalar_like(alpha, c))
+                           plain_int(cols), plain_int(depth), scalar_like(alpha, c), bool(e4m3))
     return implementation
 
 
 @helper
 def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                       c_row, rows, cols, depth, alpha):
+                       c_row, rows, cols, depth, alpha, e4m3):
+    """:func:`_dot_products_of` for int8 codes or e4m3 codes, each compiled with its own
+    decode (a constant there)."""
+    never_inline()
+    if e4m3:
+        _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
+                         c_row, rows, cols, depth, alpha * E4M3_UNIT, True)
+    else:
+        _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
+                         c_row, rows, cols, depth, alpha, False)
+
+
+@njit(inline="always")
+def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
+                     c_row, rows, cols, depth, alpha, e4m3):
     """4 keys at a time against blocks of :data:`ROW_BLOCK` query rows, then single rows
     (each key's codes converted once per block, 4 FMA chains per row); then the keys left
-    one by one."""
-    never_inline()
+    one by one. ``alpha`` takes an e4m3 code's 2**8 (:data:`E4M3_UNIT`)."""
     lanes = VECTOR_BYTES // c.itemsize
     j = 0
     while j + 4 <= cols:
@@ -77,11 +96,11 @@ def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale
         r = 0
         while r + ROW_BLOCK <= rows:
             _four_keys(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
-                       factors, ROW_BLOCK, depth, lanes)
+                       factors, ROW_BLOCK, depth, lanes, e4m3)
             r += ROW_BLOCK
         while r < rows:
             _four_keys(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
-                       factors, 1, depth, lanes)
+                       factors, 1, depth, lanes, e4m3)
             r += 1
         j += 4
     zero = fill(0.0, c)
@@ -92,20 +111,20 @@ def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale
             q0 = a_offset + r * a_row
             s0 = zero
             for x in range(0, depth, lanes):
-                s0 = multiply_add(load(a, q0 + x), load_int8(codes, k + x, zero), s0)
+                s0 = multiply_add(load(a, q0 + x), load_code(codes, k + x, zero, e4m3), s0)
             c[as_offset(c_offset + r * c_row + j)] = factor * horizontal_sum(s0)
         j += 1
 
 
 @njit(inline="always")
-def _four_keys(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, depth, lanes):
+def _four_keys(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, depth, lanes, e4m3):
     """The scores of 4 keys for ``rows`` (1 or :data:`ROW_BLOCK`, a constant) query rows of
-    :func:`_code_dot_products`."""
+    :func:`_dot_products_of`."""
     zero = fill(0.0, c)
     s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = zero
     for x in range(0, depth, lanes):
-        b0, b1 = load_int8(codes, k + x, zero), load_int8(codes, k + b_row + x, zero)
-        b2, b3 = load_int8(codes, k + 2 * b_row + x, zero), load_int8(codes, k + 3 * b_row + x, zero)
+        b0, b1 = load_code(codes, k + x, zero, e4m3), load_code(codes, k + b_row + x, zero, e4m3)
+        b2, b3 = load_code(codes, k + 2 * b_row + x, zero, e4m3), load_code(codes, k + 3 * b_row + x, zero, e4m3)
         row = load(a, q_at + x)
         s0, s1, s2, s3 = multiply_add(row, b0, s0), multiply_add(row, b1, s1), multiply_add(row, b2, s2), \
             multiply_add(row, b3, s3)
@@ -129,69 +148,83 @@ def _four_keys(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, d
 
 
 def code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                 rows, cols, width):
+                 rows, cols, width, e4m3):
     """``C[r, x] += sum_j (P[r, j] * scales[scale_offset + j * scale_step]) * B[j, x]`` for
     r < rows, j < cols, x < width, where ``P[r, j] = p[p_offset + r * p_row + j]`` (floats),
-    ``B[j, x] = codes[b_offset + j * b_row + x]`` (int8) and ``C[r, x] = c[c_offset + r *
-    c_row + x]``; ``width`` a multiple of the vector's lanes. float32 only, as
-    :func:`code_dot_products`."""
+    ``B[j, x]`` the value of the byte ``codes[b_offset + j * b_row + x]`` (int8, or with
+    ``e4m3`` float8 e4m3) and ``C[r, x] = c[c_offset + r * c_row + x]``; ``width`` a
+    multiple of the vector's lanes. float32 only, as :func:`code_dot_products`."""
     raise NotImplementedError
 
 
 @overload(code_product, jit_options=OPTIONS)
 def _code_product_overload(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                           c_row, rows, cols, width):
+                           c_row, rows, cols, width, e4m3):
     if c.dtype != types.float32:
         return lambda p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, \
-            c_row, rows, cols, width: None
+            c_row, rows, cols, width, e4m3: None
 
     def implementation(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                       c_row, rows, cols, width):
+                       c_row, rows, cols, width, e4m3):
         _code_product(as_readonly(p), plain_int(p_offset), plain_int(p_row), as_readonly(codes), plain_int(b_offset),
                       plain_int(b_row), as_readonly(scales), plain_int(scale_offset), plain_int(scale_step), c,
-                      plain_int(c_offset), plain_int(c_row), plain_int(rows), plain_int(cols), plain_int(width))
+                      plain_int(c_offset), plain_int(c_row), plain_int(rows), plain_int(cols), plain_int(width),
+                      bool(e4m3))
     return implementation
 
 
 @helper
 def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                  rows, cols, width):
+                  rows, cols, width, e4m3):
+    """:func:`_product_of` for int8 codes or e4m3 codes, each compiled with its own decode."""
+    never_inline()
+    if e4m3:
+        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
+                    rows, cols, width, E4M3_UNIT, True)
+    else:
+        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
+                    rows, cols, width, _ONE, False)
+
+
+@njit(inline="always")
+def _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
+                rows, cols, width, unit, e4m3):
     """Columns 4 vectors at a time, blocks of :data:`ROW_BLOCK` rows of C (then single
     rows) held in registers over every key: each key's codes of those columns converted
-    once per block, its probabilities scaled once; then the columns left a vector at a time."""
-    never_inline()
+    once per block, its probabilities scaled once (by the scale times ``unit``, an e4m3
+    code's 2**8); then the columns left a vector at a time."""
     lanes = VECTOR_BYTES // c.itemsize
     x0 = 0
     while x0 + 4 * lanes <= width:
         r = 0
         while r + ROW_BLOCK <= rows:
             _four_vectors(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
-                          scale_step, c, c_offset + r * c_row + x0, c_row, ROW_BLOCK, cols, lanes)
+                          scale_step, c, c_offset + r * c_row + x0, c_row, ROW_BLOCK, cols, lanes, unit, e4m3)
             r += ROW_BLOCK
         while r < rows:
             _four_vectors(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
-                          scale_step, c, c_offset + r * c_row + x0, c_row, 1, cols, lanes)
+                          scale_step, c, c_offset + r * c_row + x0, c_row, 1, cols, lanes, unit, e4m3)
             r += 1
         x0 += 4 * lanes
     while x0 < width:
         for r in range(rows):
             _one_vector(p, p_offset + r * p_row, codes, b_offset + x0, b_row, scales, scale_offset, scale_step, c,
-                        c_offset + r * c_row + x0, cols)
+                        c_offset + r * c_row + x0, cols, unit, e4m3)
         x0 += lanes
 
 
 @njit(inline="always")
 def _four_vectors(p, p_at, p_row, codes, b_at, b_row, scales, scale_offset, scale_step, c, c_at, c_row, rows, cols,
-                  lanes):
+                  lanes, unit, e4m3):
     """4 vectors of columns of ``rows`` (1 or :data:`ROW_BLOCK`, a constant) rows of
-    :func:`_code_product`."""
+    :func:`_product_of`."""
     zero = fill(0.0, c)
     s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = zero
     for j in range(cols):
-        scale = scales[as_offset(scale_offset + j * scale_step)]
+        scale = scales[as_offset(scale_offset + j * scale_step)] * unit
         at = b_at + j * b_row
-        b0, b1 = load_int8(codes, at, zero), load_int8(codes, at + lanes, zero)
-        b2, b3 = load_int8(codes, at + 2 * lanes, zero), load_int8(codes, at + 3 * lanes, zero)
+        b0, b1 = load_code(codes, at, zero, e4m3), load_code(codes, at + lanes, zero, e4m3)
+        b2, b3 = load_code(codes, at + 2 * lanes, zero, e4m3), load_code(codes, at + 3 * lanes, zero, e4m3)
         weight = fill(scalar_like(p[as_offset(p_at + j)] * scale, c), c)
         s0, s1, s2, s3 = multiply_add(weight, b0, s0), multiply_add(weight, b1, s1), multiply_add(weight, b2, s2), \
             multiply_add(weight, b3, s3)
@@ -215,13 +248,14 @@ def _four_vectors(p, p_at, p_row, codes, b_at, b_row, scales, scale_offset, scal
 
 
 @njit(inline="always")
-def _one_vector(p, p_at, codes, b_at, b_row, scales, scale_offset, scale_step, c, c_at, cols):
-    """One vector of columns of one row of :func:`_code_product`."""
+def _one_vector(p, p_at, codes, b_at, b_row, scales, scale_offset, scale_step, c, c_at, cols, unit, e4m3):
+    """One vector of columns of one row of :func:`_product_of`."""
     zero = fill(0.0, c)
     s0 = zero
     for j in range(cols):
-        weight = fill(scalar_like(p[as_offset(p_at + j)] * scales[as_offset(scale_offset + j * scale_step)], c), c)
-        s0 = multiply_add(weight, load_int8(codes, b_at + j * b_row, zero), s0)
+        scale = scales[as_offset(scale_offset + j * scale_step)] * unit
+        weight = fill(scalar_like(p[as_offset(p_at + j)] * scale, c), c)
+        s0 = multiply_add(weight, load_code(codes, b_at + j * b_row, zero, e4m3), s0)
     store(c, c_at, add(load(c, c_at), s0))
 
 

@@ -29,7 +29,7 @@ from .jit import helper, kernel
 from .signatures import as_offset, as_readonly, larger, smaller
 from .simd import VECTOR_BYTES
 from .threads import NON_FINITE, next_item
-from .operands import Int, Real
+from .operands import Int, KvCodes, Real
 from .rowmath import exp_shifted, exp_vector_shifted, row_max, vector_max
 from .code_products import code_product
 from .microkernels import pair_product, product
@@ -175,7 +175,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                     code_product(s, r0 * ld + c0, ld, v_codes, v_row(ints, pages, b, kv_head, j),
                                                  v_row_stride, v_scale, v_scale_row(ints, pages, b, kv_head, j),
                                                  ints[Int.V_SCALE_STRIDE_S], out, out_offset + r0 * out_row_stride,
-                                                 out_row_stride, band_rows, run, dv)
+                                                 out_row_stride, band_rows, run, dv, quantized == KvCodes.FLOAT8)
                                 elif quantized:  # the converted value rows
                                     product(s, r0 * ld + c0, ld, 1, values, c0 * dv, dv, out,
                                             out_offset + r0 * out_row_stride, out_row_stride, band_rows, run, dv, 1.0,

@@ -369,7 +369,7 @@ def head_group(problem, kind: str, ints) -> tuple[int, int]:
     return heads, heads if interleaved and heads == ints[Int.KV_HEADS] else 1
 
 
-# Keys per tile of a decode step on an int8 cache, whose products read the codes in
+# Keys per tile of a decode step on an int8 (or e4m3) cache, whose products read the codes in
 # registers (npattn.cpu.code_products): no staging to fill per tile, and the share of the
 # next tile each head's pass asks memory for stays small. Measured on the 2-core Zen 4 VM,
 # (1, 32/8, 16384, 128), medians of 5 interleaved: 4.0 ms with 32 keys, 5.1 with 64, 7.0
@@ -400,7 +400,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     dtype = problem.accumulate_dtype
     chunk = chunk_columns(dtype)
     vector, vector_values, vector_keys, dot_scores = _product_paths(problem, kind, tuning)
-    if codes == KvCodes.INT8 and dot_scores and vector_values and dtype == np.float32:
+    if codes in _SCALED and dot_scores and vector_values and dtype == np.float32:
         block_k = min(block_k, CODE_TILE_KEYS)  # a decode tile read in registers (tiles.codes_in_registers)
     # A problem smaller than a tile gets a tile of its own size: the same single tile,
     # so the same arithmetic, with scratch a small call can allocate in microseconds

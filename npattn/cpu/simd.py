@@ -248,6 +248,38 @@ def load_int8(typingctx, codes, index, like):
 
 
 @intrinsic
+def load_code(typingctx, codes, index, like, e4m3):
+    """The float vector (of ``like``'s type) of the lanes one-byte codes at ``codes[index]``
+    (an int8 array): int8 values (:func:`load_int8`), or with ``e4m3`` float8 e4m3 values
+    times 2**-8, exactly (the byte's sign and 7 magnitude bits placed in a float16's, whose
+    exponent bias is 8 more, and ``vcvtph2ps``: subnormals included, with no float32
+    subnormal anywhere; 0x7F and 0xFF are NaN). ``e4m3``: a bool, constant where the caller
+    is compiled (both decodes are emitted and one selected: LLVM drops the other)."""
+    if not (isinstance(codes, types.Array) and codes.dtype == types.int8 and isinstance(index, types.Integer)
+            and isinstance(like, Vector) and isinstance(e4m3, types.Boolean)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        lanes, vector_type = like.lanes, context.get_value_type(like)
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], ir.VectorType(ir.IntType(8), lanes))
+        loaded = builder.load(pointer, align=1)
+        as_int8 = builder.sitofp(builder.sext(loaded, ir.VectorType(ir.IntType(32), lanes)), vector_type)
+        words = ir.VectorType(ir.IntType(16), lanes)
+
+        def splat(number):
+            return ir.Constant(words, [number] * lanes)
+        # sign-extended to 16 bits and shifted by 7: the sign lands in bit 15 (and a copy in
+        # bit 14, which the mask clears), the exponent and mantissa in bits 13..7
+        half = builder.and_(builder.shl(builder.sext(loaded, words), splat(7)), splat(0xBF80))
+        nan = builder.icmp_unsigned("==", builder.and_(half, splat(0x3F80)), splat(0x3F80))
+        half = builder.select(nan, splat(0x7E00), half)
+        as_e4m3 = builder.fpext(builder.bitcast(half, ir.VectorType(ir.HalfType(), lanes)), vector_type)
+        return builder.select(args[3], as_e4m3, as_int8)
+    return like(codes, index, like, e4m3), codegen
+
+
+@intrinsic
 def store_float16_bits(typingctx, out, index, value, brain):
     """Store the float32 vector ``value`` as lanes 16-bit floats, rounded to nearest even,
     at the bytes ``out[index : index + 2 * lanes]`` (an int8 array): IEEE half floats
