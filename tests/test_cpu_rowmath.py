@@ -14,7 +14,7 @@ from hypothesis.extra import numpy as hnp
 pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 
-from npattn.cpu.rowmath import exp_shifted, exp_vector_shifted, row_max, vector_max  # noqa: E402
+from npattn.cpu.rowmath import _BRIEF_C, exp_shifted, exp_vector_shifted, row_max, vector_max  # noqa: E402
 from npattn.cpu.simd import VECTOR_BYTES  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -23,8 +23,18 @@ EPS32 = float(np.finfo(np.float32).eps)
 SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 OVERFLOW = 2.0 ** 127.5
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-# the brief polynomial's own largest relative error against 2**f (npattn.cpu.rowmath._BRIEF_C)
-BRIEF_ERROR = 2.7e-6
+
+
+def _brief_error():
+    """The brief polynomial's own largest relative error against 2**f on [-1/2, 1/2]
+    (npattn.cpu.rowmath._BRIEF_C in float64 on a fine grid; its float32 rounding is the
+    bound's few eps)."""
+    fraction = np.linspace(-0.5, 0.5, 100001)
+    value = np.polynomial.polynomial.polyval(fraction, np.array(_BRIEF_C, np.float32).astype(np.float64))
+    return float(np.abs(value / 2.0 ** fraction - 1).max())
+
+
+BRIEF_ERROR = _brief_error()
 
 
 @njit  # not cached: a cache stamped with this file alone would outlive edits to rowmath
