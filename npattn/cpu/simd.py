@@ -230,28 +230,11 @@ def load_float16_bits(typingctx, codes, index, like, brain):
 
 
 @intrinsic
-def load_int8(typingctx, codes, index, like):
-    """The float vector (of ``like``'s type) of the lanes int8 values at ``codes[index]``,
-    converted exactly (``vpmovsxbd`` then ``vcvtdq2ps``): an int8 cache's codes read in
-    registers, with no float copy of them anywhere."""
-    if not (isinstance(codes, types.Array) and codes.dtype == types.int8 and isinstance(index, types.Integer)
-            and isinstance(like, Vector)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        _wide(builder)
-        lanes, vector_type = like.lanes, context.get_value_type(like)
-        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], ir.VectorType(ir.IntType(8), lanes))
-        wide = builder.sext(builder.load(pointer, align=1), ir.VectorType(ir.IntType(32), lanes))
-        return builder.sitofp(wide, vector_type)
-    return like(codes, index, like), codegen
-
-
-@intrinsic
 def load_code(typingctx, codes, index, like, e4m3):
     """The float vector (of ``like``'s type) of the lanes one-byte codes at ``codes[index]``
-    (an int8 array): int8 values (:func:`load_int8`), or with ``e4m3`` float8 e4m3 values
-    times 2**-8, exactly (the byte's sign and 7 magnitude bits placed in a float16's, whose
+    (an int8 array), converted in registers with no float copy of them anywhere: int8
+    values (``vpmovsxbd`` then ``vcvtdq2ps``), or with ``e4m3`` float8 e4m3 values times
+    2**-8, exactly (the byte's sign and 7 magnitude bits placed in a float16's, whose
     exponent bias is 8 more, and ``vcvtph2ps``: subnormals included, with no float32
     subnormal anywhere; 0x7F and 0xFF are NaN). ``e4m3``: a bool, constant where the caller
     is compiled (both decodes are emitted and one selected: LLVM drops the other)."""
