@@ -293,17 +293,17 @@ class KVCachePlan:
         run's scales in place of its problem's (:class:`~npattn.serving.quantized.RunScales`);
         on a problem of this run's arrays where the plan gives no answer (a result that is
         not all finite, plans of another tuning, a backend without plans)."""
+        def problem():  # of this run's arrays: the codes, their scales and q
+            return _quantized.with_codes(dataclasses.replace(self._planned_problem, q=q.transpose(0, 2, 1, 3)),
+                                         keys, values, scales)
+
         plan = self._codes_plan
         if plan is None:
-            problem = _quantized.with_codes(
-                dataclasses.replace(self._planned_problem, q=q.transpose(0, 2, 1, 3)), keys, values, scales)
-            plan = self._codes_plan = api.Plan(problem, self._checked[1])
+            plan = self._codes_plan = api.Plan(problem(), self._checked[1])
         result = plan.planned_forward(q, keys, values, _quantized.RunScales(self._planned_problem, scales))
         if result is not None:
             return plan.outputs(result)
-        problem = _quantized.with_codes(
-            dataclasses.replace(self._planned_problem, q=q.transpose(0, 2, 1, 3)), keys, values, scales)
-        return api.run_problem(problem, self._checked[1])
+        return api.run_problem(problem(), self._checked[1])
 
     def run_checked(self) -> Outputs:
         """The run of the call that made the plan (:func:`attention_with_kvcache`), on the
