@@ -21,7 +21,6 @@ from .simd import MICROKERNELS, VECTOR_BYTES, fill, load, load_float16_bits, sto
 
 _LANES = VECTOR_BYTES // 4  # float32 lanes of a vector
 _FLOAT16, _FLOAT32 = np.dtype(np.float16), np.dtype(np.float32)
-NARROW = ("float16", "bfloat16")  # the 16-bit dtypes a float32 array converts to here
 # Arrays of fewer values go through NumPy's astype: its scalar loop (1.2-2.9 ns a value on
 # the 2-core AVX-512 VM) converts 1024 values in about the 1.7 us this call's set-up takes
 # (768 values: 1.4 and 2.3 us, against 1.7-1.8), and a small float16 call converts q and out.
@@ -48,6 +47,11 @@ def _to_bfloat16(source, out):
     """The bytes ``out[2i : 2i + 2]`` = ``source[i]`` rounded to bfloat16, whole vectors."""
     for i in range(0, source.size - source.size % _LANES, _LANES):
         store_float16_bits(out, 2 * i, load(source, i), True)
+
+
+# the 16-bit dtypes a float32 array converts to here, by name, and their kernels
+_NARROW_KERNELS = {"float16": _to_float16, "bfloat16": _to_bfloat16}
+NARROW = tuple(_NARROW_KERNELS)
 
 
 def converted(array: np.ndarray, dtype) -> np.ndarray | None:
@@ -105,7 +109,7 @@ def _narrowing(dtype):
     known = _NARROWINGS.get(dtype)
     if known is None:
         dtype_object = np.dtype(dtype)
-        kernel = dict(zip(NARROW, (_to_float16, _to_bfloat16))).get(dtype_object.name)
+        kernel = _NARROW_KERNELS.get(dtype_object.name)
         known = _NARROWINGS[dtype] = (kernel, dtype_object if kernel is not None else None)
     return known
 

@@ -344,9 +344,8 @@ def pair_words(array):
     memory where the array starts off a 4-byte boundary (the kernels are typed for
     aligned arrays: another alignment would compile them again)."""
     flat = array.ravel(order="K")
-    if flat.__array_interface__["data"][0] % 4:
-        flat = flat.copy()
-    return _frozen(flat.view(np.float32))
+    words = flat.view(np.float32)
+    return _frozen(words if words.flags.aligned else flat.copy().view(np.float32))
 
 
 def head_group(problem, kind: str, ints) -> tuple[int, int]:
