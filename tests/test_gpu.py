@@ -5,6 +5,7 @@ with the same bits on every run.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from conftest import backend_params, nvrtc_or_skip
 from tolerances import assert_close
 from strategies import Case, Dims, cases, layouts, to_layout
 from test_backend_equivalence import check_backward, check_forward
+from test_gpu_emulated import uniform_case
+from test_nonfinite import assert_same_outputs, planted_cases
 
 # sm_80's largest opt-in block of shared memory (163 KiB); sm_90 allows 227 KiB
 _SM80_SHARED_BYTES = 163 * 1024
@@ -381,6 +384,69 @@ def test_tuning_switches_reach_nvrtc_and_the_cache_key(monkeypatch):
     monkeypatch.setenv("NPATTN_GPU_DEFINES", " NPATTN_A  NPATTN_B ")
     assert sources.compile_options("sm_90") == (*default_options, "-DNPATTN_A", "-DNPATTN_B")
     assert kernel_cache.key("sm_90", name) != default_key
+
+
+@pytest.mark.parametrize("backend", GPU)
+@given(case=planted_cases())
+def test_gpu_forward_gives_the_references_non_finite_rows(backend, case):
+    """NaN and inf planted in q, k, v and bias under every option (the SIMT kernels, float32
+    and float64): out and lse as the reference's, from the device alone (the repair pass;
+    a planned call does not check out on the host)."""
+    out, lse = on_device(case).run(backend, return_lse=True)
+    expected_out, expected_lse = case.run("reference", return_lse=True)
+    assert_same_outputs(out, lse, expected_out, expected_lse, case)
+
+
+@pytest.mark.parametrize("backend", GPU)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])  # the SIMT kernels, the tensor-core ones
+@pytest.mark.parametrize("q_len, kv_len, options", [
+    (70, 90, dict(causal=True)),                                 # prefill over several tiles
+    (1, 700, {}),                                                # a split decode step (combine)
+    (3, 300, dict(window=(40, 0), sinks=2, kv_lengths=np.array([170]))),
+    (5, 80, dict(mask=np.random.default_rng(1).random((5, 80)) < 0.5, dropout_p=0.3, seed=3))])
+def test_gpu_forward_gives_the_references_non_finite_rows_in_v_and_q(backend, dtype, q_len, kv_len, options):
+    """A NaN and an inf in v of keys some rows do not see (a causal future key, a masked
+    or windowed one), a NaN query row and a NaN key, on the device."""
+    case = uniform_case(1, 4, 2, q_len, kv_len, 64, 64, values_seed=7, dtype=dtype, **options)
+    q, k, v = case.q.copy(), case.k.copy(), case.v.copy()
+    v[0, 0, kv_len - 3, 5] = np.nan
+    v[0, 1, kv_len // 2, 9] = np.inf
+    v[0, 1, 1, 2] = np.nan
+    q[0, 2, q_len // 2, 3] = np.nan
+    k[0, 0, kv_len - 2, 7] = np.nan
+    case = dataclasses.replace(case, q=q, k=k, v=v)
+    out, lse = on_device(case).run(backend, return_lse=True)
+    expected_out, expected_lse = case.run("reference", return_lse=True)
+    assert_same_outputs(out, lse, expected_out, expected_lse, case)
+
+
+@pytest.mark.parametrize("backend", GPU)
+@pytest.mark.parametrize("q_len, kv_len", [(1, 3000), (16, 16)])  # a split decode step; a small call
+def test_gpu_planned_call_replays_in_a_cuda_graph(backend, q_len, kv_len):
+    """A planned call waits for nothing on the host (no check of out, no sync), so a CUDA
+    graph can capture it: 100 replays with new q, k and v contents give the bits of
+    uncaptured calls on the same inputs."""
+    import cupy
+
+    rng = cupy.random.default_rng(9)
+    q = rng.standard_normal((2, 8, q_len, 128), np.float32).astype(np.float16)
+    k, v = (rng.standard_normal((2, 2, kv_len, 128), np.float32).astype(np.float16) for _ in range(2))
+    plan = npattn.plan(q, k, v, causal=True, return_lse=True, backend=backend)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan.run(q, k, v)
+        stream.synchronize()
+        stream.begin_capture()
+        captured_out, captured_lse = plan.run(q, k, v)
+        graph = stream.end_capture()
+        for _ in range(100):
+            for x in (q, k, v):
+                x[...] = rng.standard_normal(x.shape, np.float32).astype(np.float16)
+            graph.launch(stream)
+            replayed = captured_out.copy(), captured_lse.copy()
+            expected = plan.run(q, k, v)
+            for got, want in zip(replayed, expected):
+                assert bool(cupy.array_equal(got, want))
 
 
 @pytest.mark.parametrize("backend", GPU)
