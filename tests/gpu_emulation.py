@@ -153,16 +153,17 @@ def emulated_gpu(monkeypatch, library, launchers):
     import npattn.gpu
     import npattn.gpu.driver
 
-    def run(kind, storage, bound, blocks, shared_bytes, arguments, **config):
+    def run(kind, storage, bound, blocks, shared_bytes, arguments, threads=None, **config):
         if blocks <= 0:
             return
         name = _built_name(launchers, kind, storage, bound, config)
-        threads = config["tile"].threads if kind == "forward_tc" else sources.THREADS
+        threads = threads or launch.threads_of(kind, config.get("tile"))
         run_kernel(library, launchers, name, blocks, threads, shared_bytes, arguments)
 
-    def kernel(kind, storage, bound, shared_bytes, **config):
+    def kernel(kind, storage, bound, shared_bytes, threads=None, **config):
         # looked up at each launch, so a test's spy on launch.run sees plans' launches too
-        return lambda blocks, arguments: launch.run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
+        return lambda blocks, arguments: launch.run(kind, storage, bound, blocks, shared_bytes, arguments,
+                                                    threads=threads, **config)
 
     def unfilled(cp, shape, dtype):  # poisoned: an element the kernel leaves unwritten is NaN
         return cp.full(shape, np.nan, dtype)

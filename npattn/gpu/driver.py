@@ -19,8 +19,8 @@ from ..core.results import ForwardResult, Gradients
 from . import launch
 from ..core.dropout import seed_words
 from .options import ALL, Option, _address, _strides_aligned, options_of
-from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS, backward_kinds,
-                      forward_kind, forward_tc_config, head_dim_bound)
+from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, COMBINE_THREADS, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS,
+                      backward_kinds, forward_kind, forward_tc_config, head_dim_bound)
 
 
 def _on_device(problem):
@@ -168,6 +168,13 @@ def decode_splits(blocks: int, rows: int, kv_len: int, block_q: int, block_k: in
     return max(1, min(key_tiles // MIN_KEY_TILES_PER_SPLIT, -(-target_blocks // blocks)))
 
 
+def combine_warps(splits: int) -> int:
+    """Warps of combine_kernel's block per query row: one per 32 splits (a warp's lanes
+    read 32 splits' maxima and sums at once), at most COMBINE_THREADS / 32. The sums'
+    order, and so the bits, follow from ``splits`` alone."""
+    return max(1, min(COMBINE_THREADS // 32, -(-splits // 32)))
+
+
 def forward(problem) -> ForwardResult:
     """out (B, H, Sq, Dv) as a bhsd view of an array in the user's layout, lse (B, H, Sq),
     and weights when asked; ``saved`` keeps (out, lse) for the backward."""
@@ -233,7 +240,12 @@ class ForwardPlan:
                               else (batch, heads, q_len, value_dim))
             self.lse_shape = (batch, heads, q_len)
             self.partial_size = batch * heads * q_len * splits * (value_dim + 3) if splits > 1 else 1
-            self.combine_blocks = -(-batch * heads * q_len * 32 // THREADS)
+            # the combine: one block per query row, a warp per 32 splits (combine_warps); the
+            # repair: one warp per query row
+            self.combine_blocks = batch * heads * q_len
+            self.combine_threads = 32 * combine_warps(splits)
+            self.combine_shared = launch.combine_shared_bytes(value_dim, dtype)
+            self.repair_blocks = -(-batch * heads * q_len * 32 // THREADS)
             self.weights_shape = (batch, heads, q_len, problem.kv_len) if problem.return_weights else None
             self.weights_shared = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)
             self.weights_blocks = batch * heads * -(-q_len // BLOCK_Q)
@@ -297,14 +309,15 @@ class ForwardPlan:
             partial = cp.empty(self.partial_size, self.dtype) if self.splits > 1 else self._no_partial()
             outputs = (out, *self._out_strides, lse, np.int64(self.splits), partial)
             self._launcher(config)(self.blocks, (*operands, *outputs))
-            if self.splits > 1:  # one warp per query row
+            if self.splits > 1:
                 if self._combine is None:
-                    self._combine = launch.kernel("combine", self.storage, 0, 0)
+                    self._combine = launch.kernel("combine", self.storage, 0, self.combine_shared,
+                                                  threads=self.combine_threads)
                 self._combine(self.combine_blocks, (*operands, *outputs))
-            if self.repairs:  # one warp per query row
+            if self.repairs:
                 if self._repair is None:
                     self._repair = launch.kernel("repair", self.storage, 0, 0)
-                self._repair(self.combine_blocks, (*operands, out, *self._out_strides, lse))
+                self._repair(self.repair_blocks, (*operands, out, *self._out_strides, lse))
             weights = None
             if self.weights_shape is not None:
                 weights = cp.zeros(self.weights_shape, self.dtype)

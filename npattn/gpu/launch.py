@@ -30,6 +30,12 @@ def forward_shared_bytes(head_dim: int, value_dim: int, dtype) -> int:
     return elements * np.dtype(dtype).itemsize
 
 
+def combine_shared_bytes(value_dim: int, dtype) -> int:
+    """Dynamic shared memory of combine_kernel (forward.cu): each of its warps' sums
+    (value_dim columns and l); the first pass's maxima reuse the same bytes."""
+    return (sources.COMBINE_THREADS // 32) * (value_dim + 1) * np.dtype(dtype).itemsize
+
+
 def forward_tc_shared_bytes(head_dim: int, value_dim: int, tile: sources.ForwardTile) -> int:
     """Dynamic shared memory of forward_tc_kernel with ``tile``: ``ForwardTensorCoreLayout`` in
     forward_tc.cu (swizzled 16-bit tiles: Q of tile.block_q rows, tile.stages K and V tiles
@@ -83,12 +89,19 @@ def _kernel(name: str):
     return _MODULES[key]
 
 
-def kernel(kind: str, storage: str, bound: int, shared_bytes: int, **config):
+def threads_of(kind: str, tile: sources.ForwardTile | None = None) -> int:
+    """Threads per block of ``kind``'s kernels where the caller names none: the
+    tensor-core forward's tile's, else :data:`~npattn.gpu.sources.THREADS`."""
+    return tile.threads if kind == "forward_tc" else sources.THREADS
+
+
+def kernel(kind: str, storage: str, bound: int, shared_bytes: int, threads: int | None = None, **config):
     """A callable ``launch(blocks, arguments)`` that runs ``kind``'s instantiation (see
-    :func:`run`) on the current device: compiled or loaded now, so a plan keeps it and
-    each call pays only CuPy's launch (no name formatting or module lookup)."""
+    :func:`run`) on the current device, on blocks of ``threads`` threads (default
+    :func:`threads_of`): compiled or loaded now, so a plan keeps it and each call pays
+    only CuPy's launch (no name formatting or module lookup)."""
     function = _kernel(sources.kernel_name(kind, storage, bound, **config))
-    threads = config["tile"].threads if kind == "forward_tc" else sources.THREADS
+    threads = threads or threads_of(kind, config.get("tile"))
     if shared_bytes > _DEFAULT_SHARED_BYTES:
         function.max_dynamic_shared_size_bytes = shared_bytes
     block = (threads,)
@@ -99,10 +112,10 @@ def kernel(kind: str, storage: str, bound: int, shared_bytes: int, **config):
     return launch
 
 
-def run(kind: str, storage: str, bound: int, blocks: int, shared_bytes: int, arguments, **config) -> None:
+def run(kind: str, storage: str, bound: int, blocks: int, shared_bytes: int, arguments, threads: int | None = None,
+        **config) -> None:
     """Launch ``kind``'s instantiation for ``storage`` (a dtype name) and head-dim ``bound``
-    on ``blocks`` blocks; ``config`` (tile, options) picks the tensor-core
-    forward's (of tile.threads threads); every other kernel runs
-    :data:`~npattn.gpu.sources.THREADS` threads."""
+    on ``blocks`` blocks of ``threads`` threads (default :func:`threads_of`); ``config``
+    (tile, options) picks the tensor-core forward's."""
     if blocks > 0:
-        kernel(kind, storage, bound, shared_bytes, **config)(blocks, arguments)
+        kernel(kind, storage, bound, shared_bytes, threads, **config)(blocks, arguments)

@@ -41,6 +41,9 @@ STORAGE = {
 HEAD_DIM_BOUNDS = (64, 128, 256)
 MAX_HEAD_DIM = HEAD_DIM_BOUNDS[-1]
 THREADS = 128
+# the combine of split-KV partials runs one block of up to this many threads per query row
+# (a warp per 32 splits: driver.combine_warps)
+COMBINE_THREADS = 256
 BLOCK_Q = 16                 # query rows per block, forward and backward
 BACKWARD_BLOCK_K = 16        # keys per tile in the backward kernels
 # keys per tile in the forward: a warp's lanes are a tile's columns; float64 tiles
@@ -68,6 +71,7 @@ def source() -> str:
     parts += [f"#define NPATTN_SPAN_{member.name} {member.value}" for member in Span]
     parts.append(f"#define NPATTN_SPAN_FIELDS {SPAN_FIELDS}")
     parts.append(f"#define NPATTN_MAX_HEAD_DIM {MAX_HEAD_DIM}")
+    parts.append(f"#define NPATTN_COMBINE_THREADS {COMBINE_THREADS}")
     parts += [f"#define NPATTN_REAL_{member.name} {member.value}" for member in Real]
     parts += operand_defines()
     parts += _options.defines()
