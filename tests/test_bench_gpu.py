@@ -62,7 +62,8 @@ def test_default_suites_are_the_issues_table():
     assert [(s.batch, s.heads, s.kv_heads, s.q_len, s.head_dim) for s in prefill] == [
         (4, 16, 16, 2048, 64), (2, 16, 16, 4096, 128), (1, 32, 8, 8192, 128), (8, 16, 16, 1024, 64)]
     assert all(s.q_len == s.kv_len for s in prefill)
-    assert decode == [GpuShape(8, 32, 8, 1, 8192, 128), GpuShape(64, 32, 8, 1, 2048, 128)]
+    assert decode == [GpuShape(8, 32, 8, 1, 8192, 128), GpuShape(64, 32, 8, 1, 2048, 128),
+                      GpuShape(16, 32, 8, 1, 2048, 128), GpuShape(1, 8, 1, 1, 32768, 128)]
     assert bench_gpu.select_shapes("all") == prefill + decode
     # given shapes replace the defaults; plain tuples are prefill shapes of the CPU bench
     assert bench_gpu.select_shapes("all", [(1, 2, 1, 32, 16)]) == [GpuShape(1, 2, 1, 32, 32, 16)]

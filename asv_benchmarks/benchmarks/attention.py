@@ -184,10 +184,12 @@ class GpuTargets(_ForwardBackward):
 
 class GpuDecode:
     """The decode rows of ``python -m npattn bench --suite decode --gpu``: one query row
-    against a KV cache, 32 query heads over 8 KV heads, D = 128. Forward only (inference),
-    and not causal: with one query row, bottom-right causal hides no key."""
+    against a KV cache, 32 query heads over 8 KV heads (8 over 1 at batch 1), D = 128.
+    Forward only (inference), and not causal: with one query row, bottom-right causal hides
+    no key."""
 
-    params = (["gpu"], ["float16", "float32"], ["8,32,8,1,8192,128", "64,32,8,1,2048,128"])
+    params = (["gpu"], ["float16", "float32"], ["8,32,8,1,8192,128", "64,32,8,1,2048,128", "16,32,8,1,2048,128",
+                                               "1,8,1,1,32768,128"])
     param_names = ["backend", "dtype", "shape"]
     timeout = 600
 

@@ -81,8 +81,11 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 PREFILL_SHAPES = tuple(GpuShape.prefill(Shape(*s)) for s in (
     (4, 16, 16, 2048, 64), (2, 16, 16, 4096, 128), (1, 32, 8, 8192, 128), (8, 16, 16, 1024, 64)))
-# 32 query heads over 8 KV heads, D = 128: a long cache at small batch, a short one at large.
-DECODE_SHAPES = (GpuShape(8, 32, 8, 1, 8192, 128), GpuShape(64, 32, 8, 1, 2048, 128))
+# D = 128: 32 query heads over 8 KV heads with a long cache at small batch, a short one at
+# large batch and at 16; and 8 query heads over one KV head at batch 1 with a very long
+# cache (the fewest blocks: split-KV's and its combine's hardest case)
+DECODE_SHAPES = (GpuShape(8, 32, 8, 1, 8192, 128), GpuShape(64, 32, 8, 1, 2048, 128),
+                 GpuShape(16, 32, 8, 1, 2048, 128), GpuShape(1, 8, 1, 1, 32768, 128))
 DEFAULT_SHAPES = PREFILL_SHAPES + DECODE_SHAPES
 SUITES = ("all", "prefill", "decode")
 PASSES = ("forward", "fwd+bwd")  # the order of the (forward, forward+backward) pairs of runs
