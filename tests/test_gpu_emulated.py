@@ -164,6 +164,31 @@ def test_emulated_gpu_combine_over_hundreds_of_splits(dtype, monkeypatch):
     check_forward("gpu", case, "bhsd")
 
 
+def test_emulated_gpu_plans_keep_their_split_partials_per_thread(monkeypatch):
+    """A planned split decode step keeps its partials' buffer (a CUDA graph that captured
+    the call writes it at every replay, so it must outlive the call), one per thread:
+    runs on new values reuse it and stay right, another thread's run gets its own."""
+    import threading
+
+    from npattn.gpu import driver
+
+    buffers = []
+    kept = driver.ForwardPlan._partial
+    monkeypatch.setattr(driver.ForwardPlan, "_partial", lambda plan: buffers.append(kept(plan)) or buffers[-1])
+    case = uniform_case(1, 4, 2, 1, 700, 64, 64, values_seed=13, dtype=np.float16)
+    plan = npattn.plan(case.q, case.k, case.v, backend="gpu")
+    rng = np.random.default_rng(14)
+    for _ in range(2):
+        q, k, v = (rng.uniform(-1, 1, x.shape).astype(np.float16) for x in (case.q, case.k, case.v))
+        drawn = dataclasses.replace(case, q=q, k=k, v=v)
+        tolerances.assert_close(plan.run(q, k, v), upcast(drawn).run("reference"), np.float16,
+                                *tolerances.output_bound_terms(drawn), "out")
+    worker = threading.Thread(target=plan.run, args=(case.q, case.k, case.v))
+    worker.start()
+    worker.join()
+    assert len(buffers) == 3 and buffers[0] is buffers[1] and buffers[2] is not buffers[0]
+
+
 def test_emulated_gpu_combine_skips_the_rows_of_splits_that_saw_no_key(monkeypatch):
     """A split whose keys a row does not see holds 0 * NaN in that row where v has a NaN
     (the tile product): the combine adds nothing of it, so the row is finite without the

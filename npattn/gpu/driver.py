@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -264,6 +265,7 @@ class ForwardPlan:
                 name: cp.broadcast_to(cp.zeros((), x.dtype), x.shape) for name, x in zip("qkv", (q, k, v))})
             self._plain_operands = None
             self._launchers, self._out_strides, self._partial_stand_in, self._plain_order = {}, None, None, None
+            self._partials = {}  # (thread, stream) -> the split partials' buffer
             self._combine = self._repair = None
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
@@ -306,7 +308,7 @@ class ForwardPlan:
             if self._out_strides is None:  # the same for every call: the layout fixes them
                 self._out_strides = tuple(np.int64(s) for s in element_strides(out)[:3])
             # rows of (Dv outputs, max, sum, seen) per split; unread without splits
-            partial = cp.empty(self.partial_size, self.dtype) if self.splits > 1 else self._no_partial()
+            partial = self._partial() if self.splits > 1 else self._no_partial()
             outputs = (out, *self._out_strides, lse, np.int64(self.splits), partial)
             self._launcher(config)(self.blocks, (*operands, *outputs))
             if self.splits > 1:
@@ -335,6 +337,19 @@ class ForwardPlan:
         if launcher is None:
             launcher = self._launchers[key] = launch.kernel(self.kind, self.storage, self.bound, self.shared, **config)
         return launcher
+
+    def _partial(self):
+        """The split partials' buffer of the calling thread and stream, kept by the plan. A
+        call captured in a CUDA graph writes it at every replay, so it must outlive the call
+        (memory handed back to CuPy's pool could be another array's by then); calls of other
+        threads or streams get buffers of their own, so none overwrites partials another's
+        combine has yet to read."""
+        cuda = getattr(self.xp, "cuda", None)
+        key = (threading.get_ident(), None if cuda is None else cuda.get_current_stream().ptr)
+        buffer = self._partials.get(key)
+        if buffer is None:
+            buffer = self._partials[key] = self.xp.empty(self.partial_size, self.dtype)
+        return buffer
 
     def _no_partial(self):
         """A one-element stand-in for the split partials, kept per plan (unread with one split)."""
