@@ -18,6 +18,9 @@ from conftest import NVIDIA_WHEEL_PLATFORM, nvrtc_or_skip
 
 # a SIMT kernel: one multiply-add per product term, no tensor cores
 SIMT_KERNEL = "dkdv_kernel<float, float, 64>"
+# the split-KV combine of the tensor-core forward's decode steps (timed on an H200): its
+# chunks of 8 splits' rows live in registers, 64 values a lane at once
+COMBINE_KERNELS = tuple(sources.kernel_name("combine", dtype) for dtype in sources.TENSOR_CORE_STORAGE)
 
 # two kernels the checks must tell apart: one spills (a per-thread array indexed by a loaded
 # value cannot live in registers), one is built the fast way (cp.async, ldmatrix, mma)
@@ -84,7 +87,7 @@ def kernels(request):
     :data:`SIMT_KERNEL`; the architectures are disassembled side by side."""
     tools_or_skip()  # before the minutes of compiling, so a missing tool fails at once
     machine_code = request.getfixturevalue("machine_code")
-    names = (*checked_names(), SIMT_KERNEL)
+    names = (*checked_names(), SIMT_KERNEL, *COMBINE_KERNELS)
 
     def inspect(architecture):
         cubin, lowered = machine_code[architecture]
@@ -107,6 +110,13 @@ def test_the_tensor_core_kernels_do_not_spill_and_use_ldmatrix_cp_async_and_mma(
             if problems:
                 failures.append(f"{architecture} {name} ({usage.registers} registers): {'; '.join(problems)}")
     assert not failures, f"{len(failures)} kernels are not built the fast way:\n" + "\n".join(failures)
+
+
+def test_the_decode_combine_does_not_spill(kernels):
+    failures = [f"{architecture} {name}: {'; '.join(sass.spill_evidence(*inspected[name]))}"
+                for architecture, inspected in kernels.items() for name in COMBINE_KERNELS
+                if sass.spill_evidence(*inspected[name])]
+    assert not failures, "\n".join(failures)
 
 
 def test_a_simt_kernel_fails_the_fast_kernel_check(kernels):
