@@ -10,6 +10,22 @@ import numpy as np
 import npattn
 
 rng = cupy.random.default_rng(0)
+
+
+def per_call_us(stream, calls: dict) -> dict:
+    """Each of ``calls`` (label -> call) 200 times back to back on ``stream``: us a call."""
+    timings = {}
+    for label, call in calls.items():
+        call()
+        stream.synchronize()
+        start = time.perf_counter()
+        for _ in range(200):
+            call()
+        stream.synchronize()
+        timings[label] = 1e6 * (time.perf_counter() - start) / 200
+    return timings
+
+
 for name, (q_shape, kv_shape) in {"decode (8,32/8,1x8192,128)": ((8, 32, 1, 128), (8, 8, 8192, 128)),
                                   "small (1,8,16x16,64)": ((1, 8, 16, 64), (1, 8, 16, 64))}.items():
     q = rng.standard_normal(q_shape, np.float32).astype(np.float16)
@@ -35,20 +51,15 @@ for name, (q_shape, kv_shape) in {"decode (8,32/8,1x8192,128)": ((8, 32, 1, 128)
             expected = plan.run(q, k, v)
             stream.synchronize()
             mismatches += not bool(cupy.array_equal(captured_out, expected))
-        timings = {}
-        for label, call in (("replay", lambda: graph.launch(stream)), ("call", lambda: plan.run(q, k, v))):
-            call(); stream.synchronize()
-            start = time.perf_counter()
-            for _ in range(200):
-                call()
-            stream.synchronize()
-            timings[label] = 1e6 * (time.perf_counter() - start) / 200
+        timings = per_call_us(stream, {"replay": lambda: graph.launch(stream), "call": lambda: plan.run(q, k, v)})
     print(f"{name}: 100 replays, {mismatches} differ from uncaptured calls; "
           f"replay {timings['replay']:.1f} us, planned call {timings['call']:.1f} us (back to back, per call)")
 
 
 # a kv-cache step's plan (contiguous cache, 16 sequences at 2048 keys, GQA 32/8, D 128):
-# captured once, replayed with new q, k and v contents (the plan's metadata are fixed)
+# captured once, replayed with new q, k and v contents (the plan's metadata are fixed).
+# Not safe to capture yet (its undo copies come from CuPy's pool at each run): measured,
+# with nothing else allocating between replays
 B, S, H, HKV, D = 16, 4096, 32, 8, 128
 k_cache, v_cache = (rng.standard_normal((B, S, HKV, D), np.float32).astype(np.float16) for _ in range(2))
 q = rng.standard_normal((B, 1, H, D), np.float32).astype(np.float16)
@@ -78,15 +89,8 @@ else:
             expected = step.run(q, k_cache, v_cache, k, v)
             stream.synchronize()
             mismatches += not bool(cupy.array_equal(replayed, expected))
-        timings = {}
-        for label, call in (("replay", lambda: graph.launch(stream)),
-                            ("step", lambda: step.run(q, k_cache, v_cache, k, v)),
-                            ("plain attention", lambda: plain.run(q, k_cache[:, :2049], v_cache[:, :2049]))):
-            call(); stream.synchronize()
-            start = time.perf_counter()
-            for _ in range(200):
-                call()
-            stream.synchronize()
-            timings[label] = 1e6 * (time.perf_counter() - start) / 200
+        timings = per_call_us(stream, {"replay": lambda: graph.launch(stream),
+                                       "step": lambda: step.run(q, k_cache, v_cache, k, v),
+                                       "plain attention": lambda: plain.run(q, k_cache[:, :2049], v_cache[:, :2049])})
     print(f"{name}: 100 replays, {mismatches} differ from uncaptured runs; "
           + ", ".join(f"{label} {us:.1f} us" for label, us in timings.items()) + " (back to back, per call)")

@@ -5,7 +5,6 @@ with the same bits on every run.
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from conftest import backend_params, nvrtc_or_skip
 from tolerances import assert_close
 from strategies import Case, Dims, cases, layouts, to_layout
 from test_backend_equivalence import check_backward, check_forward
-from test_gpu_emulated import uniform_case
+from test_gpu_emulated import PLANTED_V_AND_Q, planted_in_v_and_q
 from test_nonfinite import assert_same_outputs, planted_cases
 
 # sm_80's largest opt-in block of shared memory (163 KiB); sm_90 allows 227 KiB
@@ -399,22 +398,11 @@ def test_gpu_forward_gives_the_references_non_finite_rows(backend, case):
 
 @pytest.mark.parametrize("backend", GPU)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])  # the SIMT kernels, the tensor-core ones
-@pytest.mark.parametrize("q_len, kv_len, options", [
-    (70, 90, dict(causal=True)),                                 # prefill over several tiles
-    (1, 700, {}),                                                # a split decode step (combine)
-    (3, 300, dict(window=(40, 0), sinks=2, kv_lengths=np.array([170]))),
-    (5, 80, dict(mask=np.random.default_rng(1).random((5, 80)) < 0.5, dropout_p=0.3, seed=3))])
+@pytest.mark.parametrize("q_len, kv_len, options", PLANTED_V_AND_Q)
 def test_gpu_forward_gives_the_references_non_finite_rows_in_v_and_q(backend, dtype, q_len, kv_len, options):
-    """A NaN and an inf in v of keys some rows do not see (a causal future key, a masked
-    or windowed one), a NaN query row and a NaN key, on the device."""
-    case = uniform_case(1, 4, 2, q_len, kv_len, 64, 64, values_seed=7, dtype=dtype, **options)
-    q, k, v = case.q.copy(), case.k.copy(), case.v.copy()
-    v[0, 0, kv_len - 3, 5] = np.nan
-    v[0, 1, kv_len // 2, 9] = np.inf
-    v[0, 1, 1, 2] = np.nan
-    q[0, 2, q_len // 2, 3] = np.nan
-    k[0, 0, kv_len - 2, 7] = np.nan
-    case = dataclasses.replace(case, q=q, k=k, v=v)
+    """NaN and inf in v of keys some rows do not see, a NaN query row and a NaN key
+    (test_gpu_emulated.planted_in_v_and_q), on the device."""
+    case = planted_in_v_and_q(dtype, q_len, kv_len, options)
     out, lse = on_device(case).run(backend, return_lse=True)
     expected_out, expected_lse = case.run("reference", return_lse=True)
     assert_same_outputs(out, lse, expected_out, expected_lse, case)

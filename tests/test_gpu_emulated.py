@@ -478,22 +478,32 @@ def test_emulated_gpu_forward_gives_the_references_non_finite_rows_itself(case):
     check_gpu_forward_repairs_its_rows(case)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])  # the SIMT kernels, the tensor-core ones
-@pytest.mark.parametrize("q_len, kv_len, options", [
+# (q_len, kv_len, options) of the cases planted_in_v_and_q plants: the tile paths the
+# planted values cross (here and on a real GPU, tests/test_gpu.py)
+PLANTED_V_AND_Q = [
     (70, 90, dict(causal=True)),                                 # prefill over several tiles
     (1, 700, {}),                                                # a split decode step (combine)
     (3, 300, dict(window=(40, 0), sinks=2, kv_lengths=np.array([170]))),
-    (5, 80, dict(mask=np.random.default_rng(1).random((5, 80)) < 0.5, dropout_p=0.3, seed=3))])
-def test_emulated_gpu_forward_gives_the_references_non_finite_rows_in_v_and_q(dtype, q_len, kv_len, options):
-    """A NaN and an inf in v of keys some rows do not see (a causal future key, a masked
-    or windowed one), a NaN query row and a NaN key."""
+    (5, 80, dict(mask=np.random.default_rng(1).random((5, 80)) < 0.5, dropout_p=0.3, seed=3))]
+
+
+def planted_in_v_and_q(dtype, q_len, kv_len, options):
+    """A case with a NaN and an inf in v of keys some rows do not see (a causal future key,
+    a masked or windowed one), a NaN query row and a NaN key."""
     case = uniform_case(1, 4, 2, q_len, kv_len, 64, 64, values_seed=7, dtype=dtype, **options)
-    q, v = case.q.copy(), case.v.copy()
+    q, k, v = case.q.copy(), case.k.copy(), case.v.copy()
     v[0, 0, kv_len - 3, 5] = np.nan
     v[0, 1, kv_len // 2, 9] = np.inf
     v[0, 1, 1, 2] = np.nan
     q[0, 2, q_len // 2, 3] = np.nan
-    check_gpu_forward_repairs_its_rows(dataclasses.replace(case, q=q, v=v))
+    k[0, 0, kv_len - 2, 7] = np.nan
+    return dataclasses.replace(case, q=q, k=k, v=v)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])  # the SIMT kernels, the tensor-core ones
+@pytest.mark.parametrize("q_len, kv_len, options", PLANTED_V_AND_Q)
+def test_emulated_gpu_forward_gives_the_references_non_finite_rows_in_v_and_q(dtype, q_len, kv_len, options):
+    check_gpu_forward_repairs_its_rows(planted_in_v_and_q(dtype, q_len, kv_len, options))
 
 
 def test_emulated_gpu_forward_recomputes_rows_whose_scores_overflow_float32():
