@@ -11,7 +11,7 @@
 // scores a row sees, a NaN in v of a key it sees) the kernels already give as the
 // reference does, and recomputing it gives it again.
 //
-// One warp per query row, as combine_kernel: a row whose out and lse are finite (lse may
+// One warp per query row: a row whose out and lse are finite (lse may
 // be -inf: a row that saw nothing) is left as it is. Any other row is recomputed in
 // float64 by the reference's steps (npattn/reference.py), reading only the keys the row
 // sees: scores (scale, softcap, bias, ALiBi; ScoreRow's parameters and visibility),
