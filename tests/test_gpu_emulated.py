@@ -483,6 +483,7 @@ def test_emulated_gpu_forward_gives_the_references_non_finite_rows_itself(case):
 PLANTED_V_AND_Q = [
     (70, 90, dict(causal=True)),                                 # prefill over several tiles
     (1, 700, {}),                                                # a split decode step (combine)
+    (2, 700, dict(mask=np.arange(700) != 697)),                  # the same, hiding v's NaN at key 697
     (3, 300, dict(window=(40, 0), sinks=2, kv_lengths=np.array([170]))),
     (5, 80, dict(mask=np.random.default_rng(1).random((5, 80)) < 0.5, dropout_p=0.3, seed=3))]
 
@@ -496,7 +497,7 @@ def planted_in_v_and_q(dtype, q_len, kv_len, options):
     v[0, 1, kv_len // 2, 9] = np.inf
     v[0, 1, 1, 2] = np.nan
     q[0, 2, q_len // 2, 3] = np.nan
-    k[0, 0, kv_len - 2, 7] = np.nan
+    k[0, 1, kv_len - 2, 7] = np.nan  # (kv head 1: a NaN score in kv head 0 would hide v's NaN there)
     return dataclasses.replace(case, q=q, k=k, v=v)
 
 

@@ -316,7 +316,7 @@ class ForwardPlan:
                     self._combine = launch.kernel("combine", self.storage, 0, self.combine_shared,
                                                   threads=self.combine_threads)
                 self._combine(self.combine_blocks, (*operands, *outputs))
-            if self.repairs:
+            if self.repairs and self.splits == 1:  # (the combine repairs the rows it merges)
                 if self._repair is None:
                     self._repair = launch.kernel("repair", self.storage, 0, 0)
                 self._repair(self.repair_blocks, (*operands, out, *self._out_strides, lse))

@@ -31,7 +31,7 @@ def forward_shared_bytes(head_dim: int, value_dim: int, dtype) -> int:
 
 
 def combine_shared_bytes(value_dim: int, dtype) -> int:
-    """Dynamic shared memory of combine_kernel (forward.cu): each of its warps' sums
+    """Dynamic shared memory of combine_kernel (repair.cu): each of its warps' sums
     (value_dim columns and l); the first pass's maxima reuse the same bytes."""
     return (sources.COMBINE_THREADS // 32) * (value_dim + 1) * np.dtype(dtype).itemsize
 

@@ -11,7 +11,9 @@
 // scores a row sees, a NaN in v of a key it sees) the kernels already give as the
 // reference does, and recomputing it gives it again.
 //
-// One warp per query row: a row whose out and lse are finite (lse may
+// One warp per query row (repair_row: repair_kernel after a forward that wrote out
+// itself, and combine_kernel, below, on each row it merges from split keys, so a split
+// call launches no repair_kernel): a row whose out and lse are finite (lse may
 // be -inf: a row that saw nothing) is left as it is. Any other row is recomputed in
 // float64 by the reference's steps (npattn/reference.py), reading only the keys the row
 // sees: scores (scale, softcap, bias, ALiBi; ScoreRow's parameters and visibility),
@@ -40,15 +42,17 @@ __device__ inline double score_in_double(const ScoreRow<T, Acc>& scorer, const T
     return score - (double)scorer.slope * (double)distance;
 }
 
+// The check and, where it fails, the recompute of query row `row` (batch-major, then
+// head, then query) by one warp (`lane` its thread's): what repair_kernel runs on every
+// row, and combine_kernel on the row it merged.
 template <typename T, typename Acc>
-__global__ void __launch_bounds__(NPATTN_THREADS)
-repair_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse) {
+__device__ inline void repair_row(const Operands<T, Acc>& in, i64 row, int lane, T* out, i64 out_sb, i64 out_sh,
+                                  i64 out_ss, Acc* lse) {
     constexpr int COLUMNS = NPATTN_MAX_HEAD_DIM / 32;  // columns per lane
-    const Operands<T, Acc> in = NPATTN_OPERANDS;
+    const T *q = in.q, *k = in.k, *v = in.v;
+    const Acc *sink = in.sink, *reals = in.reals;
+    const i64 *spans = in.spans, *pages = in.pages, *ints = in.ints;
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN], kv_len = ints[NPATTN_INT_KV_LEN];
-    const i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
-    if (row >= ints[NPATTN_INT_BATCH] * heads * q_len) return;  // whole warps
     const i64 b = row / (heads * q_len), h = (row / q_len) % heads, i = row % q_len;
     // padding rows keep the zeros and -inf they were given
     if (i < span(spans, b, NPATTN_SPAN_Q_START) || i >= span(spans, b, NPATTN_SPAN_Q_STOP)) return;
@@ -126,4 +130,158 @@ repair_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss,
         if (d < value_dim) Storage<T>::store(row_out, d, sums[c] / total);
     }
     if (lane == 0) lse[row] = (Acc)(top + log(total));
+}
+
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(NPATTN_THREADS)
+repair_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse) {
+    const i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    if (row >= ints[NPATTN_INT_BATCH] * ints[NPATTN_INT_HEADS] * ints[NPATTN_INT_Q_LEN]) return;  // whole warps
+    const Operands<T, Acc> in = NPATTN_OPERANDS;
+    repair_row(in, row, threadIdx.x % 32, out, out_sb, out_sh, out_ss, lse);
+}
+
+// Merge the forward's split-KV partial rows (the same bits on every run for a given
+// number of splits): one block per query row, of blockDim.x / 32 warps (the driver's
+// combine_warps: one per 32 splits, at most NPATTN_COMBINE_THREADS / 32), with the sink
+// logit as the starting max and sum. All threads find the max over the splits (a max is
+// exact in any order). Then warp w takes splits in chunks of 32 (w, w + warps, ... in
+// chunk order): lane j reads split j's max, sum and seen flag (one load each for the
+// whole chunk) and works out its weight; the chunk's rows are added in split order, lane
+// d holding columns d, d + 32, ..., each split's weight and flag broadcast by a shuffle,
+// so no row load waits on another split's flag and a chunk's loads are in flight
+// together. The lanes' sums are added by a fixed tree, and the warps' results in warp
+// order. (One warp per row, reading split after split, made a decode step at batch 1
+// with one kv head and 256 splits take 274-277 us of device time on an H200, where the
+// forward kernel takes 13-14.) Shared memory: combine_shared_bytes (launch.py), a row of
+// value_dim + 1 sums per warp.
+// (The 1 lets it take the registers it wants: with repair_row inlined it kept 16 bytes of
+// spills at 128 registers on sm_90; it takes 188 and none.)
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(NPATTN_COMBINE_THREADS, 1)
+combine_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
+               const Acc* partial) {
+    constexpr int COLUMNS = NPATTN_MAX_HEAD_DIM / 32;  // columns per lane
+    const int warps = (int)(blockDim.x / 32);
+    const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
+    const i64 row = blockIdx.x;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= ints[NPATTN_INT_BATCH] * heads * q_len) return;  // whole blocks
+    const i64 b = row / (heads * q_len), h = (row / q_len) % heads, i = row % q_len;
+    // padding keeps its zeros and -inf
+    if (i < span(spans, b, NPATTN_SPAN_Q_START) || i >= span(spans, b, NPATTN_SPAN_Q_STOP)) return;
+    NPATTN_DYNAMIC_SHARED(shared_bytes);
+    Acc* shared = reinterpret_cast<Acc*>(shared_bytes);
+    const i64 value_dim = ints[NPATTN_INT_VALUE_DIM], value_dim3 = value_dim + 3;
+    const Acc* parts = partial + row * splits * value_dim3;
+    const bool has_sink = ints[NPATTN_INT_HAS_SINK] != 0;
+    Acc m = has_sink ? sink[h] : negative_infinity<Acc>();
+    int seen = 0;
+    for (i64 s = threadIdx.x; s < splits; s += blockDim.x) {
+        const Acc* part = parts + s * value_dim3;
+        if (part[value_dim + 2] != 0) {
+            seen = 1;
+            m = part[value_dim] > m ? part[value_dim] : m;
+        }
+    }
+    m = warp_max(m);
+    seen = warp_sum(seen);
+    if (lane == 0) {
+        shared[2 * warp] = m;
+        shared[2 * warp + 1] = (Acc)seen;
+    }
+    __syncthreads();
+    seen = 0;
+    for (int w = 0; w < warps; ++w) {
+        m = shared[2 * w] > m ? shared[2 * w] : m;
+        seen += shared[2 * w + 1] != 0;
+    }
+    __syncthreads();  // every thread has read the maxima before the sums take their place
+    T* row_out = out + b * out_sb + h * out_sh + i * out_ss;  // in the inputs' dtype, rounded once
+    if (seen == 0) {  // no visible key: zeros and -inf, as without splits (out is not filled)
+        for (i64 d = threadIdx.x; d < value_dim; d += blockDim.x) Storage<T>::store(row_out, d, 0.0);
+        if (threadIdx.x == 0) lse[row] = negative_infinity<Acc>();
+        return;
+    }
+    Acc l = 0;  // this lane's share of the sum (its splits'), added across lanes at the end
+    Acc total[COLUMNS];
+#pragma unroll
+    for (int c = 0; c < COLUMNS; ++c) total[c] = 0;
+    for (i64 s0 = 32 * warp; s0 < splits; s0 += 32 * warps) {
+        const i64 s = s0 + lane;
+        int kept = 0;
+        Acc weight = 0;
+        if (s < splits) {
+            const Acc* part = parts + s * value_dim3;
+            kept = part[value_dim + 2] != 0;
+            weight = kept ? exp_of(part[value_dim] - m) : (Acc)0;
+            l = kept ? l + part[value_dim + 1] * weight : l;
+        }
+        const int count = (int)smaller((i64)32, splits - s0);
+        // 8 splits at a time: their rows loaded into registers first, then added in split
+        // order. Every load is unconditional, from an address that exists (split 0 of the
+        // chunk for one past its end, column 0 for one past value_dim), and masked after:
+        // a load under a condition became a predicated load and a move that waited for it,
+        // one latency per value (the combine took 50-54 us under Nsight Compute at batch 1
+        // with one kv head and 256 splits, H200; read off the SASS, the fix is untimed)
+        for (int j0 = 0; j0 < count; j0 += 8) {
+            Acc rows[8][COLUMNS];
+            int kept_j[8];
+            Acc weight_j[8];
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+                const int j = j0 + jj;  // below 32: a lane of this warp
+                kept_j[jj] = __shfl_xor_sync(0xffffffffu, kept, lane ^ j) && j < count;
+                weight_j[jj] = __shfl_xor_sync(0xffffffffu, weight, lane ^ j);
+                const Acc* part = parts + (s0 + (j < count ? j : 0)) * value_dim3;
+#pragma unroll
+                for (int c = 0; c < COLUMNS; ++c) {
+                    const i64 d = lane + 32 * c;
+                    rows[jj][c] = part[d < value_dim ? d : 0];
+                }
+            }
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+                for (int c = 0; c < COLUMNS; ++c) {
+                    // a split that saw no key adds nothing (its row may hold 0 * NaN of a key it masked)
+                    if (kept_j[jj] && lane + 32 * c < value_dim) total[c] += rows[jj][c] * weight_j[jj];
+                }
+            }
+        }
+    }
+    l = warp_sum(l);
+    Acc* mine = shared + warp * (value_dim + 1);
+#pragma unroll
+    for (int c = 0; c < COLUMNS; ++c) {
+        const i64 d = lane + 32 * c;
+        if (d < value_dim) mine[d] = total[c];
+    }
+    if (lane == 0) mine[value_dim] = l;
+    __syncthreads();
+    if (warp != 0) return;
+    l = has_sink ? exp_of(sink[h] - m) : (Acc)0;
+#pragma unroll
+    for (int c = 0; c < COLUMNS; ++c) total[c] = 0;
+    for (int w = 0; w < warps; ++w) {
+        const Acc* theirs = shared + w * (value_dim + 1);
+        l += theirs[value_dim];
+#pragma unroll
+        for (int c = 0; c < COLUMNS; ++c) {
+            const i64 d = lane + 32 * c;
+            if (d < value_dim) total[c] += theirs[d];
+        }
+    }
+    const Acc factor = reals[NPATTN_REAL_KEEP_SCALE] / l;
+#pragma unroll
+    for (int c = 0; c < COLUMNS; ++c) {
+        const i64 d = lane + 32 * c;
+        if (d < value_dim) Storage<T>::store(row_out, d, (double)(total[c] * factor));
+    }
+    if (lane == 0) lse[row] = m + log_of(l);
+    // the repair pass of this row, by the warp that wrote it (a split call launches no
+    // repair_kernel): left alone when finite, else the reference's answer
+    __syncwarp();
+    const Operands<T, Acc> in = NPATTN_OPERANDS;
+    repair_row(in, row, lane, out, out_sb, out_sh, out_ss, lse);
 }
