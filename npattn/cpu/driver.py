@@ -19,7 +19,7 @@ from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, run_items
 from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, fresh_set, gradient_tile_specs,
                       scratch_set, weights_scratch_specs, with_dropout_copy, zeros_maker)
-from .operands import Int, read_only, operand_plan, row_strides
+from .operands import Int, read_only, operand_plan, row_strides, widened
 from .tuning import Tuning, current
 
 
@@ -278,11 +278,13 @@ class BackwardPlan:
         out, lse = saved
         dtype = self.dtype
         ops = self.operands.operands(q, k, v, arrays)
+        # a 16-bit dout widened once, for the kernels and for delta (it was widened twice: a
+        # second copy, 4 MB of fresh pages at (1, 8, 2048, 64)); out is the forward's float32
+        dout, out = widened(dout, dtype), widened(out, dtype)
         dout_flat, dout_strides = row_strides(dout, dtype)
         out_flat, out_strides = row_strides(out, dtype)
         # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
-        dout_wide = converted(dout, dtype) if dout.dtype != dtype else None  # (float16 on the vector units)
-        delta = np.einsum("bhsd,bhsd->bhs", dout.astype(dtype, copy=False) if dout_wide is None else dout_wide, out)
+        delta = np.einsum("bhsd,bhsd->bhs", dout, out)
         dq = np.zeros(self.dq_shape, dtype)
         dk = np.zeros(self.dk_shape, dtype)
         dv = np.zeros(self.dv_shape, dtype)

@@ -46,7 +46,10 @@ CODE_DTYPE, SCALE_DTYPE = np.dtype(np.int8), np.dtype(np.float32)
 
 def widened(array, dtype):
     """``array.astype(dtype)`` in ``array``'s memory order (float16 on the vector units,
-    :func:`~npattn.cpu.conversion.converted`, where NumPy's scalar loop would be slower)."""
+    :func:`~npattn.cpu.conversion.converted`, where NumPy's scalar loop would be slower);
+    ``array`` itself where it has ``dtype`` already."""
+    if array.dtype == dtype:
+        return array
     fast = converted(array, dtype)
     return array.astype(dtype) if fast is None else fast
 
