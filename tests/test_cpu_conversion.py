@@ -86,3 +86,51 @@ def test_16_bit_finiteness_reads_the_exponent_bits(dtype):
         broken = values.copy()
         broken[1, 2, 39, 15] = bad
         assert not all_finite(broken) and not all_finite(broken.transpose(0, 2, 1, 3))
+
+
+def test_kept_widened_arrays_are_reused_per_slot_and_bounded(monkeypatch):
+    """A thread's kept array of a slot, shape and dtype comes back at the next request;
+    another slot or shape gets its own; an array above the bound is not kept, and the
+    least recently used go first once the bound is passed."""
+    monkeypatch.setattr(conversion, "_WIDENED", conversion.threading.local())
+    monkeypatch.setattr(conversion, "_KEPT_WIDENED_BYTES", 4096)
+    q, k = conversion.kept_widened("q"), conversion.kept_widened("k")
+    first = q((4, 64), np.float32)  # 1024 bytes
+    assert q((4, 64), np.float32) is first
+    assert k((4, 64), np.float32) is not first and q((8, 64), np.float32) is not first
+    assert q((2048,), np.float32) is not q((2048,), np.float32)  # 8192 bytes: never kept
+    for rows in (1, 2, 3):  # 256 + 512 + 768 bytes more: past 4096, the oldest (q (4, 64)) goes
+        q((rows, 64), np.float32)
+    assert q((4, 64), np.float32) is not first
+    assert sum(array.nbytes for array in conversion._WIDENED.arrays.values()) <= 4096
+
+
+def test_a_16_bit_backward_reuses_its_widened_copies_and_stays_right():
+    """Two float16 backward calls of one structure on new values: the second widens into
+    the first's arrays (no fresh pages) and both match the float64 reference."""
+    import npattn
+    from strategies import Case, Dims
+    from tolerances import assert_close, gradient_bound_terms
+
+    rng = np.random.default_rng(5)
+    handed = []
+    kept = conversion.kept_widened
+
+    def spying(slot):
+        empty = kept(slot)
+        return lambda shape, dtype: handed.append(empty(shape, dtype)) or handed[-1]
+
+    with mock.patch.object(conversion, "kept_widened", spying):
+        from npattn.cpu import driver, operands
+        with mock.patch.object(operands, "kept_widened", spying), \
+                mock.patch.object(driver, "_KEPT_DOUT", spying("dout")):
+            for _ in range(2):
+                q, k, v, dout = (rng.uniform(-1, 1, (1, 2, 1100, 16)).astype(np.float16) for _ in range(4))
+                _, vjp = npattn.attention_vjp(q, k, v, causal=True, backend="cpu")
+                got = vjp(dout)
+                _, exact_vjp = npattn.attention_vjp(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
+                                                    backend="reference")
+                terms = gradient_bound_terms(Case(Dims(1, 2, 2, 1100, 1100, 16, 16), q, k, v, {"causal": True}), dout)
+                for name, grad, exact in zip("qkv", got, exact_vjp(dout.astype(np.float64))):
+                    assert_close(grad, exact, np.float16, *terms, f"d{name}")
+    assert len(handed) == 8 and all(a is b for a, b in zip(handed[:4], handed[4:]))

@@ -14,6 +14,9 @@ bfloat16 as it lies).
 """
 from __future__ import annotations
 
+import threading
+from typing import Callable
+
 import numpy as np
 
 from .jit import kernel
@@ -54,13 +57,14 @@ _NARROW_KERNELS = {"float16": _to_float16, "bfloat16": _to_bfloat16}
 NARROW = tuple(_NARROW_KERNELS)
 
 
-def converted(array: np.ndarray, dtype) -> np.ndarray | None:
+def converted(array: np.ndarray, dtype, empty=np.empty) -> np.ndarray | None:
     """``array.astype(dtype)`` laid out in memory as ``array`` is, for float16 to float32
     and float32 to float16 or bfloat16 (``dtype``: a dtype whose name is in
     :data:`NARROW`) on CPUs with the vector kernels; None for any other case (the
     caller's ``astype`` then), and for arrays under :data:`VECTOR_VALUES` values, which
     NumPy's scalar loop converts sooner than this call is made. ``array``: C-contiguous,
-    or a bhsd view of a bshd array. (Written for a small call's every us: 1.3 us of set-up
+    or a bhsd view of a bshd array; ``empty(shape, dtype)`` gives the (C-contiguous,
+    writable) result's memory. (Written for a small call's every us: 1.3 us of set-up
     where the general version of it took 3.)"""
     if type(array) is not np.ndarray or array.size < VECTOR_VALUES or not MICROKERNELS:
         return None
@@ -79,13 +83,13 @@ def converted(array: np.ndarray, dtype) -> np.ndarray | None:
     if array.flags.c_contiguous:
         order = None
         source = array.reshape(-1)
-        out = np.empty(array.shape, dtype)
+        out = empty(array.shape, dtype)
     else:
         order = _memory_order(array)
         if order is None:
             return None
         source = array.transpose(order).reshape(-1)  # a view, in memory order
-        out = np.empty(tuple(array.shape[axis] for axis in order), dtype)
+        out = empty(tuple(array.shape[axis] for axis in order), dtype)
     target = out.reshape(-1)
     if narrowing is None:
         _to_float32(source.view(np.int8), target)
@@ -97,6 +101,37 @@ def converted(array: np.ndarray, dtype) -> np.ndarray | None:
             target[whole:] = source[whole:]  # the last values, fewer than a vector
     # (the orders _memory_order gives are their own inverses)
     return out if order is None else out.transpose(order)
+
+
+# The float32 copies a 16-bit backward widens its q, k, v and dout into are kept per thread
+# and slot, for the next call of the same shapes: their fresh pages, not the conversions,
+# were most of what a float16 forward and backward at (1, 8, 2048, 64) causal cost beyond
+# float32's in one process (101-112 against 86-89 ms; 89-90 with glibc keeping freed
+# memory). At most _KEPT_WIDENED_BYTES a thread, the most recently used kept first.
+_KEPT_WIDENED_BYTES = 64 << 20
+_WIDENED = threading.local()
+
+
+def kept_widened(slot: str) -> Callable[[tuple, object], np.ndarray]:
+    """An ``empty(shape, dtype)`` (for :func:`~npattn.cpu.conversion.converted`) that gives
+    the calling thread's kept array for ``slot``, shape and dtype, or a new one it keeps:
+    the caller is done with it before the thread's next call asks for that slot again."""
+    def empty(shape: tuple, dtype) -> np.ndarray:
+        kept = getattr(_WIDENED, "arrays", None)
+        if kept is None:
+            kept = _WIDENED.arrays = {}  # (slot, shape, dtype) -> array, the most recently used last
+        key = (slot, tuple(shape), np.dtype(dtype))
+        array = kept.pop(key, None)
+        if array is None:
+            array = np.empty(shape, dtype)
+            if array.nbytes > _KEPT_WIDENED_BYTES:
+                return array
+        kept[key] = array
+        total = sum(kept_array.nbytes for kept_array in kept.values())
+        while total > _KEPT_WIDENED_BYTES:
+            total -= kept.pop(next(iter(kept))).nbytes
+        return array
+    return empty
 
 
 _NARROWINGS = {}

@@ -14,7 +14,7 @@ from ..core.results import ForwardResult, Gradients
 from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from . import folding, splitting
 from .blas import single_threaded_blas
-from .conversion import NARROW, converted
+from .conversion import NARROW, converted, kept_widened
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, run_items
 from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, fresh_set, gradient_tile_specs,
@@ -196,6 +196,9 @@ def _narrow_dtype(problem):
     return problem.dtype if problem.dtype.name in NARROW and problem.accumulate_dtype == np.float32 else None
 
 
+_KEPT_DOUT = kept_widened("dout")
+
+
 def _narrowed(gradient, dtype):
     """A float32 gradient in the 16-bit ``dtype`` (:func:`~npattn.cpu.conversion.converted`;
     NumPy's astype where it cannot)."""
@@ -279,8 +282,9 @@ class BackwardPlan:
         dtype = self.dtype
         ops = self.operands.operands(q, k, v, arrays)
         # a 16-bit dout widened once, for the kernels and for delta (it was widened twice: a
-        # second copy, 4 MB of fresh pages at (1, 8, 2048, 64)); out is the forward's float32
-        dout, out = widened(dout, dtype), widened(out, dtype)
+        # second copy, 4 MB of fresh pages at (1, 8, 2048, 64)), into an array this thread
+        # keeps for the next call; out is the forward's float32
+        dout, out = widened(dout, dtype, _KEPT_DOUT), widened(out, dtype)
         dout_flat, dout_strides = row_strides(dout, dtype)
         out_flat, out_strides = row_strides(out, dtype)
         # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work

@@ -19,7 +19,7 @@ from ..core.dropout import seed_words
 from ..core.kernel_params import OPERAND_NAMES, SPAN_FIELDS, Int, KvCodes, Real, Span, quantized_codes, default_spans, element_strides, problem_int_values, problem_pages, problem_reals, spans_with  # (Int, Real, Span: the kernels import them from here)
 from ..runtime.plans import PlanCache
 from ..core.problem import signature
-from .conversion import converted
+from .conversion import converted, kept_widened
 from .microkernels import chunk_columns
 from .simd import BF16_DOT, lanes_of as vector_lanes
 from .splitting import key_splits
@@ -44,28 +44,29 @@ _SCALED = (KvCodes.INT8, KvCodes.FLOAT8)  # codes with scales
 CODE_DTYPE, SCALE_DTYPE = np.dtype(np.int8), np.dtype(np.float32)
 
 
-def widened(array, dtype):
+def widened(array, dtype, empty=np.empty):
     """``array.astype(dtype)`` in ``array``'s memory order (float16 on the vector units,
-    :func:`~npattn.cpu.conversion.converted`, where NumPy's scalar loop would be slower);
-    ``array`` itself where it has ``dtype`` already."""
+    :func:`~npattn.cpu.conversion.converted`, into ``empty(shape, dtype)``, where NumPy's
+    scalar loop would be slower); ``array`` itself where it has ``dtype`` already."""
     if array.dtype == dtype:
         return array
-    fast = converted(array, dtype)
+    fast = converted(array, dtype, empty)
     return array.astype(dtype) if fast is None else fast
 
 
-def flat_view(array, dtype, unit_last_axis=False):
+def flat_view(array, dtype, unit_last_axis=False, empty=np.empty):
     """``(flat, strides)``: a read-only 1-D view spanning ``array``'s memory and its element
     strides (read-only, as every operand, so that one compiled kernel serves all).
 
-    Copies only when the dtype differs, a stride is negative or not a whole number of
-    elements, or (``unit_last_axis``) the last axis is not contiguous."""
+    Copies only when the dtype differs (into ``empty(shape, dtype)`` where the vector units
+    convert), a stride is negative or not a whole number of elements, or
+    (``unit_last_axis``) the last axis is not contiguous."""
     order = memory_order(array, dtype, unit_last_axis)
     if order is not None:  # the common cases, first: no copy, no stride arithmetic
         return flat_memory(array, order), element_strides(array)
     array = np.asarray(array)
     if array.dtype != dtype:
-        array = widened(array, dtype)
+        array = widened(array, dtype, empty)
     itemsize = array.itemsize
     strides = array.strides
     if (any(s < 0 or s % itemsize for s in strides)
@@ -127,7 +128,7 @@ def flat_memory(array, order):
     return _frozen(array.transpose(order).reshape(-1))
 
 
-def row_strides(array, dtype):
+def row_strides(array, dtype, empty=np.empty):
     """``(flat, (batch, head, row))`` for a bhsd (B, H, S, X) array whose rows feed BLAS:
     the row stride is at least X (BLAS's leading-dimension rule). Rows that overlap (a
     row stride below X, as a ``np.broadcast_to`` along the sequence gives with stride 0)
@@ -135,7 +136,7 @@ def row_strides(array, dtype):
     rows, width = array.shape[-2], array.shape[-1]
     if rows > 1 and 0 <= array.strides[-2] < width * array.itemsize:
         array = np.ascontiguousarray(array)
-    flat, (sb, sh, sr, _) = flat_view(array, dtype, unit_last_axis=True)
+    flat, (sb, sh, sr, _) = flat_view(array, dtype, unit_last_axis=True, empty=empty)
     return flat, (sb, sh, max(sr, width, 1))
 
 
@@ -183,6 +184,10 @@ class OperandPlan:
         self.keys_dtype = keys_dtype = self._keys_dtype(problem)  # k and v as the kernels read them
         # bfloat16 q, k and v read as they lie, in float32 words of two (strides in words)
         self.pairs = pairs = bf16_products(problem, kind, tuning, codes)
+        # where q, k and v are widened (a 16-bit backward's): into arrays this thread keeps
+        # for the next call (conversion.kept_widened); a forward's into fresh ones
+        self.empties = (tuple(kept_widened(name) for name in "qkv") if kind == "backward"
+                        else (np.empty, np.empty, np.empty))
         no_strides = (0, 0, 0, 0)
         if pairs:
             row_words = [tuple(n // 2 for n in row_view_strides(x, x.dtype)) for x in (problem.q, problem.k, problem.v)]
@@ -232,14 +237,15 @@ class OperandPlan:
         if self.pairs:  # bfloat16 read as it lies
             q, k, v = pair_words(q), pair_words(k), pair_words(v)
         else:
+            empty_q, empty_k, empty_v = self.empties
             if q_order is not None:
                 q = _frozen(q.ravel(order="K"))
             elif self.widened_q:  # (flat_view's copy, in memory order: 3 us less of a small call)
-                q = _frozen(widened(q, dtype).ravel(order="K"))
+                q = _frozen(widened(q, dtype, empty_q).ravel(order="K"))
             else:
-                q = row_strides(q, dtype)[0]
-            k = _frozen(k.ravel(order="K")) if k_order is not None else row_strides(k, keys_dtype)[0]
-            v = _frozen(v.ravel(order="K")) if v_order is not None else row_strides(v, keys_dtype)[0]
+                q = row_strides(q, dtype, empty_q)[0]
+            k = _frozen(k.ravel(order="K")) if k_order is not None else row_strides(k, keys_dtype, empty_k)[0]
+            v = _frozen(v.ravel(order="K")) if v_order is not None else row_strides(v, keys_dtype, empty_v)[0]
         if arrays is None and not self.codes:  # (a small call's usual case: 0.5 us less)
             return Operands._make((q, k, v, *self.plain_rest))
         placeholder, mask_placeholder = self.placeholders
