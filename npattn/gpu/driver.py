@@ -244,8 +244,9 @@ class ForwardPlan:
             # the combine: one block per query row, a warp per 32 splits (combine_warps); the
             # repair: one warp per query row
             self.combine_blocks = batch * heads * q_len
-            self.combine_threads = 32 * combine_warps(splits)
-            self.combine_shared = launch.combine_shared_bytes(value_dim, dtype)
+            merging_warps = combine_warps(splits)
+            self.combine_threads = 32 * merging_warps
+            self.combine_shared = launch.combine_shared_bytes(value_dim, dtype, merging_warps)
             self.repair_blocks = -(-batch * heads * q_len * 32 // THREADS)
             self.weights_shape = (batch, heads, q_len, problem.kv_len) if problem.return_weights else None
             self.weights_shared = launch.forward_shared_bytes(problem.head_dim, value_dim, dtype)

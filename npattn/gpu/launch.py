@@ -30,10 +30,10 @@ def forward_shared_bytes(head_dim: int, value_dim: int, dtype) -> int:
     return elements * np.dtype(dtype).itemsize
 
 
-def combine_shared_bytes(value_dim: int, dtype) -> int:
-    """Dynamic shared memory of combine_kernel (repair.cu): each of its warps' sums
-    (value_dim columns and l); the first pass's maxima reuse the same bytes."""
-    return (sources.COMBINE_THREADS // 32) * (value_dim + 1) * np.dtype(dtype).itemsize
+def combine_shared_bytes(value_dim: int, dtype, warps: int) -> int:
+    """Dynamic shared memory of combine_kernel (repair.cu) on blocks of ``warps`` warps:
+    each warp's sums (value_dim columns and l); the first pass's maxima reuse the same bytes."""
+    return warps * (value_dim + 1) * np.dtype(dtype).itemsize
 
 
 def forward_tc_shared_bytes(head_dim: int, value_dim: int, tile: sources.ForwardTile) -> int:
