@@ -109,6 +109,7 @@ def test_a_16_bit_backward_reuses_its_widened_copies_and_stays_right():
     """Two float16 backward calls of one structure on new values: the second widens into
     the first's arrays (no fresh pages) and both match the float64 reference."""
     import npattn
+    from npattn.cpu import driver, operands
     from strategies import Case, Dims
     from tolerances import assert_close, gradient_bound_terms
 
@@ -120,17 +121,15 @@ def test_a_16_bit_backward_reuses_its_widened_copies_and_stays_right():
         empty = kept(slot)
         return lambda shape, dtype: handed.append(empty(shape, dtype)) or handed[-1]
 
-    with mock.patch.object(conversion, "kept_widened", spying):
-        from npattn.cpu import driver, operands
-        with mock.patch.object(operands, "kept_widened", spying), \
-                mock.patch.object(driver, "_KEPT_DOUT", spying("dout")):
-            for _ in range(2):
-                q, k, v, dout = (rng.uniform(-1, 1, (1, 2, 1100, 16)).astype(np.float16) for _ in range(4))
-                _, vjp = npattn.attention_vjp(q, k, v, causal=True, backend="cpu")
-                got = vjp(dout)
-                _, exact_vjp = npattn.attention_vjp(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
-                                                    backend="reference")
-                terms = gradient_bound_terms(Case(Dims(1, 2, 2, 1100, 1100, 16, 16), q, k, v, {"causal": True}), dout)
-                for name, grad, exact in zip("qkv", got, exact_vjp(dout.astype(np.float64))):
-                    assert_close(grad, exact, np.float16, *terms, f"d{name}")
+    # (operand plans take their allocators when made: this structure's is made here)
+    with mock.patch.object(operands, "kept_widened", spying), mock.patch.object(driver, "_KEPT_DOUT", spying("dout")):
+        for _ in range(2):
+            q, k, v, dout = (rng.uniform(-1, 1, (1, 2, 1100, 16)).astype(np.float16) for _ in range(4))
+            _, vjp = npattn.attention_vjp(q, k, v, causal=True, backend="cpu")
+            got = vjp(dout)
+            _, exact_vjp = npattn.attention_vjp(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
+                                                backend="reference")
+            terms = gradient_bound_terms(Case(Dims(1, 2, 2, 1100, 1100, 16, 16), q, k, v, {"causal": True}), dout)
+            for name, grad, exact in zip("qkv", got, exact_vjp(dout.astype(np.float64))):
+                assert_close(grad, exact, np.float16, *terms, f"d{name}")
     assert len(handed) == 8 and all(a is b for a, b in zip(handed[:4], handed[4:]))
