@@ -178,13 +178,15 @@ def forced_avx2_child():
                        "tests/test_cpu_isa.py::test_dot_products_match_numpy_and_each_score_is_one_fixed_sum",
                        "tests/test_cpu_isa.py::test_products_on_int8_codes_match_numpy",
                        "tests/test_cpu_isa.py::test_the_child_compiles_for_avx2",
+                       "tests/test_cpu_rowmath.py::test_the_short_row_operations_give_the_general_ones_bits",
                        "tests/test_cpu_kernels.py::test_vector_products_match_the_reference_at_vector_widths"],
                       None)
 
 
 def test_forced_avx2_kernels_pass_the_vector_width_properties():
-    """The micro-kernel tests above and the kernels' property test at vector widths, again
-    in a child compiled for AVX2 (on an AVX2-only CPU, what every test already runs)."""
+    """The micro-kernel tests above, the short-row softmax steps and the kernels' property
+    test at vector widths, again in a child compiled for AVX2 (on an AVX2-only CPU, what
+    every test already runs)."""
     child = started("avx2-child", forced_avx2_child).result()
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
     assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]

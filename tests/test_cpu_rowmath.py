@@ -14,8 +14,8 @@ from hypothesis.extra import numpy as hnp
 pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 
-from npattn.cpu.rowmath import _BRIEF_C, exp_shifted, exp_vector_shifted, row_max, vector_max  # noqa: E402
-from npattn.cpu.simd import VECTOR_BYTES  # noqa: E402
+from npattn.cpu.rowmath import (_BRIEF_C, SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, row_max,  # noqa: E402
+                                short_row_max)
 
 EPS32 = float(np.finfo(np.float32).eps)
 # float32 exp underflows to exactly 0 below 2**-126 (the polynomial's smallest normal) and
@@ -48,13 +48,13 @@ def _row_max(row, start, n):
 
 
 @njit  # not cached: a cache stamped with this file alone would outlive edits to rowmath
-def _exp_vector_shifted(row, start, shift):
-    return exp_vector_shifted(row, start, shift)
+def _exp_short_row_shifted(row, start, shift):
+    return exp_short_row_shifted(row, start, shift)
 
 
 @njit  # not cached: a cache stamped with this file alone would outlive edits to rowmath
-def _vector_max(row, start):
-    return vector_max(row, start)
+def _short_row_max(row, start):
+    return short_row_max(row, start)
 
 
 lengths = st.integers(0, 70)
@@ -114,15 +114,16 @@ def test_float64_exp_is_the_exact_exp():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @given(data=st.data(), start=starts, shift=st.floats(-100, 100, width=32))
-def test_the_one_vector_row_operations_give_the_general_ones_bits(dtype, data, start, shift):
-    """A short tile's rows take the inlined one-vector forms; the kernels' results must
-    not depend on which form a row took (NaN lanes included: both skip them in the max)."""
-    lanes = VECTOR_BYTES // np.dtype(dtype).itemsize
+def test_the_short_row_operations_give_the_general_ones_bits(dtype, data, start, shift):
+    """A short tile's rows (one AVX-512 vector, two AVX2 ones) take the inlined short-row
+    forms; the kernels' results must not depend on which form a row took (NaN lanes
+    included: both skip them in the max)."""
+    length = SHORT_ROW_BYTES // np.dtype(dtype).itemsize
     elements = st.floats(-200, 200, width=32) | st.just(-np.inf) | st.just(np.nan)
-    row = data.draw(hnp.arrays(dtype, start + lanes + 2, elements=elements))
+    row = data.draw(hnp.arrays(dtype, start + length + 2, elements=elements))
     shift = dtype(shift)
-    general, one_vector = row.copy(), row.copy()
-    assert np.array_equal(_vector_max(row, start), _row_max(row, start, lanes), equal_nan=True)
-    total = _exp_shifted(general, start, lanes, shift)
-    assert np.array_equal(_exp_vector_shifted(one_vector, start, shift), total, equal_nan=True)
-    assert general.tobytes() == one_vector.tobytes()
+    general, short = row.copy(), row.copy()
+    assert np.array_equal(_short_row_max(row, start), _row_max(row, start, length), equal_nan=True)
+    total = _exp_shifted(general, start, length, shift)
+    assert np.array_equal(_exp_short_row_shifted(short, start, shift), total, equal_nan=True)
+    assert general.tobytes() == short.tobytes()

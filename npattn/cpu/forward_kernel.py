@@ -27,10 +27,9 @@ from numba import njit
 from .blas import gemm
 from .jit import helper, kernel
 from .signatures import as_offset, as_readonly, larger, smaller
-from .simd import VECTOR_BYTES
 from .threads import NON_FINITE, next_item
 from .operands import Int, KvCodes, Real
-from .rowmath import exp_shifted, exp_vector_shifted, row_max, vector_max
+from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, row_max, short_row_max
 from .code_products import code_product
 from .microkernels import pair_product, product
 from .tiles import (apply_dropout, band_keys, codes_in_registers, dequantize_tile, key_segments, memory_batch,
@@ -235,9 +234,9 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief):
     for r in range(rows):
         if not seen[r]:
             return _UNTOUCHED
-    one_vector = cols == VECTOR_BYTES // s.itemsize  # (rows one vector long: inlined, side by side)
+    short = cols == SHORT_ROW_BYTES // s.itemsize  # (short rows: inlined, side by side)
     for r in range(rows):
-        sums[r] = exp_vector_shifted(s, r * ld, m[r]) if one_vector else exp_shifted(s, r * ld, cols, m[r], brief)
+        sums[r] = exp_short_row_shifted(s, r * ld, m[r]) if short else exp_shifted(s, r * ld, cols, m[r], brief)
         if not sums[r] <= _REDO_ABOVE:
             return _OVERWRITTEN
     for r in range(rows):
@@ -250,9 +249,9 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
     """The textbook online-softmax step: a max pass, exp against the new max, and the
     running sum and output rows rescaled by exp(m_old - m_new) (``brief``: as
     :func:`_exp_with_running_max`'s)."""
-    one_vector = cols == VECTOR_BYTES // s.itemsize  # (rows one vector long: inlined, side by side)
+    short = cols == SHORT_ROW_BYTES // s.itemsize  # (short rows: inlined, side by side)
     for r in range(rows):
-        tile_max = vector_max(s, r * ld) if one_vector else row_max(s, r * ld, cols)
+        tile_max = short_row_max(s, r * ld) if short else row_max(s, r * ld, cols)
         m_before = m[r]
         new_max = larger(m_before, tile_max)
         if tile_max > -np.inf:
@@ -262,7 +261,7 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
         # (exp(-inf) without a call into libm: the first tile of every row)
         correction = 1.0 if new_max == -np.inf else (0.0 if m_before == -np.inf else math.exp(m_before - new_max))
         m[r] = new_max
-        tile_sum = (exp_vector_shifted(s, r * ld, shift) if one_vector
+        tile_sum = (exp_short_row_shifted(s, r * ld, shift) if short
                     else exp_shifted(s, r * ld, cols, shift, brief))
         if tile_sum != tile_sum:  # a visible NaN score (row_max skips it): the row is NaN
             seen[r] = True

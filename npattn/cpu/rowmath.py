@@ -137,41 +137,60 @@ def row_max(x, start, n):
     return best
 
 
-@njit(inline="always")
-def vector_max(x, start):
-    """:func:`row_max` of exactly one vector's lanes, ``x[start : start + lanes]``, with its
-    bits, inlined into the caller (no call: the rows of a short tile then overlap)."""
-    return horizontal_max(maximum(load(x, plain_int(start)), fill(-np.inf, x)))
+# A short row: 64 bytes of scores (16 float32 keys, 8 float64), one AVX-512 vector or two
+# AVX2 ones; the rows of a small call's tiles are this long
+SHORT_ROW_BYTES = 64
+_SHORT_ROW_VECTORS = SHORT_ROW_BYTES // VECTOR_BYTES
 
 
 @njit(inline="always")
-def exp_vector_shifted(x, start, shift):
-    """:func:`exp_shifted` of exactly one vector's lanes, ``x[start : start + lanes]``,
-    with its bits, inlined into the caller.
+def short_row_max(x, start):
+    """:func:`row_max` of exactly one short row, ``x[start : start + SHORT_ROW_BYTES //
+    itemsize]``, with its bits (the same lane maxima in the same order), inlined into the
+    caller (no call: the rows of a short tile then overlap)."""
+    start = plain_int(start)
+    best = maximum(load(x, start), fill(-np.inf, x))
+    if _SHORT_ROW_VECTORS == 2:
+        best = maximum(load(x, start + VECTOR_BYTES // x.itemsize), best)
+    return horizontal_max(best)
 
-    A tile of a small call has rows one vector long (16 keys of float32 on AVX-512). Through
+
+@njit(inline="always")
+def exp_short_row_shifted(x, start, shift):
+    """:func:`exp_shifted` of exactly one short row (:func:`short_row_max`'s), with its
+    bits, inlined into the caller.
+
+    A tile of a small call has short rows (16 keys of float32). Through
     :func:`exp_shifted` each row was a call, then a chain of the polynomial's FMAs and a
     horizontal sum that the next row's call could not overlap; inlined, the rows' chains
     run side by side."""
-    return _exp_vector(x, plain_int(start), scalar_like(shift, x))
+    return _exp_short_row(x, plain_int(start), scalar_like(shift, x))
 
 
-def _exp_vector(x, start, shift):
+def _exp_short_row(x, start, shift):
     raise NotImplementedError
 
 
-@overload(_exp_vector, jit_options=OPTIONS, inline="always")
-def _exp_vector_overload(x, start, shift):
+@overload(_exp_short_row, jit_options=OPTIONS, inline="always")
+def _exp_short_row_overload(x, start, shift):
     if x.dtype == types.float32:
+        lanes = VECTOR_BYTES // 4
+
         def polynomial(x, start, shift):
-            value = _exp_float32(load(x, start), fill(shift, x), False)
+            shifts = fill(shift, x)
+            value = _exp_float32(load(x, start), shifts, False)
             store(x, start, value)
-            return horizontal_sum(add(fill(0.0, x), value))  # exp_shifted's sum, to the bit
+            sums = add(fill(0.0, x), value)  # exp_shifted's sums, vector by vector: its bits
+            if _SHORT_ROW_VECTORS == 2:
+                value = _exp_float32(load(x, start + lanes), shifts, False)
+                store(x, start + lanes, value)
+                sums = add(sums, value)
+            return horizontal_sum(sums)
         return polynomial
-    lanes = VECTOR_BYTES // (x.dtype.bitwidth // 8)
+    elements = SHORT_ROW_BYTES // (x.dtype.bitwidth // 8)
 
     def exact(x, start, shift):
-        return _exp_shifted(x, start, lanes, shift, False)
+        return _exp_shifted(x, start, elements, shift, False)
     return exact
 
 
