@@ -234,7 +234,7 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief):
     for r in range(rows):
         if not seen[r]:
             return _UNTOUCHED
-    short = cols == SHORT_ROW_BYTES // s.itemsize  # (short rows: inlined, side by side)
+    short = cols * s.itemsize == SHORT_ROW_BYTES  # (short rows: inlined, side by side)
     for r in range(rows):
         sums[r] = exp_short_row_shifted(s, r * ld, m[r]) if short else exp_shifted(s, r * ld, cols, m[r], brief)
         if not sums[r] <= _REDO_ABOVE:
@@ -249,7 +249,7 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
     """The textbook online-softmax step: a max pass, exp against the new max, and the
     running sum and output rows rescaled by exp(m_old - m_new) (``brief``: as
     :func:`_exp_with_running_max`'s)."""
-    short = cols == SHORT_ROW_BYTES // s.itemsize  # (short rows: inlined, side by side)
+    short = cols * s.itemsize == SHORT_ROW_BYTES  # (short rows: inlined, side by side)
     for r in range(rows):
         tile_max = short_row_max(s, r * ld) if short else row_max(s, r * ld, cols)
         m_before = m[r]
