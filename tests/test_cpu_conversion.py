@@ -75,6 +75,29 @@ def test_bfloat16_out_equals_ml_dtypes_bit_for_bit(seed, size, bshd):
     np.testing.assert_array_equal(narrow.view(np.uint16), expected.view(np.uint16))
 
 
+@pytest.mark.skipif(not conversion.MICROKERNELS, reason="the vector conversions need AVX2 or AVX-512")
+@pytest.mark.parametrize("narrow", [np.float16, ml_dtypes.bfloat16])
+@given(vectors=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))
+def test_a_plans_conversion_entry_gives_numpys_and_ml_dtypes_bits(narrow, vectors, seed):
+    """conversion_entry: the kernels' own machine code for a plan's fixed size, with the
+    values of astype (special values included); None for a size that is not whole
+    vectors (the caller converts as before) and for a pair it does not convert."""
+    size = vectors * conversion._LANES
+    rng = np.random.default_rng(seed)
+    single = (rng.normal(size=size) * 10.0 ** rng.integers(-9, 6, size=size)).astype(np.float32)
+    single[:len(SPECIAL)] = np.array(SPECIAL[:size], np.float32)
+    with np.errstate(over="ignore"):
+        expected = single.astype(narrow)
+    narrowed = np.empty(size, narrow)
+    conversion.conversion_entry(np.float32, narrow, size)(single, narrowed.view(np.int8))
+    np.testing.assert_array_equal(narrowed.view(np.uint16), expected.view(np.uint16))
+    widened = np.empty(size, np.float32)
+    conversion.conversion_entry(narrow, np.float32, size)(expected.view(np.int8), widened)
+    np.testing.assert_array_equal(widened.view(np.uint32), expected.astype(np.float32).view(np.uint32))
+    assert conversion.conversion_entry(np.float32, narrow, size + 1) is None
+    assert conversion.conversion_entry(np.float64, narrow, size) is None
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
 def test_16_bit_finiteness_reads_the_exponent_bits(dtype):
     rng = np.random.default_rng(1)

@@ -8,6 +8,7 @@ import os
 import threading
 import weakref
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 import npattn
 from npattn import cpu
+from npattn.cpu import conversion
 from npattn.runtime import plans
 from strategies import cases, dims, layouts, to_layout
 
@@ -271,15 +273,16 @@ def test_threads_sharing_plans_get_their_own_answers():
     assert not failures
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("layout, kv_heads", [("bhsd", 8), ("bshd", 8), ("bhsd", 2)])
 def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_bits(monkeypatch, layout, kv_heads,
                                                                                     dtype):
     """From its second plain call on, a plan calls the forward kernel's compiled entry
     point directly (no dispatcher typing each argument, npattn.cpu.threads.direct_entry):
     the same bits as the first call, in both layouts and with GQA rows folded, float16
-    too (its keys read as bytes a tile at a time, its q widened in its memory order: the
-    bits of flat_view's copy); q at an address off the float's alignment (another Numba
+    too (its keys read as bytes a tile at a time, its q widened in its memory order by
+    the conversion's entry point into the thread's own array, its out narrowed by another:
+    the bits of flat_view's copy and of converted(); bfloat16 likewise); q at an address off the float's alignment (another Numba
     type) goes through the dispatcher, with the same bits too (a float16 q is widened
     into an aligned copy first)."""
     from npattn.cpu import driver
@@ -313,9 +316,13 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a, b)
     operands = plan._forward_plan.operands
+    if dtype != np.float32 and conversion.MICROKERNELS:  # q widened, out narrowed by the conversions' entry points
+        assert operands.widen_q is not None and plan._forward_plan._narrow_out is not None
 
     if operands.widened_q:
         monkeypatch.setattr(operands, "widened_q", False)  # flat_view's copy instead
+        monkeypatch.setattr(operands, "widen_q", None)
+        monkeypatch.setattr(plan._forward_plan, "_narrow_out", None)  # and converted() for out
         for a, b in zip(first, plan.run(q, k, v)):
             np.testing.assert_array_equal(a, b)
         monkeypatch.undo()
