@@ -48,7 +48,8 @@ def kernels_answer_finite_inputs(request, monkeypatch):
     from npattn.runtime import nonfinite
 
     def finite(problem, *more):
-        return all(all_finite(getattr(problem, name)) for name in ("q", "k", "v", "bias", "sink_logits")) and all(
+        return all(all_finite(getattr(problem, name))
+                   for name in ("q", "k", "v", "bias", "sink_logits", "k_scale", "v_scale")) and all(
             all_finite(array) for array in more)
 
     class Fallback:  # npattn.reference, as npattn.runtime.nonfinite calls it

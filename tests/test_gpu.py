@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
 import npattn
 from npattn.gpu import launch, sources
@@ -23,6 +24,7 @@ from strategies import Case, Dims, cases, layouts, to_layout
 from test_backend_equivalence import check_backward, check_forward
 from test_gpu_emulated import PLANTED_V_AND_Q, planted_in_v_and_q
 from test_nonfinite import assert_same_outputs, planted_cases
+from test_quantized_cache import check_quantized_cache, quantized_cases
 
 # sm_80's largest opt-in block of shared memory (163 KiB); sm_90 allows 227 KiB
 _SM80_SHARED_BYTES = 163 * 1024
@@ -394,6 +396,15 @@ def test_gpu_forward_gives_the_references_non_finite_rows(backend, case):
     out, lse = on_device(case).run(backend, return_lse=True)
     expected_out, expected_lse = case.run("reference", return_lse=True)
     assert_same_outputs(out, lse, expected_out, expected_lse, case)
+
+
+@pytest.mark.parametrize("backend", GPU)
+@given(case=quantized_cases(dtypes=("float16", "float32", "float64")), seed=st.integers(0, 2**32 - 1))
+def test_gpu_decodes_against_quantized_caches(backend, case, seed):
+    """int8 and float8 e4m3 caches on the device (test_quantized_cache.check_quantized_cache)."""
+    import cupy
+
+    check_quantized_cache(backend, case, seed, device=cupy)
 
 
 @pytest.mark.parametrize("backend", GPU)

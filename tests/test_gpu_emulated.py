@@ -19,6 +19,7 @@ from test_backend_equivalence import check_backward, check_forward, check_peaked
 from test_nonfinite import assert_same_outputs, check_kernel_marks_non_finite_rows, planted_cases
 from test_odd_views import DEVICE_VIEW_KINDS, check_odd_views, viewed_cases
 from test_options import check_option_is_read
+from test_quantized_cache import check_paged_varlen_quantized, check_quantized_cache, quantized_cases
 from test_serving import (cache_cases, check_kvcache, check_paged_forward, check_varlen, packed_batches,
                           paged_cases)
 
@@ -538,6 +539,51 @@ def test_emulated_gpu_runs_packed_batches(dtype, case, seed):
 @given(case=cache_cases(), seed=st.integers(0, 2**32 - 1))
 def test_emulated_gpu_decodes_against_caches(case, seed):
     check_kvcache("gpu", case, seed)
+
+
+# int8 and float8 e4m3 caches, contiguous or paged, every positional option: the SIMT
+# forward dequantizes the tiles it loads (load_key_tile), its repair pass the keys it
+# rereads (key_element); a float16 q is computed in float32
+@FEWER
+@given(case=quantized_cases(dtypes=("float16", "float32", "float64")), seed=st.integers(0, 2**32 - 1))
+def test_emulated_gpu_decodes_against_quantized_caches(case, seed):
+    check_quantized_cache("gpu", case, seed)
+
+
+@FEWER
+@given(lengths=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6)), min_size=1, max_size=3),
+       kind=st.sampled_from(["int8", "float8_e4m3"]), gqa=st.booleans(), seed=st.integers(0, 2**31))
+def test_emulated_gpu_reads_quantized_pools_in_packed_batches(lengths, kind, gqa, seed):
+    check_paged_varlen_quantized("gpu", lengths, kind, gqa, seed)
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+def test_emulated_gpu_repairs_rows_of_quantized_caches_from_their_codes(kind):
+    """A NaN scale of a value row the first query does not see (causal) leaks into the
+    tile product (0 * NaN); the repair pass recomputes the row from the codes and scales
+    (key_element) and gives the reference's: that row finite, the next one (which sees
+    the key) NaN. A key's NaN scale hides nothing either: the second row's score is NaN."""
+    from test_serving import assert_lse, assert_out, call_case
+
+    rng = np.random.default_rng(4)
+    codes, scales = zip(*(npattn.quantize_kv(rng.normal(size=(1, 16, 2, 16)), kind) for _ in range(2)))
+    k_cache, v_cache = codes
+    k_scale, v_scale = (x.copy() for x in scales)
+    v_scale[0, 9, 1] = np.nan  # key 9 of kv head 1: seen by the second query row only
+    q = rng.normal(size=(1, 2, 4, 16)).astype(np.float32)
+    call = dict(cache_seqlens=np.array([10]), k_scale=k_scale, v_scale=v_scale, causal=True, return_lse=True)
+    out, lse = npattn.attention_with_kvcache(q, k_cache, v_cache, backend="gpu", **call)
+    keys = npattn.dequantize_kv(k_cache[:, :10], k_scale[:, :10], np.float64)
+    values = npattn.dequantize_kv(v_cache[:, :10], v_scale[:, :10], np.float64)
+    expected, expected_lse = npattn.attention(q.astype(np.float64), keys, values, layout="bshd", causal=True,
+                                              return_lse=True, backend="reference")
+    assert np.isnan(expected[0, 1, 2:]).all() and np.isfinite(expected[0, 0]).all()  # (heads 2, 3: kv head 1)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(expected_lse))
+    case = call_case(q, keys, np.nan_to_num(values), dict(causal=True))  # (the bound of the finite rows)
+    seen = ~np.isnan(expected)
+    assert_out(np.where(seen, out, 0), np.where(seen, expected, 0), case)
+    assert_lse(np.nan_to_num(lse), np.nan_to_num(expected_lse), case)
 
 
 @EMULATED

@@ -77,7 +77,7 @@ def test_quantize_kv_rejects_bad_input_by_name():
 
 
 @st.composite
-def quantized_cases(draw):
+def quantized_cases(draw, dtypes=("float32", "float64")):
     batch = draw(st.integers(1, 3))
     new = draw(st.integers(0, 2))
     queries = draw(st.integers(1, 3))
@@ -87,7 +87,7 @@ def quantized_cases(draw):
     options.update({name: value for name, value in (("softcap", 2.0), ("sinks", 1)) if draw(st.booleans())})
     rotary = draw(st.sampled_from([None, False, True]))
     slots = draw(st.booleans())
-    dtype = draw(st.sampled_from(["float32", "float64"]))
+    dtype = draw(st.sampled_from(dtypes))
     kv_heads, group = draw(st.sampled_from([(1, 1), (2, 2), (1, 4)]))
     codes = draw(st.sampled_from(["int8", "float8_e4m3"]))
     return batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group, codes
@@ -128,8 +128,14 @@ def _quantized_cache(rng, batch, capacity, kv_heads, page_size, slots, kind="int
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)
 @given(case=quantized_cases(), seed=st.integers(0, 2**32 - 1))
 def test_a_quantized_cache_is_its_dequantized_cache(backend, case, seed):
+    check_quantized_cache(backend, case, seed)
+
+
+def check_quantized_cache(backend, case, seed, device=None):
     """Out and lse equal the float64 reference on the dequantized keys of each sequence,
-    and the appended slots hold quantize_kv of the new (rotated) keys."""
+    and the appended slots hold quantize_kv of the new (rotated) keys (test_gpu_emulated.py
+    and test_gpu.py hold the GPU kernels to it too). ``device``: CuPy, for a call on
+    device arrays (the caches are compared on the host after it)."""
     batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group, kind = case
     rng = np.random.default_rng(seed)
     heads, capacity = kv_heads * group, 12
@@ -149,9 +155,21 @@ def test_a_quantized_cache_is_its_dequantized_cache(backend, case, seed):
         return  # (refused before any write: tests/test_serving.py)
     logical = [read(array).copy() for array in (k_cache, v_cache, k_scale, v_scale)]
 
-    out, lse = npattn.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
-                                             k_scale=k_scale, v_scale=v_scale, return_lse=True, backend=backend,
-                                             **call, **options)
+    if device is None:
+        out, lse = npattn.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
+                                                 k_scale=k_scale, v_scale=v_scale, return_lse=True, backend=backend,
+                                                 **call, **options)
+    else:
+        def on_device(value):
+            return device.asarray(value) if isinstance(value, np.ndarray) else value
+
+        caches = [device.asarray(array) for array in (k_cache, v_cache, k_scale, v_scale)]
+        out, lse = npattn.attention_with_kvcache(
+            on_device(q), caches[0], caches[1], on_device(k_new), on_device(v_new), cache_seqlens=on_device(cached),
+            k_scale=caches[2], v_scale=caches[3], return_lse=True, backend=backend,
+            **{name: on_device(value) for name, value in {**call, **options}.items()})
+        out, lse = out.get(), lse.get()
+        k_cache, v_cache, k_scale, v_scale = (array.get() for array in caches)
 
     q_rotated, k_rotated = q, k_new
     if rotary is not None:
@@ -520,6 +538,10 @@ def test_a_16_bit_prefill_longer_than_a_tile_reads_k_and_v_a_tile_at_a_time(dtyp
        kind=st.sampled_from(["int8", "float8_e4m3"]), gqa=st.booleans(), seed=st.integers(0, 2**31))
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)
 def test_a_paged_varlen_call_reads_quantized_pools(backend, lengths, kind, gqa, seed):
+    check_paged_varlen_quantized(backend, lengths, kind, gqa, seed)
+
+
+def check_paged_varlen_quantized(backend, lengths, kind, gqa, seed):
     """attention_varlen with block_table on int8 or e4m3 pools (k_scale, v_scale): each
     sequence's rows are the float64 attention over its keys dequantized, within float32's
     bound, with queries bottom-right among the keys as for float pools."""

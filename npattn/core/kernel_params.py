@@ -95,6 +95,12 @@ OPERANDS = (
     ("pages", "const i64*", "(B, PAGES): the page of k and v (their batch index) of each entry's key block"),
     ("ints", "const i64*", "NPATTN_INT_* / Int"),
     ("reals", "const Acc*", "NPATTN_REAL_* / Real"),
+    # a quantized cache (ints KV_CODES, strides K_STRIDE_* / V_STRIDE_* in codes and
+    # K_SCALE_STRIDE_* / V_SCALE_STRIDE_*; k and v are then placeholders), else placeholders
+    ("k_codes", "const unsigned char*", "int8 or float8 e4m3 key codes as bytes, or a placeholder"),
+    ("v_codes", "const unsigned char*", "the value codes, or a placeholder"),
+    ("k_scale", "const float*", "float32 scale of each key row, or a placeholder"),
+    ("v_scale", "const float*", "float32 scale of each value row, or a placeholder"),
 )
 OPERAND_NAMES = tuple(name for name, _, _ in OPERANDS)
 

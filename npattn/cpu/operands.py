@@ -36,11 +36,11 @@ from .tuning import Tuning, current
 # pages int64 (B * PAGES,) (:func:`npattn.core.kernel_params.problem_pages`); ints (int64, by
 # :class:`Int`) and reals (compute dtype, by :class:`Real`).
 #
-# Then the CPU's own four: a quantized cache's int8 codes of k and v and their float32
-# scales (flat views; strides in ``ints``), each a 1-element placeholder otherwise (k and v
-# are then the placeholders: one compiled kernel serves both kinds of cache).
-QUANTIZED_OPERANDS = ("k_codes", "v_codes", "k_scale", "v_scale")
-Operands = namedtuple("Operands", OPERAND_NAMES + QUANTIZED_OPERANDS)
+# Then the last four: a quantized cache's codes of k and v (int8 here, whatever the codes
+# are) and their float32 scales (flat views; strides in ``ints``), each a 1-element
+# placeholder otherwise (k and v are then the placeholders: one compiled kernel serves
+# both kinds of cache); 16-bit float keys read a tile at a time come as codes too, unscaled.
+Operands = namedtuple("Operands", OPERAND_NAMES)
 _SCALED = (KvCodes.INT8, KvCodes.FLOAT8)  # codes with scales
 CODE_DTYPE, SCALE_DTYPE = np.dtype(np.int8), np.dtype(np.float32)
 

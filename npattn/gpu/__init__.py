@@ -18,6 +18,9 @@ from __future__ import annotations
 import importlib.util
 
 NAME = "gpu"
+# int8 and float8 e4m3 kv caches with per-row scales: the SIMT forward dequantizes their
+# tiles as it loads them (common.cuh, load_key_tile)
+QUANTIZED_KV = True
 
 
 def unavailable_reason(array_kind: str = "cupy") -> str | None:

@@ -258,6 +258,53 @@ __device__ inline i64 paged_v_row(const i64* ints, const i64* pages, i64 b, i64 
                    ints[NPATTN_INT_V_STRIDE_S]);
 }
 
+// ---- quantized caches ----------------------------------------------------------------
+// With ints[KV_CODES] (NPATTN_KVCODES_INT8 or _FLOAT8) k and v are placeholders and the
+// keys are byte codes (in.k_codes, in.v_codes; strides K_STRIDE_* / V_STRIDE_* in codes)
+// with one float32 scale per key row and kv head (in.k_scale, in.v_scale; strides
+// K_SCALE_STRIDE_* / V_SCALE_STRIDE_*): element d of key j reads as its code's value
+// times the row's scale (npattn.core.quantization), dequantized as it is read, never
+// into a copy of the cache.
+
+// The value of a code: an int8's integer, or float8 e4m3's (sign, 4 exponent bits with
+// bias 7, 3 mantissa bits; exponent 0: subnormal, m * 2^-9; S.1111.111: NaN; no inf).
+// Exact in float32.
+__device__ inline float code_value(unsigned char code, bool e4m3) {
+    if (!e4m3) return (float)(signed char)code;
+    const int exponent = (code >> 3) & 15, mantissa = code & 7;
+    if (exponent == 15 && mantissa == 7) return __int_as_float(0x7fc00000);
+    // (8 + m) * 2^(e - 10), or m * 2^-9: a power of two assembled in the exponent bits
+    const float magnitude = exponent == 0 ? (float)mantissa * __int_as_float((127 - 9) << 23)
+                                          : (float)(8 + mantissa) * __int_as_float((127 + exponent - 10) << 23);
+    return (code & 0x80) ? -magnitude : magnitude;
+}
+__device__ inline i64 paged_k_scale_row(const i64* ints, const i64* pages, i64 b, i64 h, i64 j) {
+    return key_row(ints, pages, b, h, j, ints[NPATTN_INT_K_SCALE_STRIDE_B], ints[NPATTN_INT_K_SCALE_STRIDE_H],
+                   ints[NPATTN_INT_K_SCALE_STRIDE_S]);
+}
+__device__ inline i64 paged_v_scale_row(const i64* ints, const i64* pages, i64 b, i64 h, i64 j) {
+    return key_row(ints, pages, b, h, j, ints[NPATTN_INT_V_SCALE_STRIDE_B], ints[NPATTN_INT_V_SCALE_STRIDE_H],
+                   ints[NPATTN_INT_V_SCALE_STRIDE_S]);
+}
+
+// Element d of key j's row of kv head h in batch entry b, of k (`values`: of v), in R: as
+// the array holds it, or a quantized cache's code times its scale (in R: exact in double).
+template <typename R, typename T, typename Acc>
+__device__ inline R key_element(const Operands<T, Acc>& in, bool values, i64 b, i64 h, i64 j, int d) {
+    const i64* ints = in.ints;
+    const i64 codes = ints[NPATTN_INT_KV_CODES];
+    if (codes == NPATTN_KVCODES_NONE) {
+        return values ? Storage<T>::template load<R>(in.v, paged_v_row(ints, in.pages, b, h, j) + d)
+                      : Storage<T>::template load<R>(in.k, paged_k_row(ints, in.pages, b, h, j) + d);
+    }
+    const bool e4m3 = codes == NPATTN_KVCODES_FLOAT8;
+    const unsigned char code = values ? in.v_codes[paged_v_row(ints, in.pages, b, h, j) + d]
+                                      : in.k_codes[paged_k_row(ints, in.pages, b, h, j) + d];
+    const float scale = values ? in.v_scale[paged_v_scale_row(ints, in.pages, b, h, j)]
+                               : in.k_scale[paged_k_scale_row(ints, in.pages, b, h, j)];
+    return (R)code_value(code, e4m3) * (R)scale;
+}
+
 // Keys of the tile starting at key j0: up to block_k, `last` and the end of j0's page (so
 // one stride reaches every key of the tile).
 __device__ inline int tile_keys(const i64* ints, i64 j0, i64 last, int block_k) {
@@ -277,6 +324,34 @@ __device__ inline void load_tile(const T* x, i64 offset, i64 row_stride, int row
         const int r = index / tile_width, c = index % tile_width;
         tile[r * ld + c] = (r < rows && c < width)
                                ? Storage<T>::template load<Acc>(x, offset + r * row_stride + c)
+                               : (Acc)0;
+    }
+}
+
+// The rows [j0, j0 + rows) of kv head h of batch entry b of k (`values`: of v), width
+// `width`, as load_tile loads them (zeros past rows and width); `offset` is the first row's
+// in k or v (paged_k_row / paged_v_row: a tile lies in one page, so the rows are `row_stride`
+// apart). A quantized cache's rows are dequantized here (key_element's values).
+template <typename T, typename Acc>
+__device__ inline void load_key_tile(const Operands<T, Acc>& in, bool values, i64 b, i64 h, i64 j0, i64 offset,
+                                     i64 row_stride, int rows, int width, int tile_rows, int tile_width, Acc* tile,
+                                     int ld) {
+    const i64 codes = in.ints[NPATTN_INT_KV_CODES];
+    if (codes == NPATTN_KVCODES_NONE) {
+        load_tile(values ? in.v : in.k, offset, row_stride, rows, width, tile_rows, tile_width, tile, ld);
+        return;
+    }
+    const bool e4m3 = codes == NPATTN_KVCODES_FLOAT8;
+    const unsigned char* code_rows = values ? in.v_codes : in.k_codes;
+    const float* scales = values ? in.v_scale : in.k_scale;
+    const i64 scale_at = values ? paged_v_scale_row(in.ints, in.pages, b, h, j0)
+                                : paged_k_scale_row(in.ints, in.pages, b, h, j0);
+    const i64 scale_stride = in.ints[values ? NPATTN_INT_V_SCALE_STRIDE_S : NPATTN_INT_K_SCALE_STRIDE_S];
+    for (int index = threadIdx.x; index < tile_rows * tile_width; index += blockDim.x) {
+        const int r = index / tile_width, c = index % tile_width;
+        tile[r * ld + c] = (r < rows && c < width)
+                               ? (Acc)code_value(code_rows[offset + r * row_stride + c], e4m3) *
+                                     (Acc)scales[scale_at + r * scale_stride]
                                : (Acc)0;
     }
 }

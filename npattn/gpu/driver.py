@@ -123,7 +123,16 @@ def _option_operands(cp, problem, dtype, ints) -> dict:
             else cp.ascontiguousarray(problem.sink_logits.astype(dtype, copy=False)))
     pages = (_constant(cp, ("pages", problem.batch), lambda: cp.arange(problem.batch, dtype=cp.int64))
              if problem.block_table is None else cp.asarray(problem_pages(problem)))
-    return dict(bias=bias, mask=mask, alibi=alibi, sink=sink, spans=_spans(cp, problem), pages=pages)
+    # a quantized cache's scales (its codes are the call's k and v: ForwardPlan puts them in
+    # place); placeholders otherwise, as for the codes
+    no_codes = _constant(cp, ("zeros", "|u1"), lambda: cp.zeros(1, cp.uint8))
+    k_scale = v_scale = _constant(cp, ("zeros", "<f4"), lambda: cp.zeros(1, cp.float32))
+    if problem.k_scale is not None:
+        k_scale, v_scale = problem.k_scale, problem.v_scale
+        ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = element_strides(k_scale)
+        ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = element_strides(v_scale)
+    return dict(bias=bias, mask=mask, alibi=alibi, sink=sink, spans=_spans(cp, problem), pages=pages,
+                k_codes=no_codes, v_codes=no_codes, k_scale=k_scale, v_scale=v_scale)
 
 
 def _in_kernel_order(q, k, v, named) -> tuple:
@@ -131,6 +140,13 @@ def _in_kernel_order(q, k, v, named) -> tuple:
 
 
 _Q_SLOT, _K_SLOT, _V_SLOT = (OPERAND_NAMES.index(name) for name in "qkv")
+_K_CODES_SLOT, _V_CODES_SLOT = OPERAND_NAMES.index("k_codes"), OPERAND_NAMES.index("v_codes")
+
+
+def _widened_q(cp, q, dtype):
+    """A quantized call's q in the compute dtype, C-contiguous in its (bhsd) order: the SIMT
+    forward that reads the codes computes in its inputs' dtype (a decode step's q is small)."""
+    return cp.ascontiguousarray(q, dtype=dtype)
 
 
 def _unfilled(cp, shape, dtype):
@@ -203,10 +219,18 @@ class ForwardPlan:
         self.dtype = dtype = problem.accumulate_dtype
         self.layout = problem.layout
         batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
+        # a quantized cache (k and v int8 or float8 e4m3 codes with scales): the SIMT forward
+        # dequantizes its tiles as it loads them, on q in the compute dtype
+        self.quantized = problem.k_scale is not None
         with _on_device(problem):
-            q, k, v = _qkv(problem)
+            if self.quantized:
+                q, k, v = (_widened_q(cp, problem.q, dtype), _unit_last_axis(cp, problem.k),
+                           _unit_last_axis(cp, problem.v))
+                self._stand_in = _constant(cp, ("zeros", np.dtype(dtype).str), lambda: cp.zeros(1, dtype))
+            else:
+                q, k, v = _qkv(problem)
             self.storage = q.dtype.name
-            self.kind = kind = forward_kind(self.storage)
+            self.kind = kind = "forward" if self.quantized else forward_kind(self.storage)
             self.config = {}
             if kind == "forward_tc":
                 # packed rows: the query heads of a GQA group times the query rows, per kv head
@@ -279,6 +303,8 @@ class ForwardPlan:
         cp = self.xp
         with _device_context(cp, self.device):
             q, k, v = (_unit_last_axis(cp, x) for x in (q, k, v))
+            if self.quantized:
+                q = _widened_q(cp, q, self.dtype)
             if arrays is None:
                 named = self._plain_operands or self._make_plain_operands()
             else:
@@ -294,6 +320,9 @@ class ForwardPlan:
             else:
                 operands = [named.get(name) for name in OPERAND_NAMES]
             operands[_Q_SLOT], operands[_K_SLOT], operands[_V_SLOT] = q, k, v
+            if self.quantized:  # k and v are the codes: read as bytes, the float slots stand-ins
+                operands[_K_CODES_SLOT], operands[_V_CODES_SLOT] = k.view(cp.uint8), v.view(cp.uint8)
+                operands[_K_SLOT] = operands[_V_SLOT] = self._stand_in
             config = self.config
             # the structure fixed the strides (a plan of unaligned ones has UNALIGNED already):
             # a call's rows are aligned when its arrays start on 16 bytes

@@ -2,7 +2,8 @@
 // with an online softmax, and the exact attention weights recomputed from lse.
 //
 // One block of THREADS threads per (batch, head, tile of BQ query rows); it visits the
-// key tiles that masking leaves alive (key_segments), BK keys at a time. Shared memory
+// key tiles that masking leaves alive (key_segments), BK keys at a time. It also reads
+// quantized caches (load_key_tile dequantizes their tiles), for every input dtype. Shared memory
 // (dynamic, sized by npattn/gpu/launch.py from the actual head dims): the query tile,
 // one key and one value tile, the score tile and per-row softmax state. No Sq x Sk
 // array exists anywhere.
@@ -102,10 +103,10 @@ forward_kernel(NPATTN_OPERAND_PARAMS, Acc* out, i64 out_sb, i64 out_sh, i64 out_
         for (i64 j0 = keys.first[segment], next; j0 < keys.last[segment]; j0 = next) {
             const int cols = tile_keys(ints, j0, keys.last[segment], BK);  // within one page
             next = j0 + cols;
-            load_tile(k, paged_k_row(ints, pages, b, kv_head, j0), ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
-                      head_dim, ks, at.ld_k);
-            load_tile(v, paged_v_row(ints, pages, b, kv_head, j0), ints[NPATTN_INT_V_STRIDE_S], cols, value_dim, BK,
-                      value_dim, vs, at.ld_v);
+            load_key_tile(in, false, b, kv_head, j0, paged_k_row(ints, pages, b, kv_head, j0),
+                          ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK, head_dim, ks, at.ld_k);
+            load_key_tile(in, true, b, kv_head, j0, paged_v_row(ints, pages, b, kv_head, j0),
+                          ints[NPATTN_INT_V_STRIDE_S], cols, value_dim, BK, value_dim, vs, at.ld_v);
             __syncthreads();
             score_tile<T, Acc, NPATTN_BQ, BK>(in, qs, at.ld_q, ks, at.ld_k, s, at.ld_s, nullptr, b, h, i0, rows, j0,
                                               cols);
@@ -209,8 +210,8 @@ weights_kernel(NPATTN_OPERAND_PARAMS, const Acc* lse, Acc* weights) {
         for (i64 j0 = keys.first[segment], next; j0 < keys.last[segment]; j0 = next) {
             const int cols = tile_keys(ints, j0, keys.last[segment], BK);  // within one page
             next = j0 + cols;
-            load_tile(k, paged_k_row(ints, pages, b, kv_head, j0), ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK,
-                      head_dim, ks, at.ld_k);
+            load_key_tile(in, false, b, kv_head, j0, paged_k_row(ints, pages, b, kv_head, j0),
+                          ints[NPATTN_INT_K_STRIDE_S], cols, head_dim, BK, head_dim, ks, at.ld_k);
             __syncthreads();
             score_tile<T, Acc, NPATTN_BQ, BK>(in, qs, at.ld_q, ks, at.ld_k, s, at.ld_s, nullptr, b, h, i0, rows, j0,
                                               cols);

@@ -27,13 +27,14 @@
 // max(a, b) where a NaN in either gives NaN (NumPy's max; the reference's row max)
 __device__ inline double nan_max(double a, double b) { return a != a || b != b ? a + b : (a > b ? a : b); }
 
-// The float64 score of key j for the row of `scorer` (ScoreRow's steps, in double).
+// The float64 score of key j (of kv head h in batch entry b) for the row of `scorer`
+// (ScoreRow's steps, in double; a quantized cache's keys dequantized in double, exactly).
 template <typename T, typename Acc>
-__device__ inline double score_in_double(const ScoreRow<T, Acc>& scorer, const T* q, i64 q_offset, const T* k,
-                                         i64 k_offset, int head_dim, i64 j) {
+__device__ inline double score_in_double(const ScoreRow<T, Acc>& scorer, const Operands<T, Acc>& in, i64 q_offset,
+                                         i64 b, i64 h, int head_dim, i64 j) {
     double dot = 0;
     for (int d = 0; d < head_dim; ++d) {
-        dot += Storage<T>::template load<double>(q, q_offset + d) * Storage<T>::template load<double>(k, k_offset + d);
+        dot += Storage<T>::template load<double>(in.q, q_offset + d) * key_element<double>(in, false, b, h, j, d);
     }
     double score = (double)scorer.scale * dot;
     if (scorer.softcap != (Acc)0) score = (double)scorer.softcap * tanh(score / (double)scorer.softcap);
@@ -49,7 +50,6 @@ template <typename T, typename Acc>
 __device__ inline void repair_row(const Operands<T, Acc>& in, i64 row, int lane, T* out, i64 out_sb, i64 out_sh,
                                   i64 out_ss, Acc* lse) {
     constexpr int COLUMNS = NPATTN_MAX_HEAD_DIM / 32;  // columns per lane
-    const T *q = in.q, *k = in.k, *v = in.v;
     const Acc *sink = in.sink, *reals = in.reals;
     const i64 *spans = in.spans, *pages = in.pages, *ints = in.ints;
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN], kv_len = ints[NPATTN_INT_KV_LEN];
@@ -71,7 +71,7 @@ __device__ inline void repair_row(const Operands<T, Acc>& in, i64 row, int lane,
     const ScoreRow<T, Acc> scorer(in, b, h, i);
     const i64 kv_head = kv_head_of(ints, h), q_offset = q_row(ints, b, h, i);
     auto score_of = [&](i64 j) {
-        return score_in_double(scorer, q, q_offset, k, paged_k_row(ints, pages, b, kv_head, j), head_dim, j);
+        return score_in_double(scorer, in, q_offset, b, kv_head, head_dim, j);
     };
     // the row's max over the keys it sees, and whether it sees any (a NaN score counts)
     int has_key = 0;
@@ -114,11 +114,10 @@ __device__ inline void repair_row(const Operands<T, Acc>& in, i64 row, int lane,
             const int key_seen = __shfl_xor_sync(0xffffffffu, seen, lane ^ t);
             const double key_weight = __shfl_xor_sync(0xffffffffu, weight, lane ^ t);
             if (!key_seen) continue;  // the same for every lane
-            const i64 v_offset = paged_v_row(ints, pages, b, kv_head, j0 + t);
 #pragma unroll
             for (int c = 0; c < COLUMNS; ++c) {
                 const int d = lane + 32 * c;
-                if (d < value_dim) sums[c] += key_weight * Storage<T>::template load<double>(v, v_offset + d);
+                if (d < value_dim) sums[c] += key_weight * key_element<double>(in, true, b, kv_head, j0 + t, d);
             }
         }
     }

@@ -103,10 +103,9 @@ def checked_paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, op
         _quantized.check_backend(implementation)
     want_lse = bool(options.get("return_lse"))
     if not (batch and getattr(implementation, "PACKED_ROWS", False)):
-        if scales is not None:  # the reference: one call per sequence on the pool as floats, at run time
-            return lambda: _per_sequence(q, *_quantized.dequantized(k_cache, v_cache, scales, q.dtype), starts, used,
-                                         offsets, pages, options, want_lse, xp)
-        return lambda: _per_sequence(q, k_cache, v_cache, starts, used, offsets, pages, options, want_lse, xp)
+        # (one call per sequence; a quantized pool's each reading the codes as they lie)
+        return lambda: _per_sequence(q, k_cache, v_cache, starts, used, offsets, pages, options, want_lse, xp,
+                                     scales)
     _limits.check_memory(problem, implementation.NAME)
     rows, steps_problem = starts[steps], None
     if steps.size:  # the decode steps' own dense call, checked now too
@@ -130,9 +129,11 @@ def checked_paged_varlen(q, k_cache, v_cache, starts, seqused_k, block_table, op
     return run
 
 
-def _per_sequence(q, k_cache, v_cache, starts, used, offsets, pages, options, want_lse, xp):
+def _per_sequence(q, k_cache, v_cache, starts, used, offsets, pages, options, want_lse, xp, scales=None):
     """One paged attention call per sequence, its rows copied into place (every row is some
-    sequence's); the options are the checked packed call's."""
+    sequence's); the options are the checked packed call's. A quantized pool's
+    (``scales``) calls read its codes (checked on float stand-ins of their shapes, as the
+    packed call is), never a float copy of the pool."""
     compute = np.float64 if q.dtype == np.float64 else np.float32
     out = xp.zeros((q.shape[0], q.shape[1], v_cache.shape[3]), q.dtype)
     lse = xp.full((q.shape[1], q.shape[0]), -np.inf, compute) if want_lse else None
@@ -142,8 +143,14 @@ def _per_sequence(q, k_cache, v_cache, starts, used, offsets, pages, options, wa
         q0, q1 = int(starts[b]), int(starts[b + 1])
         if q1 == q0:
             continue
-        result = api.attention(q[None, q0:q1], k_cache, v_cache, block_table=xp.asarray(pages[b:b + 1]),
-                               kv_lengths=xp.asarray(used[b:b + 1]), q_offset=xp.asarray(offsets[b:b + 1]), **single)
+        sequence = dict(block_table=xp.asarray(pages[b:b + 1]), kv_lengths=xp.asarray(used[b:b + 1]),
+                        q_offset=xp.asarray(offsets[b:b + 1]), **single)
+        if scales is None:
+            result = api.attention(q[None, q0:q1], k_cache, v_cache, **sequence)
+        else:
+            problem, implementation = api.checked_problem(
+                q[None, q0:q1], *_quantized.stand_ins(xp, k_cache, v_cache, q.dtype), sequence)
+            result = api.run_problem(_quantized.with_codes(problem, k_cache, v_cache, scales), implementation)
         if want_lse:
             out[q0:q1], lse[:, q0:q1] = result[0][0], result[1][0]
         else:

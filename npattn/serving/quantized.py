@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from ..core import checks
-from ..core.quantization import HEAD_DIM_MULTIPLE, check_codes, dequantize_kv
+from ..core.quantization import HEAD_DIM_MULTIPLE, check_codes
 
 
 class Scales(NamedTuple):
@@ -99,12 +99,5 @@ class RunScales:
 def check_backend(implementation: Any) -> None:
     """Raise unless the backend reads quantized caches (``QUANTIZED_KV``)."""
     if not getattr(implementation, "QUANTIZED_KV", False):
-        raise ValueError(f"the {implementation.NAME} backend does not read quantized (int8) caches yet; "
-                         "use backend='cpu' or 'reference', or a float cache")
-
-
-def dequantized(k_cache: Any, v_cache: Any, scales: Scales, dtype: Any) -> tuple[Any, Any]:
-    """The codes of ``k_cache`` and ``v_cache`` times their scales as ``dtype`` keys and
-    values (a copy): for a backend that reads no codes in the call at hand (the
-    reference's packed varlen call, one call per sequence on float keys)."""
-    return dequantize_kv(k_cache, scales.k_scale, dtype), dequantize_kv(v_cache, scales.v_scale, dtype)
+        raise ValueError(f"the {implementation.NAME} backend does not read quantized (int8 or float8) caches; "
+                         "use backend='cpu', 'gpu' or 'reference', or a float cache")
