@@ -558,6 +558,55 @@ def test_emulated_gpu_reads_quantized_pools_in_packed_batches(lengths, kind, gqa
 
 
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+@pytest.mark.parametrize("nan_key", [None, 150])
+def test_emulated_gpu_split_decoding_of_quantized_caches(kind, nan_key):
+    """A decode step over 300 quantized keys (paged, GQA) takes the split-KV forward and
+    its combine; with a NaN value scale at a key the first sequence sees (and the second,
+    shorter one does not), the combine's repair recomputes that row from the codes: NaN,
+    as the reference's, and the other rows the reference's finite ones."""
+    from npattn.gpu import driver, launch
+    from test_serving import assert_lse, assert_out, call_case
+
+    rng = np.random.default_rng(6)
+    pages, page_size, kv_heads, heads, dim = 24, 32, 2, 4, 32
+    (k_pool, k_scale), (v_pool, v_scale) = (npattn.quantize_kv(rng.normal(size=(pages, page_size, kv_heads, dim)),
+                                                                kind) for _ in range(2))
+    table = rng.permutation(pages)[:20].reshape(2, 10)
+    lengths = np.array([300, 120])
+    if nan_key is not None:
+        v_scale[table[0, nan_key // page_size], nan_key % page_size, 1] = np.nan  # kv head 1 of sequence 0 only
+    q = rng.normal(size=(2, 1, heads, dim)).astype(np.float32)
+    splits = []
+    real_run = launch.run
+
+    def spy(kind_, storage, bound, blocks, shared, arguments, **config):
+        if kind_ == "combine":
+            splits.append(blocks)
+        return real_run(kind_, storage, bound, blocks, shared, arguments, **config)
+
+    launch.run = spy
+    try:
+        out, lse = npattn.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths, block_table=table,
+                                                 k_scale=k_scale, v_scale=v_scale, return_lse=True, backend="gpu")
+    finally:
+        launch.run = real_run
+    assert splits, "the step did not split its keys"
+    assert driver.decode_splits(2 * heads, 1, 320, 16, 32) > 1
+    for b in range(2):
+        keys, values = (npattn.dequantize_kv(pool[table[b]].reshape(-1, kv_heads, dim)[:lengths[b]],
+                                             scale[table[b]].reshape(-1, kv_heads)[:lengths[b]], np.float64)[None]
+                        for pool, scale in ((k_pool, k_scale), (v_pool, v_scale)))
+        expected, expected_lse = npattn.attention(q[b:b + 1].astype(np.float64), keys, values, layout="bshd",
+                                                  return_lse=True, backend="reference")
+        np.testing.assert_array_equal(np.isnan(out[b:b + 1]), np.isnan(expected))
+        seen = ~np.isnan(expected)
+        case = call_case(q[b:b + 1], keys, np.nan_to_num(values))
+        assert_out(np.where(seen, out[b:b + 1], 0), np.where(seen, expected, 0), case)
+        assert_lse(lse[b:b + 1], expected_lse, case)
+    assert np.isnan(out[0, 0, 2:]).all() == (nan_key is not None) and np.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
 def test_emulated_gpu_repairs_rows_of_quantized_caches_from_their_codes(kind):
     """A NaN scale of a value row the first query does not see (causal) leaks into the
     tile product (0 * NaN); the repair pass recomputes the row from the codes and scales
