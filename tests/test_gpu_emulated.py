@@ -19,7 +19,8 @@ from test_backend_equivalence import check_backward, check_forward, check_peaked
 from test_nonfinite import assert_same_outputs, check_kernel_marks_non_finite_rows, planted_cases
 from test_odd_views import DEVICE_VIEW_KINDS, check_odd_views, viewed_cases
 from test_options import check_option_is_read
-from test_quantized_cache import check_paged_varlen_quantized, check_quantized_cache, quantized_cases
+from test_quantized_cache import (check_paged_varlen_quantized, check_planned_quantized_step, check_quantized_cache,
+                                  quantized_cases)
 from test_serving import (cache_cases, check_kvcache, check_paged_forward, check_varlen, packed_batches,
                           paged_cases)
 
@@ -555,6 +556,11 @@ def test_emulated_gpu_decodes_against_quantized_caches(case, seed):
        kind=st.sampled_from(["int8", "float8_e4m3"]), gqa=st.booleans(), seed=st.integers(0, 2**31))
 def test_emulated_gpu_reads_quantized_pools_in_packed_batches(lengths, kind, gqa, seed):
     check_paged_varlen_quantized("gpu", lengths, kind, gqa, seed)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_an_emulated_gpu_planned_quantized_step_is_the_call_layer_by_layer(paged):
+    check_planned_quantized_step(paged, "gpu")
 
 
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])

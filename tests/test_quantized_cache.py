@@ -341,6 +341,13 @@ def test_quantized_caches_reject_bad_input_by_name():
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_a_planned_quantized_step_is_the_call_layer_by_layer(paged):
+    check_planned_quantized_step(paged, "auto")
+
+
+def check_planned_quantized_step(paged, backend):
+    """plan_with_kvcache on a quantized cache (its runs hand each layer's scales to one
+    backend plan) gives each layer the call's bits and bytes (test_gpu_emulated.py runs it
+    on the GPU kernels too)."""
     rng = np.random.default_rng(7)
     batch, heads, kv_heads, layers, capacity = 2, 4, 2, 3, 16
     q = [rng.normal(size=(batch, 1, heads, HEAD_DIM)).astype(np.float32) for _ in range(layers)]
@@ -359,13 +366,13 @@ def test_a_planned_quantized_step_is_the_call_layer_by_layer(paged):
     planned, called = caches(), caches()
     seqlens = np.array([3, 9])
     step = npattn.plan_with_kvcache(q[0], *planned[0][:2], k[0], k[0], cache_seqlens=seqlens, k_scale=planned[0][2],
-                                    v_scale=planned[0][3], causal=True, **layout)
+                                    v_scale=planned[0][3], causal=True, backend=backend, **layout)
     for layer in range(layers):
         kc, vc, ks, vs = planned[layer]
         out = step.run(q[layer], kc, vc, k[layer], k[layer], k_scale=ks, v_scale=vs)
         kc2, vc2, ks2, vs2 = called[layer]
         expected = npattn.attention_with_kvcache(q[layer], kc2, vc2, k[layer], k[layer], cache_seqlens=seqlens,
-                                                 k_scale=ks2, v_scale=vs2, causal=True, **layout)
+                                                 k_scale=ks2, v_scale=vs2, causal=True, backend=backend, **layout)
         np.testing.assert_array_equal(out, expected)
         for mine, theirs in zip(planned[layer], called[layer]):
             np.testing.assert_array_equal(mine, theirs)
