@@ -28,12 +28,14 @@ EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("bfloat16", 64),
             ("float16", 128), ("float16", 256))
 # option sets of the tensor-core forward built for the emulation (a call runs the smallest
 # built superset of its options): the plain path, the band alone and everything, each at
-# head dims that fill the bound and at narrower ones, everything on unaligned rows, and
-# paged keys (a decode step's band and pages alone).
+# head dims that fill the bound and at narrower ones, everything on unaligned rows,
+# paged keys (a decode step's band and pages alone), and everything on a quantized
+# cache's codes (CODES, narrow heads).
 # Wider bounds get the two general sets only.
 _NARROW, _UNALIGNED = Option.NARROW, Option.UNALIGNED
 FORWARD_TC_OPTIONS = {64: (0, Option.BAND, ALL, _NARROW, Option.BAND | _NARROW, ALL | _NARROW,
-                           ALL | _NARROW | _UNALIGNED, Option.BAND | Option.PAGED | _NARROW),
+                           ALL | _NARROW | _UNALIGNED, Option.BAND | Option.PAGED | _NARROW,
+                           ALL | _NARROW | Option.CODES),
                       128: (0, ALL | _NARROW, ALL | _NARROW | _UNALIGNED),
                       256: (ALL | _NARROW, ALL | _NARROW | _UNALIGNED)}
 # option sets of the tensor-core backward built: plain, the band alone, and everything

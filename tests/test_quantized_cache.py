@@ -548,7 +548,7 @@ def test_a_paged_varlen_call_reads_quantized_pools(backend, lengths, kind, gqa, 
     check_paged_varlen_quantized(backend, lengths, kind, gqa, seed)
 
 
-def check_paged_varlen_quantized(backend, lengths, kind, gqa, seed):
+def check_paged_varlen_quantized(backend, lengths, kind, gqa, seed, dtype=np.float32):
     """attention_varlen with block_table on int8 or e4m3 pools (k_scale, v_scale): each
     sequence's rows are the float64 attention over its keys dequantized, within float32's
     bound, with queries bottom-right among the keys as for float pools."""
@@ -564,7 +564,7 @@ def check_paged_varlen_quantized(backend, lengths, kind, gqa, seed):
     table = rng.permutation(pool_pages)[:pages_each * len(lengths)].reshape(len(lengths), pages_each)
     cu = np.concatenate([[0], np.cumsum([new for new, _ in lengths])])
     used = np.array([keys for _, keys in lengths])
-    q = rng.standard_normal((int(cu[-1]), heads, HEAD_DIM)).astype(np.float32)
+    q = rng.standard_normal((int(cu[-1]), heads, HEAD_DIM)).astype(dtype)
     out = npattn.attention_varlen(q, k_codes, v_codes, cu, seqused_k=used, block_table=table, k_scale=k_scale,
                                   v_scale=v_scale, causal=True, backend=backend)
     for b, (new, keys) in enumerate(lengths):

@@ -219,18 +219,20 @@ class ForwardPlan:
         self.dtype = dtype = problem.accumulate_dtype
         self.layout = problem.layout
         batch, heads, q_len, value_dim = problem.batch, problem.heads, problem.q_len, problem.value_dim
-        # a quantized cache (k and v int8 or float8 e4m3 codes with scales): the SIMT forward
-        # dequantizes its tiles as it loads them, on q in the compute dtype
+        # a quantized cache (k and v int8 or float8 e4m3 codes with scales): the forward
+        # dequantizes its tiles as it stages them, the tensor-core one (16-bit q; CODES) to
+        # q's type, the SIMT one (any other q, widened to its compute dtype) to that
         self.quantized = problem.k_scale is not None
+        self.widens_q = self.quantized and forward_kind(problem.q.dtype.name) != "forward_tc"
         with _on_device(problem):
             if self.quantized:
-                q, k, v = (_widened_q(cp, problem.q, dtype), _unit_last_axis(cp, problem.k),
-                           _unit_last_axis(cp, problem.v))
-                self._stand_in = _constant(cp, ("zeros", np.dtype(dtype).str), lambda: cp.zeros(1, dtype))
+                q = _widened_q(cp, problem.q, dtype) if self.widens_q else _unit_last_axis(cp, problem.q)
+                k, v = _unit_last_axis(cp, problem.k), _unit_last_axis(cp, problem.v)
+                self._stand_in = _constant(cp, ("zeros", q.dtype.str), lambda: cp.zeros(1, q.dtype))
             else:
                 q, k, v = _qkv(problem)
             self.storage = q.dtype.name
-            self.kind = kind = "forward" if self.quantized else forward_kind(self.storage)
+            self.kind = kind = forward_kind(self.storage)
             self.config = {}
             if kind == "forward_tc":
                 # packed rows: the query heads of a GQA group times the query rows, per kv head
@@ -239,8 +241,9 @@ class ForwardPlan:
                 # each call's rows lie, so the call adds it (see _options)
                 options = options_of(problem, (), bound)
                 # rows whose strides break 16-byte alignment (after the last-axis copy a
-                # call makes) stay unaligned at every call: plain loads, decided once
-                if not all(_strides_aligned(_unit_last_axis(cp, x)) for x in (q, k, v)):
+                # call makes) stay unaligned at every call: plain loads, decided once (a
+                # quantized cache's codes are read by plain loads whatever their alignment)
+                if not all(_strides_aligned(_unit_last_axis(cp, x)) for x in (q, k, v)[:1 if self.quantized else 3]):
                     options |= Option.UNALIGNED
                 tile = forward_tc_config(rows, bound, options)
                 self.config = dict(tile=tile, options=options)
@@ -303,7 +306,7 @@ class ForwardPlan:
         cp = self.xp
         with _device_context(cp, self.device):
             q, k, v = (_unit_last_axis(cp, x) for x in (q, k, v))
-            if self.quantized:
+            if self.widens_q:
                 q = _widened_q(cp, q, self.dtype)
             if arrays is None:
                 named = self._plain_operands or self._make_plain_operands()
@@ -327,7 +330,7 @@ class ForwardPlan:
             # the structure fixed the strides (a plan of unaligned ones has UNALIGNED already):
             # a call's rows are aligned when its arrays start on 16 bytes
             if config and not (config["options"] & Option.UNALIGNED) and (
-                    _address(q) | _address(k) | _address(v)) % 16:
+                    _address(q) | (0 if self.quantized else _address(k) | _address(v))) % 16:
                 config = dict(config, options=config["options"] | Option.UNALIGNED)
             if self.writes_every_row:
                 out, lse = _unfilled(cp, self.out_shape, self.out_dtype), _unfilled(cp, self.lse_shape, self.dtype)

@@ -186,9 +186,11 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     // key tile t of K or V (strides sb, sh, ss): one stride from its first key's row, or
     // with PAGED, each key's row looked up in its page
     auto stage_keys = [&](const T* x, i64 sb, i64 sh, i64 ss, unsigned short* tile, int ld, int width, int chunks,
-                          i64 t) {
+                          i64 t, bool values) {
         const i64 j0 = key_tiles.start(t);
-        if constexpr ((OPTIONS & NPATTN_OPTION_PAGED) != 0) {
+        if constexpr ((OPTIONS & NPATTN_OPTION_CODES) != 0) {  // (x is a stand-in, unread: the codes are in `in`)
+            stage_code_tile(tile, ld, in, values, b, kv_head, j0, key_tiles.keys(t), width, BK, chunks);
+        } else if constexpr ((OPTIONS & NPATTN_OPTION_PAGED) != 0) {
             stage_tile<ASYNC>(tile, ld, x, [&](int r) { return key_row(ints, pages, b, kv_head, j0 + r, sb, sh, ss); },
                               key_tiles.keys(t), width, BK, chunks);
         } else {
@@ -205,11 +207,11 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     };
     auto stage_k = [&](i64 t) {
         stage_keys(k, ints[NPATTN_INT_K_STRIDE_B], ints[NPATTN_INT_K_STRIDE_H], ints[NPATTN_INT_K_STRIDE_S], ks(t),
-                   at.ld_qk, head_dim, qk_chunks, t);
+                   at.ld_qk, head_dim, qk_chunks, t, false);
     };
     auto stage_v = [&](i64 t) {
         stage_keys(v, ints[NPATTN_INT_V_STRIDE_B], ints[NPATTN_INT_V_STRIDE_H], ints[NPATTN_INT_V_STRIDE_S], vs(t),
-                   at.ld_v, value_dim, v_chunks, t);
+                   at.ld_v, value_dim, v_chunks, t, true);
     };
     if (tile_count > 0) {
         stage_k(0);

@@ -23,11 +23,12 @@ def _bits(names) -> type[IntFlag]:
 # One bit per ``gpu_option`` of the options table (MASK, BIAS, ALIBI, SOFTCAP, DROPOUT,
 # SINK, BAND: causal, a window with sinks, kv_lengths or left padding, keys a row may not
 # see; PAGED: k and v in pages, looked up per key row; an entry's doc says what each
-# does), then two of the operands' layout: UNALIGNED (rows not 16-byte aligned: plain
-# loads instead of cp.async) and NARROW (head dims, rounded up to 16, below the kernel's
-# bound: loops test them).
+# does), then three of the operands: UNALIGNED (rows not 16-byte aligned: plain
+# loads instead of cp.async), NARROW (head dims, rounded up to 16, below the kernel's
+# bound: loops test them) and CODES (k and v a quantized cache's int8 or e4m3 codes with
+# their scales, dequantized to the inputs' 16-bit type as their tiles are staged).
 Option = _bits(dict.fromkeys([*(option.gpu_option for option in _table.OPTIONS if option.gpu_option),
-                              "UNALIGNED", "NARROW"]))
+                              "UNALIGNED", "NARROW", "CODES"]))
 
 
 def _union(selected) -> IntFlag:
@@ -87,6 +88,7 @@ def options_of(problem, arrays=(), bound: int = 0) -> Option:
         Option.UNALIGNED: (problem.head_dim % 8 != 0 or problem.value_dim % 8 != 0
                            or not all(_aligned(array) for array in arrays)),
         Option.NARROW: bound > 0 and min(whole_tiles(problem.head_dim), whole_tiles(problem.value_dim)) < bound,
+        Option.CODES: problem.k_scale is not None,
     }
     for option, present in flags.items():
         if present:

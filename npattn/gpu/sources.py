@@ -211,8 +211,9 @@ def kernel_name(kind: str, dtype_name: str, bound: int = 0, *, tile: ForwardTile
     return f"{kind}_kernel<{arguments}>"
 
 
-# every option, on rows that need plain loads and dims below the bound: the slowest path
-_EVERY_OPTION = _options.ALL | _options.Option.UNALIGNED | _options.Option.NARROW
+# every option, on rows that need plain loads and dims below the bound, reading a
+# quantized cache's codes: the slowest path
+_EVERY_OPTION = _options.ALL | _options.Option.UNALIGNED | _options.Option.NARROW | _options.Option.CODES
 
 
 def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:

@@ -172,6 +172,35 @@ __device__ inline void stage_tile(unsigned short* tile, int ld, const T* x, RowO
     }
 }
 
+// stage_tile for a quantized cache (OPTIONS has CODES): rows [j0, j0 + rows) of kv head h
+// of entry b of k (`values`: of v) dequantized, each code times its row's scale rounded
+// once from float32 to T, by plain stores (the codes are converted, not copied).
+template <typename T, typename Acc>
+__device__ inline void stage_code_tile(unsigned short* tile, int ld, const Operands<T, Acc>& in, bool values, i64 b,
+                                       i64 h, i64 j0, int rows, int width, int tile_rows, int chunks) {
+    const i64* ints = in.ints;
+    const bool e4m3 = ints[NPATTN_INT_KV_CODES] == NPATTN_KVCODES_FLOAT8;
+    const unsigned char* codes = values ? in.v_codes : in.k_codes;
+    const float* scales = values ? in.v_scale : in.k_scale;
+    for (int index = threadIdx.x; index < tile_rows * chunks; index += blockDim.x) {
+        const int r = index / chunks, c = index % chunks;
+        const int valid = r < rows ? (int)smaller(8, larger(0, width - 8 * c)) : 0;
+        unsigned short* destination = tile + swizzled(r, 8 * c, ld);
+        i64 row = 0;
+        float scale = 0;
+        if (valid > 0) {
+            const i64 j = j0 + r;
+            row = values ? paged_v_row(ints, in.pages, b, h, j) : paged_k_row(ints, in.pages, b, h, j);
+            scale = scales[values ? paged_v_scale_row(ints, in.pages, b, h, j) : paged_k_scale_row(ints, in.pages, b, h, j)];
+        }
+        for (int e = 0; e < 8; ++e) {
+            T value;
+            Storage<T>::store(&value, 0, e < valid ? (double)(code_value(codes[row + 8 * c + e], e4m3) * scale) : 0.0);
+            destination[e] = value.bits;
+        }
+    }
+}
+
 // Whether the decode forward's one-warp tiles stage whole-width K and V rows with
 // stage_strided_rows (forward_tc.cu). NPATTN_GENERIC_STAGING (through
 // NPATTN_GPU_DEFINES, npattn.gpu.sources.compile_options) turns it off, to time the two
