@@ -92,6 +92,9 @@ def test_the_source_defines_every_parameter_position():
     for member in Real:
         assert f"#define NPATTN_REAL_{member.name} {member.value}\n" in text
     assert '#include "' not in text, "local includes must be inlined: NVRTC gets no include path"
+    # common.cuh's strided_key_row reads an array's B, H and S strides as three in a row
+    for array in ("Q", "K", "V", "K_SCALE", "V_SCALE"):
+        assert [Int[f"{array}_STRIDE_{axis}"] - Int[f"{array}_STRIDE_B"] for axis in "BHS"] == [0, 1, 2], array
 
 
 @pytest.mark.parametrize("head_dim, bound", [(1, 64), (64, 64), (65, 128), (128, 128), (200, 256), (256, 256)])

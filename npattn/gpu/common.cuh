@@ -249,13 +249,16 @@ __device__ inline i64 key_row(const i64* ints, const i64* pages, i64 b, i64 h, i
     const i64 page_size = ints[NPATTN_INT_PAGE_SIZE], block = j / page_size;
     return pages[b * ints[NPATTN_INT_PAGES] + block] * sb + h * sh + (j - block * page_size) * ss;
 }
+// key_row with the strides ints[STRIDE_B], ints[STRIDE_B + 1], ints[STRIDE_B + 2] (an
+// array's B, H and S strides, consecutive in npattn.core.kernel_params.Int)
+template <int STRIDE_B> __device__ inline i64 strided_key_row(const i64* ints, const i64* pages, i64 b, i64 h, i64 j) {
+    return key_row(ints, pages, b, h, j, ints[STRIDE_B], ints[STRIDE_B + 1], ints[STRIDE_B + 2]);
+}
 __device__ inline i64 paged_k_row(const i64* ints, const i64* pages, i64 b, i64 h, i64 j) {
-    return key_row(ints, pages, b, h, j, ints[NPATTN_INT_K_STRIDE_B], ints[NPATTN_INT_K_STRIDE_H],
-                   ints[NPATTN_INT_K_STRIDE_S]);
+    return strided_key_row<NPATTN_INT_K_STRIDE_B>(ints, pages, b, h, j);
 }
 __device__ inline i64 paged_v_row(const i64* ints, const i64* pages, i64 b, i64 h, i64 j) {
-    return key_row(ints, pages, b, h, j, ints[NPATTN_INT_V_STRIDE_B], ints[NPATTN_INT_V_STRIDE_H],
-                   ints[NPATTN_INT_V_STRIDE_S]);
+    return strided_key_row<NPATTN_INT_V_STRIDE_B>(ints, pages, b, h, j);
 }
 
 // ---- quantized caches ----------------------------------------------------------------
@@ -279,12 +282,10 @@ __device__ inline float code_value(unsigned char code, bool e4m3) {
     return (code & 0x80) ? -magnitude : magnitude;
 }
 __device__ inline i64 paged_k_scale_row(const i64* ints, const i64* pages, i64 b, i64 h, i64 j) {
-    return key_row(ints, pages, b, h, j, ints[NPATTN_INT_K_SCALE_STRIDE_B], ints[NPATTN_INT_K_SCALE_STRIDE_H],
-                   ints[NPATTN_INT_K_SCALE_STRIDE_S]);
+    return strided_key_row<NPATTN_INT_K_SCALE_STRIDE_B>(ints, pages, b, h, j);
 }
 __device__ inline i64 paged_v_scale_row(const i64* ints, const i64* pages, i64 b, i64 h, i64 j) {
-    return key_row(ints, pages, b, h, j, ints[NPATTN_INT_V_SCALE_STRIDE_B], ints[NPATTN_INT_V_SCALE_STRIDE_H],
-                   ints[NPATTN_INT_V_SCALE_STRIDE_S]);
+    return strided_key_row<NPATTN_INT_V_SCALE_STRIDE_B>(ints, pages, b, h, j);
 }
 
 // Element d of key j's row of kv head h in batch entry b, of k (`values`: of v), in R: as
