@@ -16,6 +16,7 @@ from numba import njit  # noqa: E402
 
 from npattn.cpu.rowmath import (_BRIEF_C, SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, row_max,  # noqa: E402
                                 short_row_max)
+from npattn.cpu.simd import VECTOR_BYTES, lanes_in, line_elements  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 # float32 exp underflows to exactly 0 below 2**-126 (the polynomial's smallest normal) and
@@ -127,3 +128,16 @@ def test_the_short_row_operations_give_the_general_ones_bits(dtype, data, start,
     total = _exp_shifted(general, start, length, shift)
     assert np.array_equal(_exp_short_row_shifted(short, start, shift), total, equal_nan=True)
     assert general.tobytes() == short.tobytes()
+
+
+@njit  # not cached (as above)
+def _lanes_and_line(row):
+    return lanes_in(row), line_elements(row)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float32, np.float64])
+def test_lanes_in_and_line_elements_are_the_dtypes_counts(dtype):
+    """simd.lanes_in and line_elements: the constants jitted code uses in place of a
+    division by an array's itemsize (which Numba reads at run time)."""
+    array = np.zeros(4, dtype)
+    assert _lanes_and_line(array) == (VECTOR_BYTES // array.itemsize, 64 // array.itemsize)

@@ -25,8 +25,8 @@ from numba.extending import overload
 
 from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like
-from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, load, load_code, multiply_add, never_inline, store,
-                   store_key_sums)
+from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, lanes_in, load, load_code, multiply_add, never_inline,
+                   store, store_key_sums)
 
 
 # Query rows per register block: 4 x 4 accumulators of the 32 zmm registers (each key's
@@ -86,7 +86,7 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
     """4 keys at a time against blocks of :data:`ROW_BLOCK` query rows, then single rows
     (each key's codes converted once per block, 4 FMA chains per row); then the keys left
     one by one. ``alpha`` takes an e4m3 code's 2**8 (:data:`E4M3_UNIT`)."""
-    lanes = VECTOR_BYTES // c.itemsize
+    lanes = lanes_in(c)
     j = 0
     while j + 4 <= cols:
         k = b_offset + j * b_row
@@ -193,7 +193,7 @@ def _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset
     rows) held in registers over every key: each key's codes of those columns converted
     once per block, its probabilities scaled once (by the scale times ``unit``, an e4m3
     code's 2**8); then the columns left a vector at a time."""
-    lanes = VECTOR_BYTES // c.itemsize
+    lanes = lanes_in(c)
     x0 = 0
     while x0 + 4 * lanes <= width:
         r = 0

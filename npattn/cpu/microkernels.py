@@ -26,8 +26,9 @@ from numba.extending import overload
 
 from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
-from .simd import (BF16_DOT, VECTOR_BYTES, as_bits, as_float, fill, horizontal_sum, load, load_like, multiply_add,
-                   never_inline, repeat, splat_fma_rows, splat_pair_dot_rows, store_scaled_rows, transpose_square)
+from .simd import (BF16_DOT, VECTOR_BYTES, as_bits, as_float, fill, horizontal_sum, lanes_in, load, load_like,
+                   multiply_add, never_inline, repeat, splat_fma_rows, splat_pair_dot_rows, store_scaled_rows,
+                   transpose_square)
 
 _BLOCK_ROWS = 6
 # B's share of L1 (48 KiB on the project's machine; 32 KiB is common)
@@ -181,9 +182,9 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
     rows of B fit in L1 beside the accumulators: B is re-read once per 6 rows of C, from
     L1 rather than L2."""
     never_inline()
-    lanes = VECTOR_BYTES // c.itemsize
+    lanes = lanes_in(c)
     chunk = VECTORS_PER_CHUNK * lanes
-    depth_block = _L1_BYTES // (chunk * c.itemsize)
+    depth_block = _L1_BYTES // (VECTORS_PER_CHUNK * VECTOR_BYTES)  # (a chunk's bytes: the same for every dtype)
     x = 0
     if pairs is None and rows <= _WIDE_ROWS:  # (pair products never take it: less to compile)
         # one row reads each row of B once: no depth slices for L1 (and so each element
@@ -225,7 +226,7 @@ def _dot_products(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, ro
     """8 keys at a time (8 independent FMA chains: enough to cover the FMA latency), each
     row of A against them while their rows sit in L1; then the keys left one by one."""
     never_inline()
-    lanes = VECTOR_BYTES // c.itemsize
+    lanes = lanes_in(c)
     j = 0
     while j + 8 <= cols:
         k = b_offset + j * b_row
@@ -275,7 +276,7 @@ def pack_transposed(x, offset, row_stride, rows, cols, packed, ld, padded_rows):
 def _pack_transposed(x, offset, row_stride, rows, cols, packed, ld, padded_rows):
     """Whole lanes x lanes squares go through registers; the edges element by element."""
     never_inline()
-    lanes = VECTOR_BYTES // x.itemsize
+    lanes = lanes_in(x)
     full_rows = rows - rows % lanes
     full_cols = cols - cols % lanes
     for r in range(0, full_rows, lanes):

@@ -39,7 +39,7 @@ from numba.extending import intrinsic, overload
 
 from .jit import HELPER_OPTIONS, OPTIONS
 from .signatures import plain_int, scalar_like
-from .simd import (VECTOR_BYTES, Vector, add, call_llvm_intrinsic, fill, horizontal_max, horizontal_sum,
+from .simd import (VECTOR_BYTES, Vector, add, call_llvm_intrinsic, fill, horizontal_max, horizontal_sum, lanes_in,
                    load, maximum, store)
 
 LOG2E = 1.4426950408889634
@@ -126,7 +126,7 @@ def _exp_float32(typingctx, x, shift, brief):
 @njit(**HELPER_OPTIONS)
 def row_max(x, start, n):
     """max(x[start : start + n]), -inf for n == 0 or all -inf (NaNs are skipped)."""
-    lanes = VECTOR_BYTES // x.itemsize
+    lanes = lanes_in(x)
     full = start + n - n % lanes
     best_lanes = fill(-np.inf, x)
     for c in range(start, full, lanes):

@@ -28,9 +28,10 @@ from . import _cache  # noqa: F401  (before any @njit: stamps caches, applies NP
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, models, register_model
+from numba.extending import intrinsic, models, overload, register_model
 
 from .isa import compiled_isa, target_features
+from .jit import OPTIONS
 
 ISA = compiled_isa()
 # One register: zmm on AVX-512, ymm elsewhere (on SSE-only CPUs LLVM splits it in two).
@@ -697,5 +698,31 @@ def lanes_of(dtype) -> int:
     """Lanes of a vector of ``dtype`` (a NumPy dtype): 16 for float32, 8 for float64 on
     AVX-512; 8 and 4 on AVX2."""
     return VECTOR_BYTES // dtype.itemsize
+
+
+def lanes_in(array):
+    """:func:`lanes_of` ``array``'s dtype, in jitted code, as a constant fixed when the
+    caller is typed. ``VECTOR_BYTES // array.itemsize`` is not one: Numba reads an array's
+    itemsize from the array at run time, so each such line was an integer division (an
+    ``idiv`` in every row of a small call's softmax and 16-bit tile conversions, found
+    by perf)."""
+    raise NotImplementedError
+
+
+@overload(lanes_in, jit_options=OPTIONS, inline="always")
+def _lanes_in_overload(array):
+    lanes = VECTOR_BYTES // (array.dtype.bitwidth // 8)
+    return lambda array: lanes
+
+
+def line_elements(array):
+    """Elements of ``array`` per 64-byte cache line, a constant as :func:`lanes_in`'s."""
+    raise NotImplementedError
+
+
+@overload(line_elements, jit_options=OPTIONS, inline="always")
+def _line_elements_overload(array):
+    elements = max(1, 64 // (array.dtype.bitwidth // 8))
+    return lambda array: elements
 
 

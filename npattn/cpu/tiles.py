@@ -18,8 +18,8 @@ from .blas import gemm
 from .code_products import code_dot_products
 from .jit import OPTIONS, helper
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
-from .simd import (VECTOR_BYTES, as_float, fill, load, load_float16_bits, prefetch, prefetch_to_l2, store,
-                   store_bfloat16, store_interleaved_pairs)
+from .simd import (VECTOR_BYTES, as_float, fill, lanes_in, line_elements, load, load_float16_bits, prefetch,
+                   prefetch_to_l2, store, store_bfloat16, store_interleaved_pairs)
 from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span
 from .signatures import as_offset, larger, plain_int, scalar_like, smaller
 
@@ -96,7 +96,7 @@ def hidden_tail(s, start, stop, row_end):
     :func:`pair_rows` pairs past it with 0). The causal diagonal tile hides a tail of every
     row; filled a column at a time, LLVM's scalar remainder loop took 4% of a causal
     (1, 64, 16 x 16, 16) forward's kernel samples."""
-    lanes = VECTOR_BYTES // s.itemsize
+    lanes = lanes_in(s)
     hidden = fill(-np.inf, s)
     x = start
     while x < stop and x + lanes <= row_end:
@@ -337,14 +337,14 @@ def prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b, 
 @njit(inline="always")
 def _prefetch_span(array, start, stop):
     """The cache lines of ``array[start:stop]``, into L1 (for use a few rows on)."""
-    for x in range(start, stop, 64 // array.itemsize):
+    for x in range(start, stop, line_elements(array)):
         prefetch(array, x)
 
 
 @njit(inline="always")
 def _prefetch_tile_span(array, start, stop):
     """The cache lines of ``array[start:stop]``, into L2 (for the next key tile)."""
-    for x in range(start, stop, 64 // array.itemsize):
+    for x in range(start, stop, line_elements(array)):
         prefetch_to_l2(array, x)
 
 
@@ -382,7 +382,7 @@ def _converted_row(codes, offset, out, out_offset, width, brain):
     """``out[out_offset + x]`` = the 16-bit float whose bytes start at ``codes[offset + 2x]``
     (bfloat16 with ``brain``, else float16), for x < width (whole vectors; out float32)."""
     like = fill(0.0, out)
-    lanes = VECTOR_BYTES // out.itemsize
+    lanes = lanes_in(out)
     for x in range(0, width, lanes):
         store(out, out_offset + x, load_float16_bits(codes, offset + 2 * x, like, brain))
 
