@@ -148,25 +148,11 @@ def short_row_max(x, start):
     """:func:`row_max` of exactly one short row, ``x[start : start + SHORT_ROW_BYTES //
     itemsize]``, with its bits (the same lane maxima in the same order), inlined into the
     caller (no call: the rows of a short tile then overlap)."""
-    return _short_row_max(x, plain_int(start))
-
-
-def _short_row_max(x, start):
-    raise NotImplementedError
-
-
-@overload(_short_row_max, jit_options=OPTIONS, inline="always")
-def _short_row_max_overload(x, start):
-    # (the lanes fixed here: x.itemsize in jitted code is read from the array at run
-    # time, and the division by it was an idiv in every row of a small call)
-    lanes = VECTOR_BYTES // (x.dtype.bitwidth // 8)
-
-    def implementation(x, start):
-        best = maximum(load(x, start), fill(-np.inf, x))
-        if _SHORT_ROW_VECTORS == 2:
-            best = maximum(load(x, start + lanes), best)
-        return horizontal_max(best)
-    return implementation
+    start = plain_int(start)
+    best = maximum(load(x, start), fill(-np.inf, x))
+    if _SHORT_ROW_VECTORS == 2:
+        best = maximum(load(x, start + lanes_in(x)), best)
+    return horizontal_max(best)
 
 
 @njit(inline="always")
