@@ -542,9 +542,10 @@ def test_emulated_gpu_decodes_against_caches(case, seed):
     check_kvcache("gpu", case, seed)
 
 
-# int8 and float8 e4m3 caches, contiguous or paged, every positional option: the SIMT
-# forward dequantizes the tiles it loads (load_key_tile), its repair pass the keys it
-# rereads (key_element); a float16 q is computed in float32
+# int8 and float8 e4m3 caches, contiguous or paged, every positional option: the forward
+# dequantizes the tiles it stages (float16 q: the tensor-core one, stage_code_tile;
+# float32/float64 q: the SIMT one, load_key_tile), the repair pass the keys it rereads
+# (key_element)
 @FEWER
 @given(case=quantized_cases(dtypes=("float16", "float32", "float64")), seed=st.integers(0, 2**32 - 1))
 def test_emulated_gpu_decodes_against_quantized_caches(case, seed):
@@ -567,7 +568,7 @@ def test_an_emulated_gpu_planned_quantized_step_is_the_call_layer_by_layer(paged
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])  # the SIMT forward, the tensor-core one (CODES)
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
 @pytest.mark.parametrize("nan_key", [None, 150])
-def test_emulated_gpu_split_decoding_of_quantized_caches(kind, nan_key, dtype):
+def test_emulated_gpu_split_decoding_of_quantized_caches(monkeypatch, kind, nan_key, dtype):
     """A decode step over 600 quantized keys (paged, GQA) takes the split-KV forward and
     its combine; with a NaN value scale at a key the first sequence sees (and the second,
     shorter one does not), the combine's repair recomputes that row from the codes: NaN,
@@ -592,12 +593,9 @@ def test_emulated_gpu_split_decoding_of_quantized_caches(kind, nan_key, dtype):
             splits.append(blocks)
         return real_run(kind_, storage, bound, blocks, shared, arguments, **config)
 
-    launch.run = spy
-    try:
-        out, lse = npattn.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths, block_table=table,
-                                                 k_scale=k_scale, v_scale=v_scale, return_lse=True, backend="gpu")
-    finally:
-        launch.run = real_run
+    monkeypatch.setattr(launch, "run", spy)
+    out, lse = npattn.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths, block_table=table,
+                                             k_scale=k_scale, v_scale=v_scale, return_lse=True, backend="gpu")
     assert splits, "the step did not split its keys"
     for b in range(2):
         keys, values = (npattn.dequantize_kv(pool[table[b]].reshape(-1, kv_heads, dim)[:lengths[b]],
@@ -619,7 +617,7 @@ def test_emulated_gpu_repairs_rows_of_quantized_caches_from_their_codes(kind, dt
     """A NaN scale of a value row the first query does not see (causal) leaks into the
     tile product (0 * NaN); the repair pass recomputes the row from the codes and scales
     (key_element) and gives the reference's: that row finite, the next one (which sees
-    the key) NaN. A key's NaN scale hides nothing either: the second row's score is NaN."""
+    the key) NaN."""
     from test_serving import assert_lse, assert_out, call_case
 
     rng = np.random.default_rng(4)
