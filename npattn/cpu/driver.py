@@ -94,12 +94,12 @@ class ForwardPlan:
         # scratch: no dispatcher, item runner or arena. The entry, and the alignment of
         # q, k and v it was typed for:
         self._entry, self._entry_aligned = None, None
+        self._alone = (not self.blas and self.splits == 1 and not self.weights
+                       and (self.flops < INLINE_FLOPS or self.items <= 1))
         # and a 16-bit out's conversion on that path: the conversion's entry point, into a
         # fresh array of out's memory shape (2.3 us of converted() become 0.7)
         self._narrow_out = (conversion_entry(dtype, self.narrow, int(np.prod(self.out_shape)))
-                            if self.narrow is not None else None)
-        self._alone = (not self.blas and self.splits == 1 and not self.weights
-                       and (self.flops < INLINE_FLOPS or self.items <= 1))
+                            if self.narrow is not None and self._alone else None)
         self._scratch = threading.local()
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:

@@ -214,11 +214,11 @@ class OperandPlan:
                           and _row_order(problem.q, problem.q.dtype) is not None)
         self.placeholders = _placeholders(dtype)
         self.code_placeholder, self.scale_placeholder = _placeholders(CODE_DTYPE)[0], _placeholders(SCALE_DTYPE)[0]
-        # a float16 call's entry operands (entry_operands): q widened into the calling
+        # a 16-bit forward's entry operands (entry_operands): q widened into the calling
         # thread's own array by the conversion's entry point, the keys' bytes as they lie
         # (None: operands() gives them)
         self.widen_q = (conversion_entry(problem.q.dtype, dtype, problem.q.size)
-                        if (self.widened_q and codes in (KvCodes.FLOAT16, KvCodes.BFLOAT16)
+                        if (kind == "forward" and self.widened_q and codes in (KvCodes.FLOAT16, KvCodes.BFLOAT16)
                             and self.orders[1] is not None and self.orders[2] is not None) else None)
         self._entry_q = threading.local()
         self.dropout = bool(problem.dropout_p)
