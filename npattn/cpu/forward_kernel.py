@@ -95,6 +95,11 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     half_ld = (ld + 1) // 2
     group, block_q = ints[Int.HEAD_GROUP], ints[Int.BLOCK_Q]
     share = -(-block_k // group)  # the next tile's keys each head's pass asks memory for
+    # asked in two halves, before the scores and before the value products: a burst of a
+    # whole share waits for free miss buffers with nothing else to run (measured on the
+    # 2-core Zen 4 VM: an int8 step's 64-key tiles streamed 20-35% slower than 32-key ones
+    # in one burst, and 3-8% faster than them in two)
+    half_share = share // 2
     while True:
         item = next_item(counter)
         if item >= items:
@@ -123,10 +128,10 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                 cols = smaller(block_k, last - j0)
                 for g in range(group):
                     h = h0 + g
-                    if group > 1:  # a share of the next tile's rows of every head, in memory order (HEAD_GROUP)
-                        ahead = j0 + block_k + g * share
+                    ahead = j0 + block_k + g * share  # this head's share of the next tile (HEAD_GROUP)
+                    if group > 1:  # its first half, rows of every head in memory order
                         prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b, ahead,
-                                          smaller(ahead + share, last))
+                                          smaller(ahead + half_share, last))
                     head_m, head_total, head_seen = m[g * block_q:], total[g * block_q:], seen[g * block_q:]
                     out_offset = _out_offset(out_strides, split, b, h, i0)
                     kv_head = h // (heads // ints[Int.KV_HEADS])
@@ -147,6 +152,9 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                           out_offset, out_row_stride, dv, bf16)
                     if ints[Int.HAS_DROPOUT]:
                         apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
+                    if group > 1:  # the share's second half
+                        prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b,
+                                          ahead + half_share, smaller(ahead + share, last))
                     # O (rows x dv) += P (rows x cols) . V (cols x dv); on a tile the causal or
                     # window edge cuts, each band of rows stops at its last visible key (the
                     # probabilities past it are exact zeros)

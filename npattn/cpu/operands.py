@@ -398,9 +398,11 @@ def head_group(problem, kind: str, ints) -> tuple[int, int]:
 # Keys per tile of a decode step on an int8 (or e4m3) cache, whose products read the codes in
 # registers (npattn.cpu.code_products): no staging to fill per tile, and the share of the
 # next tile each head's pass asks memory for stays small. Measured on the 2-core Zen 4 VM,
-# (1, 32/8, 16384, 128), medians of 5 interleaved: 4.0 ms with 32 keys, 5.1 with 64, 7.0
-# with 384; (16, 32/8, 2048, 128): 7.8, 9.0, 11.3.
-CODE_TILE_KEYS = 32
+# best of 7 x 5 steps, three alternating processes, since the next tile is asked for in
+# two halves (forward_kernel): (16, 32/8, 2048, 128) 20.4-21.2 ns per key and kv head with
+# 64 keys against 21.9-23.4 with 32; (1, 32/8, 16384, 128) 21.6-23.5 against 22.4-24.1
+# (in one burst, 64 keys had been 20-35% slower than 32; 384, 1.4-1.8x)
+CODE_TILE_KEYS = 64
 
 
 def _product_paths(problem, kind, tuning) -> tuple:
