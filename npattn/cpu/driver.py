@@ -14,7 +14,7 @@ from ..core.results import ForwardResult, Gradients
 from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from . import folding, splitting
 from .blas import single_threaded_blas
-from .conversion import NARROW, conversion_entry, converted, kept_widened
+from .conversion import BYTES, NARROW, conversion_entry, converted, kept_widened
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, run_items
 from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, fresh_set, gradient_tile_specs,
@@ -140,11 +140,12 @@ class ForwardPlan:
             # one inline kernel call on the plan's own scratch: no reuse arena, no item runner
             configured_threads()  # (a bad NPATTN_NUM_THREADS fails every call)
             status = np.zeros(2, np.int64)
-            entry(*ops, out.reshape(-1), self.out_strides, lse.reshape(-1), *self._own_scratch(), status, self.items)
+            flat_out = out.reshape(-1)
+            entry(*ops, flat_out, self.out_strides, lse.reshape(-1), *self._own_scratch(), status, self.items)
             narrow = None
             if self._narrow_out is not None:
                 narrow = np.empty(self.out_shape, self.narrow)
-                self._narrow_out(out.reshape(-1), narrow.reshape(-1).view(np.int8))
+                self._narrow_out(flat_out, narrow.reshape(-1).view(BYTES))
             if self.bshd:
                 out = out.transpose(0, 2, 1, 3)
                 narrow = None if narrow is None else narrow.transpose(0, 2, 1, 3)

@@ -20,7 +20,7 @@ from ..core.dropout import seed_words
 from ..core.kernel_params import OPERAND_NAMES, SPAN_FIELDS, Int, KvCodes, Real, Span, quantized_codes, default_spans, element_strides, problem_int_values, problem_pages, problem_reals, spans_with  # (Int, Real, Span: the kernels import them from here)
 from ..runtime.plans import PlanCache
 from ..core.problem import signature
-from .conversion import conversion_entry, converted, kept_widened
+from .conversion import BYTES, conversion_entry, converted, kept_widened
 from .microkernels import chunk_columns
 from .simd import BF16_DOT, lanes_of as vector_lanes
 from .splitting import key_splits
@@ -295,10 +295,10 @@ class OperandPlan:
             widened_q = getattr(self._entry_q, "q", None)
             if widened_q is None:
                 widened_q = self._entry_q.q = np.empty(q.size, self.dtype)
-            self.widen_q(q.ravel(order="K").view(np.int8), widened_q)
+            self.widen_q(q.ravel(order="K").view(BYTES), widened_q)
             placeholder = self.placeholders[0]
-            return (widened_q, placeholder, placeholder, *self.plain_rest[:8], k.ravel(order="K").view(np.int8),
-                    v.ravel(order="K").view(np.int8), self.scale_placeholder, self.scale_placeholder)
+            return (widened_q, placeholder, placeholder, *self.plain_rest[:8], k.ravel(order="K").view(BYTES),
+                    v.ravel(order="K").view(BYTES), self.scale_placeholder, self.scale_placeholder)
         if q_order is None or k_order is None or v_order is None or self.codes or self.pairs:
             return self.operands(q, k, v)
         return (q.ravel(order="K"), k.ravel(order="K"), v.ravel(order="K"), *self.plain_rest)
