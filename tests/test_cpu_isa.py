@@ -104,8 +104,9 @@ def _code_values(codes, e4m3):
     return codes.view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
-# (query rows, keys, vectors of the head dim): blocks of 2 rows and an odd last row, blocks
-# of 4 keys and the keys left after them, columns 4 vectors at a time and one at a time
+# (query rows, keys, vectors of the head dim): blocks of 4 rows and the rows left after
+# them, blocks of code_products.KEY_BLOCK keys (4, or 2 with AVX2) and the keys left after
+# them, columns VECTOR_BLOCK vectors at a time (4, or 2) and one at a time
 @pytest.mark.parametrize("e4m3", [False, True])
 @pytest.mark.parametrize("rows, cols, vectors", [(1, 1, 1), (1, 4, 4), (2, 7, 5), (3, 9, 2), (4, 12, 9), (5, 3, 8),
                                                  (8, 5, 4), (2, 0, 1)])

@@ -29,11 +29,17 @@ from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, lanes_in, load, load
                    store, store_key_sums)
 
 
-# Query rows per register block: 4 x 4 accumulators of the 32 zmm registers (each key's
-# codes converted once for a GQA group of 4), 2 x 4 of the 16 ymm; rows left over go one
-# at a time (no 2-row block on AVX-512: each block size is compiled into both kernels,
-# 2-3 s of a first call's compile)
-ROW_BLOCK = 4 if VECTOR_BYTES == 64 else 2
+# Query rows per register block, on both ISAs: each key's codes are converted once for a
+# GQA group of 4; rows left over go one at a time (no 2-row block: each block size is
+# compiled into both kernels, 2-3 s of a first call's compile). Keys per dot-product block
+# and value vectors per product block: as many as leave the accumulators in registers,
+# 4 x 4 of the 32 zmm, 4 x 2 of the 16 ymm. (AVX2 blocks were 2 rows x 4 keys, which
+# converted each key's codes twice for a group of 4. Measured on the Zen 4 VM forced to
+# AVX2, one core, (1, 32/8, 4096, 128): e4m3 90-91 -> 70-71 ns per key and kv head, int8
+# unchanged at 50; the same bits, the sums being the same chains)
+ROW_BLOCK = 4
+KEY_BLOCK = 4 if VECTOR_BYTES == 64 else 2
+VECTOR_BLOCK = KEY_BLOCK
 # What an e4m3 code's scale is multiplied by: load_code gives 2**-8 times its value
 E4M3_UNIT = np.float32(256.0)
 _ONE = np.float32(1.0)
@@ -83,26 +89,24 @@ def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale
 @njit(inline="always")
 def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
                      c_row, rows, cols, depth, alpha, e4m3):
-    """4 keys at a time against blocks of :data:`ROW_BLOCK` query rows, then single rows
-    (each key's codes converted once per block, 4 FMA chains per row); then the keys left
-    one by one. ``alpha`` takes an e4m3 code's 2**8 (:data:`E4M3_UNIT`)."""
+    """:data:`KEY_BLOCK` keys at a time against blocks of :data:`ROW_BLOCK` query rows, then
+    single rows (each key's codes converted once per block, a FMA chain per key and row);
+    then the keys left one by one. ``alpha`` takes an e4m3 code's 2**8 (:data:`E4M3_UNIT`)."""
     lanes = lanes_in(c)
     j = 0
-    while j + 4 <= cols:
+    while j + KEY_BLOCK <= cols:
         k = b_offset + j * b_row
-        at = scale_offset + j * scale_step
-        factors = (alpha * scales[as_offset(at)], alpha * scales[as_offset(at + scale_step)],
-                   alpha * scales[as_offset(at + 2 * scale_step)], alpha * scales[as_offset(at + 3 * scale_step)])
+        factors = _key_factors(scales, scale_offset + j * scale_step, scale_step, alpha)
         r = 0
         while r + ROW_BLOCK <= rows:
-            _four_keys(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
+            _key_block(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
                        factors, ROW_BLOCK, depth, lanes, e4m3)
             r += ROW_BLOCK
         while r < rows:
-            _four_keys(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
+            _key_block(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
                        factors, 1, depth, lanes, e4m3)
             r += 1
-        j += 4
+        j += KEY_BLOCK
     zero = fill(0.0, c)
     while j < cols:
         k = b_offset + j * b_row
@@ -117,34 +121,50 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
 
 
 @njit(inline="always")
-def _four_keys(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, depth, lanes, e4m3):
-    """The scores of 4 keys for ``rows`` (1 or :data:`ROW_BLOCK`, a constant) query rows of
-    :func:`_dot_products_of`."""
+def _key_factors(scales, at, step, alpha):
+    """``alpha`` times the scales of a block's :data:`KEY_BLOCK` keys, a tuple."""
+    if KEY_BLOCK == 4:
+        return (alpha * scales[as_offset(at)], alpha * scales[as_offset(at + step)],
+                alpha * scales[as_offset(at + 2 * step)], alpha * scales[as_offset(at + 3 * step)])
+    return alpha * scales[as_offset(at)], alpha * scales[as_offset(at + step)]
+
+
+@njit(inline="always")
+def _key_block(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, depth, lanes, e4m3):
+    """The scores of :data:`KEY_BLOCK` keys for ``rows`` (1 or :data:`ROW_BLOCK`, a
+    constant) query rows of :func:`_dot_products_of`: the accumulators of query row r are
+    s, t, u, w, numbered by key."""
     zero = fill(0.0, c)
-    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = zero
+    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b2 = b3 = zero
     for x in range(0, depth, lanes):
         b0, b1 = load_code(codes, k + x, zero, e4m3), load_code(codes, k + b_row + x, zero, e4m3)
-        b2, b3 = load_code(codes, k + 2 * b_row + x, zero, e4m3), load_code(codes, k + 3 * b_row + x, zero, e4m3)
+        if KEY_BLOCK == 4:
+            b2, b3 = load_code(codes, k + 2 * b_row + x, zero, e4m3), load_code(codes, k + 3 * b_row + x, zero, e4m3)
         row = load(a, q_at + x)
-        s0, s1, s2, s3 = multiply_add(row, b0, s0), multiply_add(row, b1, s1), multiply_add(row, b2, s2), \
-            multiply_add(row, b3, s3)
-        if rows >= 2:
-            row = load(a, q_at + a_row + x)
-            t0, t1, t2, t3 = multiply_add(row, b0, t0), multiply_add(row, b1, t1), multiply_add(row, b2, t2), \
-                multiply_add(row, b3, t3)
+        s0, s1 = multiply_add(row, b0, s0), multiply_add(row, b1, s1)
+        if KEY_BLOCK == 4:
+            s2, s3 = multiply_add(row, b2, s2), multiply_add(row, b3, s3)
         if rows == 4:
+            row = load(a, q_at + a_row + x)
+            t0, t1 = multiply_add(row, b0, t0), multiply_add(row, b1, t1)
+            if KEY_BLOCK == 4:
+                t2, t3 = multiply_add(row, b2, t2), multiply_add(row, b3, t3)
             row = load(a, q_at + 2 * a_row + x)
-            u0, u1, u2, u3 = multiply_add(row, b0, u0), multiply_add(row, b1, u1), multiply_add(row, b2, u2), \
-                multiply_add(row, b3, u3)
+            u0, u1 = multiply_add(row, b0, u0), multiply_add(row, b1, u1)
+            if KEY_BLOCK == 4:
+                u2, u3 = multiply_add(row, b2, u2), multiply_add(row, b3, u3)
             row = load(a, q_at + 3 * a_row + x)
-            w0, w1, w2, w3 = multiply_add(row, b0, w0), multiply_add(row, b1, w1), multiply_add(row, b2, w2), \
-                multiply_add(row, b3, w3)
-    if rows == 4:
+            w0, w1 = multiply_add(row, b0, w0), multiply_add(row, b1, w1)
+            if KEY_BLOCK == 4:
+                w2, w3 = multiply_add(row, b2, w2), multiply_add(row, b3, w3)
+    if rows == 4 and KEY_BLOCK == 4:
         store_key_sums(c, c_at, c_row, (s0, s1, s2, s3, t0, t1, t2, t3, u0, u1, u2, u3, w0, w1, w2, w3), factors)
-    elif rows == 2:
-        store_key_sums(c, c_at, c_row, (s0, s1, s2, s3, t0, t1, t2, t3), factors)
-    else:
+    elif rows == 4:
+        store_key_sums(c, c_at, c_row, (s0, s1, t0, t1, u0, u1, w0, w1), factors)
+    elif KEY_BLOCK == 4:
         store_key_sums(c, c_at, c_row, (s0, s1, s2, s3), factors)
+    else:
+        store_key_sums(c, c_at, c_row, (s0, s1), factors)
 
 
 def code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
@@ -189,23 +209,23 @@ def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offs
 @njit(inline="always")
 def _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
                 rows, cols, width, unit, e4m3):
-    """Columns 4 vectors at a time, blocks of :data:`ROW_BLOCK` rows of C (then single
-    rows) held in registers over every key: each key's codes of those columns converted
-    once per block, its probabilities scaled once (by the scale times ``unit``, an e4m3
-    code's 2**8); then the columns left a vector at a time."""
+    """Columns :data:`VECTOR_BLOCK` vectors at a time, blocks of :data:`ROW_BLOCK` rows of C
+    (then single rows) held in registers over every key: each key's codes of those columns
+    converted once per block, its probabilities scaled once (by the scale times ``unit``,
+    an e4m3 code's 2**8); then the columns left a vector at a time."""
     lanes = lanes_in(c)
     x0 = 0
-    while x0 + 4 * lanes <= width:
+    while x0 + VECTOR_BLOCK * lanes <= width:
         r = 0
         while r + ROW_BLOCK <= rows:
-            _four_vectors(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
+            _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
                           scale_step, c, c_offset + r * c_row + x0, c_row, ROW_BLOCK, cols, lanes, unit, e4m3)
             r += ROW_BLOCK
         while r < rows:
-            _four_vectors(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
+            _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
                           scale_step, c, c_offset + r * c_row + x0, c_row, 1, cols, lanes, unit, e4m3)
             r += 1
-        x0 += 4 * lanes
+        x0 += VECTOR_BLOCK * lanes
     while x0 < width:
         for r in range(rows):
             _one_vector(p, p_offset + r * p_row, codes, b_offset + x0, b_row, scales, scale_offset, scale_step, c,
@@ -214,37 +234,41 @@ def _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset
 
 
 @njit(inline="always")
-def _four_vectors(p, p_at, p_row, codes, b_at, b_row, scales, scale_offset, scale_step, c, c_at, c_row, rows, cols,
+def _vector_block(p, p_at, p_row, codes, b_at, b_row, scales, scale_offset, scale_step, c, c_at, c_row, rows, cols,
                   lanes, unit, e4m3):
-    """4 vectors of columns of ``rows`` (1 or :data:`ROW_BLOCK`, a constant) rows of
-    :func:`_product_of`."""
+    """:data:`VECTOR_BLOCK` vectors of columns of ``rows`` (1 or :data:`ROW_BLOCK`, a
+    constant) rows of :func:`_product_of`: the accumulators of row r are s, t, u, w,
+    numbered by vector."""
     zero = fill(0.0, c)
-    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = zero
+    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b2 = b3 = zero
     for j in range(cols):
         scale = scales[as_offset(scale_offset + j * scale_step)] * unit
         at = b_at + j * b_row
         b0, b1 = load_code(codes, at, zero, e4m3), load_code(codes, at + lanes, zero, e4m3)
-        b2, b3 = load_code(codes, at + 2 * lanes, zero, e4m3), load_code(codes, at + 3 * lanes, zero, e4m3)
+        if VECTOR_BLOCK == 4:
+            b2, b3 = load_code(codes, at + 2 * lanes, zero, e4m3), load_code(codes, at + 3 * lanes, zero, e4m3)
         weight = fill(scalar_like(p[as_offset(p_at + j)] * scale, c), c)
-        s0, s1, s2, s3 = multiply_add(weight, b0, s0), multiply_add(weight, b1, s1), multiply_add(weight, b2, s2), \
-            multiply_add(weight, b3, s3)
-        if rows >= 2:
-            weight = fill(scalar_like(p[as_offset(p_at + p_row + j)] * scale, c), c)
-            t0, t1, t2, t3 = multiply_add(weight, b0, t0), multiply_add(weight, b1, t1), \
-                multiply_add(weight, b2, t2), multiply_add(weight, b3, t3)
+        s0, s1 = multiply_add(weight, b0, s0), multiply_add(weight, b1, s1)
+        if VECTOR_BLOCK == 4:
+            s2, s3 = multiply_add(weight, b2, s2), multiply_add(weight, b3, s3)
         if rows == 4:
+            weight = fill(scalar_like(p[as_offset(p_at + p_row + j)] * scale, c), c)
+            t0, t1 = multiply_add(weight, b0, t0), multiply_add(weight, b1, t1)
+            if VECTOR_BLOCK == 4:
+                t2, t3 = multiply_add(weight, b2, t2), multiply_add(weight, b3, t3)
             weight = fill(scalar_like(p[as_offset(p_at + 2 * p_row + j)] * scale, c), c)
-            u0, u1, u2, u3 = multiply_add(weight, b0, u0), multiply_add(weight, b1, u1), \
-                multiply_add(weight, b2, u2), multiply_add(weight, b3, u3)
+            u0, u1 = multiply_add(weight, b0, u0), multiply_add(weight, b1, u1)
+            if VECTOR_BLOCK == 4:
+                u2, u3 = multiply_add(weight, b2, u2), multiply_add(weight, b3, u3)
             weight = fill(scalar_like(p[as_offset(p_at + 3 * p_row + j)] * scale, c), c)
-            w0, w1, w2, w3 = multiply_add(weight, b0, w0), multiply_add(weight, b1, w1), \
-                multiply_add(weight, b2, w2), multiply_add(weight, b3, w3)
-    _add_four(c, c_at, lanes, s0, s1, s2, s3)
-    if rows >= 2:
-        _add_four(c, c_at + c_row, lanes, t0, t1, t2, t3)
+            w0, w1 = multiply_add(weight, b0, w0), multiply_add(weight, b1, w1)
+            if VECTOR_BLOCK == 4:
+                w2, w3 = multiply_add(weight, b2, w2), multiply_add(weight, b3, w3)
+    _add_block(c, c_at, lanes, s0, s1, s2, s3)
     if rows == 4:
-        _add_four(c, c_at + 2 * c_row, lanes, u0, u1, u2, u3)
-        _add_four(c, c_at + 3 * c_row, lanes, w0, w1, w2, w3)
+        _add_block(c, c_at + c_row, lanes, t0, t1, t2, t3)
+        _add_block(c, c_at + 2 * c_row, lanes, u0, u1, u2, u3)
+        _add_block(c, c_at + 3 * c_row, lanes, w0, w1, w2, w3)
 
 
 @njit(inline="always")
@@ -260,8 +284,10 @@ def _one_vector(p, p_at, codes, b_at, b_row, scales, scale_offset, scale_step, c
 
 
 @njit(inline="always")
-def _add_four(c, at, lanes, s0, s1, s2, s3):
+def _add_block(c, at, lanes, s0, s1, s2, s3):
+    """A row's :data:`VECTOR_BLOCK` accumulators added into ``c`` from ``at``."""
     store(c, at, add(load(c, at), s0))
     store(c, at + lanes, add(load(c, at + lanes), s1))
-    store(c, at + 2 * lanes, add(load(c, at + 2 * lanes), s2))
-    store(c, at + 3 * lanes, add(load(c, at + 3 * lanes), s3))
+    if VECTOR_BLOCK == 4:
+        store(c, at + 2 * lanes, add(load(c, at + 2 * lanes), s2))
+        store(c, at + 3 * lanes, add(load(c, at + 3 * lanes), s3))

@@ -534,36 +534,38 @@ def _lane_sums(builder, vectors, lanes):
 
 @intrinsic
 def store_key_sums(typingctx, c, index, c_row, sums, factors):
-    """``c[index + r * c_row + j] = factors[j] * (the sum of sums[4 r + j]'s lanes)`` for
-    the 4 keys j of each row r of a dot-product block (``sums``: a tuple of 4 x rows
-    vectors, row by row; ``factors``: 4 scalars): the lanes summed ``lanes`` vectors at a
-    time by one shuffle network (:func:`_lane_sums`), scaled by one multiply and stored 4
-    scores a row."""
+    """``c[index + r * c_row + j] = factors[j] * (the sum of sums[n r + j]'s lanes)`` for
+    the n keys j of each row r of a dot-product block (``factors``: n scalars, n 2 or 4;
+    ``sums``: a tuple of n x rows vectors, row by row, a power of two): the lanes summed
+    ``lanes`` vectors at a time by one shuffle network (:func:`_lane_sums`), scaled by one
+    multiply and stored n scores a row."""
     if not (_check_float_array(c) and isinstance(sums, types.UniTuple) and isinstance(sums.dtype, Vector)
-            and sums.dtype.dtype == c.dtype and sums.count % 4 == 0 and isinstance(factors, types.UniTuple)
-            and factors.count == 4 and factors.dtype == c.dtype):
+            and sums.dtype.dtype == c.dtype and isinstance(factors, types.UniTuple) and factors.count in (2, 4)
+            and factors.dtype == c.dtype and sums.count % factors.count == 0
+            and sums.count & (sums.count - 1) == 0):
         return None
     vector = sums.dtype
     lanes = vector.lanes
+    keys = factors.count
 
     def codegen(context, builder, signature, args):
         _wide(builder)
         c_value, index_value, c_row_value, sums_value, factors_value = args
         accumulators = cgutils.unpack_tuple(builder, sums_value, sums.count)
-        scalars = cgutils.unpack_tuple(builder, factors_value, 4)
+        scalars = cgutils.unpack_tuple(builder, factors_value, keys)
         vector_type = context.get_value_type(vector)
         factor = ir.Constant(vector_type, ir.Undefined)
         for lane in range(lanes):
-            factor = builder.insert_element(factor, scalars[lane % 4], ir.Constant(ir.IntType(32), lane))
-        four = ir.VectorType(vector_type.element, 4)
-        chunk = min(lanes, sums.count)  # accumulators a network takes: whole rows of 4
+            factor = builder.insert_element(factor, scalars[lane % keys], ir.Constant(ir.IntType(32), lane))
+        row_type = ir.VectorType(vector_type.element, keys)
+        chunk = min(lanes, sums.count)  # accumulators a network takes: whole rows of n
         for first in range(0, sums.count, chunk):
             scores = builder.fmul(_lane_sums(builder, accumulators[first:first + chunk], lanes), factor)
-            for row in range(chunk // 4):
-                r = (first + 4 * row) // 4
+            for row in range(chunk // keys):
+                r = (first + keys * row) // keys
                 offset = builder.add(index_value, builder.mul(c_row_value, ir.Constant(c_row_value.type, r)))
-                pointer = _pointer(context, builder, signature.args[0], c_value, offset, four)
-                part = builder.shuffle_vector(scores, scores, _lane_indices([4 * row + x for x in range(4)]))
+                pointer = _pointer(context, builder, signature.args[0], c_value, offset, row_type)
+                part = builder.shuffle_vector(scores, scores, _lane_indices([keys * row + x for x in range(keys)]))
                 builder.store(part, pointer, align=c.dtype.bitwidth // 8)
         return context.get_dummy_value()
     return types.none(c, index, c_row, sums, factors), codegen
