@@ -380,6 +380,56 @@ def check_planned_quantized_step(paged, backend):
         step.run(q[0], *planned[0][:2], k[0], k[0])
 
 
+@pytest.mark.parametrize("kind, capacity", [("int8", 18), ("int8", 24), ("float8_e4m3", 24)])
+def test_a_planned_quantized_steps_later_runs_call_the_kernels_entry_point(monkeypatch, kind, capacity):
+    """From its second run on, a planned quantized step's attention calls the CPU forward
+    kernel's typed entry point (npattn.cpu.threads.direct_entry) with that run's codes and
+    scales and the options kept from the first run: each layer gets the bits the call
+    gives it, its own scales read (each layer's differ), GQA rows folded; on whole caches
+    (18 slots for 17 keys and the appended one: read in memory order) and on their filled
+    part (24 slots: slices of the caches and scales)."""
+    from npattn.cpu import driver
+
+    rng = np.random.default_rng(11)
+    batch, heads, kv_heads, layers = 2, 8, 2, 4
+    seqlens = np.array([5, 17])
+    q = [rng.normal(size=(batch, 1, heads, HEAD_DIM)).astype(np.float32) for _ in range(layers)]
+    k = [rng.normal(size=(batch, 1, kv_heads, HEAD_DIM)).astype(np.float32) for _ in range(layers)]
+    caches = []
+    for layer in range(layers):
+        codes, scales = npattn.quantize_kv(rng.normal(size=(batch, capacity, kv_heads, HEAD_DIM)).astype(np.float32),
+                                           kind)
+        caches.append((codes, codes.copy(), scales * (layer + 1), scales.copy()))
+    called = [[x.copy() for x in cache] for cache in caches]
+    expected = [npattn.attention_with_kvcache(q[layer], *called[layer][:2], k[layer], k[layer],
+                                              cache_seqlens=seqlens, k_scale=called[layer][2],
+                                              v_scale=called[layer][3], causal=True, backend="cpu")
+                for layer in range(layers)]
+    direct_calls = []
+    typed = driver.direct_entry
+
+    def counted(kernel, arguments):
+        entry = typed(kernel, arguments)
+
+        def call(*values):
+            direct_calls.append(1)
+            return entry(*values)
+        return call
+
+    monkeypatch.setattr(driver, "direct_entry", counted)
+    kc, vc, ks, vs = caches[0]
+    step = npattn.plan_with_kvcache(q[0], kc, vc, k[0], k[0], cache_seqlens=seqlens, k_scale=ks, v_scale=vs,
+                                    causal=True, backend="cpu")
+    for layer in range(layers):
+        kc, vc, ks, vs = caches[layer]
+        before = len(direct_calls)
+        out = step.run(q[layer], kc, vc, k[layer], k[layer], k_scale=ks, v_scale=vs)
+        assert len(direct_calls) == before + (layer > 0), "a later run did not call the entry point"
+        np.testing.assert_array_equal(out, expected[layer])
+        for mine, theirs in zip(caches[layer], called[layer]):
+            np.testing.assert_array_equal(mine, theirs)
+
+
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
 def test_a_quantized_paged_pool_quantizes_its_appends_and_attends_over_them(kind):
     from npattn.nn import PagedKVCache

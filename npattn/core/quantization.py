@@ -142,3 +142,22 @@ def check_codes(name: str, codes: Any, scale_name: str, scales: Any) -> None:
     if tuple(scales.shape) != tuple(codes.shape[:-1]):
         raise ValueError(f"{scale_name} must have {name}'s shape without its last axis, "
                          f"{tuple(codes.shape[:-1])}, got {tuple(scales.shape)}")
+
+
+class RunScales:
+    """A quantized step's planned ``problem`` with one run's scales, as a backend plan reads
+    a problem (its option arrays: :meth:`npattn.api.Plan.planned_forward`): ``k_scale`` and
+    ``v_scale`` the run's as bhs views of (B, S, Hkv) scales (``scales``: anything with
+    ``k_scale`` and ``v_scale``), every other attribute the problem's own. A step's plan
+    runs on every layer; a ``dataclasses.replace`` of the problem per run cost more than
+    the step's kernel, and a backend may keep what it derives from ``problem`` (the same
+    object on every run of a plan) for the next run."""
+
+    __slots__ = ("problem", "k_scale", "v_scale")
+
+    def __init__(self, problem: Any, scales: Any):
+        self.problem = problem
+        self.k_scale, self.v_scale = scales.k_scale.transpose(0, 2, 1), scales.v_scale.transpose(0, 2, 1)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.problem, name)

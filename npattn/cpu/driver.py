@@ -10,6 +10,7 @@ import numpy as np
 from ..core.kernel_params import sink_logits_gradient
 from ..runtime.plans import PlanCache
 from ..core.problem import signature
+from ..core.quantization import RunScales
 from ..core.results import ForwardResult, Gradients
 from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from . import folding, splitting
@@ -94,6 +95,8 @@ class ForwardPlan:
         # scratch: no dispatcher, item runner or arena. The entry, and the alignment of
         # q, k and v it was typed for:
         self._entry, self._entry_aligned = None, None
+        # (a quantized step's runs: the problem they read and its option operands)
+        self._scale_run = None
         self._alone = (not self.blas and self.splits == 1 and not self.weights
                        and (self.flops < INLINE_FLOPS or self.items <= 1))
         # and a 16-bit out's conversion on that path: the conversion's entry point, into a
@@ -113,19 +116,30 @@ class ForwardPlan:
         dtype = self.dtype
         if self.group > 1:
             q = folding.fold_rows(q, self.fold_shape)
-            if arrays is not None:
-                arrays = folding.FoldedArrays.of(arrays, self.group)
+        # a quantized step's run (its plan's problem with the run's scales): the option
+        # operands of that problem are the same on every run, kept from the first
+        run = arrays if type(arrays) is RunScales else None
         # the kernel's machine code called directly: a plain call (no option arrays, whose
         # views are the caller's; 16-bit keys read as bytes have none either, and their byte
-        # views are always aligned) on rows of the alignment the entry was typed for
-        direct = self._alone and arrays is None
+        # views are always aligned), or such a run, on arrays of the alignment the entry was
+        # typed for
+        direct = self._alone and (arrays is None or run is not None)
         entry = None
         if direct and self._entry is not None:
-            ops = self.operands.entry_operands(q, k, v)
-            if (ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned) == self._entry_aligned:
+            if run is None:
+                ops = self.operands.entry_operands(q, k, v)
+            else:
+                kept = self._scale_run
+                ops = (self.operands.scale_run_operands(q, k, v, run, kept[1])
+                       if kept is not None and kept[0] is run.problem else None)
+            if ops is not None and _alignment(ops, run) == self._entry_aligned:
                 entry = self._entry
         if entry is None:
+            if self.group > 1 and arrays is not None:
+                arrays = folding.FoldedArrays.of(arrays, self.group)
             ops = self.operands.operands(q, k, v, arrays)
+            if run is not None:
+                self._scale_run = (run.problem, tuple(ops[3:11]))  # bias to reals
             out = self.out_zeros()
             lse = np.empty(self.lse_shape, dtype)
             lse.fill(-np.inf)  # (np.full, in Python, costs a small call 4 us more)
@@ -160,7 +174,7 @@ class ForwardPlan:
                 if direct and self._entry is None:
                     self._entry = direct_entry(forward_kernel, (*arguments, *scratch_set(self.scratch_specs),
                                                                 status, self.items))
-                    self._entry_aligned = (ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned)
+                    self._entry_aligned = _alignment(ops, run)
                 if self.bshd:
                     out = out.transpose(0, 2, 1, 3)
                 if self.splits > 1:
@@ -330,3 +344,11 @@ class BackwardPlan:
         if self.narrow is not None:  # the gradients in q's dtype, on the vector units
             dq, dk, dv = (_narrowed(gradient, self.narrow) for gradient in (dq, dk, dv))
         return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink_logits=dsink_logits)
+
+
+def _alignment(ops, run) -> tuple:
+    """Whether q, k and v of ``ops`` are aligned (and, for a quantized step's ``run``, the
+    scales: the codes are bytes), as an entry point's types say."""
+    if run is None:
+        return ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned
+    return ops[0].flags.aligned, ops[13].flags.aligned, ops[14].flags.aligned

@@ -221,6 +221,11 @@ class OperandPlan:
                         if (kind == "forward" and self.widened_q and codes in (KvCodes.FLOAT16, KvCodes.BFLOAT16)
                             and self.orders[1] is not None and self.orders[2] is not None) else None)
         self._entry_q = threading.local()
+        # whether a quantized run's scales are in a known memory order (RunScales: every
+        # run's have the problem's structure; scale_run_operands)
+        self.scales_in_order = (codes in _SCALED and problem.k_scale is not None
+                                and memory_order(problem.k_scale, SCALE_DTYPE) is not None
+                                and memory_order(problem.v_scale, SCALE_DTYPE) is not None)
         self.dropout = bool(problem.dropout_p)
         placeholder, mask_placeholder = self.placeholders
         # the operands after q, k and v of a call with no option arrays and float keys: one tuple
@@ -302,6 +307,30 @@ class OperandPlan:
         if q_order is None or k_order is None or v_order is None or self.codes or self.pairs:
             return self.operands(q, k, v)
         return (q.ravel(order="K"), k.ravel(order="K"), v.ravel(order="K"), *self.plain_rest)
+
+
+    def scale_run_operands(self, q, k, v, run, options) -> tuple | None:
+        """:meth:`operands` of a quantized run (:class:`~npattn.core.quantization.RunScales`:
+        the planned problem with the run's scales) for a kernel's typed entry point, as
+        :meth:`entry_operands` gives a plain call's: ``options``, the operands from bias to
+        reals of an earlier run on the same problem (the same arrays every run), then q, the
+        codes and the run's scales viewed as :meth:`operands` views them (those in a memory
+        order known at planning not marked read-only). None where q is not read in place."""
+        q_order, k_order, v_order = self.orders
+        if q_order is None or self.pairs:
+            return None
+        placeholder = self.placeholders[0]
+        # (ravel in memory order is a view where the order was known at planning: every
+        # run's arrays have the planned structure; others, a cache's filled part say, are
+        # viewed as operands() views them)
+        k = k.ravel(order="K") if k_order is not None else row_strides(k, self.keys_dtype)[0]
+        v = v.ravel(order="K") if v_order is not None else row_strides(v, self.keys_dtype)[0]
+        if self.scales_in_order:
+            k_scale, v_scale = run.k_scale.ravel(order="K"), run.v_scale.ravel(order="K")
+        else:
+            k_scale, v_scale = flat_view(run.k_scale, SCALE_DTYPE)[0], flat_view(run.v_scale, SCALE_DTYPE)[0]
+        return (q.ravel(order="K"), placeholder, placeholder, *options, k.view(CODE_DTYPE), v.view(CODE_DTYPE),
+                k_scale, v_scale)
 
 
 def operand_plan(problem, kind: str, tuning: Tuning, rows_per_position: int = 1) -> OperandPlan:

@@ -38,7 +38,7 @@ from ..core import arrays as _arrays
 from .. import api
 from .prefix import SharedPrefix
 from . import quantized as _quantized
-from ..core.quantization import quantize_rows
+from ..core.quantization import RunScales, quantize_rows
 from ..core import checks
 from ..runtime import limits as _limits
 from ..core import options as _options
@@ -290,7 +290,7 @@ class KVCachePlan:
     def _codes_attention(self, q: Any, keys: Any, values: Any, scales: Any) -> Outputs:
         """The attention of a quantized step on this run's codes (``keys``, ``values``, bshd
         or pools) and ``scales``: through the api's Plan of the codes' structure with the
-        run's scales in place of its problem's (:class:`~npattn.serving.quantized.RunScales`);
+        run's scales in place of its problem's (:class:`~npattn.core.quantization.RunScales`);
         on a problem of this run's arrays where the plan gives no answer (a result that is
         not all finite, plans of another tuning, a backend without plans)."""
         def problem():  # of this run's arrays: the codes, their scales and q
@@ -300,7 +300,7 @@ class KVCachePlan:
         plan = self._codes_plan
         if plan is None:
             plan = self._codes_plan = api.Plan(problem(), self._checked[1])
-        result = plan.planned_forward(q, keys, values, _quantized.RunScales(self._planned_problem, scales))
+        result = plan.planned_forward(q, keys, values, RunScales(self._planned_problem, scales))
         if result is not None:
             return plan.outputs(result)
         return api.run_problem(problem(), self._checked[1])

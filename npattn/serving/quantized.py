@@ -79,23 +79,6 @@ def with_codes(problem: Any, keys: Any, values: Any, scales: Scales) -> Any:
                                k_scale=scales.k_scale.transpose(0, 2, 1), v_scale=scales.v_scale.transpose(0, 2, 1))
 
 
-class RunScales:
-    """A quantized step's planned problem with one run's scales, as a backend plan reads a
-    problem (its option arrays: :meth:`npattn.api.Plan.planned_forward`): ``k_scale`` and
-    ``v_scale`` the run's as bhs views (as :func:`with_codes` views them), every other
-    attribute the problem's own. A step's plan runs on every layer; a
-    ``dataclasses.replace`` of the problem per run cost more than the step's kernel."""
-
-    __slots__ = ("_problem", "k_scale", "v_scale")
-
-    def __init__(self, problem: Any, scales: Scales):
-        self._problem = problem
-        self.k_scale, self.v_scale = scales.k_scale.transpose(0, 2, 1), scales.v_scale.transpose(0, 2, 1)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._problem, name)
-
-
 def check_backend(implementation: Any) -> None:
     """Raise unless the backend reads quantized caches (``QUANTIZED_KV``)."""
     if not getattr(implementation, "QUANTIZED_KV", False):
