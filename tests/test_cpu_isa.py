@@ -136,8 +136,11 @@ def test_products_on_int8_codes_match_numpy(rows, cols, vectors, e4m3):
     exact = out.astype(np.float64) + p.astype(np.float64) @ dequantized
     # the size of each term: C's start, or a probability (at most 1) times a value
     magnitude = max(float(np.abs(out).max()), float(np.abs(dequantized).max(initial=0)))
+    weights = p * (scales[1::2] * np.float32(code_products.E4M3_UNIT if e4m3 else 1.0))  # (float32, as the kernel)
     _code_product(p.ravel(), codes.ravel(), scales, out.ravel(), rows, cols, depth, b_row, 2, e4m3)
     assert_close(out, exact, dtype, cols + 1, magnitude, what="code_product")
+    if code_products.SCALED_FIRST:  # the probabilities left scaled, as documented
+        np.testing.assert_array_equal(p, weights)
 
 
 @pytest.mark.parametrize("nan_code", [0x7F, -1])  # 0x7F and 0xFF (-1 as int8)

@@ -40,6 +40,12 @@ from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, lanes_in, load, load
 ROW_BLOCK = 4
 KEY_BLOCK = 4 if VECTOR_BYTES == 64 else 2
 VECTOR_BLOCK = KEY_BLOCK
+# Whether P V scales its probabilities once, in place, before the blocks: with AVX2's
+# blocks of 2 vectors, scaling them per block costs a scalar multiply and a broadcast per
+# key and row for 2 FMAs. One core of the Zen 4 VM, (1, 32/8, 4096, 128): forced to AVX2,
+# int8 49.6-50.3 -> 46.1-47.1 ns per key and kv head, e4m3 69-70 -> 66-67; with AVX-512's
+# blocks of 4 vectors, e4m3 47.8-48.5 -> 49.5-50.6 (int8 within the noise), so not there.
+SCALED_FIRST = VECTOR_BLOCK == 2
 # What an e4m3 code's scale is multiplied by: load_code gives 2**-8 times its value
 E4M3_UNIT = np.float32(256.0)
 _ONE = np.float32(1.0)
@@ -173,7 +179,9 @@ def code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offse
     r < rows, j < cols, x < width, where ``P[r, j] = p[p_offset + r * p_row + j]`` (floats),
     ``B[j, x]`` the value of the byte ``codes[b_offset + j * b_row + x]`` (int8, or with
     ``e4m3`` float8 e4m3) and ``C[r, x] = c[c_offset + r * c_row + x]``; ``width`` a
-    multiple of the vector's lanes. float32 only, as :func:`code_dot_products`."""
+    multiple of the vector's lanes. May leave each ``P[r, j]`` times its scale in ``p``
+    (:data:`SCALED_FIRST`: the forward is done with the probabilities by then). float32
+    only, as :func:`code_dot_products`."""
     raise NotImplementedError
 
 
@@ -186,7 +194,7 @@ def _code_product_overload(p, p_offset, p_row, codes, b_offset, b_row, scales, s
 
     def implementation(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
                        c_row, rows, cols, width, e4m3):
-        _code_product(as_readonly(p), plain_int(p_offset), plain_int(p_row), as_readonly(codes), plain_int(b_offset),
+        _code_product(p, plain_int(p_offset), plain_int(p_row), as_readonly(codes), plain_int(b_offset),
                       plain_int(b_row), as_readonly(scales), plain_int(scale_offset), plain_int(scale_step), c,
                       plain_int(c_offset), plain_int(c_row), plain_int(rows), plain_int(cols), plain_int(width),
                       bool(e4m3))
@@ -211,8 +219,15 @@ def _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset
                 rows, cols, width, unit, e4m3):
     """Columns :data:`VECTOR_BLOCK` vectors at a time, blocks of :data:`ROW_BLOCK` rows of C
     (then single rows) held in registers over every key: each key's codes of those columns
-    converted once per block, its probabilities scaled once (by the scale times ``unit``,
-    an e4m3 code's 2**8); then the columns left a vector at a time."""
+    converted once per block, its probabilities scaled (by the scale times ``unit``, an
+    e4m3 code's 2**8) once per block, or once in all (:data:`SCALED_FIRST`); then the
+    columns left a vector at a time. Each weight rounds the same either way."""
+    if SCALED_FIRST:
+        for j in range(cols):
+            scale = scales[as_offset(scale_offset + j * scale_step)] * unit
+            for r in range(rows):
+                at = as_offset(p_offset + r * p_row + j)
+                p[at] = scalar_like(p[at] * scale, c)
     lanes = lanes_in(c)
     x0 = 0
     while x0 + VECTOR_BLOCK * lanes <= width:
@@ -242,25 +257,25 @@ def _vector_block(p, p_at, p_row, codes, b_at, b_row, scales, scale_offset, scal
     zero = fill(0.0, c)
     s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b2 = b3 = zero
     for j in range(cols):
-        scale = scales[as_offset(scale_offset + j * scale_step)] * unit
+        scale = _weight_scale(scales, scale_offset + j * scale_step, unit)
         at = b_at + j * b_row
         b0, b1 = load_code(codes, at, zero, e4m3), load_code(codes, at + lanes, zero, e4m3)
         if VECTOR_BLOCK == 4:
             b2, b3 = load_code(codes, at + 2 * lanes, zero, e4m3), load_code(codes, at + 3 * lanes, zero, e4m3)
-        weight = fill(scalar_like(p[as_offset(p_at + j)] * scale, c), c)
+        weight = _weight(p, p_at + j, scale, c)
         s0, s1 = multiply_add(weight, b0, s0), multiply_add(weight, b1, s1)
         if VECTOR_BLOCK == 4:
             s2, s3 = multiply_add(weight, b2, s2), multiply_add(weight, b3, s3)
         if rows == 4:
-            weight = fill(scalar_like(p[as_offset(p_at + p_row + j)] * scale, c), c)
+            weight = _weight(p, p_at + p_row + j, scale, c)
             t0, t1 = multiply_add(weight, b0, t0), multiply_add(weight, b1, t1)
             if VECTOR_BLOCK == 4:
                 t2, t3 = multiply_add(weight, b2, t2), multiply_add(weight, b3, t3)
-            weight = fill(scalar_like(p[as_offset(p_at + 2 * p_row + j)] * scale, c), c)
+            weight = _weight(p, p_at + 2 * p_row + j, scale, c)
             u0, u1 = multiply_add(weight, b0, u0), multiply_add(weight, b1, u1)
             if VECTOR_BLOCK == 4:
                 u2, u3 = multiply_add(weight, b2, u2), multiply_add(weight, b3, u3)
-            weight = fill(scalar_like(p[as_offset(p_at + 3 * p_row + j)] * scale, c), c)
+            weight = _weight(p, p_at + 3 * p_row + j, scale, c)
             w0, w1 = multiply_add(weight, b0, w0), multiply_add(weight, b1, w1)
             if VECTOR_BLOCK == 4:
                 w2, w3 = multiply_add(weight, b2, w2), multiply_add(weight, b3, w3)
@@ -272,13 +287,29 @@ def _vector_block(p, p_at, p_row, codes, b_at, b_row, scales, scale_offset, scal
 
 
 @njit(inline="always")
+def _weight_scale(scales, at, unit):
+    """A key's scale times ``unit``, where the block scales its probabilities (None where
+    :data:`SCALED_FIRST` did)."""
+    if SCALED_FIRST:
+        return None
+    return scales[as_offset(at)] * unit
+
+
+@njit(inline="always")
+def _weight(p, at, scale, c):
+    """The vector of ``p[at]`` times ``scale`` (``p[at]`` itself, scaled first: ``scale`` None)."""
+    if SCALED_FIRST:
+        return fill(p[as_offset(at)], c)
+    return fill(scalar_like(p[as_offset(at)] * scale, c), c)
+
+
+@njit(inline="always")
 def _one_vector(p, p_at, codes, b_at, b_row, scales, scale_offset, scale_step, c, c_at, cols, unit, e4m3):
     """One vector of columns of one row of :func:`_product_of`."""
     zero = fill(0.0, c)
     s0 = zero
     for j in range(cols):
-        scale = scales[as_offset(scale_offset + j * scale_step)] * unit
-        weight = fill(scalar_like(p[as_offset(p_at + j)] * scale, c), c)
+        weight = _weight(p, p_at + j, _weight_scale(scales, scale_offset + j * scale_step, unit), c)
         s0 = multiply_add(weight, load_code(codes, b_at + j * b_row, zero, e4m3), s0)
     store(c, c_at, add(load(c, c_at), s0))
 
