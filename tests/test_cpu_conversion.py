@@ -129,12 +129,13 @@ def test_kept_widened_arrays_are_reused_per_slot_and_bounded(monkeypatch):
 
 
 def test_a_16_bit_backward_reuses_its_widened_copies_and_stays_right():
-    """Two float16 backward calls of one structure on new values: the second widens into
-    the first's arrays (no fresh pages) and both match the float64 reference."""
+    """Two float16 forward and backward calls of one structure on new values: the second
+    widens into the first's arrays (no fresh pages: the forward's q, the backward's q, k, v
+    and dout) and both match the float64 reference."""
     import npattn
     from npattn.cpu import driver, operands
     from strategies import Case, Dims
-    from tolerances import assert_close, gradient_bound_terms
+    from tolerances import assert_close, gradient_bound_terms, output_bound_terms
 
     rng = np.random.default_rng(5)
     handed = []
@@ -148,11 +149,13 @@ def test_a_16_bit_backward_reuses_its_widened_copies_and_stays_right():
     with mock.patch.object(operands, "kept_widened", spying), mock.patch.object(driver, "_KEPT_DOUT", spying("dout")):
         for _ in range(2):
             q, k, v, dout = (rng.uniform(-1, 1, (1, 2, 1100, 16)).astype(np.float16) for _ in range(4))
-            _, vjp = npattn.attention_vjp(q, k, v, causal=True, backend="cpu")
+            out, vjp = npattn.attention_vjp(q, k, v, causal=True, backend="cpu")
             got = vjp(dout)
-            _, exact_vjp = npattn.attention_vjp(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
-                                                backend="reference")
-            terms = gradient_bound_terms(Case(Dims(1, 2, 2, 1100, 1100, 16, 16), q, k, v, {"causal": True}), dout)
+            exact_out, exact_vjp = npattn.attention_vjp(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
+                                                        backend="reference")
+            case = Case(Dims(1, 2, 2, 1100, 1100, 16, 16), q, k, v, {"causal": True})
+            assert_close(out, exact_out, np.float16, *output_bound_terms(case), "out")
+            terms = gradient_bound_terms(case, dout)
             for name, grad, exact in zip("qkv", got, exact_vjp(dout.astype(np.float64))):
                 assert_close(grad, exact, np.float16, *terms, f"d{name}")
-    assert len(handed) == 8 and all(a is b for a, b in zip(handed[:4], handed[4:]))
+    assert len(handed) == 10 and all(a is b for a, b in zip(handed[:5], handed[5:]))

@@ -185,10 +185,13 @@ class OperandPlan:
         self.keys_dtype = keys_dtype = self._keys_dtype(problem)  # k and v as the kernels read them
         # bfloat16 q, k and v read as they lie, in float32 words of two (strides in words)
         self.pairs = pairs = bf16_products(problem, kind, tuning, codes)
-        # where q, k and v are widened (a 16-bit backward's): into arrays this thread keeps
-        # for the next call (conversion.kept_widened); a forward's into fresh ones
+        # where q, k and v are widened (a 16-bit backward's, a 16-bit forward's q): into
+        # arrays this thread keeps for the next call (conversion.kept_widened; the kernels
+        # are done with them when the call returns). A forward's fresh q had cost a float16
+        # prefill its pages: (1, 8, 2048, 64) causal 1.07-1.08x float32's time in one
+        # process, 1.025-1.027x kept (three alternating processes, 20 rounds each)
         self.empties = (tuple(kept_widened(name) for name in "qkv") if kind == "backward"
-                        else (np.empty, np.empty, np.empty))
+                        else (kept_widened("forward q"), np.empty, np.empty))
         no_strides = (0, 0, 0, 0)
         if pairs:
             row_words = [tuple(n // 2 for n in row_view_strides(x, x.dtype)) for x in (problem.q, problem.k, problem.v)]
