@@ -78,6 +78,26 @@ def fresh_plans():
     npattn.runtime.plans.clear()
 
 
+def count_direct_entries(monkeypatch) -> list:
+    """A list that grows by one at each call of a CPU kernel's typed entry point
+    (npattn.cpu.threads.direct_entry, as the driver looks it up) typed from now on."""
+    from npattn.cpu import driver
+
+    calls = []
+    typed = driver.direct_entry
+
+    def counted(kernel, arguments):
+        entry = typed(kernel, arguments)
+
+        def call(*values):
+            calls.append(1)
+            return entry(*values)
+        return call
+
+    monkeypatch.setattr(driver, "direct_entry", counted)
+    return calls
+
+
 def backend_params(names=None):
     """pytest params for backends, each skipped with its reason where it cannot run here.
     A new backend is held to every parametrized property by being registered in npattn."""

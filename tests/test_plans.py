@@ -18,6 +18,7 @@ import npattn
 from npattn import cpu
 from npattn.cpu import conversion
 from npattn.runtime import plans
+from conftest import count_direct_entries
 from strategies import cases, dims, layouts, to_layout
 
 pytestmark = pytest.mark.skipif(not npattn.backends()["cpu"], reason="needs the cpu backend")
@@ -285,20 +286,7 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
     the bits of flat_view's copy and of converted(); bfloat16 likewise); q at an address off the float's alignment (another Numba
     type) goes through the dispatcher, with the same bits too (a float16 q is widened
     into an aligned copy first)."""
-    from npattn.cpu import driver
-
-    direct_calls = []
-    typed = driver.direct_entry
-
-    def counted(kernel, arguments):
-        entry = typed(kernel, arguments)
-
-        def call(*values):
-            direct_calls.append(1)
-            return entry(*values)
-        return call
-
-    monkeypatch.setattr(driver, "direct_entry", counted)
+    direct_calls = count_direct_entries(monkeypatch)
     rng = np.random.default_rng(3)
     heads_axis = 2 if layout == "bshd" else 1
 
@@ -326,7 +314,7 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
         for a, b in zip(first, plan.run(q, k, v)):
             np.testing.assert_array_equal(a, b)
         monkeypatch.undo()
-        monkeypatch.setattr(driver, "direct_entry", counted)
+        direct_calls = count_direct_entries(monkeypatch)
     buffer = np.zeros(q.nbytes + 1, np.uint8)
     unaligned = np.frombuffer(buffer.data, dtype, q.size, offset=1).reshape(q.shape)
     unaligned[...] = q

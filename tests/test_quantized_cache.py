@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 import npattn
 from npattn.core.quantization import CODE_LIMIT
 from npattn.serving.kvcache import apply_rotary
-from conftest import NUMPY_BACKENDS
+from conftest import NUMPY_BACKENDS, count_direct_entries
 from test_serving import assert_lse, assert_out, assert_same_bytes, call_case, draw_positional_options
 
 HEAD_DIM = 16  # quantized caches take head dims in multiples of 16
@@ -388,8 +388,6 @@ def test_a_planned_quantized_steps_later_runs_call_the_kernels_entry_point(monke
     gives it, its own scales read (each layer's differ), GQA rows folded; on whole caches
     (18 slots for 17 keys and the appended one: read in memory order) and on their filled
     part (24 slots: slices of the caches and scales)."""
-    from npattn.cpu import driver
-
     rng = np.random.default_rng(11)
     batch, heads, kv_heads, layers = 2, 8, 2, 4
     seqlens = np.array([5, 17])
@@ -405,18 +403,7 @@ def test_a_planned_quantized_steps_later_runs_call_the_kernels_entry_point(monke
                                               cache_seqlens=seqlens, k_scale=called[layer][2],
                                               v_scale=called[layer][3], causal=True, backend="cpu")
                 for layer in range(layers)]
-    direct_calls = []
-    typed = driver.direct_entry
-
-    def counted(kernel, arguments):
-        entry = typed(kernel, arguments)
-
-        def call(*values):
-            direct_calls.append(1)
-            return entry(*values)
-        return call
-
-    monkeypatch.setattr(driver, "direct_entry", counted)
+    direct_calls = count_direct_entries(monkeypatch)
     kc, vc, ks, vs = caches[0]
     step = npattn.plan_with_kvcache(q[0], kc, vc, k[0], k[0], cache_seqlens=seqlens, k_scale=ks, v_scale=vs,
                                     causal=True, backend="cpu")
