@@ -43,7 +43,7 @@ VECTOR_BLOCK = KEY_BLOCK
 # Whether P V scales its probabilities once, in place, before the blocks: with AVX2's
 # blocks of 2 vectors, scaling them per block costs a scalar multiply and a broadcast per
 # key and row for 2 FMAs. One core of the Zen 4 VM, (1, 32/8, 4096, 128): forced to AVX2,
-# int8 49.6-50.3 -> 46.1-47.1 ns per key and kv head, e4m3 69-70 -> 66-67; with AVX-512's
+# int8 49.6-52.1 -> 46.1-47.1 ns per key and kv head, e4m3 68.7-70 -> 66-67; with AVX-512's
 # blocks of 4 vectors, e4m3 47.8-48.5 -> 49.5-50.6 (int8 within the noise), so not there.
 SCALED_FIRST = VECTOR_BLOCK == 2
 # What an e4m3 code's scale is multiplied by: load_code gives 2**-8 times its value

@@ -311,7 +311,6 @@ class OperandPlan:
             return self.operands(q, k, v)
         return (q.ravel(order="K"), k.ravel(order="K"), v.ravel(order="K"), *self.plain_rest)
 
-
     def scale_run_operands(self, q, k, v, run, options) -> tuple | None:
         """:meth:`operands` of a quantized run (:class:`~npattn.core.quantization.RunScales`:
         the planned problem with the run's scales) for a kernel's typed entry point, as
