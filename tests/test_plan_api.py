@@ -211,6 +211,31 @@ def test_a_kvcache_plans_later_runs_check_every_array_before_writing():
     assert [cache.tobytes() for cache in caches] == before
 
 
+@pytest.mark.parametrize("dim", [8, 16])  # rows copied element by element, and a vector at a time
+def test_a_kvcache_plans_compiled_append_is_kept_only_once_a_run_matched(dim):
+    """The append's compiled call is typed at the first run that takes it, and kept only
+    once such a run had the plan's structure: a cache of the plan's shape in Fortran order
+    (another layout to Numba) at that run raises by name, and the runs after it write the
+    slots the call writes (its entry kept, it had indexed the plan's arrays as Fortran
+    ones: the wrong slots)."""
+    rng = np.random.default_rng(13)
+    q, k = (rng.standard_normal(shape).astype(np.float32) for shape in ((2, 1, 4, dim), (2, 1, 2, dim)))
+    caches = [rng.standard_normal((2, 8, 2, dim)).astype(np.float32) for _ in range(2)]
+    seqlens = np.array([3, 6])
+    plan = npattn.plan_with_kvcache(q, *caches, k, k, cache_seqlens=seqlens, backend="cpu")
+    plan.run(q, *caches, k, k)  # the first run plans the attention; the second takes the compiled call
+    fortran = np.asfortranarray(caches[0])
+    assert fortran.base is None and fortran.strides != caches[0].strides
+    before = [cache.copy() for cache in caches]
+    with pytest.raises(ValueError, match="k_cache is ndarray float32"):
+        plan.run(q, fortran, caches[1], k, k)
+    out = plan.run(q, *caches, k, k)
+    expected = npattn.attention_with_kvcache(q, *before, k, k, cache_seqlens=seqlens, backend="cpu")
+    np.testing.assert_array_equal(out, expected)
+    for cache, called in zip(caches, before):
+        np.testing.assert_array_equal(cache, called)
+
+
 # ---- a packed batch's plan, run on every layer -----------------------------------------------
 
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)

@@ -233,8 +233,10 @@ def test_the_compiled_append_quantizes_with_quantize_rows_bits(magnitude, ties, 
     """The CPU backend's int8 append (npattn.cpu.slots.SlotWriter.quantize) writes the
     codes and scales that quantize_rows gives and NumPy's assignment writes, byte for
     byte: values from 1e-40 to 1e38, rows of exact ties at half a step, rows of zeros, k
-    and v of different widths; then puts the old bytes back. A row that is not finite
-    in float32 is left to NumPy: nothing written, None."""
+    and v of different widths; then puts the old bytes back. So does its checked form
+    (quantize_checked), which writes nothing where any of the seven arrays' shapes differ
+    from those it is given. A row that is not finite in float32 is left to NumPy: nothing
+    written, None (-1 from the checked form)."""
     from npattn.core.quantization import quantize_rows
     from npattn.cpu.slots import SlotWriter
     from npattn.serving.kvcache import _slots
@@ -265,8 +267,25 @@ def test_the_compiled_append_quantizes_with_quantize_rows_bits(magnitude, ties, 
     assert_same_bytes(caches, expected)
     writer.restore(caches, rows, olds)
     assert_same_bytes(caches, before)
+    # the checked form (a plan's runs): the same bytes where every structure matches,
+    # nothing written where one differs
+    q = np.zeros((batch, new_len, 2 * kv_heads, HEAD_DIM), np.float32)
+    checked = np.zeros((7, 8), np.int64)
+    for row, array in enumerate((q, *caches, *rows)):
+        checked[row, :2 * array.ndim] = (*array.shape, *array.strides)
+    checked.setflags(write=False)
+    olds = writer.quantize_checked(q, caches, rows, checked)
+    assert_same_bytes(caches, expected)
+    writer.restore(caches, rows, olds)
+    assert_same_bytes(caches, before)
+    for row in range(7):
+        differs = checked.copy()
+        differs[row, 0] += 1
+        assert writer.quantize_checked(q, caches, rows, differs) == 0
+        assert_same_bytes(caches, before)
     rows[1][2, 1, 0, 3] = np.nan if magnitude % 2 else np.inf
     assert writer.quantize(caches, rows) is None
+    assert writer.quantize_checked(q, caches, rows, checked) == -1
     assert_same_bytes(caches, before)
 
 
@@ -378,6 +397,41 @@ def check_planned_quantized_step(paged, backend):
             np.testing.assert_array_equal(mine, theirs)
     with pytest.raises(ValueError, match="k_scale is None, but the plan was made with it"):
         step.run(q[0], *planned[0][:2], k[0], k[0])
+
+
+def test_a_planned_int8_steps_compiled_checks_fall_back_by_name_and_undo(monkeypatch):
+    """A planned int8 step's runs compare the arrays' structures and quantize the new rows
+    in one compiled call (SlotWriter.quantize_checked): a run whose k_scale has other
+    strides raises by name with nothing written, and a run whose attention raises after
+    the write puts the old codes and scales back."""
+    rng = np.random.default_rng(12)
+    q = rng.normal(size=(2, 1, 4, HEAD_DIM)).astype(np.float32)
+    k = rng.normal(size=(2, 1, 2, HEAD_DIM)).astype(np.float32)
+    codes, scales = npattn.quantize_kv(rng.normal(size=(2, 8, 2, HEAD_DIM)).astype(np.float32))
+    caches = [codes, codes.copy(), scales, scales.copy()]
+    step = npattn.plan_with_kvcache(q, caches[0], caches[1], k, k, cache_seqlens=np.array([3, 6]),
+                                    k_scale=caches[2], v_scale=caches[3], backend="cpu")
+    assert step._quick is not None
+    before = [array.copy() for array in caches]
+    wide = np.asfortranarray(caches[2])  # the same shape, its own memory, other strides
+    assert wide.base is None and wide.strides != caches[2].strides
+    with pytest.raises(ValueError, match="k_scale"):
+        step.run(q, caches[0], caches[1], k, k, k_scale=wide, v_scale=caches[3])
+    assert_same_bytes(caches, before)
+
+    def fails(*args, **kwargs):
+        raise MemoryError("the attention failed after the append")
+    monkeypatch.setattr(step, "_codes_attention", fails)
+    with pytest.raises(MemoryError):
+        step.run(q, caches[0], caches[1], k, k, k_scale=caches[2], v_scale=caches[3])
+    assert_same_bytes(caches, before)  # the appended codes and scales got their old bytes back
+    monkeypatch.undo()
+    out = step.run(q, caches[0], caches[1], k, k, k_scale=caches[2], v_scale=caches[3])
+    called = [array.copy() for array in before]
+    expected = npattn.attention_with_kvcache(q, called[0], called[1], k, k, cache_seqlens=np.array([3, 6]),
+                                             k_scale=called[2], v_scale=called[3], backend="cpu")
+    np.testing.assert_array_equal(out, expected)
+    assert_same_bytes(caches, called)
 
 
 @pytest.mark.parametrize("kind, capacity", [("int8", 18), ("int8", 24), ("float8_e4m3", 24)])

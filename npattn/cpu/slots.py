@@ -71,6 +71,7 @@ class SlotWriter:
         codes = new[0].shape[:3]
         self._scales_at = -(-2 * (math.prod(new[0].shape) + math.prod((*codes, caches[1].shape[3]))) // 8) * 8
         self._quantized_staging = self._scales_at + 4 * 2 * 2 * math.prod(codes)
+        self._quantize_entry = None  # quantize_checked's entry point
 
     def write(self, caches, new) -> tuple:
         """Write ``new`` into ``caches``; returns the slots' old bytes, for :meth:`restore`.
@@ -115,11 +116,17 @@ class SlotWriter:
         if staged is None:
             _, size, dtype, _ = self._plain
             staged = self._local.staged = np.empty(size, dtype)
+        arguments = (q, k_cache, v_cache, k, v, self._targets, self._positions, staged, expected)
         entry = self._entry
-        if entry is None:
-            entry = self._entry = _typed_entry(self._plain[3], (q, k_cache, v_cache, k, v, self._targets,
-                                                                 self._positions, staged, expected))
-        return staged if entry(q, k_cache, v_cache, k, v, self._targets, self._positions, staged, expected) else None
+        if entry is not None:
+            return staged if entry(*arguments) else None
+        # kept once a call matched: typed for arrays of another structure (another layout,
+        # a Fortran order say), it would index the plan's arrays as if they had that one
+        entry = _typed_entry(self._plain[3], arguments)
+        if not entry(*arguments):
+            return None
+        self._entry = entry
+        return staged
 
     def quantizes(self, rows_dtype) -> bool:
         """Whether :meth:`quantize` takes new rows of ``rows_dtype``: the writer's caches
@@ -139,6 +146,26 @@ class SlotWriter:
                                staged[self._scales_at:].view(np.float32)):
             return None
         return _Quantized(staged)
+
+    def quantize_checked(self, q, caches, new, expected):
+        """:meth:`quantize` for a plan's run that has checked only the kind, dtype, ndim and
+        writability of its arrays and that the caches and scales own their memory apart: the
+        shapes, strides and alignment of q, the caches, their scales and the new rows (in
+        that order) are compared with ``expected`` (int64 (7, 8), read-only: each array's
+        shape, then its strides in bytes) in the compiled call, before its first write.
+        Returns the staging for :meth:`restore`; or, with nothing written, 0 where an array
+        differs (the caller checks them one by one, to name it) and -1 where a row is not
+        finite in float32 (the caller quantizes through NumPy). Runs the machine code typed
+        for the arrays' Numba types, as :meth:`write_checked` does."""
+        staged = np.empty(self._quantized_staging, np.uint8)
+        arguments = (q, *caches, *new, self._targets, self._positions, staged[:self._scales_at].view(np.int8),
+                     staged[self._scales_at:].view(np.float32), expected)
+        entry = self._quantize_entry
+        typed = entry or _typed_entry(_quantize_slots_checked, arguments)
+        done = typed(*arguments)
+        if entry is None and done != 0:  # (kept once a call matched, as write_checked's)
+            self._quantize_entry = typed
+        return _Quantized(staged) if done == 1 else done
 
     def restore(self, caches, new, olds) -> None:
         """Put back the old bytes :meth:`write` returned (rare: what ran after the write
@@ -325,6 +352,20 @@ def _quantize_slots(key_codes, value_codes, key_scales, value_scales, k, v, targ
     _write_quantized(key_codes, key_scales, k, targets, positions, codes, scales, 0, 0)
     _write_quantized(value_codes, value_scales, v, targets, positions, codes, scales, value_at, value_scale_at)
     return True
+
+
+@_exact
+def _quantize_slots_checked(query, key_codes, value_codes, key_scales, value_scales, k, v, targets, positions,
+                            codes, scales, expected):
+    """:meth:`SlotWriter.quantize_checked`: 1 where :func:`_quantize_slots` wrote; 0,
+    nothing written, where an array does not have the shape, strides and alignment of its
+    row of ``expected`` (:func:`_matches`); -1, nothing written, where a row is not finite."""
+    if not (_matches(query, expected[0]) and _matches(key_codes, expected[1]) and _matches(value_codes, expected[2])
+            and _matches(key_scales, expected[3]) and _matches(value_scales, expected[4])
+            and _matches(k, expected[5]) and _matches(v, expected[6])):
+        return 0
+    return 1 if _quantize_slots(key_codes, value_codes, key_scales, value_scales, k, v, targets, positions, codes,
+                                scales) else -1
 
 
 @njit(inline="always")
