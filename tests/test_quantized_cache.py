@@ -227,13 +227,39 @@ def test_the_quantization_error_stays_within_its_derived_bound(keys):
     assert (error <= bound).all(), f"worst error {error.max():.3g} past its bound {bound[error > bound].min():.3g}"
 
 
+def test_the_compiled_e4m3_rounding_is_quantize_rows_table_search():
+    """The compiled append's e4m3 rounding (by the float32's bits) gives quantize_rows'
+    bits (its search of the table of e4m3 values): every e4m3 value and every midpoint
+    between neighbours (ties: to the even pattern), both signs, zeros, past 448, and a
+    stride through every float32 pattern below 460."""
+    from numba import njit
+
+    from npattn.core.quantization import E4M3_VALUES, _nearest_e4m3
+    from npattn.cpu.slots import _e4m3_bits
+
+    @njit  # (not cached: a test's own)
+    def rounded(values):
+        out = np.empty(values.size, np.int8)
+        for i in range(values.size):
+            out[i] = _e4m3_bits(values[i])
+        return out
+
+    table = E4M3_VALUES[:0x7F].astype(np.float64)
+    middles = (table[:-1] + table[1:]) / 2
+    strided = np.arange(0, int(np.float32(460).view(np.uint32)), 4099, dtype=np.uint32).view(np.float32)
+    values = np.concatenate([table, middles, strided, [0.0, 448.0, 449.0, 1e30, 1e-45]]).astype(np.float32)
+    values = np.concatenate([values, -values])
+    np.testing.assert_array_equal(rounded(values).view(np.uint8), _nearest_e4m3(np, values))
+
+
 @given(magnitude=st.integers(-40, 37), ties=st.booleans(), zero_row=st.booleans(),
-       dtype=st.sampled_from(["float32", "float64"]), paged=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_the_compiled_append_quantizes_with_quantize_rows_bits(magnitude, ties, zero_row, dtype, paged, seed):
-    """The CPU backend's int8 append (npattn.cpu.slots.SlotWriter.quantize) writes the
+       dtype=st.sampled_from(["float32", "float64"]), paged=st.booleans(), kind=st.sampled_from(["int8", "float8_e4m3"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_the_compiled_append_quantizes_with_quantize_rows_bits(magnitude, ties, zero_row, dtype, paged, kind, seed):
+    """The CPU backend's quantizing append (npattn.cpu.slots.SlotWriter.quantize) writes the
     codes and scales that quantize_rows gives and NumPy's assignment writes, byte for
-    byte: values from 1e-40 to 1e38, rows of exact ties at half a step, rows of zeros, k
-    and v of different widths; then puts the old bytes back. So does its checked form
+    byte, int8 and float8 e4m3: values from 1e-40 to 1e38, rows of exact ties at half a
+    step, rows of zeros, k and v of different widths; then puts the old bytes back. So does its checked form
     (quantize_checked), which writes nothing where any of the seven arrays' shapes differ
     from those it is given. A row that is not finite in float32 is left to NumPy: nothing
     written, None (-1 from the checked form)."""
@@ -247,16 +273,26 @@ def test_the_compiled_append_quantizes_with_quantize_rows_bits(magnitude, ties, 
     pages = rng.permutation(12)[:6].reshape(batch, 2) if paged else None
     pool = 12 if paged else batch
     rows = [(rng.normal(size=(batch, new_len, kv_heads, width)) * 10.0 ** magnitude).astype(dtype) for width in widths]
-    if ties:  # values at n + 1/2 steps of their row's scale: rint's ties, to the even code
+    codes_dtype = np.dtype(np.int8 if kind == "int8" else np.uint8)
+    if ties and kind == "int8":  # values at n + 1/2 steps of their row's scale: rint's ties, to the even code
         step = np.float32(np.abs(rows[0].astype(np.float32)).max(axis=-1, keepdims=True) / np.float32(CODE_LIMIT))
         rows[0] = ((rng.integers(-126, 126, size=rows[0].shape) + 0.5) * step).astype(dtype)
         rows[0][..., 0] = CODE_LIMIT * step[..., 0]
+    elif ties:  # midpoints of neighbouring e4m3 values, times a power of two: the scale (448 of it in each row)
+        from npattn.core.quantization import E4M3_VALUES, E4M3_LARGEST
+        table = E4M3_VALUES[:0x7F].astype(np.float64)
+        below = rng.integers(0, 0x7E, size=rows[0].shape)
+        step = 2.0 ** min(max(magnitude, -100), 100)
+        signs = rng.choice([-1.0, 1.0], size=rows[0].shape)
+        rows[0] = (signs * (table[below] + table[below + 1]) / 2 * step).astype(dtype)
+        rows[0][..., 0] = E4M3_LARGEST * step
     if zero_row:
         rows[1][1, 0] = 0
-    caches = [rng.integers(-127, 128, size=(pool, slots, kv_heads, width)).astype(np.int8) for width in widths]
+    caches = [rng.integers(-127, 128, size=(pool, slots, kv_heads, width)).astype(np.int8).view(codes_dtype)
+              for width in widths]
     caches += [rng.uniform(0.1, 2.0, (pool, slots, kv_heads)).astype(np.float32) for _ in range(2)]
     targets, positions = _slots(np, batch, new_len, np.array([0, 3, 2]), pages, None, slots, views=False)
-    (k_codes, k_scales), (v_codes, v_scales) = (quantize_rows(row) for row in rows)
+    (k_codes, k_scales), (v_codes, v_scales) = (quantize_rows(row, codes_dtype) for row in rows)
     expected = [cache.copy() for cache in caches]
     for cache, new in zip(expected, (k_codes, v_codes, k_scales, v_scales)):
         cache[targets, positions] = new

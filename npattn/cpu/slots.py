@@ -35,10 +35,10 @@ try:  # the dispatcher's own key of an argument's type (0.15 us; typeof costs te
 except ImportError:  # (not public: a Numba without it keys by type)
     compute_fingerprint = typeof
 
-from ..core.quantization import CODE_LIMIT
+from ..core.quantization import CODE_LIMIT, E4M3_LARGEST
 from .jit import helper, kernel
 from .threads import direct_entry
-from .simd import MICROKERNELS, VECTOR_BYTES, load, store
+from .simd import MICROKERNELS, VECTOR_BYTES, as_bits, load, store
 
 
 class SlotWriter:
@@ -130,8 +130,9 @@ class SlotWriter:
 
     def quantizes(self, rows_dtype) -> bool:
         """Whether :meth:`quantize` takes new rows of ``rows_dtype``: the writer's caches
-        are int8 codes with their scales, the rows float32 or float64 (which Numba types)."""
-        return (len(self._pairs) == 2 and self._codes == _INT8 and np.dtype(rows_dtype) in _TYPED[:2])
+        are int8 or float8 e4m3 codes (uint8) with their scales, the rows float32 or float64
+        (which Numba types)."""
+        return (len(self._pairs) == 2 and self._codes in (_INT8, _E4M3) and np.dtype(rows_dtype) in _TYPED[:2])
 
     def quantize(self, caches, new) -> tuple | None:
         """:meth:`write` of the float rows ``new`` (k, v) quantized as
@@ -143,7 +144,7 @@ class SlotWriter:
         staged = np.empty(self._quantized_staging, np.uint8)
         if not _quantize_slots(key_codes, value_codes, key_scales, value_scales, new[0], new[1], self._targets,
                                self._positions, staged[:self._scales_at].view(np.int8),
-                               staged[self._scales_at:].view(np.float32)):
+                               staged[self._scales_at:].view(np.float32), self._codes == _E4M3):
             return None
         return _Quantized(staged)
 
@@ -159,7 +160,7 @@ class SlotWriter:
         for the arrays' Numba types, as :meth:`write_checked` does."""
         staged = np.empty(self._quantized_staging, np.uint8)
         arguments = (q, *caches, *new, self._targets, self._positions, staged[:self._scales_at].view(np.int8),
-                     staged[self._scales_at:].view(np.float32), expected)
+                     staged[self._scales_at:].view(np.float32), self._codes == _E4M3, expected)
         entry = self._quantize_entry
         typed = entry or _typed_entry(_quantize_slots_checked, arguments)
         done = typed(*arguments)
@@ -230,7 +231,7 @@ def _bits(dtype: np.dtype) -> np.dtype | None:
 _UNCHECKED = np.zeros((0, 8), np.int64)  # no rows: _write_plain compares no array
 _UNCHECKED.setflags(write=False)
 _TYPED = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int8))
-_INT8 = np.dtype(np.int8)
+_INT8, _E4M3 = np.dtype(np.int8), np.dtype(np.uint8)  # (e4m3 codes are held as uint8)
 
 
 @kernel
@@ -339,15 +340,16 @@ _exact = njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
 
 
 @_exact
-def _quantize_slots(key_codes, value_codes, key_scales, value_scales, k, v, targets, positions, codes, scales):
+def _quantize_slots(key_codes, value_codes, key_scales, value_scales, k, v, targets, positions, codes, scales, e4m3):
     """:meth:`SlotWriter.quantize` on arrays Numba types: both caches' rows quantized
-    into ``codes`` and ``scales`` (flat; per cache its old codes, then its new ones; its
-    old scales, then its new ones) before the first write; False, with nothing written,
-    where a row is not finite in float32."""
+    (int8 codes, or with ``e4m3`` float8 e4m3 bits) into ``codes`` and ``scales`` (flat; per
+    cache its old codes, then its new ones, as bytes; its old scales, then its new ones)
+    before the first write; False, with nothing written, where a row is not finite in
+    float32."""
     value_at, value_scale_at = 2 * k.size, 2 * k.shape[0] * k.shape[1] * k.shape[2]
-    if not (_quantize_cache(key_codes, key_scales, k, targets, positions, codes, scales, 0, 0)
+    if not (_quantize_cache(key_codes, key_scales, k, targets, positions, codes, scales, 0, 0, e4m3)
             and _quantize_cache(value_codes, value_scales, v, targets, positions, codes, scales, value_at,
-                                value_scale_at)):
+                                value_scale_at, e4m3)):
         return False
     _write_quantized(key_codes, key_scales, k, targets, positions, codes, scales, 0, 0)
     _write_quantized(value_codes, value_scales, v, targets, positions, codes, scales, value_at, value_scale_at)
@@ -356,7 +358,7 @@ def _quantize_slots(key_codes, value_codes, key_scales, value_scales, k, v, targ
 
 @_exact
 def _quantize_slots_checked(query, key_codes, value_codes, key_scales, value_scales, k, v, targets, positions,
-                            codes, scales, expected):
+                            codes, scales, e4m3, expected):
     """:meth:`SlotWriter.quantize_checked`: 1 where :func:`_quantize_slots` wrote; 0,
     nothing written, where an array does not have the shape, strides and alignment of its
     row of ``expected`` (:func:`_matches`); -1, nothing written, where a row is not finite."""
@@ -365,14 +367,16 @@ def _quantize_slots_checked(query, key_codes, value_codes, key_scales, value_sca
             and _matches(k, expected[5]) and _matches(v, expected[6])):
         return 0
     return 1 if _quantize_slots(key_codes, value_codes, key_scales, value_scales, k, v, targets, positions, codes,
-                                scales) else -1
+                                scales, e4m3) else -1
 
 
 @njit(inline="always")
-def _quantize_cache(cache, cache_scales, rows, targets, positions, codes, scales, at, scale_at):
+def _quantize_cache(cache, cache_scales, rows, targets, positions, codes, scales, at, scale_at, e4m3):
     """One cache's old codes and scales, and its new ones, into ``codes[at:]`` and
     ``scales[scale_at:]``: quantize_rows' steps in float32 (the largest magnitude over
-    127, 1 where it is 0; each value over it, rounded half to even, clipped)."""
+    127, or 448 for e4m3, 1 where it is 0; each value over it rounded half to even,
+    clipped: an int8, or the nearest e4m3 bits, :func:`_e4m3_bits`)."""
+    limit = np.float32(E4M3_LARGEST) if e4m3 else np.float32(CODE_LIMIT)
     batch, new_len, heads, width = rows.shape
     count, row_count = rows.size, batch * new_len * heads
     row = 0
@@ -386,18 +390,39 @@ def _quantize_cache(cache, cache_scales, rows, targets, positions, codes, scales
                     if not abs(value) < np.inf:
                         return False
                     largest = max(largest, abs(value))
-                scale = np.float32(largest / np.float32(CODE_LIMIT))
+                scale = np.float32(largest / limit)
                 safe = scale if scale > 0 else np.float32(1.0)
                 scales[scale_at + row] = cache_scales[target, slot, h]
                 scales[scale_at + row_count + row] = scale
                 base = at + row * width
                 for d in range(width):
-                    code = np.rint(np.float32(rows[b, s, h, d]) / safe)
+                    scaled = np.float32(np.float32(rows[b, s, h, d]) / safe)
                     codes[base + d] = cache[target, slot, h, d]
-                    codes[base + count + d] = np.int8(min(max(code, np.float32(-CODE_LIMIT)),
-                                                          np.float32(CODE_LIMIT)))
+                    if e4m3:
+                        codes[base + count + d] = _e4m3_bits(scaled)
+                    else:
+                        codes[base + count + d] = np.int8(min(max(np.rint(scaled), np.float32(-CODE_LIMIT)),
+                                                              np.float32(CODE_LIMIT)))
                 row += 1
     return True
+
+
+@njit(inline="always")
+def _e4m3_bits(scaled):
+    """The float8 e4m3 bits (as an int8 byte) nearest the float32 ``scaled`` (finite),
+    ties to the even pattern, magnitudes past 448 taken as 448: quantize_rows' rounding
+    (its table search) by the float32's bits. Below 2**-6, steps of 2**-9 (the
+    subnormals: rint of the value times 2**9, exact); above, the float32's mantissa
+    rounded half to even at 3 bits, its exponent rebiased from 127 to 7."""
+    magnitude = min(abs(scaled), np.float32(E4M3_LARGEST))
+    if magnitude < np.float32(2.0 ** -6):
+        code = np.int32(np.rint(magnitude * np.float32(2.0 ** 9)))
+    else:
+        bits = np.int32(as_bits(magnitude))
+        code = ((bits + np.int32(0x7FFFF) + ((bits >> 20) & 1)) >> 20) - np.int32(120 << 3)
+    if scaled < 0:
+        code |= 0x80
+    return np.int8(np.uint8(code))
 
 
 @njit(inline="always")
