@@ -253,8 +253,8 @@ def test_the_compiled_e4m3_rounding_is_quantize_rows_table_search():
 
 
 @given(magnitude=st.integers(-40, 37), ties=st.booleans(), zero_row=st.booleans(),
-       dtype=st.sampled_from(["float32", "float64"]), paged=st.booleans(), kind=st.sampled_from(["int8", "float8_e4m3"]),
-       seed=st.integers(0, 2**32 - 1))
+       dtype=st.sampled_from(["float32", "float64"]), paged=st.booleans(),
+       kind=st.sampled_from(["int8", "float8_e4m3"]), seed=st.integers(0, 2**32 - 1))
 def test_the_compiled_append_quantizes_with_quantize_rows_bits(magnitude, ties, zero_row, dtype, paged, kind, seed):
     """The CPU backend's quantizing append (npattn.cpu.slots.SlotWriter.quantize) writes the
     codes and scales that quantize_rows gives and NumPy's assignment writes, byte for

@@ -176,7 +176,7 @@ class KVCachePlan:
         self._slots = (_slots(xp, structure["q"][0][2][0], new_keys, self._seqlens, self._pages, self._rows,
                               self._page_size, views=not compiled) if self._appends else None)
         self._writer = implementation.slot_writer(caches, new, *self._slots) if compiled else None
-        # an int8 cache's new float rows quantized in the writer's pass (its runs; the call
+        # a quantized cache's new float rows quantized in the writer's pass (its runs; the call
         # that planned has its codes already)
         self._quantizing = (self._writer is not None and self._quantized
                             and self._writer.quantizes(structure["k"][0][1]))
@@ -203,7 +203,7 @@ class KVCachePlan:
         return tuple(dtype for _, dtype, _, _ in exact), expected, used, self._writer.write_checked
 
     def _quantized_fast_path(self):
-        """What :meth:`run`'s fast path for an int8 cache whose writer quantizes the new rows
+        """What :meth:`run`'s fast path for an int8 or e4m3 cache whose writer quantizes the new rows
         compares, or None where a run takes the full one: a plain step (NumPy arrays, q,
         the caches, k and v 4-D, the scales 3-D; no shared prefix, rotary table or finite
         check) whose writer compares shapes and strides in its compiled call
@@ -255,7 +255,7 @@ class KVCachePlan:
                         raise
         quick = self._quick
         if quick is not None and prefix_k is None and prefix_v is None:
-            # a plain step on an int8 cache: the checks and the quantizing write in one
+            # a plain step on an int8 or e4m3 cache: the checks and the quantizing write in one
             # compiled call (1.4 us of structures, 1.5 of checks and 2.6 of the write, the
             # dispatcher's typing most of it, became 2.2); an array that differs, or a row
             # not finite in float32, takes the checks below
@@ -263,7 +263,8 @@ class KVCachePlan:
             array = np.ndarray
             if (type(q) is array and type(k_cache) is array and type(v_cache) is array and type(k) is array
                     and type(v) is array and type(k_scale) is array and type(v_scale) is array
-                    and (q.dtype, k_cache.dtype, v_cache.dtype, k.dtype, v.dtype, k_scale.dtype, v_scale.dtype) == dtypes
+                    and (q.dtype, k_cache.dtype, v_cache.dtype, k.dtype, v.dtype, k_scale.dtype,
+                         v_scale.dtype) == dtypes
                     and (q.ndim, k_cache.ndim, v_cache.ndim, k.ndim, v.ndim, k_scale.ndim,
                          v_scale.ndim) == _QUANTIZED_NDIMS
                     and k_cache.flags.writeable and v_cache.flags.writeable and k_scale.flags.writeable
