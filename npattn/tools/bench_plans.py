@@ -12,7 +12,8 @@ the runs of every call taken in turn):
 - one layer of a decode step, (1, 8/2, 1 new + 40 cached, 64) on a contiguous cache and a
   batch of 4 on pages of 16: ``attention_with_kvcache`` against ``plan_with_kvcache(...).run``,
   and the attention call each layer makes after its append, plain and planned (what a
-  kv-cache plan could come down to);
+  kv-cache plan could come down to); the contiguous layer on int8 and float8 e4m3 caches
+  too (each run quantizes its new key and value into them);
 - one layer of a packed batch (3 decode steps and a 16-token chunk, 8/2 heads, D 64):
   ``attention_varlen`` against ``plan_varlen(...).run``.
 """
@@ -26,6 +27,7 @@ import numpy as np
 
 from ..adapters.dispatch import attention, attention_varlen, attention_with_kvcache
 from ..api import plan
+from ..core.quantization import code_dtype, quantize_rows
 from ..serving.kvcache import plan_with_kvcache
 from ..serving.varlen import plan_varlen
 
@@ -83,6 +85,15 @@ def compare(calls: int = 400, repeats: int = 5, out=sys.stdout) -> dict:
         step = plan_with_kvcache(qs, key_cache, value_cache, ks, ks, **metadata)
         results[label] = (partial(attention_with_kvcache, qs, key_cache, value_cache, ks, ks, **metadata),
                           partial(step.run, qs, key_cache, value_cache, ks, ks))
+    # the contiguous layer on quantized caches: each run quantizes the new key and value
+    for kind in ("int8", "float8_e4m3"):
+        (key_codes, key_scales), (value_codes, value_scales) = (quantize_rows(cache, code_dtype(kind))
+                                                                for cache in caches)
+        scales = dict(k_scale=key_scales, v_scale=value_scales)
+        step = plan_with_kvcache(q1, key_codes, value_codes, k1, k1, cache_seqlens=40, **scales)
+        results[f"decode layer, contiguous, {kind} cache"] = (
+            partial(attention_with_kvcache, q1, key_codes, value_codes, k1, k1, cache_seqlens=40, **scales),
+            partial(step.run, q1, key_codes, value_codes, k1, k1, **scales))
     # a packed batch of 4 sequences (decode steps and a short prefill chunk), one layer
     cu_q, cu_k = np.array([0, 1, 2, 3, 19]), np.array([0, 40, 70, 90, 130])
     packed = [rng.standard_normal((int(cu[-1]), h, dim)).astype(np.float32)
@@ -100,7 +111,7 @@ def compare(calls: int = 400, repeats: int = 5, out=sys.stdout) -> dict:
         alone = plan(*arrays, **options)
         results[label] = (partial(attention, *arrays, **options), partial(alone.run, *arrays))
     results = best_us(results, calls, 5 * repeats)
-    print(f"npattn planned calls on the CPU (float32 but the float16 row), best of {5 * repeats} rounds of {calls} "
+    print(f"npattn planned calls on the CPU (float32 but the float16 row and the quantized caches), best of {5 * repeats} rounds of {calls} "
           "calls of each, in turn, us a call", file=out)
     print(f"{'call':<52} {'plain call':>11} {'planned':>9}", file=out)
     for label, (plain, planned) in results.items():
