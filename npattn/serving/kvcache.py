@@ -197,10 +197,8 @@ class KVCachePlan:
                 or any(structure is None or structure[0] is not np.ndarray or len(structure[2]) != 4
                                        for structure in exact)):
             return None
-        expected = np.array([(*shape, *strides) for _, _, shape, strides in exact], np.int64)
-        expected.setflags(write=False)
         used = (slice(None), slice(None, self._keys_used)) if self._prefix else ...
-        return tuple(dtype for _, dtype, _, _ in exact), expected, used, self._writer.write_checked
+        return tuple(dtype for _, dtype, _, _ in exact), _compared(exact), used, self._writer.write_checked
 
     def _quantized_fast_path(self):
         """What :meth:`run`'s fast path for an int8 or e4m3 cache whose writer quantizes the new rows
@@ -215,11 +213,8 @@ class KVCachePlan:
                 or any(structure is None or structure[0] is not np.ndarray or len(structure[2]) != ndim
                        for structure, ndim in zip(exact, _QUANTIZED_NDIMS))):
             return None
-        expected = np.zeros((7, 8), np.int64)
-        for row, index in enumerate((0, 1, 2, 5, 6, 3, 4)):  # q, the caches, the scales, k, v: the writer's order
-            _, _, shape, strides = exact[index]
-            expected[row, :2 * len(shape)] = (*shape, *strides)
-        expected.setflags(write=False)
+        # (q, the caches, the scales, k, v: the writer's order)
+        expected = _compared([exact[index] for index in (0, 1, 2, 5, 6, 3, 4)])
         used = (slice(None), slice(None, self._keys_used)) if self._prefix else None
         return tuple(dtype for _, dtype, _, _ in exact), expected, used
 
@@ -388,6 +383,17 @@ class KVCachePlan:
         except BaseException:
             writer.restore(caches, new, olds)
             raise
+
+
+def _compared(structures) -> np.ndarray:
+    """int64 (n, 8), read-only: each of the checked ``structures``' shape, then its strides
+    in bytes (zeros after): the rows a writer's compiled call compares each run's arrays
+    with (:func:`npattn.cpu.slots._matches`)."""
+    expected = np.zeros((len(structures), 8), np.int64)
+    for row, (_, _, shape, strides) in enumerate(structures):
+        expected[row, :2 * len(shape)] = (*shape, *strides)
+    expected.setflags(write=False)
+    return expected
 
 
 _FOUR_D = (4, 4, 4, 4, 4)
