@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from ..core.kernel_params import sink_logits_gradient
+from ..core.kernel_params import OPERAND_NAMES, sink_logits_gradient
 from ..runtime.plans import PlanCache
 from ..core.problem import signature
 from ..core.quantization import RunScales
@@ -139,7 +139,7 @@ class ForwardPlan:
                 arrays = folding.FoldedArrays.of(arrays, self.group)
             ops = self.operands.operands(q, k, v, arrays)
             if run is not None:
-                self._scale_run = (run.problem, tuple(ops[3:11]))  # bias to reals
+                self._scale_run = (run.problem, tuple(ops[_OPTIONS]))
             out = self.out_zeros()
             lse = np.empty(self.lse_shape, dtype)
             lse.fill(-np.inf)  # (np.full, in Python, costs a small call 4 us more)
@@ -351,4 +351,10 @@ def _alignment(ops, run) -> tuple:
     scales: the codes are bytes), as an entry point's types say."""
     if run is None:
         return ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned
-    return ops[0].flags.aligned, ops[13].flags.aligned, ops[14].flags.aligned
+    return ops[0].flags.aligned, ops[_K_SCALE].flags.aligned, ops[_V_SCALE].flags.aligned
+
+
+# where a kernel's operands hold the options (bias to reals: the same every run of a
+# quantized step) and the scales
+_OPTIONS = slice(OPERAND_NAMES.index("bias"), OPERAND_NAMES.index("k_codes"))
+_K_SCALE, _V_SCALE = OPERAND_NAMES.index("k_scale"), OPERAND_NAMES.index("v_scale")
