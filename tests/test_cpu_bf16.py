@@ -5,6 +5,8 @@ and, more tightly, near the float32-product path on the same inputs; the pair la
 against their definition."""
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -21,14 +23,19 @@ needs_bf16 = pytest.mark.skipif(not simd.BF16_DOT, reason="the CPU has no AVX512
 @needs_bf16
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 1, 2, 3]),
        q_len=st.integers(1, 300), kv_len=st.integers(1, 300), head_dim=st.sampled_from([16, 32, 48, 64, 128]),
-       causal=st.booleans(), paged=st.booleans(), seed=st.integers(0, 2**32 - 1))
+       causal=st.booleans(), paged=st.booleans(), dropout=st.sampled_from([0.0, 0.0, 0.3]),
+       seed=st.integers(0, 2**32 - 1))
 def test_bfloat16_products_keep_the_bfloat16_bound(batch, kv_heads, group, q_len, kv_len, head_dim, causal, paged,
-                                                   seed):
+                                                   dropout, seed):
+    """(With dropout, the tiles' probabilities are dropped before they are rounded to
+    pairs; without, they are rounded as exp makes them: both within the bounds.)"""
     rng = np.random.default_rng(seed)
     heads = kv_heads * group  # (GQA: groups folded into rows where a group's rows fit a tile)
     q = rng.normal(size=(batch, heads, q_len, head_dim)).astype(ml_dtypes.bfloat16)
     k, v = (rng.normal(size=(batch, kv_heads, kv_len, head_dim)).astype(ml_dtypes.bfloat16) for _ in range(2))
     options = dict(causal=causal)
+    if dropout:
+        options.update(dropout_p=dropout, seed=seed)
     if paged and kv_len % 4 == 0:  # pools of 4-key pages, in a shuffled order
         per_entry = kv_len // 4
         table = rng.permutation(batch * per_entry).reshape(batch, per_entry)
@@ -46,17 +53,20 @@ def test_bfloat16_products_keep_the_bfloat16_bound(batch, kv_heads, group, q_len
     with tuned(bf16_products=False):
         plain = npattn.attention(*arguments, **options)
     expected, expected_lse = npattn.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
-                                              causal=causal, return_lse=True, backend="reference")
+                                              return_lse=True, backend="reference",
+                                              **{name: options[name] for name in ("causal", "dropout_p", "seed")
+                                                 if name in options})
     if options.get("layout") == "bshd":
         out, plain = out.transpose(0, 2, 1, 3), plain.transpose(0, 2, 1, 3)
-    out_bound, lse_bound = tolerances.attention_bounds("bfloat16", q, k, v, kv_len)
+    # (kept probabilities are scaled by 1 / (1 - p): so are the values' share of the bound)
+    out_bound, lse_bound = tolerances.attention_bounds("bfloat16", q, k, v.astype(np.float64) / (1 - dropout), kv_len)
     np.testing.assert_allclose(out.astype(np.float64), expected, rtol=0, atol=out_bound)
     finite = np.isfinite(expected_lse)
     np.testing.assert_allclose(lse[finite], expected_lse[finite], rtol=0, atol=lse_bound)
     # P rounded to bfloat16 moves each output by at most half a bfloat16 ulp of P's mass
     # times the values (plus both results' own rounding to bfloat16)
     eps = float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps)
-    near = eps * float(np.abs(v.astype(np.float64)).max(initial=1)) * 2
+    near = eps * float(np.abs(v.astype(np.float64)).max(initial=1)) * 2 / (1 - dropout)
     np.testing.assert_allclose(out.astype(np.float64), plain.astype(np.float64), rtol=0, atol=near)
 
 
@@ -134,3 +144,43 @@ def test_pair_layouts_hold_bfloat16_pairs_in_order():
     row_one, row_two = bits[2:2 + lanes], bits[2 * lanes + 2:3 * lanes + 2]
     np.testing.assert_array_equal(pairs[:lanes], row_one | (row_two << 16))
     np.testing.assert_array_equal(pairs[lanes:], row_one)
+
+
+
+@needs_bf16
+@given(n=st.integers(1, 80), shift=st.floats(-3, 3), seed=st.integers(0, 2**32 - 1))
+def test_probabilities_rounded_to_pairs_as_exp_makes_them_are_those_of_exp_then_pairs(n, shift, seed):
+    """exp_shifted_to_pairs (a bfloat16 forward's tiles without dropout): the sums and
+    the pair words of exp_shifted (brief) followed by pair_rows, bit for bit, whole
+    vectors and the last values alike (odd counts end on a pair with a zero), on two
+    rows of a tile."""
+    rng = np.random.default_rng(seed)
+    row = n + 5  # two rows of n scores, from 3 and row + 3
+    scores = (rng.normal(size=2 * row) * 4).astype(np.float32)
+    scores[rng.random(2 * row) < 0.2] = -np.inf  # masked keys: exactly 0
+    fused_sums, later_sums, fused_pairs, later_pairs = _fused_and_later()(scores, n, row, np.float32(shift))
+    np.testing.assert_array_equal(fused_sums.view(np.uint32), later_sums.view(np.uint32))
+    np.testing.assert_array_equal(fused_pairs.view(np.uint32), later_pairs.view(np.uint32))
+
+
+@functools.cache
+def _fused_and_later():
+    """A jitted ``(scores, n, row, shift) -> (fused sums, later sums, fused pairs, later
+    pairs)``, compiled once (a dispatcher per example would compile per example)."""
+    from numba import njit
+
+    from npattn.cpu.rowmath import exp_shifted, exp_shifted_to_pairs
+    from npattn.cpu.tiles import pair_rows
+
+    @njit
+    def both(scores, n, row, shift):
+        pair_row = (n + 1) // 2 + 3
+        fused, later = scores.copy(), scores.copy()
+        fused_pairs, later_pairs = np.full(2 * pair_row, np.float32(7.0)), np.full(2 * pair_row, np.float32(7.0))
+        fused_sums, later_sums = np.empty(2, np.float32), np.empty(2, np.float32)
+        for r in range(2):
+            fused_sums[r] = exp_shifted_to_pairs(fused, 3 + r * row, n, shift, fused_pairs, r * pair_row)
+            later_sums[r] = exp_shifted(later, 3 + r * row, n, shift, True)
+        pair_rows(later, 3, row, 2, n, later_pairs, pair_row)
+        return fused_sums, later_sums, fused_pairs, later_pairs
+    return both

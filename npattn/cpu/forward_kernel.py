@@ -29,7 +29,7 @@ from .jit import helper, kernel
 from .signatures import as_offset, as_readonly, larger, smaller
 from .threads import NON_FINITE, next_item
 from .operands import Int, KvCodes, Real
-from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, row_max, short_row_max
+from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_shifted_to_pairs, row_max, short_row_max
 from .code_products import code_product
 from .microkernels import pair_product, product
 from .tiles import (apply_dropout, band_keys, codes_in_registers, dequantize_tile, key_segments, memory_batch,
@@ -141,7 +141,12 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
                     full = score_tile(q, k, tile, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals, s,
                                       ld, tanh, packed, b, h, i0, rows, j0, cols)
-                    outcome = _exp_with_running_max(s, ld, rows, cols, head_m, head_total, head_seen, sums, bf16)
+                    # a bfloat16 tile's probabilities go to pairs as exp makes them (not with
+                    # dropout, which needs them in s first, nor on short rows, exp'd inline)
+                    pair_ld = half_ld if (bf16 and not ints[Int.HAS_DROPOUT]
+                                          and cols * s.itemsize != SHORT_ROW_BYTES) else 0
+                    outcome = _exp_with_running_max(s, ld, rows, cols, head_m, head_total, head_seen, sums, bf16,
+                                                    p_pairs, pair_ld)
                     if outcome != _DONE:
                         if outcome == _OVERWRITTEN:
                             # a score rose more than _HEADROOM above its row's max (rare: the running
@@ -149,7 +154,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                             score_tile(q, k, tile, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals,
                                        s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                         _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, out,
-                                          out_offset, out_row_stride, dv, bf16)
+                                          out_offset, out_row_stride, dv, bf16, p_pairs, pair_ld)
                     if ints[Int.HAS_DROPOUT]:
                         apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
                     if group > 1:  # the share's second half
@@ -160,7 +165,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     # probabilities past it are exact zeros)
                     # (value rows run by run of one page: page_run)
                     if ints[Int.VECTOR_VALUES] and bf16:  # P rounded to bfloat16, V in pairs of keys
-                        pair_rows(s, 0, ld, rows, cols, p_pairs, half_ld)
+                        if not pair_ld:
+                            pair_rows(s, 0, ld, rows, cols, p_pairs, half_ld)
                         pack_value_pairs(v, pages, ints, b, kv_head, j0, cols, v_pairs)
                         band = rows if full else ints[Int.EDGE_BAND]
                         for r0 in range(0, rows, band):
@@ -232,19 +238,26 @@ _DONE, _UNTOUCHED, _OVERWRITTEN = 0, 1, 2
 
 
 @helper
-def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief):
+def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief, pairs, pair_ld):
     """The common tile: exp against each row's running max ``m`` as it stands, with no
     max pass and no rescale of the output. Returns _DONE; or _UNTOUCHED when a row
     has seen no key yet, and _OVERWRITTEN (scores replaced) when a row's sum shows
     a score more than the headroom above its max: the caller then takes
     :func:`_exp_with_new_max`. ``brief``: exp to bfloat16's needs (BF16_PRODUCTS,
-    :func:`~npattn.cpu.rowmath.exp_shifted`)."""
+    :func:`~npattn.cpu.rowmath.exp_shifted`); ``pair_ld`` > 0 (with ``brief``, not on
+    short rows): the probabilities go to ``pairs``, row r's from ``r * pair_ld``, as
+    bfloat16 pairs (:func:`~npattn.cpu.rowmath.exp_shifted_to_pairs`), not to ``s``."""
     for r in range(rows):
         if not seen[r]:
             return _UNTOUCHED
     short = cols * s.itemsize == SHORT_ROW_BYTES  # (short rows: inlined, side by side)
     for r in range(rows):
-        sums[r] = exp_short_row_shifted(s, r * ld, m[r]) if short else exp_shifted(s, r * ld, cols, m[r], brief)
+        if short:
+            sums[r] = exp_short_row_shifted(s, r * ld, m[r])
+        elif pair_ld:
+            sums[r] = exp_shifted_to_pairs(s, r * ld, cols, m[r], pairs, r * pair_ld)
+        else:
+            sums[r] = exp_shifted(s, r * ld, cols, m[r], brief)
         if not sums[r] <= _REDO_ABOVE:
             return _OVERWRITTEN
     for r in range(rows):
@@ -253,10 +266,11 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief):
 
 
 @helper
-def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_row_stride, dv, brief):
+def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_row_stride, dv, brief, pairs,
+                      pair_ld):
     """The textbook online-softmax step: a max pass, exp against the new max, and the
-    running sum and output rows rescaled by exp(m_old - m_new) (``brief``: as
-    :func:`_exp_with_running_max`'s)."""
+    running sum and output rows rescaled by exp(m_old - m_new) (``brief``, ``pairs`` and
+    ``pair_ld``: as :func:`_exp_with_running_max`'s)."""
     short = cols * s.itemsize == SHORT_ROW_BYTES  # (short rows: inlined, side by side)
     for r in range(rows):
         tile_max = short_row_max(s, r * ld) if short else row_max(s, r * ld, cols)
@@ -269,8 +283,12 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
         # (exp(-inf) without a call into libm: the first tile of every row)
         correction = 1.0 if new_max == -np.inf else (0.0 if m_before == -np.inf else math.exp(m_before - new_max))
         m[r] = new_max
-        tile_sum = (exp_short_row_shifted(s, r * ld, shift) if short
-                    else exp_shifted(s, r * ld, cols, shift, brief))
+        if short:
+            tile_sum = exp_short_row_shifted(s, r * ld, shift)
+        elif pair_ld:
+            tile_sum = exp_shifted_to_pairs(s, r * ld, cols, shift, pairs, r * pair_ld)
+        else:
+            tile_sum = exp_shifted(s, r * ld, cols, shift, brief)
         if tile_sum != tile_sum:  # a visible NaN score (row_max skips it): the row is NaN
             seen[r] = True
         total[r] = total[r] * correction + tile_sum

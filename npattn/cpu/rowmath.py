@@ -39,8 +39,9 @@ from numba.extending import intrinsic, overload
 
 from .jit import HELPER_OPTIONS, OPTIONS
 from .signatures import plain_int, scalar_like
-from .simd import (VECTOR_BYTES, Vector, add, call_llvm_intrinsic, fill, horizontal_max, horizontal_sum, lanes_in,
-                   load, maximum, store)
+from .microkernels import pair_bits
+from .simd import (BF16_DOT, VECTOR_BYTES, Vector, add, call_llvm_intrinsic, fill, horizontal_max, horizontal_sum,
+                   lanes_in, load, maximum, store, store_bfloat16)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -121,6 +122,49 @@ def _exp_float32(typingctx, x, shift, brief):
         bits = builder.add(bits, constant(integer_type, 127 << 23))
         return builder.fmul(polynomial, builder.bitcast(bits, value_type))
     return x(x, shift, brief), codegen
+
+
+@njit(inline="always")
+def exp_shifted_to_pairs(x, start, n, shift, pairs, pair_start):
+    """:func:`exp_shifted` with ``brief`` (its sum), the new values going to ``pairs``
+    rounded to bfloat16 pairs along the row, ``pairs[pair_start + p]`` = pair (value
+    ``2p``, value ``2p + 1``), 0 past ``n`` (:func:`~npattn.cpu.tiles.pair_rows`' bits):
+    a bfloat16 forward's probabilities rounded as they are made, not stored in ``x`` and
+    read back (``x`` keeps its scores but for the last values, fewer than a vector).
+    float32 only, where the CPU has AVX512_BF16 (elsewhere nothing calls it). Jitted
+    code only."""
+    return _exp_shifted_to_pairs(x, plain_int(start), plain_int(n), scalar_like(shift, x), pairs,
+                                 plain_int(pair_start))
+
+
+def _exp_shifted_to_pairs(x, start, n, shift, pairs, pair_start):
+    raise NotImplementedError
+
+
+@overload(_exp_shifted_to_pairs, jit_options=OPTIONS)
+def _exp_shifted_to_pairs_overload(x, start, n, shift, pairs, pair_start):
+    if not (BF16_DOT and x.dtype == types.float32):  # (nothing to compile for other kernels)
+        return lambda x, start, n, shift, pairs, pair_start: x.dtype.type(0.0)
+    lanes = VECTOR_BYTES // 4
+
+    def polynomial(x, start, n, shift, pairs, pair_start):
+        full = start + n - n % lanes
+        shifts = fill(shift, x)
+        sums = fill(0.0, x)
+        for c in range(start, full, lanes):
+            value = _exp_float32(load(x, c), shifts, True)
+            store_bfloat16(pairs, pair_start + (c - start) // 2, value)
+            sums = add(sums, value)
+        total = horizontal_sum(sums)
+        for c in range(full, start + n):  # (exp_shifted's last values: exact, in x)
+            value = _exp_float32(x[c], shift, False)
+            x[c] = value
+            total += value
+        for c in range(full, start + n, 2):
+            high = x[c + 1] if c + 1 < start + n else 0.0
+            pairs[pair_start + (c - start) // 2] = pair_bits(x[c], high)
+        return total
+    return polynomial
 
 
 @njit(**HELPER_OPTIONS)
