@@ -281,11 +281,11 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
     """From its second plain call on, a plan calls the forward kernel's compiled entry
     point directly (no dispatcher typing each argument, npattn.cpu.threads.direct_entry):
     the same bits as the first call, in both layouts and with GQA rows folded, float16
-    too (its keys read as bytes a tile at a time, its q widened in its memory order by
-    the conversion's entry point into the thread's own array, its out narrowed by another:
-    the bits of flat_view's copy and of converted(); bfloat16 likewise); q at an address off the float's alignment (another Numba
-    type) goes through the dispatcher, with the same bits too (a float16 q is widened
-    into an aligned copy first)."""
+    too (its keys read as bytes a tile at a time, its q read as it lies, each item's rows
+    converted in the kernel, its out narrowed by the conversion's entry point: the bits of
+    converted(); bfloat16 likewise); q at an address off the float's alignment (another
+    Numba type) goes through the dispatcher, with the same bits too (a 16-bit q is then
+    read from an aligned copy)."""
     direct_calls = count_direct_entries(monkeypatch)
     rng = np.random.default_rng(3)
     heads_axis = 2 if layout == "bshd" else 1
@@ -304,13 +304,9 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a, b)
     operands = plan._forward_plan.operands
-    if dtype != np.float32 and conversion.MICROKERNELS:  # q widened, out narrowed by the conversions' entry points
-        assert operands.widen_q is not None and plan._forward_plan._narrow_out is not None
-
-    if operands.widened_q:
-        monkeypatch.setattr(operands, "widened_q", False)  # flat_view's copy instead
-        monkeypatch.setattr(operands, "widen_q", None)
-        monkeypatch.setattr(plan._forward_plan, "_narrow_out", None)  # and converted() for out
+    if dtype != np.float32 and conversion.MICROKERNELS:  # q as it lies, out narrowed by the conversion's entry
+        assert operands.q_codes and plan._forward_plan._narrow_out is not None
+        monkeypatch.setattr(plan._forward_plan, "_narrow_out", None)  # converted() for out instead
         for a, b in zip(first, plan.run(q, k, v)):
             np.testing.assert_array_equal(a, b)
         monkeypatch.undo()

@@ -668,6 +668,55 @@ def test_a_16_bit_prefill_longer_than_a_tile_reads_k_and_v_a_tile_at_a_time(dtyp
         np.testing.assert_array_equal(mine, theirs)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", ["prefill", "gqa bshd", "decode interleaved", "split keys", "off boundary"])
+def test_16_bit_queries_read_as_they_lie_give_the_bits_of_a_widened_copy(dtype, case, monkeypatch):
+    """Where k and v are read a 16-bit tile at a time, q is too: each work item converts its
+    rows (every head of a decode item's, npattn.cpu.tiles.convert_query_rows) from q's own
+    memory, with the bits q widened to a float32 copy gave, in every layout the forward
+    takes; a q 2 bytes off a 4-byte boundary is read from an aligned copy, the same bits.
+    (A bfloat16 prefill that multiplies in bfloat16 reads q as pairs instead: not here.)"""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    from npattn.core.kernel_params import KvCodes
+    from npattn.cpu import driver, operands
+    from npattn.cpu.tuning import tuned
+
+    rng = np.random.default_rng(5)
+    normal = lambda *shape: rng.normal(size=shape).astype(dtype)  # noqa: E731
+    options, tiles = dict(return_lse=True), (32, 48)
+    if case == "prefill":  # four query tiles, causal
+        q, k, v = normal(1, 2, 100, 32), normal(1, 2, 100, 32), normal(1, 2, 100, 32)
+        options.update(causal=True)
+    elif case == "gqa bshd":  # query heads of a group folded into rows
+        q, k, v = normal(2, 70, 6, 32), normal(2, 90, 2, 32), normal(2, 90, 2, 32)
+        options.update(layout="bshd")
+    elif case == "decode interleaved":  # one item of every head, key rows holding every head
+        q, k, v = normal(2, 1, 4, 64), normal(2, 300, 4, 64), normal(2, 300, 4, 64)
+        options.update(layout="bshd")
+    elif case == "split keys":  # a short query's keys cut into ranges, an item each
+        q, k, v = normal(1, 2, 1, 32), normal(1, 3000, 1, 32), normal(1, 3000, 1, 32)
+        options.update(layout="bshd")
+    else:
+        q, k, v = normal(1, 2, 40, 32), normal(1, 2, 40, 32), normal(1, 2, 40, 32)
+        flat = np.empty(q.size + 2, q.dtype)
+        start = 1 if flat.__array_interface__["data"][0] % 4 == 0 else 0
+        q_off = flat[start:start + q.size].reshape(q.shape)
+        q_off[...] = q
+        q = q_off
+    read = []
+    planned = operands.query_codes
+    monkeypatch.setattr(operands, "query_codes", lambda *a: read.append(planned(*a)) or read[-1])
+    with tuned(forward=tiles, bf16_products=False):  # (bfloat16 prefills: not as pairs)
+        in_place = npattn.attention(q, k, v, **options)
+        assert read == [KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16]
+        monkeypatch.setattr(operands, "query_codes", lambda *a: KvCodes.NONE)
+        monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())  # plans made afresh, widening q
+        monkeypatch.setattr(driver, "_FORWARD_PLANS", type(driver._FORWARD_PLANS)())
+        widened = npattn.attention(q, k, v, **options)
+    for mine, theirs in zip(in_place, widened):
+        np.testing.assert_array_equal(mine, theirs)
+
+
 @given(lengths=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6)), min_size=1, max_size=3),
        kind=st.sampled_from(["int8", "float8_e4m3"]), gqa=st.booleans(), seed=st.integers(0, 2**31))
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)

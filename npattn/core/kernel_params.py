@@ -63,6 +63,10 @@ Int = _positions("Int", (
     "BF16_PRODUCTS",
     "KV_CODES", "K_SCALE_STRIDE_B", "K_SCALE_STRIDE_H", "K_SCALE_STRIDE_S",
     "V_SCALE_STRIDE_B", "V_SCALE_STRIDE_H", "V_SCALE_STRIDE_S",
+    # CPU forward: how it reads q (a KvCodes): as it is, or (where KV_CODES reads float16 or
+    # bfloat16 keys a tile at a time) its 16-bit memory, seen as float32 words, each work
+    # item's rows converted to float32 once (Q_STRIDE_* then count bytes)
+    "Q_CODES",
 ))
 
 # The values of Int.KV_CODES

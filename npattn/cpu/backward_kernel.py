@@ -30,7 +30,7 @@ from .operands import Int, Real, Span
 from .rowmath import exp_shifted, row_max
 from .microkernels import padded_width, product
 from .tiles import (apply_dropout, k_row, key_segments, memory_batch, memory_batches, pack_key_tile, pack_value_tile,
-                    packed_values, score_tile, span, v_row)
+                    packed_values, query_offset, score_tile, span, v_row)
 
 # the key codes and scales score_tile takes, for a backward, which never reads codes
 _NO_CODES, _NO_SCALES = np.zeros(1, np.int8), np.zeros(1, np.float32)
@@ -58,8 +58,8 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, d
     ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
     # (never quantized nor BF16_PRODUCTS: forward-only; k and _NO_CODES stand in for the unused tiles)
-    score_tile(q, k, as_readonly(k), _NO_CODES, _NO_SCALES, bias, mask, alibi, spans, pages, ints, reals, p, ld,
-               tanh, packed, b, h, i0, rows, j0, cols)
+    score_tile(as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, as_readonly(k), _NO_CODES,
+               _NO_SCALES, bias, mask, alibi, spans, pages, ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
     row_offset = (memory_batch(ints, b) * heads + h) * ints[Int.Q_LEN] + i0
     for r in range(rows):
         row_lse = lse[row_offset + r]

@@ -32,9 +32,10 @@ from .operands import Int, KvCodes, Real
 from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_shifted_to_pairs, row_max, short_row_max
 from .code_products import code_product
 from .microkernels import pair_product, product
-from .tiles import (apply_dropout, band_keys, codes_in_registers, dequantize_tile, key_segments, memory_batch,
-                    memory_batches, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles,
-                    prefetch_key_rows, score_tile, span, v_row, v_scale_row, value_tile_rows)
+from .tiles import (apply_dropout, band_keys, codes_in_registers, convert_query_rows, dequantize_tile, key_segments,
+                    memory_batch, memory_batches, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles,
+                    prefetch_key_rows, query_offset, query_rows, score_tile, span, v_row, v_scale_row,
+                    value_tile_rows)
 from .operands import Span
 
 
@@ -75,7 +76,9 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     out and lse may start uninitialized). ``s`` to ``dequantized``: this thread's
     :func:`~npattn.cpu.scratch.forward_scratch_specs`. With KV_CODES, k and v are
     placeholders and each key tile is read from ``k_codes`` and ``v_codes`` (int8 times
-    their scales, or 16-bit floats: :func:`~npattn.cpu.tiles.dequantize_tile`).
+    their scales, or 16-bit floats: :func:`~npattn.cpu.tiles.dequantize_tile`); with
+    Q_CODES, q is 16-bit memory seen as float32 words, each item's rows converted once into
+    the end of ``dequantized`` (:func:`~npattn.cpu.tiles.convert_query_rows`).
     ``counter[NON_FINITE]`` becomes 1 where an out row it wrote holds a NaN or an inf.
 
     One function from the item loop down to the tile's key loop, not a helper per
@@ -119,6 +122,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                 o = _out_offset(out_strides, split, b, h0 + g, i0 + r)
                 for x in range(as_offset(o), as_offset(o + dv)):
                     out[x] = 0.0
+        if ints[Int.Q_CODES]:  # 16-bit queries: the item's rows in float32, once
+            convert_query_rows(q, ints, b, h0, group, i0, rows, dequantized)
         sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
         range_start = split * split_keys
         for segment in range(2):
@@ -139,8 +144,9 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                         dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                         dequantized)
                     pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                    full = score_tile(q, k, tile, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals, s,
-                                      ld, tanh, packed, b, h, i0, rows, j0, cols)
+                    query, q_offset, q_row = query_rows(q, dequantized, ints, b, h, g, i0)
+                    full = score_tile(query, q_offset, q_row, k, tile, k_codes, k_scale, bias, mask, alibi, spans,
+                                      pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                     # a bfloat16 tile's probabilities go to pairs as exp makes them (not with
                     # dropout, which needs them in s first, nor on short rows, exp'd inline)
                     pair_ld = half_ld if (bf16 and not ints[Int.HAS_DROPOUT]
@@ -151,8 +157,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                         if outcome == _OVERWRITTEN:
                             # a score rose more than _HEADROOM above its row's max (rare: the running
                             # max is usually set by the first tile): recompute the scores
-                            score_tile(q, k, tile, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals,
-                                       s, ld, tanh, packed, b, h, i0, rows, j0, cols)
+                            score_tile(query, q_offset, q_row, k, tile, k_codes, k_scale, bias, mask, alibi, spans,
+                                       pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                         _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, out,
                                           out_offset, out_row_stride, dv, bf16, p_pairs, pair_ld)
                     if ints[Int.HAS_DROPOUT]:
@@ -328,8 +334,10 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                     dequantized)
                 pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                score_tile(q, k, tile, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals,
-                           s, ld, tanh, packed, b, h, i0, rows, j0, cols)
+                # (never Q_CODES: weights are asked of calls that read q as it is)
+                score_tile(as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, tile, k_codes,
+                           k_scale, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows,
+                           j0, cols)
                 for r in range(rows):
                     row_lse = lse[row_offset + r]
                     if row_lse > -np.inf:  # an empty row keeps its zeros

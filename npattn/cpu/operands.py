@@ -11,7 +11,6 @@ stride along the head dimension.
 from __future__ import annotations
 
 import functools
-import threading
 from collections import namedtuple
 
 import numpy as np
@@ -20,7 +19,7 @@ from ..core.dropout import seed_words
 from ..core.kernel_params import OPERAND_NAMES, SPAN_FIELDS, Int, KvCodes, Real, Span, quantized_codes, default_spans, element_strides, problem_int_values, problem_pages, problem_reals, spans_with  # (Int, Real, Span: the kernels import them from here)
 from ..runtime.plans import PlanCache
 from ..core.problem import signature
-from .conversion import BYTES, conversion_entry, converted, kept_widened
+from .conversion import BYTES, converted, kept_widened
 from .microkernels import chunk_columns
 from .simd import BF16_DOT, lanes_of as vector_lanes
 from .splitting import key_splits
@@ -43,6 +42,7 @@ from .tuning import Tuning, current
 Operands = namedtuple("Operands", OPERAND_NAMES)
 _SCALED = (KvCodes.INT8, KvCodes.FLOAT8)  # codes with scales
 CODE_DTYPE, SCALE_DTYPE = np.dtype(np.int8), np.dtype(np.float32)
+WORDS = np.dtype(np.float32)  # 16-bit memory seen as float32 words (pair_words, a dtype object: a view's lookup less)
 
 
 def widened(array, dtype, empty=np.empty):
@@ -185,11 +185,14 @@ class OperandPlan:
         self.keys_dtype = keys_dtype = self._keys_dtype(problem)  # k and v as the kernels read them
         # bfloat16 q, k and v read as they lie, in float32 words of two (strides in words)
         self.pairs = pairs = bf16_products(problem, kind, tuning, codes)
-        # where q, k and v are widened (a 16-bit backward's, a 16-bit forward's q): into
-        # arrays this thread keeps for the next call (conversion.kept_widened; the kernels
-        # are done with them when the call returns). A forward's fresh q had cost a float16
-        # prefill its pages: (1, 8, 2048, 64) causal 1.07-1.08x float32's time in one
-        # process, 1.025-1.027x kept (three alternating processes, 20 rounds each)
+        # 16-bit q read as it lies, each work item's rows converted in the kernel
+        self.q_codes = q_codes = query_codes(problem, kind, codes)
+        # where q, k and v are widened (a 16-bit backward's, a 16-bit forward's q where it is
+        # not read as it lies): into arrays this thread keeps for the next call
+        # (conversion.kept_widened; the kernels are done with them when the call returns). A
+        # forward's fresh q had cost a float16 prefill its pages: (1, 8, 2048, 64) causal
+        # 1.07-1.08x float32's time in one process, 1.025-1.027x kept (three alternating
+        # processes, 20 rounds each), 0.98-1.02x read as it lies (query_codes)
         self.empties = (tuple(kept_widened(name) for name in "qkv") if kind == "backward"
                         else (kept_widened("forward q"), np.empty, np.empty))
         no_strides = (0, 0, 0, 0)
@@ -197,13 +200,14 @@ class OperandPlan:
             row_words = [tuple(n // 2 for n in row_view_strides(x, x.dtype)) for x in (problem.q, problem.k, problem.v)]
         else:  # (16-bit codes are read as bytes: their strides in bytes)
             bytes_per_value = 2 if codes in (KvCodes.FLOAT16, KvCodes.BFLOAT16) else 1
-            row_words = [row_view_strides(problem.q, dtype),
+            row_words = [tuple(2 * n for n in row_view_strides(problem.q, problem.q.dtype)) if q_codes
+                         else row_view_strides(problem.q, dtype),
                          tuple(bytes_per_value * n for n in row_view_strides(problem.k, keys_dtype)),
                          tuple(bytes_per_value * n for n in row_view_strides(problem.v, keys_dtype))]
         strides = (*row_words,
                    no_strides if problem.bias is None else view_strides(problem.bias, dtype),
                    no_strides if problem.mask is None else view_strides(problem.mask.view(np.uint8), np.uint8))
-        self.ints, self.reals = _parameters(problem, kind, tuning, rows_per_position, strides, codes, pairs)
+        self.ints, self.reals = _parameters(problem, kind, tuning, rows_per_position, strides, codes, pairs, q_codes)
         self.spans = default_spans(problem)  # with the call's lengths and starts, per call
         self.plain_spans = _frozen(self.spans.reshape(-1))
         self.plain_pages = _frozen(np.arange(problem.batch, dtype=np.int64))  # not paged: entry b's keys in k[b]
@@ -217,13 +221,6 @@ class OperandPlan:
                           and _row_order(problem.q, problem.q.dtype) is not None)
         self.placeholders = _placeholders(dtype)
         self.code_placeholder, self.scale_placeholder = _placeholders(CODE_DTYPE)[0], _placeholders(SCALE_DTYPE)[0]
-        # a 16-bit forward's entry operands (entry_operands): q widened into the calling
-        # thread's own array by the conversion's entry point, the keys' bytes as they lie
-        # (None: operands() gives them)
-        self.widen_q = (conversion_entry(problem.q.dtype, dtype, problem.q.size)
-                        if (kind == "forward" and self.widened_q and codes in (KvCodes.FLOAT16, KvCodes.BFLOAT16)
-                            and self.orders[1] is not None and self.orders[2] is not None) else None)
-        self._entry_q = threading.local()
         # whether a quantized run's scales are in a known memory order (RunScales: every
         # run's have the problem's structure; scale_run_operands)
         self.scales_in_order = (codes in _SCALED and problem.k_scale is not None
@@ -254,7 +251,9 @@ class OperandPlan:
             q, k, v = pair_words(q), pair_words(k), pair_words(v)
         else:
             empty_q, empty_k, empty_v = self.empties
-            if q_order is not None:
+            if self.q_codes:  # 16-bit q as it lies (query_codes)
+                q = pair_words(q)
+            elif q_order is not None:
                 q = _frozen(q.ravel(order="K"))
             elif self.widened_q:  # (flat_view's copy, in memory order: 3 us less of a small call)
                 q = _frozen(widened(q, dtype, empty_q).ravel(order="K"))
@@ -297,16 +296,12 @@ class OperandPlan:
         they are read in place (three ``setflags``: 0.3 us of a small call). Jitted code
         typed them read-only, so it never writes them."""
         q_order, k_order, v_order = self.orders
-        if self.widen_q is not None:
-            # (a small float16 call: 2.1 us of converted() and 1.3 of operands()' views and
-            # setflags become 0.7; the same values in the same memory order)
-            widened_q = getattr(self._entry_q, "q", None)
-            if widened_q is None:
-                widened_q = self._entry_q.q = np.empty(q.size, self.dtype)
-            self.widen_q(q.ravel(order="K").view(BYTES), widened_q)
+        if self.q_codes:  # a small 16-bit call: q's words and the keys' bytes as they lie (an
+            # unaligned q's words are another type: the caller's alignment check sends it on)
             placeholder = self.placeholders[0]
-            return (widened_q, placeholder, placeholder, *self.plain_rest[:8], k.ravel(order="K").view(BYTES),
-                    v.ravel(order="K").view(BYTES), self.scale_placeholder, self.scale_placeholder)
+            return (q.ravel(order="K").view(WORDS), placeholder, placeholder, *self.plain_rest[:8],
+                    k.ravel(order="K").view(BYTES), v.ravel(order="K").view(BYTES), self.scale_placeholder,
+                    self.scale_placeholder)
         if q_order is None or k_order is None or v_order is None or self.codes or self.pairs:
             return self.operands(q, k, v)
         return (q.ravel(order="K"), k.ravel(order="K"), v.ravel(order="K"), *self.plain_rest)
@@ -377,6 +372,19 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
             or _row_order(problem.k, problem.k.dtype) is None or _row_order(problem.v, problem.v.dtype) is None):
         return KvCodes.NONE
     return KvCodes.FLOAT16 if name == "float16" else KvCodes.BFLOAT16
+
+
+def query_codes(problem, kind: str, codes) -> KvCodes:
+    """How the forward reads q: where it reads float16 or bfloat16 k and v a tile at a time
+    (``codes``, :func:`kv_codes`), a q of their dtype in a known memory order as it lies,
+    each work item's rows converted to float32 once in the kernel
+    (:func:`npattn.cpu.tiles.convert_query_rows`: exact, so the same bits), with no float32
+    copy of q; else as it is (a float32 copy for 16-bit q). Not where weights are asked (the
+    weights kernel reads q as it is)."""
+    if (kind != "forward" or codes not in (KvCodes.FLOAT16, KvCodes.BFLOAT16) or problem.return_weights
+            or problem.q.dtype != problem.k.dtype or _row_order(problem.q, problem.q.dtype) is None):
+        return KvCodes.NONE
+    return codes
 
 
 def bf16_products(problem, kind: str, tuning: Tuning, codes=KvCodes.NONE) -> bool:
@@ -451,10 +459,11 @@ def _product_paths(problem, kind, tuning) -> tuple:
     return vector, vector_values, vector_keys, dot_scores
 
 
-def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes.NONE, pairs=False):
+def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes.NONE, pairs=False,
+                q_codes=KvCodes.NONE):
     """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
-    q, k, v (3 each: float32 words with ``pairs``, :func:`bf16_products`), bias and mask
-    (4 each)."""
+    q, k, v (3 each: float32 words with ``pairs``, :func:`bf16_products`; bytes for 16-bit
+    codes, :func:`kv_codes` and :func:`query_codes`), bias and mask (4 each)."""
     block_q, block_k = tuning.forward if kind == "forward" else tuning.backward
     dtype = problem.accumulate_dtype
     chunk = chunk_columns(dtype)
@@ -482,6 +491,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.ROW_GROUP] = rows_per_position
     ints[Int.KV_CODES] = codes
     ints[Int.BF16_PRODUCTS] = pairs
+    ints[Int.Q_CODES] = q_codes
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = element_strides(problem.k_scale)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = element_strides(problem.v_scale)

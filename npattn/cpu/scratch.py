@@ -138,14 +138,20 @@ def weights_scratch_specs(ints, dtype) -> tuple:
 def dequantized_tile_spec(ints, dtype) -> tuple:
     """A key tile read from codes (KV_CODES) as float rows, keys then values (BLOCK_K x
     (D + Dv), :func:`npattn.cpu.tiles.dequantize_tile`); with BF16_PRODUCTS the bfloat16
-    pair tiles instead (:func:`npattn.cpu.tiles.pair_tiles`); 1 element otherwise."""
+    pair tiles instead (:func:`npattn.cpu.tiles.pair_tiles`); 1 element otherwise. With
+    Q_CODES, a work item's queries as float rows after them (HEAD_GROUP x BLOCK_Q x D,
+    :func:`npattn.cpu.tiles.convert_query_rows`)."""
     rows, keys, head_dim, value_dim = (int(ints[name]) for name in (Int.BLOCK_Q, Int.BLOCK_K, Int.HEAD_DIM,
                                                                      Int.VALUE_DIM))
     if ints[Int.BF16_PRODUCTS]:
         from .tiles import pair_tile_sizes  # (its Python function: one formula for the kernel and here)
 
         return sum(pair_tile_sizes.py_func(rows, keys, value_dim, int(ints[Int.SCORE_LD]))), dtype
-    return (keys * (head_dim + value_dim) if ints[Int.KV_CODES] else 1), dtype
+    if not ints[Int.KV_CODES]:
+        return 1, dtype
+    # (and with Q_CODES an item's queries, HEAD_GROUP x BLOCK_Q rows: tiles.convert_query_rows)
+    queries = rows * int(ints[Int.HEAD_GROUP]) * head_dim if ints[Int.Q_CODES] else 0
+    return keys * (head_dim + value_dim) + queries, dtype
 
 
 def gradient_tile_specs(ints, dtype) -> tuple:

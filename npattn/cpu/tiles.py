@@ -21,7 +21,7 @@ from .microkernels import dot_products, pack_transposed, pair_bits, pair_product
 from .simd import (VECTOR_BYTES, as_float, fill, lanes_in, line_elements, load, load_float16_bits, prefetch,
                    prefetch_to_l2, store, store_bfloat16, store_interleaved_pairs)
 from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span
-from .signatures import as_offset, larger, plain_int, scalar_like, smaller
+from .signatures import as_offset, as_readonly, larger, plain_int, scalar_like, smaller
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _MIX_INCREMENT = np.uint64(0x9E3779B9)
@@ -388,6 +388,49 @@ def _converted_row(codes, offset, out, out_offset, width, brain):
 
 
 @njit(inline="always")
+def query_offset(ints, b, h, i0):
+    """Where row ``i0`` of head ``h`` of entry ``b`` starts in q (its strides' units)."""
+    return b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
+
+
+@njit(inline="always")
+def query_tile_start(ints):
+    """Where the float32 rows of a work item's 16-bit queries (Q_CODES) start in the
+    dequantized scratch: after a key tile's keys and values (:func:`dequantize_tile`)."""
+    return ints[Int.BLOCK_K] * (ints[Int.HEAD_DIM] + ints[Int.VALUE_DIM])
+
+
+@njit(inline="always")
+def convert_query_rows(q, ints, b, h0, heads, i0, rows, dequantized):
+    """Q_CODES: rows ``[i0, i0 + rows)`` of heads ``[h0, h0 + heads)`` of entry ``b``, from
+    q's 16-bit memory (float32 words, byte strides), as float32 rows of HEAD_DIM in the
+    dequantized scratch, head g's row r at ``query_tile_start + (g * BLOCK_Q + r) * HEAD_DIM``:
+    each query converted once per work item, never a float32 copy of q."""
+    source = q.view(np.int8)
+    head_dim, start, block_q = ints[Int.HEAD_DIM], query_tile_start(ints), ints[Int.BLOCK_Q]
+    brain = ints[Int.Q_CODES] == KvCodes.BFLOAT16
+    for g in range(heads):
+        for r in range(rows):
+            at = query_offset(ints, b, h0 + g, i0 + r)
+            out_at = start + (g * block_q + r) * head_dim
+            if brain:
+                _converted_row(source, at, dequantized, out_at, head_dim, True)
+            else:
+                _converted_row(source, at, dequantized, out_at, head_dim, False)
+
+
+@njit(inline="always")
+def query_rows(q, dequantized, ints, b, h, g, i0):
+    """``(array, offset, row stride)`` of row ``i0`` of head ``h`` (the item's ``g``-th) as
+    :func:`score_tile` reads it: q itself, or with Q_CODES the item's converted rows
+    (:func:`convert_query_rows`)."""
+    if ints[Int.Q_CODES]:
+        head_dim = ints[Int.HEAD_DIM]
+        return (as_readonly(dequantized), query_tile_start(ints) + g * ints[Int.BLOCK_Q] * head_dim, head_dim)
+    return as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S]
+
+
+@njit(inline="always")
 def value_tile_rows(ints, dequantized):
     """The values of a :func:`dequantize_tile` tile (cols x Dv, rows contiguous)."""
     return dequantized[ints[Int.BLOCK_K] * ints[Int.HEAD_DIM]:]
@@ -499,18 +542,18 @@ def packed_values(ints, packed):
 
 
 @helper
-def score_tile(q, k, dequantized, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals, s, ld,
-               tanh, packed, b, h, i0, rows, j0, cols):
+def score_tile(q, q_offset, q_row, k, dequantized, k_codes, k_scale, bias, mask, alibi, spans, pages, ints, reals,
+               s, ld, tanh, packed, b, h, i0, rows, j0, cols):
     """Scores of rows ``[i0, i0 + rows)`` against keys ``[j0, j0 + cols)`` of head ``h``
     into ``s[r * ld + c]``: ``scale * q.k``, softcap (its tanh kept in ``tanh`` for the
-    backward), bias, ALiBi, then -inf where the key is invisible. ``packed`` holds
+    backward), bias, ALiBi, then -inf where the key is invisible. Row ``i0 + r``'s query
+    is ``q[q_offset + r * q_row:]`` (:func:`query_rows`). ``packed`` holds
     the key tile from :func:`pack_key_tile` (and ``dequantized``, for a quantized cache,
     its keys as rows, or, where :func:`codes_in_registers`, ``k_codes`` and ``k_scale``
     are read as they lie; with BF16_PRODUCTS, q and k are bfloat16 pairs, :func:`key_words`);
     keys read from k go run by run of one page
     (:func:`page_run`). Returns whether every row sees every key of the tile
     (:func:`tile_fully_visible`), which the caller's own products reuse."""
-    q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
     kv_head = h // (ints[Int.HEADS] // ints[Int.KV_HEADS])
     head_dim = ints[Int.HEAD_DIM]
     full = tile_fully_visible(ints, spans, b, i0, i0 + rows, j0, j0 + cols)
@@ -520,7 +563,6 @@ def score_tile(q, k, dequantized, k_codes, k_scale, bias, mask, alibi, spans, pa
         # rows stops at its last visible key; the scores past it get a finite 0 (softcap's
         # tanh must not meet stale NaNs) and -inf below.
         # With DOT_SCORES (few rows), from the key rows themselves, unpadded.
-        q_row = ints[Int.Q_STRIDE_S]
         band = rows if full else ints[Int.EDGE_BAND]
         for r0 in range(0, rows, band):
             band_rows = smaller(band, rows - r0)
@@ -561,7 +603,7 @@ def score_tile(q, k, dequantized, k_codes, k_scale, bias, mask, alibi, spans, pa
         while c0 < cols:
             run = page_run(ints, j0 + c0, cols - c0)
             gemm(True, False, run, rows, head_dim, reals[Real.SCALE], k[k_row(ints, pages, b, kv_head, j0 + c0):],
-                 ints[Int.K_STRIDE_S], q[q_offset:], ints[Int.Q_STRIDE_S], 0.0, s[c0:], ld)
+                 ints[Int.K_STRIDE_S], q[q_offset:], q_row, 0.0, s[c0:], ld)
             c0 += run
     if ints[Int.HAS_SOFTCAP]:
         softcap = reals[Real.SOFTCAP]
