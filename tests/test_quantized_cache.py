@@ -673,11 +673,13 @@ def test_a_16_bit_prefill_longer_than_a_tile_reads_k_and_v_a_tile_at_a_time(dtyp
 def test_16_bit_queries_read_as_they_lie_give_the_bits_of_a_widened_copy(dtype, case, monkeypatch):
     """Where k and v are read a 16-bit tile at a time, q is too: each work item converts its
     rows (every head of a decode item's, npattn.cpu.tiles.convert_query_rows) from q's own
-    memory, with the bits q widened to a float32 copy gave, in every layout the forward
+    memory, and (one key range) sums its out rows in float32 scratch and writes them
+    rounded into a 16-bit out (npattn.cpu.tiles.narrow_row): the bits q widened to a
+    float32 copy and a float32 out narrowed afterwards gave, in every layout the forward
     takes; a q 2 bytes off a 4-byte boundary is read from an aligned copy, the same bits.
     (A bfloat16 prefill that multiplies in bfloat16 reads q as pairs instead: not here.)"""
     import ml_dtypes  # noqa: F401  (registers bfloat16)
-    from npattn.core.kernel_params import KvCodes
+    from npattn.core.kernel_params import Int, KvCodes
     from npattn.cpu import driver, operands
     from npattn.cpu.tuning import tuned
 
@@ -703,16 +705,27 @@ def test_16_bit_queries_read_as_they_lie_give_the_bits_of_a_widened_copy(dtype, 
         q_off = flat[start:start + q.size].reshape(q.shape)
         q_off[...] = q
         q = q_off
-    read = []
-    planned = operands.query_codes
+    read, parameters = [], []
+    planned, planned_parameters = operands.query_codes, operands._parameters
     monkeypatch.setattr(operands, "query_codes", lambda *a: read.append(planned(*a)) or read[-1])
-    with tuned(forward=tiles, bf16_products=False):  # (bfloat16 prefills: not as pairs)
-        in_place = npattn.attention(q, k, v, **options)
-        assert read == [KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16]
-        monkeypatch.setattr(operands, "query_codes", lambda *a: KvCodes.NONE)
-        monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())  # plans made afresh, widening q
+    monkeypatch.setattr(operands, "_parameters",
+                        lambda *a, **k: parameters.append(planned_parameters(*a, **k)) or parameters[-1])
+
+    def fresh_plans():
+        monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())
         monkeypatch.setattr(driver, "_FORWARD_PLANS", type(driver._FORWARD_PLANS)())
+
+    codes = KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16
+    with tuned(forward=tiles, bf16_products=False):  # (bfloat16 prefills: not as pairs)
+        fresh_plans()
+        in_place = npattn.attention(q, k, v, **options)
+        assert read == [codes]
+        # out in its own dtype but where a short query's keys are cut into ranges
+        assert parameters[-1][0][Int.OUT_CODES] == (KvCodes.NONE if case == "split keys" else codes)
+        monkeypatch.setattr(operands, "query_codes", lambda *a: KvCodes.NONE)
+        fresh_plans()  # made again, widening q and narrowing a float32 out
         widened = npattn.attention(q, k, v, **options)
+        assert parameters[-1][0][Int.OUT_CODES] == KvCodes.NONE
     for mine, theirs in zip(in_place, widened):
         np.testing.assert_array_equal(mine, theirs)
 

@@ -20,7 +20,7 @@ from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, run_items
 from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, fresh_set, gradient_tile_specs,
                       scratch_set, weights_scratch_specs, with_dropout_copy, zeros_maker)
-from .operands import Int, read_only, operand_plan, row_strides, widened
+from .operands import WORDS, Int, read_only, operand_plan, row_strides, widened
 from .tuning import Tuning, current
 
 
@@ -71,10 +71,14 @@ class ForwardPlan:
         heads, q_len, value_dim = problem.heads, problem.q_len, problem.value_dim
         batch = _memory_batches(problem)
         self.out_shape = (batch, q_len, heads, value_dim) if self.bshd else (batch, heads, q_len, value_dim)
-        self.out_zeros = zeros_maker(self.out_shape, dtype)
+        # out straight in its 16-bit dtype (OUT_CODES: the kernel rounds each row it sums),
+        # else in the compute dtype
+        self.out_codes = bool(ints[Int.OUT_CODES])
+        out_dtype = self.narrow if self.out_codes else dtype
+        self.out_zeros = zeros_maker(self.out_shape, out_dtype)
         self.lse_shape = (batch, heads, q_len)
         # (a call whose rows are all live: the kernel writes both whole)
-        self.out_empty = zeros_maker(self.out_shape, dtype, zeroed=False)
+        self.out_empty = zeros_maker(self.out_shape, out_dtype, zeroed=False)
         self.lse_empty = functools.partial(np.empty, self.lse_shape, dtype)
         self.weights_shape = (batch, heads, q_len, problem.kv_len)
         # each key range's rows go to their own (out, lse) slice, merged after the kernel
@@ -102,7 +106,7 @@ class ForwardPlan:
         # and a 16-bit out's conversion on that path: the conversion's entry point, into a
         # fresh array of out's memory shape (2.3 us of converted() become 0.7)
         self._narrow_out = (conversion_entry(dtype, self.narrow, int(np.prod(self.out_shape)))
-                            if self.narrow is not None and self._alone else None)
+                            if self.narrow is not None and self._alone and not self.out_codes else None)
         self._scratch = threading.local()
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
@@ -155,7 +159,8 @@ class ForwardPlan:
             configured_threads()  # (a bad NPATTN_NUM_THREADS fails every call)
             status = np.zeros(2, np.int64)
             flat_out = out.reshape(-1)
-            entry(*ops, flat_out, self.out_strides, lse.reshape(-1), *self._own_scratch(), status, self.items)
+            entry(*ops, flat_out.view(WORDS) if self.out_codes else flat_out, self.out_strides, lse.reshape(-1),
+                  *self._own_scratch(), status, self.items)
             narrow = None
             if self._narrow_out is not None:
                 narrow = np.empty(self.out_shape, self.narrow)
@@ -168,7 +173,9 @@ class ForwardPlan:
         with pin:
             begin_reuse()
             try:
-                arguments = (*ops, out_parts.reshape(-1), self.out_strides, lse_parts.reshape(-1))
+                flat_out = out_parts.reshape(-1)
+                arguments = (*ops, flat_out.view(WORDS) if self.out_codes else flat_out, self.out_strides,
+                             lse_parts.reshape(-1))
                 status = run_items(forward_kernel, arguments, self.items, lambda: scratch_set(self.scratch_specs),
                                    self.flops)
                 if direct and self._entry is None:
@@ -191,13 +198,16 @@ class ForwardPlan:
     def _result(self, out, lse, weights, status, narrow=None) -> ForwardResult:
         """The :class:`ForwardResult` of a run's out, lse, weights (all bhsd as the kernel
         wrote them, folded rows included) and the kernel's status; ``narrow``: out in its
-        16-bit dtype already, viewed as out is (else converted here where out needs it)."""
+        16-bit dtype already, viewed as out is (else converted here where out needs it; out
+        itself with OUT_CODES)."""
         if self.group > 1:
             weights = None if weights is None else folding.unfold_rows(weights, self.fold_shape)
             out = folding.in_layout(folding.unfold_rows(out, self.fold_shape), self.layout)
             if narrow is not None:
                 narrow = folding.in_layout(folding.unfold_rows(narrow, self.fold_shape), self.layout)
             lse = folding.unfold_rows(lse, self.fold_shape)
+        if self.out_codes:  # (the backward then widens this out where float32's was kept)
+            narrow = out
         # a 16-bit out converted here, on the vector units (the backward keeps float32's)
         shown = narrow if narrow is not None or self.narrow is None else converted(out, self.narrow)
         # the kernel saw every out row it wrote; merged key ranges are new rows it did not see

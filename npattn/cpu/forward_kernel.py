@@ -32,9 +32,9 @@ from .operands import Int, KvCodes, Real
 from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_shifted_to_pairs, row_max, short_row_max
 from .code_products import code_product
 from .microkernels import pair_product, product
-from .tiles import (apply_dropout, band_keys, codes_in_registers, convert_query_rows, dequantize_tile, key_segments,
-                    memory_batch, memory_batches, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles,
-                    prefetch_key_rows, query_offset, query_rows, score_tile, span, v_row, v_scale_row,
+from .tiles import (accumulator_start, apply_dropout, band_keys, codes_in_registers, convert_query_rows, dequantize_tile, key_segments,
+                    memory_batch, memory_batches, narrow_row, pack_key_tile, pack_value_pairs, page_run, pair_rows,
+                    pair_tiles, prefetch_key_rows, query_offset, query_rows, score_tile, span, v_row, v_scale_row,
                     value_tile_rows)
 from .operands import Span
 
@@ -66,6 +66,17 @@ def _out_offset(out_strides, split, b, h, i0):
     return split * out_strides[3] + b * out_strides[0] + h * out_strides[1] + i0 * out_strides[2]
 
 
+@njit(inline="always")
+def _sums_rows(ints, out_strides, split, b, h, g, i0):
+    """``(offset, row stride)`` of the float32 sums of row ``i0`` of head ``h`` (the item's
+    ``g``-th): in out itself, or with OUT_CODES in the item's scratch rows (g's BLOCK_Q rows
+    of Dv from :func:`~npattn.cpu.tiles.accumulator_start`)."""
+    if ints[Int.OUT_CODES]:
+        value_dim = ints[Int.VALUE_DIM]
+        return g * ints[Int.BLOCK_Q] * value_dim, value_dim
+    return _out_offset(out_strides, split, b, h, i0), out_strides[2]
+
+
 @kernel
 def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_codes, v_codes, k_scale, v_scale,
                    out, out_strides, lse, s, tanh, packed, m, total, sums, seen, dequantized, counter, items):
@@ -88,7 +99,6 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     block_k, dv = ints[Int.BLOCK_K], ints[Int.VALUE_DIM]
     heads, ld = ints[Int.HEADS], ints[Int.SCORE_LD]
     keep_scale = reals[Real.KEEP_SCALE]
-    out_row_stride = out_strides[2]
     v_row_stride = ints[Int.V_STRIDE_S]
     splits, split_keys = ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS]
     quantized, bf16 = ints[Int.KV_CODES], ints[Int.BF16_PRODUCTS]
@@ -103,6 +113,10 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     # 2-core Zen 4 VM: an int8 step's 64-key tiles streamed 20-35% slower than 32-key ones
     # in one burst, and 3-8% faster than them in two)
     half_share = share // 2
+    # where out's rows are summed: out itself, or (OUT_CODES: 16-bit out) float32 scratch
+    # rows, written rounded into out when the item is done (_sums_rows)
+    out_codes = ints[Int.OUT_CODES]
+    sums_array = dequantized[accumulator_start(ints):] if out_codes else out
     while True:
         item = next_item(counter)
         if item >= items:
@@ -119,9 +133,10 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                 m[g * block_q + r] = sink[h0 + g] if has_sink else -np.inf
                 total[g * block_q + r] = 1.0 if has_sink else 0.0
                 seen[g * block_q + r] = False
-                o = _out_offset(out_strides, split, b, h0 + g, i0 + r)
+                o, row_stride = _sums_rows(ints, out_strides, split, b, h0 + g, g, i0)
+                o += r * row_stride
                 for x in range(as_offset(o), as_offset(o + dv)):
-                    out[x] = 0.0
+                    sums_array[x] = 0.0
         if ints[Int.Q_CODES]:  # 16-bit queries: the item's rows in float32, once
             convert_query_rows(q, ints, b, h0, group, i0, rows, dequantized)
         sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
@@ -138,7 +153,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                         prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b, ahead,
                                           smaller(ahead + half_share, last))
                     head_m, head_total, head_seen = m[g * block_q:], total[g * block_q:], seen[g * block_q:]
-                    out_offset = _out_offset(out_strides, split, b, h, i0)
+                    out_offset, out_row_stride = _sums_rows(ints, out_strides, split, b, h, g, i0)
                     kv_head = h // (heads // ints[Int.KV_HEADS])
                     if quantized and not in_registers:
                         dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
@@ -159,7 +174,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                             # max is usually set by the first tile): recompute the scores
                             score_tile(query, q_offset, q_row, k, tile, k_codes, k_scale, bias, mask, alibi, spans,
                                        pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows, j0, cols)
-                        _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, out,
+                        _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, sums_array,
                                           out_offset, out_row_stride, dv, bf16, p_pairs, pair_ld)
                     if ints[Int.HAS_DROPOUT]:
                         apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
@@ -178,7 +193,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                         for r0 in range(0, rows, band):
                             band_rows = smaller(band, rows - r0)
                             depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
-                            pair_product(p_pairs, r0 * half_ld, half_ld, v_pairs, 0, dv, out,
+                            pair_product(p_pairs, r0 * half_ld, half_ld, v_pairs, 0, dv, sums_array,
                                          out_offset + r0 * out_row_stride, out_row_stride, band_rows, (depth + 1) // 2,
                                          dv, 1.0, True)
                     elif ints[Int.VECTOR_VALUES]:
@@ -193,15 +208,17 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                     j = j0 + c0
                                     code_product(s, r0 * ld + c0, ld, v_codes, v_row(ints, pages, b, kv_head, j),
                                                  v_row_stride, v_scale, v_scale_row(ints, pages, b, kv_head, j),
-                                                 ints[Int.V_SCALE_STRIDE_S], out, out_offset + r0 * out_row_stride,
+                                                 ints[Int.V_SCALE_STRIDE_S], sums_array,
+                                                 out_offset + r0 * out_row_stride,
                                                  out_row_stride, band_rows, run, dv, quantized == KvCodes.FLOAT8)
                                 elif quantized:  # the converted value rows
-                                    product(s, r0 * ld + c0, ld, 1, values, c0 * dv, dv, out,
+                                    product(s, r0 * ld + c0, ld, 1, values, c0 * dv, dv, sums_array,
                                             out_offset + r0 * out_row_stride, out_row_stride, band_rows, run, dv, 1.0,
                                             True)
                                 else:
                                     product(s, r0 * ld + c0, ld, 1, v, v_row(ints, pages, b, kv_head, j0 + c0),
-                                            v_row_stride, out, out_offset + r0 * out_row_stride, out_row_stride,
+                                            v_row_stride, sums_array, out_offset + r0 * out_row_stride,
+                                            out_row_stride,
                                             band_rows, run, dv, 1.0, True)
                                 c0 += run
                     else:  # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
@@ -209,11 +226,11 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                         while c0 < cols:
                             run = page_run(ints, j0 + c0, cols - c0)
                             gemm(False, False, dv, rows, run, 1.0, v[v_row(ints, pages, b, kv_head, j0 + c0):],
-                                 v_row_stride, s[c0:], ld, 1.0, out[out_offset:], out_row_stride)
+                                 v_row_stride, s[c0:], ld, 1.0, sums_array[out_offset:], out_row_stride)
                             c0 += run
         for g in range(group):
             h = h0 + g
-            out_offset = _out_offset(out_strides, split, b, h, i0)
+            out_offset, out_row_stride = _sums_rows(ints, out_strides, split, b, h, g, i0)
             lse_offset = ((split * memory_batches(ints) + memory_batch(ints, b)) * heads + h) * ints[Int.Q_LEN] + i0
             for r in range(rows):
                 o = out_offset + r * out_row_stride
@@ -224,15 +241,18 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     # LLVM fold (x - x, say, it folds to 0 under "reassoc")
                     finite = True
                     for x in range(as_offset(o), as_offset(o + dv)):
-                        out[x] *= factor
-                        finite &= abs(out[x]) < np.inf
+                        sums_array[x] *= factor
+                        finite &= abs(sums_array[x]) < np.inf
                     if not finite:
                         counter[NON_FINITE] = 1
                     lse[lse_offset + r] = m[g * block_q + r] + math.log(total[g * block_q + r])
                 else:  # (zeros again: the products may have left 0 * inf = NaN from a value row)
                     lse[lse_offset + r] = -np.inf
                     for x in range(as_offset(o), as_offset(o + dv)):
-                        out[x] = 0.0
+                        sums_array[x] = 0.0
+                if out_codes:  # the row rounded into 16-bit out
+                    narrow_row(sums_array, o, out, _out_offset(out_strides, split, b, h, i0 + r), dv,
+                               out_codes == KvCodes.BFLOAT16)
 
 
 # exp(s - m) may reach exp(_HEADROOM) when m lags the true max: far below float32's

@@ -140,7 +140,8 @@ def dequantized_tile_spec(ints, dtype) -> tuple:
     (D + Dv), :func:`npattn.cpu.tiles.dequantize_tile`); with BF16_PRODUCTS the bfloat16
     pair tiles instead (:func:`npattn.cpu.tiles.pair_tiles`); 1 element otherwise. With
     Q_CODES, a work item's queries as float rows after them (HEAD_GROUP x BLOCK_Q x D,
-    :func:`npattn.cpu.tiles.convert_query_rows`)."""
+    :func:`npattn.cpu.tiles.convert_query_rows`), and with OUT_CODES its out rows' sums
+    (HEAD_GROUP x BLOCK_Q x Dv)."""
     rows, keys, head_dim, value_dim = (int(ints[name]) for name in (Int.BLOCK_Q, Int.BLOCK_K, Int.HEAD_DIM,
                                                                      Int.VALUE_DIM))
     if ints[Int.BF16_PRODUCTS]:
@@ -151,7 +152,9 @@ def dequantized_tile_spec(ints, dtype) -> tuple:
         return 1, dtype
     # (and with Q_CODES an item's queries, HEAD_GROUP x BLOCK_Q rows: tiles.convert_query_rows)
     queries = rows * int(ints[Int.HEAD_GROUP]) * head_dim if ints[Int.Q_CODES] else 0
-    return keys * (head_dim + value_dim) + queries, dtype
+    # (and with OUT_CODES the float32 sums of its out rows: forward_kernel._sums_rows)
+    sums = rows * int(ints[Int.HEAD_GROUP]) * value_dim if ints[Int.OUT_CODES] else 0
+    return keys * (head_dim + value_dim) + queries + sums, dtype
 
 
 def gradient_tile_specs(ints, dtype) -> tuple:

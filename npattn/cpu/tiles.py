@@ -19,7 +19,7 @@ from .code_products import code_dot_products
 from .jit import OPTIONS, helper
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
 from .simd import (VECTOR_BYTES, as_float, fill, lanes_in, line_elements, load, load_float16_bits, prefetch,
-                   prefetch_to_l2, store, store_bfloat16, store_interleaved_pairs)
+                   prefetch_to_l2, store, store_bfloat16, store_float16_bits, store_interleaved_pairs)
 from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span
 from .signatures import as_offset, as_readonly, larger, plain_int, scalar_like, smaller
 
@@ -401,6 +401,13 @@ def query_tile_start(ints):
 
 
 @njit(inline="always")
+def accumulator_start(ints):
+    """Where the float32 sums of a work item's out rows (OUT_CODES) start in the dequantized
+    scratch: after the key tile and the item's queries (HEAD_GROUP x BLOCK_Q rows of Dv each)."""
+    return query_tile_start(ints) + ints[Int.HEAD_GROUP] * ints[Int.BLOCK_Q] * ints[Int.HEAD_DIM]
+
+
+@njit(inline="always")
 def convert_query_rows(q, ints, b, h0, heads, i0, rows, dequantized):
     """Q_CODES: rows ``[i0, i0 + rows)`` of heads ``[h0, h0 + heads)`` of entry ``b``, from
     q's 16-bit memory (float32 words, byte strides), as float32 rows of HEAD_DIM in the
@@ -417,6 +424,30 @@ def convert_query_rows(q, ints, b, h0, heads, i0, rows, dequantized):
                 _converted_row(source, at, dequantized, out_at, head_dim, True)
             else:
                 _converted_row(source, at, dequantized, out_at, head_dim, False)
+
+
+def narrow_row(sums, offset, out, out_at, width, brain):
+    """OUT_CODES: ``sums[offset : offset + width]`` (float32, whole vectors) rounded to nearest
+    even into out's 16-bit row at element ``out_at`` (out: 16-bit memory seen as float32
+    words; bfloat16 with ``brain``, else float16): the bits of converting a float32 out
+    afterwards (:func:`~npattn.cpu.conversion.converted`). Jitted code only."""
+    raise NotImplementedError
+
+
+@overload(narrow_row, jit_options=OPTIONS, inline="always")
+def _narrow_row_overload(sums, offset, out, out_at, width, brain):
+    if sums.dtype != types.float32:  # (never asked of other kernels: nothing to compile)
+        return lambda sums, offset, out, out_at, width, brain: None
+
+    def implementation(sums, offset, out, out_at, width, brain):
+        target = out.view(np.int8)
+        lanes = lanes_in(sums)
+        for x in range(0, width, lanes):
+            if brain:
+                store_float16_bits(target, 2 * (out_at + x), load(sums, offset + x), True)
+            else:
+                store_float16_bits(target, 2 * (out_at + x), load(sums, offset + x), False)
+    return implementation
 
 
 @njit(inline="always")
