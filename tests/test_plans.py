@@ -278,13 +278,13 @@ def test_threads_sharing_plans_get_their_own_answers():
 @pytest.mark.parametrize("layout, kv_heads", [("bhsd", 8), ("bshd", 8), ("bhsd", 2)])
 def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_bits(monkeypatch, layout, kv_heads,
                                                                                     dtype):
-    """From its second plain call on, a plan calls the forward kernel's compiled entry
-    point directly (no dispatcher typing each argument, npattn.cpu.threads.direct_entry):
-    the same bits as the first call, in both layouts and with GQA rows folded, float16
-    too (its keys read as bytes a tile at a time, its q read as it lies, each item's rows
-    converted in the kernel, which writes out in float16: the bits of widening q and
-    narrowing a float32 out, tests/test_quantized_cache.py; bfloat16 likewise); q at an address off the float's alignment (another
-    Numba type) goes through the dispatcher, with the same bits too (a 16-bit q is then
+    """From its second plain call on, a plan calls the forward kernel's compiled entry point
+    directly (no dispatcher typing each argument, npattn.cpu.threads.direct_entry): the same
+    bits as the first call, in both layouts and with GQA rows folded, float16 too (its keys read
+    as bytes a tile at a time, its q read as it lies, each item's rows converted in the kernel,
+    which writes out in float16: the bits of widening q and narrowing a float32 out,
+    tests/test_quantized_cache.py; bfloat16 likewise); q at an address off the float's alignment
+    (another Numba type) goes through the dispatcher, with the same bits too (a 16-bit q is then
     read from an aligned copy)."""
     direct_calls = count_direct_entries(monkeypatch)
     rng = np.random.default_rng(3)

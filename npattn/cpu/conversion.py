@@ -4,8 +4,8 @@ The CPU kernels compute float16 problems in float32. Where the forward reads k a
 a 16-bit tile at a time (:func:`npattn.cpu.operands.kv_codes`) it reads q as it lies too
 (:func:`npattn.cpu.operands.query_codes`); elsewhere q, k and v go in converted (the
 backward's included), and out comes back converted. NumPy's ``astype`` runs a scalar
-loop for float16: on the 2-core AVX-512 VM 1.7 ms to float32 and 2.6 ms back per million values, 7.7 ms of a (1, 8, 2048, 64)
-causal forward that takes 25 ms in float32. Here each vector of 16 (8 on AVX2) goes
+loop for float16: on the 2-core AVX-512 VM 1.7 ms to float32 and 2.6 ms back per million
+values, 7.7 ms of a (1, 8, 2048, 64) causal forward that takes 25 ms in float32. Here each vector of 16 (8 on AVX2) goes
 through F16C's ``vcvtph2ps`` / ``vcvtps2ph``: both exact or rounded to nearest even as
 NumPy rounds, so the values are NumPy's. A bfloat16 out comes back the same way (integer
 rounding to nearest even, a vector at a time: ml_dtypes' values, NaNs included; its own

@@ -32,10 +32,10 @@ from .operands import Int, KvCodes, Real
 from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_shifted_to_pairs, row_max, short_row_max
 from .code_products import code_product
 from .microkernels import pair_product, product
-from .tiles import (accumulator_start, apply_dropout, band_keys, codes_in_registers, convert_query_rows, dequantize_tile, key_segments,
-                    memory_batch, memory_batches, narrow_row, pack_key_tile, pack_value_pairs, page_run, pair_rows,
-                    pair_tiles, prefetch_key_rows, query_offset, query_rows, score_tile, span, v_row, v_scale_row,
-                    value_tile_rows)
+from .tiles import (accumulator_start, apply_dropout, band_keys, codes_in_registers, convert_query_rows,
+                    dequantize_tile, key_segments, memory_batch, memory_batches, narrow_row, pack_key_tile,
+                    pack_value_pairs, page_run, pair_rows, pair_tiles, prefetch_key_rows, query_offset, query_rows,
+                    score_tile, span, v_row, v_scale_row, value_tile_rows)
 from .operands import Span
 
 
@@ -89,7 +89,9 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     placeholders and each key tile is read from ``k_codes`` and ``v_codes`` (int8 times
     their scales, or 16-bit floats: :func:`~npattn.cpu.tiles.dequantize_tile`); with
     Q_CODES, q is 16-bit memory seen as float32 words, each item's rows converted once into
-    the end of ``dequantized`` (:func:`~npattn.cpu.tiles.convert_query_rows`).
+    the end of ``dequantized`` (:func:`~npattn.cpu.tiles.convert_query_rows`), and with
+    OUT_CODES out is 16-bit memory too: each item sums its rows in float32 after those
+    (:func:`_sums_rows`) and rounds each into out when it is done.
     ``counter[NON_FINITE]`` becomes 1 where an out row it wrote holds a NaN or an inf.
 
     One function from the item loop down to the tile's key loop, not a helper per
