@@ -58,7 +58,7 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, d
     ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
     # (never quantized nor BF16_PRODUCTS: forward-only; k and _NO_CODES stand in for the unused tiles)
-    score_tile(as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, as_readonly(k), _NO_CODES,
+    score_tile(q, query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, as_readonly(k), _NO_CODES,
                _NO_SCALES, bias, mask, alibi, spans, pages, ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
     row_offset = (memory_batch(ints, b) * heads + h) * ints[Int.Q_LEN] + i0
     for r in range(rows):

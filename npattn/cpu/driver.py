@@ -233,7 +233,7 @@ def _narrow_dtype(problem):
     return problem.dtype if problem.dtype.name in NARROW and problem.accumulate_dtype == np.float32 else None
 
 
-_KEPT_DOUT = kept_widened("dout")
+_KEPT_DOUT, _KEPT_OUT = kept_widened("dout"), kept_widened("out")
 
 
 def _narrowed(gradient, dtype):
@@ -320,8 +320,9 @@ class BackwardPlan:
         ops = self.operands.operands(q, k, v, arrays)
         # a 16-bit dout widened once, for the kernels and for delta (it was widened twice: a
         # second copy, 4 MB of fresh pages at (1, 8, 2048, 64)), into an array this thread
-        # keeps for the next call; out is the forward's float32
-        dout, out = widened(dout, dtype, _KEPT_DOUT), widened(out, dtype)
+        # keeps for the next call; out is the forward's float32, or its 16-bit out (OUT_CODES),
+        # widened likewise into a kept array
+        dout, out = widened(dout, dtype, _KEPT_DOUT), widened(out, dtype, _KEPT_OUT)
         dout_flat, dout_strides = row_strides(dout, dtype)
         out_flat, out_strides = row_strides(out, dtype)
         # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
