@@ -83,7 +83,7 @@ def _off_boundary(array):
 @needs_bf16
 def test_bfloat16_products_are_taken_where_they_pay_and_nowhere_else():
     from npattn.core.validation import build_problem
-    from npattn.cpu.operands import Int, operand_plan
+    from npattn.cpu.operands import Int, KvCodes, operand_plan
     from npattn.cpu.tuning import current
 
     def taken(q_len, kv_len, dtype="bfloat16", kind="forward", head_dim=64, every_other_key=False, **options):
@@ -94,6 +94,9 @@ def test_bfloat16_products_are_taken_where_they_pay_and_nowhere_else():
         return bool(operand_plan(problem, kind, current()).ints[Int.BF16_PRODUCTS])
 
     assert taken(256, 256) and taken(256, 256, causal=True)
+    # and write out in bfloat16 themselves (each row's float32 sums rounded as it is done)
+    x = np.zeros((1, 2, 256, 64), "bfloat16")
+    assert operand_plan(build_problem(x, x, x), "forward", current()).ints[Int.OUT_CODES] == KvCodes.BFLOAT16
     assert not taken(256, 256, dtype="float32") and not taken(256, 256, dtype="float16")
     assert not taken(256, 256, kind="backward") and not taken(256, 256, return_weights=True)
     assert not taken(1, 4096)  # a decode step's dot products (and 16-bit tiles) instead

@@ -67,9 +67,9 @@ Int = _positions("Int", (
     # bfloat16 keys a tile at a time) its 16-bit memory, seen as float32 words, each work
     # item's rows converted to float32 once (Q_STRIDE_* then count bytes)
     "Q_CODES",
-    # CPU forward: with Q_CODES and one key range, out is 16-bit memory (q's dtype) seen as
-    # float32 words: each item sums its rows in float32 scratch and writes them rounded
-    # (out_strides still count out's own elements)
+    # CPU forward: with Q_CODES or BF16_PRODUCTS and one key range, out is 16-bit memory
+    # (q's dtype, a KvCodes) seen as float32 words: each item sums its rows in float32
+    # scratch and writes them rounded (out_strides still count out's own elements)
     "OUT_CODES",
 ))
 

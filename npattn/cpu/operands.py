@@ -492,9 +492,10 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.KV_CODES] = codes
     ints[Int.BF16_PRODUCTS] = pairs
     ints[Int.Q_CODES] = q_codes
-    # out in q's 16-bit dtype straight from the kernel (one key range: several are float32
-    # parts merged afterwards)
-    ints[Int.OUT_CODES] = q_codes if ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
+    # out in q's 16-bit dtype straight from the kernel where it reads q in that dtype (one key
+    # range: several are float32 parts merged afterwards)
+    out_codes = KvCodes.BFLOAT16 if pairs else q_codes
+    ints[Int.OUT_CODES] = out_codes if ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = element_strides(problem.k_scale)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = element_strides(problem.v_scale)

@@ -144,16 +144,16 @@ def dequantized_tile_spec(ints, dtype) -> tuple:
     (HEAD_GROUP x BLOCK_Q x Dv)."""
     rows, keys, head_dim, value_dim = (int(ints[name]) for name in (Int.BLOCK_Q, Int.BLOCK_K, Int.HEAD_DIM,
                                                                      Int.VALUE_DIM))
+    # (with OUT_CODES the float32 sums of an item's out rows last: forward_kernel._sums_rows)
+    sums = rows * int(ints[Int.HEAD_GROUP]) * value_dim if ints[Int.OUT_CODES] else 0
     if ints[Int.BF16_PRODUCTS]:
         from .tiles import pair_tile_sizes  # (its Python function: one formula for the kernel and here)
 
-        return sum(pair_tile_sizes.py_func(rows, keys, value_dim, int(ints[Int.SCORE_LD]))), dtype
+        return sum(pair_tile_sizes.py_func(rows, keys, value_dim, int(ints[Int.SCORE_LD]))) + sums, dtype
     if not ints[Int.KV_CODES]:
         return 1, dtype
     # (and with Q_CODES an item's queries, HEAD_GROUP x BLOCK_Q rows: tiles.convert_query_rows)
     queries = rows * int(ints[Int.HEAD_GROUP]) * head_dim if ints[Int.Q_CODES] else 0
-    # (and with OUT_CODES the float32 sums of its out rows: forward_kernel._sums_rows)
-    sums = rows * int(ints[Int.HEAD_GROUP]) * value_dim if ints[Int.OUT_CODES] else 0
     return keys * (head_dim + value_dim) + queries + sums, dtype
 
 

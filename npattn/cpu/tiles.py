@@ -402,8 +402,13 @@ def query_tile_start(ints):
 
 @njit(inline="always")
 def accumulator_start(ints):
-    """Where the float32 sums of a work item's out rows (OUT_CODES) start in the dequantized
-    scratch: after the key tile and the item's queries (HEAD_GROUP x BLOCK_Q rows of Dv each)."""
+    """Where the float32 sums of a work item's out rows (OUT_CODES: HEAD_GROUP x BLOCK_Q rows
+    of Dv) start in the dequantized scratch: after the key tile and the item's queries, or
+    with BF16_PRODUCTS after the pair tiles (:func:`pair_tiles`)."""
+    if ints[Int.BF16_PRODUCTS]:
+        p_size, value_size = pair_tile_sizes(ints[Int.BLOCK_Q], ints[Int.BLOCK_K], ints[Int.VALUE_DIM],
+                                             ints[Int.SCORE_LD])
+        return p_size + value_size
     return query_tile_start(ints) + ints[Int.HEAD_GROUP] * ints[Int.BLOCK_Q] * ints[Int.HEAD_DIM]
 
 
