@@ -208,7 +208,8 @@ class ForwardPlan:
             lse = folding.unfold_rows(lse, self.fold_shape)
         if self.out_codes:  # (the backward then widens this out where float32's was kept)
             narrow = out
-        # a 16-bit out converted here, on the vector units (the backward keeps float32's)
+        # a 16-bit out converted here, on the vector units (the backward keeps float32's; with
+        # OUT_CODES the kernel wrote the 16-bit one, which is the backward's)
         shown = narrow if narrow is not None or self.narrow is None else converted(out, self.narrow)
         # the kernel saw every out row it wrote; merged key ranges are new rows it did not see
         finite = not status[NON_FINITE] if self.splits == 1 else None
