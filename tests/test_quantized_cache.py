@@ -730,6 +730,61 @@ def test_16_bit_queries_read_as_they_lie_give_the_bits_of_a_widened_copy(dtype, 
         np.testing.assert_array_equal(mine, theirs)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", ["causal gqa", "dropout bshd window", "softcap"])
+def test_a_16_bit_backward_reading_k_and_v_by_tiles_gives_the_bits_of_widened_copies(dtype, case, monkeypatch):
+    """The backward converts each key tile of 16-bit k and v once per work item (KV_CODES:
+    packed for the products, its rows for dQ and for the gradient of a row's dominant key,
+    which every causal row 0 has) and gives the gradients float32 copies of k and v gave,
+    bit for bit; with a bias gradient to compute it reads the copies."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    from npattn.core.kernel_params import Int, KvCodes
+    from npattn.cpu import driver, operands
+
+    rng = np.random.default_rng(8)
+    normal = lambda *shape: rng.normal(size=shape).astype(dtype)  # noqa: E731
+    if case == "causal gqa":
+        q, k, v, dout = normal(2, 6, 150, 32), normal(2, 2, 150, 32), normal(2, 2, 150, 32), normal(2, 6, 150, 32)
+        options = dict(causal=True)
+    elif case == "dropout bshd window":
+        q, k, v, dout = normal(1, 130, 2, 64), normal(1, 210, 2, 64), normal(1, 210, 2, 64), normal(1, 130, 2, 64)
+        options = dict(layout="bshd", window=(40, 10), dropout_p=0.25, seed=4)
+    else:
+        q, k, v, dout = normal(1, 2, 100, 32), normal(1, 2, 100, 32), normal(1, 2, 100, 32), normal(1, 2, 100, 32)
+        options = dict(causal=True, softcap=3.0)
+    codes = KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16
+    parameters, planned = [], operands._parameters
+    monkeypatch.setattr(operands, "_parameters",
+                        lambda *a, **k: parameters.append((a[1], planned(*a, **k))) or parameters[-1][1])
+
+    def gradients():
+        monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())
+        monkeypatch.setattr(driver, "_FORWARD_PLANS", type(driver._FORWARD_PLANS)())
+        monkeypatch.setattr(driver, "_BACKWARD_PLANS", type(driver._BACKWARD_PLANS)())
+        _, vjp = npattn.attention_vjp(q, k, v, backend="cpu", **options)
+        return vjp(dout)
+
+    tiled = gradients()
+    assert [ints[Int.KV_CODES] for kind, (ints, _) in parameters if kind == "backward"] == [codes]
+    kv_codes = operands.kv_codes
+    monkeypatch.setattr(operands, "kv_codes", lambda problem, kind, tuning: (
+        KvCodes.NONE if kind == "backward" else kv_codes(problem, kind, tuning)))
+    copied = gradients()
+    for mine, theirs in zip(tiled, copied):
+        np.testing.assert_array_equal(mine.view(np.uint16), theirs.view(np.uint16))
+    monkeypatch.undo()
+    bias = np.zeros((1, 1, q.shape[-2], k.shape[-2]), np.float32)
+    if options.get("layout") != "bshd":
+        parameters.clear()
+        monkeypatch.setattr(operands, "_parameters",
+                            lambda *a, **k: parameters.append((a[1], planned(*a, **k))) or parameters[-1][1])
+        monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())
+        monkeypatch.setattr(driver, "_BACKWARD_PLANS", type(driver._BACKWARD_PLANS)())
+        _, vjp = npattn.attention_vjp(q, k, v, backend="cpu", bias=bias.astype(dtype), **options)
+        vjp(dout)
+        assert [ints[Int.KV_CODES] for kind, (ints, _) in parameters if kind == "backward"] == [KvCodes.NONE]
+
+
 @given(lengths=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6)), min_size=1, max_size=3),
        kind=st.sampled_from(["int8", "float8_e4m3"]), gqa=st.booleans(), seed=st.integers(0, 2**31))
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)

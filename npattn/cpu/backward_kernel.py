@@ -29,8 +29,8 @@ from .threads import next_item
 from .operands import Int, Real, Span
 from .rowmath import exp_shifted, row_max
 from .microkernels import padded_width, product
-from .tiles import (apply_dropout, k_row, key_segments, memory_batch, memory_batches, pack_key_tile, pack_value_tile,
-                    packed_values, query_offset, score_tile, span, v_row)
+from .tiles import (apply_dropout, dequantize_tile, k_row, key_segments, memory_batch, memory_batches, pack_key_tile,
+                    pack_value_tile, packed_values, query_offset, score_tile, span, v_row, value_tile_rows)
 
 # the key codes and scales score_tile takes, for a backward, which never reads codes
 _NO_CODES, _NO_SCALES = np.zeros(1, np.int8), np.zeros(1, np.float32)
@@ -51,13 +51,17 @@ def tile_is_live(ints, spans, b, i0, i1, j0, j1):
 
 @helper
 def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, dout, dout_strides,
-                        out, out_strides, lse, delta, p, dropped, ds, tanh, packed, b, h, i0, rows, j0, cols):
+                        out, out_strides, lse, delta, p, dropped, ds, tanh, packed, dequantized, b, h, i0, rows, j0,
+                        cols):
     """For one tile: ``p`` = probabilities, ``dropped`` = p after dropout (``p`` itself when
     there is none), ``ds`` = gradient of the scores after softcap, bias and ALiBi (what
-    dbias needs; the caller applies softcap's derivative and the scale)."""
+    dbias needs; the caller applies softcap's derivative and the scale). ``dequantized``:
+    with KV_CODES the key tile's keys and values as float rows (:func:`dequantize_tile`),
+    which ``packed`` holds packed already."""
     ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
-    # (never quantized nor BF16_PRODUCTS: forward-only; k and _NO_CODES stand in for the unused tiles)
+    # (never quantized nor BF16_PRODUCTS: forward-only; k and _NO_CODES stand in for the unused tiles,
+    # and 16-bit keys read by tiles are packed already)
     score_tile(q, query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, as_readonly(k), _NO_CODES,
                _NO_SCALES, bias, mask, alibi, spans, pages, ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
     row_offset = (memory_batch(ints, b) * heads + h) * ints[Int.Q_LEN] + i0
@@ -89,15 +93,16 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, d
             ds[x] = p[x] * (ds[x] - row_delta)
     for r in range(rows):
         if row_max(p, r * ld, cols) > DOMINANT_PROBABILITY:
-            dominant_key_gradient(v, pages, ints, reals, dout, dout_strides, out, out_strides, p, dropped, ds,
-                                  b, h, i0, r, j0, cols)
+            dominant_key_gradient(v, dequantized, pages, ints, reals, dout, dout_strides, out, out_strides, p,
+                                  dropped, ds, b, h, i0, r, j0, cols)
 
 
 @njit(**{**HELPER_OPTIONS, "fastmath": FASTMATH - {"contract"}})
-def dominant_key_gradient(v, pages, ints, reals, dout, dout_strides, out, out_strides, p, dropped, ds,
+def dominant_key_gradient(v, dequantized, pages, ints, reals, dout, dout_strides, out, out_strides, p, dropped, ds,
                           b, h, i0, r, j0, cols):
     """``ds`` of row ``r``'s key with ``P > 3/4`` (there is at most one) as
-    ``P dO . (z v - O)``, with ``z`` dropout's keep factor (1 without dropout).
+    ``P dO . (z v - O)``, with ``z`` dropout's keep factor (1 without dropout); v's row
+    from the key tile's float rows with KV_CODES (:func:`score_gradient_tile`).
 
     ``P (dP - delta)`` cancels there: ``dP`` and ``delta`` are both about ``|dO| |v|``,
     their difference about ``(1 - P) |dO| |v|``, so one rounding of either, times the
@@ -114,7 +119,9 @@ def dominant_key_gradient(v, pages, ints, reals, dout, dout_strides, out, out_st
     for c in range(cols):
         x = r * ld + c
         if p[x] > DOMINANT_PROBABILITY:
-            value_row = v_row(ints, pages, b, kv_head, j0 + c)
+            codes = ints[Int.KV_CODES]
+            values = value_tile_rows(ints, dequantized) if codes else v
+            value_row = c * value_dim if codes else v_row(ints, pages, b, kv_head, j0 + c)
             # z: the keep scale (exactly 1 without dropout), or 0 where dropout dropped the key;
             # both in the compute dtype, so z v is the forward's product
             keep = reals[Real.KEEP_SCALE]
@@ -122,7 +129,7 @@ def dominant_key_gradient(v, pages, ints, reals, dout, dout_strides, out, out_st
                 keep = keep - keep
             total = 0.0
             for d in range(value_dim):
-                total += dout[o_row + d] * (keep * v[value_row + d] - out[out_row + d])
+                total += dout[o_row + d] * (keep * values[value_row + d] - out[out_row + d])
             ds[x] = p[x] * total
             return
 
@@ -134,7 +141,7 @@ def backward_items(ints, chunks):
 @kernel
 def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_codes, v_codes, k_scale, v_scale,
                     dout, dout_strides, out, out_strides, lse, delta, dq, dk, dv, chunks,
-                    p, dropped, ds, tanh, packed, dk_tile, dv_tile, counter, items):
+                    p, dropped, ds, tanh, packed, dk_tile, dv_tile, dequantized, counter, items):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
     all C-contiguous in the compute dtype and zero on entry (B is 1 with PACKED_ROWS). ``p`` to ``dv_tile``: this
     thread's :func:`~npattn.cpu.scratch.backward_scratch_specs`.
@@ -167,10 +174,17 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                 dk_tile[x] = 0.0
             for x in range(as_offset(cols * value_dim)):
                 dv_tile[x] = 0.0
-            k_offset = k_row(ints, pages, b, kv_head, j0)
-            # once for every query tile
-            pack_key_tile(k, as_readonly(k), pages, ints, b, kv_head, j0, cols, packed)
-            pack_value_tile(v, pages, ints, b, kv_head, j0, cols, packed)
+            # once for every query tile; 16-bit keys and values (KV_CODES) converted to float
+            # rows first, which dQ and the dominant keys' gradients read
+            codes = ints[Int.KV_CODES]
+            if codes:
+                dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols, dequantized)
+            keys = as_readonly(dequantized) if codes else as_readonly(k)
+            k_offset, k_row_stride = (0, head_dim) if codes else (k_row(ints, pages, b, kv_head, j0),
+                                                                   ints[Int.K_STRIDE_S])
+            pack_key_tile(k, as_readonly(dequantized), pages, ints, b, kv_head, j0, cols, packed)
+            pack_value_tile(v, as_readonly(value_tile_rows(ints, dequantized)), pages, ints, b, kv_head, j0, cols,
+                            packed)
             for h in range(kv_head * group, (kv_head + 1) * group):
                 for i0 in range(rows_first, rows_valid, block_q):
                     rows = smaller(block_q, rows_valid - i0)
@@ -178,7 +192,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                         continue
                     score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, dout,
                                         dout_strides, out, out_strides, lse, delta, p, dropped, ds, tanh,
-                                        packed, b, h, i0, rows, j0, cols)
+                                        packed, as_readonly(dequantized), b, h, i0, rows, j0, cols)
                     o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
                     # dV (cols x Dv) += dropped^T (cols x rows) . dO (rows x Dv)
                     if ints[Int.VECTOR_VALUES]:
@@ -199,7 +213,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                         product(ds, 0, 1, ld, q, q_offset, ints[Int.Q_STRIDE_S], dk_tile, 0, head_dim,
                                 cols, rows, head_dim, scale, True)
                         # dQ (rows x D) += scale dS (rows x cols) . K (cols x D)
-                        product(ds, 0, ld, 1, k, k_offset, ints[Int.K_STRIDE_S], dq, dq_offset, head_dim,
+                        product(ds, 0, ld, 1, keys, k_offset, k_row_stride, dq, dq_offset, head_dim,
                                 rows, cols, head_dim, scale, True)
                     else:  # column-major: dK^T = Q^T (D x rows) . dS (rows x cols); dQ^T = K^T . dS^T
                         gemm(False, True, head_dim, cols, rows, scale, q[q_offset:], ints[Int.Q_STRIDE_S],
@@ -252,11 +266,12 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_
                         if not tile_is_live(ints, spans, b, i0, i0 + rows, j0, j0 + cols):
                             continue
                         kv_head = h // (heads // ints[Int.KV_HEADS])
+                        # (never KV_CODES: operands.kv_codes; k stands in for the tile's rows)
                         pack_key_tile(k, as_readonly(k), pages, ints, b, kv_head, j0, cols, packed)
-                        pack_value_tile(v, pages, ints, b, kv_head, j0, cols, packed)
+                        pack_value_tile(v, as_readonly(v), pages, ints, b, kv_head, j0, cols, packed)
                         score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals,
                                             dout, dout_strides, out, out_strides, lse, delta, p, dropped,
-                                            ds, tanh, packed, b, h, i0, rows, j0, cols)
+                                            ds, tanh, packed, as_readonly(k), b, h, i0, rows, j0, cols)
                         for r in range(rows):
                             out_row = ((bb * bias_h + hb) * bias_q + (i0 + r if bias_q > 1 else 0)) * bias_k
                             row = as_offset(r * ld)

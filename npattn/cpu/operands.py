@@ -348,8 +348,8 @@ def _row_order(array, dtype):
 
 
 def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
-    """How the forward reads ``problem``'s k and v: int8 codes with scales (a quantized
-    cache); float16 or bfloat16 converted a tile at a time, where the products run on the
+    """How the forward and backward read ``problem``'s k and v: int8 codes with scales (a
+    quantized cache); float16 or bfloat16 converted a tile at a time, where the products run on the
     micro-kernels over whole vectors and k and v lie in a known memory order (a long
     bfloat16 prefill that multiplies in bfloat16 reads them as they lie instead,
     :func:`bf16_products`); else as they are (a converted float32 copy for 16-bit floats).
@@ -360,12 +360,15 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     float16 cache: 81 ms with the copy, 10.5 ms converted by tiles (float32: 13.7 ms;
     ``bench --caches``). A prefill converts each key tile once per query tile, in cache,
     where the copy allocated and page-faulted two arrays per call: (1, 8, 2048, 64) causal,
-    float16 over float32 in one process, 1.20x -> 1.05-1.10x (medians of 9 rounds)."""
+    float16 over float32 in one process, 1.20x -> 1.05-1.10x (medians of 9 rounds). A
+    backward converts each key tile once per work item (not where it computes a bias
+    gradient, whose kernel reads k and v as they are)."""
     if problem.quantized:
         return KvCodes(quantized_codes(problem))
     name = problem.k.dtype.name
-    if (kind != "forward" or name not in ("float16", "bfloat16") or problem.v.dtype != problem.k.dtype
-            or problem.accumulate_dtype != np.float32 or not tuning.vector_products):
+    if (kind not in ("forward", "backward") or name not in ("float16", "bfloat16") or problem.v.dtype != problem.k.dtype
+            or problem.accumulate_dtype != np.float32 or not tuning.vector_products
+            or (kind == "backward" and problem.bias is not None)):
         return KvCodes.NONE
     lanes = vector_lanes(problem.accumulate_dtype)
     if (problem.head_dim % lanes or problem.value_dim % lanes

@@ -556,13 +556,18 @@ def pair_tile_sizes(rows, keys, value_dim, ld):
 
 
 @helper
-def pack_value_tile(v, pages, ints, b, kv_head, j0, cols, packed):
+def pack_value_tile(v, value_rows, pages, ints, b, kv_head, j0, cols, packed):
     """Values ``[j0, j0 + cols)`` of ``kv_head`` as V^T (Dv x SCORE_LD) after the key tile
-    in ``packed`` (see :func:`packed_values`): the B operand of dO V^T."""
+    in ``packed`` (see :func:`packed_values`): the B operand of dO V^T. With KV_CODES the
+    values come from ``value_rows``, the tile's float rows (:func:`value_tile_rows`)."""
     if not ints[Int.VECTOR_SCORES]:
         return
     width = padded_width(cols, packed)
     values = packed_values(ints, packed)
+    if ints[Int.KV_CODES]:
+        value_dim = ints[Int.VALUE_DIM]
+        pack_transposed(value_rows, 0, value_dim, cols, value_dim, values, ints[Int.SCORE_LD], width)
+        return
     c0 = 0
     while c0 < cols:
         run = page_run(ints, j0 + c0, cols - c0)
