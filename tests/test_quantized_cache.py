@@ -732,11 +732,12 @@ def test_16_bit_queries_read_as_they_lie_give_the_bits_of_a_widened_copy(dtype, 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", ["causal gqa", "dropout bshd window", "softcap"])
-def test_a_16_bit_backward_reading_k_and_v_by_tiles_gives_the_bits_of_widened_copies(dtype, case, monkeypatch):
+def test_a_16_bit_backward_reading_its_arrays_by_tiles_gives_the_bits_of_widened_copies(dtype, case, monkeypatch):
     """The backward converts each key tile of 16-bit k and v once per work item (KV_CODES:
     packed for the products, its rows for dQ and for the gradient of a row's dominant key,
-    which every causal row 0 has) and gives the gradients float32 copies of k and v gave,
-    bit for bit; with a bias gradient to compute it reads the copies."""
+    which every causal row 0 has) and each (head, query tile)'s q and dout rows where a key
+    tile uses them (Q_CODES; a float32 dout is read as it is), and gives the gradients
+    float32 copies gave, bit for bit; with a bias gradient to compute it reads the copies."""
     import ml_dtypes  # noqa: F401  (registers bfloat16)
     from npattn.core.kernel_params import Int, KvCodes
     from npattn.cpu import driver, operands
@@ -752,6 +753,7 @@ def test_a_16_bit_backward_reading_k_and_v_by_tiles_gives_the_bits_of_widened_co
     else:
         q, k, v, dout = normal(1, 2, 100, 32), normal(1, 2, 100, 32), normal(1, 2, 100, 32), normal(1, 2, 100, 32)
         options = dict(causal=True, softcap=3.0)
+        dout = dout.astype(np.float32)  # (a cotangent of another dtype than q's)
     codes = KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16
     parameters, planned = [], operands._parameters
     monkeypatch.setattr(operands, "_parameters",
@@ -765,7 +767,8 @@ def test_a_16_bit_backward_reading_k_and_v_by_tiles_gives_the_bits_of_widened_co
         return vjp(dout)
 
     tiled = gradients()
-    assert [ints[Int.KV_CODES] for kind, (ints, _) in parameters if kind == "backward"] == [codes]
+    assert [(ints[Int.KV_CODES], ints[Int.Q_CODES]) for kind, (ints, _) in parameters if kind == "backward"] == [
+        (codes, codes)]
     kv_codes = operands.kv_codes
     monkeypatch.setattr(operands, "kv_codes", lambda problem, kind, tuning: (
         KvCodes.NONE if kind == "backward" else kv_codes(problem, kind, tuning)))

@@ -26,11 +26,12 @@ from .blas import gemm
 from .jit import FASTMATH, HELPER_OPTIONS, helper, kernel
 from .signatures import as_offset, as_readonly, larger, smaller
 from .threads import next_item
-from .operands import Int, Real, Span
+from .operands import Int, KvCodes, Real, Span
 from .rowmath import exp_shifted, row_max
 from .microkernels import padded_width, product
-from .tiles import (apply_dropout, dequantize_tile, k_row, key_segments, memory_batch, memory_batches, pack_key_tile,
-                    pack_value_tile, packed_values, query_offset, score_tile, span, v_row, value_tile_rows)
+from .tiles import (apply_dropout, convert_query_rows, convert_rows, dequantize_tile, k_row, key_segments,
+                    memory_batch, memory_batches, pack_key_tile, pack_value_tile, packed_values, query_offset,
+                    query_tile_start, score_tile, span, v_row, value_tile_rows)
 
 # the key codes and scales score_tile takes, for a backward, which never reads codes
 _NO_CODES, _NO_SCALES = np.zeros(1, np.int8), np.zeros(1, np.float32)
@@ -50,20 +51,22 @@ def tile_is_live(ints, spans, b, i0, i1, j0, j1):
 
 
 @helper
-def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, dout, dout_strides,
-                        out, out_strides, lse, delta, p, dropped, ds, tanh, packed, dequantized, b, h, i0, rows, j0,
-                        cols):
+def score_gradient_tile(q, q_offset, q_row, k, v, bias, mask, alibi, spans, pages, ints, reals, dout, o_offset,
+                        o_row, out, out_strides, lse, delta, p, dropped, ds, tanh, packed, dequantized, b, h, i0,
+                        rows, j0, cols):
     """For one tile: ``p`` = probabilities, ``dropped`` = p after dropout (``p`` itself when
     there is none), ``ds`` = gradient of the scores after softcap, bias and ALiBi (what
-    dbias needs; the caller applies softcap's derivative and the scale). ``dequantized``:
-    with KV_CODES the key tile's keys and values as float rows (:func:`dequantize_tile`),
-    which ``packed`` holds packed already."""
+    dbias needs; the caller applies softcap's derivative and the scale). Row ``i0 + r``'s
+    query is ``q[q_offset + r * q_row:]`` and its output gradient ``dout[o_offset + r *
+    o_row:]`` (the item's converted rows, for 16-bit ones). ``dequantized``: with KV_CODES
+    the key tile's keys and values as float rows (:func:`dequantize_tile`), which ``packed``
+    holds packed already."""
     ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
     # (never quantized nor BF16_PRODUCTS: forward-only; k and _NO_CODES stand in for the unused tiles,
     # and 16-bit keys read by tiles are packed already)
-    score_tile(q, query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, as_readonly(k), _NO_CODES,
-               _NO_SCALES, bias, mask, alibi, spans, pages, ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
+    score_tile(q, q_offset, q_row, k, as_readonly(k), _NO_CODES, _NO_SCALES, bias, mask, alibi, spans, pages,
+               ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
     row_offset = (memory_batch(ints, b) * heads + h) * ints[Int.Q_LEN] + i0
     for r in range(rows):
         row_lse = lse[row_offset + r]
@@ -72,15 +75,14 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, d
         else:  # an empty row: no probability, no gradient
             for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
                 p[x] = 0.0
-    o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
     if ints[Int.VECTOR_SCORES]:
         # dP (rows x cols) = dO (rows x Dv) . V^T (Dv x cols)
-        product(dout, o_offset, dout_strides[2], 1, packed_values(ints, packed), 0, ld, ds, 0, ld,
+        product(dout, o_offset, o_row, 1, packed_values(ints, packed), 0, ld, ds, 0, ld,
                 rows, ints[Int.VALUE_DIM], padded_width(cols, ds), 1.0, False)
     else:  # column-major: dP^T (cols x rows) = V (cols x Dv) . dO^T (Dv x rows)
         v_offset = v_row(ints, pages, b, h // (heads // ints[Int.KV_HEADS]), j0)
         gemm(True, False, cols, rows, ints[Int.VALUE_DIM], 1.0, v[v_offset:], ints[Int.V_STRIDE_S],
-             dout[o_offset:], dout_strides[2], 0.0, ds, ld)
+             dout[o_offset:], o_row, 0.0, ds, ld)
     if ints[Int.HAS_DROPOUT]:
         keep_scale = reals[Real.KEEP_SCALE]
         for x in range(as_offset(rows * ld)):  # not a slice copy: its shape check compiles str()
@@ -93,16 +95,17 @@ def score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, d
             ds[x] = p[x] * (ds[x] - row_delta)
     for r in range(rows):
         if row_max(p, r * ld, cols) > DOMINANT_PROBABILITY:
-            dominant_key_gradient(v, dequantized, pages, ints, reals, dout, dout_strides, out, out_strides, p,
-                                  dropped, ds, b, h, i0, r, j0, cols)
+            dominant_key_gradient(v, dequantized, pages, ints, reals, dout, o_offset + r * o_row, out, out_strides,
+                                  p, dropped, ds, b, h, i0, r, j0, cols)
 
 
 @njit(**{**HELPER_OPTIONS, "fastmath": FASTMATH - {"contract"}})
-def dominant_key_gradient(v, dequantized, pages, ints, reals, dout, dout_strides, out, out_strides, p, dropped, ds,
+def dominant_key_gradient(v, dequantized, pages, ints, reals, dout, o_row, out, out_strides, p, dropped, ds,
                           b, h, i0, r, j0, cols):
     """``ds`` of row ``r``'s key with ``P > 3/4`` (there is at most one) as
     ``P dO . (z v - O)``, with ``z`` dropout's keep factor (1 without dropout); v's row
-    from the key tile's float rows with KV_CODES (:func:`score_gradient_tile`).
+    from the key tile's float rows with KV_CODES, its output gradient ``dout[o_row:]``
+    (:func:`score_gradient_tile`).
 
     ``P (dP - delta)`` cancels there: ``dP`` and ``delta`` are both about ``|dO| |v|``,
     their difference about ``(1 - P) |dO| |v|``, so one rounding of either, times the
@@ -114,7 +117,6 @@ def dominant_key_gradient(v, dequantized, pages, ints, reals, dout, dout_strides
     ld = ints[Int.SCORE_LD]
     value_dim = ints[Int.VALUE_DIM]
     kv_head = h // (ints[Int.HEADS] // ints[Int.KV_HEADS])
-    o_row = b * dout_strides[0] + h * dout_strides[1] + (i0 + r) * dout_strides[2]
     out_row = b * out_strides[0] + h * out_strides[1] + (i0 + r) * out_strides[2]
     for c in range(cols):
         x = r * ld + c
@@ -143,8 +145,11 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                     dout, dout_strides, out, out_strides, lse, delta, dq, dk, dv, chunks,
                     p, dropped, ds, tanh, packed, dk_tile, dv_tile, dequantized, counter, items):
     """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
-    all C-contiguous in the compute dtype and zero on entry (B is 1 with PACKED_ROWS). ``p`` to ``dv_tile``: this
-    thread's :func:`~npattn.cpu.scratch.backward_scratch_specs`.
+    all C-contiguous in the compute dtype and zero on entry (B is 1 with PACKED_ROWS). ``p`` to ``dequantized``:
+    this thread's :func:`~npattn.cpu.scratch.backward_scratch_specs`. ``dout_strides``:
+    dout's batch, head and row strides, then how it is stored (a KvCodes: with Q_CODES a
+    16-bit dout is its memory seen as float32 words, strides in bytes, each (head, query
+    tile)'s rows converted where a key tile uses them, as q's are; NONE: the compute dtype).
 
     The key tile's body is written here, not in a helper: each level of calls costs the
     first call's compile a pass of Numba's optimizer and code emitter over everything
@@ -190,33 +195,43 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                     rows = smaller(block_q, rows_valid - i0)
                     if not tile_is_live(ints, spans, b, i0, i0 + rows, j0, j0 + cols):
                         continue
-                    score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals, dout,
-                                        dout_strides, out, out_strides, lse, delta, p, dropped, ds, tanh,
-                                        packed, as_readonly(dequantized), b, h, i0, rows, j0, cols)
-                    o_offset = b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
+                    # 16-bit q and dout rows converted where this key tile uses them (no float32 copy)
+                    query, q_offset, q_row = as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S]
+                    if ints[Int.Q_CODES]:
+                        convert_query_rows(q, ints, b, h, 1, i0, rows, dequantized)
+                        query, q_offset, q_row = as_readonly(dequantized), query_tile_start(ints), head_dim
+                    grad_out, o_offset, o_row = (as_readonly(dout), b * dout_strides[0] + h * dout_strides[1]
+                                                 + i0 * dout_strides[2], dout_strides[2])
+                    if dout_strides[3]:
+                        dout_start = query_tile_start(ints) + ints[Int.BLOCK_Q] * head_dim
+                        convert_rows(dout, o_offset, o_row, rows, value_dim, dout_strides[3] == KvCodes.BFLOAT16,
+                                     dequantized, dout_start)
+                        grad_out, o_offset, o_row = as_readonly(dequantized), dout_start, value_dim
+                    score_gradient_tile(query, q_offset, q_row, k, v, bias, mask, alibi, spans, pages, ints, reals,
+                                        grad_out, o_offset, o_row, out, out_strides, lse, delta, p, dropped, ds,
+                                        tanh, packed, as_readonly(dequantized), b, h, i0, rows, j0, cols)
                     # dV (cols x Dv) += dropped^T (cols x rows) . dO (rows x Dv)
                     if ints[Int.VECTOR_VALUES]:
-                        product(dropped, 0, 1, ld, dout, o_offset, dout_strides[2], dv_tile, 0, value_dim,
+                        product(dropped, 0, 1, ld, grad_out, o_offset, o_row, dv_tile, 0, value_dim,
                                 cols, rows, value_dim, 1.0, True)
                     else:  # column-major: dV^T = dO^T (Dv x rows) . dropped (rows x cols)
-                        gemm(False, True, value_dim, cols, rows, 1.0, dout[o_offset:], dout_strides[2],
+                        gemm(False, True, value_dim, cols, rows, 1.0, grad_out[o_offset:], o_row,
                              dropped, ld, 1.0, dv_tile, value_dim)
                     if ints[Int.HAS_SOFTCAP]:  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
                         for r in range(rows):
                             for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
                                 ds[x] *= 1.0 - tanh[x] * tanh[x]
-                    q_offset = b * ints[Int.Q_STRIDE_B] + h * ints[Int.Q_STRIDE_H] + i0 * ints[Int.Q_STRIDE_S]
                     dq_offset = (((chunk * memory_batches(ints) + memory_batch(ints, b)) * heads + h) * q_len
                                  + i0) * head_dim
                     if ints[Int.VECTOR_KEYS]:
                         # dK (cols x D) += scale dS^T (cols x rows) . Q (rows x D)
-                        product(ds, 0, 1, ld, q, q_offset, ints[Int.Q_STRIDE_S], dk_tile, 0, head_dim,
+                        product(ds, 0, 1, ld, query, q_offset, q_row, dk_tile, 0, head_dim,
                                 cols, rows, head_dim, scale, True)
                         # dQ (rows x D) += scale dS (rows x cols) . K (cols x D)
                         product(ds, 0, ld, 1, keys, k_offset, k_row_stride, dq, dq_offset, head_dim,
                                 rows, cols, head_dim, scale, True)
                     else:  # column-major: dK^T = Q^T (D x rows) . dS (rows x cols); dQ^T = K^T . dS^T
-                        gemm(False, True, head_dim, cols, rows, scale, q[q_offset:], ints[Int.Q_STRIDE_S],
+                        gemm(False, True, head_dim, cols, rows, scale, query[q_offset:], q_row,
                              ds, ld, 1.0, dk_tile, head_dim)
                         gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
                              ds, ld, 1.0, dq[dq_offset:], head_dim)
@@ -269,8 +284,10 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_
                         # (never KV_CODES: operands.kv_codes; k stands in for the tile's rows)
                         pack_key_tile(k, as_readonly(k), pages, ints, b, kv_head, j0, cols, packed)
                         pack_value_tile(v, as_readonly(v), pages, ints, b, kv_head, j0, cols, packed)
-                        score_gradient_tile(q, k, v, bias, mask, alibi, spans, pages, ints, reals,
-                                            dout, dout_strides, out, out_strides, lse, delta, p, dropped,
+                        score_gradient_tile(as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, v,
+                                            bias, mask, alibi, spans, pages, ints, reals, as_readonly(dout),
+                                            b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2],
+                                            dout_strides[2], out, out_strides, lse, delta, p, dropped,
                                             ds, tanh, packed, as_readonly(k), b, h, i0, rows, j0, cols)
                         for r in range(rows):
                             out_row = ((bb * bias_h + hb) * bias_q + (i0 + r if bias_q > 1 else 0)) * bias_k

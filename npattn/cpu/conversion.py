@@ -3,8 +3,9 @@
 The CPU kernels compute float16 problems in float32. Where the forward reads k and v
 a 16-bit tile at a time (:func:`npattn.cpu.operands.kv_codes`) it reads q as it lies too
 (:func:`npattn.cpu.operands.query_codes`) and writes a 16-bit out itself, and the
-backward reads k and v so too; elsewhere (the backward's q and dout, among others) arrays
-go in converted, and gradients come back converted. NumPy's ``astype`` runs a scalar
+backward reads q, k, v and a dout of q's dtype so too; elsewhere (a bias gradient's
+backward, head dims that are not whole vectors, asked weights) arrays go in converted,
+and gradients come back converted. NumPy's ``astype`` runs a scalar
 loop for float16: on the 2-core AVX-512 VM 1.7 ms to float32 and 2.6 ms back per million
 values, 7.7 ms of a (1, 8, 2048, 64) causal forward that takes 25 ms in float32. Here each vector of 16 (8 on AVX2) goes
 through F16C's ``vcvtph2ps`` / ``vcvtps2ph``: both exact or rounded to nearest even as
@@ -147,8 +148,8 @@ def conversion_entry(source_dtype, target_dtype, size: int):
     return direct_entry(convert, arguments)
 
 
-# The float32 copies a 16-bit backward widens its q and dout (and k and v where it does not
-# read them by tiles, and a 16-bit forward's out) into are kept per thread
+# The float32 copies a 16-bit backward widens its arrays into where it does not read them by
+# tiles (a bias gradient's), and a 16-bit forward's out, are kept per thread
 # and slot, for the next call of the same shapes: their fresh pages, not the conversions,
 # were most of what a float16 forward and backward at (1, 8, 2048, 64) causal cost beyond
 # float32's in one process (101-112 against 86-89 ms; 89-90 with glibc keeping freed

@@ -20,7 +20,8 @@ from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, run_items
 from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, fresh_set, gradient_tile_specs,
                       scratch_set, weights_scratch_specs, with_dropout_copy, zeros_maker)
-from .operands import WORDS, Int, read_only, operand_plan, row_strides, widened
+from .operands import (WORDS, Int, KvCodes, pair_words, read_only, operand_plan, row_order, row_strides,
+                       row_view_strides, widened)
 from .tuning import Tuning, current
 
 
@@ -319,12 +320,22 @@ class BackwardPlan:
         out, lse = saved
         dtype = self.dtype
         ops = self.operands.operands(q, k, v, arrays)
-        # a 16-bit dout widened once, for the kernels and for delta (it was widened twice: a
-        # second copy, 4 MB of fresh pages at (1, 8, 2048, 64)), into an array this thread
-        # keeps for the next call; out is the forward's float32, or its 16-bit out (OUT_CODES),
-        # widened likewise into a kept array
-        dout, out = widened(dout, dtype, _KEPT_DOUT), widened(out, dtype, _KEPT_OUT)
-        dout_flat, dout_strides = row_strides(dout, dtype)
+        # out is the forward's float32, or its 16-bit out (OUT_CODES) widened into an array this
+        # thread keeps for the next call
+        out = widened(out, dtype, _KEPT_OUT)
+        codes = self.operands.q_codes
+        if codes and dout.dtype == q.dtype and row_order(dout, dout.dtype) is not None:
+            # a 16-bit dout read as it lies where q is (Q_CODES), its rows converted where the
+            # kernel uses them; einsum casts it in buffered chunks for delta, with the bits of
+            # a float32 copy's
+            dout_flat = pair_words(dout)
+            dout_strides = (*(2 * n for n in row_view_strides(dout, dout.dtype)), codes)
+        else:
+            # a 16-bit dout widened once, for the kernels and for delta (it was widened twice: a
+            # second copy, 4 MB of fresh pages at (1, 8, 2048, 64)), into a kept array
+            dout = widened(dout, dtype, _KEPT_DOUT)
+            dout_flat, dout_strides = row_strides(dout, dtype)
+            dout_strides = (*dout_strides, KvCodes.NONE)
         out_flat, out_strides = row_strides(out, dtype)
         # delta = rowsum(dO * O): the softmax's backward term, O(Sq * Dv) work
         delta = np.einsum("bhsd,bhsd->bhs", dout, out)

@@ -214,12 +214,12 @@ class OperandPlan:
         self.plain_pages = _frozen(np.arange(problem.batch, dtype=np.int64))  # not paged: entry b's keys in k[b]
         # q, k, v read in place (the usual case), else through row_strides on every call
         # (:func:`flat_memory` written out in :meth:`operands`: a small call's every us counts)
-        self.orders = (_row_order(problem.q, dtype), _row_order(problem.k, keys_dtype),
-                       _row_order(problem.v, keys_dtype))
+        self.orders = (row_order(problem.q, dtype), row_order(problem.k, keys_dtype),
+                       row_order(problem.v, keys_dtype))
         # a 16-bit q in a known memory order (float16 computed in float32): widened per call,
         # read in that order, as flat_view would copy and read it
         self.widened_q = (self.orders[0] is None and problem.q.dtype != dtype
-                          and _row_order(problem.q, problem.q.dtype) is not None)
+                          and row_order(problem.q, problem.q.dtype) is not None)
         self.placeholders = _placeholders(dtype)
         self.code_placeholder, self.scale_placeholder = _placeholders(CODE_DTYPE)[0], _placeholders(SCALE_DTYPE)[0]
         # whether a quantized run's scales are in a known memory order (RunScales: every
@@ -338,7 +338,7 @@ def operand_plan(problem, kind: str, tuning: Tuning, rows_per_position: int = 1)
                               lambda: OperandPlan(problem, kind, tuning, rows_per_position))
 
 
-def _row_order(array, dtype):
+def row_order(array, dtype):
     """:func:`memory_order` for an array whose rows feed the products, None where
     :func:`row_strides` would copy it (overlapping rows)."""
     rows, width = array.shape[-2], array.shape[-1]
@@ -373,20 +373,23 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     lanes = vector_lanes(problem.accumulate_dtype)
     if (problem.head_dim % lanes or problem.value_dim % lanes
             or (problem.q_len * problem.group_size > tuning.forward[0] and bf16_products(problem, kind, tuning))
-            or _row_order(problem.k, problem.k.dtype) is None or _row_order(problem.v, problem.v.dtype) is None):
+            or row_order(problem.k, problem.k.dtype) is None or row_order(problem.v, problem.v.dtype) is None):
         return KvCodes.NONE
     return KvCodes.FLOAT16 if name == "float16" else KvCodes.BFLOAT16
 
 
 def query_codes(problem, kind: str, codes) -> KvCodes:
-    """How the forward reads q: where it reads float16 or bfloat16 k and v a tile at a time
-    (``codes``, :func:`kv_codes`), a q of their dtype in a known memory order as it lies,
-    each work item's rows converted to float32 once in the kernel
+    """How the forward and backward read q: where they read float16 or bfloat16 k and v a
+    tile at a time (``codes``, :func:`kv_codes`), a q of their dtype in a known memory order
+    as it lies, each work item's rows converted to float32 once in the kernel
     (:func:`npattn.cpu.tiles.convert_query_rows`: exact, so the same bits), with no float32
     copy of q; else as it is (a float32 copy for 16-bit q). Not where weights are asked (the
-    weights kernel reads q as it is)."""
-    if (kind != "forward" or codes not in (KvCodes.FLOAT16, KvCodes.BFLOAT16) or problem.return_weights
-            or problem.q.dtype != problem.k.dtype or _row_order(problem.q, problem.q.dtype) is None):
+    weights kernel reads q as it is). A backward converts each (head, query tile)'s rows
+    where a key tile uses them, and a dout of q's dtype likewise
+    (:class:`~npattn.cpu.driver.BackwardPlan`)."""
+    if (kind not in ("forward", "backward") or codes not in (KvCodes.FLOAT16, KvCodes.BFLOAT16)
+            or problem.return_weights or problem.q.dtype != problem.k.dtype
+            or row_order(problem.q, problem.q.dtype) is None):
         return KvCodes.NONE
     return codes
 
@@ -404,7 +407,7 @@ def bf16_products(problem, kind: str, tuning: Tuning, codes=KvCodes.NONE) -> boo
         return False
     vector, vector_values, _, dot_scores = _product_paths(problem, kind, tuning)
     return (vector and vector_values and not dot_scores and problem.head_dim % 2 == 0 and problem.value_dim % 2 == 0
-            and all(x.dtype.name == "bfloat16" and _row_order(x, x.dtype) is not None
+            and all(x.dtype.name == "bfloat16" and row_order(x, x.dtype) is not None
                     for x in (problem.q, problem.k, problem.v)))
 
 
@@ -499,7 +502,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     # out in q's 16-bit dtype straight from the kernel where it reads q in that dtype (one key
     # range: several are float32 parts merged afterwards)
     out_codes = KvCodes.BFLOAT16 if pairs else q_codes
-    ints[Int.OUT_CODES] = out_codes if ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
+    ints[Int.OUT_CODES] = out_codes if kind == "forward" and ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = element_strides(problem.k_scale)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = element_strides(problem.v_scale)

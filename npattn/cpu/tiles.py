@@ -413,22 +413,29 @@ def accumulator_start(ints):
 
 
 @njit(inline="always")
+def convert_rows(words, at, row_bytes, rows, width, brain, out, out_at):
+    """``rows`` rows of ``width`` 16-bit floats (bfloat16 with ``brain``, else float16) from
+    ``words`` (16-bit memory seen as float32 words), the first at byte ``at``, the next
+    ``row_bytes`` on, as contiguous float32 rows from ``out[out_at]`` (width whole vectors)."""
+    source = words.view(np.int8)
+    for r in range(rows):
+        if brain:
+            _converted_row(source, at + r * row_bytes, out, out_at + r * width, width, True)
+        else:
+            _converted_row(source, at + r * row_bytes, out, out_at + r * width, width, False)
+
+
+@njit(inline="always")
 def convert_query_rows(q, ints, b, h0, heads, i0, rows, dequantized):
     """Q_CODES: rows ``[i0, i0 + rows)`` of heads ``[h0, h0 + heads)`` of entry ``b``, from
     q's 16-bit memory (float32 words, byte strides), as float32 rows of HEAD_DIM in the
     dequantized scratch, head g's row r at ``query_tile_start + (g * BLOCK_Q + r) * HEAD_DIM``:
-    each query converted once per work item, never a float32 copy of q."""
-    source = q.view(np.int8)
+    each query converted once per work item (a backward's, once per key tile), never a
+    float32 copy of q."""
     head_dim, start, block_q = ints[Int.HEAD_DIM], query_tile_start(ints), ints[Int.BLOCK_Q]
-    brain = ints[Int.Q_CODES] == KvCodes.BFLOAT16
     for g in range(heads):
-        for r in range(rows):
-            at = query_offset(ints, b, h0 + g, i0 + r)
-            out_at = start + (g * block_q + r) * head_dim
-            if brain:
-                _converted_row(source, at, dequantized, out_at, head_dim, True)
-            else:
-                _converted_row(source, at, dequantized, out_at, head_dim, False)
+        convert_rows(q, query_offset(ints, b, h0 + g, i0), ints[Int.Q_STRIDE_S], rows, head_dim,
+                     ints[Int.Q_CODES] == KvCodes.BFLOAT16, dequantized, start + g * block_q * head_dim)
 
 
 def narrow_row(sums, offset, out, out_at, width, brain):
