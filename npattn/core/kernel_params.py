@@ -53,19 +53,19 @@ Int = _positions("Int", (
                       # (decode tiles on caches whose key rows hold every head: cpu.operands.head_group)
     "PACKED_ROWS",    # CPU: every entry's rows in one memory batch (attention_varlen): out, lse and
                       # the gradients hold one batch, which each entry's disjoint live rows fill
-    # CPU: how the forward reads k and v (a KvCodes): as they are, or a tile at a time from
-    # the k_codes / v_codes operands (bytes; strides K_STRIDE_* / V_STRIDE_* count their
-    # elements), int8 times a scale per key (k_scale / v_scale, element strides below, bhs)
-    # or float16 / bfloat16 bits converted to float32
+    # CPU: how the forward (and a 16-bit backward) reads k and v (a KvCodes): as they are, or
+    # a tile at a time from the k_codes / v_codes operands (bytes; strides K_STRIDE_* /
+    # V_STRIDE_* count their elements), int8 times a scale per key (k_scale / v_scale, element
+    # strides below, bhs) or float16 / bfloat16 bits converted to float32
     # CPU forward: bfloat16 products on AVX512_BF16 (Q K^T and P V on pairs of bfloat16,
     # P rounded to bfloat16 as GPU kernels round it): q, k and v are then bfloat16 memory
     # seen as float32 words, their strides counting words (cpu.tiles.key_words)
     "BF16_PRODUCTS",
     "KV_CODES", "K_SCALE_STRIDE_B", "K_SCALE_STRIDE_H", "K_SCALE_STRIDE_S",
     "V_SCALE_STRIDE_B", "V_SCALE_STRIDE_H", "V_SCALE_STRIDE_S",
-    # CPU forward: how it reads q (a KvCodes): as it is, or (where KV_CODES reads float16 or
-    # bfloat16 keys a tile at a time) its 16-bit memory, seen as float32 words, each work
-    # item's rows converted to float32 once (Q_STRIDE_* then count bytes)
+    # CPU forward and backward: how they read q (a KvCodes): as it is, or (where KV_CODES
+    # reads float16 or bfloat16 keys a tile at a time) its 16-bit memory, seen as float32
+    # words, rows converted to float32 where a tile uses them (Q_STRIDE_* then count bytes)
     "Q_CODES",
     # CPU forward: with Q_CODES or BF16_PRODUCTS and one key range, out is 16-bit memory
     # (q's dtype, a KvCodes) seen as float32 words: each item sums its rows in float32

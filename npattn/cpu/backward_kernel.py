@@ -43,6 +43,12 @@ _NO_CODES, _NO_SCALES = np.zeros(1, np.int8), np.zeros(1, np.float32)
 DOMINANT_PROBABILITY = 0.75
 
 
+@njit(inline="always")
+def dout_offset(dout_strides, b, h, i0):
+    """Where row ``i0`` of head ``h`` of entry ``b`` starts in dout (its strides' units)."""
+    return b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2]
+
+
 @helper
 def tile_is_live(ints, spans, b, i0, i1, j0, j1):
     """True when some row of ``[i0, i1)`` may see some key of ``[j0, j1)``."""
@@ -200,8 +206,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                     if ints[Int.Q_CODES]:
                         convert_query_rows(q, ints, b, h, 1, i0, rows, dequantized)
                         query, q_offset, q_row = as_readonly(dequantized), query_tile_start(ints), head_dim
-                    grad_out, o_offset, o_row = (as_readonly(dout), b * dout_strides[0] + h * dout_strides[1]
-                                                 + i0 * dout_strides[2], dout_strides[2])
+                    grad_out, o_offset, o_row = as_readonly(dout), dout_offset(dout_strides, b, h, i0), dout_strides[2]
                     if dout_strides[3]:
                         dout_start = query_tile_start(ints) + ints[Int.BLOCK_Q] * head_dim
                         convert_rows(dout, o_offset, o_row, rows, value_dim, dout_strides[3] == KvCodes.BFLOAT16,
@@ -286,9 +291,9 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_
                         pack_value_tile(v, as_readonly(v), pages, ints, b, kv_head, j0, cols, packed)
                         score_gradient_tile(as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, v,
                                             bias, mask, alibi, spans, pages, ints, reals, as_readonly(dout),
-                                            b * dout_strides[0] + h * dout_strides[1] + i0 * dout_strides[2],
-                                            dout_strides[2], out, out_strides, lse, delta, p, dropped,
-                                            ds, tanh, packed, as_readonly(k), b, h, i0, rows, j0, cols)
+                                            dout_offset(dout_strides, b, h, i0), dout_strides[2], out, out_strides,
+                                            lse, delta, p, dropped, ds, tanh, packed, as_readonly(k), b, h, i0,
+                                            rows, j0, cols)
                         for r in range(rows):
                             out_row = ((bb * bias_h + hb) * bias_q + (i0 + r if bias_q > 1 else 0)) * bias_k
                             row = as_offset(r * ld)
