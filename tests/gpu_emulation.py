@@ -29,12 +29,14 @@ EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("bfloat16", 64),
 # option sets of the tensor-core forward built for the emulation (a call runs the smallest
 # built superset of its options): the plain path, the band alone and everything, each at
 # head dims that fill the bound and at narrower ones, everything on unaligned rows,
-# paged keys (a decode step's band and pages alone), and everything on a quantized
-# cache's codes (CODES, narrow heads).
+# paged keys (a decode step's band and pages alone), and a quantized cache's codes
+# (CODES, narrow heads) under the band alone, contiguous and paged (the builds a 16-bit
+# cache's step takes, but for CODES), and under everything.
 # Wider bounds get the two general sets only.
 _NARROW, _UNALIGNED = Option.NARROW, Option.UNALIGNED
 FORWARD_TC_OPTIONS = {64: (0, Option.BAND, ALL, _NARROW, Option.BAND | _NARROW, ALL | _NARROW,
                            ALL | _NARROW | _UNALIGNED, Option.BAND | Option.PAGED | _NARROW,
+                           Option.BAND | _NARROW | Option.CODES, Option.BAND | Option.PAGED | _NARROW | Option.CODES,
                            ALL | _NARROW | Option.CODES),
                       128: (0, ALL | _NARROW, ALL | _NARROW | _UNALIGNED),
                       256: (ALL | _NARROW, ALL | _NARROW | _UNALIGNED)}

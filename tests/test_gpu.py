@@ -22,7 +22,7 @@ from conftest import backend_params, nvrtc_or_skip
 from tolerances import assert_close
 from strategies import Case, Dims, cases, layouts, to_layout
 from test_backend_equivalence import check_backward, check_forward
-from test_gpu_emulated import PLANTED_V_AND_Q, planted_in_v_and_q
+from test_gpu_emulated import PLANTED_V_AND_Q, check_codes_give_the_bits_of_their_16_bit_values, planted_in_v_and_q
 from test_nonfinite import assert_same_outputs, planted_cases
 from test_quantized_cache import check_quantized_cache, quantized_cases
 
@@ -408,6 +408,36 @@ def test_gpu_decodes_against_quantized_caches(backend, case, seed):
     import cupy
 
     check_quantized_cache(backend, case, seed, device=cupy)
+
+
+@pytest.mark.parametrize("backend", GPU)
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_gpu_codes_give_the_bits_of_their_16_bit_values(backend, kind, paged, q_len, dtype):
+    """The codes' tiles staged by cp.async and dequantized into 16-bit tiles on the device
+    (test_gpu_emulated.check_codes_give_the_bits_of_their_16_bit_values)."""
+    import cupy
+
+    check_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype, xp=cupy)
+    if not paged and q_len == 1:  # every finite code once per (kind, dtype)
+        check_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype, xp=cupy, every_code=True)
+
+
+@pytest.mark.parametrize("backend", GPU)
+def test_gpu_bench_of_caches_times_each_cache_against_int8(backend):
+    """``bench --caches --gpu`` runs a planned step on each cache dtype and reports int8's
+    speed-up over each."""
+    import io
+
+    from npattn.tools import bench_caches
+
+    printed = io.StringIO()
+    results = bench_caches.compare_gpu(repeats=1, shapes=((2, 4, 2, 256, 64),), out=printed)
+    ((label, timed),) = results.items()
+    assert label == "(2, 4/2, 256, 64)" and set(bench_caches.GPU_CACHES) <= set(timed)
+    assert timed["int8"][1] == 1.0 and all(us > 0 for us, _ in timed.values())
 
 
 @pytest.mark.parametrize("backend", GPU)

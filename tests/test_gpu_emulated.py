@@ -543,7 +543,7 @@ def test_emulated_gpu_decodes_against_caches(case, seed):
 
 
 # int8 and float8 e4m3 caches, contiguous or paged, every positional option: the forward
-# dequantizes the tiles it stages (float16 q: the tensor-core one, stage_code_tile;
+# dequantizes the tiles it stages (float16 q: the tensor-core one, CodeTile;
 # float32/float64 q: the SIMT one, load_key_tile), the repair pass the keys it rereads
 # (key_element)
 @FEWER
@@ -563,6 +563,82 @@ def test_emulated_gpu_reads_quantized_pools_in_packed_batches(lengths, kind, gqa
 @pytest.mark.parametrize("paged", [False, True])
 def test_an_emulated_gpu_planned_quantized_step_is_the_call_layer_by_layer(paged):
     check_planned_quantized_step(paged, "gpu")
+
+
+def check_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype, xp=np, every_code=False):
+    """A decode or short prefill step on a quantized cache (contiguous or ``paged``, GQA,
+    two sequences of 600 and 45 keys, so split keys and tiles with tails), and the same
+    step on a cache of ``dtype`` holding each code times its scale rounded to ``dtype``:
+    the tensor-core forward stages both into the same 16-bit tiles (CodeTile dequantizes
+    the codes as it deposits them), so out and lse have the same bits. ``every_code``:
+    codes drawn from every finite code (e4m3's subnormals and int8's -128 among them)
+    instead of quantize_kv's. ``xp``: CuPy, for the device."""
+    rng = np.random.default_rng(11)
+    batch, kv_heads, heads, dim, page_size, pages = 2, 2, 4, 64, 32, 40
+    lengths = np.array([600, 45])
+    shape = (pages, page_size, kv_heads, dim) if paged else (batch, pages * page_size // batch, kv_heads, dim)
+    (k_codes, k_scale), (v_codes, v_scale) = (npattn.quantize_kv(rng.normal(size=shape), kind) for _ in range(2))
+    if every_code:
+        finite = np.setdiff1d(np.arange(256), [0x7f, 0xff] if kind == "float8_e4m3" else [])
+        k_codes, v_codes = (rng.choice(finite, size=shape).astype(np.uint8).view(codes.dtype)
+                            for codes in (k_codes, v_codes))
+        k_scale, v_scale = (rng.uniform(0.001, 0.01, size=shape[:-1]).astype(np.float32) for _ in range(2))
+    k_values, v_values = (npattn.dequantize_kv(codes, scale).astype(dtype)
+                          for codes, scale in ((k_codes, k_scale), (v_codes, v_scale)))
+    q = rng.normal(size=(batch, q_len, heads, dim)).astype(dtype)
+    call = dict(cache_seqlens=lengths, causal=True, return_lse=True, backend="gpu")
+    if paged:
+        call["block_table"] = rng.permutation(pages)[:pages // 2 * 2].reshape(batch, pages // 2)
+    if xp is not np:
+        q, k_codes, v_codes, k_scale, v_scale, k_values, v_values = (
+            xp.asarray(x) for x in (q, k_codes, v_codes, k_scale, v_scale, k_values, v_values))
+        call = {name: xp.asarray(value) if isinstance(value, np.ndarray) else value for name, value in call.items()}
+    from_codes = npattn.attention_with_kvcache(q, k_codes, v_codes, k_scale=k_scale, v_scale=v_scale, **call)
+    from_values = npattn.attention_with_kvcache(q, k_values, v_values, **call)
+    for got, expected in zip(from_codes, from_values):
+        got, expected = (x.get() if xp is not np else x for x in (got, expected))
+        np.testing.assert_array_equal(got, expected)
+    assert np.isfinite(from_codes[0].get() if xp is not np else from_codes[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_emulated_gpu_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype):
+    check_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+def test_emulated_gpu_every_code_gives_the_bits_of_its_16_bit_value(kind, dtype):
+    check_codes_give_the_bits_of_their_16_bit_values(kind, False, 1, dtype, every_code=True)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_an_emulated_gpu_e4m3_nan_code_gives_the_references_nan_rows(paged):
+    """e4m3's NaN codes (S.1111.111) read as NaN: a NaN code in v at a key the first query
+    row does not see (causal) and the second does leaves the first row finite and makes
+    the second NaN, as the reference on the dequantized cache does."""
+    rng = np.random.default_rng(5)
+    shape = (4, 16, 2, 64) if paged else (1, 64, 2, 64)
+    (k_codes, k_scale), (v_codes, v_scale) = (npattn.quantize_kv(rng.normal(size=shape), "float8_e4m3")
+                                              for _ in range(2))
+    table = np.array([[2, 0, 3, 1]]) if paged else None
+    key = 37  # of the one sequence's 40 keys
+    slot = (table[0, key // 16], key % 16) if paged else (0, key)
+    v_codes[slot][1, 5] = 0xff  # kv head 1, column 5
+    q = rng.normal(size=(1, 4, 4, 64)).astype(np.float16)
+    call = dict(cache_seqlens=np.array([40]), causal=True, return_lse=True, block_table=table)
+    out, lse = npattn.attention_with_kvcache(q, k_codes, v_codes, k_scale=k_scale, v_scale=v_scale, backend="gpu",
+                                             **call)
+    keys, values = (npattn.dequantize_kv(codes[table[0]].reshape(-1, 2, 64) if paged else codes[0],
+                                         scale[table[0]].reshape(-1, 2) if paged else scale[0], np.float64)[None, :40]
+                    for codes, scale in ((k_codes, k_scale), (v_codes, v_scale)))
+    expected, _ = npattn.attention(q.astype(np.float64), keys, values, layout="bshd", causal=True, return_lse=True,
+                                   backend="reference")
+    assert np.isnan(expected).any() and not np.isnan(expected).all()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])  # the SIMT forward, the tensor-core one (CODES)

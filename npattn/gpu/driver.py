@@ -248,7 +248,7 @@ class ForwardPlan:
                 tile = forward_tc_config(rows, bound, options)
                 self.config = dict(tile=tile, options=options)
                 warps, block_q, block_k = tile.warps, tile.block_q, tile.block_k
-                self.shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim, tile)
+                self.shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim, tile, self.quantized)
                 blocks = batch * problem.kv_heads * -(-rows // block_q)
             else:
                 rows, warps = q_len, THREADS // 32

@@ -20,6 +20,11 @@
 // into the other stage; S, softmax and P V with no wait, the next tile's loads running
 // under all of it.
 //
+// A quantized cache's codes (OPTIONS has CODES) take the same path through shared memory
+// (CodeTile, tensor_core.cuh): copied by cp.async as 16-bit tiles are, then dequantized
+// into the 16-bit tiles by the threads that copied them, each code times its row's scale
+// rounded once to T.
+//
 // OPTIONS (npattn.gpu.options) compiles in only the options a call has; tiles that
 // every row sees whole and no score option touches run the scale alone. The output is
 // normalized once at the end, staged in shared memory and written as 16-byte rows in
@@ -39,10 +44,11 @@
 
 // Shared memory of forward_tc_kernel, in 16-bit elements: swizzled Q (BQ rows), then
 // `stages` K tiles and `stages` V tiles (BK rows each); head dims rounded up to whole mma
-// tiles (16), rows to 64 elements. After the key loop the same bytes stage the output
-// tile (BQ x value_dim).
+// tiles (16), rows to 64 elements. With CODES, a K tile and a V tile of a quantized
+// cache's byte codes follow (CodeTile: BK rows of ld_qk + 16 and ld_v + 16 bytes). After
+// the key loop the same bytes stage the output tile (BQ x value_dim).
 struct ForwardTensorCoreLayout {
-    int head_dim, value_dim, ld_qk, ld_v, q, k, v, k_stage, v_stage;
+    int head_dim, value_dim, ld_qk, ld_v, q, k, v, k_stage, v_stage, k_codes, v_codes;
     __device__ ForwardTensorCoreLayout(int head_dim_, int value_dim_, int block_q, int block_k, int stages) {
         head_dim = (head_dim_ + 15) / 16 * 16;
         value_dim = (value_dim_ + 15) / 16 * 16;
@@ -53,6 +59,8 @@ struct ForwardTensorCoreLayout {
         q = 0;
         k = q + block_q * ld_qk;
         v = k + stages * k_stage;
+        k_codes = v + stages * v_stage;
+        v_codes = k_codes + block_k * (ld_qk + 16) / 2;
     }
 };
 
@@ -101,6 +109,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     constexpr int VALUE_BLOCKS = MAX_D / 8;  // 8-column blocks of O
     constexpr bool ASYNC = !(OPTIONS & NPATTN_OPTION_UNALIGNED);
     constexpr bool SCORE_OPTIONS = (OPTIONS & NPATTN_OPTION_PER_SCORE) != 0;
+    constexpr bool CODES = (OPTIONS & NPATTN_OPTION_CODES) != 0, PAGED = (OPTIONS & NPATTN_OPTION_PAGED) != 0;
     const Operands<T, Acc> in = NPATTN_OPERANDS;
     const i64 heads = ints[NPATTN_INT_HEADS], kv_heads = ints[NPATTN_INT_KV_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
     const i64 group = heads / kv_heads;
@@ -181,6 +190,9 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     const float scale_log2 = (float)in.reals[NPATTN_REAL_SCALE] * NPATTN_LOG2E;
 
     const i64 i_first = p0 / group, i_last = (p0 + rows - 1) / group;
+    const bool e4m3 = CODES && ints[NPATTN_INT_KV_CODES] == NPATTN_KVCODES_FLOAT8;
+    unsigned char* k_staged = reinterpret_cast<unsigned char*>(shared + at.k_codes);
+    unsigned char* v_staged = reinterpret_cast<unsigned char*>(shared + at.v_codes);
     const KeyTiles key_tiles(key_ranges(ints, spans, b, i_first, i_last + 1, BK, split, splits), BK);
     const i64 tile_count = key_tiles.total();
     // key tile t of K or V (strides sb, sh, ss): one stride from its first key's row, or
@@ -188,9 +200,14 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     auto stage_keys = [&](const T* x, i64 sb, i64 sh, i64 ss, unsigned short* tile, int ld, int width, int chunks,
                           i64 t, bool values) {
         const i64 j0 = key_tiles.start(t);
-        if constexpr ((OPTIONS & NPATTN_OPTION_CODES) != 0) {  // (x is a stand-in, unread: the codes are in `in`)
-            stage_code_tile(tile, ld, in, values, b, kv_head, j0, key_tiles.keys(t), width, BK, chunks);
-        } else if constexpr ((OPTIONS & NPATTN_OPTION_PAGED) != 0) {
+        if constexpr (CODES) {  // (x is a stand-in, unread: the codes are in `in`)
+            // fetched by plain loads and dequantized at once (the pipelined loop below
+            // fetches by cp.async ahead of use instead)
+            CodeTile<WARPS * 32, BK, MAX_D> codes;
+            unsigned char* staged = values ? v_staged : k_staged;
+            codes.template fetch<PAGED, false>(staged, ld + 16, in, values, b, kv_head, j0, key_tiles.keys(t), width);
+            codes.template deposit<T>(staged, ld + 16, tile, ld, width, e4m3);
+        } else if constexpr (PAGED) {
             stage_tile<ASYNC>(tile, ld, x, [&](int r) { return key_row(ints, pages, b, kv_head, j0 + r, sb, sh, ss); },
                               key_tiles.keys(t), width, BK, chunks);
         } else {
@@ -213,9 +230,24 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         stage_keys(v, ints[NPATTN_INT_V_STRIDE_B], ints[NPATTN_INT_V_STRIDE_H], ints[NPATTN_INT_V_STRIDE_S], vs(t),
                    at.ld_v, value_dim, v_chunks, t, true);
     };
+    // With CODES and one stage, the codes are staged as 16-bit tiles are (CodeTile): K_t+1's
+    // copies issued after S = Q K_t^T and dequantized into K's tile at tile t+1's barrier,
+    // V_t's issued after that barrier and dequantized before P V_t's, each under the work
+    // between
+    constexpr bool PIPELINED_CODES = CODES && STAGES == 1;
+    CodeTile<WARPS * 32, BK, MAX_D> k_tile_codes, v_tile_codes;
+    auto fetch_codes = [&](CodeTile<WARPS * 32, BK, MAX_D>& codes, bool values, i64 t) {
+        codes.template fetch<PAGED, true>(values ? v_staged : k_staged, (values ? at.ld_v : at.ld_qk) + 16, in,
+                                          values, b, kv_head, key_tiles.start(t), key_tiles.keys(t),
+                                          values ? value_dim : head_dim);
+    };
     if (tile_count > 0) {
-        stage_k(0);
-        if constexpr (STAGES == 2) stage_v(0);
+        if constexpr (PIPELINED_CODES) {
+            fetch_codes(k_tile_codes, false, 0);
+        } else {
+            stage_k(0);
+            if constexpr (STAGES == 2) stage_v(0);
+        }
     }
     cp_async_commit();
 
@@ -224,6 +256,9 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         const int cols = key_tiles.keys(t);
         const unsigned short *kt = ks(t), *vt = vs(t);
         cp_async_wait<0>();
+        if constexpr (PIPELINED_CODES) {
+            k_tile_codes.template deposit<T>(k_staged, at.ld_qk + 16, ks(t), at.ld_qk, head_dim, e4m3);
+        }
         // K_t (and Q; with two stages V_t too) landed for every thread; every warp is done
         // with V_t-1 (with two stages: with tile t-1's stage, which tile t+1 now takes)
         __syncthreads();
@@ -232,6 +267,8 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                 stage_k(t + 1);
                 stage_v(t + 1);
             }
+        } else if constexpr (PIPELINED_CODES) {
+            fetch_codes(v_tile_codes, true, t);
         } else {
             stage_v(t);
         }
@@ -264,7 +301,13 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         }
         if constexpr (STAGES == 1) {
             __syncthreads();  // every warp is done with K_t
-            if (t + 1 < tile_count) stage_k(t + 1);
+            if (t + 1 < tile_count) {
+                if constexpr (PIPELINED_CODES) {
+                    fetch_codes(k_tile_codes, false, t + 1);
+                } else {
+                    stage_k(t + 1);
+                }
+            }
             cp_async_commit();
         }
 
@@ -343,6 +386,9 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         }
         if constexpr (STAGES == 1) {
             cp_async_wait<1>();
+            if constexpr (PIPELINED_CODES) {
+                v_tile_codes.template deposit<T>(v_staged, at.ld_v + 16, vs(t), at.ld_v, value_dim, e4m3);
+            }
             __syncthreads();  // V_t landed for every thread
         }
 

@@ -63,6 +63,46 @@ __device__ inline float exp2_approx(float x) {
 #endif
 }
 
+// Byte i of the result is byte (selector >> 4 i) & 7 of the eight bytes of x (0-3) and y
+// (4-7): PTX's prmt.b32 in its default mode.
+__device__ inline u32 byte_permute(u32 x, u32 y, u32 selector) {
+#ifdef NPATTN_HOST_EMULATION
+    const unsigned long long bytes = ((unsigned long long)y << 32) | x;
+    u32 result = 0;
+    for (int i = 0; i < 4; ++i) result |= (u32)((bytes >> (8 * ((selector >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    return result;
+#else
+    u32 result;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(result) : "r"(x), "r"(y), "r"(selector));
+    return result;
+#endif
+}
+
+// The values of the four codes of `word` (the first in its low byte), exactly, as
+// code_value gives them, in integer and float instructions (no conversion instruction,
+// which sm_90 runs at an eighth of the float rate, and no branch): an int8 code b,
+// flipped to b + 128 and put under a float's exponent of 2^23, is 2^23 + 128 + b, less
+// 2^23 + 128; an e4m3 code's sign and its 7 other bits, moved to a float's sign and bits
+// 26-20, are a float of 2^-120 times its value (subnormal codes to subnormal floats),
+// times 2^120; S.1111.111 is NaN. (H200, decode steps replayed in CUDA graphs, against
+// code_value: int8 1.05-1.07x faster, e4m3 2.1-2.3x; TUNING.md.)
+template <bool E4M3> __device__ inline void four_code_values(u32 word, float* values) {
+    if constexpr (E4M3) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 code = (word >> (8 * i)) & 0xffu;
+            const float value = __uint_as_float(((code & 0x80u) << 24) | ((code & 0x7fu) << 20)) * 0x1p120f;
+            values[i] = (code & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000) : value;
+        }
+    } else {
+        const u32 flipped = word ^ 0x80808080u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            values[i] = __uint_as_float(byte_permute(flipped, 0x4b000000u, 0x7650u + i)) - 8388736.0f;
+        }
+    }
+}
+
 // ---- shared-memory addresses ------------------------------------------------------------
 
 // Element offset of (row, column) in a swizzled tile of row length `ld` (a multiple of
@@ -172,34 +212,129 @@ __device__ inline void stage_tile(unsigned short* tile, int ld, const T* x, RowO
     }
 }
 
-// stage_tile for a quantized cache (OPTIONS has CODES): rows [j0, j0 + rows) of kv head h
-// of entry b of k (`values`: of v) dequantized, each code times its row's scale rounded
-// once from float32 to T, by plain stores (the codes are converted, not copied).
-template <typename T, typename Acc>
-__device__ inline void stage_code_tile(unsigned short* tile, int ld, const Operands<T, Acc>& in, bool values, i64 b,
-                                       i64 h, i64 j0, int rows, int width, int tile_rows, int chunks) {
-    const i64* ints = in.ints;
-    const bool e4m3 = ints[NPATTN_INT_KV_CODES] == NPATTN_KVCODES_FLOAT8;
-    const unsigned char* codes = values ? in.v_codes : in.k_codes;
-    const float* scales = values ? in.v_scale : in.k_scale;
-    for (int index = threadIdx.x; index < tile_rows * chunks; index += blockDim.x) {
-        const int r = index / chunks, c = index % chunks;
-        const int valid = r < rows ? (int)smaller(8, larger(0, width - 8 * c)) : 0;
-        unsigned short* destination = tile + swizzled(r, 8 * c, ld);
-        i64 row = 0;
-        float scale = 0;
-        if (valid > 0) {
-            const i64 j = j0 + r;
-            row = values ? paged_v_row(ints, in.pages, b, h, j) : paged_k_row(ints, in.pages, b, h, j);
-            scale = scales[values ? paged_v_scale_row(ints, in.pages, b, h, j) : paged_k_scale_row(ints, in.pages, b, h, j)];
-        }
-        for (int e = 0; e < 8; ++e) {
-            T value;
-            Storage<T>::store(&value, 0, e < valid ? (double)(code_value(codes[row + 8 * c + e], e4m3) * scale) : 0.0);
-            destination[e] = value.bits;
+// A quantized cache's K or V tile (OPTIONS has CODES) staged in two steps, as cp.async
+// stages a 16-bit one. fetch() copies this thread's 16-code chunks of the tile into a
+// tile of bytes in shared memory (`staged`: TILE_ROWS rows of `staged_ld` bytes), by
+// cp.async where every row starts on 16 bytes (ASYNC_COPY), else by plain loads, and
+// loads their rows' scales into registers. deposit(), once those copies landed
+// (cp_async_wait), dequantizes the same chunks into the swizzled 16-bit tile: each code
+// times its row's scale, rounded once from float32 to T (codes are converted, so they
+// cannot go to that tile by cp.async). A thread reads back only what it copied itself,
+// so no barrier sits between the two, and a tile's loads are in flight together and
+// under whatever the kernel does between them, where staging a chunk at a time waited
+// one memory latency per chunk. Thread t takes PER_THREAD consecutive chunks (t *
+// PER_THREAD onwards: part of one row, or whole rows), so it keeps one scale per row it
+// touches; staged rows are padded by 16 bytes (staged_ld = ld + 16), so that the eight
+// rows a quarter warp reads at once fall in different banks. Columns past `width` and
+// rows past `rows` deposit zeros.
+template <int THREADS, int TILE_ROWS, int MAX_D> struct CodeTile {
+    static constexpr int CHUNKS = MAX_D / 16, TOTAL = TILE_ROWS * CHUNKS;
+    static constexpr int PER_THREAD = TOTAL > THREADS ? TOTAL / THREADS : 1;
+    static constexpr int SCALES = PER_THREAD > CHUNKS ? PER_THREAD / CHUNKS : 1;
+    static_assert(MAX_D % 16 == 0 && (TOTAL < THREADS || TOTAL % THREADS == 0) &&
+                      (PER_THREAD % CHUNKS == 0 || CHUNKS % PER_THREAD == 0),
+                  "whole 16-code chunks, shared evenly, each thread's in whole rows or in one row");
+    float scale[SCALES];  // 0 for rows past `rows`
+
+    // Rows [j0, j0 + rows) of kv head h of entry b of k's codes (`values`: v's); PAGED:
+    // each row looked up in its page, else one stride from entry b's first row.
+    template <bool PAGED, bool ASYNC_COPY, typename T, typename Acc>
+    __device__ inline void fetch(unsigned char* staged, int staged_ld, const Operands<T, Acc>& in, bool values, i64 b,
+                                 i64 h, i64 j0, int rows, int width) {
+        const int first = threadIdx.x * PER_THREAD;
+        if (first >= TOTAL) return;
+        const i64* ints = in.ints;
+        const unsigned char* codes = values ? in.v_codes : in.k_codes;
+        const float* scales = values ? in.v_scale : in.k_scale;
+        const int strides = values ? NPATTN_INT_V_STRIDE_B : NPATTN_INT_K_STRIDE_B;
+        const int scale_strides = values ? NPATTN_INT_V_SCALE_STRIDE_B : NPATTN_INT_K_SCALE_STRIDE_B;
+        const i64 sb = ints[strides], sh = ints[strides + 1], ss = ints[strides + 2];
+        const i64 scale_sb = ints[scale_strides], scale_sh = ints[scale_strides + 1],
+                  scale_ss = ints[scale_strides + 2];
+        // (the same for the whole block)
+        const unsigned long long starts = reinterpret_cast<unsigned long long>(codes) | (unsigned long long)(sb | sh | ss);
+        const bool aligned = ASYNC_COPY && (starts & 15) == 0;
+        const unsigned char* row_codes = codes;
+#pragma unroll
+        for (int k = 0; k < PER_THREAD; ++k) {
+            const int r = (first + k) / CHUNKS, c = (first + k) % CHUNKS;
+            if (k % CHUNKS == 0) {  // a row's first chunk of this thread's: its row and scale
+                const i64 j = j0 + r;
+                scale[k / CHUNKS] = 0.0f;
+                if (r < rows) {
+                    row_codes = codes + (PAGED ? key_row(ints, in.pages, b, h, j, sb, sh, ss)
+                                               : b * sb + h * sh + j * ss);
+                    scale[k / CHUNKS] = scales[PAGED ? key_row(ints, in.pages, b, h, j, scale_sb, scale_sh, scale_ss)
+                                                     : b * scale_sb + h * scale_sh + j * scale_ss];
+                }
+            }
+            const int valid = r < rows ? (int)smaller(16, larger(0, width - 16 * c)) : 0;
+            const unsigned char* source = valid > 0 ? row_codes + 16 * c : codes;
+            unsigned char* destination = staged + r * staged_ld + 16 * c;
+            if (aligned) {
+                cp_async_16(reinterpret_cast<unsigned short*>(destination), source, valid);
+            } else {
+#pragma unroll 1
+                for (int e = 0; e < 16; ++e) destination[e] = e < valid ? source[e] : (unsigned char)0;
+            }
         }
     }
-}
+
+    template <typename T>
+    __device__ inline void deposit(const unsigned char* staged, int staged_ld, unsigned short* tile, int ld, int width,
+                                   bool e4m3) const {
+        if (e4m3) {
+            deposit_codes<T, true>(staged, staged_ld, tile, ld, width);
+        } else {
+            deposit_codes<T, false>(staged, staged_ld, tile, ld, width);
+        }
+    }
+
+    template <typename T, bool E4M3>
+    __device__ inline void deposit_codes(const unsigned char* staged, int staged_ld, unsigned short* tile, int ld,
+                                         int width) const {
+        const int first = threadIdx.x * PER_THREAD;
+        if (first >= TOTAL) return;
+        constexpr int ROW_CHUNKS = PER_THREAD / SCALES;  // this thread's chunks of each row it touches
+#pragma unroll
+        for (int row = 0; row < SCALES; ++row) {
+            const float row_scale = scale[row];
+            // (two chunks at a time, not all: the decode tile's eight unrolled took every
+            // register the kernel had)
+#pragma unroll 2
+            for (int k = row * ROW_CHUNKS; k < (row + 1) * ROW_CHUNKS; ++k) {
+            const int r = (first + k) / CHUNKS, c = (first + k) % CHUNKS;
+            const uint4 codes = *reinterpret_cast<const uint4*>(staged + r * staged_ld + 16 * c);
+            const u32 words[4] = {codes.x, codes.y, codes.z, codes.w};
+            // every column of the chunk inside the width: none to test (a code past it is
+            // 0, but 0 times a scale of inf would be NaN)
+            const bool whole = 16 * c + 16 <= width;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                u32 pairs[4];
+#pragma unroll
+                for (int w = 0; w < 2; ++w) {
+                    float values[4];
+                    four_code_values<E4M3>(words[2 * half + w], values);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        values[e] *= row_scale;
+                        if (!whole) values[e] = 16 * c + 8 * half + 4 * w + e < width ? values[e] : 0.0f;
+                    }
+                    pairs[2 * w] = pack_pair<T>(values[0], values[1]);
+                    pairs[2 * w + 1] = pack_pair<T>(values[2], values[3]);
+                }
+                uint4 chunk;
+                chunk.x = pairs[0];
+                chunk.y = pairs[1];
+                chunk.z = pairs[2];
+                chunk.w = pairs[3];
+                *reinterpret_cast<uint4*>(tile + swizzled(r, 16 * c + 8 * half, ld)) = chunk;
+            }
+            }
+        }
+    }
+};
 
 // Whether the decode forward's one-warp tiles stage whole-width K and V rows with
 // stage_strided_rows (forward_tc.cu). NPATTN_GENERIC_STAGING (through

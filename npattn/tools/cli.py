@@ -187,7 +187,8 @@ def main(argv=None) -> int:
                                    "layer through attention_with_kvcache and through plan_with_kvcache, instead")
     bench_parser.add_argument("--caches", action="store_true",
                               help="decode steps against float32, float16 and int8 (quantized) caches instead, "
-                                   "at (1, 32/8, 16384, 128) and (16, 32/8, 2048, 128)")
+                                   "at (1, 32/8, 16384, 128) and (16, 32/8, 2048, 128) (with --gpu: float16, "
+                                   "float8 e4m3 and int8 caches on the GPU, q float16, torch's SDPA beside them)")
     bench_parser.add_argument("--gpu", action="store_true",
                               help="the CUDA kernels against torch SDPA's fastest backend on the GPU instead")
     bench_parser.add_argument("--tiles", action="store_true",
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
         if args.caches:
             from . import bench_caches
 
-            bench_caches.compare(repeats=args.repeats)
+            (bench_caches.compare_gpu if args.gpu else bench_caches.compare)(repeats=args.repeats)
         elif args.plans:
             from . import bench_plans
 

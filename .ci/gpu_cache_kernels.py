@@ -1,0 +1,79 @@
+"""Device time of decode steps on float16, float8 e4m3 and int8 caches (q float16), the
+host left out: each planned step (npattn.plan_with_kvcache, no append) captured in a CUDA
+graph and replayed, timed by CUDA events (median of 5 rounds of 50 replays); where a step
+cannot be captured, '-'. With --once each step just runs twice (the second for Nsight
+Compute to time its kernels: `ncu --metrics gpu__time_duration.sum --csv ...`).
+Usage: python .ci/gpu_cache_kernels.py LABEL [--once]"""
+import pathlib
+import sys
+
+import cupy
+import numpy as np
+
+import npattn
+
+SHAPES = ((1, 32, 8, 16384, 128), (16, 32, 8, 2048, 128))
+CACHES = ("float16", "float8_e4m3", "int8")
+label, once = sys.argv[1] if len(sys.argv) > 1 else "tree", "--once" in sys.argv
+
+
+def arrays(shape, cache, rng):
+    """q, k, v and the scales' keywords on the device; the host arrays kept on disk, so
+    that the runs of several trees in one GPU call quantize them once (seconds each)."""
+    path = pathlib.Path("/tmp/npattn-cache-arrays") / f"{'x'.join(map(str, shape))}-{cache}.npz"
+    if not path.exists():
+        batch, heads, kv_heads, keys, dim = shape
+        k, v = (rng.standard_normal((batch, keys, kv_heads, dim), dtype=np.float32) for _ in range(2))
+        q = rng.standard_normal((batch, 1, heads, dim), dtype=np.float32).astype(np.float16)
+        if cache == "float16":
+            saved = dict(q=q, k=k.astype(np.float16), v=v.astype(np.float16))
+        else:
+            (kc, ks), (vc, vs) = npattn.quantize_kv(k, cache), npattn.quantize_kv(v, cache)
+            saved = dict(q=q, k=kc, v=vc, k_scale=ks, v_scale=vs)
+        path.parent.mkdir(exist_ok=True)
+        np.savez(path, **saved)
+    loaded = {name: cupy.asarray(x) for name, x in np.load(path).items()}
+    return loaded.pop("q"), loaded.pop("k"), loaded.pop("v"), loaded
+
+
+def replay_us(run):
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        run()
+        stream.synchronize()
+        try:
+            stream.begin_capture()
+            run()
+            graph = stream.end_capture()
+        except Exception as error:  # a step that waits on the host cannot be captured
+            print(f"  (no capture: {type(error).__name__}: {str(error)[:80]})")
+            return float("nan")
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        rounds = []
+        for _ in range(5):
+            start.record(stream)
+            for _ in range(50):
+                graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            rounds.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / 50)
+        return float(np.median(rounds))
+
+
+rng = np.random.default_rng(0)
+print(f"{label}: decode step device time in a CUDA graph, us (K/V bytes read per second)")
+for shape in SHAPES:
+    times = {}
+    for cache in CACHES:
+        q, k, v, scales = arrays(shape, cache, rng)
+        plan = npattn.plan_with_kvcache(q, k, v, cache_seqlens=shape[3], causal=True, **scales)
+        run = (lambda plan=plan, q=q, k=k, v=v, scales=scales: plan.run(q, k, v, **scales))
+        if once:
+            run()
+            run()
+            cupy.cuda.get_current_stream().synchronize()
+            continue
+        times[cache] = (replay_us(run), k.nbytes + v.nbytes)
+    if not once:
+        print(f"{label}: {shape}  " + "  ".join(
+            f"{cache} {us:.1f} ({read / us / 1e3:.0f} GB/s)" for cache, (us, read) in times.items()))
