@@ -67,20 +67,32 @@ def compare(repeats: int = 5, shapes=SHAPES, out=sys.stdout) -> dict:
     results = {}
     print(f"npattn decode steps by cache dtype, CPU, median of {repeats} interleaved rounds (causal, no append)",
           file=out)
-    print(f"{'(B, H/Hkv, Sk, D)':<24} {'cache':<8} {'ms':>8} {'GB/s read':>10} {'int8 is faster by':>18}", file=out)
+    print(f"{'(B, H/Hkv, Sk, D)':<24} {'cache':<12} {'ms':>8} {'GB/s read':>10} {'int8 is faster by':>18}", file=out)
     for shape in shapes:
         steps = {cache: _step(shape, cache, rng) for cache in CACHES}
         samples = interleaved_samples({cache: run for cache, (run, _) in steps.items()}, repeats, elapsed)
-        label = f"({shape[0]}, {shape[1]}/{shape[2]}, {shape[3]}, {shape[4]})"
-        rows = {}
-        for cache in CACHES:
-            ms = float(np.median(samples[cache])) * 1e3
-            ratio = float(np.median(samples[cache] / samples["int8"]))
-            rows[cache] = (ms, ratio)
-            gigabytes = steps[cache][1] / (ms / 1e3) / 1e9
-            print(f"{label:<24} {cache:<8} {ms:>8.2f} {gigabytes:>10.1f} {ratio:>17.2f}x", file=out)
-        results[label] = rows
+        reads = {cache: read for cache, (_, read) in steps.items()}
+        results[_label(shape)] = _print_rows(_label(shape), samples, reads, 1e3, ".2f", out)
     return results
+
+
+def _label(shape) -> str:
+    return f"({shape[0]}, {shape[1]}/{shape[2]}, {shape[3]}, {shape[4]})"
+
+
+def _print_rows(label, samples, reads, unit, spec, out) -> dict:
+    """Print a shape's rows (each cache's median time in seconds times ``unit``, formatted
+    by ``spec``; the bytes of ``reads`` per second; int8's speed-up over it) and return
+    ``{cache: (median time in the unit, speed-up of int8 over it)}``."""
+    rows = {}
+    for cache in samples:
+        seconds = float(np.median(samples[cache]))
+        ratio = float(np.median(samples[cache] / samples["int8"]))
+        rows[cache] = (seconds * unit, ratio)
+        name = "torch f16" if cache == "torch" else cache
+        print(f"{label:<24} {name:<12} {format(seconds * unit, spec):>8} {reads[cache] / seconds / 1e9:>10.1f} "
+              f"{ratio:>17.2f}x", file=out)
+    return rows
 
 
 def compare_gpu(repeats: int = 5, shapes=SHAPES, out=sys.stdout) -> dict:
@@ -110,15 +122,7 @@ def compare_gpu(repeats: int = 5, shapes=SHAPES, out=sys.stdout) -> dict:
         if torch_step is not None:
             steps["torch"], reads["torch"] = torch_step, reads["float16"]
         samples = interleaved_samples(steps, repeats, device_seconds)
-        label = f"({shape[0]}, {shape[1]}/{shape[2]}, {shape[3]}, {shape[4]})"
-        rows = {}
-        for cache in steps:
-            us = float(np.median(samples[cache])) * 1e6
-            ratio = float(np.median(samples[cache] / samples["int8"]))
-            rows[cache] = (us, ratio)
-            name = "torch f16" if cache == "torch" else cache
-            print(f"{label:<24} {name:<12} {us:>8.1f} {reads[cache] / us / 1e3:>10.1f} {ratio:>17.2f}x", file=out)
-        results[label] = rows
+        results[_label(shape)] = _print_rows(_label(shape), samples, reads, 1e6, ".1f", out)
     return results
 
 
