@@ -252,7 +252,8 @@ template <int THREADS, int TILE_ROWS, int MAX_D> struct CodeTile {
         const i64 scale_sb = ints[scale_strides], scale_sh = ints[scale_strides + 1],
                   scale_ss = ints[scale_strides + 2];
         // (the same for the whole block)
-        const unsigned long long starts = reinterpret_cast<unsigned long long>(codes) | (unsigned long long)(sb | sh | ss);
+        const unsigned long long starts =
+            reinterpret_cast<unsigned long long>(codes) | (unsigned long long)(sb | sh | ss);
         const bool aligned = ASYNC_COPY && (starts & 15) == 0;
         const unsigned char* row_codes = codes;
 #pragma unroll
@@ -303,34 +304,34 @@ template <int THREADS, int TILE_ROWS, int MAX_D> struct CodeTile {
             // register the kernel had)
 #pragma unroll 2
             for (int k = row * ROW_CHUNKS; k < (row + 1) * ROW_CHUNKS; ++k) {
-            const int r = (first + k) / CHUNKS, c = (first + k) % CHUNKS;
-            const uint4 codes = *reinterpret_cast<const uint4*>(staged + r * staged_ld + 16 * c);
-            const u32 words[4] = {codes.x, codes.y, codes.z, codes.w};
-            // every column of the chunk inside the width: none to test (a code past it is
-            // 0, but 0 times a scale of inf would be NaN)
-            const bool whole = 16 * c + 16 <= width;
+                const int r = (first + k) / CHUNKS, c = (first + k) % CHUNKS;
+                const uint4 codes = *reinterpret_cast<const uint4*>(staged + r * staged_ld + 16 * c);
+                const u32 words[4] = {codes.x, codes.y, codes.z, codes.w};
+                // every column of the chunk inside the width: none to test (a code past it is
+                // 0, but 0 times a scale of inf would be NaN)
+                const bool whole = 16 * c + 16 <= width;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                u32 pairs[4];
+                for (int half = 0; half < 2; ++half) {
+                    u32 pairs[4];
 #pragma unroll
-                for (int w = 0; w < 2; ++w) {
-                    float values[4];
-                    four_code_values<E4M3>(words[2 * half + w], values);
+                    for (int w = 0; w < 2; ++w) {
+                        float values[4];
+                        four_code_values<E4M3>(words[2 * half + w], values);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        values[e] *= row_scale;
-                        if (!whole) values[e] = 16 * c + 8 * half + 4 * w + e < width ? values[e] : 0.0f;
+                        for (int e = 0; e < 4; ++e) {
+                            values[e] *= row_scale;
+                            if (!whole) values[e] = 16 * c + 8 * half + 4 * w + e < width ? values[e] : 0.0f;
+                        }
+                        pairs[2 * w] = pack_pair<T>(values[0], values[1]);
+                        pairs[2 * w + 1] = pack_pair<T>(values[2], values[3]);
                     }
-                    pairs[2 * w] = pack_pair<T>(values[0], values[1]);
-                    pairs[2 * w + 1] = pack_pair<T>(values[2], values[3]);
+                    uint4 chunk;
+                    chunk.x = pairs[0];
+                    chunk.y = pairs[1];
+                    chunk.z = pairs[2];
+                    chunk.w = pairs[3];
+                    *reinterpret_cast<uint4*>(tile + swizzled(r, 16 * c + 8 * half, ld)) = chunk;
                 }
-                uint4 chunk;
-                chunk.x = pairs[0];
-                chunk.y = pairs[1];
-                chunk.z = pairs[2];
-                chunk.w = pairs[3];
-                *reinterpret_cast<uint4*>(tile + swizzled(r, 16 * c + 8 * half, ld)) = chunk;
-            }
             }
         }
     }
