@@ -55,6 +55,9 @@ def compiler() -> str | None:
 EXTRA_TILES = {64: (sources.ForwardTile(8, 2, 64), sources.ForwardTile(4, 2, 64), sources.ForwardTile(2, 2, 32),
                     sources.ForwardTile(2, 2, 32, 2), sources.ForwardTile(2, 1, 16, 2), sources.ForwardTile(1, 1, 32, 2))}
 EXTRA_TILE_OPTIONS = (0, Option.BAND | _NARROW, ALL, ALL | _NARROW | _UNALIGNED)
+# and a quantized cache's decode step on two K/V stages, whose codes are staged at once
+# (the one-stage loop fetches them ahead of use)
+EXTRA_CODE_TILES = {64: ((sources.ForwardTile(1, 1, 32, 2), Option.BAND | _NARROW | Option.CODES),)}
 
 
 def _forward_tc_configs(dtype_name, bound):
@@ -63,6 +66,7 @@ def _forward_tc_configs(dtype_name, bound):
               for options in (0, Option.BAND, ALL)}
     configs = {(tile, int(options)) for tile in picked for options in FORWARD_TC_OPTIONS[bound]}
     configs |= {(tile, int(options)) for tile in EXTRA_TILES.get(bound, ()) for options in EXTRA_TILE_OPTIONS}
+    configs |= {(tile, int(options)) for tile, options in EXTRA_CODE_TILES.get(bound, ())}
     return sorted(configs)
 
 

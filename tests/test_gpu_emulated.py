@@ -615,6 +615,16 @@ def test_emulated_gpu_every_code_gives_the_bits_of_its_16_bit_value(kind, dtype)
     check_codes_give_the_bits_of_their_16_bit_values(kind, False, 1, dtype, every_code=True)
 
 
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+def test_emulated_gpu_codes_on_two_stages_give_the_bits_of_their_16_bit_values(kind):
+    """A decode step forced onto two K/V stages (the tuning harness's candidate), where the
+    codes are fetched and dequantized at once rather than ahead of use."""
+    from npattn.gpu import sources
+
+    with sources.forced_forward_tile(sources.ForwardTile(1, 1, 32, 2), decode=True):
+        check_codes_give_the_bits_of_their_16_bit_values(kind, False, 1, np.float16)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_an_emulated_gpu_e4m3_nan_code_gives_the_references_nan_rows(paged):
     """e4m3's NaN codes (S.1111.111) read as NaN: a NaN code in v at a key the first query
