@@ -11,9 +11,9 @@ Shapes: (B, H / Hkv, Sk, D) = (1, 32 / 8, 16384, 128) and (16, 32 / 8, 2048, 128
 With ``--gpu`` (:func:`compare_gpu`) the caches are CuPy arrays and q is float16 for
 every cache (the tensor-core forward, which dequantizes the codes as it stages its
 tiles): float16, float8 e4m3 and int8 caches, each step planned once
-(:func:`npattn.plan_with_kvcache`) and timed on the device (CUDA events around the run,
-median of ``GPU_RUNS`` per round), with torch's float16 SDPA over the same keys beside
-them where torch is installed.
+(:func:`npattn.plan_with_kvcache`) and timed by CUDA events around each run (median of
+``GPU_RUNS`` per round; the host's work between the launches is inside that time), with
+torch's float16 SDPA over the same keys beside them where torch is installed.
 """
 from __future__ import annotations
 
@@ -96,7 +96,9 @@ def _print_rows(label, samples, reads, unit, spec, out) -> dict:
 
 
 def compare_gpu(repeats: int = 5, shapes=SHAPES, out=sys.stdout) -> dict:
-    """:func:`compare` on the GPU (CuPy arrays, q float16, device time of planned steps):
+    """:func:`compare` on the GPU (CuPy arrays, q float16, CUDA-event time around each
+    planned step, so the host's launches are inside it; ``.ci/gpu_cache_kernels.py``
+    replays the steps in CUDA graphs for the device's time alone):
     ``{shape: {cache dtype or "torch": (median us, speed-up of int8 over it)}}``."""
     import cupy
     from cupyx.profiler import benchmark
@@ -109,7 +111,8 @@ def compare_gpu(repeats: int = 5, shapes=SHAPES, out=sys.stdout) -> dict:
     rng = np.random.default_rng(0)
     results = {}
     print(f"npattn decode steps by cache dtype, {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
-          f"q float16, device time, median of {repeats} interleaved rounds of {GPU_RUNS} (causal, no append)",
+          f"q float16, CUDA-event time around each step (the host's launches inside), median of {repeats} "
+          f"interleaved rounds of {GPU_RUNS} (causal, no append)",
           file=out)
     print(f"{'(B, H/Hkv, Sk, D)':<24} {'cache':<12} {'us':>8} {'GB/s read':>10} {'int8 is faster by':>18}", file=out)
     for shape in shapes:
