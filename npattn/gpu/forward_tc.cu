@@ -45,8 +45,9 @@
 // Shared memory of forward_tc_kernel, in 16-bit elements: swizzled Q (BQ rows), then
 // `stages` K tiles and `stages` V tiles (BK rows each); head dims rounded up to whole mma
 // tiles (16), rows to 64 elements. With CODES, a K tile and a V tile of a quantized
-// cache's byte codes follow (CodeTile: BK rows of ld_qk + 16 and ld_v + 16 bytes). After
-// the key loop the same bytes stage the output tile (BQ x value_dim).
+// cache's byte codes follow (CodeTile: BK rows of ld_qk and of ld_v bytes, each row
+// CODE_ROW_PAD bytes more). After the key loop the same bytes stage the output tile
+// (BQ x value_dim).
 struct ForwardTensorCoreLayout {
     int head_dim, value_dim, ld_qk, ld_v, q, k, v, k_stage, v_stage, k_codes, v_codes;
     __device__ ForwardTensorCoreLayout(int head_dim_, int value_dim_, int block_q, int block_k, int stages) {
@@ -60,7 +61,7 @@ struct ForwardTensorCoreLayout {
         k = q + block_q * ld_qk;
         v = k + stages * k_stage;
         k_codes = v + stages * v_stage;
-        v_codes = k_codes + block_k * (ld_qk + 16) / 2;
+        v_codes = k_codes + block_k * (ld_qk + CODE_ROW_PAD) / 2;
     }
 };
 
@@ -205,8 +206,8 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
             // fetches by cp.async ahead of use instead)
             CodeTile<WARPS * 32, BK, MAX_D> codes;
             unsigned char* staged = values ? v_staged : k_staged;
-            codes.template fetch<PAGED, false>(staged, ld + 16, in, values, b, kv_head, j0, key_tiles.keys(t), width);
-            codes.template deposit<T>(staged, ld + 16, tile, ld, width, e4m3);
+            codes.template fetch<PAGED, false>(staged, ld, in, values, b, kv_head, j0, key_tiles.keys(t), width);
+            codes.template deposit<T>(staged, tile, ld, width, e4m3);
         } else if constexpr (PAGED) {
             stage_tile<ASYNC>(tile, ld, x, [&](int r) { return key_row(ints, pages, b, kv_head, j0 + r, sb, sh, ss); },
                               key_tiles.keys(t), width, BK, chunks);
@@ -237,8 +238,8 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     constexpr bool PIPELINED_CODES = CODES && STAGES == 1;
     CodeTile<WARPS * 32, BK, MAX_D> k_tile_codes, v_tile_codes;
     auto fetch_codes = [&](CodeTile<WARPS * 32, BK, MAX_D>& codes, bool values, i64 t) {
-        codes.template fetch<PAGED, true>(values ? v_staged : k_staged, (values ? at.ld_v : at.ld_qk) + 16, in,
-                                          values, b, kv_head, key_tiles.start(t), key_tiles.keys(t),
+        codes.template fetch<PAGED, true>(values ? v_staged : k_staged, values ? at.ld_v : at.ld_qk, in, values, b,
+                                          kv_head, key_tiles.start(t), key_tiles.keys(t),
                                           values ? value_dim : head_dim);
     };
     if (tile_count > 0) {
@@ -257,7 +258,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         const unsigned short *kt = ks(t), *vt = vs(t);
         cp_async_wait<0>();
         if constexpr (PIPELINED_CODES) {
-            k_tile_codes.template deposit<T>(k_staged, at.ld_qk + 16, ks(t), at.ld_qk, head_dim, e4m3);
+            k_tile_codes.template deposit<T>(k_staged, ks(t), at.ld_qk, head_dim, e4m3);
         }
         // K_t (and Q; with two stages V_t too) landed for every thread; every warp is done
         // with V_t-1 (with two stages: with tile t-1's stage, which tile t+1 now takes)
@@ -387,7 +388,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         if constexpr (STAGES == 1) {
             cp_async_wait<1>();
             if constexpr (PIPELINED_CODES) {
-                v_tile_codes.template deposit<T>(v_staged, at.ld_v + 16, vs(t), at.ld_v, value_dim, e4m3);
+                v_tile_codes.template deposit<T>(v_staged, vs(t), at.ld_v, value_dim, e4m3);
             }
             __syncthreads();  // V_t landed for every thread
         }

@@ -36,17 +36,20 @@ def combine_shared_bytes(value_dim: int, dtype, warps: int) -> int:
     return warps * (value_dim + 1) * np.dtype(dtype).itemsize
 
 
+# bytes after each row of a quantized cache's staged codes (CODE_ROW_PAD in tensor_core.cuh)
+_CODE_ROW_PAD = 16
+
+
 def forward_tc_shared_bytes(head_dim: int, value_dim: int, tile: sources.ForwardTile, codes: bool = False) -> int:
     """Dynamic shared memory of forward_tc_kernel with ``tile``: ``ForwardTensorCoreLayout`` in
     forward_tc.cu (swizzled 16-bit tiles: Q of tile.block_q rows, tile.stages K and V tiles
     of block_k rows; head dims rounded up to 16, rows to 64 values; with ``codes``, a
-    quantized cache's, a K and a V tile of its byte codes after them, rows padded by 16
-    bytes), or the output tile
-    staged in the same bytes, if that is larger."""
+    quantized cache's, a K and a V tile of its byte codes after them, rows padded), or
+    the output tile staged in the same bytes, if that is larger."""
     def row(dim):
         return -(-(-(-dim // 16) * 16) // 64) * 64
     block_q, keys = tile.block_q, tile.stages * tile.block_k
-    code_bytes = tile.block_k * (row(head_dim) + 16 + row(value_dim) + 16) if codes else 0
+    code_bytes = tile.block_k * (row(head_dim) + row(value_dim) + 2 * _CODE_ROW_PAD) if codes else 0
     return max(2 * (block_q * row(head_dim) + keys * (row(head_dim) + row(value_dim))) + code_bytes,
                2 * block_q * row(value_dim))
 

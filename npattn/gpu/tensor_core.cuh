@@ -214,7 +214,8 @@ __device__ inline void stage_tile(unsigned short* tile, int ld, const T* x, RowO
 
 // A quantized cache's K or V tile (OPTIONS has CODES) staged in two steps, as cp.async
 // stages a 16-bit one. fetch() copies this thread's 16-code chunks of the tile into a
-// tile of bytes in shared memory (`staged`: TILE_ROWS rows of `staged_ld` bytes), by
+// tile of bytes in shared memory (`staged`: TILE_ROWS rows of ld + CODE_ROW_PAD bytes,
+// `ld` the 16-bit tile's row length), by
 // cp.async where every row starts on 16 bytes (ASYNC_COPY), else by plain loads, and
 // loads their rows' scales into registers. deposit(), once those copies landed
 // (cp_async_wait), dequantizes the same chunks into the swizzled 16-bit tile: each code
@@ -224,9 +225,10 @@ __device__ inline void stage_tile(unsigned short* tile, int ld, const T* x, RowO
 // under whatever the kernel does between them, where staging a chunk at a time waited
 // one memory latency per chunk. Thread t takes PER_THREAD consecutive chunks (t *
 // PER_THREAD onwards: part of one row, or whole rows), so it keeps one scale per row it
-// touches; staged rows are padded by 16 bytes (staged_ld = ld + 16), so that the eight
-// rows a quarter warp reads at once fall in different banks. Columns past `width` and
+// touches; staged rows are padded by CODE_ROW_PAD bytes, so that the eight rows a quarter
+// warp reads at once fall in different banks. Columns past `width` and
 // rows past `rows` deposit zeros.
+constexpr int CODE_ROW_PAD = 16;
 template <int THREADS, int TILE_ROWS, int MAX_D> struct CodeTile {
     static constexpr int CHUNKS = MAX_D / 16, TOTAL = TILE_ROWS * CHUNKS;
     static constexpr int PER_THREAD = TOTAL > THREADS ? TOTAL / THREADS : 1;
@@ -239,10 +241,11 @@ template <int THREADS, int TILE_ROWS, int MAX_D> struct CodeTile {
     // Rows [j0, j0 + rows) of kv head h of entry b of k's codes (`values`: v's); PAGED:
     // each row looked up in its page, else one stride from entry b's first row.
     template <bool PAGED, bool ASYNC_COPY, typename T, typename Acc>
-    __device__ inline void fetch(unsigned char* staged, int staged_ld, const Operands<T, Acc>& in, bool values, i64 b,
-                                 i64 h, i64 j0, int rows, int width) {
+    __device__ inline void fetch(unsigned char* staged, int ld, const Operands<T, Acc>& in, bool values, i64 b, i64 h,
+                                 i64 j0, int rows, int width) {
         const int first = threadIdx.x * PER_THREAD;
         if (first >= TOTAL) return;
+        const int staged_ld = ld + CODE_ROW_PAD;
         const i64* ints = in.ints;
         const unsigned char* codes = values ? in.v_codes : in.k_codes;
         const float* scales = values ? in.v_scale : in.k_scale;
@@ -282,20 +285,20 @@ template <int THREADS, int TILE_ROWS, int MAX_D> struct CodeTile {
     }
 
     template <typename T>
-    __device__ inline void deposit(const unsigned char* staged, int staged_ld, unsigned short* tile, int ld, int width,
+    __device__ inline void deposit(const unsigned char* staged, unsigned short* tile, int ld, int width,
                                    bool e4m3) const {
         if (e4m3) {
-            deposit_codes<T, true>(staged, staged_ld, tile, ld, width);
+            deposit_codes<T, true>(staged, tile, ld, width);
         } else {
-            deposit_codes<T, false>(staged, staged_ld, tile, ld, width);
+            deposit_codes<T, false>(staged, tile, ld, width);
         }
     }
 
     template <typename T, bool E4M3>
-    __device__ inline void deposit_codes(const unsigned char* staged, int staged_ld, unsigned short* tile, int ld,
-                                         int width) const {
+    __device__ inline void deposit_codes(const unsigned char* staged, unsigned short* tile, int ld, int width) const {
         const int first = threadIdx.x * PER_THREAD;
         if (first >= TOTAL) return;
+        const int staged_ld = ld + CODE_ROW_PAD;
         constexpr int ROW_CHUNKS = PER_THREAD / SCALES;  // this thread's chunks of each row it touches
 #pragma unroll
         for (int row = 0; row < SCALES; ++row) {
