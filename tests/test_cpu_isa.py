@@ -18,6 +18,7 @@ pytest.importorskip("scipy")
 
 from numba import njit  # noqa: E402
 
+from npattn.core.kernel_params import KvCodes  # noqa: E402
 from npattn.cpu import code_products, isa, microkernels, simd  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 from conftest import started  # noqa: E402
@@ -84,63 +85,115 @@ def test_dot_products_match_numpy_and_each_score_is_one_fixed_sum(rows, cols, ve
 
 
 @njit  # not cached, as above
-def _code_dot_products(a, codes, scales, c, rows, cols, depth, b_row, scale_step, alpha, e4m3):
-    code_products.code_dot_products(a, 0, depth, codes, 0, b_row, scales, 1, scale_step, c, 0, cols, rows, cols,
-                                    depth, alpha, e4m3)
+def _accumulated_product(p, b, c, rows, cols, width, b_row):
+    """C (rows x width) += P (rows x cols) . B's rows (cols x width, b_row apart)."""
+    microkernels.product(p, 0, cols, 1, b, 0, b_row, c, 0, width, rows, cols, width, 1.0, True)
 
 
 @njit  # not cached, as above
-def _code_product(p, codes, scales, c, rows, cols, width, b_row, scale_step, e4m3):
+def _code_dot_products(a, codes, scales, c, rows, cols, depth, b_row, scale_step, alpha, decode):
+    code_products.code_dot_products(a, 0, depth, codes, 0, b_row, scales, 1, scale_step, c, 0, cols, rows, cols,
+                                    depth, alpha, decode)
+
+
+@njit  # not cached, as above
+def _code_product(p, codes, scales, c, rows, cols, width, b_row, scale_step, decode):
     code_products.code_product(p, 0, cols, codes, 0, b_row, scales, 1, scale_step, c, 0, width, rows, cols, width,
-                               e4m3)
+                               decode)
 
 
-def _code_values(codes, e4m3):
-    """The values of one-byte codes in float64: int8, or float8 e4m3 bits (ml_dtypes)."""
-    if not e4m3:
-        return codes.astype(np.float64)
+# The caches' codes the products read in registers, by name: one-byte codes with a scale
+# per key, and 16-bit floats without
+DECODES = {name: int(code) for name, code in (("int8", KvCodes.INT8), ("float8_e4m3", KvCodes.FLOAT8),
+                                              ("float16", KvCodes.FLOAT16), ("bfloat16", KvCodes.BFLOAT16))}
+
+
+def _coded_rows(rng, name, cols, row_values):
+    """``(codes, values)``: ``cols`` rows of ``row_values`` random codes of ``name`` as the
+    kernels read them (their bytes, int8, shape (cols, bytes per row)) and their values in
+    float64. One-byte codes: every byte but e4m3's NaNs (subnormals, both zeros, the
+    largest); 16-bit floats: normal values of a few units."""
     import ml_dtypes
 
-    return codes.view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    if name in ("int8", "float8_e4m3"):
+        codes = rng.integers(-127, 128, size=(cols, row_values)).astype(np.int8)
+        if name == "int8":
+            return codes, codes.astype(np.float64)
+        codes[(codes.view(np.uint8) & 0x7F) == 0x7F] -= 1  # (0x7F and 0xFF are NaN: the largest of its sign instead)
+        return codes, codes.view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    values = (3 * rng.standard_normal((cols, row_values))).astype(np.float16 if name == "float16"
+                                                                   else ml_dtypes.bfloat16)
+    return values.view(np.int8).reshape(cols, 2 * row_values), values.astype(np.float64)
 
 
 # (query rows, keys, vectors of the head dim): blocks of 4 rows and the rows left after
 # them, blocks of code_products.KEY_BLOCK keys (4, or 2 with AVX2) and the keys left after
 # them, columns VECTOR_BLOCK vectors at a time (4, or 2) and one at a time
-@pytest.mark.parametrize("e4m3", [False, True])
+@pytest.mark.parametrize("decode", list(DECODES))
 @pytest.mark.parametrize("rows, cols, vectors", [(1, 1, 1), (1, 4, 4), (2, 7, 5), (3, 9, 2), (4, 12, 9), (5, 3, 8),
                                                  (8, 5, 4), (2, 0, 1)])
-def test_products_on_int8_codes_match_numpy(rows, cols, vectors, e4m3):
-    """Both products read one-byte codes, int8 or float8 e4m3 (every byte but the NaNs:
-    subnormals, both zeros, the largest), rows farther apart than the head dim, scales
-    every other element from element 1, and match the float64 products on the codes' values
-    times their scales: the scores, and P V added to what C held (float32 sums: the only
-    ones they are compiled for)."""
+def test_products_on_codes_match_numpy(rows, cols, vectors, decode):
+    """Both products read a cache's codes as they lie, rows farther apart than the head dim:
+    one-byte codes with scales every other element from element 1, or 16-bit floats,
+    whose scales are never read (NaN here). They match the float64 products on the codes'
+    values times their scales: the scores, and P V added to what C held (float32 sums:
+    the only ones they are compiled for)."""
     dtype = np.float32
     rng = np.random.default_rng(rows * 100 + cols * 10 + vectors)
     depth = vectors * simd.lanes_of(np.dtype(dtype))
-    b_row = depth + 5
-    codes = rng.integers(-127, 128, size=(cols, b_row)).astype(np.int8)
-    if e4m3:  # (0x7F and 0xFF are NaN: replaced by the largest value of their sign)
-        codes[(codes.view(np.uint8) & 0x7F) == 0x7F] -= 1
-    scales = rng.uniform(0.001, 0.05, size=2 * cols + 1).astype(np.float32)
-    dequantized = _code_values(codes[:, :depth], e4m3) * scales[1::2, None]
+    codes, values = _coded_rows(rng, decode, cols, depth + 5)
+    b_row = codes.shape[1]
+    scaled = decode in ("int8", "float8_e4m3")
+    scales = (rng.uniform(0.001, 0.05, size=2 * cols + 1) if scaled else np.full(2 * cols + 1, np.nan)).astype(dtype)
+    dequantized = values[:, :depth] * (scales[1::2, None] if scaled else 1.0)
     a = rng.standard_normal((rows, depth)).astype(dtype)
     c = np.full((rows, cols), np.nan, dtype)
-    _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), rows, cols, depth, b_row, 2, 0.5, e4m3)
+    _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), rows, cols, depth, b_row, 2, 0.5, DECODES[decode])
     exact = 0.5 * a.astype(np.float64) @ dequantized.T
     assert_close(c, exact, dtype, depth, 0.5 * float(np.abs(a).max() * np.abs(dequantized).max(initial=0)),
                  what="code_dot_products")
     p = rng.uniform(0, 1, size=(rows, cols)).astype(dtype)
+    before = p.copy()
     out = rng.standard_normal((rows, depth)).astype(dtype)
     exact = out.astype(np.float64) + p.astype(np.float64) @ dequantized
     # the size of each term: C's start, or a probability (at most 1) times a value
     magnitude = max(float(np.abs(out).max()), float(np.abs(dequantized).max(initial=0)))
-    weights = p * (scales[1::2] * np.float32(code_products.E4M3_UNIT if e4m3 else 1.0))  # (float32, as the kernel)
-    _code_product(p.ravel(), codes.ravel(), scales, out.ravel(), rows, cols, depth, b_row, 2, e4m3)
+    _code_product(p.ravel(), codes.ravel(), scales, out.ravel(), rows, cols, depth, b_row, 2, DECODES[decode])
     assert_close(out, exact, dtype, cols + 1, magnitude, what="code_product")
-    if code_products.SCALED_FIRST:  # the probabilities left scaled, as documented
-        np.testing.assert_array_equal(p, weights)
+    if code_products.SCALED_FIRST and scaled:  # the probabilities left scaled, as documented (float32, as the kernel)
+        unit = np.float32(code_products.E4M3_UNIT if decode == "float8_e4m3" else 1.0)
+        np.testing.assert_array_equal(p, before * (scales[1::2] * unit))
+    else:
+        np.testing.assert_array_equal(p, before)
+
+
+@pytest.mark.parametrize("decode", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows, cols, vectors", [(1, 300, 4), (1, 200, 9), (1, 130, 8), (4, 300, 8), (3, 129, 5)])
+def test_products_on_16_bit_values_give_the_bits_of_their_float32_rows(rows, cols, vectors, decode):
+    """16-bit values read in registers give exactly what the micro-kernels give on their
+    float32 rows (what a float32 cache of the same values gives): each score the same one
+    chain, and P V summed in the pieces microkernels.product sums in (a single row's wide
+    chunks over every key, other columns over slices of DEPTH_BLOCK keys: more keys than
+    one slice here, head dims past and short of a wide chunk)."""
+    dtype = np.float32
+    rng = np.random.default_rng(rows * 1000 + cols + vectors)
+    depth = vectors * simd.lanes_of(np.dtype(dtype))
+    codes, values = _coded_rows(rng, decode, cols, depth + 3)
+    rows32 = values.astype(dtype)
+    scales = np.full(1, np.nan, dtype)
+    a = rng.standard_normal((rows, depth)).astype(dtype)
+    c, c32 = (np.full((rows, cols), np.nan, dtype) for _ in range(2))
+    _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), rows, cols, depth, codes.shape[1], 0, 0.5,
+                       DECODES[decode])
+    _dot_products(a.ravel(), rows32.ravel(), c32.ravel(), rows, cols, depth, rows32.shape[1], 0.5)
+    np.testing.assert_array_equal(c, c32)
+    p = rng.uniform(0, 1, size=(rows, cols)).astype(dtype)
+    start = rng.standard_normal((rows, depth)).astype(dtype)
+    out, out32 = start.copy(), start.copy()
+    _code_product(p.ravel(), codes.ravel(), scales, out.ravel(), rows, cols, depth, codes.shape[1], 0,
+                  DECODES[decode])
+    _accumulated_product(p.ravel(), rows32.ravel(), out32.ravel(), rows, cols, depth, rows32.shape[1])
+    np.testing.assert_array_equal(out, out32)
 
 
 @pytest.mark.parametrize("nan_code", [0x7F, -1])  # 0x7F and 0xFF (-1 as int8)
@@ -154,11 +207,11 @@ def test_an_e4m3_nan_code_reads_as_nan(nan_code):
     scales = np.full(5, 0.01, np.float32)
     a = rng.standard_normal((4, lanes)).astype(np.float32)
     c = np.zeros((4, 5), np.float32)
-    _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), 4, 5, lanes, lanes, 1, 1.0, True)
+    _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), 4, 5, lanes, lanes, 1, 1.0, DECODES["float8_e4m3"])
     assert np.isnan(c[:, 2]).all() and np.isfinite(np.delete(c, 2, axis=1)).all()
     out = np.zeros((4, lanes), np.float32)
     _code_product(np.full((4, 5), 0.2, np.float32).ravel(), codes.ravel(), scales, out.ravel(), 4, 5, lanes, lanes,
-                  1, True)
+                  1, DECODES["float8_e4m3"])
     assert np.isnan(out[:, 3]).all() and np.isfinite(np.delete(out, 3, axis=1)).all()
 
 
@@ -180,7 +233,8 @@ def forced_avx2_child():
                        "tests/test_cpu_isa.py::test_micro_kernel_products_match_numpy",
                        "tests/test_cpu_isa.py::test_packed_transposes_are_exact_and_zero_padded",
                        "tests/test_cpu_isa.py::test_dot_products_match_numpy_and_each_score_is_one_fixed_sum",
-                       "tests/test_cpu_isa.py::test_products_on_int8_codes_match_numpy",
+                       "tests/test_cpu_isa.py::test_products_on_codes_match_numpy",
+                       "tests/test_cpu_isa.py::test_products_on_16_bit_values_give_the_bits_of_their_float32_rows",
                        "tests/test_cpu_isa.py::test_the_child_compiles_for_avx2",
                        "tests/test_cpu_rowmath.py::test_the_short_row_operations_give_the_general_ones_bits",
                        "tests/test_cpu_kernels.py::test_vector_products_match_the_reference_at_vector_widths"],

@@ -610,31 +610,38 @@ def test_a_quantized_pools_attend_varlen_that_raises_changes_nothing(monkeypatch
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("paged", [False, True])
-def test_16_bit_caches_read_a_tile_at_a_time_give_the_bits_of_a_converted_copy(dtype, paged, monkeypatch):
-    """float16 and bfloat16 keys and values a decode step converts tile by tile in the
-    kernels (KvCodes.FLOAT16 / BFLOAT16) give exactly what the converted float32 copy gave."""
+@pytest.mark.parametrize("cache", ["contiguous", "paged", "long"])
+def test_16_bit_caches_read_in_registers_give_the_bits_of_a_converted_copy(dtype, cache, monkeypatch):
+    """float16 and bfloat16 keys and values a decode step reads as they lie, converted in
+    registers (KvCodes.FLOAT16 / BFLOAT16, npattn.cpu.code_products), give exactly what the
+    converted float32 copy gave: GQA heads folded into rows, pages, and a tile of more
+    keys than the micro-kernels' depth slices (DEPTH_BLOCK) at a head dim past one wide
+    chunk of columns."""
     import ml_dtypes  # noqa: F401  (registers bfloat16)
     from npattn.core.kernel_params import KvCodes
     from npattn.cpu import driver, operands
 
     rng = np.random.default_rng(9)
-    q = rng.normal(size=(2, 2, 8, 32)).astype(dtype)
-    if paged:
-        k, v = (rng.normal(size=(12, 8, 2, 32)).astype(dtype) for _ in range(2))
+    head_dim = 192 if cache == "long" else 32
+    q = rng.normal(size=(2, 2, 8, head_dim)).astype(dtype)
+    if cache == "paged":
+        k, v = (rng.normal(size=(12, 8, 2, head_dim)).astype(dtype) for _ in range(2))
         layout = dict(block_table=rng.permutation(12)[:10].reshape(2, 5), cache_seqlens=np.array([37, 21]))
     else:
-        k, v = (rng.normal(size=(2, 40, 2, 32)).astype(dtype) for _ in range(2))
-        layout = dict(cache_seqlens=np.array([40, 23]))
+        keys = 300 if cache == "long" else 40
+        k, v = (rng.normal(size=(2, keys, 2, head_dim)).astype(dtype) for _ in range(2))
+        layout = dict(cache_seqlens=np.array([keys, 23]))
+    # (a long row's weights spread over its keys, where the sums' order shows in its bits)
+    layout["alibi_slopes"] = np.full(8, 0.001 if cache == "long" else 1.0)
     problem_codes = []
     planned = operands.kv_codes
     monkeypatch.setattr(operands, "kv_codes", lambda *a: problem_codes.append(planned(*a)) or problem_codes[-1])
-    tiled = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, alibi_slopes=np.ones(8), **layout)
+    tiled = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, **layout)
     assert problem_codes == [KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16]
     monkeypatch.setattr(operands, "kv_codes", lambda *a: KvCodes.NONE)
     monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())  # plans made afresh, by the copy
     monkeypatch.setattr(driver, "_FORWARD_PLANS", type(driver._FORWARD_PLANS)())
-    copied = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, alibi_slopes=np.ones(8), **layout)
+    copied = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, **layout)
     for mine, theirs in zip(tiled, copied):
         np.testing.assert_array_equal(mine, theirs)
 

@@ -1,32 +1,40 @@
-"""A decode step's products straight from an int8 or float8 e4m3 cache's codes, converted in registers.
+"""A decode step's products straight from a cache's codes, converted in registers: int8 or
+float8 e4m3 codes with a scale per key, or float16 / bfloat16 values.
 
-A quantized decode step is a few query rows (a GQA group folded into rows) against many
-keys. Dequantizing a key tile into a float32 staging first (:func:`~npattn.cpu.tiles.dequantize_tile`)
-costs more than the products that read it: each code is converted, scaled, stored, then
-loaded again once per query row. Here the codes are loaded as bytes and converted in registers
-(:func:`~npattn.cpu.simd.load_code`, exact: int8, or e4m3 as 2**-8 times its value,
-which the key's scale takes back), and the per-key scale is applied once per product
-instead of once per value:
+A decode step is a few query rows (a GQA group folded into rows) against many keys.
+Converting a key tile into a float32 staging first (:func:`~npattn.cpu.tiles.dequantize_tile`)
+costs more than the products that read it: each value is converted (and scaled), stored,
+then loaded again once per query row. Here the codes are loaded as they lie and converted
+in registers (:func:`~npattn.cpu.simd.load_code`, exact: int8, or e4m3 as 2**-8 times its
+value, which the key's scale takes back; :func:`~npattn.cpu.simd.load_float16_bits`, exact),
+and a one-byte code's per-key scale is applied once per product instead of once per value:
 
 - :func:`code_dot_products`: ``S[r, j] = alpha * scale_j * (q_r . codes_j)``,
 - :func:`code_product`: ``O[r, :] += sum_j (P[r, j] * scale_j) * codes_j``.
 
-Both round differently from the float32 staging (one scale multiply per product, not
-per value); the sums are the same float32 sums otherwise, within the same error bound of
-the float64 result on the dequantized cache. Compiled for float32 sums only (float32 and
-16-bit queries): a float64 query's step, rare, dequantizes its tiles, and its kernels skip
-this code's compile (a first float64 forward compiled in 16.8-21.8 s with it, 13.9 without).
+The one-byte codes round differently from the float32 staging (one scale multiply per
+product, not per value), within the same error bound of the float64 result on the
+dequantized cache. 16-bit values have no scale (``scale_j`` is 1, and no multiply is
+compiled): their sums are the chains the staged rows' products make, so the same bits.
+Compiled for float32 sums only (float32 and 16-bit queries): a float64 query's step,
+rare, dequantizes its tiles, and its kernels skip this code's compile (a first float64
+forward compiled in 16.8-21.8 s with it, 13.9 without).
+
+``decode`` is how the codes read (:data:`~npattn.core.kernel_params.KvCodes`: INT8,
+FLOAT8, FLOAT16 or BFLOAT16); ``b_offset`` and ``b_row`` count bytes.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
+from numba import types
 from numba.extending import overload
 
+from ..core.kernel_params import KvCodes
 from .jit import OPTIONS, helper
-from .signatures import as_offset, as_readonly, plain_int, scalar_like
-from .simd import (VECTOR_BYTES, add, fill, horizontal_sum, lanes_in, load, load_code, multiply_add, never_inline,
-                   store, store_key_sums)
+from .microkernels import DEPTH_BLOCK, WIDE_ROWS, WIDE_VECTORS
+from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
+from .simd import (VECTOR_BYTES, add, always_inline, fill, horizontal_sum, lanes_in, load, load_code,
+                   load_float16_bits, multiply_add, never_inline, store, store_key_sums)
 
 
 # Query rows per register block, on both ISAs: each key's codes are converted once for a
@@ -51,101 +59,136 @@ E4M3_UNIT = np.float32(256.0)
 _ONE = np.float32(1.0)
 
 
+# The decodes, as compile-time constants of the blocks below
+_INT8, _FLOAT8, _FLOAT16, _BFLOAT16 = int(KvCodes.INT8), int(KvCodes.FLOAT8), int(KvCodes.FLOAT16), int(KvCodes.BFLOAT16)
+
+
 def code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                      c_row, rows, cols, depth, alpha, e4m3):
-    """``C[r, j] = alpha * scales[scale_offset + j * scale_step] * sum_x A[r, x] B[j, x]``
-    for r < rows, j < cols, where ``A[r, x] = a[a_offset + r * a_row + x]`` (floats),
-    ``B[j, x]`` the value of the byte ``codes[b_offset + j * b_row + x]`` (int8, or with
-    ``e4m3`` float8 e4m3) and ``C[r, j] = c[c_offset + r * c_row + j]``; ``depth`` a
-    multiple of the vector's lanes. float32 only (see
-    :func:`~npattn.cpu.tiles.codes_in_registers`): elsewhere a stub that does nothing."""
+                      c_row, rows, cols, depth, alpha, decode):
+    """``C[r, j] = alpha * scale_j * sum_x A[r, x] B[j, x]`` for r < rows, j < cols, where
+    ``A[r, x] = a[a_offset + r * a_row + x]`` (floats), ``B[j, x]`` value x of the row of
+    codes whose bytes start at ``codes[b_offset + j * b_row]`` (read by ``decode``),
+    ``scale_j = scales[scale_offset + j * scale_step]`` (1 for 16-bit values, ``scales``
+    unread) and ``C[r, j] = c[c_offset + r * c_row + j]``; ``depth`` a multiple of the
+    vector's lanes. float32 only (see :func:`~npattn.cpu.tiles.codes_in_registers`):
+    elsewhere a stub that does nothing."""
     raise NotImplementedError
 
 
 @overload(code_dot_products, jit_options=OPTIONS)
 def _code_dot_products_overload(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c,
-                                c_offset, c_row, rows, cols, depth, alpha, e4m3):
+                                c_offset, c_row, rows, cols, depth, alpha, decode):
     if c.dtype != types.float32:
         return lambda a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, \
-            c_row, rows, cols, depth, alpha, e4m3: None
+            c_row, rows, cols, depth, alpha, decode: None
 
     def implementation(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                       c_row, rows, cols, depth, alpha, e4m3):
+                       c_row, rows, cols, depth, alpha, decode):
         _code_dot_products(as_readonly(a), plain_int(a_offset), plain_int(a_row), as_readonly(codes),
                            plain_int(b_offset), plain_int(b_row), as_readonly(scales), plain_int(scale_offset),
                            plain_int(scale_step), c, plain_int(c_offset), plain_int(c_row), plain_int(rows),
-                           plain_int(cols), plain_int(depth), scalar_like(alpha, c), bool(e4m3))
+                           plain_int(cols), plain_int(depth), scalar_like(alpha, c), plain_int(decode))
     return implementation
 
 
 @helper
 def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                       c_row, rows, cols, depth, alpha, e4m3):
-    """:func:`_dot_products_of` for int8 codes or e4m3 codes, each compiled with its own
-    decode (a constant there)."""
+                       c_row, rows, cols, depth, alpha, decode):
+    """:func:`_dot_products_of` compiled once per decode (a constant there)."""
     never_inline()
-    if e4m3:
+    if decode == _FLOAT16:
         _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                         c_row, rows, cols, depth, alpha * E4M3_UNIT, True)
+                         c_row, rows, cols, depth, alpha, _FLOAT16)
+    elif decode == _BFLOAT16:
+        _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
+                         c_row, rows, cols, depth, alpha, _BFLOAT16)
+    elif decode == _FLOAT8:
+        _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
+                         c_row, rows, cols, depth, alpha * E4M3_UNIT, _FLOAT8)
     else:
         _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                         c_row, rows, cols, depth, alpha, False)
+                         c_row, rows, cols, depth, alpha, _INT8)
 
 
-@njit(inline="always")
+@helper
+def _values(codes, row, x, like, decode):
+    """The vector of values ``x, x + 1, ...`` of the row of codes whose bytes start at
+    ``codes[row]``, converted in registers; ``decode`` a constant at each call site."""
+    always_inline()
+    if decode == _FLOAT16:
+        return load_float16_bits(codes, row + 2 * x, like, False)
+    if decode == _BFLOAT16:
+        return load_float16_bits(codes, row + 2 * x, like, True)
+    return load_code(codes, row + x, like, decode == _FLOAT8)
+
+
+@helper
+def _scale(scales, at, decode):
+    """Key ``at``'s scale; 1 for 16-bit values, which have none (a constant: the multiplies
+    by it fold away)."""
+    always_inline()
+    if decode == _FLOAT16 or decode == _BFLOAT16:
+        return np.float32(1.0)
+    return scales[as_offset(at)]
+
+
+@helper
 def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                     c_row, rows, cols, depth, alpha, e4m3):
+                     c_row, rows, cols, depth, alpha, decode):
     """:data:`KEY_BLOCK` keys at a time against blocks of :data:`ROW_BLOCK` query rows, then
     single rows (each key's codes converted once per block, a FMA chain per key and row);
     then the keys left one by one. ``alpha`` takes an e4m3 code's 2**8 (:data:`E4M3_UNIT`)."""
+    always_inline()
     lanes = lanes_in(c)
     j = 0
     while j + KEY_BLOCK <= cols:
         k = b_offset + j * b_row
-        factors = _key_factors(scales, scale_offset + j * scale_step, scale_step, alpha)
+        factors = _key_factors(scales, scale_offset + j * scale_step, scale_step, alpha, decode)
         r = 0
         while r + ROW_BLOCK <= rows:
             _key_block(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
-                       factors, ROW_BLOCK, depth, lanes, e4m3)
+                       factors, ROW_BLOCK, depth, lanes, decode)
             r += ROW_BLOCK
         while r < rows:
             _key_block(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
-                       factors, 1, depth, lanes, e4m3)
+                       factors, 1, depth, lanes, decode)
             r += 1
         j += KEY_BLOCK
     zero = fill(0.0, c)
     while j < cols:
         k = b_offset + j * b_row
-        factor = alpha * scales[as_offset(scale_offset + j * scale_step)]
+        factor = alpha * _scale(scales, scale_offset + j * scale_step, decode)
         for r in range(rows):
             q0 = a_offset + r * a_row
             s0 = zero
             for x in range(0, depth, lanes):
-                s0 = multiply_add(load(a, q0 + x), load_code(codes, k + x, zero, e4m3), s0)
+                s0 = multiply_add(load(a, q0 + x), _values(codes, k, x, zero, decode), s0)
             c[as_offset(c_offset + r * c_row + j)] = factor * horizontal_sum(s0)
         j += 1
 
 
-@njit(inline="always")
-def _key_factors(scales, at, step, alpha):
+@helper
+def _key_factors(scales, at, step, alpha, decode):
     """``alpha`` times the scales of a block's :data:`KEY_BLOCK` keys, a tuple."""
+    always_inline()
     if KEY_BLOCK == 4:
-        return (alpha * scales[as_offset(at)], alpha * scales[as_offset(at + step)],
-                alpha * scales[as_offset(at + 2 * step)], alpha * scales[as_offset(at + 3 * step)])
-    return alpha * scales[as_offset(at)], alpha * scales[as_offset(at + step)]
+        return (alpha * _scale(scales, at, decode), alpha * _scale(scales, at + step, decode),
+                alpha * _scale(scales, at + 2 * step, decode), alpha * _scale(scales, at + 3 * step, decode))
+    return alpha * _scale(scales, at, decode), alpha * _scale(scales, at + step, decode)
 
 
-@njit(inline="always")
-def _key_block(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, depth, lanes, e4m3):
+@helper
+def _key_block(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, depth, lanes, decode):
     """The scores of :data:`KEY_BLOCK` keys for ``rows`` (1 or :data:`ROW_BLOCK`, a
     constant) query rows of :func:`_dot_products_of`: the accumulators of query row r are
     s, t, u, w, numbered by key."""
+    always_inline()
     zero = fill(0.0, c)
     s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b2 = b3 = zero
     for x in range(0, depth, lanes):
-        b0, b1 = load_code(codes, k + x, zero, e4m3), load_code(codes, k + b_row + x, zero, e4m3)
+        b0, b1 = _values(codes, k, x, zero, decode), _values(codes, k + b_row, x, zero, decode)
         if KEY_BLOCK == 4:
-            b2, b3 = load_code(codes, k + 2 * b_row + x, zero, e4m3), load_code(codes, k + 3 * b_row + x, zero, e4m3)
+            b2, b3 = _values(codes, k + 2 * b_row, x, zero, decode), _values(codes, k + 3 * b_row, x, zero, decode)
         row = load(a, q_at + x)
         s0, s1 = multiply_add(row, b0, s0), multiply_add(row, b1, s1)
         if KEY_BLOCK == 4:
@@ -174,94 +217,131 @@ def _key_block(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, d
 
 
 def code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                 rows, cols, width, e4m3):
-    """``C[r, x] += sum_j (P[r, j] * scales[scale_offset + j * scale_step]) * B[j, x]`` for
-    r < rows, j < cols, x < width, where ``P[r, j] = p[p_offset + r * p_row + j]`` (floats),
-    ``B[j, x]`` the value of the byte ``codes[b_offset + j * b_row + x]`` (int8, or with
-    ``e4m3`` float8 e4m3) and ``C[r, x] = c[c_offset + r * c_row + x]``; ``width`` a
-    multiple of the vector's lanes. May leave each ``P[r, j]`` times its scale in ``p``
-    (:data:`SCALED_FIRST`: the forward is done with the probabilities by then). float32
+                 rows, cols, width, decode):
+    """``C[r, x] += sum_j (P[r, j] * scale_j) * B[j, x]`` for r < rows, j < cols,
+    x < width, where ``P[r, j] = p[p_offset + r * p_row + j]`` (floats), ``B[j, x]`` value
+    x of the row of codes whose bytes start at ``codes[b_offset + j * b_row]`` (read by
+    ``decode``), ``scale_j`` as in :func:`code_dot_products` and
+    ``C[r, x] = c[c_offset + r * c_row + x]``; ``width`` a multiple of the vector's lanes.
+    May leave each ``P[r, j]`` times its scale in ``p`` (one-byte codes with
+    :data:`SCALED_FIRST`: the forward is done with the probabilities by then). float32
     only, as :func:`code_dot_products`."""
     raise NotImplementedError
 
 
 @overload(code_product, jit_options=OPTIONS)
 def _code_product_overload(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                           c_row, rows, cols, width, e4m3):
+                           c_row, rows, cols, width, decode):
     if c.dtype != types.float32:
         return lambda p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, \
-            c_row, rows, cols, width, e4m3: None
+            c_row, rows, cols, width, decode: None
 
     def implementation(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                       c_row, rows, cols, width, e4m3):
+                       c_row, rows, cols, width, decode):
         _code_product(p, plain_int(p_offset), plain_int(p_row), as_readonly(codes), plain_int(b_offset),
                       plain_int(b_row), as_readonly(scales), plain_int(scale_offset), plain_int(scale_step), c,
                       plain_int(c_offset), plain_int(c_row), plain_int(rows), plain_int(cols), plain_int(width),
-                      bool(e4m3))
+                      plain_int(decode))
     return implementation
 
 
 @helper
 def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                  rows, cols, width, e4m3):
-    """:func:`_product_of` for int8 codes or e4m3 codes, each compiled with its own decode."""
+                  rows, cols, width, decode):
+    """The columns and keys in the pieces :func:`~npattn.cpu.microkernels.product` sums them
+    in, so a 16-bit cache's P V gives the bits of its values' float32 rows: a single row's
+    first columns, as many as its wide chunks cover, over every key in one chain; the other
+    columns (every column of several rows) over slices of :data:`DEPTH_BLOCK` keys, each
+    slice's sums added to C in turn. One-byte codes' probabilities are scaled first, once
+    (:data:`SCALED_FIRST`)."""
     never_inline()
-    if e4m3:
-        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                    rows, cols, width, E4M3_UNIT, True)
-    else:
-        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                    rows, cols, width, _ONE, False)
-
-
-@njit(inline="always")
-def _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                rows, cols, width, unit, e4m3):
-    """Columns :data:`VECTOR_BLOCK` vectors at a time, blocks of :data:`ROW_BLOCK` rows of C
-    (then single rows) held in registers over every key: each key's codes of those columns
-    converted once per block, its probabilities scaled (by the scale times ``unit``, an
-    e4m3 code's 2**8) once per block, or once in all (:data:`SCALED_FIRST`); then the
-    columns left a vector at a time. Each weight rounds the same either way."""
-    if SCALED_FIRST:
+    if cols <= 0:
+        return
+    if SCALED_FIRST and (decode == _INT8 or decode == _FLOAT8):
+        unit = E4M3_UNIT if decode == _FLOAT8 else _ONE
         for j in range(cols):
             scale = scales[as_offset(scale_offset + j * scale_step)] * unit
             for r in range(rows):
                 at = as_offset(p_offset + r * p_row + j)
                 p[at] = scalar_like(p[at] * scale, c)
+    wide = WIDE_VECTORS * lanes_in(c)
+    wide_end = (width // wide) * wide if rows <= WIDE_ROWS else 0
+    if wide_end > 0:
+        _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
+                         c_row, rows, cols, 0, wide_end, decode)
+    if wide_end < width:
+        for j0 in range(0, cols, DEPTH_BLOCK):
+            _decoded_product(p, p_offset + j0, p_row, codes, b_offset + j0 * b_row, b_row, scales,
+                             scale_offset + j0 * scale_step, scale_step, c, c_offset, c_row, rows,
+                             smaller(DEPTH_BLOCK, cols - j0), wide_end, width, decode)
+
+
+@helper
+def _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
+                     rows, cols, x_start, x_stop, decode):
+    """:func:`_product_of` compiled once per decode."""
+    never_inline()
+    if decode == _FLOAT16:
+        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
+                    rows, cols, x_start, x_stop, _ONE, _FLOAT16)
+    elif decode == _BFLOAT16:
+        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
+                    rows, cols, x_start, x_stop, _ONE, _BFLOAT16)
+    elif decode == _FLOAT8:
+        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
+                    rows, cols, x_start, x_stop, E4M3_UNIT, _FLOAT8)
+    else:
+        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
+                    rows, cols, x_start, x_stop, _ONE, _INT8)
+
+
+@helper
+def _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
+                rows, cols, x_start, x_stop, unit, decode):
+    """Columns ``[x_start, x_stop)``: :data:`VECTOR_BLOCK` vectors at a time, blocks of
+    :data:`ROW_BLOCK` rows of C (then single rows) held in registers over every key: each
+    key's codes of those columns converted once per block, its probabilities scaled (by the
+    scale times ``unit``, an e4m3 code's 2**8) once per block (not where :data:`SCALED_FIRST`
+    did, nor 16-bit values); then the columns left a vector at a time. Each weight rounds
+    the same either way."""
+    always_inline()
+    scaled_first = SCALED_FIRST and decode != _FLOAT16 and decode != _BFLOAT16
     lanes = lanes_in(c)
-    x0 = 0
-    while x0 + VECTOR_BLOCK * lanes <= width:
+    x0 = x_start
+    while x0 + VECTOR_BLOCK * lanes <= x_stop:
         r = 0
         while r + ROW_BLOCK <= rows:
-            _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
-                          scale_step, c, c_offset + r * c_row + x0, c_row, ROW_BLOCK, cols, lanes, unit, e4m3)
+            _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, scales, scale_offset,
+                          scale_step, c, c_offset + r * c_row + x0, c_row, ROW_BLOCK, cols, lanes, unit, decode,
+                          scaled_first)
             r += ROW_BLOCK
         while r < rows:
-            _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset + x0, b_row, scales, scale_offset,
-                          scale_step, c, c_offset + r * c_row + x0, c_row, 1, cols, lanes, unit, e4m3)
+            _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, scales, scale_offset,
+                          scale_step, c, c_offset + r * c_row + x0, c_row, 1, cols, lanes, unit, decode, scaled_first)
             r += 1
         x0 += VECTOR_BLOCK * lanes
-    while x0 < width:
+    while x0 < x_stop:
         for r in range(rows):
-            _one_vector(p, p_offset + r * p_row, codes, b_offset + x0, b_row, scales, scale_offset, scale_step, c,
-                        c_offset + r * c_row + x0, cols, unit, e4m3)
+            _one_vector(p, p_offset + r * p_row, codes, b_offset, x0, b_row, scales, scale_offset, scale_step, c,
+                        c_offset + r * c_row + x0, cols, unit, decode, scaled_first)
         x0 += lanes
 
 
-@njit(inline="always")
-def _vector_block(p, p_at, p_row, codes, b_at, b_row, scales, scale_offset, scale_step, c, c_at, c_row, rows, cols,
-                  lanes, unit, e4m3):
-    """:data:`VECTOR_BLOCK` vectors of columns of ``rows`` (1 or :data:`ROW_BLOCK`, a
-    constant) rows of :func:`_product_of`: the accumulators of row r are s, t, u, w,
-    numbered by vector."""
+@helper
+def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, scales, scale_offset, scale_step, c, c_at, c_row, rows,
+                  cols, lanes, unit, decode, scaled_first):
+    """:data:`VECTOR_BLOCK` vectors of columns from ``x0`` of ``rows`` (1 or
+    :data:`ROW_BLOCK`, a constant) rows of :func:`_product_of`: the accumulators of row r
+    are s, t, u, w, numbered by vector."""
+    always_inline()
     zero = fill(0.0, c)
     s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b2 = b3 = zero
     for j in range(cols):
-        scale = _weight_scale(scales, scale_offset + j * scale_step, unit)
+        scale = _weight_scale(scales, scale_offset + j * scale_step, unit, decode, scaled_first)
         at = b_at + j * b_row
-        b0, b1 = load_code(codes, at, zero, e4m3), load_code(codes, at + lanes, zero, e4m3)
+        b0, b1 = _values(codes, at, x0, zero, decode), _values(codes, at, x0 + lanes, zero, decode)
         if VECTOR_BLOCK == 4:
-            b2, b3 = load_code(codes, at + 2 * lanes, zero, e4m3), load_code(codes, at + 3 * lanes, zero, e4m3)
+            b2, b3 = _values(codes, at, x0 + 2 * lanes, zero, decode), _values(codes, at, x0 + 3 * lanes, zero, decode)
         weight = _weight(p, p_at + j, scale, c)
         s0, s1 = multiply_add(weight, b0, s0), multiply_add(weight, b1, s1)
         if VECTOR_BLOCK == 4:
@@ -286,37 +366,41 @@ def _vector_block(p, p_at, p_row, codes, b_at, b_row, scales, scale_offset, scal
         _add_block(c, c_at + 3 * c_row, lanes, w0, w1, w2, w3)
 
 
-@njit(inline="always")
-def _weight_scale(scales, at, unit):
-    """A key's scale times ``unit``, where the block scales its probabilities (None where
-    :data:`SCALED_FIRST` did)."""
-    if SCALED_FIRST:
-        return None
-    return scales[as_offset(at)] * unit
+@helper
+def _weight_scale(scales, at, unit, decode, scaled_first):
+    """A key's scale times ``unit``, by which the block scales its probabilities (1 where
+    ``scaled_first`` did, or for 16-bit values)."""
+    always_inline()
+    if scaled_first:
+        return np.float32(1.0)
+    return _scale(scales, at, decode) * unit
 
 
-@njit(inline="always")
+@helper
 def _weight(p, at, scale, c):
-    """The vector of ``p[at]`` times ``scale`` (``p[at]`` itself, scaled first: ``scale`` None)."""
-    if SCALED_FIRST:
-        return fill(p[as_offset(at)], c)
+    """The vector of ``p[at]`` times ``scale`` (a multiply by 1 folds away)."""
+    always_inline()
     return fill(scalar_like(p[as_offset(at)] * scale, c), c)
 
 
-@njit(inline="always")
-def _one_vector(p, p_at, codes, b_at, b_row, scales, scale_offset, scale_step, c, c_at, cols, unit, e4m3):
-    """One vector of columns of one row of :func:`_product_of`."""
+@helper
+def _one_vector(p, p_at, codes, b_at, x0, b_row, scales, scale_offset, scale_step, c, c_at, cols, unit, decode,
+                scaled_first):
+    """One vector of columns (from ``x0``) of one row of :func:`_product_of`."""
+    always_inline()
     zero = fill(0.0, c)
     s0 = zero
     for j in range(cols):
-        weight = _weight(p, p_at + j, _weight_scale(scales, scale_offset + j * scale_step, unit), c)
-        s0 = multiply_add(weight, load_code(codes, b_at + j * b_row, zero, e4m3), s0)
+        weight = _weight(p, p_at + j, _weight_scale(scales, scale_offset + j * scale_step, unit, decode, scaled_first),
+                         c)
+        s0 = multiply_add(weight, _values(codes, b_at + j * b_row, x0, zero, decode), s0)
     store(c, c_at, add(load(c, c_at), s0))
 
 
-@njit(inline="always")
+@helper
 def _add_block(c, at, lanes, s0, s1, s2, s3):
     """A row's :data:`VECTOR_BLOCK` accumulators added into ``c`` from ``at``."""
+    always_inline()
     store(c, at, add(load(c, at), s0))
     store(c, at + lanes, add(load(c, at + lanes), s1))
     if VECTOR_BLOCK == 4:

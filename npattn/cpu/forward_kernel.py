@@ -104,7 +104,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     v_row_stride = ints[Int.V_STRIDE_S]
     splits, split_keys = ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS]
     quantized, bf16 = ints[Int.KV_CODES], ints[Int.BF16_PRODUCTS]
-    in_registers = codes_in_registers(ints, s)  # (a quantized tile not dequantized: code_products)
+    in_registers = codes_in_registers(ints, s)  # (a decode tile's codes not dequantized: code_products)
     tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
     p_pairs, v_pairs = pair_tiles(ints, dequantized)
     half_ld = (ld + 1) // 2
@@ -212,7 +212,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                                  v_row_stride, v_scale, v_scale_row(ints, pages, b, kv_head, j),
                                                  ints[Int.V_SCALE_STRIDE_S], sums_array,
                                                  out_offset + r0 * out_row_stride,
-                                                 out_row_stride, band_rows, run, dv, quantized == KvCodes.FLOAT8)
+                                                 out_row_stride, band_rows, run, dv, quantized)
                                 elif quantized:  # the converted value rows
                                     product(s, r0 * ld + c0, ld, 1, values, c0 * dv, dv, sums_array,
                                             out_offset + r0 * out_row_stride, out_row_stride, band_rows, run, dv, 1.0,

@@ -42,7 +42,11 @@ VECTORS_PER_CHUNK = 4 if VECTOR_BYTES == 64 else 2
 # 1 x 384 x 128 and Q K^T at 1 x 128 x 384: 5.2-5.4 -> 3.7-4.5 us and 6.9 -> 4.3 us.
 # Two rows gained nothing (2 x 2 vectors are already 4 chains; 2 x 6 was slower).
 WIDE_VECTORS = 8 if VECTOR_BYTES == 64 else 6
-_WIDE_ROWS = 1
+WIDE_ROWS = 1
+# The rows of B a chunk of C's columns takes at a time (the depth's slices): they fit in
+# L1 beside the accumulators (a chunk's bytes: the same for every dtype).
+# npattn.cpu.code_products sums its slices alike.
+DEPTH_BLOCK = _L1_BYTES // (VECTORS_PER_CHUNK * VECTOR_BYTES)
 
 
 def padded_width(columns, like):
@@ -184,9 +188,8 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
     never_inline()
     lanes = lanes_in(c)
     chunk = VECTORS_PER_CHUNK * lanes
-    depth_block = _L1_BYTES // (VECTORS_PER_CHUNK * VECTOR_BYTES)  # (a chunk's bytes: the same for every dtype)
     x = 0
-    if pairs is None and rows <= _WIDE_ROWS:  # (pair products never take it: less to compile)
+    if pairs is None and rows <= WIDE_ROWS:  # (pair products never take it: less to compile)
         # one row reads each row of B once: no depth slices for L1 (and so each element
         # of C is the same one chain over the whole depth, the bits of the narrow chunks)
         wide = WIDE_VECTORS * lanes
@@ -196,8 +199,8 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
             x += wide
     while x < width:
         whole = x + chunk <= width
-        for j0 in range(0, depth, depth_block):
-            j_count = smaller(depth_block, depth - j0)
+        for j0 in range(0, depth, DEPTH_BLOCK):
+            j_count = smaller(DEPTH_BLOCK, depth - j0)
             args = (a, a_offset + j0 * a_col, a_row, a_col, b, b_offset + j0 * b_row + x, b_row,
                     c, c_offset + x, c_row, rows, j_count, alpha, accumulate or j0 > 0)
             if whole:

@@ -214,10 +214,11 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 
 
 def codes_in_registers(ints, scores):
-    """Whether a tile's products read an int8 or float8 e4m3 cache's codes in registers
-    (:mod:`npattn.cpu.code_products`), with no :func:`dequantize_tile`: a decode tile (a few
-    rows, DOT_SCORES) whose values are whole vectors, its sums in float32 (``scores``' dtype;
-    a float64 kernel answers False when compiled, so its code is not compiled there)."""
+    """Whether a tile's products read a cache's codes (int8 or float8 e4m3 with scales,
+    float16 or bfloat16) in registers (:mod:`npattn.cpu.code_products`), with no
+    :func:`dequantize_tile`: a decode tile (a few rows, DOT_SCORES) whose values are whole
+    vectors, its sums in float32 (``scores``' dtype; a float64 kernel answers False when
+    compiled, so its code is not compiled there)."""
     raise NotImplementedError
 
 
@@ -225,13 +226,8 @@ def codes_in_registers(ints, scores):
 def _codes_in_registers_overload(ints, scores):
     if scores.dtype != types.float32:
         return lambda ints, scores: False
-    return lambda ints, scores: (scaled_codes(ints) and ints[Int.DOT_SCORES] and ints[Int.VECTOR_VALUES])
-
-
-@njit(inline="always")
-def scaled_codes(ints):
-    """Whether k and v are one-byte codes with a scale per key (int8 or float8 e4m3)."""
-    return ints[Int.KV_CODES] == KvCodes.INT8 or ints[Int.KV_CODES] == KvCodes.FLOAT8
+    return lambda ints, scores: (ints[Int.KV_CODES] != KvCodes.NONE and ints[Int.DOT_SCORES]
+                                 and ints[Int.VECTOR_VALUES])
 
 
 @njit(inline="always")
@@ -623,7 +619,7 @@ def score_tile(q, q_offset, q_row, k, dequantized, k_codes, k_scale, bias, mask,
                     code_dot_products(q, q_offset + r0 * q_row, q_row, k_codes, k_row(ints, pages, b, kv_head, j),
                                       ints[Int.K_STRIDE_S], k_scale, k_scale_row(ints, pages, b, kv_head, j),
                                       ints[Int.K_SCALE_STRIDE_S], s, r0 * ld + c0, ld, band_rows, run, head_dim,
-                                      reals[Real.SCALE], ints[Int.KV_CODES] == KvCodes.FLOAT8)
+                                      reals[Real.SCALE], ints[Int.KV_CODES])
                     c0 += run
             elif ints[Int.DOT_SCORES] and ints[Int.KV_CODES]:  # the dequantized tile's rows
                 dot_products(q, q_offset + r0 * q_row, q_row, dequantized, 0, head_dim, s, r0 * ld, ld, band_rows,
