@@ -5,6 +5,7 @@ Profiles: "ci" (the default; fast, derandomized so CI is reproducible) and "dev"
 (many more examples): ``pytest --hypothesis-profile=dev`` or
 ``NPATTN_HYPOTHESIS_PROFILE=dev pytest``.
 """
+import functools
 import os
 import platform
 import sys
@@ -158,6 +159,32 @@ def started(name, work):
     return _STARTED[name]
 
 
+# Test subprocesses that run a program whole (the CLI's demo, the examples: a minute in all,
+# most of it their own kernels' compile) start at collection too, one after another on a
+# thread of their own, once the builds above are done: by then the CPU tests have compiled
+# the common kernels, which the children load from Numba's cache, and the second core is
+# idle. Their tests wait for the result.
+_IN_TURN: list = []
+
+
+def started_in_turn(name, work):
+    """:func:`started` for a subprocess: run after the builds started before it and after
+    the subprocesses started in turn before it."""
+    if name not in _STARTED:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if not _IN_TURN:
+            _IN_TURN.append(ThreadPoolExecutor(1, thread_name_prefix="npattn-tests-in-turn"))
+        earlier = [future for future in _STARTED.values()]
+
+        def after_the_builds():
+            for future in earlier:
+                future.exception()  # (waits; a failed build fails its own tests)
+            return work()
+        _STARTED[name] = _IN_TURN[0].submit(after_the_builds)
+    return _STARTED[name]
+
+
 def _compile_machine_code():
     """``{architecture: (cubin, {name expression: symbol})}``, the architectures side by side
     (NVRTC runs without the GIL)."""
@@ -198,6 +225,12 @@ def pytest_collection_modifyitems(session, config, items):
 
         if gpu_emulation.compiler() is not None:
             started("emulation", lambda: _build_emulation(config))
+    for item in items:  # then the subprocesses that run a program whole
+        if item.name == "test_demo_command_line":
+            started_in_turn("demo-child", item.module.demo_child)
+        elif item.originalname == "test_example_succeeds":
+            script = item.callspec.params["script"]
+            started_in_turn(f"example-{script.name}", functools.partial(item.module.run_example, script))
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,12 @@
 """``python -m npattn info`` and ``demo`` run and report what they claim."""
 import importlib.util
 import io
+import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ import pytest
 import npattn
 from npattn.tools import cli
 from npattn.tools.variants import VARIANTS, Size
+from conftest import started_in_turn
 from tolerances import bound
 
 
@@ -72,16 +76,31 @@ def test_demo_runs_every_variant_within_float32_rounding():
     assert "mha" in printed.getvalue() and "max |out err|" in printed.getvalue()
 
 
-def test_demo_command_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "npattn", "demo", "--seq-len", "16", "--head-dim", "8"],
-                            capture_output=True, text=True, check=True, cwd=tmp_path)
+def demo_child():
+    """``(directory, completed process)`` of the demo run in a new directory: conftest starts
+    it at collection (:func:`conftest.started_in_turn`), so that it runs beside the other tests."""
+    directory = pathlib.Path(tempfile.mkdtemp(prefix="npattn-demo-"))
+    return directory, subprocess.run([sys.executable, "-m", "npattn", "demo", "--seq-len", "16", "--head-dim", "8"],
+                                     capture_output=True, text=True, cwd=directory, timeout=900)
+
+
+def test_demo_command_line():
+    directory, result = started_in_turn("demo-child", demo_child).result()
+    try:
+        _check_demo(directory, result)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _check_demo(directory, result):
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "window+sinks" in result.stdout
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         assert "no weights plot" in result.stdout
     else:
-        assert (tmp_path / "npattn_demo_attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (directory / "npattn_demo_attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_table_rows_are_consistent(monkeypatch):

@@ -60,7 +60,8 @@ _ONE = np.float32(1.0)
 
 
 # The decodes, as compile-time constants of the blocks below
-_INT8, _FLOAT8, _FLOAT16, _BFLOAT16 = int(KvCodes.INT8), int(KvCodes.FLOAT8), int(KvCodes.FLOAT16), int(KvCodes.BFLOAT16)
+_INT8, _FLOAT8 = int(KvCodes.INT8), int(KvCodes.FLOAT8)
+_FLOAT16, _BFLOAT16 = int(KvCodes.FLOAT16), int(KvCodes.BFLOAT16)
 
 
 def code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
