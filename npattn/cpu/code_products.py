@@ -48,6 +48,14 @@ from .simd import (VECTOR_BYTES, add, always_inline, fill, horizontal_sum, lanes
 ROW_BLOCK = 4
 KEY_BLOCK = 4 if VECTOR_BYTES == 64 else 2
 VECTOR_BLOCK = KEY_BLOCK
+# Fewer rows than a block (one query per kv head, a decode step without GQA) go one row
+# at a time: their scores 8 keys at a time and their P V microkernels.WIDE_VECTORS
+# vectors at a time, so that as many FMA chains are in flight as float32's products keep
+# (a block of KEY_BLOCK keys or VECTOR_BLOCK vectors waited on the FMAs' latency. Forced
+# to AVX2 on the Zen 4 VM, float16 steps at (1, 8, 1 x 1024, 64) and (4, 8, 1 x 512, 64),
+# all in cache: 1.11x and 1.03x float32's time with blocks of 2, 0.79x and 0.70x so; with
+# AVX-512's blocks of 4 the same either way, 0.83-0.88x.)
+WIDE_KEYS = 8
 # Whether P V scales its probabilities once, in place, before the blocks: with AVX2's
 # blocks of 2 vectors, scaling them per block costs a scalar multiply and a broadcast per
 # key and row for 2 FMAs. One core of the Zen 4 VM, (1, 32/8, 4096, 128): forced to AVX2,
@@ -142,6 +150,15 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
     always_inline()
     lanes = lanes_in(c)
     j = 0
+    if rows < ROW_BLOCK:  # each row alone anyway: WIDE_KEYS chains in flight, not KEY_BLOCK
+        while j + WIDE_KEYS <= cols:
+            k = b_offset + j * b_row
+            low = _four_factors(scales, scale_offset + j * scale_step, scale_step, alpha, decode)
+            high = _four_factors(scales, scale_offset + (j + 4) * scale_step, scale_step, alpha, decode)
+            for r in range(rows):
+                _wide_key_block(a, a_offset + r * a_row, codes, k, b_row, c, c_offset + r * c_row + j, low, high,
+                                depth, lanes, decode)
+            j += WIDE_KEYS
     while j + KEY_BLOCK <= cols:
         k = b_offset + j * b_row
         factors = _key_factors(scales, scale_offset + j * scale_step, scale_step, alpha, decode)
@@ -176,6 +193,37 @@ def _key_factors(scales, at, step, alpha, decode):
         return (alpha * _scale(scales, at, decode), alpha * _scale(scales, at + step, decode),
                 alpha * _scale(scales, at + 2 * step, decode), alpha * _scale(scales, at + 3 * step, decode))
     return alpha * _scale(scales, at, decode), alpha * _scale(scales, at + step, decode)
+
+
+@helper
+def _four_factors(scales, at, step, alpha, decode):
+    """``alpha`` times the scales of 4 keys from ``at``, a tuple."""
+    always_inline()
+    return (alpha * _scale(scales, at, decode), alpha * _scale(scales, at + step, decode),
+            alpha * _scale(scales, at + 2 * step, decode), alpha * _scale(scales, at + 3 * step, decode))
+
+
+@helper
+def _wide_key_block(a, q_at, codes, k, b_row, c, c_at, low, high, depth, lanes, decode):
+    """The scores of :data:`WIDE_KEYS` keys for one query row (``low`` and ``high``: the
+    factors of the first and last 4): 8 FMA chains, one per key, as many as
+    :func:`~npattn.cpu.microkernels.dot_products` keeps, where a block of KEY_BLOCK keys
+    waited on the FMAs' latency."""
+    always_inline()
+    zero = fill(0.0, c)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
+    for x in range(0, depth, lanes):
+        row = load(a, q_at + x)
+        s0 = multiply_add(row, _values(codes, k, x, zero, decode), s0)
+        s1 = multiply_add(row, _values(codes, k + b_row, x, zero, decode), s1)
+        s2 = multiply_add(row, _values(codes, k + 2 * b_row, x, zero, decode), s2)
+        s3 = multiply_add(row, _values(codes, k + 3 * b_row, x, zero, decode), s3)
+        s4 = multiply_add(row, _values(codes, k + 4 * b_row, x, zero, decode), s4)
+        s5 = multiply_add(row, _values(codes, k + 5 * b_row, x, zero, decode), s5)
+        s6 = multiply_add(row, _values(codes, k + 6 * b_row, x, zero, decode), s6)
+        s7 = multiply_add(row, _values(codes, k + 7 * b_row, x, zero, decode), s7)
+    store_key_sums(c, c_at, 0, (s0, s1, s2, s3), low)
+    store_key_sums(c, c_at + 4, 0, (s4, s5, s6, s7), high)
 
 
 @helper
@@ -309,6 +357,12 @@ def _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset
     scaled_first = SCALED_FIRST and decode != _FLOAT16 and decode != _BFLOAT16
     lanes = lanes_in(c)
     x0 = x_start
+    if rows < ROW_BLOCK:  # each row alone anyway: WIDE_VECTORS chains in flight
+        while x0 + WIDE_VECTORS * lanes <= x_stop:
+            for r in range(rows):
+                _wide_vector_block(p, p_offset + r * p_row, codes, b_offset, x0, b_row, scales, scale_offset,
+                                   scale_step, c, c_offset + r * c_row + x0, cols, lanes, unit, decode, scaled_first)
+            x0 += WIDE_VECTORS * lanes
     while x0 + VECTOR_BLOCK * lanes <= x_stop:
         r = 0
         while r + ROW_BLOCK <= rows:
@@ -365,6 +419,36 @@ def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, scales, scale_offset, 
         _add_block(c, c_at + c_row, lanes, t0, t1, t2, t3)
         _add_block(c, c_at + 2 * c_row, lanes, u0, u1, u2, u3)
         _add_block(c, c_at + 3 * c_row, lanes, w0, w1, w2, w3)
+
+
+@helper
+def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, scales, scale_offset, scale_step, c, c_at, cols, lanes, unit,
+                       decode, scaled_first):
+    """:data:`~npattn.cpu.microkernels.WIDE_VECTORS` vectors of columns from ``x0`` of one
+    row of :func:`_product_of` (8, or 6 with AVX2's 16 registers): as many FMA chains as
+    float32's single-row products keep."""
+    always_inline()
+    zero = fill(0.0, c)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
+    for j in range(cols):
+        weight = _weight(p, p_at + j, _weight_scale(scales, scale_offset + j * scale_step, unit, decode, scaled_first),
+                         c)
+        at = b_at + j * b_row
+        s0 = multiply_add(weight, _values(codes, at, x0, zero, decode), s0)
+        s1 = multiply_add(weight, _values(codes, at, x0 + lanes, zero, decode), s1)
+        s2 = multiply_add(weight, _values(codes, at, x0 + 2 * lanes, zero, decode), s2)
+        s3 = multiply_add(weight, _values(codes, at, x0 + 3 * lanes, zero, decode), s3)
+        s4 = multiply_add(weight, _values(codes, at, x0 + 4 * lanes, zero, decode), s4)
+        s5 = multiply_add(weight, _values(codes, at, x0 + 5 * lanes, zero, decode), s5)
+        if WIDE_VECTORS == 8:
+            s6 = multiply_add(weight, _values(codes, at, x0 + 6 * lanes, zero, decode), s6)
+            s7 = multiply_add(weight, _values(codes, at, x0 + 7 * lanes, zero, decode), s7)
+    _add_block(c, c_at, lanes, s0, s1, s2, s3)  # (VECTOR_BLOCK vectors: 4, or 2 with AVX2)
+    if VECTOR_BLOCK == 2:
+        _add_block(c, c_at + 2 * lanes, lanes, s2, s3, s2, s3)
+    _add_block(c, c_at + 4 * lanes, lanes, s4, s5, s6, s7)
+    if WIDE_VECTORS == 8 and VECTOR_BLOCK == 2:
+        _add_block(c, c_at + 6 * lanes, lanes, s6, s7, s6, s7)
 
 
 @helper
