@@ -144,7 +144,8 @@ def _scale(scales, at, decode):
 @helper
 def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
                      c_row, rows, cols, depth, alpha, decode):
-    """:data:`KEY_BLOCK` keys at a time against blocks of :data:`ROW_BLOCK` query rows, then
+    """Fewer rows than a block: :data:`WIDE_KEYS` keys at a time, one row at a time. Then
+    :data:`KEY_BLOCK` keys at a time against blocks of :data:`ROW_BLOCK` query rows, then
     single rows (each key's codes converted once per block, a FMA chain per key and row);
     then the keys left one by one. ``alpha`` takes an e4m3 code's 2**8 (:data:`E4M3_UNIT`)."""
     always_inline()
@@ -190,8 +191,7 @@ def _key_factors(scales, at, step, alpha, decode):
     """``alpha`` times the scales of a block's :data:`KEY_BLOCK` keys, a tuple."""
     always_inline()
     if KEY_BLOCK == 4:
-        return (alpha * _scale(scales, at, decode), alpha * _scale(scales, at + step, decode),
-                alpha * _scale(scales, at + 2 * step, decode), alpha * _scale(scales, at + 3 * step, decode))
+        return _four_factors(scales, at, step, alpha, decode)
     return alpha * _scale(scales, at, decode), alpha * _scale(scales, at + step, decode)
 
 
@@ -347,12 +347,14 @@ def _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_o
 @helper
 def _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
                 rows, cols, x_start, x_stop, unit, decode):
-    """Columns ``[x_start, x_stop)``: :data:`VECTOR_BLOCK` vectors at a time, blocks of
-    :data:`ROW_BLOCK` rows of C (then single rows) held in registers over every key: each
-    key's codes of those columns converted once per block, its probabilities scaled (by the
-    scale times ``unit``, an e4m3 code's 2**8) once per block (not where :data:`SCALED_FIRST`
-    did, nor 16-bit values); then the columns left a vector at a time. Each weight rounds
-    the same either way."""
+    """Columns ``[x_start, x_stop)``: for fewer rows than a block, first
+    :data:`~npattn.cpu.microkernels.WIDE_VECTORS` vectors at a time, one row at a time;
+    then :data:`VECTOR_BLOCK` vectors at a time, blocks of :data:`ROW_BLOCK` rows of C
+    (then single rows) held in registers over every key: each key's codes of those columns
+    converted once per block, its probabilities scaled (by the scale times ``unit``, an
+    e4m3 code's 2**8) once per block (not where :data:`SCALED_FIRST` did, nor 16-bit
+    values); then the columns left a vector at a time. Each weight rounds the same either
+    way."""
     always_inline()
     scaled_first = SCALED_FIRST and decode != _FLOAT16 and decode != _BFLOAT16
     lanes = lanes_in(c)
