@@ -163,7 +163,8 @@ def started(name, work):
 # most of it their own kernels' compile) start at collection too, one after another on a
 # thread of their own, once the builds above are done: by then the CPU tests have compiled
 # the common kernels, which the children load from Numba's cache, and the second core is
-# idle. Their tests wait for the result.
+# idle. Their tests, and the forced-AVX2 child's, run last (in their place the demo's had
+# waited 51 s for it).
 _IN_TURN: list = []
 
 
@@ -225,12 +226,23 @@ def pytest_collection_modifyitems(session, config, items):
 
         if gpu_emulation.compiler() is not None:
             started("emulation", lambda: _build_emulation(config))
-    for item in items:  # then the subprocesses that run a program whole
-        if item.name == "test_demo_command_line":
+    waiting = []  # the tests that wait on a subprocess or a compile: run last, when it is done
+    for item in items:  # then the subprocesses that run a program whole, and NVRTC's tile check
+        if item.name == "test_every_tile_the_harness_times_compiles_for_hopper":
+            from npattn.gpu import nvrtc
+
+            if nvrtc.nvrtc_library_path() is None:
+                continue
+            started_in_turn("hopper-tiles", item.module.hopper_tiles)
+        elif item.name == "test_demo_command_line":
             started_in_turn("demo-child", item.module.demo_child)
         elif item.originalname == "test_example_succeeds":
             script = item.callspec.params["script"]
             started_in_turn(f"example-{script.name}", functools.partial(item.module.run_example, script))
+        elif item.name != "test_forced_avx2_kernels_pass_the_vector_width_properties":
+            continue
+        waiting.append(item)
+    items[:] = [item for item in items if item not in waiting] + waiting
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from npattn.gpu import launch, sources
 from npattn.gpu.options import ALL, Option, describe, options_of
 from npattn.core.kernel_params import Int, Real
 
-from conftest import backend_params, nvrtc_or_skip
+from conftest import backend_params, nvrtc_or_skip, started_in_turn
 from tolerances import assert_close
 from strategies import Case, Dims, cases, layouts, to_layout
 from test_backend_equivalence import check_backward, check_forward
@@ -44,14 +44,23 @@ def test_every_kernel_instantiation_compiles_for_every_architecture(machine_code
         assert len(set(lowered.values())) == len(lowered), f"{architecture}: two instantiations share a symbol"
 
 
+def hopper_tiles():
+    """NVRTC's compile of every tile the harness times, for sm_90 (25 s on 2 cores): conftest
+    starts it at collection (:func:`conftest.started_in_turn`), so that it runs beside the
+    other tests."""
+    from npattn.gpu import nvrtc
+    from npattn.tools import tune_gpu
+
+    return nvrtc.check_compiles("sm_90", names=tune_gpu.names())
+
+
 def test_every_tile_the_harness_times_compiles_for_hopper():
     """What `bench --gpu --tiles` (npattn.tools.tune_gpu) will compile on a lent GPU, whose
     minutes are scarce: a candidate that does not compile is found here first."""
     nvrtc_or_skip()
-    from npattn.gpu import nvrtc
     from npattn.tools import tune_gpu
 
-    lowered = nvrtc.check_compiles("sm_90", names=tune_gpu.names())
+    lowered = started_in_turn("hopper-tiles", hopper_tiles).result()
     assert len(lowered) == len(tune_gpu.names()) == len(set(lowered.values()))
 
 
