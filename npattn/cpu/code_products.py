@@ -445,12 +445,15 @@ def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, scales, scale_offset, sc
         if WIDE_VECTORS == 8:
             s6 = multiply_add(weight, _values(codes, at, x0 + 6 * lanes, zero, decode), s6)
             s7 = multiply_add(weight, _values(codes, at, x0 + 7 * lanes, zero, decode), s7)
-    _add_block(c, c_at, lanes, s0, s1, s2, s3)  # (VECTOR_BLOCK vectors: 4, or 2 with AVX2)
-    if VECTOR_BLOCK == 2:
-        _add_block(c, c_at + 2 * lanes, lanes, s2, s3, s2, s3)
-    _add_block(c, c_at + 4 * lanes, lanes, s4, s5, s6, s7)
-    if WIDE_VECTORS == 8 and VECTOR_BLOCK == 2:
-        _add_block(c, c_at + 6 * lanes, lanes, s6, s7, s6, s7)
+    _add_into(c, c_at, s0)
+    _add_into(c, c_at + lanes, s1)
+    _add_into(c, c_at + 2 * lanes, s2)
+    _add_into(c, c_at + 3 * lanes, s3)
+    _add_into(c, c_at + 4 * lanes, s4)
+    _add_into(c, c_at + 5 * lanes, s5)
+    if WIDE_VECTORS == 8:
+        _add_into(c, c_at + 6 * lanes, s6)
+        _add_into(c, c_at + 7 * lanes, s7)
 
 
 @helper
@@ -481,15 +484,22 @@ def _one_vector(p, p_at, codes, b_at, x0, b_row, scales, scale_offset, scale_ste
         weight = _weight(p, p_at + j, _weight_scale(scales, scale_offset + j * scale_step, unit, decode, scaled_first),
                          c)
         s0 = multiply_add(weight, _values(codes, b_at + j * b_row, x0, zero, decode), s0)
-    store(c, c_at, add(load(c, c_at), s0))
+    _add_into(c, c_at, s0)
 
 
 @helper
 def _add_block(c, at, lanes, s0, s1, s2, s3):
     """A row's :data:`VECTOR_BLOCK` accumulators added into ``c`` from ``at``."""
     always_inline()
-    store(c, at, add(load(c, at), s0))
-    store(c, at + lanes, add(load(c, at + lanes), s1))
+    _add_into(c, at, s0)
+    _add_into(c, at + lanes, s1)
     if VECTOR_BLOCK == 4:
-        store(c, at + 2 * lanes, add(load(c, at + 2 * lanes), s2))
-        store(c, at + 3 * lanes, add(load(c, at + 3 * lanes), s3))
+        _add_into(c, at + 2 * lanes, s2)
+        _add_into(c, at + 3 * lanes, s3)
+
+
+@helper
+def _add_into(c, at, total):
+    """The vector ``total`` added into ``c`` at ``at``."""
+    always_inline()
+    store(c, at, add(load(c, at), total))
