@@ -176,7 +176,7 @@ def started_in_turn(name, work):
 
         if not _IN_TURN:
             _IN_TURN.append(ThreadPoolExecutor(1, thread_name_prefix="npattn-tests-in-turn"))
-        earlier = [future for future in _STARTED.values()]
+        earlier = list(_STARTED.values())
 
         def after_the_builds():
             for future in earlier:
