@@ -81,6 +81,7 @@ class ForwardPlan:
         # (a call whose rows are all live: the kernel writes both whole)
         self.out_empty = zeros_maker(self.out_shape, out_dtype, zeroed=False)
         self.lse_empty = functools.partial(np.empty, self.lse_shape, dtype)
+        self.packed_rows = problem.packed_rows
         self.weights_shape = (batch, heads, q_len, problem.kv_len)
         # each key range's rows go to their own (out, lse) slice, merged after the kernel
         self.parts_shape = (self.splits, batch, heads, q_len, value_dim)
@@ -145,9 +146,12 @@ class ForwardPlan:
             ops = self.operands.operands(q, k, v, arrays)
             if run is not None:
                 self._scale_run = (run.problem, tuple(ops[_OPTIONS]))
-            out = self.out_zeros()
-            lse = np.empty(self.lse_shape, dtype)
-            lse.fill(-np.inf)  # (np.full, in Python, costs a small call 4 us more)
+            if self._every_row_written(arrays):  # (zeroing out cost a big call 1-2 ms)
+                out, lse = self.out_empty(), self.lse_empty()
+            else:
+                out = self.out_zeros()
+                lse = np.empty(self.lse_shape, dtype)
+                lse.fill(-np.inf)  # (np.full, in Python, costs a small call 4 us more)
         else:  # every row is live: the kernel writes out and lse whole
             out, lse = self.out_empty(), self.lse_empty()
         if self.splits > 1:
@@ -195,6 +199,15 @@ class ForwardPlan:
             finally:
                 end_reuse()
         return self._result(out, lse, weights, status)
+
+    def _every_row_written(self, arrays) -> bool:
+        """Whether this call writes every row of out and lse, so they need no zeros first:
+        the merge of key ranges writes them whole, and the kernel writes every live row,
+        which is every row unless query lengths or starts (``arrays``'), or packed
+        entries, leave some out."""
+        if self.splits > 1 or arrays is None:
+            return True
+        return not self.packed_rows and arrays.q_start is None and arrays.q_lengths is None
 
     def _result(self, out, lse, weights, status, narrow=None) -> ForwardResult:
         """The :class:`ForwardResult` of a run's out, lse, weights (all bhsd as the kernel

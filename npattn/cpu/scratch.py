@@ -109,8 +109,8 @@ def zeros_maker(shape: tuple, dtype, zeroed: bool = True) -> Callable[[], np.nda
 
     def aligned() -> np.ndarray:
         array = _allocate(size, dtype).reshape(shape)
-        if zeroed:
-            array.fill(0)
+        if zeroed:  # (as bytes: ml_dtypes' bfloat16 fill takes 4x as long)
+            array.view(np.uint8).fill(0)
         return array
     return aligned
 
