@@ -14,7 +14,9 @@ from hypothesis import given, strategies as st
 
 import npattn
 from npattn.cpu import simd
-from npattn.cpu.tuning import tuned
+from npattn.cpu.microkernels import chunk_columns
+from npattn.cpu.operands import Int
+from npattn.cpu.tuning import current, tuned
 import tolerances
 
 needs_bf16 = pytest.mark.skipif(not simd.BF16_DOT, reason="the CPU has no AVX512_BF16")
@@ -37,11 +39,8 @@ def test_bfloat16_products_keep_the_bfloat16_bound(batch, kv_heads, group, q_len
     if dropout:
         options.update(dropout_p=dropout, seed=seed)
     if paged and kv_len % 4 == 0:  # pools of 4-key pages, in a shuffled order
-        per_entry = kv_len // 4
-        table = rng.permutation(batch * per_entry).reshape(batch, per_entry)
-        pool = lambda x: x.transpose(0, 2, 1, 3).reshape(batch * per_entry, 4, kv_heads, head_dim)[  # noqa: E731
-            np.argsort(table.reshape(-1))]
-        arguments = (q.transpose(0, 2, 1, 3), pool(k), pool(v))
+        table = rng.permutation(batch * kv_len // 4).reshape(batch, kv_len // 4)
+        arguments = (q.transpose(0, 2, 1, 3), _paged(k, table), _paged(v, table))
         options.update(block_table=table, layout="bshd")
     else:
         arguments = (q, k, v)
@@ -187,3 +186,77 @@ def _fused_and_later():
         pair_rows(later, 3, row, 2, n, later_pairs, pair_row)
         return fused_sums, later_sums, fused_pairs, later_pairs
     return both
+
+
+@needs_bf16
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
+       q_len=st.integers(1, 90), kv_len=st.integers(1, 130), head_dim=st.sampled_from([16, 32, 64]),
+       tiles=st.sampled_from([(8, 16), (16, 32), (24, 48), (5, 16)]), visibility=st.sampled_from(
+           [{}, {"causal": True}, {"causal": "top_left"}, {"window": (20, 0), "sinks": 3}, {"window": (7, 9)}]),
+       lengths=st.booleans(), paged=st.booleans(), slots=st.sampled_from([1, 2, None]),
+       seed=st.integers(0, 2**32 - 1))
+def test_key_tiles_kept_packed_give_the_bits_of_tiles_packed_where_read(batch, kv_heads, group, q_len, kv_len,
+                                                                        head_dim, tiles, visibility, lengths, paged,
+                                                                        slots, seed):
+    """A bfloat16 forward keeps a kv head's whole key tiles packed for its next query
+    tile and head (tuning.key_cache_bytes, here room for ``slots`` tiles or all of them):
+    a tile read from there gives the same bits as one packed where read, on and off the
+    tile grid (windows, left padding, lengths that cut a tile, odd key counts, pages)."""
+    rng = np.random.default_rng(seed)
+    heads = kv_heads * group
+    q = rng.normal(size=(batch, heads, q_len, head_dim)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.normal(size=(batch, kv_heads, kv_len, head_dim)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    options = dict(visibility)
+    if lengths:
+        options.update(kv_lengths=rng.integers(0, kv_len + 1, batch), kv_start=rng.integers(0, 3, batch) % kv_len,
+                       q_lengths=rng.integers(1, q_len + 1, batch))
+        for x in (k, v):  # keys no row sees may hold anything: a whole tile kept reads them
+            for b in range(batch):
+                x[b, :, options["kv_lengths"][b]:] = np.nan
+                x[b, :, :options["kv_start"][b]] = np.inf
+    arguments = (q, k, v)
+    if paged and kv_len % 4 == 0:  # pools of 4-key pages, in a shuffled order
+        table = rng.permutation(batch * kv_len // 4).reshape(batch, kv_len // 4)
+        arguments = (q.transpose(0, 2, 1, 3), *(_paged(x, table) for x in (k, v)))
+        options.update(block_table=table, layout="bshd")
+    block_q, block_k = tiles
+    with npattn.cpu.tile_sizes(block_q, block_k), tuned(key_cache_bytes=0):
+        expected = npattn.attention(*arguments, **options)
+    budget = (slots or 1000) * _slot_bytes(head_dim, block_k)
+    with npattn.cpu.tile_sizes(block_q, block_k), tuned(key_cache_bytes=budget):
+        out = npattn.attention(*arguments, **options)
+    np.testing.assert_array_equal(out.view(np.uint16), expected.view(np.uint16))
+
+
+def _paged(x, table):
+    """bhsd ``x`` as a pool of 4-key pages (pages, 4, Hkv, D) that ``table`` lays out."""
+    batch, kv_heads, kv_len, head_dim = x.shape
+    pages = x.transpose(0, 2, 1, 3).reshape(batch * kv_len // 4, 4, kv_heads, head_dim)
+    return pages[np.argsort(table.reshape(-1))]
+
+
+def _slot_bytes(head_dim, block_k):
+    """The bytes of a kept key tile and its value pairs (tiles.cache_slot_sizes)."""
+    ld = -(-block_k // chunk_columns(np.float32)) * chunk_columns(np.float32)
+    return 4 * (head_dim // 2 * ld + block_k // 2 * head_dim)
+
+
+@needs_bf16
+def test_a_bfloat16_prefill_keeps_its_key_tiles_packed_where_a_tile_is_read_twice():
+    """(So the test above runs the kept tiles: a forward of several query tiles, or of
+    several heads per kv head, keeps the whole key tiles up to its budget; one that reads
+    each tile once, none.)"""
+    from npattn.cpu.driver import forward_plan
+    from npattn.core.validation import build_problem
+
+    def slots(q_len, kv_len, heads=2, kv_heads=2, **options):
+        q = np.zeros((1, heads, q_len, 64), ml_dtypes.bfloat16)
+        k = np.zeros((1, kv_heads, kv_len, 64), ml_dtypes.bfloat16)
+        problem = build_problem(q, k, k, **options)
+        return int(forward_plan(problem, current()).operands.ints[Int.KEY_CACHE_SLOTS])
+
+    with npattn.cpu.tile_sizes(16, 32), tuned(key_cache_bytes=3 * _slot_bytes(64, 32)):
+        assert slots(40, 100) == 3  # 100 keys: 3 whole tiles, all within the budget
+        assert slots(40, 200) == 3  # 6 whole tiles, 3 within the budget
+        assert slots(16, 100) == 0  # one query tile per head: each key tile read once
+        assert slots(16, 100, heads=4, kv_heads=2) == 3  # GQA: read by each head of a group

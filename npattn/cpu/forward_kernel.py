@@ -32,10 +32,10 @@ from .operands import Int, KvCodes, Real
 from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_shifted_to_pairs, row_max, short_row_max
 from .code_products import code_product
 from .microkernels import pair_product, product
-from .tiles import (accumulator_start, apply_dropout, band_keys, codes_in_registers, convert_query_rows,
-                    dequantize_tile, key_segments, memory_batch, memory_batches, narrow_row, pack_key_tile,
-                    pack_value_pairs, page_run, pair_rows, pair_tiles, prefetch_key_rows, query_offset, query_rows,
-                    score_tile, span, v_row, v_scale_row, value_tile_rows)
+from .tiles import (accumulator_start, apply_dropout, band_keys, cache_slot_sizes, cached_key_tile,
+                    codes_in_registers, convert_query_rows, dequantize_tile, key_cache, key_segments, memory_batch,
+                    memory_batches, narrow_row, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles,
+                    prefetch_key_rows, query_offset, query_rows, score_tile, span, v_row, v_scale_row, value_tile_rows)
 from .operands import Span
 
 
@@ -119,6 +119,11 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     # rows, written rounded into out when the item is done (_sums_rows)
     out_codes = ints[Int.OUT_CODES]
     sums_array = dequantized[accumulator_start(ints):] if out_codes else out
+    # (KEY_CACHE_SLOTS) the key tiles this thread keeps packed: the kv head's first
+    # ``cached`` whole tiles, of entry and kv head ``cache_owner``
+    key_cache_tiles, value_cache_tiles = key_cache(ints, dequantized)
+    cache_key_size, cache_value_size = cache_slot_sizes(ints[Int.HEAD_DIM], dv, block_k, ld)
+    cache_owner, cached = -1, 0
     while True:
         item = next_item(counter)
         if item >= items:
@@ -160,10 +165,27 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     if quantized and not in_registers:
                         dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                         dequantized)
-                    pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
+                    # the tile's packed keys (and with BF16_PRODUCTS its value pairs): kept from an
+                    # earlier query tile or head, or packed now
+                    key_tile, value_pairs, from_cache = packed[:], v_pairs[:], False
+                    slot = cached_key_tile(ints, j0, cols)
+                    if slot >= 0:
+                        owner = b * ints[Int.KV_HEADS] + kv_head
+                        if owner != cache_owner:
+                            cache_owner, cached = owner, 0
+                        if slot <= cached:  # (the slot after the kept ones: packed whole now)
+                            key_tile = key_cache_tiles[slot * cache_key_size:]
+                            value_pairs = value_cache_tiles[slot * cache_value_size:]
+                            from_cache = True
+                            if slot == cached:
+                                pack_key_tile(k, tile, pages, ints, b, kv_head, j0, block_k, key_tile)
+                                pack_value_pairs(v, pages, ints, b, kv_head, j0, block_k, value_pairs)
+                                cached += 1
+                    if not from_cache:
+                        pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, key_tile)
                     query, q_offset, q_row = query_rows(q, dequantized, ints, b, h, g, i0)
                     full = score_tile(query, q_offset, q_row, k, tile, k_codes, k_scale, bias, mask, alibi, spans,
-                                      pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows, j0, cols)
+                                      pages, ints, reals, s, ld, tanh, key_tile, b, h, i0, rows, j0, cols)
                     # a bfloat16 tile's probabilities go to pairs as exp makes them (not with
                     # dropout, which needs them in s first, nor on short rows, exp'd inline)
                     pair_ld = half_ld if (bf16 and not ints[Int.HAS_DROPOUT]
@@ -175,7 +197,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                             # a score rose more than _HEADROOM above its row's max (rare: the running
                             # max is usually set by the first tile): recompute the scores
                             score_tile(query, q_offset, q_row, k, tile, k_codes, k_scale, bias, mask, alibi, spans,
-                                       pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows, j0, cols)
+                                       pages, ints, reals, s, ld, tanh, key_tile, b, h, i0, rows, j0, cols)
                         _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, sums_array,
                                           out_offset, out_row_stride, dv, bf16, p_pairs, pair_ld)
                     if ints[Int.HAS_DROPOUT]:
@@ -190,12 +212,13 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     if ints[Int.VECTOR_VALUES] and bf16:  # P rounded to bfloat16, V in pairs of keys
                         if not pair_ld:
                             pair_rows(s, 0, ld, rows, cols, p_pairs, half_ld)
-                        pack_value_pairs(v, pages, ints, b, kv_head, j0, cols, v_pairs)
+                        if not from_cache:
+                            pack_value_pairs(v, pages, ints, b, kv_head, j0, cols, value_pairs)
                         band = rows if full else ints[Int.EDGE_BAND]
                         for r0 in range(0, rows, band):
                             band_rows = smaller(band, rows - r0)
                             depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
-                            pair_product(p_pairs, r0 * half_ld, half_ld, v_pairs, 0, dv, sums_array,
+                            pair_product(p_pairs, r0 * half_ld, half_ld, value_pairs, 0, dv, sums_array,
                                          out_offset + r0 * out_row_stride, out_row_stride, band_rows, (depth + 1) // 2,
                                          dv, 1.0, True)
                     elif ints[Int.VECTOR_VALUES]:

@@ -503,10 +503,24 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     # range: several are float32 parts merged afterwards)
     out_codes = KvCodes.BFLOAT16 if pairs else q_codes
     ints[Int.OUT_CODES] = out_codes if kind == "forward" and ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
+    ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning) if pairs else 0
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = element_strides(problem.k_scale)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = element_strides(problem.v_scale)
     return _frozen(np.array(ints, np.int64)), _frozen(problem_reals(problem, dtype))
+
+
+def _key_cache_slots(problem, ints, tuning: Tuning) -> int:
+    """How many whole key tiles a bfloat16 forward keeps packed per thread (from the
+    first; at most ``tuning.key_cache_bytes`` of them): 0 where no tile is read twice (one
+    query tile per kv head)."""
+    block_q, block_k, ld = int(ints[Int.BLOCK_Q]), int(ints[Int.BLOCK_K]), int(ints[Int.SCORE_LD])
+    if -(-problem.q_len // block_q) * problem.group_size < 2:
+        return 0
+    from .tiles import cache_slot_sizes  # (its Python function: one formula for the kernel and here)
+
+    slot_bytes = 4 * sum(cache_slot_sizes.py_func(problem.head_dim, problem.value_dim, block_k, ld))
+    return min(problem.kv_len // block_k, tuning.key_cache_bytes // slot_bytes)
 
 
 # Plans by (kind, tuning, rows per position, problem signature without the seed)

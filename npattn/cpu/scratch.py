@@ -157,9 +157,12 @@ def dequantized_tile_spec(ints, dtype) -> tuple:
     # (with OUT_CODES the float32 sums of an item's out rows last: forward_kernel._sums_rows)
     sums = rows * int(ints[Int.HEAD_GROUP]) * value_dim if ints[Int.OUT_CODES] else 0
     if ints[Int.BF16_PRODUCTS]:
-        from .tiles import pair_tile_sizes  # (its Python function: one formula for the kernel and here)
+        # (their Python functions: one formula for the kernel and here)
+        from .tiles import cache_slot_sizes, pair_tile_sizes
 
-        return sum(pair_tile_sizes.py_func(rows, keys, value_dim, int(ints[Int.SCORE_LD]))) + sums, dtype
+        ld = int(ints[Int.SCORE_LD])
+        cache = int(ints[Int.KEY_CACHE_SLOTS]) * sum(cache_slot_sizes.py_func(head_dim, value_dim, keys, ld))
+        return sum(pair_tile_sizes.py_func(rows, keys, value_dim, ld)) + sums + cache, dtype
     if not ints[Int.KV_CODES]:
         return 1, dtype
     # (and with Q_CODES an item's queries, HEAD_GROUP x BLOCK_Q rows: tiles.convert_query_rows)

@@ -558,6 +558,44 @@ def pair_tile_sizes(rows, keys, value_dim, ld):
     return rows * ((ld + 1) // 2), (keys + 1) // 2 * value_dim
 
 
+@njit(inline="always")
+def cache_slot_sizes(head_dim, value_dim, keys, ld):
+    """The float32 words of one slot of :func:`key_cache`: a key tile packed as
+    :func:`pack_key_tile` packs it in pairs (D / 2 x SCORE_LD), and its values as
+    :func:`pack_value_pairs` packs them (BLOCK_K / 2 x Dv)."""
+    return head_dim // 2 * ld, (keys + 1) // 2 * value_dim
+
+
+@njit(inline="always")
+def key_cache(ints, scratch):
+    """KEY_CACHE_SLOTS: ``(keys, values)``, the packed key tiles and value pairs a thread
+    keeps (:func:`cached_key_tile`), carved from its :func:`dequantize_tile` scratch after
+    the pair tiles and the out rows' sums: slot n's tiles at n times
+    :func:`cache_slot_sizes`."""
+    start = accumulator_start(ints)
+    if ints[Int.OUT_CODES]:
+        start += ints[Int.HEAD_GROUP] * ints[Int.BLOCK_Q] * ints[Int.VALUE_DIM]
+    key_size, value_size = cache_slot_sizes(ints[Int.HEAD_DIM], ints[Int.VALUE_DIM], ints[Int.BLOCK_K],
+                                            ints[Int.SCORE_LD])
+    keys_end = start + ints[Int.KEY_CACHE_SLOTS] * key_size
+    return scratch[start:keys_end], scratch[keys_end:keys_end + ints[Int.KEY_CACHE_SLOTS] * value_size]
+
+
+@njit(inline="always")
+def cached_key_tile(ints, j0, cols):
+    """The slot of :func:`key_cache` that serves keys ``[j0, j0 + cols)``, or -1: a tile on
+    the grid of whole tiles (j0 a multiple of BLOCK_K) whose whole tile lies in k's memory,
+    with an even key count. Such a slot holds the whole tile: the keys past ``cols`` give
+    scores past the tile's columns, which nothing reads (as nothing reads the padding's),
+    and P V's pairs stop at ``cols`` (an odd count would pair its last probability with
+    the next key's value, which may be anything: a NaN, even)."""
+    block_k = ints[Int.BLOCK_K]
+    slot = j0 // block_k
+    if (j0 % block_k or cols % 2 or slot >= ints[Int.KEY_CACHE_SLOTS] or j0 + block_k > ints[Int.KV_LEN]):
+        return -1
+    return slot
+
+
 @helper
 def pack_value_tile(v, value_rows, pages, ints, b, kv_head, j0, cols, packed):
     """Values ``[j0, j0 + cols)`` of ``kv_head`` as V^T (Dv x SCORE_LD) after the key tile

@@ -35,6 +35,11 @@ from dataclasses import dataclass
 # 157-161 -> 142-222 (a loss in one run); D = 64: 1 row 37 -> 22, 4 rows 38 -> 27,
 # 8 rows 64 -> 57, 12 rows 62 -> 61, 16 rows 81 -> 89.
 DOT_ROWS = 8
+# The most a thread keeps of a kv head's key tiles packed (npattn.cpu.tiles.key_cache):
+# a bfloat16 forward packs each key tile it reads (K^T in pairs, and its values in pairs
+# of keys), and every query tile of a head and every head of a kv group reads the same
+# tiles. Packing took 5% of a (4, 16, 1024, 64) causal forward on the 2-core Zen 4 VM.
+KEY_CACHE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,9 @@ class Tuning:
     at most this many rows per kv head (Sq x H / Hkv: a decode step, the GQA heads of a
     group folded in) take their scores as dot products of the key rows, with no packed
     key tile (0: never); ``bf16_products``: a bfloat16 forward multiplies in bfloat16 where
-    the CPU can (:func:`npattn.cpu.operands.bf16_products`; False: in float32)."""
+    the CPU can (:func:`npattn.cpu.operands.bf16_products`; False: in float32);
+    ``key_cache_bytes``: the most a bfloat16 forward keeps per thread of a kv head's key
+    tiles packed for its next query tile or head (0: none, each tile packed where read)."""
 
     forward: tuple = (192, 384)
     backward: tuple = (96, 192)
@@ -54,6 +61,7 @@ class Tuning:
     vector: bool | None = None
     dot_rows: int = DOT_ROWS
     bf16_products: bool = True
+    key_cache_bytes: int = KEY_CACHE_BYTES
 
     @property
     def vector_products(self) -> bool:
