@@ -71,7 +71,7 @@ Int = _positions("Int", (
     # (q's dtype, a KvCodes) seen as float32 words: each item sums its rows in float32
     # scratch and writes them rounded (out_strides still count out's own elements)
     "OUT_CODES",
-    # CPU forward with BF16_PRODUCTS: whole key tiles a thread keeps packed for the kv head
+    # CPU forward with BF16_PRODUCTS: the key tiles a thread keeps packed for the kv head
     # it works on (0: none), so the next query tile or head of that kv head reads them
     # packed (cpu.tiles.cached_key_tile)
     "KEY_CACHE_SLOTS",

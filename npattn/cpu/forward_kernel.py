@@ -119,8 +119,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     # rows, written rounded into out when the item is done (_sums_rows)
     out_codes = ints[Int.OUT_CODES]
     sums_array = dequantized[accumulator_start(ints):] if out_codes else out
-    # (KEY_CACHE_SLOTS) the key tiles this thread keeps packed: the kv head's first
-    # ``cached`` whole tiles, of entry and kv head ``cache_owner``
+    # (KEY_CACHE_SLOTS) the key tiles this thread keeps packed: the first ``cached`` tiles
+    # of entry and kv head ``cache_owner``
     key_cache_tiles, value_cache_tiles = key_cache(ints, dequantized)
     cache_key_size, cache_value_size = cache_slot_sizes(ints[Int.HEAD_DIM], dv, block_k, ld)
     cache_owner, cached = -1, 0
@@ -168,18 +168,18 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     # the tile's packed keys (and with BF16_PRODUCTS its value pairs): kept from an
                     # earlier query tile or head, or packed now
                     key_tile, value_pairs, from_cache = packed[:], v_pairs[:], False
-                    slot = cached_key_tile(ints, j0, cols)
+                    slot, slot_keys = cached_key_tile(ints, j0, cols)
                     if slot >= 0:
                         owner = b * ints[Int.KV_HEADS] + kv_head
                         if owner != cache_owner:
                             cache_owner, cached = owner, 0
-                        if slot <= cached:  # (the slot after the kept ones: packed whole now)
+                        if slot <= cached:  # (the slot after the kept ones: packed now, as far as k goes)
                             key_tile = key_cache_tiles[slot * cache_key_size:]
                             value_pairs = value_cache_tiles[slot * cache_value_size:]
                             from_cache = True
                             if slot == cached:
-                                pack_key_tile(k, tile, pages, ints, b, kv_head, j0, block_k, key_tile)
-                                pack_value_pairs(v, pages, ints, b, kv_head, j0, block_k, value_pairs)
+                                pack_key_tile(k, tile, pages, ints, b, kv_head, j0, slot_keys, key_tile)
+                                pack_value_pairs(v, pages, ints, b, kv_head, j0, slot_keys, value_pairs)
                                 cached += 1
                     if not from_cache:
                         pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, key_tile)

@@ -520,7 +520,7 @@ def _key_cache_slots(problem, ints, tuning: Tuning) -> int:
     from .tiles import cache_slot_sizes  # (its Python function: one formula for the kernel and here)
 
     slot_bytes = 4 * sum(cache_slot_sizes.py_func(problem.head_dim, problem.value_dim, block_k, ld))
-    return min(problem.kv_len // block_k, tuning.key_cache_bytes // slot_bytes)
+    return min(-(-problem.kv_len // block_k), tuning.key_cache_bytes // slot_bytes)
 
 
 # Plans by (kind, tuning, rows per position, problem signature without the seed)

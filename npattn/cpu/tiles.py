@@ -583,17 +583,19 @@ def key_cache(ints, scratch):
 
 @njit(inline="always")
 def cached_key_tile(ints, j0, cols):
-    """The slot of :func:`key_cache` that serves keys ``[j0, j0 + cols)``, or -1: a tile on
-    the grid of whole tiles (j0 a multiple of BLOCK_K) whose whole tile lies in k's memory,
-    with an even key count. Such a slot holds the whole tile: the keys past ``cols`` give
-    scores past the tile's columns, which nothing reads (as nothing reads the padding's),
-    and P V's pairs stop at ``cols`` (an odd count would pair its last probability with
-    the next key's value, which may be anything: a NaN, even)."""
+    """``(slot, keys)``: the slot of :func:`key_cache` that serves keys ``[j0, j0 + cols)``
+    and the keys it holds, or (-1, 0). A slot holds a tile of the grid of whole tiles (j0 a
+    multiple of BLOCK_K) as far as k's memory goes, and serves any of its first keys but
+    for an odd count short of its end: the keys past ``cols`` give scores past the tile's
+    columns, which nothing reads (as nothing reads the padding's), and P V's pairs stop
+    at ``cols``, where an odd count would pair its last probability with the next key's
+    value, which may be anything (a NaN, even) instead of the padding's zero."""
     block_k = ints[Int.BLOCK_K]
     slot = j0 // block_k
-    if (j0 % block_k or cols % 2 or slot >= ints[Int.KEY_CACHE_SLOTS] or j0 + block_k > ints[Int.KV_LEN]):
-        return -1
-    return slot
+    keys = smaller(block_k, ints[Int.KV_LEN] - j0)
+    if j0 % block_k or slot >= ints[Int.KEY_CACHE_SLOTS] or (cols % 2 and cols != keys):
+        return -1, 0
+    return slot, keys
 
 
 @helper
