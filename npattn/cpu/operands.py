@@ -517,10 +517,16 @@ def _key_cache_slots(problem, ints, tuning: Tuning) -> int:
     block_q, block_k, ld = int(ints[Int.BLOCK_Q]), int(ints[Int.BLOCK_K]), int(ints[Int.SCORE_LD])
     if -(-problem.q_len // block_q) * problem.group_size < 2:
         return 0
-    from .tiles import cache_slot_sizes  # (its Python function: one formula for the kernel and here)
-
-    slot_bytes = 4 * sum(cache_slot_sizes.py_func(problem.head_dim, problem.value_dim, block_k, ld))
+    slot_bytes = 4 * sum(cache_slot_words(problem.head_dim, problem.value_dim, block_k, ld))
     return min(-(-problem.kv_len // block_k), tuning.key_cache_bytes // slot_bytes)
+
+
+def cache_slot_words(head_dim, value_dim, keys, ld):
+    """The float32 words of one slot of :func:`npattn.cpu.tiles.key_cache`: a key tile
+    packed in pairs as :func:`~npattn.cpu.tiles.pack_key_tile` packs it (D / 2 x
+    SCORE_LD), and its values as :func:`~npattn.cpu.tiles.pack_value_pairs` packs them
+    (BLOCK_K / 2 x Dv). Plain Python: the kernels compile it too."""
+    return head_dim // 2 * ld, (keys + 1) // 2 * value_dim
 
 
 # Plans by (kind, tuning, rows per position, problem signature without the seed)

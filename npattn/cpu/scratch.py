@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .operands import Int
+from .operands import Int, cache_slot_words
 
 # Cache-line alignment: the micro-kernels' 64-byte vector loads and stores would each
 # touch two lines where a row starts off a line (NumPy's own alignment is 16 bytes
@@ -157,11 +157,10 @@ def dequantized_tile_spec(ints, dtype) -> tuple:
     # (with OUT_CODES the float32 sums of an item's out rows last: forward_kernel._sums_rows)
     sums = rows * int(ints[Int.HEAD_GROUP]) * value_dim if ints[Int.OUT_CODES] else 0
     if ints[Int.BF16_PRODUCTS]:
-        # (their Python functions: one formula for the kernel and here)
-        from .tiles import cache_slot_sizes, pair_tile_sizes
+        from .tiles import pair_tile_sizes  # (its Python function: one formula for the kernel and here)
 
         ld = int(ints[Int.SCORE_LD])
-        cache = int(ints[Int.KEY_CACHE_SLOTS]) * sum(cache_slot_sizes.py_func(head_dim, value_dim, keys, ld))
+        cache = int(ints[Int.KEY_CACHE_SLOTS]) * sum(cache_slot_words(head_dim, value_dim, keys, ld))
         return sum(pair_tile_sizes.py_func(rows, keys, value_dim, ld)) + sums + cache, dtype
     if not ints[Int.KV_CODES]:
         return 1, dtype

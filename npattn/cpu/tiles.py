@@ -20,7 +20,7 @@ from .jit import OPTIONS, helper
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
 from .simd import (VECTOR_BYTES, as_float, fill, lanes_in, line_elements, load, load_float16_bits, prefetch,
                    prefetch_to_l2, store, store_bfloat16, store_float16_bits, store_interleaved_pairs)
-from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span
+from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span, cache_slot_words
 from .signatures import as_offset, as_readonly, larger, plain_int, scalar_like, smaller
 
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -558,12 +558,8 @@ def pair_tile_sizes(rows, keys, value_dim, ld):
     return rows * ((ld + 1) // 2), (keys + 1) // 2 * value_dim
 
 
-@njit(inline="always")
-def cache_slot_sizes(head_dim, value_dim, keys, ld):
-    """The float32 words of one slot of :func:`key_cache`: a key tile packed as
-    :func:`pack_key_tile` packs it in pairs (D / 2 x SCORE_LD), and its values as
-    :func:`pack_value_pairs` packs them (BLOCK_K / 2 x Dv)."""
-    return head_dim // 2 * ld, (keys + 1) // 2 * value_dim
+# (the one formula of the operands' plan, which sizes the scratch and counts the slots)
+cache_slot_sizes = njit(inline="always")(cache_slot_words)
 
 
 @njit(inline="always")
@@ -571,7 +567,7 @@ def key_cache(ints, scratch):
     """KEY_CACHE_SLOTS: ``(keys, values)``, the packed key tiles and value pairs a thread
     keeps (:func:`cached_key_tile`), carved from its :func:`dequantize_tile` scratch after
     the pair tiles and the out rows' sums: slot n's tiles at n times
-    :func:`cache_slot_sizes`."""
+    :func:`~npattn.cpu.operands.cache_slot_words`."""
     start = accumulator_start(ints)
     if ints[Int.OUT_CODES]:
         start += ints[Int.HEAD_GROUP] * ints[Int.BLOCK_Q] * ints[Int.VALUE_DIM]
