@@ -12,7 +12,9 @@ the scores (micro-kernel or BLAS, see :mod:`npattn.cpu.microkernels`), the runni
 max ``m`` and sum ``l`` updated per row, the accumulated output rescaled by
 ``exp(m_old - m_new)``, then ``out += P @ V`` straight into the output rows. Extra
 memory is one (block_q x block_k) score tile and one packed key tile per thread
-(:mod:`npattn.cpu.scratch`): no Sq x Sk array is ever formed.
+(:mod:`npattn.cpu.scratch`; a bfloat16 forward keeps its kv head's key tiles packed, up
+to 1 MiB, for the next query tile or head: :func:`~npattn.cpu.tiles.cached_key_tile`):
+no Sq x Sk array is ever formed.
 
 Every kernel takes the flat operands of :class:`~npattn.cpu.operands.Operands` first,
 in its order, and its scratch last before ``counter, items``.

@@ -511,9 +511,9 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
 
 
 def _key_cache_slots(problem, ints, tuning: Tuning) -> int:
-    """How many whole key tiles a bfloat16 forward keeps packed per thread (from the
-    first; at most ``tuning.key_cache_bytes`` of them): 0 where no tile is read twice (one
-    query tile per kv head)."""
+    """How many key tiles a bfloat16 forward keeps packed per thread (:func:`npattn.cpu.
+    tiles.cached_key_tile`; from the first, at most ``tuning.key_cache_bytes`` of them): 0
+    where no tile is read twice (one query tile per kv head)."""
     block_q, block_k, ld = int(ints[Int.BLOCK_Q]), int(ints[Int.BLOCK_K]), int(ints[Int.SCORE_LD])
     if -(-problem.q_len // block_q) * problem.group_size < 2:
         return 0

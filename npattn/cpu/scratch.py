@@ -2,8 +2,8 @@
 
 Each thread of :func:`npattn.cpu.threads.run_items` gets its own set, sized for the
 largest tile from the parameter array ``ints`` (see :mod:`npattn.cpu.operands`):
-one score tile and one packed key and value tile, never a sequence x sequence
-array. Allocating here rather than with ``np.empty`` inside the kernels spares
+one score tile and one packed key and value tile (and a bfloat16 forward's kept key
+tiles, up to 1 MiB), never a sequence x sequence array. Allocating here rather than with ``np.empty`` inside the kernels spares
 the first call's compile Numba's allocation functions, one per dtype, each a
 function of its own that every kernel links and optimizes again.
 """
@@ -151,7 +151,9 @@ def dequantized_tile_spec(ints, dtype) -> tuple:
     pair tiles instead (:func:`npattn.cpu.tiles.pair_tiles`); 1 element otherwise. With
     Q_CODES, a work item's queries as float rows after them (HEAD_GROUP x BLOCK_Q x D,
     :func:`npattn.cpu.tiles.convert_query_rows`), and with OUT_CODES its out rows' sums
-    (HEAD_GROUP x BLOCK_Q x Dv)."""
+    (HEAD_GROUP x BLOCK_Q x Dv); last, with KEY_CACHE_SLOTS, the key tiles a bfloat16
+    forward keeps packed (:func:`npattn.cpu.tiles.key_cache`, at most
+    ``Tuning.key_cache_bytes``)."""
     rows, keys, head_dim, value_dim = (int(ints[name]) for name in (Int.BLOCK_Q, Int.BLOCK_K, Int.HEAD_DIM,
                                                                      Int.VALUE_DIM))
     # (with OUT_CODES the float32 sums of an item's out rows last: forward_kernel._sums_rows)
