@@ -253,9 +253,13 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
         with cpu.products(products):
             return compare(shapes, repeats, backward, out, progress, dtype=dtype)
     shapes = [s if isinstance(s, Shape) else Shape.parse(",".join(map(str, s))) for s in shapes]
-    candidates = {"npattn": _npattn_runs, "naive": _naive_runs}
+    # (npattn's float32 run right after its run in each round, before the naive one, whose
+    # sequence x sequence arrays leave memory to be mapped again: after them, float32 had
+    # run up to 1.2x slower in some rounds, and the ratio of the two moved with it)
+    candidates = {"npattn": _npattn_runs}
     if dtype != "float32":
         candidates["float32"] = _float32_runs
+    candidates["naive"] = _naive_runs
     try:
         import torch  # noqa: F401
         candidates["torch"] = _torch_runs
