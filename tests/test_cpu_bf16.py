@@ -15,7 +15,7 @@ from hypothesis import given, strategies as st
 import npattn
 from npattn.cpu import simd
 from npattn.cpu.microkernels import chunk_columns
-from npattn.cpu.operands import Int
+from npattn.cpu.operands import Int, cache_slot_words
 from npattn.cpu.tuning import current, tuned
 import tolerances
 
@@ -198,8 +198,8 @@ def _fused_and_later():
 def test_key_tiles_kept_packed_give_the_bits_of_tiles_packed_where_read(batch, kv_heads, group, q_len, kv_len,
                                                                         head_dim, tiles, visibility, lengths, paged,
                                                                         slots, seed):
-    """A bfloat16 forward keeps a kv head's whole key tiles packed for its next query
-    tile and head (tuning.key_cache_bytes, here room for ``slots`` tiles or all of them):
+    """A bfloat16 forward keeps a kv head's key tiles packed for its next query tile and
+    head (tuning.key_cache_bytes, here room for ``slots`` tiles or all of them):
     a tile read from there gives the same bits as one packed where read, on and off the
     tile grid (windows, left padding, lengths that cut a tile, odd key counts, pages)."""
     rng = np.random.default_rng(seed)
@@ -236,9 +236,9 @@ def _paged(x, table):
 
 
 def _slot_bytes(head_dim, block_k):
-    """The bytes of a kept key tile and its value pairs (tiles.cache_slot_sizes)."""
+    """The bytes of a kept key tile and its value pairs, at the score tiles' row stride."""
     ld = -(-block_k // chunk_columns(np.float32)) * chunk_columns(np.float32)
-    return 4 * (head_dim // 2 * ld + block_k // 2 * head_dim)
+    return 4 * sum(cache_slot_words(head_dim, head_dim, block_k, ld))
 
 
 @needs_bf16
