@@ -99,6 +99,8 @@ def test_bfloat16_products_are_taken_where_they_pay_and_nowhere_else():
     assert not taken(256, 256, dtype="float32") and not taken(256, 256, dtype="float16")
     assert not taken(256, 256, kind="backward") and not taken(256, 256, return_weights=True)
     assert not taken(1, 4096)  # a decode step's dot products (and 16-bit tiles) instead
+    # from the first row past the dot products' on, short queries and small calls too
+    assert not taken(8, 300) and taken(9, 300) and taken(16, 16) and taken(40, 40, causal=True)
     # the kernels read q, k and v as float32 words of two bfloat16, in a known memory
     # order: an odd head dim, or keys in no such order, take the float32 products on
     # converted copies

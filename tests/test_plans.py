@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 import npattn
 from npattn import cpu
-from npattn.cpu import conversion
+from npattn.cpu import conversion, simd
+from npattn.cpu.tuning import tuned
 from npattn.runtime import plans
 from conftest import count_direct_entries
 from strategies import cases, dims, layouts, to_layout
@@ -274,18 +275,20 @@ def test_threads_sharing_plans_get_their_own_answers():
     assert not failures
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("dtype, bf16_products", [(np.float32, True), (np.float16, True), (ml_dtypes.bfloat16, False),
+                                                   (ml_dtypes.bfloat16, True)])
 @pytest.mark.parametrize("layout, kv_heads", [("bhsd", 8), ("bshd", 8), ("bhsd", 2)])
 def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_bits(monkeypatch, layout, kv_heads,
-                                                                                    dtype):
+                                                                                    dtype, bf16_products):
     """From its second plain call on, a plan calls the forward kernel's compiled entry point
     directly (no dispatcher typing each argument, npattn.cpu.threads.direct_entry): the same
     bits as the first call, in both layouts and with GQA rows folded, float16 too (its keys read
     as bytes a tile at a time, its q read as it lies, each item's rows converted in the kernel,
     which writes out in float16: the bits of widening q and narrowing a float32 out,
-    tests/test_quantized_cache.py; bfloat16 likewise); q at an address off the float's alignment
-    (another Numba type) goes through the dispatcher, with the same bits too (a 16-bit q is then
-    read from an aligned copy)."""
+    tests/test_quantized_cache.py; bfloat16 likewise, and where the CPU multiplies in bfloat16
+    q, k and v read as pairs); q at an address off the float's alignment (another Numba type)
+    goes through the dispatcher, with the same bits too (a 16-bit q is then read from an
+    aligned copy)."""
     direct_calls = count_direct_entries(monkeypatch)
     rng = np.random.default_rng(3)
     heads_axis = 2 if layout == "bshd" else 1
@@ -296,23 +299,28 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
         return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
     q, k, v = shaped(8), shaped(kv_heads), shaped(kv_heads)
-    plan = npattn.plan(q, k, v, causal=True, layout=layout, return_lse=True)
-    first = plan.run(q, k, v)
-    assert not direct_calls
-    again = plan.run(q, k, v)
-    assert direct_calls, "the second plain call did not run the entry point"
-    for a, b in zip(first, again):
-        np.testing.assert_array_equal(a, b)
-    operands = plan._forward_plan.operands
-    if dtype != np.float32 and conversion.MICROKERNELS:  # q read as it lies, out written in its own dtype
-        assert operands.q_codes and plan._forward_plan.out_codes and plan._forward_plan._narrow_out is None
-    buffer = np.zeros(q.nbytes + 1, np.uint8)
-    unaligned = np.frombuffer(buffer.data, dtype, q.size, offset=1).reshape(q.shape)
-    unaligned[...] = q
-    assert not unaligned.flags.aligned
-    direct_calls.clear()
-    for a, b in zip(first, plan.run(unaligned, k, v)):
-        np.testing.assert_array_equal(a, b)
+    with tuned(bf16_products=bf16_products):
+        plan = npattn.plan(q, k, v, causal=True, layout=layout, return_lse=True)
+        first = plan.run(q, k, v)
+        assert not direct_calls
+        again = plan.run(q, k, v)
+        assert direct_calls, "the second plain call did not run the entry point"
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a, b)
+        operands = plan._forward_plan.operands
+        if dtype != np.float32 and conversion.MICROKERNELS:  # q read as it lies, out written in its own dtype
+            # (as pairs where the products take them: not on a decode step's few rows, as bshd's 8 here)
+            assert operands.pairs or operands.q_codes
+            assert operands.pairs == (layout == "bhsd" and bf16_products and dtype == ml_dtypes.bfloat16
+                                      and simd.BF16_DOT)
+            assert plan._forward_plan.out_codes and plan._forward_plan._narrow_out is None
+        buffer = np.zeros(q.nbytes + 1, np.uint8)
+        unaligned = np.frombuffer(buffer.data, dtype, q.size, offset=1).reshape(q.shape)
+        unaligned[...] = q
+        assert not unaligned.flags.aligned
+        direct_calls.clear()
+        for a, b in zip(first, plan.run(unaligned, k, v)):
+            np.testing.assert_array_equal(a, b)
     if kv_heads == 8 and dtype == np.float32:  # (folded GQA rows are a copy of q, aligned again)
         assert not direct_calls
 
