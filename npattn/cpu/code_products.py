@@ -308,11 +308,10 @@ def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offs
         return
     if SCALED_FIRST and (decode == _INT8 or decode == _FLOAT8):
         unit = E4M3_UNIT if decode == _FLOAT8 else _ONE
-        for j in range(cols):
-            scale = scales[as_offset(scale_offset + j * scale_step)] * unit
-            for r in range(rows):
-                at = as_offset(p_offset + r * p_row + j)
-                p[at] = scalar_like(p[at] * scale, c)
+        for r in range(rows):  # (row by row, along the row: vectors of keys)
+            row = as_offset(p_offset + r * p_row)
+            for j in range(as_offset(cols)):
+                p[row + j] = scalar_like(p[row + j] * (scales[as_offset(scale_offset + j * scale_step)] * unit), c)
     wide = WIDE_VECTORS * lanes_in(c)
     wide_end = (width // wide) * wide if rows <= WIDE_ROWS else 0
     if wide_end > 0:
