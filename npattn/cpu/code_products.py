@@ -61,6 +61,9 @@ WIDE_KEYS = 8
 # key and row for 2 FMAs. One core of the Zen 4 VM, (1, 32/8, 4096, 128): forced to AVX2,
 # int8 49.6-52.1 -> 46.1-47.1 ns per key and kv head, e4m3 68.7-70 -> 66-67; with AVX-512's
 # blocks of 4 vectors, e4m3 47.8-48.5 -> 49.5-50.6 (int8 within the noise), so not there.
+# Since the scaling runs along each row in vectors (an AVX2 int8 step's share of it 6.9% ->
+# 2.4%), AVX-512 steps scaled first are still no faster: (1, 32/8, 16384, 128) and
+# (16, 32/8, 2048, 128), int8 and e4m3, within the noise of four alternating processes.
 SCALED_FIRST = VECTOR_BLOCK == 2
 # What an e4m3 code's scale is multiplied by: load_code gives 2**-8 times its value
 E4M3_UNIT = np.float32(256.0)
