@@ -317,6 +317,7 @@ def prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b, 
     # that looked pages up once per run issued the requests faster and an int8 step
     # (1, 32/8, 16384, 128) slowed: 1.88-2.27x float32's speed against 2.47-2.70x this way,
     # three alternating processes (the requests of a tile in one burst wait on each other)
+    k_asked = v_asked = -1  # the lines of scales asked for last
     for j in range(j_start, j_stop):
         if codes:
             _prefetch_tile_span(k_codes, k_row(ints, pages, b, 0, j),
@@ -324,8 +325,16 @@ def prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b, 
             _prefetch_tile_span(v_codes, v_row(ints, pages, b, 0, j),
                                 v_row(ints, pages, b, heads - 1, j) + value_dim * width)
             if codes in (KvCodes.INT8, KvCodes.FLOAT8):  # (16-bit codes have no scales)
-                prefetch_to_l2(k_scale, k_scale_row(ints, pages, b, 0, j))
-                prefetch_to_l2(v_scale, v_scale_row(ints, pages, b, 0, j))
+                # a line of scales holds several keys' (a row of every head's is 8 x 4 bytes
+                # at Hkv = 8): asked for once, by the first key in it
+                k_line = k_scale_row(ints, pages, b, 0, j) // line_elements(k_scale)
+                v_line = v_scale_row(ints, pages, b, 0, j) // line_elements(v_scale)
+                if k_line != k_asked:
+                    prefetch_to_l2(k_scale, k_line * line_elements(k_scale))
+                    k_asked = k_line
+                if v_line != v_asked:
+                    prefetch_to_l2(v_scale, v_line * line_elements(v_scale))
+                    v_asked = v_line
         else:
             _prefetch_tile_span(k, k_row(ints, pages, b, 0, j), k_row(ints, pages, b, heads - 1, j) + head_dim)
             _prefetch_tile_span(v, v_row(ints, pages, b, 0, j), v_row(ints, pages, b, heads - 1, j) + value_dim)
