@@ -359,7 +359,8 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     :func:`bf16_products`: short queries and small calls too, where the tiles had been
     kept for them; measured on the 2-core Zen 4 VM, planned calls, bfloat16 over float32
     time: (4, 8, 32 x 32, 64) 1.11 -> 0.86x, (1, 8, 128 x 128, 64) causal 0.93 -> 0.77x,
-    (1, 8, 16 x 1024, 64) 1.06 -> 0.73x, (1, 8, 16 x 16, 64) causal 1.15 -> 1.13x); else as
+    (1, 8, 16 x 1024, 64) 1.06 -> 0.73x, (1, 8, 16 x 16, 64) causal 1.15 -> 1.13x, and
+    1.01x with :meth:`OperandPlan.entry_operands` viewing the pairs directly); else as
     they are (a converted float32 copy for 16-bit floats).
     Bits are the same either way: the conversion is exact and the products see the same
     values in the same order.

@@ -327,17 +327,24 @@ def prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b, 
             if codes in (KvCodes.INT8, KvCodes.FLOAT8):  # (16-bit codes have no scales)
                 # a line of scales holds several keys' (a row of every head's is 8 x 4 bytes
                 # at Hkv = 8): asked for once, by the first key in it
-                k_line = k_scale_row(ints, pages, b, 0, j) // line_elements(k_scale)
-                v_line = v_scale_row(ints, pages, b, 0, j) // line_elements(v_scale)
+                k_at, v_at = k_scale_row(ints, pages, b, 0, j), v_scale_row(ints, pages, b, 0, j)
+                k_line, v_line = _line_of(k_scale, k_at), _line_of(v_scale, v_at)
                 if k_line != k_asked:
-                    prefetch_to_l2(k_scale, k_line * line_elements(k_scale))
+                    prefetch_to_l2(k_scale, k_at)
                     k_asked = k_line
                 if v_line != v_asked:
-                    prefetch_to_l2(v_scale, v_line * line_elements(v_scale))
+                    prefetch_to_l2(v_scale, v_at)
                     v_asked = v_line
         else:
             _prefetch_tile_span(k, k_row(ints, pages, b, 0, j), k_row(ints, pages, b, heads - 1, j) + head_dim)
             _prefetch_tile_span(v, v_row(ints, pages, b, 0, j), v_row(ints, pages, b, heads - 1, j) + value_dim)
+
+
+@njit(inline="always")
+def _line_of(array, index):
+    """The number of the 64-byte cache line that holds ``array[index]`` (counted from
+    the line of the array's first element, wherever in its line that lies)."""
+    return (index + array.ctypes.data % 64 // array.itemsize) // line_elements(array)
 
 
 @njit(inline="always")
