@@ -1,5 +1,6 @@
 """A decode step's products straight from a cache's codes, converted in registers: int8 or
-float8 e4m3 codes with a scale per key, or float16 / bfloat16 values.
+float8 e4m3 codes with a scale per key, or float16 / bfloat16 values (whose P V every
+16-bit forward takes here, prefills too: no float32 staging of the values).
 
 A decode step is a few query rows (a GQA group folded into rows) against many keys.
 Converting a key tile into a float32 staging first (:func:`~npattn.cpu.tiles.dequantize_tile`)

@@ -89,7 +89,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     out and lse may start uninitialized). ``s`` to ``dequantized``: this thread's
     :func:`~npattn.cpu.scratch.forward_scratch_specs`. With KV_CODES, k and v are
     placeholders and each key tile is read from ``k_codes`` and ``v_codes`` (int8 times
-    their scales, or 16-bit floats: :func:`~npattn.cpu.tiles.dequantize_tile`); with
+    their scales, or 16-bit floats: :func:`~npattn.cpu.tiles.dequantize_tile`; 16-bit
+    values are read by P V in registers instead, :mod:`npattn.cpu.code_products`); with
     Q_CODES, q is 16-bit memory seen as float32 words, each item's rows converted once into
     the end of ``dequantized`` (:func:`~npattn.cpu.tiles.convert_query_rows`), and with
     OUT_CODES out is 16-bit memory too: each item sums its rows in float32 after those
@@ -107,6 +108,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     splits, split_keys = ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS]
     quantized, bf16 = ints[Int.KV_CODES], ints[Int.BF16_PRODUCTS]
     in_registers = codes_in_registers(ints, s)  # (a decode tile's codes not dequantized: code_products)
+    # 16-bit values: P V reads them in registers too (code_product), with no float32 staging
+    sixteen_bit = quantized == KvCodes.FLOAT16 or quantized == KvCodes.BFLOAT16
     tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
     p_pairs, v_pairs = pair_tiles(ints, dequantized)
     half_ld = (ld + 1) // 2
@@ -166,7 +169,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     kv_head = h // (heads // ints[Int.KV_HEADS])
                     if quantized and not in_registers:
                         dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
-                                        dequantized)
+                                        dequantized, not sixteen_bit)
                     # the tile's packed keys (and with BF16_PRODUCTS its value pairs): kept from an
                     # earlier query tile or head, or packed now
                     key_tile, value_pairs, from_cache = packed[:], v_pairs[:], False
@@ -231,7 +234,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                             c0 = 0
                             while c0 < depth:  # (a tile from codes too: the same sums as its pages' rows)
                                 run = page_run(ints, j0 + c0, depth - c0)
-                                if in_registers:
+                                if in_registers or sixteen_bit:
                                     j = j0 + c0
                                     code_product(s, r0 * ld + c0, ld, v_codes, v_row(ints, pages, b, kv_head, j),
                                                  v_row_stride, v_scale, v_scale_row(ints, pages, b, kv_head, j),
@@ -379,7 +382,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                 cols = smaller(block_k, last - j0)
                 if ints[Int.KV_CODES] and not codes_in_registers(ints, s):
                     dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
-                                    dequantized)
+                                    dequantized, False)
                 pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
                 # (never Q_CODES: weights are asked of calls that read q as it is)
                 score_tile(as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, tile, k_codes,

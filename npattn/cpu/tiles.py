@@ -245,11 +245,13 @@ def v_scale_row(ints, pages, b, head, j):
 
 
 @helper
-def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols, dequantized):
+def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols, dequantized,
+                    values=True):
     """Keys ``[j0, j0 + cols)`` of ``kv_head`` read from codes (``Int.KV_CODES``) as float
     rows: int8 or float8 e4m3 codes times their key's scale, or float16 / bfloat16 bits
     converted. The keys (cols x D) from ``dequantized[0]``, the values (cols x Dv) from
-    ``dequantized[BLOCK_K * D]``, each row contiguous. :func:`pack_key_tile`,
+    ``dequantized[BLOCK_K * D]`` (not with ``values`` False: a caller that reads the values
+    from the codes, or not at all), each row contiguous. :func:`pack_key_tile`,
     :func:`score_tile` and the forward's P V then read the tile's rows: an int8 cache
     streams in at a quarter of float32's bytes, a 16-bit one at half, with no float32
     copy of either."""
@@ -267,8 +269,9 @@ def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head,
         if width == 2:  # 16-bit values: no scales, rows converted as they lie, the keys' then the values'
             _converted_rows(k_codes, k_at, k_step, run, head_dim, codes == KvCodes.BFLOAT16, dequantized,
                             c * head_dim)
-            _converted_rows(v_codes, v_at, v_step, run, value_dim, codes == KvCodes.BFLOAT16, dequantized,
-                            values_at + c * value_dim)
+            if values:
+                _converted_rows(v_codes, v_at, v_step, run, value_dim, codes == KvCodes.BFLOAT16, dequantized,
+                                values_at + c * value_dim)
             c += run
             continue
         k_scale_at, v_scale_at = k_scale_row(ints, pages, b, kv_head, j), v_scale_row(ints, pages, b, kv_head, j)
@@ -279,7 +282,7 @@ def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head,
                 _prefetch_span(v_codes, v_ahead, v_ahead + value_dim * width)
             # the key row, then the value row, through one body: each decoder is inlined
             # once, not once per operand (the first call's compile is 1-2 s shorter)
-            for part in range(2):
+            for part in range(2 if values else 1):
                 if part == 0:
                     source, at, scale, out_at, count = (k_codes, k_at + r * k_step,
                                                         k_scale[k_scale_at + r * k_scale_step], (c + r) * head_dim,
