@@ -647,6 +647,41 @@ def test_16_bit_caches_read_in_registers_give_the_bits_of_a_converted_copy(dtype
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("page_size", [24, 32])
+def test_a_16_bit_chunk_on_pages_packs_its_keys_from_their_memory_with_a_copys_bits(dtype, page_size,
+                                                                                  monkeypatch):
+    """A prefill chunk against a paged 16-bit cache packs each key tile's K^T straight from
+    the pages (whole squares converted and transposed in registers, each page run's last
+    keys one by one: npattn.cpu.tiles.pack_key_codes; runs of 24 keys end in 8 such keys
+    on AVX-512) and reads the values in registers for P V: the bits of float32 copies of
+    the same values, with ALiBi spreading each row's weights over its keys."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    from npattn.core.kernel_params import KvCodes
+    from npattn.cpu import driver, operands
+    from npattn.cpu.tuning import tuned
+
+    rng = np.random.default_rng(11)
+    per_sequence = 5 if page_size == 24 else 4
+    q = rng.normal(size=(2, 20, 4, 32)).astype(dtype)
+    k, v = (rng.normal(size=(2 * per_sequence + 3, page_size, 2, 32)).astype(dtype) for _ in range(2))
+    layout = dict(block_table=rng.permutation(2 * per_sequence + 3)[:2 * per_sequence].reshape(2, per_sequence),
+                  cache_seqlens=np.array([per_sequence * page_size - 3, per_sequence * page_size // 2 + 5]),
+                  alibi_slopes=np.full(4, 0.01))
+    problem_codes = []
+    planned = operands.kv_codes
+    monkeypatch.setattr(operands, "kv_codes", lambda *a: problem_codes.append(planned(*a)) or problem_codes[-1])
+    with tuned(bf16_products=False):  # (a bfloat16 chunk: not as pairs)
+        tiled = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, **layout)
+        assert problem_codes == [KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16]
+        monkeypatch.setattr(operands, "kv_codes", lambda *a: KvCodes.NONE)
+        monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())  # plans made afresh, by the copy
+        monkeypatch.setattr(driver, "_FORWARD_PLANS", type(driver._FORWARD_PLANS)())
+        copied = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, **layout)
+    for mine, theirs in zip(tiled, copied):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_16_bit_prefill_longer_than_a_tile_reads_k_and_v_a_tile_at_a_time(dtype, monkeypatch):
     """A prefill whose rows span several query tiles converts each key tile where it uses it
     (no float32 copy of k and v, which a call allocated and page-faulted in afresh), with

@@ -36,8 +36,9 @@ from .code_products import code_product
 from .microkernels import pair_product, product
 from .tiles import (accumulator_start, apply_dropout, band_keys, cache_slot_sizes, cached_key_tile,
                     codes_in_registers, convert_query_rows, dequantize_tile, key_cache, key_segments, memory_batch,
-                    memory_batches, narrow_row, pack_key_tile, pack_value_pairs, page_run, pair_rows, pair_tiles,
-                    prefetch_key_rows, query_offset, query_rows, score_tile, span, v_row, v_scale_row, value_tile_rows)
+                    memory_batches, narrow_row, pack_key_codes, pack_key_tile, pack_value_pairs, page_run, pair_rows,
+                    pair_tiles, prefetch_key_rows, query_offset, query_rows, score_tile, span, v_row, v_scale_row,
+                    value_tile_rows)
 from .operands import Span
 
 
@@ -108,7 +109,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     splits, split_keys = ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS]
     quantized, bf16 = ints[Int.KV_CODES], ints[Int.BF16_PRODUCTS]
     in_registers = codes_in_registers(ints, s)  # (a decode tile's codes not dequantized: code_products)
-    # 16-bit values: P V reads them in registers too (code_product), with no float32 staging
+    # 16-bit keys and values: packed from their own memory (pack_key_codes), and P V reads the
+    # values in registers (code_product), as a decode step does: no float32 staging
     sixteen_bit = quantized == KvCodes.FLOAT16 or quantized == KvCodes.BFLOAT16
     tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
     p_pairs, v_pairs = pair_tiles(ints, dequantized)
@@ -167,9 +169,9 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     head_m, head_total, head_seen = m[g * block_q:], total[g * block_q:], seen[g * block_q:]
                     out_offset, out_row_stride = _sums_rows(ints, out_strides, split, b, h, g, i0)
                     kv_head = h // (heads // ints[Int.KV_HEADS])
-                    if quantized and not in_registers:
+                    if quantized and not in_registers and not sixteen_bit:
                         dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
-                                        dequantized, not sixteen_bit)
+                                        dequantized)
                     # the tile's packed keys (and with BF16_PRODUCTS its value pairs): kept from an
                     # earlier query tile or head, or packed now
                     key_tile, value_pairs, from_cache = packed[:], v_pairs[:], False
@@ -186,7 +188,9 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                 pack_key_tile(k, tile, pages, ints, b, kv_head, j0, slot_keys, key_tile)
                                 pack_value_pairs(v, pages, ints, b, kv_head, j0, slot_keys, value_pairs)
                                 cached += 1
-                    if not from_cache:
+                    if sixteen_bit:  # (never kept: the kept tiles are bfloat16 pairs')
+                        pack_key_codes(k_codes, dequantized, pages, ints, b, kv_head, j0, cols, key_tile)
+                    elif not from_cache:
                         pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, key_tile)
                     query, q_offset, q_row = query_rows(q, dequantized, ints, b, h, g, i0)
                     full = score_tile(query, q_offset, q_row, k, tile, k_codes, k_scale, bias, mask, alibi, spans,

@@ -229,18 +229,24 @@ def load_float16_bits(typingctx, codes, index, like, brain):
 
     def codegen(context, builder, signature, args):
         _wide(builder)
-        lanes, vector_type = like.lanes, context.get_value_type(like)
-        element = ir.IntType(16) if bfloat else ir.HalfType()
-        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], ir.VectorType(element, lanes))
-        loaded = builder.load(pointer, align=1)
-        if bfloat:  # the bits as a float32's upper half
-            wide = builder.zext(loaded, ir.VectorType(ir.IntType(32), lanes))
-            shifted = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [16] * lanes))
-            loaded = builder.bitcast(shifted, ir.VectorType(ir.FloatType(), lanes))
-            if like.dtype == types.float32:
-                return loaded
-        return builder.fpext(loaded, vector_type)  # (exact: float16 to float32, either to float64)
+        return _load_float16_bits(context, builder, signature.args[0], args[0], args[1], like.lanes,
+                                  context.get_value_type(like), like.dtype == types.float32, bfloat)
     return like(codes, index, like, brain), codegen
+
+
+def _load_float16_bits(context, builder, codes_type, codes, index, lanes, vector_type, to_float32, bfloat):
+    """:func:`load_float16_bits`' IR: ``lanes`` 16-bit floats from byte ``index`` of
+    ``codes`` as a vector of ``vector_type`` (float32 where ``to_float32``)."""
+    element = ir.IntType(16) if bfloat else ir.HalfType()
+    pointer = _pointer(context, builder, codes_type, codes, index, ir.VectorType(element, lanes))
+    loaded = builder.load(pointer, align=1)
+    if bfloat:  # the bits as a float32's upper half
+        wide = builder.zext(loaded, ir.VectorType(ir.IntType(32), lanes))
+        shifted = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [16] * lanes))
+        loaded = builder.bitcast(shifted, ir.VectorType(ir.FloatType(), lanes))
+        if to_float32:
+            return loaded
+    return builder.fpext(loaded, vector_type)  # (exact: float16 to float32, either to float64)
 
 
 @intrinsic
@@ -687,22 +693,64 @@ def transpose_square(typingctx, x, x_offset, x_row, out, out_offset, out_row):
             index = builder.add(x_offset_value, builder.mul(x_row_value, ir.Constant(index_type, r)))
             pointer = _pointer(context, builder, signature.args[0], x_value, index, vector_type)
             rows.append(builder.load(pointer, align=x.dtype.bitwidth // 8))
-        step = n // 2
-        while step >= 1:
-            low = [j if j & step == 0 else n + j - step for j in range(n)]
-            high = [j + step if j & step == 0 else n + j for j in range(n)]
-            for i in range(n):
-                if i & step == 0:
-                    first, second = rows[i], rows[i + step]
-                    rows[i] = builder.shuffle_vector(first, second, _lane_indices(low))
-                    rows[i + step] = builder.shuffle_vector(first, second, _lane_indices(high))
-            step //= 2
-        for c in range(n):
-            index = builder.add(out_offset_value, builder.mul(out_row_value, ir.Constant(index_type, c)))
-            pointer = _pointer(context, builder, signature.args[3], out_value, index, vector_type)
-            builder.store(rows[c], pointer, align=x.dtype.bitwidth // 8)
+        _store_transposed(context, builder, rows, signature.args[3], out_value, out_offset_value, out_row_value,
+                          vector_type, x.dtype.bitwidth // 8)
         return context.get_dummy_value()
     return types.none(x, x_offset, x_row, out, out_offset, out_row), codegen
+
+
+@intrinsic
+def transpose_converted_square(typingctx, codes, byte_offset, row_bytes, out, out_offset, out_row, brain):
+    """:func:`transpose_square` of 16-bit floats (bfloat16 with ``brain``, a compile-time
+    bool, else float16) into ``out`` (float32; float64 compiles, for kernels that never
+    read 16-bit keys by tiles): row r of the square is the lanes values whose
+    bytes start at ``codes[byte_offset + r * row_bytes]`` (an int8 array), each row
+    converted as it is loaded (:func:`load_float16_bits`, exact), so a 16-bit key tile is
+    packed as K^T with no float32 copy of its rows."""
+    if not (isinstance(codes, types.Array) and codes.dtype == types.int8 and _check_float_array(out)
+            and isinstance(brain, types.BooleanLiteral)):
+        return None
+    vector = Vector(out.dtype)
+    n = vector.lanes
+    bfloat = brain.literal_value
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        codes_value, offset_value, row_value, out_value, out_offset_value, out_row_value, _ = args
+        vector_type = context.get_value_type(vector)
+        index_type = offset_value.type
+        rows = []
+        for r in range(n):
+            index = builder.add(offset_value, builder.mul(row_value, ir.Constant(index_type, r)))
+            rows.append(_load_float16_bits(context, builder, signature.args[0], codes_value, index, n, vector_type,
+                                           out.dtype == types.float32, bfloat))
+        _store_transposed(context, builder, rows, signature.args[3], out_value, out_offset_value, out_row_value,
+                          vector_type, out.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+    return types.none(codes, byte_offset, row_bytes, out, out_offset, out_row, brain), codegen
+
+
+def _store_transposed(context, builder, rows, out_type, out_value, out_offset_value, out_row_value, vector_type,
+                      align):
+    """Transpose the square of vectors ``rows`` (row r's lane c to row c's lane r) in
+    registers: log2(lanes) rounds of two-input shuffles that swap ever smaller sub-blocks;
+    then store row c at ``out[out_offset + c * out_row]``."""
+    n = len(rows)
+    step = n // 2
+    while step >= 1:
+        low = [j if j & step == 0 else n + j - step for j in range(n)]
+        high = [j + step if j & step == 0 else n + j for j in range(n)]
+        for i in range(n):
+            if i & step == 0:
+                first, second = rows[i], rows[i + step]
+                rows[i] = builder.shuffle_vector(first, second, _lane_indices(low))
+                rows[i + step] = builder.shuffle_vector(first, second, _lane_indices(high))
+        step //= 2
+    index_type = out_offset_value.type
+    for c in range(n):
+        index = builder.add(out_offset_value, builder.mul(out_row_value, ir.Constant(index_type, c)))
+        pointer = _pointer(context, builder, out_type, out_value, index, vector_type)
+        builder.store(rows[c], pointer, align=align)
 
 
 def _lane_indices(indices):

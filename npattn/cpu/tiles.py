@@ -19,7 +19,8 @@ from .code_products import code_dot_products
 from .jit import OPTIONS, helper
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
 from .simd import (VECTOR_BYTES, as_float, fill, lanes_in, line_elements, load, load_float16_bits, prefetch,
-                   prefetch_to_l2, store, store_bfloat16, store_float16_bits, store_interleaved_pairs)
+                   prefetch_to_l2, store, store_bfloat16, store_float16_bits, store_interleaved_pairs,
+                   transpose_converted_square)
 from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span, cache_slot_words
 from .signatures import as_offset, as_readonly, larger, plain_int, scalar_like, smaller
 
@@ -254,7 +255,8 @@ def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head,
     from the codes, or not at all), each row contiguous. :func:`pack_key_tile`,
     :func:`score_tile` and the forward's P V then read the tile's rows: an int8 cache
     streams in at a quarter of float32's bytes, a 16-bit one at half, with no float32
-    copy of either."""
+    copy of either. (A 16-bit forward needs none of this: it packs its keys from their own
+    memory, :func:`pack_key_codes`, and P V reads the values in registers.)"""
     head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
     values_at = ints[Int.BLOCK_K] * head_dim
     codes = ints[Int.KV_CODES]
@@ -535,6 +537,49 @@ def pack_key_tile(k, dequantized, pages, ints, b, kv_head, j0, cols, packed):
         pack_transposed(k, k_row(ints, pages, b, kv_head, j0 + c0), ints[Int.K_STRIDE_S], run, key_words(ints),
                         packed[c0:], ints[Int.SCORE_LD], width - c0 if c0 + run == cols else run)
         c0 += run
+
+
+@helper
+def pack_key_codes(k_codes, dequantized, pages, ints, b, kv_head, j0, cols, packed):
+    """:func:`pack_key_tile` for 16-bit keys (KV_CODES FLOAT16 or BFLOAT16) straight from
+    their own memory, with no float32 staging of their rows (:func:`dequantize_tile` is not
+    asked for them): whole lanes x lanes squares converted and transposed in registers
+    (:func:`~npattn.cpu.simd.transpose_converted_square`); each page run's last keys,
+    fewer than a vector's lanes, converted into their staging rows and copied down their
+    columns; K^T zero-padded to whole chunks as pack_key_tile pads it. The same floats,
+    so the same bits."""
+    if not ints[Int.VECTOR_SCORES] or ints[Int.DOT_SCORES]:
+        return
+    head_dim, ld, row_bytes = ints[Int.HEAD_DIM], ints[Int.SCORE_LD], ints[Int.K_STRIDE_S]
+    brain = ints[Int.KV_CODES] == KvCodes.BFLOAT16
+    lanes = lanes_in(packed)
+    c0 = 0
+    while c0 < cols:  # run by run of one page
+        run = page_run(ints, j0 + c0, cols - c0)
+        at = k_row(ints, pages, b, kv_head, j0 + c0)
+        full = run - run % lanes
+        for r in range(0, full, lanes):
+            for x in range(0, head_dim, lanes):
+                if brain:
+                    transpose_converted_square(k_codes, at + r * row_bytes + 2 * x, row_bytes, packed,
+                                               x * ld + c0 + r, ld, True)
+                else:
+                    transpose_converted_square(k_codes, at + r * row_bytes + 2 * x, row_bytes, packed,
+                                               x * ld + c0 + r, ld, False)
+        for r in range(full, run):
+            staged = (c0 + r) * head_dim
+            if brain:
+                _converted_row(k_codes, at + r * row_bytes, dequantized, staged, head_dim, True)
+            else:
+                _converted_row(k_codes, at + r * row_bytes, dequantized, staged, head_dim, False)
+            for x in range(head_dim):
+                packed[x * ld + c0 + r] = dequantized[staged + x]
+        c0 += run
+    width = padded_width(cols, packed)
+    for x in range(head_dim):
+        column = as_offset(x * ld)
+        for c in range(as_offset(cols), as_offset(width)):
+            packed[column + c] = 0.0
 
 
 @helper
