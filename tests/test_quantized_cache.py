@@ -618,8 +618,6 @@ def test_16_bit_caches_read_in_registers_give_the_bits_of_a_converted_copy(dtype
     keys than the micro-kernels' depth slices (DEPTH_BLOCK) at a head dim past one wide
     chunk of columns."""
     import ml_dtypes  # noqa: F401  (registers bfloat16)
-    from npattn.core.kernel_params import KvCodes
-    from npattn.cpu import driver, operands
 
     rng = np.random.default_rng(9)
     head_dim = 192 if cache == "long" else 32
@@ -633,17 +631,27 @@ def test_16_bit_caches_read_in_registers_give_the_bits_of_a_converted_copy(dtype
         layout = dict(cache_seqlens=np.array([keys, 23]))
     # (a long row's weights spread over its keys, where the sums' order shows in its bits)
     layout["alibi_slopes"] = np.full(8, 0.001 if cache == "long" else 1.0)
+    tiled, copied = _tiles_and_copies(
+        monkeypatch, dtype, lambda: npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, **layout))
+    for mine, theirs in zip(tiled, copied):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def _tiles_and_copies(monkeypatch, dtype, call):
+    """``call()`` reading its 16-bit k and v by tiles (checked), then ``call()`` again with
+    plans made afresh on float32 copies of them: both results."""
+    from npattn.core.kernel_params import KvCodes
+    from npattn.cpu import driver, operands
+
     problem_codes = []
     planned = operands.kv_codes
     monkeypatch.setattr(operands, "kv_codes", lambda *a: problem_codes.append(planned(*a)) or problem_codes[-1])
-    tiled = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, **layout)
+    tiled = call()
     assert problem_codes == [KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16]
     monkeypatch.setattr(operands, "kv_codes", lambda *a: KvCodes.NONE)
     monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())  # plans made afresh, by the copy
     monkeypatch.setattr(driver, "_FORWARD_PLANS", type(driver._FORWARD_PLANS)())
-    copied = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, **layout)
-    for mine, theirs in zip(tiled, copied):
-        np.testing.assert_array_equal(mine, theirs)
+    return tiled, call()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -656,8 +664,6 @@ def test_a_16_bit_chunk_on_pages_packs_its_keys_from_their_memory_with_a_copys_b
     on AVX-512) and reads the values in registers for P V: the bits of float32 copies of
     the same values, with ALiBi spreading each row's weights over its keys."""
     import ml_dtypes  # noqa: F401  (registers bfloat16)
-    from npattn.core.kernel_params import KvCodes
-    from npattn.cpu import driver, operands
     from npattn.cpu.tuning import tuned
 
     rng = np.random.default_rng(11)
@@ -667,16 +673,9 @@ def test_a_16_bit_chunk_on_pages_packs_its_keys_from_their_memory_with_a_copys_b
     layout = dict(block_table=rng.permutation(2 * per_sequence + 3)[:2 * per_sequence].reshape(2, per_sequence),
                   cache_seqlens=np.array([per_sequence * page_size - 3, per_sequence * page_size // 2 + 5]),
                   alibi_slopes=np.full(4, 0.01))
-    problem_codes = []
-    planned = operands.kv_codes
-    monkeypatch.setattr(operands, "kv_codes", lambda *a: problem_codes.append(planned(*a)) or problem_codes[-1])
     with tuned(bf16_products=False):  # (a bfloat16 chunk: not as pairs)
-        tiled = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, **layout)
-        assert problem_codes == [KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16]
-        monkeypatch.setattr(operands, "kv_codes", lambda *a: KvCodes.NONE)
-        monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())  # plans made afresh, by the copy
-        monkeypatch.setattr(driver, "_FORWARD_PLANS", type(driver._FORWARD_PLANS)())
-        copied = npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, **layout)
+        tiled, copied = _tiles_and_copies(
+            monkeypatch, dtype, lambda: npattn.attention_with_kvcache(q, k, v, causal=True, return_lse=True, **layout))
     for mine, theirs in zip(tiled, copied):
         np.testing.assert_array_equal(mine, theirs)
 
