@@ -296,11 +296,11 @@ class OperandPlan:
         k and v viewed as :meth:`operands` views them, but not marked read-only where
         they are read in place (three ``setflags``: 0.3 us of a small call). Jitted code
         typed them read-only, so it never writes them."""
-        q_order, k_order, v_order = self.orders
         if self.pairs:  # bfloat16 as it lies, in words of two (pair_words' views; an unaligned one's
             # words are another type: the caller's alignment check sends it on). 2 us of a small call less
             return (q.ravel(order="K").view(WORDS), k.ravel(order="K").view(WORDS), v.ravel(order="K").view(WORDS),
                     *self.plain_rest)
+        q_order, k_order, v_order = self.orders
         if self.q_codes:  # a small 16-bit call: q's words and the keys' bytes as they lie (an
             # unaligned q's words are another type: the caller's alignment check sends it on)
             placeholder = self.placeholders[0]

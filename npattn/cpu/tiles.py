@@ -545,14 +545,15 @@ def pack_key_codes(k_codes, dequantized, pages, ints, b, kv_head, j0, cols, pack
     their own memory, with no float32 staging of their rows (:func:`dequantize_tile` is not
     asked for them): whole lanes x lanes squares converted and transposed in registers
     (:func:`~npattn.cpu.simd.transpose_converted_square`); each page run's last keys,
-    fewer than a vector's lanes, converted into their staging rows and copied down their
-    columns; K^T zero-padded to whole chunks as pack_key_tile pads it. The same floats,
-    so the same bits."""
+    fewer than a vector's lanes, converted into their staging rows and packed from there
+    as pack_key_tile packs them, which also zero-pads K^T to whole chunks. The same
+    floats, so the same bits."""
     if not ints[Int.VECTOR_SCORES] or ints[Int.DOT_SCORES]:
         return
     head_dim, ld, row_bytes = ints[Int.HEAD_DIM], ints[Int.SCORE_LD], ints[Int.K_STRIDE_S]
     brain = ints[Int.KV_CODES] == KvCodes.BFLOAT16
     lanes = lanes_in(packed)
+    width = padded_width(cols, packed)
     c0 = 0
     while c0 < cols:  # run by run of one page
         run = page_run(ints, j0 + c0, cols - c0)
@@ -566,20 +567,14 @@ def pack_key_codes(k_codes, dequantized, pages, ints, b, kv_head, j0, cols, pack
                 else:
                     transpose_converted_square(k_codes, at + r * row_bytes + 2 * x, row_bytes, packed,
                                                x * ld + c0 + r, ld, False)
-        for r in range(full, run):
-            staged = (c0 + r) * head_dim
-            if brain:
-                _converted_row(k_codes, at + r * row_bytes, dequantized, staged, head_dim, True)
-            else:
-                _converted_row(k_codes, at + r * row_bytes, dequantized, staged, head_dim, False)
-            for x in range(head_dim):
-                packed[x * ld + c0 + r] = dequantized[staged + x]
+        last = c0 + run == cols
+        if full < run or last:  # (the last run pads the tile with zeros)
+            staged = (c0 + full) * head_dim
+            _converted_rows(k_codes, at + full * row_bytes, row_bytes, run - full, head_dim, brain, dequantized,
+                            staged)
+            pack_transposed(dequantized, staged, head_dim, run - full, head_dim, packed[c0 + full:], ld,
+                            width - c0 - full if last else run - full)
         c0 += run
-    width = padded_width(cols, packed)
-    for x in range(head_dim):
-        column = as_offset(x * ld)
-        for c in range(as_offset(cols), as_offset(width)):
-            packed[column + c] = 0.0
 
 
 @helper
