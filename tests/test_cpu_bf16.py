@@ -247,18 +247,20 @@ def _slot_bytes(head_dim, block_k):
 def test_a_bfloat16_prefill_keeps_its_key_tiles_packed_where_a_tile_is_read_twice():
     """(So the test above runs the kept tiles: a forward of several query tiles, or of
     several heads per kv head, keeps its key tiles up to its budget; one that reads each
-    tile once, none.)"""
+    tile once, none. Where it keeps them, a thread claims a kv head's work items at once,
+    so that it packs each of its tiles once.)"""
     from npattn.cpu.driver import forward_plan
     from npattn.core.validation import build_problem
 
-    def slots(q_len, kv_len, heads=2, kv_heads=2, **options):
+    def slots_and_run(q_len, kv_len, heads=2, kv_heads=2, **options):
         q = np.zeros((1, heads, q_len, 64), ml_dtypes.bfloat16)
         k = np.zeros((1, kv_heads, kv_len, 64), ml_dtypes.bfloat16)
         problem = build_problem(q, k, k, **options)
-        return int(forward_plan(problem, current()).operands.ints[Int.KEY_CACHE_SLOTS])
+        ints = forward_plan(problem, current()).operands.ints
+        return int(ints[Int.KEY_CACHE_SLOTS]), int(ints[Int.CLAIM_RUN])
 
     with npattn.cpu.tile_sizes(16, 32), tuned(key_cache_bytes=5 * _slot_bytes(64, 32)):
-        assert slots(40, 100) == 4  # 100 keys: 4 tiles (the last of 4 keys), all within the budget
-        assert slots(40, 200) == 5  # 7 tiles, 5 within the budget
-        assert slots(16, 100) == 0  # one query tile per head: each key tile read once
-        assert slots(16, 100, heads=4, kv_heads=2) == 4  # GQA: read by each head of a group
+        assert slots_and_run(40, 100) == (4, 3)  # 100 keys: 4 tiles (the last of 4 keys), all within the budget
+        assert slots_and_run(40, 200) == (5, 3)  # 7 tiles, 5 within the budget
+        assert slots_and_run(16, 100) == (0, 1)  # one query tile per head: each key tile read once
+        assert slots_and_run(16, 100, heads=4, kv_heads=2) == (4, 2)  # GQA: read by each head of a group

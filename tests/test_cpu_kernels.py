@@ -249,6 +249,43 @@ def test_small_calls_run_on_the_calling_thread_and_large_ones_share_the_work(mon
     assert npattn.attention(*large, backend="cpu").tobytes() == shared.tobytes()
 
 
+def _claims_kernel():
+    """A kernel for run_items that records, per item, the first item of the claim that
+    handed it out."""
+    from numba import njit
+
+    from npattn.cpu.threads import claim_items
+
+    @njit(nogil=True)
+    def record_claims(claim_of, run, counter, items):
+        while True:
+            first, stop = claim_items(counter, items, run)
+            if first >= items:
+                break
+            for item in range(first, stop):
+                claim_of[item] = first
+    return record_claims
+
+
+@pytest.mark.parametrize("threads, items, run", [(2, 64 * 6, 6), (3, 8 * 11, 11), (2, 7, 3), (2, 12, 6),
+                                                 (1, 10, 5), (3, 9, 1)])
+def test_threads_claim_whole_runs_of_items_but_the_last_ones_item_by_item(monkeypatch, threads, items, run):
+    """claim_items hands out every item exactly once: the items of each run (a bfloat16
+    forward's kv head, whose key tiles the claiming thread then packs once) in one claim,
+    but for the last ``threads`` runs (and the items past whole runs), claimed one by one
+    so that the threads finish together."""
+    from npattn.cpu import threads as threads_module
+
+    monkeypatch.setenv("NPATTN_NUM_THREADS", str(threads))
+    claim_of = np.full(items, -1, np.int64)
+    counter = threads_module.run_items(_claims_kernel(), (claim_of, run), items)
+    whole = max(0, items // run - threads) * run if run > 1 else 0
+    runs_first = np.arange(items) - np.arange(items) % run
+    assert (claim_of[:whole] == runs_first[:whole]).all()
+    assert (claim_of[whole:] == np.arange(whole, items)).all()
+    assert counter[threads_module.THREADS] == min(items, threads)
+
+
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (None, 2)}, {"softcap": 2.0, "scale": 0.3},
                                      {"causal": True, "window": (None, 1)},
                                      {"kv_lengths": np.array([5, 37])}, {"q_lengths": np.array([1, 0])}])

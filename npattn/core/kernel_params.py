@@ -75,6 +75,9 @@ Int = _positions("Int", (
     # it works on (0: none), so the next query tile or head of that kv head reads them
     # packed (cpu.tiles.cached_key_tile)
     "KEY_CACHE_SLOTS",
+    # CPU forward: the work items a thread claims at once (cpu.threads.claim_items): with
+    # KEY_CACHE_SLOTS a kv head's, which then packs its key tiles once; else 1
+    "CLAIM_RUN",
 ))
 
 # The values of Int.KV_CODES

@@ -17,7 +17,7 @@ from . import folding, splitting
 from .blas import single_threaded_blas
 from .conversion import BYTES, NARROW, conversion_entry, converted, kept_widened
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
-from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, run_items
+from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, new_counter, run_items
 from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, fresh_set, gradient_tile_specs,
                       scratch_set, weights_scratch_specs, with_dropout_copy, zeros_maker)
 from .operands import (WORDS, Int, KvCodes, pair_words, read_only, operand_plan, row_order, row_strides,
@@ -162,7 +162,7 @@ class ForwardPlan:
         if entry is not None:
             # one inline kernel call on the plan's own scratch: no reuse arena, no item runner
             configured_threads()  # (a bad NPATTN_NUM_THREADS fails every call)
-            status = np.zeros(2, np.int64)
+            status = new_counter(1)
             flat_out = out.reshape(-1)
             entry(*ops, flat_out.view(WORDS) if self.out_codes else flat_out, self.out_strides, lse.reshape(-1),
                   *self._own_scratch(), status, self.items)

@@ -29,7 +29,7 @@ from numba import njit
 from .blas import gemm
 from .jit import helper, kernel
 from .signatures import as_offset, as_readonly, larger, smaller
-from .threads import NON_FINITE, next_item
+from .threads import NON_FINITE, claim_items, next_item
 from .operands import Int, KvCodes, Real
 from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_shifted_to_pairs, row_max, short_row_max
 from .code_products import code_product
@@ -131,10 +131,13 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     key_cache_tiles, value_cache_tiles = key_cache(ints, dequantized)
     cache_key_size, cache_value_size = cache_slot_sizes(ints[Int.HEAD_DIM], dv, block_k, ld)
     cache_owner, cached = -1, 0
+    item, claimed_stop = -1, 0  # the items [item, claimed_stop) this thread claimed
     while True:
-        item = next_item(counter)
-        if item >= items:
-            break
+        item += 1
+        if item >= claimed_stop:  # (a kv head's items at once where its key tiles are kept)
+            item, claimed_stop = claim_items(counter, items, ints[Int.CLAIM_RUN])
+            if item >= items:
+                break
         split = item % splits
         b, h0, i0, i1 = _query_tile(ints, spans, item // splits)
         rows = i1 - i0

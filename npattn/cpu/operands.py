@@ -513,6 +513,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     out_codes = KvCodes.BFLOAT16 if pairs else q_codes
     ints[Int.OUT_CODES] = out_codes if kind == "forward" and ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
     ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning) if pairs else 0
+    ints[Int.CLAIM_RUN] = kv_head_items(ints) if ints[Int.KEY_CACHE_SLOTS] else 1
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = element_strides(problem.k_scale)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = element_strides(problem.v_scale)
@@ -528,6 +529,13 @@ def _key_cache_slots(problem, ints, tuning: Tuning) -> int:
         return 0
     slot_bytes = 4 * sum(cache_slot_words(problem.head_dim, problem.value_dim, block_k, ld))
     return min(-(-problem.kv_len // block_k), tuning.key_cache_bytes // slot_bytes)
+
+
+def kv_head_items(ints) -> int:
+    """The forward's work items of one entry's kv head (consecutive items: its heads' query
+    tiles and key ranges, :func:`npattn.cpu.forward_kernel.forward_items`)."""
+    heads_per_item = ints[Int.HEADS] // ints[Int.KV_HEADS] // ints[Int.HEAD_GROUP]
+    return int(max(1, heads_per_item) * -(-ints[Int.Q_LEN] // ints[Int.BLOCK_Q]) * ints[Int.KEY_SPLITS])
 
 
 def cache_slot_words(head_dim, value_dim, keys, ld):

@@ -2,7 +2,8 @@
 
 Each kernel takes ``(..., counter, items)`` and, in a loop, claims the next
 unclaimed work item with :func:`next_item` (an atomic increment of
-``counter[0]``) until none is left. Claiming on demand rather than by a fixed
+``counter[CLAIMED]``), or a run of them with :func:`claim_items`, until none is
+left. Claiming on demand rather than by a fixed
 split keeps both cores busy to the end when items differ in cost (the last
 query tile of a head is short; causal tiles near the diagonal cost more) and
 when the hypervisor takes one core away for a while (this project's VMs do). Every
@@ -22,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
 from . import compiling
@@ -103,9 +104,9 @@ def run_items(kernel, arguments, items: int, scratch=tuple, flops: float | None 
     calling thread alone when ``flops`` (the call's work, forward FLOPs) is below
     :data:`INLINE_FLOPS`. Which thread runs an item never changes the bits. The first
     call of a kernel for a dtype in the process (a compile, or a load from Numba's cache)
-    is announced (:mod:`.compiling`). Returns the ``counter``: int64 ``(2,)``, the
-    claimed items in ``[0]``, and in ``[1]`` what the kernel reports of its run (the
-    forward: 1 where it wrote a non-finite output row, see :data:`NON_FINITE`)."""
+    is announced (:mod:`.compiling`). Returns the ``counter`` (:func:`new_counter`), whose
+    ``[NON_FINITE]`` is what the forward reports of its run (1 where it wrote a
+    non-finite output row)."""
     key = (kernel, arguments[0].dtype)
     if key in _PREPARED:
         return _run_items(kernel, arguments, items, scratch, flops)
@@ -132,15 +133,25 @@ def direct_entry(kernel, arguments):
     return None if overload is None else overload.entry_point
 
 
-# counter[NON_FINITE]: set to 1 by a forward kernel that wrote a NaN or an inf into out
-NON_FINITE = 1
+# A kernel's ``counter``, int64 (COUNTER_SIZE,): CLAIMED, the items (or with claim_items, the
+# runs) claimed; NON_FINITE, set to 1 by a forward kernel that wrote a NaN or an inf into
+# out; SINGLES, the items claim_items handed out one by one; THREADS, the threads sharing it
+CLAIMED, NON_FINITE, SINGLES, THREADS = 0, 1, 2, 3
+COUNTER_SIZE = 4
+
+
+def new_counter(threads: int) -> np.ndarray:
+    """A fresh ``counter`` for a kernel run on ``threads`` threads."""
+    counter = np.zeros(COUNTER_SIZE, np.int64)
+    counter[THREADS] = threads
+    return counter
 
 
 def _run_items(kernel, arguments, items, scratch, flops) -> np.ndarray:
-    counter = np.zeros(2, np.int64)
     configured_threads()  # a bad NPATTN_NUM_THREADS fails every call, not only the threaded ones
     inline = (flops is not None and flops < INLINE_FLOPS) or items <= 1
     threads = 1 if inline else min(items, thread_count())
+    counter = new_counter(threads)
     if threads <= 1:
         kernel(*arguments, *scratch(), counter, items)
         return counter
@@ -156,13 +167,41 @@ def _run_items(kernel, arguments, items, scratch, flops) -> np.ndarray:
 
 
 @intrinsic
-def next_item(typingctx, counter):
-    """Claim a work item: atomically ``counter[0] += 1``, returning the value before
-    (int64 ``counter``; jitted code only)."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+def _fetch_add_one(typingctx, counter, index):
+    """Atomically ``counter[index] += 1``, returning the value before (int64 ``counter``;
+    jitted code only)."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64 and isinstance(index, types.Integer)):
         return None
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
-    return types.int64(counter), codegen
+        position = context.cast(builder, args[1], signature.args[1], types.intp)
+        return builder.atomic_rmw("add", builder.gep(data, [position]), ir.Constant(ir.IntType(64), 1), "monotonic")
+    return types.int64(counter, index), codegen
+
+
+@njit(inline="always")
+def next_item(counter):
+    """Claim a work item: atomically ``counter[CLAIMED] += 1``, returning the value before
+    (int64 ``counter``; jitted code only)."""
+    return _fetch_add_one(counter, CLAIMED)
+
+
+@njit(inline="always")
+def claim_items(counter, items, run):
+    """Claim work items ``[first, stop)`` (``first >= items``: none is left): ``run`` items
+    at once, the items of a run in order (a forward's kv head, whose key tiles the thread
+    keeps packed for the next query tile: claimed one by one, the threads would each
+    pack every tile of every head), but for the last ``counter[THREADS]`` runs, claimed one
+    item at a time so that the threads still finish together. ``run`` 1: one item at a
+    time, as :func:`next_item`."""
+    singles_from = 0
+    if run > 1:
+        whole_runs = items // run - counter[THREADS]
+        if whole_runs > 0:
+            claimed = _fetch_add_one(counter, CLAIMED)
+            if claimed < whole_runs:
+                return claimed * run, claimed * run + run
+            singles_from = whole_runs * run
+    first = singles_from + _fetch_add_one(counter, SINGLES if run > 1 else CLAIMED)
+    return first, first + 1
