@@ -5,7 +5,10 @@ and, more tightly, near the float32-product path on the same inputs; the pair la
 against their definition."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -196,14 +199,16 @@ def _fused_and_later():
        tiles=st.sampled_from([(8, 16), (16, 32), (24, 48), (5, 16)]), visibility=st.sampled_from(
            [{}, {"causal": True}, {"causal": "top_left"}, {"window": (20, 0), "sinks": 3}, {"window": (7, 9)}]),
        lengths=st.booleans(), paged=st.booleans(), slots=st.sampled_from([1, 2, None]),
-       seed=st.integers(0, 2**32 - 1))
+       threads=st.sampled_from([1, 3]), seed=st.integers(0, 2**32 - 1))
 def test_key_tiles_kept_packed_give_the_bits_of_tiles_packed_where_read(batch, kv_heads, group, q_len, kv_len,
                                                                         head_dim, tiles, visibility, lengths, paged,
-                                                                        slots, seed):
+                                                                        slots, threads, seed):
     """A bfloat16 forward keeps a kv head's key tiles packed for its next query tile and
     head (tuning.key_cache_bytes, here room for ``slots`` tiles or all of them):
     a tile read from there gives the same bits as one packed where read, on and off the
-    tile grid (windows, left padding, lengths that cut a tile, odd key counts, pages)."""
+    tile grid (windows, left padding, lengths that cut a tile, odd key counts, pages),
+    also with the kv heads' items claimed by 3 threads at once (these small calls would
+    run on the calling thread alone: here they are shared whatever their work)."""
     rng = np.random.default_rng(seed)
     heads = kv_heads * group
     q = rng.normal(size=(batch, heads, q_len, head_dim)).astype(ml_dtypes.bfloat16)
@@ -225,9 +230,25 @@ def test_key_tiles_kept_packed_give_the_bits_of_tiles_packed_where_read(batch, k
     with npattn.cpu.tile_sizes(block_q, block_k), tuned(key_cache_bytes=0):
         expected = npattn.attention(*arguments, **options)
     budget = (slots or 1000) * _slot_bytes(head_dim, block_k)
-    with npattn.cpu.tile_sizes(block_q, block_k), tuned(key_cache_bytes=budget):
+    with npattn.cpu.tile_sizes(block_q, block_k), tuned(key_cache_bytes=budget), _shared_by(threads):
         out = npattn.attention(*arguments, **options)
     np.testing.assert_array_equal(out.view(np.uint16), expected.view(np.uint16))
+
+
+@contextlib.contextmanager
+def _shared_by(threads):
+    """Calls of any size run on ``threads`` threads (1: as they would). (No plan made
+    outside is kept: a plan decides once whether its calls run inline.)"""
+    from npattn.cpu import driver, threads as threads_module
+
+    if threads == 1:
+        yield
+        return
+    npattn.runtime.plans.clear()
+    with (mock.patch.dict(os.environ, NPATTN_NUM_THREADS=str(threads)), mock.patch.object(driver, "INLINE_FLOPS", 0),
+          mock.patch.object(threads_module, "INLINE_FLOPS", 0)):
+        yield
+    npattn.runtime.plans.clear()
 
 
 def _paged(x, table):
