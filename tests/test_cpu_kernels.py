@@ -6,6 +6,7 @@ skip and multi-tile online-softmax rescale happen on small problems, with the ti
 products on both paths: the vector micro-kernels and BLAS.
 """
 import dataclasses
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -284,6 +285,90 @@ def test_threads_claim_whole_runs_of_items_but_the_last_ones_item_by_item(monkey
     assert (claim_of[:whole] == runs_first[:whole]).all()
     assert (claim_of[whole:] == np.arange(whole, items)).all()
     assert counter[threads_module.THREADS] == min(items, threads)
+
+
+def _slow_items_kernel():
+    """A kernel for run_items whose item ``i`` spins ``work[i]`` rounds before it marks
+    ``done[i]``, and records in ``ran_by[i]`` whether the calling thread ran it."""
+    from numba import njit
+
+    from npattn.cpu.threads import next_item
+
+    @njit(nogil=True)
+    def slow_items(work, done, ran_by, caller, counter, items):
+        while True:
+            item = next_item(counter, items)
+            if item >= items:
+                break
+            total = 0.0
+            for x in range(work[item]):
+                total += np.sqrt(x + total)
+            ran_by[item] = caller
+            done[item] = 1 if total >= 0 else 2
+    return slow_items
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_call_returns_once_every_item_is_done_whoever_finishes_last(monkeypatch, watched):
+    """run_items returns only when each item is done, also where a worker is still in its
+    last item as the calling thread runs out of items: watched through the counter (each
+    thread counts itself out after its last write; here with polls enough for any wait) or,
+    once the polls run out (here none), on the worker's future."""
+    from npattn.cpu import threads
+
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    monkeypatch.setattr(threads, "WATCH_PAUSES", 10**12 if watched else 0)
+    waited = []
+    real_submit = threads._submit
+
+    def submit(calls):
+        futures = real_submit(calls)
+        for future in futures:
+            real_result = future.result
+            future.result = lambda *timeout, real_result=real_result: waited.append(1) or real_result(*timeout)
+        return futures
+    monkeypatch.setattr(threads, "_submit", submit)
+    kernel = _slow_items_kernel()
+    caller = threading.current_thread()
+
+    def run(work, done, ran_by, counter, items):
+        kernel(work, done, ran_by, int(threading.current_thread() is caller), counter, items)
+    # the calling thread's first item is long enough for the worker to wake and take the
+    # second, the longest; the calling thread then takes the short rest and runs out
+    work = np.array([2_000_000, 40_000_000, 1000, 1000, 1000], np.int64)
+    for attempt in range(5):
+        done, ran_by = np.zeros(work.size, np.int64), np.full(work.size, -1, np.int64)
+        waited.clear()
+        counter = threads.run_items(run, (work, done, ran_by), work.size)
+        assert (done == 1).all(), done
+        if ran_by[1] == 0:  # the worker ran the long item: the case this test is about
+            break
+    assert ran_by[1] == 0, "the worker never took the long item in 5 attempts"
+    assert counter[threads.OUT] == 2
+    assert bool(waited) != watched
+
+
+def test_a_worker_that_fails_before_its_kernel_runs_raises_from_the_call(monkeypatch):
+    """A worker that never reaches its kernel never counts itself out: the call stops
+    watching the counter and raises the worker's error from its future."""
+    from npattn.cpu import threads
+
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    monkeypatch.setattr(threads, "WATCH_PAUSES", 1000)
+    kernel = _slow_items_kernel()
+    caller, worker_started = threading.current_thread(), threading.Event()
+
+    def run(work, done, ran_by, counter, items):
+        if threading.current_thread() is not caller:
+            worker_started.set()
+            raise RuntimeError("the worker failed before its kernel")
+        assert worker_started.wait(10)  # (else the worker would be cancelled, never run)
+        kernel(work, done, ran_by, 1, counter, items)
+    work = np.full(4, 10, np.int64)
+    done, ran_by = np.zeros(4, np.int64), np.full(4, -1, np.int64)
+    with pytest.raises(RuntimeError, match="before its kernel"):
+        threads.run_items(run, (work, done, ran_by), 4)
+    assert (done == 1).all()
 
 
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (None, 2)}, {"softcap": 2.0, "scale": 0.3},

@@ -169,7 +169,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
     key_tiles = (kv_len + block_k - 1) // block_k
     tiles_per_chunk = (key_tiles + chunks - 1) // chunks
     while True:
-        item = next_item(counter)
+        item = next_item(counter, items)
         if item >= items:
             break
         b = item // (kv_heads * chunks)
@@ -264,7 +264,7 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_
     k_items = (kv_len + block_k - 1) // block_k if bias_k > 1 else 1
     ld = ints[Int.SCORE_LD]
     while True:
-        item = next_item(counter)
+        item = next_item(counter, items)
         if item >= items:
             break
         k_item = item % k_items

@@ -373,7 +373,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
     tile = as_readonly(dequantized)
     while True:
-        item = next_item(counter)
+        item = next_item(counter, items)
         if item >= items:
             break
         b, h, i0, i1 = _query_tile(ints, spans, item)
