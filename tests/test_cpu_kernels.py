@@ -7,6 +7,7 @@ products on both paths: the vector micro-kernels and BLAS.
 """
 import dataclasses
 import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -311,13 +312,15 @@ def _slow_items_kernel():
 @pytest.mark.parametrize("watched", [True, False])
 def test_a_call_returns_once_every_item_is_done_whoever_finishes_last(monkeypatch, watched):
     """run_items returns only when each item is done, also where a worker is still in its
-    last item as the calling thread runs out of items: watched through the counter (each
+    item as the calling thread runs out of items: watched through the counter (each
     thread counts itself out after its last write; here with polls enough for any wait) or,
-    once the polls run out (here none), on the worker's future."""
+    where the watch gives up (here at once), on the worker's future."""
     from npattn.cpu import threads
 
     monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
-    monkeypatch.setattr(threads, "WATCH_PAUSES", 10**12 if watched else 0)
+    monkeypatch.setattr(threads, "WATCH_PAUSES", 10**12)
+    if not watched:
+        monkeypatch.setattr(threads, "threads_out", lambda counter, count, pauses: False)
     waited = []
     real_submit = threads._submit
 
@@ -332,18 +335,19 @@ def test_a_call_returns_once_every_item_is_done_whoever_finishes_last(monkeypatc
     caller = threading.current_thread()
 
     def run(work, done, ran_by, counter, items):
+        if threading.current_thread() is caller:
+            # the worker claims the first item, the long one, before the calling thread
+            # starts: it then runs the short rest and runs out while the worker works
+            deadline = time.monotonic() + 60
+            while counter[threads.CLAIMED] < 1:
+                assert time.monotonic() < deadline, "the worker never started"
+                time.sleep(0.0002)
         kernel(work, done, ran_by, int(threading.current_thread() is caller), counter, items)
-    # the calling thread's first item is long enough for the worker to wake and take the
-    # second, the longest; the calling thread then takes the short rest and runs out
-    work = np.array([2_000_000, 40_000_000, 1000, 1000, 1000], np.int64)
-    for attempt in range(5):
-        done, ran_by = np.zeros(work.size, np.int64), np.full(work.size, -1, np.int64)
-        waited.clear()
-        counter = threads.run_items(run, (work, done, ran_by), work.size)
-        assert (done == 1).all(), done
-        if ran_by[1] == 0:  # the worker ran the long item: the case this test is about
-            break
-    assert ran_by[1] == 0, "the worker never took the long item in 5 attempts"
+    work = np.array([40_000_000, 1000, 1000, 1000, 1000], np.int64)
+    done, ran_by = np.zeros(work.size, np.int64), np.full(work.size, -1, np.int64)
+    counter = threads.run_items(run, (work, done, ran_by), work.size)
+    assert (done == 1).all(), done
+    assert ran_by.tolist() == [0, 1, 1, 1, 1]
     assert counter[threads.OUT] == 2
     assert bool(waited) != watched
 
