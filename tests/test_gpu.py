@@ -18,7 +18,7 @@ from npattn.gpu import launch, sources
 from npattn.gpu.options import ALL, Option, describe, options_of
 from npattn.core.kernel_params import Int, Real
 
-from conftest import backend_params, nvrtc_or_skip, started_in_turn
+from conftest import backend_params, machine_code_names, nvrtc_or_skip, started_in_turn
 from tolerances import assert_close
 from strategies import Case, Dims, cases, layouts, to_layout
 from test_backend_equivalence import check_backward, check_forward
@@ -35,13 +35,26 @@ GPU = backend_params(["gpu"])
 # ---- without a GPU ------------------------------------------------------------------------
 
 def test_every_kernel_instantiation_compiles_for_every_architecture(machine_code):
-    """sm_80 and sm_90, compiled side by side once per session by conftest's
-    ``machine_code`` fixture (tests/test_gpu_machine_code.py reads the same cubins)."""
+    """Every instantiation for sm_90, and the kernels whose machine code is read for sm_80
+    too, compiled side by side once per session by conftest's ``machine_code`` fixture
+    (tests/test_gpu_machine_code.py reads the same cubins). The source has no code that
+    depends on the architecture, so what compiles for one compiles for the other."""
     assert set(machine_code) == set(sources.ARCHITECTURES)
+    assert sources.EVERY_INSTANTIATION_ARCHITECTURE in sources.ARCHITECTURES
     for architecture, (cubin, lowered) in machine_code.items():
         assert cubin, architecture
-        assert set(sources.name_expressions()) <= set(lowered), architecture
+        assert set(machine_code_names()) <= set(lowered), architecture
+        if architecture == sources.EVERY_INSTANTIATION_ARCHITECTURE:
+            assert set(sources.name_expressions()) <= set(lowered), architecture
         assert len(set(lowered.values())) == len(lowered), f"{architecture}: two instantiations share a symbol"
+
+
+def test_the_source_has_no_code_that_depends_on_the_architecture():
+    """Why CI compiles every instantiation for one architecture only: an ``#if`` on
+    ``__CUDA_ARCH__`` (a Hopper-only path, say) would make an instantiation's compile
+    depend on it, and then each architecture needs every instantiation compiled again
+    (conftest.compiled_names)."""
+    assert "__CUDA_ARCH__" not in sources.source()
 
 
 def hopper_tiles():

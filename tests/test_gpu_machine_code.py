@@ -14,10 +14,8 @@ import pytest
 
 from npattn.gpu import nvrtc, sass, sources
 
-from conftest import NVIDIA_WHEEL_PLATFORM, nvrtc_or_skip
+from conftest import NVIDIA_WHEEL_PLATFORM, SIMT_KERNEL, nvrtc_or_skip
 
-# a SIMT kernel: one multiply-add per product term, no tensor cores
-SIMT_KERNEL = "dkdv_kernel<float, float, 64>"
 # the split-KV combine of the tensor-core forward's decode steps (timed on an H200): its
 # chunks of 8 splits' rows live in registers, 64 values a lane at once
 COMBINE_KERNELS = tuple(sources.kernel_name("combine", dtype) for dtype in sources.TENSOR_CORE_STORAGE)

@@ -61,6 +61,11 @@ TENSOR_CORE_STORAGE = ("float16", "bfloat16")
 TENSOR_CORE_BLOCK = 64
 # the targets CI compiles for: A100 and H100/H200
 ARCHITECTURES = ("sm_80", "sm_90")
+# the one CI compiles every instantiation for; for the others it compiles the kernels whose
+# machine code it reads (tests/conftest.py): no code here depends on the architecture, so
+# an instantiation that compiles for one compiles for all (tests/test_gpu.py checks that
+# the source names no __CUDA_ARCH__)
+EVERY_INSTANTIATION_ARCHITECTURE = "sm_90"
 
 
 @functools.lru_cache(maxsize=None)
