@@ -8,7 +8,10 @@ split keeps both cores busy to the end when items differ in cost (the last
 query tile of a head is short; causal tiles near the diagonal cost more) and
 when the hypervisor takes one core away for a while (this project's VMs do). Every
 item writes only its own outputs, so the results do not depend on which thread
-ran which item, on the thread count or on timing: the bits are the same.
+ran which item, on the thread count or on timing: the bits are the same. A
+thread that finds no item left counts itself out (``counter[OUT]``) and leaves,
+and the calling thread, out of items itself, watches that count for the workers
+still in theirs (:func:`threads_out`) rather than sleep on their futures.
 
 Why threads rather than Numba's ``prange``: a parallel region costs about 5 s of
 extra compile time per kernel and dtype (measured), and the kernels release the
