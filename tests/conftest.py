@@ -138,12 +138,23 @@ def nvrtc_or_skip():
 SIMT_KERNEL = "dkdv_kernel<float, float, 64>"
 
 
+def checked_names() -> tuple[str, ...]:
+    """``sources.MACHINE_CODE_CHECKED`` where sources names the kernels to hold to the
+    fast-kernel check, else every tensor-core instantiation."""
+    from npattn.gpu import sources
+
+    if hasattr(sources, "MACHINE_CODE_CHECKED"):
+        return tuple(sources.MACHINE_CODE_CHECKED)
+    return tuple(name for name in sources.name_expressions() if "_tc_kernel" in name)
+
+
 def machine_code_names() -> tuple[str, ...]:
-    """The kernels whose machine code the checks read, on every architecture."""
+    """The kernels whose machine code the checks read, on every architecture: the checked
+    ones, the SIMT kernel and the combine."""
     from npattn.gpu import sources
 
     combine = tuple(sources.kernel_name("combine", dtype) for dtype in sources.TENSOR_CORE_STORAGE)
-    return tuple(dict.fromkeys((*getattr(sources, "MACHINE_CODE_CHECKED", ()), SIMT_KERNEL, *combine)))
+    return tuple(dict.fromkeys((*checked_names(), SIMT_KERNEL, *combine)))
 
 
 def compiled_names(architecture: str) -> tuple[str, ...]:

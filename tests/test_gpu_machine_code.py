@@ -14,7 +14,7 @@ import pytest
 
 from npattn.gpu import nvrtc, sass, sources
 
-from conftest import NVIDIA_WHEEL_PLATFORM, SIMT_KERNEL, nvrtc_or_skip
+from conftest import NVIDIA_WHEEL_PLATFORM, SIMT_KERNEL, checked_names, machine_code_names, nvrtc_or_skip
 
 # the split-KV combine of the tensor-core forward's decode steps (timed on an H200): its
 # chunks of 8 splits' rows live in registers, 64 values a lane at once
@@ -53,14 +53,6 @@ __global__ void tensor_core_kernel(const unsigned short* in, float* out) {
 SMALL_NAMES = ("spilling_kernel<256>", "tensor_core_kernel")
 
 
-def checked_names() -> tuple[str, ...]:
-    """``sources.MACHINE_CODE_CHECKED`` where sources names the kernels to hold to the
-    fast-kernel check, else every tensor-core instantiation."""
-    if hasattr(sources, "MACHINE_CODE_CHECKED"):
-        return tuple(sources.MACHINE_CODE_CHECKED)
-    return tuple(name for name in sources.name_expressions() if "_tc_kernel" in name)
-
-
 def tools_or_skip():
     """Skip where the wheels do not exist; fail where the test extra should have
     installed them."""
@@ -85,7 +77,7 @@ def kernels(request):
     :data:`SIMT_KERNEL`; the architectures are disassembled side by side."""
     tools_or_skip()  # before the minutes of compiling, so a missing tool fails at once
     machine_code = request.getfixturevalue("machine_code")
-    names = (*checked_names(), SIMT_KERNEL, *COMBINE_KERNELS)
+    names = machine_code_names()
 
     def inspect(architecture):
         cubin, lowered = machine_code[architecture]
