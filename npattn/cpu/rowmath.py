@@ -161,7 +161,7 @@ def _exp_shifted_to_pairs_overload(x, start, n, shift, pairs, pair_start):
         for c in range(full, start + n):  # (exp_shifted's last values: exact, in x)
             value = _exp_float32(x[c], shift, False)
             x[c] = value
-            total += value
+            total = add(total, value)
         for c in range(full, start + n, 2):
             high = x[c + 1] if c + 1 < start + n else 0.0
             pairs[pair_start + (c - start) // 2] = pair_bits(x[c], high)
@@ -278,7 +278,7 @@ def _exp_shifted_overload(x, start, n, shift, brief):
             for c in range(full, start + n):
                 value = _exp_float32(x[c], shift, False)
                 x[c] = value
-                total += value
+                total = add(total, value)
             return total
         return polynomial
 
@@ -287,6 +287,6 @@ def _exp_shifted_overload(x, start, n, shift, brief):
         for c in range(start, start + n):
             value = math.exp(x[c] - shift)
             x[c] = value
-            total += value
+            total = add(total, value)
         return total
     return exact

@@ -601,21 +601,25 @@ def call_llvm_intrinsic(builder, stem, *operands):
     return builder.call(function, operands)
 
 
-def _lane_by_lane(build, doc):
-    """An intrinsic applying the IRBuilder method ``build`` to two equal vectors."""
-    def typer(typingctx, a, b):
-        if not (isinstance(a, Vector) and a == b):
-            return None
-
-        def codegen(context, builder, signature, args):
-            _wide(builder)
-            return getattr(builder, build)(*args)
-        return a(a, b), codegen
-    typer.__doc__ = doc
-    return intrinsic(typer)
+# The flags of a sum whose bits must not depend on the code around it. Numba gives every
+# float instruction without flags of its own the kernels' fastmath flags, "reassoc" among
+# them, and with "reassoc" LLVM may regroup a chain of sums as it schedules them: a row's
+# softmax sum then took other bits inlined into a short tile's code than in the general
+# loop, on an Emerald Rapids CPU and not on a Zen 4. "nsz" alone keeps the order written.
+IN_ORDER = ("nsz",)
 
 
-add = _lane_by_lane("fadd", "``a + b`` lane by lane.")
+@intrinsic
+def add(typingctx, a, b):
+    """``a + b``, lane by lane on vectors, or of two floats, in the order written (no
+    "reassoc": a chain of ``add`` sums in the same order wherever it is compiled)."""
+    if not (isinstance(a, (Vector, types.Float)) and a == b):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        return builder.fadd(*args, flags=IN_ORDER)
+    return a(a, b), codegen
 
 
 @intrinsic
@@ -668,7 +672,8 @@ def _reduce(combine, doc):
     return intrinsic(typer)
 
 
-horizontal_sum = _reduce(lambda builder, x, y: builder.fadd(x, y), "The sum of a vector's lanes.")
+horizontal_sum = _reduce(lambda builder, x, y: builder.fadd(x, y, flags=IN_ORDER),
+                         "The sum of a vector's lanes, halves added in the same order everywhere.")
 horizontal_max = _reduce(select_greater, "The largest of a vector's lanes (NaN lanes are skipped).")
 
 
