@@ -25,6 +25,14 @@ import tolerances
 needs_bf16 = pytest.mark.skipif(not simd.BF16_DOT, reason="the CPU has no AVX512_BF16")
 
 
+@pytest.fixture(autouse=True)
+def pair_products():
+    """Every test here takes the pair products wherever the CPU has them, on Intel's
+    cores too, where bfloat16 computes in float32 by default (npattn.cpu.isa.bf16_pairs_pay)."""
+    with npattn.cpu.bfloat16_products(True):
+        yield
+
+
 @needs_bf16
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 1, 2, 3]),
        q_len=st.integers(1, 300), kv_len=st.integers(1, 300), head_dim=st.sampled_from([16, 32, 48, 64, 128]),
@@ -111,6 +119,28 @@ def test_bfloat16_products_are_taken_where_they_pay_and_nowhere_else():
     assert not taken(256, 256, every_other_key=True)
     with tuned(bf16_products=False):
         assert not taken(256, 256)
+    with npattn.cpu.bfloat16_products(None):  # this CPU's default
+        assert taken(256, 256) == simd.BF16_PAIRS_BY_DEFAULT
+
+
+@pytest.mark.parametrize("cpu_name, pay", [("znver4", True), ("znver5", True), ("sapphirerapids", False),
+                                           ("emeraldrapids", False), ("graniterapids", False),
+                                           ("cooperlake", False)])
+def test_pairs_are_the_default_on_amds_cores_and_not_on_intels(cpu_name, pay):
+    """vdpbf16ps makes twice the products of an FMA per cycle on Zen 4 and half on
+    Sapphire and Emerald Rapids (npattn.cpu.isa.bf16_pairs_pay)."""
+    from npattn.cpu import isa
+
+    with mock.patch("llvmlite.binding.get_host_cpu_name", return_value=cpu_name):
+        assert isa.bf16_pairs_pay() is pay
+
+
+def test_the_bfloat16_switch_takes_true_false_or_none():
+    for value in (True, False, None):
+        with npattn.cpu.bfloat16_products(value):
+            assert current().bf16_products is value
+    with pytest.raises(ValueError, match="enabled must be True, False or None, got 'yes'"):
+        npattn.cpu.bfloat16_products("yes")
 
 
 def test_pair_layouts_hold_bfloat16_pairs_in_order():

@@ -689,7 +689,7 @@ def test_a_16_bit_prefill_longer_than_a_tile_reads_k_and_v_a_tile_at_a_time(dtyp
     import ml_dtypes  # noqa: F401  (registers bfloat16)
     from npattn.core.kernel_params import KvCodes
     from npattn.cpu import driver, operands, simd
-    from npattn.cpu.tuning import tuned
+    from npattn.cpu.tuning import current, tuned
 
     rng = np.random.default_rng(4)
     q, k, v = (rng.normal(size=(1, 2, 100, 32)).astype(dtype) for _ in range(3))
@@ -698,7 +698,7 @@ def test_a_16_bit_prefill_longer_than_a_tile_reads_k_and_v_a_tile_at_a_time(dtyp
     monkeypatch.setattr(operands, "kv_codes", lambda *a: problem_codes.append(planned(*a)) or problem_codes[-1])
     with tuned(forward=(32, 48)):  # 100 rows: four query tiles
         tiled = npattn.attention(q, k, v, causal=True, return_lse=True)
-        pairs = dtype == "bfloat16" and simd.BF16_DOT
+        pairs = dtype == "bfloat16" and simd.BF16_DOT and current().pair_products
         assert problem_codes == [KvCodes.NONE if pairs else KvCodes(
             KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16)]
         monkeypatch.setattr(operands, "kv_codes", lambda *a: KvCodes.NONE)

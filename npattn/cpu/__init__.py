@@ -89,6 +89,21 @@ def products(kind: str):
     return tuned(vector=kind == "vector")
 
 
+def bfloat16_products(enabled: bool | None):
+    """A context manager: run the block with bfloat16 forwards multiplying in bfloat16
+    (``True``: AVX512_BF16's vdpbf16ps pair products, P rounded to bfloat16, where the CPU
+    has the instruction), in float32 (``False``: the values converted in registers), or as
+    this CPU does by default (``None``: pairs on AMD's cores, float32 on Intel's, where
+    vdpbf16ps makes half the products per cycle of FMAs; :func:`.isa.bf16_pairs_pay`).
+    Both paths keep bfloat16's error bound. It applies to calls from this thread (or
+    asyncio task) only: see :mod:`.tuning`."""
+    from .tuning import tuned
+
+    if enabled not in (True, False, None):
+        raise ValueError(f"enabled must be True, False or None, got {enabled!r}")
+    return tuned(bf16_products=enabled)
+
+
 def tile_sizes(block_q: int, block_k: int, edge_band: int | None = None):
     """A context manager: run the block with query tiles of ``block_q`` rows and key tiles
     of ``block_k`` keys in both the forward and the backward (defaults: 192 x 384 and

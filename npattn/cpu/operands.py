@@ -406,12 +406,13 @@ def query_codes(problem, kind: str, codes) -> KvCodes:
 def bf16_products(problem, kind: str, tuning: Tuning, codes=KvCodes.NONE) -> bool:
     """Whether a bfloat16 forward multiplies in bfloat16 (AVX512_BF16's vdpbf16ps, two
     products per float32 lane; P rounded to bfloat16 as GPU kernels round it): where the
-    CPU has the instruction, the products run on the micro-kernels with packed keys (not
+    CPU has the instruction and the tuning asks for it (by default where it is faster than
+    float32's FMAs: :func:`npattn.cpu.isa.bf16_pairs_pay`), the products run on the micro-kernels with packed keys (not
     a decode step's dot products, nor 16-bit keys read by tiles), no weights are asked
     (whose recomputed scores must be the float32 ones), and q, k and v are bfloat16 in a
     known memory order with even head dims: the kernels then read their memory as it
     lies, as float32 words of two bfloat16 (:func:`pair_words`), with no float32 copy."""
-    if not (kind == "forward" and BF16_DOT and tuning.bf16_products and codes == KvCodes.NONE
+    if not (kind == "forward" and BF16_DOT and tuning.pair_products and codes == KvCodes.NONE
             and not problem.return_weights and problem.accumulate_dtype == np.float32):
         return False
     vector, vector_values, _, dot_scores = _product_paths(problem, kind, tuning)

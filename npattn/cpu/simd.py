@@ -30,7 +30,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, overload, register_model
 
-from .isa import compiled_isa, target_features
+from .isa import bf16_pairs_pay, compiled_isa, target_features
 from .jit import OPTIONS
 
 ISA = compiled_isa()
@@ -442,6 +442,9 @@ def splat_fma_rows(typingctx, a, index, a_row, row, block):
 # Whether the kernels compile bfloat16 pair products to AVX512_BF16's vdpbf16ps (Zen 4,
 # Sapphire Rapids and later); elsewhere :func:`splat_pair_dot_rows` is two FMAs per pair.
 BF16_DOT = VECTOR_BYTES == 64 and "+avx512bf16" in target_features().split(",")
+# Whether bfloat16 forwards take those pair products unless told otherwise: where they are
+# faster than float32's FMAs (AMD's cores, not Intel's: :func:`npattn.cpu.isa.bf16_pairs_pay`)
+BF16_PAIRS_BY_DEFAULT = BF16_DOT and bf16_pairs_pay()
 
 
 class _BFloat(ir.types.Type):

@@ -51,7 +51,8 @@ class Tuning:
     at most this many rows per kv head (Sq x H / Hkv: a decode step, the GQA heads of a
     group folded in) take their scores as dot products of the key rows, with no packed
     key tile (0: never); ``bf16_products``: a bfloat16 forward multiplies in bfloat16 where
-    the CPU can (:func:`npattn.cpu.operands.bf16_products`; False: in float32);
+    the CPU can (:func:`npattn.cpu.operands.bf16_products`; False: in float32; None: where
+    that is the faster, :data:`npattn.cpu.simd.BF16_PAIRS_BY_DEFAULT`);
     ``key_cache_bytes``: the most a bfloat16 forward keeps per thread of a kv head's key
     tiles packed for its next query tile or head (0: none, each tile packed where read)."""
 
@@ -60,8 +61,17 @@ class Tuning:
     edge_band: int = 48
     vector: bool | None = None
     dot_rows: int = DOT_ROWS
-    bf16_products: bool = True
+    bf16_products: bool | None = None
     key_cache_bytes: int = KEY_CACHE_BYTES
+
+    @property
+    def pair_products(self) -> bool:
+        """``bf16_products``, None resolved for this CPU."""
+        if self.bf16_products is None:
+            from .simd import BF16_PAIRS_BY_DEFAULT  # imports Numba: only when a kernel is about to run
+
+            return BF16_PAIRS_BY_DEFAULT
+        return self.bf16_products
 
     @property
     def vector_products(self) -> bool:
