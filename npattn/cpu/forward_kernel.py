@@ -34,8 +34,8 @@ from .operands import Int, KvCodes, Real
 from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_shifted_to_pairs, row_max, short_row_max
 from .code_products import code_product
 from .microkernels import pair_product, product
-from .tiles import (accumulator_start, apply_dropout, band_keys, cache_slot_sizes, cached_key_tile,
-                    codes_in_registers, convert_query_rows, dequantize_tile, key_cache, key_segments, memory_batch,
+from .tiles import (CONVERTED_VALUE_ROWS, accumulator_start, apply_dropout, band_keys, cache_slot_sizes,
+                    cached_key_tile, codes_in_registers, convert_query_rows, convert_value_rows, dequantize_tile, key_cache, key_segments, memory_batch,
                     memory_batches, narrow_row, pack_key_codes, pack_key_tile, pack_value_pairs, page_run, pair_rows,
                     pair_tiles, prefetch_key_rows, query_offset, query_rows, score_tile, span, v_row, v_scale_row,
                     value_tile_rows)
@@ -234,6 +234,10 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                          out_offset + r0 * out_row_stride, out_row_stride, band_rows, (depth + 1) // 2,
                                          dv, 1.0, True)
                     elif ints[Int.VECTOR_VALUES]:
+                        # a 16-bit tile's values, for a tall query tile: converted once, not per block of rows
+                        converted = sixteen_bit and rows >= CONVERTED_VALUE_ROWS
+                        if converted:
+                            convert_value_rows(v_codes, pages, ints, b, kv_head, j0, cols, dequantized)
                         band = rows if full else ints[Int.EDGE_BAND]
                         for r0 in range(0, rows, band):
                             band_rows = smaller(band, rows - r0)
@@ -241,14 +245,14 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                             c0 = 0
                             while c0 < depth:  # (a tile from codes too: the same sums as its pages' rows)
                                 run = page_run(ints, j0 + c0, depth - c0)
-                                if in_registers or sixteen_bit:
+                                if in_registers or (sixteen_bit and not converted):
                                     j = j0 + c0
                                     code_product(s, r0 * ld + c0, ld, v_codes, v_row(ints, pages, b, kv_head, j),
                                                  v_row_stride, v_scale, v_scale_row(ints, pages, b, kv_head, j),
                                                  ints[Int.V_SCALE_STRIDE_S], sums_array,
                                                  out_offset + r0 * out_row_stride,
                                                  out_row_stride, band_rows, run, dv, quantized)
-                                elif quantized:  # the converted value rows
+                                elif quantized:  # the converted value rows (16-bit ones too: converted)
                                     product(s, r0 * ld + c0, ld, 1, values, c0 * dv, dv, sums_array,
                                             out_offset + r0 * out_row_stride, out_row_stride, band_rows, run, dv, 1.0,
                                             True)
