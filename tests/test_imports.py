@@ -10,6 +10,28 @@ def test_import_loads_no_optional_dependency():
     assert loaded.strip() == "[]"
 
 
+def test_the_cpu_backend_names_a_numba_too_old_for_its_kernels(monkeypatch):
+    """Before Numba 0.68 the kernels fail to compile (IntEnum indices): the backend says so
+    instead, and setup.cfg asks for the same version."""
+    import configparser
+    import pathlib
+
+    import npattn.cpu as cpu
+
+    for found, expected in (("0.67.0", "numba 0.67.0 is installed"), ("0.59.1", "numba 0.59.1 is installed"),
+                            ("0.68.0", None), ("0.68.1", None), ("0.70.0rc1", None), ("1.0.0", None)):
+        monkeypatch.setattr(cpu, "_numba_version", lambda: found)
+        reason = cpu.unavailable_reason()
+        if expected is None:
+            assert reason is None, found
+        else:
+            assert reason.startswith("needs numba>=0.68") and expected in reason, reason
+    config = configparser.ConfigParser()
+    config.read(pathlib.Path(__file__).parents[1] / "setup.cfg")
+    oldest = ".".join(map(str, cpu.OLDEST_NUMBA))
+    assert f"numba>={oldest}" in config["options"]["install_requires"].split()
+
+
 def test_autograd_and_optim_need_only_numpy():
     code = ("import sys, npattn.autograd, npattn.nn.optim; "
             "print(sorted(m for m in ('numba', 'scipy', 'cupy', 'torch', 'jax') if m in sys.modules))")

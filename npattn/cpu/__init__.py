@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 
 NAME = "cpu"
 # Runs a problem with ``packed_rows`` (each batch entry's live rows are its own rows of one
@@ -22,6 +23,10 @@ PACKED_ROWS = True
 # Reads int8 kv caches with their scales (problem.k_scale), a tile dequantized at a time.
 QUANTIZED_KV = True
 _REQUIRED = ("numba", "scipy")
+# The oldest Numba the kernels compile with: before 0.68 Numba cannot index an array with
+# an IntEnum (the kernels' ``ints[Int.BLOCK_K]``), and before 0.62 its cache locators
+# have other names (npattn/cpu/_cache.py). setup.cfg asks for the same.
+OLDEST_NUMBA = (0, 68)
 
 
 def unavailable_reason(array_kind: str = "numpy") -> str | None:
@@ -31,7 +36,41 @@ def unavailable_reason(array_kind: str = "numpy") -> str | None:
     if missing:
         return (f"needs {' and '.join(missing)} (pip install numba scipy); "
                 f"{'it is' if len(missing) == 1 else 'they are'} not installed")
+    return _too_old(_numba_version())
+
+
+@functools.lru_cache(maxsize=4)
+def _too_old(found: str | None) -> str | None:
+    """Why a Numba of version ``found`` cannot run the kernels, or None (asked at every call:
+    kept)."""
+    if found is not None and _release(found) < OLDEST_NUMBA:
+        oldest = ".".join(map(str, OLDEST_NUMBA))
+        return f"needs numba>={oldest} (pip install -U 'numba>={oldest}'); numba {found} is installed"
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _numba_version() -> str | None:
+    """The installed Numba's version string (from its metadata: Numba is not imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("numba")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.68.1"`` -> (0, 68, 1); a pre-release or local suffix ends the numbers."""
+    numbers = []
+    for part in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if digits != part:
+            break
+    return tuple(numbers)
 
 
 @functools.lru_cache(maxsize=1)
