@@ -273,10 +273,19 @@ def pytest_collection_modifyitems(session, config, items):
         elif item.originalname == "test_example_succeeds":
             script = item.callspec.params["script"]
             started_in_turn(f"example-{script.name}", functools.partial(item.module.run_example, script))
-        elif item.name != "test_forced_avx2_kernels_pass_the_vector_width_properties":
+        elif not (item.name == "test_forced_avx2_kernels_pass_the_vector_width_properties"
+                  or _background_run(item)):
             continue
         waiting.append(item)
     items[:] = [item for item in items if item not in waiting] + waiting
+
+
+def _background_run(item) -> bool:
+    """A test module may define ``background_run(item) -> bool``: start (with
+    :func:`started_in_turn`) the subprocess that ``item`` reads, and say whether it did;
+    such a test runs last, when its subprocess is done (tests/test_ring.py's MPI runs)."""
+    background_run = getattr(getattr(item, "module", None), "background_run", None)
+    return bool(background_run is not None and background_run(item))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Ring attention over MPI (npattn.distributed): ``mpiexec -n 2, 3, 4`` on loopback, each
 rank comparing its outputs and gradients with the one-process call (tests/ring_worker.py).
 Needs mpi4py and an MPI launcher (the test extra installs mpi4py and the MPICH wheel)."""
+import functools
 import os
 import pathlib
 import re
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import npattn
+from conftest import started_in_turn
 from npattn.distributed import shard, unshard
 
 pytest.importorskip("mpi4py")
@@ -32,9 +34,38 @@ def run(ranks, *arguments, timeout=300, folder=None):
     return result
 
 
+def beside(*arguments):
+    """The future of ``run(*arguments)``, started once, beside the other tests
+    (:func:`conftest.started_in_turn`): the ranks' processes spend most of their seconds
+    starting and loading kernels, one core's work, while the suite's last tests keep the
+    other core busy."""
+    return started_in_turn("ring " + " ".join(map(str, arguments)), functools.partial(run, *arguments))
+
+
+# the worker runs conftest starts at collection (background_run), by test
+_BESIDE = {
+    "test_outputs_and_gradients_equal_the_one_process_call":
+        lambda strategy, ranks: (ranks, "correctness", strategy, ranks, 25),
+    "test_a_mismatched_shard_raises_the_same_error_on_every_rank": lambda: (3, "mismatch"),
+    "test_a_peer_that_never_calls_makes_the_others_time_out_naming_the_wait": lambda: (3, "silent-peer"),
+    "test_what_a_strategy_cannot_split_is_refused_by_name": lambda: (2, "refusals"),
+}
+
+
+def background_run(item) -> bool:
+    """Start the worker run ``item`` checks (conftest calls this at collection for each
+    test of this module); whether there is one."""
+    arguments = _BESIDE.get(item.originalname)
+    if arguments is None or MPIEXEC is None:
+        return False
+    callspec = getattr(item, "callspec", None)
+    beside(*arguments(**(callspec.params if callspec else {})))
+    return True
+
+
 @pytest.mark.parametrize("strategy, ranks", [("ring", 2), ("ring", 3), ("ring", 4), ("heads", 2), ("heads", 3)])
 def test_outputs_and_gradients_equal_the_one_process_call(strategy, ranks):
-    result = run(ranks, "correctness", strategy, ranks, 25)
+    result = beside(*_BESIDE["test_outputs_and_gradients_equal_the_one_process_call"](strategy, ranks)).result()
     assert result.returncode == 0, result.stdout + result.stderr
     # the ranks' lines share one pipe and may run into each other: read them by pattern
     assert sorted(re.findall(r"ok rank (\d+) of", result.stdout)) == [str(rank) for rank in range(ranks)]
@@ -54,7 +85,7 @@ def test_cupy_shards_give_cupy_results_equal_to_the_one_process_call(strategy, r
 
 
 def test_a_mismatched_shard_raises_the_same_error_on_every_rank():
-    result = run(3, "mismatch")
+    result = beside(3, "mismatch").result()
     assert result.returncode == 0, result.stdout + result.stderr
     raised = re.findall(r"raised rank (\d): (ring attention: .*? lengths)", result.stdout)
     assert sorted(rank for rank, _ in raised) == ["0", "1", "2"], result.stdout
@@ -62,14 +93,14 @@ def test_a_mismatched_shard_raises_the_same_error_on_every_rank():
 
 
 def test_a_peer_that_never_calls_makes_the_others_time_out_naming_the_wait():
-    result = run(3, "silent-peer")
+    result = beside(3, "silent-peer").result()
     timed_out = re.findall(r"timed out rank (\d): ring attention: rank \d waited 1 s for every rank to make the "
                            r"same call", result.stdout)
     assert sorted(timed_out) == ["1", "2"], result.stdout + result.stderr
 
 
 def test_what_a_strategy_cannot_split_is_refused_by_name():
-    result = run(2, "refusals")
+    result = beside(2, "refusals").result()
     assert result.returncode == 0, result.stdout + result.stderr
     refused = re.findall(r"refused rank 0: (?:ring attention: rank 0's inputs: )?(?:ring attention does not (?:take (\w+) yet|return (weights))|"
                          r"strategy='heads' (?:does not take (\w+)|splits the heads: (H) ))", result.stdout)
