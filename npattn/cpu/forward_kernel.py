@@ -35,7 +35,8 @@ from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_sh
 from .code_products import code_product
 from .microkernels import pair_product, product
 from .tiles import (CONVERTED_VALUE_ROWS, accumulator_start, apply_dropout, band_keys, cache_slot_sizes,
-                    cached_key_tile, codes_in_registers, convert_query_rows, convert_value_rows, dequantize_tile, key_cache, key_segments, memory_batch,
+                    cached_key_tile, codes_in_registers, convert_query_rows, convert_value_rows, dequantize_tile,
+                    key_cache, key_segments, memory_batch,
                     memory_batches, narrow_row, pack_key_codes, pack_key_tile, pack_value_pairs, page_run, pair_rows,
                     pair_tiles, prefetch_key_rows, query_offset, query_rows, score_tile, span, v_row, v_scale_row,
                     value_tile_rows)

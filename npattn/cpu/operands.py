@@ -407,7 +407,8 @@ def bf16_products(problem, kind: str, tuning: Tuning, codes=KvCodes.NONE) -> boo
     """Whether a bfloat16 forward multiplies in bfloat16 (AVX512_BF16's vdpbf16ps, two
     products per float32 lane; P rounded to bfloat16 as GPU kernels round it): where the
     CPU has the instruction and the tuning asks for it (by default where it is faster than
-    float32's FMAs: :func:`npattn.cpu.isa.bf16_pairs_pay`), the products run on the micro-kernels with packed keys (not
+    float32's FMAs: :func:`npattn.cpu.isa.bf16_pairs_pay`), the products run on the
+    micro-kernels with packed keys (not
     a decode step's dot products, nor 16-bit keys read by tiles), no weights are asked
     (whose recomputed scores must be the float32 ones), and q, k and v are bfloat16 in a
     known memory order with even head dims: the kernels then read their memory as it
