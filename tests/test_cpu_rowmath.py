@@ -141,3 +141,26 @@ def test_lanes_in_and_line_elements_are_the_dtypes_counts(dtype):
     division by an array's itemsize (which Numba reads at run time)."""
     array = np.zeros(4, dtype)
     assert _lanes_and_line(array) == (VECTOR_BYTES // array.itemsize, 64 // array.itemsize)
+
+
+def test_sums_keep_the_order_written_on_every_cpu():
+    """simd.add and horizontal_sum emit fadd without "reassoc" (the kernels' fastmath flags
+    carry it), so LLVM cannot regroup a row's sum differently where it is inlined: on an
+    Emerald Rapids CPU a short row's sum and the general loop's differed in the last bit
+    when they could. Read from the LLVM IR, so it holds on any CPU, not only where the
+    regrouping happens to show in the bits."""
+    import re
+
+    from npattn.cpu.jit import OPTIONS
+    from npattn.cpu.simd import add, horizontal_sum, load
+
+    @njit(**{**OPTIONS, "cache": False})
+    def summed(x, y):
+        return add(horizontal_sum(load(x, 0)), y)
+
+    x = np.arange(VECTOR_BYTES // 4, dtype=np.float32)
+    assert summed(x, np.float32(0.5)) == np.float32(x.sum() + 0.5)
+    ir = next(iter(summed.inspect_llvm().values()))
+    sums = re.findall(r"= fadd ([a-z ]*?)(?:<\d+ x )?float", ir)
+    assert len(sums) >= 2, ir  # the lanes' halves and the scalar
+    assert all(flags.split() == ["nsz"] for flags in sums), sums
