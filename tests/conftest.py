@@ -138,6 +138,13 @@ def nvrtc_or_skip():
 SIMT_KERNEL = "dkdv_kernel<float, float, 64>"
 
 
+def combine_kernels() -> tuple[str, ...]:
+    """The split-KV combine's instantiations, one per tensor-core storage dtype."""
+    from npattn.gpu import sources
+
+    return tuple(sources.kernel_name("combine", dtype) for dtype in sources.TENSOR_CORE_STORAGE)
+
+
 def checked_names() -> tuple[str, ...]:
     """``sources.MACHINE_CODE_CHECKED`` where sources names the kernels to hold to the
     fast-kernel check, else every tensor-core instantiation."""
@@ -151,10 +158,7 @@ def checked_names() -> tuple[str, ...]:
 def machine_code_names() -> tuple[str, ...]:
     """The kernels whose machine code the checks read, on every architecture: the checked
     ones, the SIMT kernel and the combine."""
-    from npattn.gpu import sources
-
-    combine = tuple(sources.kernel_name("combine", dtype) for dtype in sources.TENSOR_CORE_STORAGE)
-    return tuple(dict.fromkeys((*checked_names(), SIMT_KERNEL, *combine)))
+    return tuple(dict.fromkeys((*checked_names(), SIMT_KERNEL, *combine_kernels())))
 
 
 def compiled_names(architecture: str) -> tuple[str, ...]:

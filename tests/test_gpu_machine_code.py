@@ -14,11 +14,12 @@ import pytest
 
 from npattn.gpu import nvrtc, sass, sources
 
-from conftest import NVIDIA_WHEEL_PLATFORM, SIMT_KERNEL, checked_names, machine_code_names, nvrtc_or_skip
+from conftest import (NVIDIA_WHEEL_PLATFORM, SIMT_KERNEL, checked_names, combine_kernels, machine_code_names,
+                      nvrtc_or_skip)
 
 # the split-KV combine of the tensor-core forward's decode steps (timed on an H200): its
 # chunks of 8 splits' rows live in registers, 64 values a lane at once
-COMBINE_KERNELS = tuple(sources.kernel_name("combine", dtype) for dtype in sources.TENSOR_CORE_STORAGE)
+COMBINE_KERNELS = combine_kernels()
 
 # two kernels the checks must tell apart: one spills (a per-thread array indexed by a loaded
 # value cannot live in registers), one is built the fast way (cp.async, ldmatrix, mma)

@@ -34,15 +34,8 @@ def run(ranks, *arguments, timeout=300, folder=None):
     return result
 
 
-def beside(*arguments):
-    """The future of ``run(*arguments)``, started once, beside the other tests
-    (:func:`conftest.started_in_turn`): the ranks' processes spend most of their seconds
-    starting and loading kernels, one core's work, while the suite's last tests keep the
-    other core busy."""
-    return started_in_turn("ring " + " ".join(map(str, arguments)), functools.partial(run, *arguments))
-
-
-# the worker runs conftest starts at collection (background_run), by test
+# the worker runs that tests read from a run started at collection, by test: the worker's
+# arguments from the test's parameters
 _BESIDE = {
     "test_outputs_and_gradients_equal_the_one_process_call":
         lambda strategy, ranks: (ranks, "correctness", strategy, ranks, 25),
@@ -52,20 +45,28 @@ _BESIDE = {
 }
 
 
-def background_run(item) -> bool:
-    """Start the worker run ``item`` checks (conftest calls this at collection for each
-    test of this module); whether there is one."""
-    arguments = _BESIDE.get(item.originalname)
-    if arguments is None or MPIEXEC is None:
-        return False
+def worker_run(item):
+    """The future of the worker run test ``item`` reads, started once, beside the other
+    tests (:func:`conftest.started_in_turn`): the ranks' processes spend most of their
+    seconds starting and loading kernels, one core's work, while the suite's last tests
+    keep the other core busy."""
     callspec = getattr(item, "callspec", None)
-    beside(*arguments(**(callspec.params if callspec else {})))
+    arguments = _BESIDE[item.originalname](**(callspec.params if callspec else {}))
+    return started_in_turn("ring " + " ".join(map(str, arguments)), functools.partial(run, *arguments))
+
+
+def background_run(item) -> bool:
+    """Start the worker run ``item`` reads (conftest calls this at collection for each
+    test of this module); whether there is one."""
+    if item.originalname not in _BESIDE or MPIEXEC is None:
+        return False
+    worker_run(item)
     return True
 
 
 @pytest.mark.parametrize("strategy, ranks", [("ring", 2), ("ring", 3), ("ring", 4), ("heads", 2), ("heads", 3)])
-def test_outputs_and_gradients_equal_the_one_process_call(strategy, ranks):
-    result = beside(*_BESIDE["test_outputs_and_gradients_equal_the_one_process_call"](strategy, ranks)).result()
+def test_outputs_and_gradients_equal_the_one_process_call(strategy, ranks, request):
+    result = worker_run(request.node).result()
     assert result.returncode == 0, result.stdout + result.stderr
     # the ranks' lines share one pipe and may run into each other: read them by pattern
     assert sorted(re.findall(r"ok rank (\d+) of", result.stdout)) == [str(rank) for rank in range(ranks)]
@@ -84,23 +85,23 @@ def test_cupy_shards_give_cupy_results_equal_to_the_one_process_call(strategy, r
     assert sorted(re.findall(r"ok rank (\d+) of", result.stdout)) == [str(rank) for rank in range(ranks)]
 
 
-def test_a_mismatched_shard_raises_the_same_error_on_every_rank():
-    result = beside(3, "mismatch").result()
+def test_a_mismatched_shard_raises_the_same_error_on_every_rank(request):
+    result = worker_run(request.node).result()
     assert result.returncode == 0, result.stdout + result.stderr
     raised = re.findall(r"raised rank (\d): (ring attention: .*? lengths)", result.stdout)
     assert sorted(rank for rank, _ in raised) == ["0", "1", "2"], result.stdout
     assert len({message for _, message in raised}) == 1 and "rank 1's q, k, v shapes" in raised[0][1]
 
 
-def test_a_peer_that_never_calls_makes_the_others_time_out_naming_the_wait():
-    result = beside(3, "silent-peer").result()
+def test_a_peer_that_never_calls_makes_the_others_time_out_naming_the_wait(request):
+    result = worker_run(request.node).result()
     timed_out = re.findall(r"timed out rank (\d): ring attention: rank \d waited 1 s for every rank to make the "
                            r"same call", result.stdout)
     assert sorted(timed_out) == ["1", "2"], result.stdout + result.stderr
 
 
-def test_what_a_strategy_cannot_split_is_refused_by_name():
-    result = beside(2, "refusals").result()
+def test_what_a_strategy_cannot_split_is_refused_by_name(request):
+    result = worker_run(request.node).result()
     assert result.returncode == 0, result.stdout + result.stderr
     refused = re.findall(r"refused rank 0: (?:ring attention: rank 0's inputs: )?(?:ring attention does not (?:take (\w+) yet|return (weights))|"
                          r"strategy='heads' (?:does not take (\w+)|splits the heads: (H) ))", result.stdout)
