@@ -42,11 +42,14 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True) ->
             if backward:
                 vjp(np.ones_like(out))
         seconds[np.dtype(dtype).name] = time.perf_counter() - start
-    # the tiny calls run on one thread; a call shared with the pool's threads also watches
-    # the counter for the threads' ends (a small jitted function: compiled, or loaded, here)
+    # the tiny calls run on one thread; a call shared with other threads also runs the
+    # crew's watches, or the pool's watch of the counter (small jitted functions: compiled,
+    # or loaded, here)
+    from .cpu import crew
     from .cpu.threads import new_counter, threads_out
 
     threads_out(new_counter(1), 0, 0)
+    crew.prepare()
     return seconds
 
 

@@ -229,15 +229,23 @@ def test_a_later_key_far_above_the_running_max_is_handled_exactly(dtype):
         assert_close(lse, exact_lse, dtype, length, 1 + float(np.abs(exact_lse).max()), "lse")
 
 
-def test_small_calls_run_on_the_calling_thread_and_large_ones_share_the_work(monkeypatch):
-    """Below threads.INLINE_FLOPS of work no item goes to the pool (its hand-off cost more
-    than a small call's whole work); above it, with 2 threads, the pool is used; the bits
-    are the same either way."""
-    from npattn.cpu import threads
+@pytest.mark.parametrize("hand_off", ["crew", "pool"])
+def test_small_calls_run_on_the_calling_thread_and_large_ones_share_the_work(monkeypatch, hand_off):
+    """Below threads.INLINE_FLOPS of work no item goes to another thread (the hand-off cost
+    more than a small call's whole work); above it, with 2 threads, the crew takes them
+    (npattn/cpu/crew.py), or with NPATTN_SPIN_US=0 the pool; the bits are the same either
+    way."""
+    from npattn.cpu import crew, threads
 
     submitted = []
-    real_submit = threads._submit
-    monkeypatch.setattr(threads, "_submit", lambda calls: submitted.append(len(calls)) or real_submit(calls))
+    if hand_off == "pool":
+        monkeypatch.setenv("NPATTN_SPIN_US", "0")
+        real_submit = threads._submit
+        monkeypatch.setattr(threads, "_submit", lambda calls: submitted.append(len(calls)) or real_submit(calls))
+    else:
+        real_run = crew.Crew.run
+        monkeypatch.setattr(crew.Crew, "run", lambda self, *arguments: submitted.append(arguments[-2] - 1)
+                            or real_run(self, *arguments))
     monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
     rng = np.random.default_rng(0)
     small = [rng.standard_normal((1, 8, 16, 64), dtype=np.float32) for _ in range(3)]
@@ -246,7 +254,7 @@ def test_small_calls_run_on_the_calling_thread_and_large_ones_share_the_work(mon
     assert submitted == []
     large = [rng.standard_normal((1, 8, 256, 64), dtype=np.float32) for _ in range(3)]
     shared = npattn.attention(*large, backend="cpu")
-    assert submitted
+    assert submitted and set(submitted) == {1}
     monkeypatch.setenv("NPATTN_NUM_THREADS", "1")
     assert npattn.attention(*large, backend="cpu").tobytes() == shared.tobytes()
 
@@ -309,18 +317,26 @@ def _slow_items_kernel():
     return slow_items
 
 
-@pytest.mark.parametrize("watched", [True, False])
-def test_a_call_returns_once_every_item_is_done_whoever_finishes_last(monkeypatch, watched):
+@pytest.mark.parametrize("hand_off", ["pool watched", "pool waited", "crew watched", "crew napping"])
+def test_a_call_returns_once_every_item_is_done_whoever_finishes_last(monkeypatch, hand_off):
     """run_items returns only when each item is done, also where a worker is still in its
-    item as the calling thread runs out of items: watched through the counter (each
-    thread counts itself out after its last write; here with polls enough for any wait) or,
-    where the watch gives up (here at once), on the worker's future."""
-    from npattn.cpu import threads
+    item as the calling thread runs out of items. The pool's: watched through the counter
+    (each thread counts itself out after its last write; here with polls enough for any
+    wait) or, where the watch gives up (here at once), on the worker's future. The crew's:
+    watched through the worker's DONE slot, or (its watch here a single poll) between naps."""
+    from npattn.cpu import crew, threads
 
     monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
     monkeypatch.setattr(threads, "WATCH_PAUSES", 10**12)
-    if not watched:
+    monkeypatch.setenv("NPATTN_SPIN_US", "0" if hand_off.startswith("pool") else "200")
+    watched = hand_off.endswith("watched")
+    if hand_off == "pool waited":
         monkeypatch.setattr(threads, "threads_out", lambda counter, count, pauses: False)
+    if hand_off == "crew napping":
+        monkeypatch.setattr(crew, "DONE_POLLS", 1)
+        naps = []
+        real_nap = crew._nap
+        monkeypatch.setattr(crew, "_nap", lambda: naps.append(1) or real_nap())
     waited = []
     real_submit = threads._submit
 
@@ -349,15 +365,23 @@ def test_a_call_returns_once_every_item_is_done_whoever_finishes_last(monkeypatc
     assert (done == 1).all(), done
     assert ran_by.tolist() == [0, 1, 1, 1, 1]
     assert counter[threads.OUT] == 2
-    assert bool(waited) != watched
+    if hand_off.startswith("pool"):
+        assert bool(waited) != watched
+    else:
+        assert not waited
+        if hand_off == "crew napping":
+            assert naps
 
 
-def test_a_worker_that_fails_before_its_kernel_runs_raises_from_the_call(monkeypatch):
+@pytest.mark.parametrize("hand_off", ["pool", "crew"])
+def test_a_worker_that_fails_before_its_kernel_runs_raises_from_the_call(monkeypatch, hand_off):
     """A worker that never reaches its kernel never counts itself out: the call stops
-    watching the counter and raises the worker's error from its future."""
+    watching the counter and raises the worker's error from its future (the pool), or
+    from the crew's record of it once the worker is back in its watch."""
     from npattn.cpu import threads
 
     monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    monkeypatch.setenv("NPATTN_SPIN_US", "0" if hand_off == "pool" else "200")
     monkeypatch.setattr(threads, "WATCH_PAUSES", 1000)
     kernel = _slow_items_kernel()
     caller, worker_started = threading.current_thread(), threading.Event()

@@ -8,10 +8,15 @@ split keeps both cores busy to the end when items differ in cost (the last
 query tile of a head is short; causal tiles near the diagonal cost more) and
 when the hypervisor takes one core away for a while (this project's VMs do). Every
 item writes only its own outputs, so the results do not depend on which thread
-ran which item, on the thread count or on timing: the bits are the same. A
-thread that finds no item left counts itself out (``counter[OUT]``) and leaves,
-and the calling thread, out of items itself, watches that count for the workers
-still in theirs (:func:`threads_out`) rather than sleep on their futures.
+ran which item, on the thread count or on timing: the bits are the same.
+
+Who the calling thread shares items with: the crew (:mod:`npattn.cpu.crew`), worker
+threads that watch for the next call for ``NPATTN_SPIN_US`` after each one, so calls in
+quick succession hand items over without a system call; or, where the crew is off or
+another call has it, a pool of sleeping threads. A pool thread that finds no item left
+counts itself out (``counter[OUT]``) and leaves, and the calling thread, out of items
+itself, watches that count for the workers still in theirs (:func:`threads_out`) rather
+than sleep on their futures.
 
 Why threads rather than Numba's ``prange``: a parallel region costs about 5 s of
 extra compile time per kernel and dtype (measured), and the kernels release the
@@ -21,18 +26,17 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
 from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from . import compiling
+from .crew import crew_for, spin_microseconds
+from .counters import (CLAIMED, COUNTER_SIZE, NON_FINITE, OUT, SINGLES, THREADS, fetch_add_one,  # noqa: F401
+                       load_slot, new_counter, pause)
 
 _POOL = None
 _POOL_SIZE = 0
@@ -139,29 +143,22 @@ def direct_entry(kernel, arguments):
     return None if overload is None else overload.entry_point
 
 
-# A kernel's ``counter``, int64 (COUNTER_SIZE,): CLAIMED, the items (or with claim_items, the
-# runs) claimed; NON_FINITE, set to 1 by a forward kernel that wrote a NaN or an inf into
-# out; SINGLES, the items claim_items handed out one by one; THREADS, the threads sharing
-# it; OUT, the threads that found no item left (and so are done with the call's arrays)
-CLAIMED, NON_FINITE, SINGLES, THREADS, OUT = 0, 1, 2, 3, 4
-COUNTER_SIZE = 5
-
-
-def new_counter(threads: int) -> np.ndarray:
-    """A fresh ``counter`` for a kernel run on ``threads`` threads."""
-    counter = np.zeros(COUNTER_SIZE, np.int64)
-    counter[THREADS] = threads
-    return counter
-
-
 def _run_items(kernel, arguments, items, scratch, flops) -> np.ndarray:
     configured_threads()  # a bad NPATTN_NUM_THREADS fails every call, not only the threaded ones
     inline = (flops is not None and flops < INLINE_FLOPS) or items <= 1
     threads = 1 if inline else min(items, thread_count())
-    counter = new_counter(threads)
     if threads <= 1:
+        counter = new_counter(threads)
         kernel(*arguments, *scratch(), counter, items)
         return counter
+    spin_us = spin_microseconds()
+    crew = crew_for(threads - 1) if spin_us else None
+    if crew is not None:  # (None: turned off, or another call has it: the pool)
+        try:
+            return crew.run(kernel, arguments, items, scratch, threads, spin_us)
+        finally:
+            crew.lock.release()
+    counter = new_counter(threads)
     futures = _submit([(kernel, (*arguments, *scratch(), counter, items)) for _ in range(threads - 1)])
     kernel(*arguments, *scratch(), counter, items)  # the calling thread works too
     # A worker that has not started by now would find every item claimed: cancel it rather
@@ -180,57 +177,6 @@ def _run_items(kernel, arguments, items, scratch, flops) -> np.ndarray:
     return counter
 
 
-def _counter_slot(context, builder, signature, args):
-    """A pointer to ``counter[index]`` (the intrinsics' first two arguments)."""
-    data = context.make_array(signature.args[0])(context, builder, args[0]).data
-    return builder.gep(data, [context.cast(builder, args[1], signature.args[1], types.intp)])
-
-
-def _is_counter_slot(counter, index) -> bool:
-    return isinstance(counter, types.Array) and counter.dtype == types.int64 and isinstance(index, types.Integer)
-
-
-@intrinsic
-def _fetch_add_one(typingctx, counter, index):
-    """Atomically ``counter[index] += 1``, returning the value before (int64 ``counter``;
-    jitted code only). Sequentially consistent: the thread's writes before it (its items'
-    outputs, before it counts itself OUT) are seen by a thread that reads the new value."""
-    if not _is_counter_slot(counter, index):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.atomic_rmw("add", _counter_slot(context, builder, signature, args),
-                                  ir.Constant(ir.IntType(64), 1), "seq_cst")
-    return types.int64(counter, index), codegen
-
-
-@intrinsic
-def _load_slot(typingctx, counter, index):
-    """``counter[index]`` read atomically (acquire: what its writer wrote before it is seen
-    after it), so a loop that polls it reads memory each time."""
-    if not _is_counter_slot(counter, index):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.load_atomic(_counter_slot(context, builder, signature, args), "acquire", 8)
-    return types.int64(counter, index), codegen
-
-
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-
-
-@intrinsic
-def _pause(typingctx):
-    """The x86 ``pause`` hint in a polling loop (it frees the core's resources for a sibling
-    thread and saves power); nothing elsewhere."""
-    def codegen(context, builder, signature, args):
-        if _X86:
-            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                        "llvm.x86.sse2.pause"), [])
-        return context.get_dummy_value()
-    return types.none(), codegen
-
-
 # The polls of OUT :func:`threads_out` makes before it gives up: about 60-150 us of
 # ``pause`` (its latency is about 65 cycles on Zen cores, 140 on recent Intel ones), a few
 # times the wake-up it saves; a worker with longer left to run is waited for on its
@@ -243,10 +189,10 @@ def threads_out(counter, threads, pauses):
     """Whether ``counter[OUT]`` reaches ``threads`` within ``pauses`` polls (watched
     without the GIL, so the workers' Python goes on meanwhile)."""
     for _ in range(pauses):
-        if _load_slot(counter, OUT) >= threads:
+        if load_slot(counter, OUT) >= threads:
             return True
-        _pause()
-    return _load_slot(counter, OUT) >= threads
+        pause()
+    return load_slot(counter, OUT) >= threads
 
 
 @njit(inline="always")
@@ -254,7 +200,7 @@ def _counted_out(counter, first, items):
     """``first``, having counted the claiming thread OUT when it is past the last item
     (each kernel leaves its loop then, done with the call's arrays)."""
     if first >= items:
-        _fetch_add_one(counter, OUT)
+        fetch_add_one(counter, OUT)
     return first
 
 
@@ -263,7 +209,7 @@ def next_item(counter, items):
     """Claim a work item: atomically ``counter[CLAIMED] += 1``, returning the value before
     (int64 ``counter``; jitted code only). A thread given ``items`` or more must leave its
     loop at once and write nothing more: it is counted OUT, and the caller may return."""
-    return _counted_out(counter, _fetch_add_one(counter, CLAIMED), items)
+    return _counted_out(counter, fetch_add_one(counter, CLAIMED), items)
 
 
 @njit(inline="always")
@@ -278,9 +224,21 @@ def claim_items(counter, items, run):
     if run > 1:
         whole_runs = items // run - counter[THREADS]
         if whole_runs > 0:
-            claimed = _fetch_add_one(counter, CLAIMED)
+            claimed = fetch_add_one(counter, CLAIMED)
             if claimed < whole_runs:
                 return claimed * run, claimed * run + run
             singles_from = whole_runs * run
-    first = _counted_out(counter, singles_from + _fetch_add_one(counter, SINGLES if run > 1 else CLAIMED), items)
+    first = _counted_out(counter, singles_from + fetch_add_one(counter, SINGLES if run > 1 else CLAIMED), items)
     return first, first + 1
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist there (its submits would
+    wait for ever)."""
+    global _POOL, _POOL_SIZE, _POOL_LOCK
+    _POOL, _POOL_SIZE, _POOL_LOCK = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
