@@ -2,7 +2,8 @@
 sleep. What a user relies on: a call's results do not depend on who ran its items, no
 worker touches a call's arrays after the call returns, calls from several threads at once
 and forked children still work, and a bad NPATTN_SPIN_US fails with its name."""
-import multiprocessing
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -48,11 +49,7 @@ def test_no_worker_runs_a_call_after_it_returns(monkeypatch):
     assert not late, f"workers ran calls after they returned: {late}"
     # and none failed on the way (a worker that woke to a post its call had finished with
     # would find no job, and leave)
-    assert len(_crew_workers()) == crew._CREW.size
-
-
-def _crew_workers() -> list:
-    return [thread for thread in threading.enumerate() if thread.name.startswith("npattn-crew-")]
+    assert all(thread.is_alive() for thread in crew._CREW.threads)
 
 
 def test_results_are_the_same_bits_with_the_crew_the_pool_and_one_thread(monkeypatch):
@@ -105,44 +102,53 @@ def test_calls_from_several_threads_at_once_share_the_crew_and_the_pool(monkeypa
     assert used["crew"] and used["crew"] + used["pool"] == 60
 
 
-def _items_shared_with_a_worker(seconds: float) -> bool:
-    """Whether a worker ran one of a threaded call's items: the calling thread waits (up to
-    ``seconds``) for another thread's claim before it claims any itself."""
-    def kernel(ran, call, counter, items):
-        if threading.current_thread() is threading.main_thread():
-            deadline = time.monotonic() + seconds
+# A process of its own (the test process has JAX's and torch's threads, which a fork
+# must not copy): a threaded call shares its items with a worker (the calling thread waits
+# for another thread's claim before it claims any itself), then so does one in a forked child.
+_FORK_SCRIPT = """
+import os, sys, threading, time
+import numpy as np
+from numba import njit
+from npattn.cpu import threads
+
+@njit(nogil=True)
+def record(ran, mark, counter, items):
+    while True:
+        item = threads.next_item(counter, items)
+        if item >= items:
+            break
+        ran[item] = mark
+
+def shared():
+    def kernel(ran, counter, items):
+        caller = threading.current_thread() is threading.main_thread()
+        if caller:
+            deadline = time.monotonic() + 10
             while counter[threads.CLAIMED] < 1 and time.monotonic() < deadline:
                 time.sleep(0.0002)
-        _record_items(ran, call[0] + (threading.current_thread() is threading.main_thread()), counter, items)
+        record(ran, int(caller), counter, items)
     ran = np.full(4, -1, np.int64)
-    threads.run_items(kernel, (ran, np.zeros(1, np.int64)), 4)
+    threads.run_items(kernel, (ran,), 4)
     return bool((ran == 0).any())
 
+assert shared(), "no worker took part in the parent"
+child = os.fork()
+if child == 0:
+    os._exit(0 if shared() else 3)
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+"""
 
-def _shared_in_child(queue):
-    queue.put(_items_shared_with_a_worker(10))
 
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork is Linux's start method here")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 @pytest.mark.parametrize("spin", ["200", "0"])
-def test_a_forked_child_shares_its_calls_items_with_workers_of_its_own(monkeypatch, spin):
+def test_a_forked_child_shares_its_calls_items_with_workers_of_its_own(spin):
     """A child forked after threaded calls has none of its parent's workers (threads do not
     survive a fork): its threaded calls start their own (the crew's, or the pool's), and
     share their items with them, rather than post to workers that do not exist."""
-    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
-    monkeypatch.setenv("NPATTN_SPIN_US", spin)
-    assert _items_shared_with_a_worker(10)  # (and the parent's workers exist now)
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_shared_in_child, args=(queue,))
-    child.start()
-    try:
-        assert queue.get(timeout=60) is True
-    finally:
-        child.join(30)
-        if child.is_alive():
-            child.kill()
-    assert child.exitcode == 0
+    environment = dict(os.environ, NPATTN_NUM_THREADS="2", NPATTN_SPIN_US=spin)
+    result = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], env=environment, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
 
 
 @pytest.mark.parametrize("value", ["-1", "fast", "1.5"])
@@ -160,3 +166,40 @@ def test_the_watch_is_timed_in_this_cpus_polls():
     ``pause`` takes from a few ns to over 100 ns depending on the core."""
     rate = crew._polls_per_microsecond()
     assert 0.5 < rate < 10_000
+
+
+def test_a_call_interrupted_while_a_worker_works_leaves_the_next_call_a_new_crew(monkeypatch):
+    """A call interrupted in its wait for a worker (Ctrl-C) leaves that worker on its job,
+    on the crew's counter: the next call gets a new crew (the old one's workers leave once
+    done), and its results are right."""
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    monkeypatch.setenv("NPATTN_SPIN_US", "200")
+    monkeypatch.setattr(crew, "DONE_POLLS", 1)
+    worker_in_job, release_worker = threading.Event(), threading.Event()
+
+    def interrupted():
+        raise RuntimeError("interrupted while waiting for a worker")
+    monkeypatch.setattr(crew, "_nap", interrupted)
+
+    def kernel(ran, call, counter, items):
+        if threading.current_thread() is not threading.main_thread():
+            worker_in_job.set()
+            release_worker.wait(30)
+        else:
+            assert worker_in_job.wait(30)
+        _record_items(ran, call[0], counter, items)
+    ran = np.full(4, -1, np.int64)
+    threads.run_items(_record_items, (ran, 0), 4)  # (the crew exists)
+    first = crew._CREW
+    with pytest.raises(RuntimeError, match="interrupted"):
+        threads.run_items(kernel, (ran, np.ones(1, np.int64)), 4)
+    assert first.abandoned
+    monkeypatch.undo()
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    ran = np.full(64, -1, np.int64)
+    threads.run_items(_record_items, (ran, 7), 64)
+    assert crew._CREW is not first and (ran == 7).all()
+    release_worker.set()
+    for thread in first.threads:
+        thread.join(30)
+        assert not thread.is_alive(), "the abandoned crew's worker did not leave"

@@ -155,9 +155,14 @@ class Crew:
         self._bell = threading.Condition()
         self._ticket = 0
         self._closed = False
+        # a run left before its workers were done (an interrupt during its wait): a worker
+        # may still use the counter, so the next call gets a new crew
+        self.abandoned = False
         self._polls_per_us = _polls_per_microsecond()
-        for row in range(size):
-            threading.Thread(target=self._work, args=(row,), name=f"npattn-crew-{row}", daemon=True).start()
+        self.threads = [threading.Thread(target=self._work, args=(row,), name=f"npattn-crew-{row}", daemon=True)
+                        for row in range(size)]
+        for thread in self.threads:
+            thread.start()
 
     def run(self, kernel, arguments, items: int, scratch, threads: int, spin_us: int) -> np.ndarray:
         """``kernel(*arguments, *scratch(), counter, items)`` on this thread and
@@ -167,20 +172,24 @@ class Crew:
         counter = self.counter
         counter[:] = 0
         counter[THREADS] = threads
+        # every job made before the first post (a scratch allocation that fails posts none)
+        jobs = [(kernel, (*arguments, *scratch(), counter, items)) for _ in range(threads)]
         self._ticket = ticket = self._ticket + 1
         self.slots[WATCH_POLLS] = max(1, int(spin_us * self._polls_per_us))
+        self.abandoned = True  # (until every worker is done with this run)
         for row in range(workers):  # (the job before the post: the worker reads it after the post)
-            self._jobs[row] = (kernel, (*arguments, *scratch(), counter, items))
+            self._jobs[row] = jobs[row + 1]
             self.slots[(row + 1) * _LINE + POSTED] = ticket
         if any(self._sleeping[:workers]):
             with self._bell:
                 self._bell.notify_all()
         try:
-            kernel(*arguments, *scratch(), counter, items)
+            kernel(*jobs[0][1])
         finally:
             _take_back(self.slots, workers, ticket)
             while not _jobs_done(self.slots, workers, ticket, DONE_POLLS):
                 _nap()  # (a worker still in a long item)
+            self.abandoned = False
             self._jobs[:workers] = [None] * workers
             errors = [error for error in self._errors[:workers] if error is not None]
             self._errors[:workers] = [None] * workers
@@ -241,18 +250,20 @@ _CREW_LOCK = threading.Lock()
 def crew_for(workers: int) -> Crew | None:
     """The process's crew, held (its :attr:`Crew.lock` acquired: release it after the run),
     with at least ``workers`` workers; None where another call holds it (the caller uses
-    the pool). Made, or remade larger, here."""
+    the pool). Made here, or made anew where it is too small or was abandoned."""
     global _CREW
     with _CREW_LOCK:
         crew = _CREW
-        if crew is None or crew.size < workers:
-            if crew is not None and crew.lock.acquire(blocking=False):
-                crew.close()  # (one another call holds is closed when it is replaced next time)
-                crew.lock.release()
-            elif crew is not None:
+        if crew is not None:
+            if not crew.lock.acquire(blocking=False):
                 return None
-            crew = _CREW = Crew(workers)
-    return crew if crew.lock.acquire(blocking=False) else None
+            if crew.size >= workers and not crew.abandoned:
+                return crew
+            crew.close()
+            crew.lock.release()
+        crew = _CREW = Crew(workers)
+        crew.lock.acquire()
+        return crew
 
 
 def _forget_crew() -> None:
