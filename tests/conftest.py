@@ -284,6 +284,18 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [item for item in items if item not in waiting] + waiting
 
 
+def started_beside(item, test_name: str, name: str, work, needs: str | None = None) -> bool:
+    """For a module's ``background_run``: when ``item`` is the test ``test_name`` (and the
+    module ``needs`` is installed), start ``work`` (:func:`started_in_turn`, as ``name``);
+    whether it did."""
+    import importlib.util
+
+    if item.originalname != test_name or (needs is not None and importlib.util.find_spec(needs) is None):
+        return False
+    started_in_turn(name, work)
+    return True
+
+
 def _background_run(item) -> bool:
     """A test module may define ``background_run(item) -> bool``: start (with
     :func:`started_in_turn`) the subprocess that ``item`` reads, and say whether it did;

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from conftest import started_in_turn
+from conftest import started_beside, started_in_turn
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.rglob("*.rst"))
@@ -26,10 +26,7 @@ def _sphinx_build() -> subprocess.CompletedProcess:
 def background_run(item) -> bool:
     """The build runs beside the other tests (conftest's ``background_run``): 4 s of one
     core that the suite's last tests leave free."""
-    if item.originalname != "test_the_docs_build_without_warnings" or importlib.util.find_spec("sphinx") is None:
-        return False
-    started_in_turn("sphinx-build", _sphinx_build)
-    return True
+    return started_beside(item, "test_the_docs_build_without_warnings", "sphinx-build", _sphinx_build, "sphinx")
 
 
 def test_the_docs_build_without_warnings():

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import npattn
-from conftest import started_in_turn
+from conftest import started_beside, started_in_turn
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PUBLIC_MODULES = ["npattn/__init__.py", "npattn/api.py", "npattn/backends.py", "npattn/warmup.py",
@@ -27,10 +27,7 @@ def _mypy() -> subprocess.CompletedProcess:
 def background_run(item) -> bool:
     """mypy runs beside the other tests (conftest's ``background_run``): 5 s of one core
     that the suite's last tests leave free."""
-    if item.originalname != "test_mypy_passes_on_the_public_modules" or importlib.util.find_spec("mypy") is None:
-        return False
-    started_in_turn("mypy", _mypy)
-    return True
+    return started_beside(item, "test_mypy_passes_on_the_public_modules", "mypy", _mypy, "mypy")
 
 
 def test_mypy_passes_on_the_public_modules():

@@ -39,6 +39,7 @@ from numba import njit
 
 from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from .counters import CLAIMED, COUNTER_SIZE, THREADS, compare_exchange, load_slot, pause, store_slot
+from .environment import Setting
 
 # How long a worker watches for the next call after a job, in microseconds, unless
 # ``NPATTN_SPIN_US`` says otherwise: long enough for a loop's next call (a model's next
@@ -110,34 +111,19 @@ def _jobs_done(slots, workers, ticket, polls):
     return False
 
 
-def spin_microseconds() -> int:
-    """``NPATTN_SPIN_US`` as an int >= 0 (0: no crew), or :data:`DEFAULT_SPIN_US` when
-    unset; a ValueError naming the variable for any other value. Read at each threaded call."""
-    if _ENVIRON is not None:
-        return _parsed_spin(_ENVIRON.get(_SPIN_KEY, _UNSET))
-    return _parsed_spin(os.environ.get("NPATTN_SPIN_US", ""))
+def _parsed_spin(configured: str) -> int:
+    if not configured:
+        return DEFAULT_SPIN_US
+    if not configured.isdigit():
+        raise ValueError(f"NPATTN_SPIN_US must be a whole number of microseconds >= 0 (or unset), "
+                         f"got {configured!r}")
+    return int(configured)
 
 
-# (os.environ's own dict, as npattn.cpu.threads reads NPATTN_NUM_THREADS: 0.05 us a read)
-_ENVIRON = getattr(os.environ, "_data", None)
-_SPIN_KEY = os.environ.encodekey("NPATTN_SPIN_US") if _ENVIRON is not None else None
-_UNSET = os.environ.encodevalue("") if _ENVIRON is not None else ""
-_SPINS: dict = {}
-
-
-def _parsed_spin(configured) -> int:
-    spin = _SPINS.get(configured)
-    if spin is None:
-        text = (os.fsdecode(configured) if isinstance(configured, bytes) else configured).strip()
-        if not text:
-            spin = DEFAULT_SPIN_US
-        elif not text.isdigit():
-            raise ValueError(f"NPATTN_SPIN_US must be a whole number of microseconds >= 0 (or unset), "
-                             f"got {text!r}")
-        else:
-            spin = int(text)
-        _SPINS[configured] = spin
-    return spin
+# ``spin_microseconds()``: NPATTN_SPIN_US as an int >= 0 (0: no crew), or DEFAULT_SPIN_US
+# when unset; a ValueError naming the variable for any other value. Read at each call that
+# shares its items.
+spin_microseconds = Setting("NPATTN_SPIN_US", _parsed_spin)
 
 
 class Crew:

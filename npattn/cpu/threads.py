@@ -24,7 +24,6 @@ GIL anyway, so plain threads give the same parallelism.
 """
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -34,9 +33,10 @@ from numba import njit
 
 from . import _cache  # noqa: F401  (before any @njit: stamps caches with the package hash)
 from . import compiling
-from .crew import crew_for, spin_microseconds
 from .counters import (CLAIMED, COUNTER_SIZE, NON_FINITE, OUT, SINGLES, THREADS, fetch_add_one,  # noqa: F401
                        load_slot, new_counter, pause)
+from .crew import crew_for, spin_microseconds
+from .environment import Setting
 
 _POOL = None
 _POOL_SIZE = 0
@@ -58,29 +58,18 @@ def configured_threads() -> int | None:
     """``NPATTN_NUM_THREADS`` as an int >= 1, or None when unset; a ValueError naming the
     variable for any other value. Every call checks it (a call small enough for one thread
     too), so a bad setting fails at once, not at the first large call."""
-    if _ENVIRON is not None:
-        return _parsed_threads(_ENVIRON.get(_THREADS_KEY, _UNSET))
-    return _parsed_threads(os.environ.get("NPATTN_NUM_THREADS", ""))
+    return _THREADS_SETTING()
 
 
-# CPython's os.environ keeps its names and values encoded in a dict, ``_data``, that every
-# change through os.environ updates: reading it costs 0.05 us where os.environ.get, which
-# encodes the name and decodes the value, costs 0.6 (a small call's every call reads it)
-_ENVIRON = getattr(os.environ, "_data", None)
-_THREADS_KEY = os.environ.encodekey("NPATTN_NUM_THREADS") if _ENVIRON is not None else None
-_UNSET = os.environ.encodevalue("") if _ENVIRON is not None else ""
-
-
-@functools.lru_cache(maxsize=16)
-def _parsed_threads(configured: str | bytes) -> int | None:
-    if isinstance(configured, bytes):
-        configured = os.fsdecode(configured)
-    configured = configured.strip()
+def _parsed_threads(configured: str) -> int | None:
     if not configured:
         return None
     if not configured.isdigit() or int(configured) < 1:
         raise ValueError(f"NPATTN_NUM_THREADS must be a positive integer (or unset), got {configured!r}")
     return int(configured)
+
+
+_THREADS_SETTING = Setting("NPATTN_NUM_THREADS", _parsed_threads)
 
 
 def _submit(calls) -> list:
