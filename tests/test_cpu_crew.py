@@ -151,7 +151,7 @@ def test_a_forked_child_shares_its_calls_items_with_workers_of_its_own(spin):
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
 
 
-@pytest.mark.parametrize("value", ["-1", "fast", "1.5"])
+@pytest.mark.parametrize("value", ["-1", "fast", "1.5", "10000001"])
 def test_a_bad_spin_setting_fails_the_call_with_its_name(monkeypatch, value):
     monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
     monkeypatch.setenv("NPATTN_SPIN_US", value)

@@ -111,12 +111,16 @@ def _jobs_done(slots, workers, ticket, polls):
     return False
 
 
+# The longest watch NPATTN_SPIN_US may ask for: 10 s
+MAX_SPIN_US = 10_000_000
+
+
 def _parsed_spin(configured: str) -> int:
     if not configured:
         return DEFAULT_SPIN_US
-    if not configured.isdigit():
-        raise ValueError(f"NPATTN_SPIN_US must be a whole number of microseconds >= 0 (or unset), "
-                         f"got {configured!r}")
+    if not configured.isdigit() or int(configured) > MAX_SPIN_US:
+        raise ValueError(f"NPATTN_SPIN_US must be a whole number of microseconds from 0 to {MAX_SPIN_US} "
+                         f"(or unset), got {configured!r}")
     return int(configured)
 
 
