@@ -3,6 +3,7 @@ sleep. What a user relies on: a call's results do not depend on who ran its item
 worker touches a call's arrays after the call returns, calls from several threads at once
 and forked children still work, and a bad NPATTN_SPIN_US fails with its name."""
 import os
+import pathlib
 import subprocess
 import sys
 import threading
@@ -102,39 +103,32 @@ def test_calls_from_several_threads_at_once_share_the_crew_and_the_pool(monkeypa
     assert used["crew"] and used["crew"] + used["pool"] == 60
 
 
-# A process of its own (the test process has JAX's and torch's threads, which a fork
-# must not copy): a threaded call shares its items with a worker (the calling thread waits
-# for another thread's claim before it claims any itself), then so does one in a forked child.
-_FORK_SCRIPT = """
-import os, sys, threading, time
-import numpy as np
-from numba import njit
-from npattn.cpu import threads
-
-@njit(nogil=True)
-def record(ran, mark, counter, items):
-    while True:
-        item = threads.next_item(counter, items)
-        if item >= items:
-            break
-        ran[item] = mark
-
-def shared():
+def items_shared_with_a_worker() -> bool:
+    """Whether a worker ran one of a threaded call's items: the calling thread waits (up to
+    10 s) for another thread's claim before it claims any itself."""
     def kernel(ran, counter, items):
         caller = threading.current_thread() is threading.main_thread()
         if caller:
             deadline = time.monotonic() + 10
             while counter[threads.CLAIMED] < 1 and time.monotonic() < deadline:
                 time.sleep(0.0002)
-        record(ran, int(caller), counter, items)
+        _record_items(ran, int(caller), counter, items)
     ran = np.full(4, -1, np.int64)
     threads.run_items(kernel, (ran,), 4)
     return bool((ran == 0).any())
 
-assert shared(), "no worker took part in the parent"
+
+# In a process of its own (the test process has JAX's and torch's threads, which a fork must
+# not copy): a threaded call shares its items with a worker, then so does one in a forked child.
+_FORK_SCRIPT = f"""
+import os, sys
+sys.path.insert(0, {str(pathlib.Path(__file__).resolve().parent)!r})
+from test_cpu_crew import items_shared_with_a_worker
+
+assert items_shared_with_a_worker(), "no worker took part in the parent"
 child = os.fork()
 if child == 0:
-    os._exit(0 if shared() else 3)
+    os._exit(0 if items_shared_with_a_worker() else 3)
 sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
 """
 

@@ -26,8 +26,6 @@ def new_counter(threads: int) -> np.ndarray:
     return counter
 
 
-
-
 def _slot_pointer(context, builder, signature, args):
     """A pointer to ``counter[index]`` (the intrinsics' first two arguments)."""
     data = context.make_array(signature.args[0])(context, builder, args[0]).data
@@ -108,5 +106,3 @@ def pause(typingctx):
                                                         "llvm.x86.sse2.pause"), [])
         return context.get_dummy_value()
     return types.none(), codegen
-
-
