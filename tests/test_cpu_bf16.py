@@ -131,7 +131,7 @@ def test_pairs_are_the_default_on_amds_cores_and_not_on_intels(cpu_name, pay):
     Sapphire and Emerald Rapids (npattn.cpu.isa.bf16_pairs_pay)."""
     from npattn.cpu import isa
 
-    with mock.patch("llvmlite.binding.get_host_cpu_name", return_value=cpu_name):
+    with mock.patch.object(isa, "host_cpu_name", return_value=cpu_name):
         assert isa.bf16_pairs_pay() is pay
 
 

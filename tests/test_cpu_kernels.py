@@ -570,6 +570,61 @@ def test_decode_items_visit_every_head_of_a_key_row_with_the_bits_of_one_head_ea
                  1 + float(np.abs(exact_lse).max()), "lse")
 
 
+@pytest.mark.parametrize("cpu_name, slice_bytes, asks", [
+    ("znver4", 128, True), ("znver4", 512, True), ("znver4", 1024, True), ("emeraldrapids", 128, True),
+    ("emeraldrapids", 256, True), ("emeraldrapids", 512, False), ("sapphirerapids", 1024, False)])
+def test_decode_items_ask_for_the_next_tile_where_the_cores_need_it(cpu_name, slice_bytes, asks):
+    """AMD's cores ask memory for the next key tile always; Intel's only where each head's
+    slice of a key row is shorter than 512 bytes (npattn.cpu.isa.tile_prefetch_pays)."""
+    from unittest import mock
+
+    from npattn.cpu import isa
+
+    with mock.patch.object(isa, "host_cpu_name", return_value=cpu_name):
+        assert isa.tile_prefetch_pays(slice_bytes) is asks
+
+
+@pytest.mark.parametrize("cache, head_dim, slice_bytes", [("float32", 128, 512), ("float32", 64, 256),
+                                                          ("float16", 128, 256), ("int8", 128, 128)])
+def test_decode_steps_give_the_same_bits_with_and_without_asking_for_the_next_tile(monkeypatch, cache, head_dim,
+                                                                                   slice_bytes):
+    """A decode item's requests for the next tile (Int.TILE_PREFETCH, set by each head's
+    slice of a key row as the kernel reads it: floats, 16-bit values or one-byte codes)
+    change no bit of the step."""
+    from npattn.cpu import isa, operands
+    from npattn.cpu.operands import Int
+
+    flags = []
+    real_parameters = operands._parameters
+
+    def parameters(*args, **kwargs):
+        ints, reals = real_parameters(*args, **kwargs)
+        flags.append((int(ints[Int.HEAD_GROUP]), int(ints[Int.TILE_PREFETCH])))
+        return ints, reals
+
+    monkeypatch.setattr(operands, "_parameters", parameters)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 1, 8, head_dim)).astype(np.float16 if cache == "float16" else np.float32)
+    k, v = (rng.standard_normal((2, 700, 8, head_dim)) for _ in range(2))
+    if cache == "int8":
+        (k, k_scale), (v, v_scale) = npattn.quantize_kv(k, cache), npattn.quantize_kv(v, cache)
+    else:
+        k, v = k.astype(cache), v.astype(cache)
+    steps = {}
+    for cpu_name in ("znver4", "emeraldrapids"):
+        monkeypatch.setattr(isa, "host_cpu_name", lambda: cpu_name)
+        npattn.runtime.plans.clear()
+        with cpu.tile_sizes(64, 64):  # 11 key tiles a step
+            if cache == "int8":
+                steps[cpu_name] = npattn.attention_with_kvcache(q, k, v, cache_seqlens=700, k_scale=k_scale,
+                                                                v_scale=v_scale, return_lse=True, backend="cpu")
+            else:
+                steps[cpu_name] = npattn.attention(q, k, v, layout="bshd", return_lse=True, backend="cpu")
+    assert flags == [(8, 1), (8, int(slice_bytes < 512))], flags
+    for with_requests, without in zip(steps["znver4"], steps["emeraldrapids"]):
+        assert with_requests.tobytes() == without.tobytes()
+
+
 def test_the_problem_signature_keys_arrays_by_layout_and_values_by_value():
     # The parameter cache keys a problem by problem.signature: every field is in it, the
     # arrays (keyed by shape, strides and dtype) in ARRAY_FIELDS, and no array among the

@@ -51,6 +51,8 @@ Int = _positions("Int", (
     "ROW_GROUP",      # CPU: query rows per position (GQA heads folded into rows, cpu.folding)
     "HEAD_GROUP",     # CPU forward: heads per work item, each key tile visited for all of them in turn
                       # (decode tiles on caches whose key rows hold every head: cpu.operands.head_group)
+    "TILE_PREFETCH",  # CPU forward: whether such an item asks memory for the next key tile's rows
+                      # (cpu.tiles.prefetch_key_rows; where it pays: cpu.isa.tile_prefetch_pays)
     "PACKED_ROWS",    # CPU: every entry's rows in one memory batch (attention_varlen): out, lse and
                       # the gradients hold one batch, which each entry's disjoint live rows fill
     # CPU: how the forward (and a 16-bit backward) reads k and v (a KvCodes): as they are, or

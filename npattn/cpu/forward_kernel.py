@@ -123,6 +123,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     # 2-core Zen 4 VM: an int8 step's 64-key tiles streamed 20-35% slower than 32-key ones
     # in one burst, and 3-8% faster than them in two)
     half_share = share // 2
+    prefetching = ints[Int.TILE_PREFETCH]  # (HEAD_GROUP items, where it pays: cpu.isa.tile_prefetch_pays)
     # where out's rows are summed: out itself, or (OUT_CODES: 16-bit out) float32 scratch
     # rows, written rounded into out when the item is done (_sums_rows)
     out_codes = ints[Int.OUT_CODES]
@@ -167,7 +168,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                 for g in range(group):
                     h = h0 + g
                     ahead = j0 + block_k + g * share  # this head's share of the next tile (HEAD_GROUP)
-                    if group > 1:  # its first half, rows of every head in memory order
+                    if prefetching:  # its first half, rows of every head in memory order
                         prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b, ahead,
                                           smaller(ahead + half_share, last))
                     head_m, head_total, head_seen = m[g * block_q:], total[g * block_q:], seen[g * block_q:]
@@ -215,7 +216,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                           out_offset, out_row_stride, dv, bf16, p_pairs, pair_ld)
                     if ints[Int.HAS_DROPOUT]:
                         apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
-                    if group > 1:  # the share's second half
+                    if prefetching:  # the share's second half
                         prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b,
                                           ahead + half_share, smaller(ahead + share, last))
                     # O (rows x dv) += P (rows x cols) . V (cols x dv); on a tile the causal or

@@ -17,6 +17,7 @@ per-call option. Importing this module does not import Numba.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 FORCE_VARIABLE = "NPATTN_CPU_ISA"
@@ -84,7 +85,36 @@ def bf16_pairs_pay() -> bool:
     vdpbf16ps against 0.182 ns per FMA, and a (1, 8, 2048, 64) causal bfloat16 forward
     took 34.2 ms as pairs against 21.5 ms converted to float32 (float32 itself: 19.0 ms).
     ``npattn.cpu.bfloat16_products`` overrides it per call."""
+    return host_cpu_name().startswith("znver")
+
+
+# The shortest slice of a key row (one head's keys or values, in bytes) from which Intel's
+# cores stream a decode step's cache faster without the next tile asked for
+HARDWARE_STREAMED_SLICE = 512
+
+
+def tile_prefetch_pays(slice_bytes: int) -> bool:
+    """Whether a decode step's work items, which visit each key tile head by head on caches
+    whose key rows hold every head, should ask memory for the next tile's rows
+    (:func:`npattn.cpu.tiles.prefetch_key_rows`) where each head's slice of a row is
+    ``slice_bytes`` long. Always on AMD's cores (on the Zen 4 VM those requests came with
+    items of every head, 1.09-1.62x on decode steps). On Intel's cores only below
+    :data:`HARDWARE_STREAMED_SLICE`: on the Emerald Rapids VM, ``bench --caches``, two
+    alternating processes each way, a float32 cache at (1, 32/8, 16384, 128) (512-byte
+    slices) took 10.7-11.0 ms with the requests and 9.0 without, and 19.3-20.7 against
+    16.0-16.6 ms at (16, 32/8, 2048, 128): the requests of a 512-line half tile wait for
+    fill buffers that the hardware's own stream prefetch does without. Shorter slices need
+    the requests there too: at (1, 32/8, 16384, 128) a float16 cache (256-byte slices)
+    took 7.5-8.2 ms with them and 9.5-11.1 without, an int8 cache (128) 3.8-4.1 against
+    4.4-5.2; a float32 cache at (1, 32/8, 16384, 64) (256) was within 10% either way."""
+    return slice_bytes < HARDWARE_STREAMED_SLICE or host_cpu_name().startswith("znver")
+
+
+@functools.cache
+def host_cpu_name() -> str:
+    """LLVM's name for the host's cores (``"znver4"``, ``"emeraldrapids"``), asked once: it
+    takes LLVM about 0.1 ms, and plans ask it per call."""
     import llvmlite.binding as llvm
 
-    return llvm.get_host_cpu_name().startswith("znver")
+    return llvm.get_host_cpu_name()
 

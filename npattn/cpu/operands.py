@@ -20,6 +20,7 @@ from ..core.kernel_params import OPERAND_NAMES, SPAN_FIELDS, Int, KvCodes, Real,
 from ..runtime.plans import PlanCache
 from ..core.problem import signature
 from .conversion import BYTES, converted, kept_widened
+from .isa import tile_prefetch_pays
 from .microkernels import chunk_columns
 from .simd import BF16_DOT, lanes_of as vector_lanes
 from .splitting import key_splits
@@ -452,6 +453,14 @@ def head_group(problem, kind: str, ints) -> tuple[int, int]:
     return heads, heads if interleaved and heads == ints[Int.KV_HEADS] else 1
 
 
+def _head_slice_bytes(problem, ints, codes, pairs) -> int:
+    """The bytes of one head's keys (or values, the shorter) in a row of the cache as the
+    forward reads it: its codes, bfloat16 pairs' words, or floats of the sums' dtype."""
+    element = {KvCodes.INT8: 1, KvCodes.FLOAT8: 1, KvCodes.FLOAT16: 2, KvCodes.BFLOAT16: 2}.get(
+        codes, 2 if pairs else np.dtype(problem.accumulate_dtype).itemsize)
+    return int(min(ints[Int.HEAD_DIM], ints[Int.VALUE_DIM])) * element
+
+
 # Keys per tile of a decode step on an int8 (or e4m3) cache, whose products read the codes in
 # registers (npattn.cpu.code_products): no staging to fill per tile, and the share of the
 # next tile each head's pass asks memory for stays small. Measured on the 2-core Zen 4 VM,
@@ -504,6 +513,8 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.DOT_SCORES] = dot_scores
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk) * chunk if vector else tiles[1]
     heads_per_item, ints[Int.HEAD_GROUP] = head_group(problem, kind, ints)
+    ints[Int.TILE_PREFETCH] = ints[Int.HEAD_GROUP] > 1 and tile_prefetch_pays(_head_slice_bytes(problem, ints, codes,
+                                                                                                 pairs))
     ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = (key_splits(problem, tiles, heads_per_item) if kind == "forward"
                                                   else (1, 1))
     ints[Int.ROW_GROUP] = rows_per_position
