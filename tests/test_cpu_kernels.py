@@ -625,6 +625,26 @@ def test_decode_steps_give_the_same_bits_with_and_without_asking_for_the_next_ti
         assert with_requests.tobytes() == without.tobytes()
 
 
+def test_small_causal_backwards_take_small_tiles_unless_told_otherwise():
+    """A causal backward of at most 512 keys takes 64 x 64 tiles, where one or two
+    96 x 192 tiles would be half masked (npattn.cpu.tuning.Tuning.backward_tiles); other
+    backwards 96 x 192, forwards 192 x 384, and tile_sizes overrides all of them."""
+    from npattn.core.validation import build_problem
+    from npattn.cpu.operands import Int, operand_plan
+    from npattn.cpu.tuning import current
+
+    def tiles(kv_len, kind="backward", **options):
+        x = np.zeros((1, 2, kv_len, 64), np.float32)
+        ints = operand_plan(build_problem(x, x, x, **options), kind, current()).ints
+        return int(ints[Int.BLOCK_Q]), int(ints[Int.BLOCK_K])
+
+    assert tiles(128, causal=True) == tiles(512, causal=True) == (64, 64)
+    assert tiles(513, causal=True) == tiles(512) == (96, 192)
+    assert tiles(512, kind="forward", causal=True) == (192, 384)
+    with cpu.tile_sizes(32, 48):
+        assert tiles(128, causal=True) == tiles(1024) == (32, 48)
+
+
 def test_the_problem_signature_keys_arrays_by_layout_and_values_by_value():
     # The parameter cache keys a problem by problem.signature: every field is in it, the
     # arrays (keyed by shape, strides and dtype) in ARRAY_FIELDS, and no array among the

@@ -27,6 +27,18 @@ from dataclasses import dataclass
 # against 64 x 192 won 5 of 6 runs, by 3-12%: 135-156 against 151-165 ms at
 # (1, 8, 2048, 64), 289-344 against 293-354 at (4, 16, 1024, 64), 1079-1168 against
 # 1109-1226 at GQA (1, 32/8, 2048, 128) (the one loss: 1168 against 1109).
+BACKWARD_TILES = (96, 192)
+# A causal backward over few keys computes much of its one or two tiles' area only to mask
+# it: at 128 keys one 96 x 192 tile holds every key, and the masked half is computed and
+# dropped, where 64 x 64 tiles skip the dead quarter. Those small problems take 64 x 64
+# (a rule of the shape, so the same bits on every machine). Measured on the 2-core Intel
+# Emerald Rapids VM, one causal backward (vjp), medians of 9 rounds interleaved over the
+# candidates, 96 x 192 against 64 x 64: (1, 8, 128, 64) 505 against 444 us, (1, 8, 256, 64)
+# 1355 / 1177, (1, 8, 512, 64) 4371 / 4030, (4, 8, 192, 64) 3568 / 2939, (1, 32/8, 256, 128)
+# 9647 / 7762; at 1024 keys 1.02x, at 2048 none; non-causal, 64 x 64 was 1-2% slower
+# (npattn/cpu/TUNING.md). Not measured on the Zen 4.
+SMALL_CAUSAL_BACKWARD_TILES = (64, 64)
+SMALL_CAUSAL_KEYS = 512
 # Query tiles of at most DOT_ROWS rows take their scores from microkernels.dot_products.
 # Measured on one core of the AVX2 VM, the forward kernel alone over 1024 cache-resident
 # keys, ns per key with packed key tiles -> dot products, by rows per tile (GQA heads
@@ -44,7 +56,8 @@ KEY_CACHE_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class Tuning:
-    """``forward`` / ``backward``: (query rows, keys) per tile; ``edge_band``: rows per band
+    """``forward`` / ``backward``: (query rows, keys) per tile (``backward`` None: chosen by
+    the problem's shape, :meth:`backward_tiles`); ``edge_band``: rows per band
     of a tile the causal or window edge cuts; ``vector``: products on the register-blocked
     micro-kernels (True), SciPy's BLAS (False), or None: the micro-kernels where the CPU
     has AVX-512 or AVX2 (:data:`npattn.cpu.simd.MICROKERNELS`); ``dot_rows``: forwards of
@@ -57,12 +70,20 @@ class Tuning:
     tiles packed for its next query tile or head (0: none, each tile packed where read)."""
 
     forward: tuple = (192, 384)
-    backward: tuple = (96, 192)
+    backward: tuple | None = None
     edge_band: int = 48
     vector: bool | None = None
     dot_rows: int = DOT_ROWS
     bf16_products: bool | None = None
     key_cache_bytes: int = KEY_CACHE_BYTES
+
+    def backward_tiles(self, causal: bool, kv_len: int) -> tuple:
+        """The backward's (query rows, keys) per tile: ``backward`` where set, else
+        :data:`SMALL_CAUSAL_BACKWARD_TILES` for a causal problem of at most
+        :data:`SMALL_CAUSAL_KEYS` keys and :data:`BACKWARD_TILES` for the rest."""
+        if self.backward is not None:
+            return self.backward
+        return SMALL_CAUSAL_BACKWARD_TILES if causal and kv_len <= SMALL_CAUSAL_KEYS else BACKWARD_TILES
 
     @property
     def pair_products(self) -> bool:
