@@ -625,10 +625,11 @@ def test_decode_steps_give_the_same_bits_with_and_without_asking_for_the_next_ti
         assert with_requests.tobytes() == without.tobytes()
 
 
-def test_small_causal_backwards_take_small_tiles_unless_told_otherwise():
-    """A causal backward of at most 512 keys takes 64 x 64 tiles, where one or two
-    96 x 192 tiles would be half masked (npattn.cpu.tuning.Tuning.backward_tiles); other
-    backwards 96 x 192, forwards 192 x 384, and tile_sizes overrides all of them."""
+def test_banded_backwards_take_small_tiles_where_they_compute_fewer_masked_scores():
+    """A causal or windowed backward takes 64 x 64 tiles where they compute at most 1/1.1
+    of the scores 96 x 192 tiles would (npattn.cpu.tuning.Tuning.backward_tiles): causal
+    up to 1024 keys, narrow windows at any length; other backwards 96 x 192, forwards
+    192 x 384, and tile_sizes overrides all of them."""
     from npattn.core.validation import build_problem
     from npattn.cpu.operands import Int, operand_plan
     from npattn.cpu.tuning import current
@@ -638,11 +639,37 @@ def test_small_causal_backwards_take_small_tiles_unless_told_otherwise():
         ints = operand_plan(build_problem(x, x, x, **options), kind, current()).ints
         return int(ints[Int.BLOCK_Q]), int(ints[Int.BLOCK_K])
 
-    assert tiles(128, causal=True) == tiles(512, causal=True) == (64, 64)
-    assert tiles(513, causal=True) == tiles(512) == (96, 192)
+    assert tiles(128, causal=True) == tiles(1024, causal=True) == (64, 64)
+    assert tiles(2048, window=(128, 0)) == tiles(2048, window=(128, 128)) == (64, 64)
+    assert tiles(2048, causal=True) == tiles(1024) == tiles(2048, window=(2000, 0)) == (96, 192)
     assert tiles(512, kind="forward", causal=True) == (192, 384)
     with cpu.tile_sizes(32, 48):
         assert tiles(128, causal=True) == tiles(1024) == (32, 48)
+
+
+@settings(max_examples=60, deadline=None)
+@given(q_len=st.integers(1, 700), kv_len=st.integers(1, 700), causal=st.booleans(),
+       left=st.none() | st.integers(0, 300), right=st.none() | st.integers(0, 300),
+       q_offset=st.none() | st.integers(-50, 700), block_q=st.integers(1, 200), block_k=st.integers(1, 200))
+def test_scores_computed_counts_the_live_tiles_of_a_band(q_len, kv_len, causal, left, right, q_offset, block_q,
+                                                         block_k):
+    """npattn.cpu.tuning.scores_computed is the area of the tiles that hold a visible
+    (row, key) pair, counted one tile at a time here."""
+    from npattn.core.masks import Visibility
+    from npattn.cpu.tuning import scores_computed
+
+    window = None if left is None and right is None else (left, right)
+    visibility = Visibility.from_options(causal, window, 0, q_offset)
+    rows = np.arange(q_len)[:, None] + visibility.shift(q_len, kv_len)
+    keys = np.arange(kv_len)[None, :]
+    visible = np.ones((q_len, kv_len), bool)
+    if visibility.window_left is not None:
+        visible &= keys >= rows - visibility.window_left
+    if visibility.window_right is not None:
+        visible &= keys <= rows + visibility.window_right
+    area = sum(tile.size for i0 in range(0, q_len, block_q) for j0 in range(0, kv_len, block_k)
+               if (tile := visible[i0:i0 + block_q, j0:j0 + block_k]).any())
+    assert scores_computed(visibility, q_len, kv_len, (block_q, block_k)) == area
 
 
 def test_the_problem_signature_keys_arrays_by_layout_and_values_by_value():

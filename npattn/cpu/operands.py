@@ -492,7 +492,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     q, k, v (3 each: float32 words with ``pairs``, :func:`bf16_products`; bytes for 16-bit
     codes, :func:`kv_codes` and :func:`query_codes`), bias and mask (4 each)."""
     block_q, block_k = (tuning.forward if kind == "forward"
-                        else tuning.backward_tiles(problem.visibility.causal, problem.kv_len))
+                        else tuning.backward_tiles(problem.visibility, problem.q_len, problem.kv_len))
     dtype = problem.accumulate_dtype
     chunk = chunk_columns(dtype)
     vector, vector_values, vector_keys, dot_scores = _product_paths(problem, kind, tuning)

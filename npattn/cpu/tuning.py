@@ -13,6 +13,8 @@ import contextvars
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 # Tile sizes (rows of queries x columns of keys), runtime values of the kernels (no
 # recompilation); :func:`npattn.cpu.tile_sizes` changes them. Measured on the 2-core
 # AVX-512 machine with the micro-kernels (medians of 5, interleaved): the forward with
@@ -28,17 +30,22 @@ from dataclasses import dataclass
 # (1, 8, 2048, 64), 289-344 against 293-354 at (4, 16, 1024, 64), 1079-1168 against
 # 1109-1226 at GQA (1, 32/8, 2048, 128) (the one loss: 1168 against 1109).
 BACKWARD_TILES = (96, 192)
-# A causal backward over few keys computes much of its one or two tiles' area only to mask
-# it: at 128 keys one 96 x 192 tile holds every key, and the masked half is computed and
-# dropped, where 64 x 64 tiles skip the dead quarter. Those small problems take 64 x 64
-# (a rule of the shape, so the same bits on every machine). Measured on the 2-core Intel
-# Emerald Rapids VM, one causal backward (vjp), medians of 9 rounds interleaved over the
-# candidates, 96 x 192 against 64 x 64: (1, 8, 128, 64) 505 against 444 us, (1, 8, 256, 64)
-# 1355 / 1177, (1, 8, 512, 64) 4371 / 4030, (4, 8, 192, 64) 3568 / 2939, (1, 32/8, 256, 128)
-# 9647 / 7762; at 1024 keys 1.02x, at 2048 none; non-causal, 64 x 64 was 1-2% slower
-# (npattn/cpu/TUNING.md). Not measured on the Zen 4.
-SMALL_CAUSAL_BACKWARD_TILES = (64, 64)
-SMALL_CAUSAL_KEYS = 512
+# A backward whose visible keys form a band (causal, or a sliding window) computes every
+# score of each live tile and masks the invisible ones: one 96 x 192 tile held every key of
+# a 128-key causal problem, its masked half computed and dropped, and a 128-key window's
+# tiles are mostly outside it. 64 x 64 tiles compute fewer masked scores and pay more per
+# tile, so a backward takes them where they compute at most 1/1.1 of the scores the default
+# tiles would (scores_computed, a rule of the shape: the same bits on every machine).
+# Measured on the 2-core Intel Emerald Rapids VM, one backward (vjp), 96 x 192 against
+# 64 x 64, medians of interleaved rounds (the scores ratio in brackets):
+# causal (1, 8, 128, 64) 505 / 444 us (1.33), (1, 8, 256, 64) 1355 / 1177 (1.30),
+# (1, 8, 512, 64) 4371 / 4030 (1.19), (1, 8, 1024, 64) 12.2 / 11.5 ms (1.11), 2048 keys
+# 1.00x (1.06); window (128, 0) at (1, 8, 2048, 64) 18.3 / 11.3 ms (1.95), (256, 0)
+# 20.2 / 15.9 (1.48), (1024, 0) 37.1 / 34.6 (1.13), (128, 128) 34.4 / 15.4 (1.74),
+# (512, 0) at (1, 8, 4096, 64) 71.5 / 60.6 (1.32); non-causal (equal scores) 64 x 64
+# 1-2% slower (npattn/cpu/TUNING.md). Not measured on the Zen 4.
+SMALL_BACKWARD_TILES = (64, 64)
+SMALL_TILES_SCORE_RATIO = 1.1
 # Query tiles of at most DOT_ROWS rows take their scores from microkernels.dot_products.
 # Measured on one core of the AVX2 VM, the forward kernel alone over 1024 cache-resident
 # keys, ns per key with packed key tiles -> dot products, by rows per tile (GQA heads
@@ -77,13 +84,19 @@ class Tuning:
     bf16_products: bool | None = None
     key_cache_bytes: int = KEY_CACHE_BYTES
 
-    def backward_tiles(self, causal: bool, kv_len: int) -> tuple:
-        """The backward's (query rows, keys) per tile: ``backward`` where set, else
-        :data:`SMALL_CAUSAL_BACKWARD_TILES` for a causal problem of at most
-        :data:`SMALL_CAUSAL_KEYS` keys and :data:`BACKWARD_TILES` for the rest."""
+    def backward_tiles(self, visibility, q_len: int, kv_len: int) -> tuple:
+        """The backward's (query rows, keys) per tile for a problem of ``q_len`` rows,
+        ``kv_len`` keys and ``visibility`` (:class:`~npattn.core.masks.Visibility`):
+        ``backward`` where set, else :data:`SMALL_BACKWARD_TILES` where they compute at
+        most 1 / :data:`SMALL_TILES_SCORE_RATIO` of the scores :data:`BACKWARD_TILES`
+        would (:func:`scores_computed`), else BACKWARD_TILES."""
         if self.backward is not None:
             return self.backward
-        return SMALL_CAUSAL_BACKWARD_TILES if causal and kv_len <= SMALL_CAUSAL_KEYS else BACKWARD_TILES
+        if visibility.window_left is None and visibility.window_right is None:  # every key visible
+            return BACKWARD_TILES
+        default, small = (scores_computed(visibility, q_len, kv_len, tiles)
+                          for tiles in (BACKWARD_TILES, SMALL_BACKWARD_TILES))
+        return SMALL_BACKWARD_TILES if 0 < SMALL_TILES_SCORE_RATIO * small <= default else BACKWARD_TILES
 
     @property
     def pair_products(self) -> bool:
@@ -101,6 +114,22 @@ class Tuning:
 
             return MICROKERNELS
         return self.vector
+
+
+def scores_computed(visibility, q_len: int, kv_len: int, tiles: tuple) -> int:
+    """The scores a tiled pass over ``q_len`` rows and ``kv_len`` keys computes with
+    ``tiles`` (query rows, keys), each query tile over the key tiles its rows' band of
+    visible keys touches (``visibility``'s window and causal edge at its scalar shift:
+    sinks, lengths and masks left out, as an estimate for choosing tiles)."""
+    block_q, block_k = tiles
+    starts = np.arange(0, q_len, block_q)
+    stops = np.minimum(starts + block_q, q_len)
+    shift = visibility.shift(q_len, kv_len)
+    left, right = visibility.window_left, visibility.window_right
+    first = np.zeros_like(starts) if left is None else np.clip(starts + shift - left, 0, kv_len)
+    last = np.full_like(starts, kv_len) if right is None else np.clip(stops + shift + right, 0, kv_len)
+    keys = np.minimum(-(-last // block_k) * block_k, kv_len) - first // block_k * block_k
+    return int(np.sum(np.where(last > first, (stops - starts) * keys, 0)))
 
 
 _CURRENT = contextvars.ContextVar("npattn_cpu_tuning", default=Tuning())
