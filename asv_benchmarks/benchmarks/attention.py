@@ -92,6 +92,23 @@ class TargetShapes(_ForwardBackward):
 
 
 
+class SlidingWindow(_ForwardBackward):
+    """Causal sliding windows of ``window`` keys at (1, 8, 2048, 64), float32: where the
+    backward's tiles follow the band of visible keys (npattn.cpu.tuning.Tuning.backward_tiles)."""
+
+    params = (["cpu", "gpu"], [128, 1024])
+    param_names = ["backend", "window"]
+    timeout = 300
+
+    def setup(self, backend, window):
+        require(backend)
+        rng = np.random.default_rng(0)
+        self.q, self.k, self.v = to_device(backend, [rng.standard_normal((1, 8, 2048, 64), np.float32)
+                                                     for _ in range(3)])
+        self.options = dict(causal=True, window=(window, 0), backend=backend)
+        self.prepare()
+
+
 class Serving(_ForwardBackward):
     """The serving shapes of ``python -m npattn bench --suite serving`` (B, H, Hkv, SQ, SK,
     D), float32: small calls, decode steps against a cache, a chunk of a prefill."""
@@ -220,6 +237,7 @@ class Variants:
 
     prepare = _ForwardBackward.prepare
     time_forward = _ForwardBackward.time_forward
+    time_forward_backward = _ForwardBackward.time_forward_backward
 
 
 def to_device_options(backend, options):
