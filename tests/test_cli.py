@@ -137,6 +137,32 @@ def test_bench_in_bfloat16_times_npattns_float32_beside_it(monkeypatch):
     assert all(row["float32_ratio"] > 0 for row in rows)
 
 
+@pytest.mark.parametrize("q_len, kv_len, window", [(1, 9, 3), (5, 5, 1), (3, 9, 2), (9, 3, 4), (16, 16, 5),
+                                                   (4, 33, 40)])
+def test_the_bench_window_mask_is_npattns_causal_window(q_len, kv_len, window):
+    from npattn.core.masks import Visibility
+    from npattn.tools import bench
+
+    mask = Visibility.from_options(True, (window, 0), 0).matrix(np, q_len, kv_len)
+    np.testing.assert_array_equal(bench.bottom_right_causal(q_len, kv_len, window), mask)
+    assert bench.visible_pairs(q_len, kv_len, True, window) == mask.sum()
+
+
+def test_bench_with_a_window_times_each_shape_once_with_it(monkeypatch):
+    from npattn.tools import bench, timing
+
+    monkeypatch.setattr(timing, "SETTLE_S", 0.0)
+    monkeypatch.setattr(bench, "_PEAK_SIZE", 64)
+    printed = io.StringIO()
+    rows = bench.compare(shapes=[(1, 2, 1, 32, 16)], repeats=1, backward=True, out=printed, progress=io.StringIO(),
+                         window=8)
+    assert [(row["causal"], row["window"], row["passes"]) for row in rows] == [(True, 8, "forward"),
+                                                                                (True, 8, "fwd+bwd")]
+    assert all(line.split()[1] == "w=8" for line in printed.getvalue().splitlines() if line.startswith("(1,"))
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--caches", "--window", "8"])
+
+
 def test_bench_gpu_says_why_it_cannot_run(capsys):
     from npattn.tools import bench_gpu
 

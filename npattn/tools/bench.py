@@ -75,13 +75,17 @@ class Shape:
         length = self.seq_len if self.q_len == self.kv_len else f"{self.q_len}x{self.kv_len}"
         return f"({self.batch},{self.heads}{kv},{length},{self.head_dim})"
 
-    def forward_flops(self, causal: bool) -> float:
-        return 4.0 * self.batch * self.heads * visible_pairs(self.q_len, self.kv_len, causal) * self.head_dim
+    def forward_flops(self, causal: bool, window: int | None = None) -> float:
+        pairs = visible_pairs(self.q_len, self.kv_len, causal, window)
+        return 4.0 * self.batch * self.heads * pairs * self.head_dim
 
 
-def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
+def visible_pairs(q_len: int, kv_len: int, causal: bool, window: int | None = None) -> int:
     """(query, key) pairs one head computes. Causal is bottom-right aligned: query i sits at
-    position i + Sk - Sq and sees keys j <= that position."""
+    position i + Sk - Sq and sees keys j <= that position; with ``window`` (causal) only
+    the keys from that position - window on."""
+    if window is not None:
+        return int(bottom_right_causal(q_len, kv_len, window).sum())
     if not causal:
         return q_len * kv_len
     if q_len <= kv_len:  # row i sees Sk - Sq + i + 1 keys
@@ -89,10 +93,15 @@ def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
     return kv_len * (kv_len + 1) // 2  # the first Sq - Sk rows see nothing
 
 
-def bottom_right_causal(q_len: int, kv_len: int) -> np.ndarray:
-    """Boolean (q_len, kv_len): True where npattn's causal lets query i see key j. torch's
-    ``is_causal`` aligns top-left, so torch gets this as an explicit mask when Sq != Sk."""
-    return np.tri(q_len, kv_len, kv_len - q_len, dtype=bool)
+def bottom_right_causal(q_len: int, kv_len: int, window: int | None = None) -> np.ndarray:
+    """Boolean (q_len, kv_len): True where npattn's causal (with ``window``: a causal window
+    of that many keys back, ``window=(window, 0)``) lets query i see key j. torch's
+    ``is_causal`` aligns top-left and has no window, so torch gets this as an explicit mask
+    when Sq != Sk or with a window."""
+    visible = np.tri(q_len, kv_len, kv_len - q_len, dtype=bool)
+    if window is not None:
+        visible &= ~np.tri(q_len, kv_len, kv_len - q_len - window - 1, dtype=bool)
+    return visible
 
 
 
@@ -131,23 +140,25 @@ def _numpy_dtype(name: str):
     return np.dtype(name)
 
 
-def _float32_runs(q, k, v, causal):
+def _float32_runs(q, k, v, causal, window=None):
     """npattn on the same values in float32: what a lower-precision row is measured against."""
-    return _npattn_runs(*(x.astype(np.float32) for x in (q, k, v)), causal)
+    return _npattn_runs(*(x.astype(np.float32) for x in (q, k, v)), causal, window)
 
 
-def _npattn_runs(q, k, v, causal):
-    return npattn_passes(q, k, v, causal=causal, backend="cpu")
+def _npattn_runs(q, k, v, causal, window=None):
+    options = {} if window is None else {"window": (window, 0)}
+    return npattn_passes(q, k, v, causal=causal, backend="cpu", **options)
 
 
-def _torch_runs(q, k, v, causal):
+def _torch_runs(q, k, v, causal, window=None):
     import torch
 
     dtype = getattr(torch, q.dtype.name)  # float32, float16 or bfloat16 (converted through float32)
     tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(dtype) for x in (q, k, v))
     options = dict(is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
-    if causal and q.shape[2] != k.shape[2]:  # torch's is_causal would align top-left
-        options.update(is_causal=False, attn_mask=torch.from_numpy(bottom_right_causal(q.shape[2], k.shape[2])))
+    if causal and (q.shape[2] != k.shape[2] or window is not None):  # top-left is_causal, no window: a mask
+        options.update(is_causal=False,
+                       attn_mask=torch.from_numpy(bottom_right_causal(q.shape[2], k.shape[2], window)))
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def forward():
@@ -162,7 +173,7 @@ def _torch_runs(q, k, v, causal):
     return forward, both
 
 
-def _naive_runs(q, k, v, causal):
+def _naive_runs(q, k, v, causal, window=None):
     """Materialized float32 attention in NumPy: what a user writes without a kernel."""
     q, k, v = (x.astype(np.float32, copy=False) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
@@ -172,7 +183,7 @@ def _naive_runs(q, k, v, causal):
     def forward():
         scores = (q * scale) @ k_full.swapaxes(-1, -2)
         if causal:
-            scores = np.where(bottom_right_causal(q.shape[2], k.shape[2]), scores, -np.inf)
+            scores = np.where(bottom_right_causal(q.shape[2], k.shape[2], window), scores, -np.inf)
         scores = np.exp(scores - scores.max(-1, keepdims=True))
         scores /= scores.sum(-1, keepdims=True)
         return scores @ v_full
@@ -242,16 +253,19 @@ def _clear_progress(stream) -> None:
 
 
 def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=sys.stdout,
-            progress=sys.stderr, products: str | None = None, dtype: str = "float32") -> list[dict]:
+            progress=sys.stderr, products: str | None = None, dtype: str = "float32",
+            window: int | None = None) -> list[dict]:
     """Time every shape x causal; print the table; return its rows (times in ms). ``products``
     ("vector" or "blas") forces npattn's tile products (see :func:`npattn.cpu.products`);
     ``dtype`` ("float32", "bfloat16" or "float16") the inputs' dtype, npattn and torch
-    alike, with a column for npattn's float32 time on the same values."""
+    alike, with a column for npattn's float32 time on the same values; ``window``: each
+    shape once, causal with a sliding window of that many keys back (torch and the naive
+    version get it as a boolean mask), its column "w=" and the window."""
     if products is not None:
         from .. import cpu
 
         with cpu.products(products):
-            return compare(shapes, repeats, backward, out, progress, dtype=dtype)
+            return compare(shapes, repeats, backward, out, progress, dtype=dtype, window=window)
     shapes = [s if isinstance(s, Shape) else Shape.parse(",".join(map(str, s))) for s in shapes]
     # (npattn's float32 run right after its run in each round, before the naive one, whose
     # sequence x sequence arrays leave memory to be mapped again: after them, float32 had
@@ -276,11 +290,12 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
     print(header, file=out)
     print("-" * len(header), file=out)
     rows = []
-    jobs = [(shape, causal) for shape in shapes for causal in (False, True)]
+    jobs = [(shape, causal) for shape in shapes for causal in ((True,) if window else (False, True))]
+    label = f"w={window}" if window else None
     for index, (shape, causal) in enumerate(jobs):
-        _progress(index, len(jobs), f"{shape} causal={causal}", progress)
+        _progress(index, len(jobs), f"{shape} {label or f'causal={causal}'}", progress)
         q, k, v = _inputs(shape, dtype=dtype)
-        runs = {name: make(q, k, v, causal) for name, make in candidates.items()}
+        runs = {name: make(q, k, v, causal, window) for name, make in candidates.items()}
         for pass_index, pass_name in enumerate(("forward", "fwd+bwd") if backward else ("forward",)):
             timed = {name: pair[pass_index] for name, pair in runs.items() if pair[pass_index] is not None}
             # small calls repeat within a timed run, to about _RUN_S, so the pause before
@@ -291,14 +306,14 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
             samples = interleaved_samples(timed, repeats, settled_elapsed)
             samples = {name: t if name == "matmul" else t / calls for name, t in samples.items()}
             ms = {name: 1e3 * float(np.median(t)) for name, t in samples.items()}
-            flops = shape.forward_flops(causal) * (3.5 if pass_name == "fwd+bwd" else 1.0)
+            flops = shape.forward_flops(causal, window) * (3.5 if pass_name == "fwd+bwd" else 1.0)
             gflops = flops / (ms["npattn"] / 1e3) / 1e9
             peak_fraction = float(np.median(samples["matmul"] / samples["npattn"])) * flops / matmul_flops
             torch_ratio = (float(np.median(samples["torch"] / samples["npattn"])) if "torch" in samples
                            else None)
             float32_ratio = (float(np.median(samples["float32"] / samples["npattn"])) if "float32" in samples
                              else None)
-            row = dict(shape=str(shape), causal=causal, passes=pass_name, npattn_ms=ms["npattn"],
+            row = dict(shape=str(shape), causal=causal, window=window, passes=pass_name, npattn_ms=ms["npattn"],
                        float32_ratio=float32_ratio,
                        gflops=gflops, peak_fraction=peak_fraction, torch_ms=ms.get("torch"),
                        torch_ratio=torch_ratio, naive_ms=ms.get("naive"),
@@ -308,7 +323,7 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
             ratio = "-" if torch_ratio is None else f"{torch_ratio:.2f}x"
             naive_ms = "-" if row["naive_ms"] is None else _milliseconds(row["naive_ms"])
             _clear_progress(progress)
-            print(f"{str(shape):<25}{str(causal):<8}{pass_name:<9}{_milliseconds(ms['npattn']):>10}{gflops:>9.1f}"
+            print(f"{str(shape):<25}{label or str(causal):<8}{pass_name:<9}{_milliseconds(ms['npattn']):>10}{gflops:>9.1f}"
                   f"{100 * peak_fraction:>7.0f}%{torch_ms:>10}{ratio:>13}{naive_ms:>10}"
                   f"{row['matmul_gflops']:>9.0f}" + (f"{float32_ratio:>10.2f}x" if float32_ratio else ""), file=out)
         out.flush()

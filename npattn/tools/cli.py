@@ -205,6 +205,9 @@ def main(argv=None) -> int:
     bench_parser.add_argument("--isa", choices=["avx2"], default=None,
                               help="CPU: run npattn, torch and OpenBLAS as on an AVX2-only CPU (in a child "
                                    "process with NPATTN_CPU_ISA, ATEN_CPU_CAPABILITY and OPENBLAS_CORETYPE set)")
+    bench_parser.add_argument("--window", type=_positive_int, metavar="W",
+                              help="CPU: each shape causal with a sliding window of W keys back (window=(W, 0); "
+                                   "torch and the naive version get it as a boolean mask)")
     bench_parser.add_argument("--products", choices=["vector", "blas"], default=None,
                               help="CPU: npattn's tile products on its micro-kernels or on SciPy's BLAS "
                                    "(default: the micro-kernels where the CPU has AVX-512 or AVX2)")
@@ -224,6 +227,9 @@ def main(argv=None) -> int:
     else:
         from ..cpu.isa import FORCE_VARIABLE
 
+        if args.window and (args.gpu or args.caches or args.plans or args.layouts or args.memory or args.ring
+                            or args.adapters):
+            bench_parser.error("--window applies to the CPU suites' rows only")
         if args.isa and not args.gpu and os.environ.get(FORCE_VARIABLE) != args.isa:  # not yet the child
             return _rerun_with(bench_isa_variables(args.isa), argv)
         from . import bench
@@ -288,7 +294,7 @@ def main(argv=None) -> int:
             shapes = ([bench.Shape.parse(s) for s in args.shapes] if args.shapes
                       else bench.suite_shapes(args.suite or "prefill"))
             bench.compare(shapes, repeats=args.repeats, backward=not args.forward_only, products=args.products,
-                          dtype=args.dtype or "float32")
+                          dtype=args.dtype or "float32", window=args.window)
     return 0
 
 
