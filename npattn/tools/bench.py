@@ -1,7 +1,8 @@
 """``python -m npattn bench``: npattn's CPU kernels side by side with PyTorch and naive NumPy.
 
-Each row times one shape (B, H, Hkv, S, D), causal or not, float32, forward and
-forward+backward. Implementations run interleaved (A B C A B C ...) in one
+Each row times one shape (B, H, Hkv, S, D), causal or not (with ``--window W``: causal in a
+sliding window of W keys, which torch and the naive version get as a mask), float32, forward
+and forward+backward. Implementations run interleaved (A B C A B C ...) in one
 process and the table reports medians, because the 2-core VMs this project runs
 on have bursts of CPU steal that would bias back-to-back runs; each timed run
 starts after a short pause, so the spinning worker threads of the previous one
