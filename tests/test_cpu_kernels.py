@@ -647,14 +647,48 @@ def test_banded_backwards_take_small_tiles_where_they_compute_fewer_masked_score
         assert tiles(128, causal=True) == tiles(1024) == (32, 48)
 
 
+def test_prefills_with_a_narrow_window_take_small_forward_tiles():
+    """A forward of at least 128 rows with a window's left edge takes 64 x 128 tiles where
+    192 x 384 ones would compute 1.2x the scores or more (its bands trim the right edge
+    only: npattn.cpu.tuning.Tuning.forward_tiles); causal ones, wide windows and short
+    queries keep 192 x 384, and tile_sizes overrides it."""
+    from npattn.core.validation import build_problem
+    from npattn.cpu.operands import Int, operand_plan
+    from npattn.cpu.tuning import current
+
+    def tiles(q_len, kv_len, **options):
+        q, keys = np.zeros((1, 2, q_len, 64), np.float32), np.zeros((1, 2, kv_len, 64), np.float32)
+        ints = operand_plan(build_problem(q, keys, keys, **options), "forward", current()).ints
+        return int(ints[Int.BLOCK_Q]), int(ints[Int.BLOCK_K])
+
+    assert tiles(2048, 2048, window=(128, 0)) == tiles(1024, 1024, window=(256, 256)) == (64, 128)
+    assert tiles(2048, 2048, causal=True) == tiles(2048, 2048, window=(1024, 0)) == (192, 384)
+    assert tiles(16, 2048, window=(128, 0)) == (16, 384)  # a short chunk: its rows, 384 keys
+    with cpu.tile_sizes(32, 48):
+        assert tiles(2048, 2048, window=(128, 0)) == (32, 48)
+    # and such a forward (5 x 4 tiles, bands cut by both edges) matches the float64 reference
+    assert tiles(300, 500, window=(40, 3)) == (64, 128)
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((1, 2, 300, 32), (1, 2, 500, 32),
+                                                                           (1, 2, 500, 32)))
+    out, lse = npattn.attention(q, k, v, window=(40, 3), return_lse=True, backend="cpu")
+    exact, exact_lse = npattn.attention(*(x.astype(np.float64) for x in (q, k, v)), window=(40, 3),
+                                        return_lse=True, backend="reference")
+    assert_close(out, exact, np.float32, 44, float(np.abs(v).max()), "out")
+    assert_close(lse, exact_lse, np.float32, 44, 1 + float(np.abs(exact_lse).max()), "lse")
+
+
 @settings(max_examples=60, deadline=None)
 @given(q_len=st.integers(1, 700), kv_len=st.integers(1, 700), causal=st.booleans(),
        left=st.none() | st.integers(0, 300), right=st.none() | st.integers(0, 300),
-       q_offset=st.none() | st.integers(-50, 700), block_q=st.integers(1, 200), block_k=st.integers(1, 200))
+       q_offset=st.none() | st.integers(-50, 700), block_q=st.integers(1, 200), block_k=st.integers(1, 200),
+       edge_band=st.none() | st.integers(1, 64))
 def test_scores_computed_counts_the_live_tiles_of_a_band(q_len, kv_len, causal, left, right, q_offset, block_q,
-                                                         block_k):
+                                                         block_k, edge_band):
     """npattn.cpu.tuning.scores_computed is the area of the tiles that hold a visible
-    (row, key) pair, counted one tile at a time here."""
+    (row, key) pair, counted one tile at a time here; with ``edge_band``, each band of a
+    tile's rows stops at its last row's right edge (the forward's bands: the keys up to
+    there of each live tile)."""
     from npattn.core.masks import Visibility
     from npattn.cpu.tuning import scores_computed
 
@@ -662,14 +696,27 @@ def test_scores_computed_counts_the_live_tiles_of_a_band(q_len, kv_len, causal, 
     visibility = Visibility.from_options(causal, window, 0, q_offset)
     rows = np.arange(q_len)[:, None] + visibility.shift(q_len, kv_len)
     keys = np.arange(kv_len)[None, :]
-    visible = np.ones((q_len, kv_len), bool)
+    before_right_edge = np.ones((q_len, kv_len), bool)
+    if visibility.window_right is not None:
+        before_right_edge &= keys <= rows + visibility.window_right
+    visible = before_right_edge.copy()
     if visibility.window_left is not None:
         visible &= keys >= rows - visibility.window_left
-    if visibility.window_right is not None:
-        visible &= keys <= rows + visibility.window_right
-    area = sum(tile.size for i0 in range(0, q_len, block_q) for j0 in range(0, kv_len, block_k)
-               if (tile := visible[i0:i0 + block_q, j0:j0 + block_k]).any())
-    assert scores_computed(visibility, q_len, kv_len, (block_q, block_k)) == area
+    area = 0
+    for i0 in range(0, q_len, block_q):
+        for j0 in range(0, kv_len, block_k):
+            tile = visible[i0:i0 + block_q, j0:j0 + block_k]
+            if not tile.any():
+                continue
+            if edge_band is None:
+                area += tile.size
+                continue
+            for r0 in range(0, tile.shape[0], edge_band):
+                band = tile[r0:r0 + edge_band]
+                row = before_right_edge[i0 + r0 + band.shape[0] - 1]  # the band's last row's right edge
+                end = (np.flatnonzero(row)[-1] + 1) if row.any() else 0
+                area += band.shape[0] * min(max(end - j0, 0), tile.shape[1])
+    assert scores_computed(visibility, q_len, kv_len, (block_q, block_k), edge_band) == area
 
 
 def test_the_problem_signature_keys_arrays_by_layout_and_values_by_value():

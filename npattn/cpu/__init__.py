@@ -145,9 +145,10 @@ def bfloat16_products(enabled: bool | None):
 
 def tile_sizes(block_q: int, block_k: int, edge_band: int | None = None):
     """A context manager: run the block with query tiles of ``block_q`` rows and key tiles
-    of ``block_k`` keys in both the forward and the backward (defaults: 192 x 384, and
-    96 x 192 but 64 x 64 where those compute at least 1.1x fewer scores over a causal or
-    windowed problem's visible band: :meth:`.tuning.Tuning.backward_tiles`), and, when given, products on tiles the causal or window edge cuts in bands
+    of ``block_k`` keys in both the forward and the backward (defaults: 192 x 384 and
+    96 x 192, smaller where a causal or windowed problem's band of visible keys leaves those
+    mostly masked: :meth:`.tuning.Tuning.forward_tiles`, :meth:`.tuning.Tuning.backward_tiles`),
+    and, when given, products on tiles the causal or window edge cuts in bands
     of ``edge_band`` rows (default 48). Results agree to rounding for any sizes; the tests
     use tiny tiles to cross many tile edges on small problems, and tuners can try others.
     It applies to calls from this thread (or asyncio task) only: see :mod:`.tuning`."""

@@ -24,7 +24,7 @@ from .isa import tile_prefetch_pays
 from .microkernels import chunk_columns
 from .simd import BF16_DOT, lanes_of as vector_lanes
 from .splitting import key_splits
-from .tuning import Tuning, current
+from .tuning import FORWARD_TILES, Tuning, current
 
 
 
@@ -491,8 +491,12 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
     q, k, v (3 each: float32 words with ``pairs``, :func:`bf16_products`; bytes for 16-bit
     codes, :func:`kv_codes` and :func:`query_codes`), bias and mask (4 each)."""
-    block_q, block_k = (tuning.forward if kind == "forward"
-                        else tuning.backward_tiles(problem.visibility, problem.q_len, problem.kv_len))
+    if kind != "forward":
+        block_q, block_k = tuning.backward_tiles(problem.visibility, problem.q_len, problem.kv_len)
+    elif rows_per_position > 1:  # folded GQA rows: one query tile of the default rows (cpu.folding)
+        block_q, block_k = tuning.forward or FORWARD_TILES
+    else:
+        block_q, block_k = tuning.forward_tiles(problem.visibility, problem.q_len, problem.kv_len)
     dtype = problem.accumulate_dtype
     chunk = chunk_columns(dtype)
     vector, vector_values, vector_keys, dot_scores = _product_paths(problem, kind, tuning)

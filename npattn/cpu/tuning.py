@@ -29,6 +29,7 @@ import numpy as np
 # against 64 x 192 won 5 of 6 runs, by 3-12%: 135-156 against 151-165 ms at
 # (1, 8, 2048, 64), 289-344 against 293-354 at (4, 16, 1024, 64), 1079-1168 against
 # 1109-1226 at GQA (1, 32/8, 2048, 128) (the one loss: 1168 against 1109).
+FORWARD_TILES = (192, 384)
 BACKWARD_TILES = (96, 192)
 # A backward whose visible keys form a band (causal, or a sliding window) computes every
 # score of each live tile and masks the invisible ones: one 96 x 192 tile held every key of
@@ -46,6 +47,21 @@ BACKWARD_TILES = (96, 192)
 # 1-2% slower (npattn/cpu/TUNING.md). Not measured on the Zen 4.
 SMALL_BACKWARD_TILES = (64, 64)
 SMALL_TILES_SCORE_RATIO = 1.1
+# The forward runs a tile the causal or window edge cuts in bands of edge_band rows, each
+# stopping at its last visible key, so only a window's left edge leaves masked scores to
+# compute: from the start of the first key tile a query tile touches. A prefill forward
+# with a sliding window takes 64 x 128 tiles where 192 x 384 ones would compute 1.2x the
+# scores or more (scores_computed with the bands). Measured on the 2-core Emerald Rapids
+# VM, one forward, medians of 7 interleaved rounds, 192 x 384 against 64 x 128 (the
+# scores ratio in brackets): causal window (128, 0) at (1, 8, 2048, 64) 5.01 / 4.17 ms
+# (1.84), (256, 0) 6.86 / 6.07 (1.65), (384, 0) 8.54 / 7.85 (1.24), (512, 0) 9.80 / 9.28 (1.26);
+# (128, 0) at (1, 32/8, 2048, 128) 41.9 / 35.9 and at (4, 16, 1024, 64) 20.4 / 17.5;
+# (512, 0) at (1, 32/8, 2048, 128) 75.1 / 73.8; causal without a window (ratio 1.00)
+# 0.96x at 2048 keys. Only from WINDOWED_FORWARD_ROWS query rows (decode steps and short
+# chunks keep their tiles: not measured).
+SMALL_FORWARD_TILES = (64, 128)
+SMALL_FORWARD_SCORE_RATIO = 1.2
+WINDOWED_FORWARD_ROWS = 128
 # Query tiles of at most DOT_ROWS rows take their scores from microkernels.dot_products.
 # Measured on one core of the AVX2 VM, the forward kernel alone over 1024 cache-resident
 # keys, ns per key with packed key tiles -> dot products, by rows per tile (GQA heads
@@ -63,8 +79,8 @@ KEY_CACHE_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class Tuning:
-    """``forward`` / ``backward``: (query rows, keys) per tile (``backward`` None: chosen by
-    the problem's shape, :meth:`backward_tiles`); ``edge_band``: rows per band
+    """``forward`` / ``backward``: (query rows, keys) per tile (None: chosen by the
+    problem's shape, :meth:`forward_tiles` and :meth:`backward_tiles`); ``edge_band``: rows per band
     of a tile the causal or window edge cuts; ``vector``: products on the register-blocked
     micro-kernels (True), SciPy's BLAS (False), or None: the micro-kernels where the CPU
     has AVX-512 or AVX2 (:data:`npattn.cpu.simd.MICROKERNELS`); ``dot_rows``: forwards of
@@ -76,13 +92,27 @@ class Tuning:
     ``key_cache_bytes``: the most a bfloat16 forward keeps per thread of a kv head's key
     tiles packed for its next query tile or head (0: none, each tile packed where read)."""
 
-    forward: tuple = (192, 384)
+    forward: tuple | None = None
     backward: tuple | None = None
     edge_band: int = 48
     vector: bool | None = None
     dot_rows: int = DOT_ROWS
     bf16_products: bool | None = None
     key_cache_bytes: int = KEY_CACHE_BYTES
+
+    def forward_tiles(self, visibility, q_len: int, kv_len: int) -> tuple:
+        """The forward's (query rows, keys) per tile: ``forward`` where set, else
+        :data:`SMALL_FORWARD_TILES` for a prefill (at least :data:`WINDOWED_FORWARD_ROWS`
+        rows) with a window's left edge where :data:`FORWARD_TILES` would compute at least
+        :data:`SMALL_FORWARD_SCORE_RATIO` times their scores (:func:`scores_computed`, its
+        bands of ``edge_band`` rows), else FORWARD_TILES."""
+        if self.forward is not None:
+            return self.forward
+        if visibility.window_left is None or q_len < WINDOWED_FORWARD_ROWS:
+            return FORWARD_TILES
+        default, small = (scores_computed(visibility, q_len, kv_len, tiles, self.edge_band)
+                          for tiles in (FORWARD_TILES, SMALL_FORWARD_TILES))
+        return SMALL_FORWARD_TILES if 0 < SMALL_FORWARD_SCORE_RATIO * small <= default else FORWARD_TILES
 
     def backward_tiles(self, visibility, q_len: int, kv_len: int) -> tuple:
         """The backward's (query rows, keys) per tile for a problem of ``q_len`` rows,
@@ -116,20 +146,45 @@ class Tuning:
         return self.vector
 
 
-def scores_computed(visibility, q_len: int, kv_len: int, tiles: tuple) -> int:
+def scores_computed(visibility, q_len: int, kv_len: int, tiles: tuple, edge_band: int | None = None) -> int:
     """The scores a tiled pass over ``q_len`` rows and ``kv_len`` keys computes with
     ``tiles`` (query rows, keys), each query tile over the key tiles its rows' band of
     visible keys touches (``visibility``'s window and causal edge at its scalar shift:
-    sinks, lengths and masks left out, as an estimate for choosing tiles)."""
+    sinks, lengths and masks left out, as an estimate for choosing tiles). With
+    ``edge_band`` (the forward's bands), each band of that many rows of a query tile stops
+    at its last row's right edge (its last visible key, where it sees one) instead of at
+    the end of that key's tile."""
     block_q, block_k = tiles
     starts = np.arange(0, q_len, block_q)
     stops = np.minimum(starts + block_q, q_len)
+    first = _first_visible(visibility, q_len, kv_len, starts)
+    tile_start = first // block_k * block_k
+    if edge_band is None:
+        last = _last_visible(visibility, q_len, kv_len, stops)
+        keys = np.minimum(-(-last // block_k) * block_k, kv_len) - tile_start
+        return int(np.sum(np.where(last > first, (stops - starts) * keys, 0)))
+    total = 0
+    for offset in range(0, block_q, edge_band):  # (the tiles' bands, all tiles at once)
+        band_starts = np.minimum(starts + offset, stops)
+        band_stops = np.minimum(band_starts + edge_band, stops)
+        last = _last_visible(visibility, q_len, kv_len, band_stops)
+        total += int(np.sum(np.where((last > first) & (band_stops > band_starts),
+                                     (band_stops - band_starts) * (last - tile_start), 0)))
+    return total
+
+
+def _first_visible(visibility, q_len, kv_len, rows):
+    """The first key that query rows ``rows`` (an array) may see, clipped to [0, kv_len]."""
+    left = visibility.window_left
     shift = visibility.shift(q_len, kv_len)
-    left, right = visibility.window_left, visibility.window_right
-    first = np.zeros_like(starts) if left is None else np.clip(starts + shift - left, 0, kv_len)
-    last = np.full_like(starts, kv_len) if right is None else np.clip(stops + shift + right, 0, kv_len)
-    keys = np.minimum(-(-last // block_k) * block_k, kv_len) - first // block_k * block_k
-    return int(np.sum(np.where(last > first, (stops - starts) * keys, 0)))
+    return np.zeros_like(rows) if left is None else np.clip(rows + shift - left, 0, kv_len)
+
+
+def _last_visible(visibility, q_len, kv_len, row_stops):
+    """One past the last key that the row before each of ``row_stops`` may see, in [0, kv_len]."""
+    right = visibility.window_right
+    shift = visibility.shift(q_len, kv_len)
+    return np.full_like(row_stops, kv_len) if right is None else np.clip(row_stops + shift + right, 0, kv_len)
 
 
 _CURRENT = contextvars.ContextVar("npattn_cpu_tuning", default=Tuning())
