@@ -34,13 +34,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..core.options import FOLD_CONDITIONS
-from .tuning import FORWARD_TILES
 
 
 def foldable(problem, tuning) -> bool:
     """Whether ``problem``'s forward folds under ``tuning``: a GQA group whose rows fit one
     query tile, no packed rows, and every option as the table's ``folds`` allows."""
-    rows = (tuning.forward or FORWARD_TILES)[0]  # (a folded problem keeps these tiles: operands)
+    rows = tuning.forward_tiles(problem.visibility, problem.q_len, problem.kv_len, folded=True)[0]
     return (problem.group_size > 1 and problem.q_len * problem.group_size <= rows
             and not problem.packed_rows and all(allows(problem) for allows in FOLD_CONDITIONS))
 

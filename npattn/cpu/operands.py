@@ -24,7 +24,7 @@ from .isa import tile_prefetch_pays
 from .microkernels import chunk_columns
 from .simd import BF16_DOT, lanes_of as vector_lanes
 from .splitting import key_splits
-from .tuning import FORWARD_TILES, Tuning, current
+from .tuning import Tuning, current
 
 
 
@@ -455,9 +455,9 @@ def head_group(problem, kind: str, ints) -> tuple[int, int]:
 
 def _head_slice_bytes(problem, ints, codes, pairs) -> int:
     """The bytes of one head's keys (or values, the shorter) in a row of the cache as the
-    forward reads it: its codes, bfloat16 pairs' words, or floats of the sums' dtype."""
-    element = {KvCodes.INT8: 1, KvCodes.FLOAT8: 1, KvCodes.FLOAT16: 2, KvCodes.BFLOAT16: 2}.get(
-        codes, 2 if pairs else np.dtype(problem.accumulate_dtype).itemsize)
+    forward reads it: k's own elements where it reads them as they lie (codes, 16-bit
+    values, bfloat16 pairs), else floats of the sums' dtype (k itself or its converted copy)."""
+    element = problem.k.itemsize if codes or pairs else np.dtype(problem.accumulate_dtype).itemsize
     return int(min(ints[Int.HEAD_DIM], ints[Int.VALUE_DIM])) * element
 
 
@@ -491,12 +491,8 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
     q, k, v (3 each: float32 words with ``pairs``, :func:`bf16_products`; bytes for 16-bit
     codes, :func:`kv_codes` and :func:`query_codes`), bias and mask (4 each)."""
-    if kind != "forward":
-        block_q, block_k = tuning.backward_tiles(problem.visibility, problem.q_len, problem.kv_len)
-    elif rows_per_position > 1:  # folded GQA rows: one query tile of the default rows (cpu.folding)
-        block_q, block_k = tuning.forward or FORWARD_TILES
-    else:
-        block_q, block_k = tuning.forward_tiles(problem.visibility, problem.q_len, problem.kv_len)
+    tiles_of = tuning.forward_tiles if kind == "forward" else tuning.backward_tiles
+    block_q, block_k = tiles_of(problem.visibility, problem.q_len, problem.kv_len, folded=rows_per_position > 1)
     dtype = problem.accumulate_dtype
     chunk = chunk_columns(dtype)
     vector, vector_values, vector_keys, dot_scores = _product_paths(problem, kind, tuning)

@@ -100,33 +100,34 @@ class Tuning:
     bf16_products: bool | None = None
     key_cache_bytes: int = KEY_CACHE_BYTES
 
-    def forward_tiles(self, visibility, q_len: int, kv_len: int) -> tuple:
-        """The forward's (query rows, keys) per tile: ``forward`` where set, else
-        :data:`SMALL_FORWARD_TILES` for a prefill (at least :data:`WINDOWED_FORWARD_ROWS`
-        rows) with a window's left edge where :data:`FORWARD_TILES` would compute at least
-        :data:`SMALL_FORWARD_SCORE_RATIO` times their scores (:func:`scores_computed`, its
-        bands of ``edge_band`` rows), else FORWARD_TILES."""
+    def forward_tiles(self, visibility, q_len: int, kv_len: int, folded: bool = False) -> tuple:
+        """The forward's (query rows, keys) per tile for a problem of ``q_len`` rows,
+        ``kv_len`` keys and ``visibility`` (:class:`~npattn.core.masks.Visibility`):
+        ``forward`` where set, else :data:`SMALL_FORWARD_TILES` for a prefill (at least
+        :data:`WINDOWED_FORWARD_ROWS` rows, not ``folded`` GQA rows, which fit one default
+        query tile: :mod:`npattn.cpu.folding`) with a window's left edge where
+        :data:`FORWARD_TILES` would compute at least :data:`SMALL_FORWARD_SCORE_RATIO` times
+        their scores (:func:`scores_computed` with bands of ``edge_band`` rows), else
+        FORWARD_TILES."""
         if self.forward is not None:
             return self.forward
-        if visibility.window_left is None or q_len < WINDOWED_FORWARD_ROWS:
+        if folded or visibility.window_left is None or q_len < WINDOWED_FORWARD_ROWS:
             return FORWARD_TILES
-        default, small = (scores_computed(visibility, q_len, kv_len, tiles, self.edge_band)
-                          for tiles in (FORWARD_TILES, SMALL_FORWARD_TILES))
-        return SMALL_FORWARD_TILES if 0 < SMALL_FORWARD_SCORE_RATIO * small <= default else FORWARD_TILES
+        return _tiles_for_band(visibility, q_len, kv_len, FORWARD_TILES, SMALL_FORWARD_TILES,
+                               SMALL_FORWARD_SCORE_RATIO, self.edge_band)
 
-    def backward_tiles(self, visibility, q_len: int, kv_len: int) -> tuple:
-        """The backward's (query rows, keys) per tile for a problem of ``q_len`` rows,
-        ``kv_len`` keys and ``visibility`` (:class:`~npattn.core.masks.Visibility`):
-        ``backward`` where set, else :data:`SMALL_BACKWARD_TILES` where they compute at
-        most 1 / :data:`SMALL_TILES_SCORE_RATIO` of the scores :data:`BACKWARD_TILES`
-        would (:func:`scores_computed`), else BACKWARD_TILES."""
+    def backward_tiles(self, visibility, q_len: int, kv_len: int, folded: bool = False) -> tuple:
+        """The backward's (query rows, keys) per tile (arguments as :meth:`forward_tiles`;
+        the backward never folds): ``backward`` where set, else
+        :data:`SMALL_BACKWARD_TILES` where they compute at most 1 /
+        :data:`SMALL_TILES_SCORE_RATIO` of the scores :data:`BACKWARD_TILES` would
+        (:func:`scores_computed`), else BACKWARD_TILES."""
         if self.backward is not None:
             return self.backward
         if visibility.window_left is None and visibility.window_right is None:  # every key visible
             return BACKWARD_TILES
-        default, small = (scores_computed(visibility, q_len, kv_len, tiles)
-                          for tiles in (BACKWARD_TILES, SMALL_BACKWARD_TILES))
-        return SMALL_BACKWARD_TILES if 0 < SMALL_TILES_SCORE_RATIO * small <= default else BACKWARD_TILES
+        return _tiles_for_band(visibility, q_len, kv_len, BACKWARD_TILES, SMALL_BACKWARD_TILES,
+                               SMALL_TILES_SCORE_RATIO)
 
     @property
     def pair_products(self) -> bool:
@@ -171,6 +172,15 @@ def scores_computed(visibility, q_len: int, kv_len: int, tiles: tuple, edge_band
         total += int(np.sum(np.where((last > first) & (band_stops > band_starts),
                                      (band_stops - band_starts) * (last - tile_start), 0)))
     return total
+
+
+def _tiles_for_band(visibility, q_len, kv_len, default, small, ratio, edge_band=None) -> tuple:
+    """``small`` where ``default`` tiles would compute at least ``ratio`` times the scores
+    they compute over the problem's band of visible keys (:func:`scores_computed`), else
+    ``default``."""
+    default_scores, small_scores = (scores_computed(visibility, q_len, kv_len, tiles, edge_band)
+                                    for tiles in (default, small))
+    return small if 0 < ratio * small_scores <= default_scores else default
 
 
 def _first_visible(visibility, q_len, kv_len, rows):
