@@ -2,8 +2,11 @@
 host left out: each planned step (npattn.plan_with_kvcache, no append) captured in a CUDA
 graph and replayed, timed by CUDA events (median of 5 rounds of 50 replays); where a step
 cannot be captured, '-'. With --once each step just runs twice (the second for Nsight
-Compute to time its kernels: `ncu --metrics gpu__time_duration.sum --csv ...`).
-Usage: python .ci/gpu_cache_kernels.py LABEL [--once]"""
+Compute to time its kernels: `ncu --metrics gpu__time_duration.sum --csv ...`). With
+--splits TARGET,MIN ... each step is planned again under each of the driver's split-KV
+settings (DECODE_TARGET_WARPS, MIN_KEY_TILES_PER_SPLIT) and timed; each row ends with
+float16's time over int8's.
+Usage: python .ci/gpu_cache_kernels.py LABEL [--once] [--splits TARGET,MIN ...]"""
 import pathlib
 import sys
 
@@ -14,7 +17,12 @@ import npattn
 
 SHAPES = ((1, 32, 8, 16384, 128), (16, 32, 8, 2048, 128))
 CACHES = ("float16", "float8_e4m3", "int8")
-label, once = sys.argv[1] if len(sys.argv) > 1 else "tree", "--once" in sys.argv
+from npattn.gpu import driver
+
+label, once = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else "tree", "--once" in sys.argv
+settings = [tuple(int(x) for x in arg.split(",")) for arg in sys.argv[sys.argv.index("--splits") + 1:]
+            if "," in arg] if "--splits" in sys.argv else []
+settings = settings or [(driver.DECODE_TARGET_WARPS, driver.MIN_KEY_TILES_PER_SPLIT)]
 
 
 def arrays(shape, cache, rng):
@@ -63,17 +71,21 @@ def replay_us(run):
 rng = np.random.default_rng(0)
 print(f"{label}: decode step device time in a CUDA graph, us (K/V bytes read per second)")
 for shape in SHAPES:
-    times = {}
-    for cache in CACHES:
-        q, k, v, scales = arrays(shape, cache, rng)
-        plan = npattn.plan_with_kvcache(q, k, v, cache_seqlens=shape[3], causal=True, **scales)
-        run = (lambda plan=plan, q=q, k=k, v=v, scales=scales: plan.run(q, k, v, **scales))
-        if once:
-            run()
-            run()
-            cupy.cuda.get_current_stream().synchronize()
-            continue
-        times[cache] = (replay_us(run), k.nbytes + v.nbytes)
-    if not once:
-        print(f"{label}: {shape}  " + "  ".join(
-            f"{cache} {us:.1f} ({read / us / 1e3:.0f} GB/s)" for cache, (us, read) in times.items()))
+    for target, least in settings:
+        driver.DECODE_TARGET_WARPS, driver.MIN_KEY_TILES_PER_SPLIT = target, least
+        times = {}
+        for cache in CACHES:
+            q, k, v, scales = arrays(shape, cache, rng)
+            plan = npattn.plan_with_kvcache(q, k, v, cache_seqlens=shape[3], causal=True, **scales)
+            run = (lambda plan=plan, q=q, k=k, v=v, scales=scales: plan.run(q, k, v, **scales))
+            if once:
+                run()
+                run()
+                cupy.cuda.get_current_stream().synchronize()
+                continue
+            times[cache] = (replay_us(run), k.nbytes + v.nbytes)
+        if not once:
+            ratio = times["float16"][0] / times["int8"][0]
+            print(f"{label}: {shape} splits ({target},{least})  " + "  ".join(
+                f"{cache} {us:.1f} ({read / us / 1e3:.0f} GB/s)" for cache, (us, read) in times.items())
+                + f"  float16/int8 {ratio:.2f}x", flush=True)

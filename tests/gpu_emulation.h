@@ -41,6 +41,7 @@
 
 struct uint3 { unsigned x, y, z; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
 
 // A barrier of `expected` fibers: the last to arrive opens it (a new generation); the
 // others yield to the next fiber until it has opened.

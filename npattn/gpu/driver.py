@@ -243,8 +243,9 @@ class ForwardPlan:
                 options = options_of(problem, (), bound)
                 # rows whose strides break 16-byte alignment (after the last-axis copy a
                 # call makes) stay unaligned at every call: plain loads, decided once (a
-                # quantized cache's codes are read by plain loads whatever their alignment)
-                if not all(_strides_aligned(_unit_last_axis(cp, x)) for x in (q, k, v)[:1 if self.quantized else 3]):
+                # quantized cache's codes too: a decode step reads aligned codes into
+                # registers by 16-byte loads, and the others by plain loads)
+                if not all(_strides_aligned(_unit_last_axis(cp, x)) for x in (q, k, v)):
                     options |= Option.UNALIGNED
                 tile = forward_tc_config(rows, bound, options)
                 self.config = dict(tile=tile, options=options)
@@ -333,8 +334,7 @@ class ForwardPlan:
             config = self.config
             # the structure fixed the strides (a plan of unaligned ones has UNALIGNED already):
             # a call's rows are aligned when its arrays start on 16 bytes
-            if config and not (config["options"] & Option.UNALIGNED) and (
-                    _address(q) | (0 if self.quantized else _address(k) | _address(v))) % 16:
+            if config and not (config["options"] & Option.UNALIGNED) and (_address(q) | _address(k) | _address(v)) % 16:
                 config = dict(config, options=config["options"] | Option.UNALIGNED)
             if self.writes_every_row:
                 out, lse = _unfilled(cp, self.out_shape, self.out_dtype), _unfilled(cp, self.lse_shape, self.dtype)

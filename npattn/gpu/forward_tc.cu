@@ -95,6 +95,50 @@ template <int FRAGS, int KEY_BLOCKS, typename Body> __device__ inline void each_
     }
 }
 
+// REGISTER_CODES (below): S (one 16-row fragment x 8 KEY_BLOCKS keys) = Q K^T from the
+// lane's K codes (k_words[n]: key 8 n + quad, dims [in_quad MAX_D / 4, + MAX_D / 4)) and
+// Q's A fragments read in the same order of dims from the swizzled Q tile; unscaled.
+template <typename T, bool E4M3, int MAX_D, int KEY_BLOCKS, int K_WORDS>
+__device__ inline void code_scores(float (&s)[KEY_BLOCKS][4], const u32 (&k_words)[KEY_BLOCKS][K_WORDS],
+                                   const unsigned short* qs, int ld, int quad, int in_quad) {
+#pragma unroll
+    for (int kk = 0; kk < MAX_D / 16; ++kk) {
+        const int column = in_quad * (MAX_D / 4) + 4 * kk;
+        const uint2 upper = *reinterpret_cast<const uint2*>(qs + swizzled(quad, column, ld));
+        const uint2 lower = *reinterpret_cast<const uint2*>(qs + swizzled(quad + 8, column, ld));
+        const u32 a[4] = {upper.x, lower.x, upper.y, lower.y};
+#pragma unroll
+        for (int n = 0; n < KEY_BLOCKS; ++n) {
+            u32 bk[2];
+            code_pairs<T, E4M3>(k_words[n][kk], bk);
+            mma_16816<T>(s[n], a, bk);
+        }
+    }
+}
+
+// REGISTER_CODES: O (one 16-row fragment, value block n's column slot quad being value
+// dim quad MAX_D / 8 + n) += P V for one 16-key block, P's A fragment `a`, the lane's V
+// codes v_words[r] (its rows 16 kk + 2 in_quad, + 1, + 8, + 9). Value block 4 w + i + e
+// takes byte i + e of word w of the four rows: rows 0 and 1 in its bv[0], 2 and 3 in bv[1].
+template <typename T, bool E4M3, int VALUE_BLOCKS, int V_WORDS>
+__device__ inline void add_code_values(float (&o)[VALUE_BLOCKS][4], const u32 (&a)[4], const u32 (&v_words)[4][V_WORDS]) {
+#pragma unroll
+    for (int w = 0; w < V_WORDS; ++w) {
+#pragma unroll
+        for (int i = 0; i < 4; i += 2) {
+            const u32 selector = i | (4 + i) << 4 | (i + 1) << 8 | (5 + i) << 12;
+            u32 upper[2], lower[2];
+            code_pairs<T, E4M3>(byte_permute(v_words[0][w], v_words[1][w], selector), upper);
+            code_pairs<T, E4M3>(byte_permute(v_words[2][w], v_words[3][w], selector), lower);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const u32 bv[2] = {upper[e], lower[e]};
+                mma_16816<T>(o[4 * w + i + e], a, bv);
+            }
+        }
+    }
+}
+
 template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
 __global__ void __launch_bounds__(WARPS * 32)
 forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
@@ -131,6 +175,12 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     // over them are compile-time constants (no run-time tests inside the unrolled loops)
     constexpr bool NARROW = (OPTIONS & NPATTN_OPTION_NARROW) != 0;
     const ForwardTensorCoreLayout at(NARROW ? head_dim : MAX_D, NARROW ? value_dim : MAX_D, BQ, BK, STAGES);
+    // A decode step's one-warp tile over a contiguous quantized cache reads its codes
+    // straight into registers in the mma fragments' order (see the key loop) instead of
+    // staging them (CodeTile), whose conversion in one-warp blocks bounded the step.
+    // (ASYNC: the driver found the codes' rows on 16 bytes, and both head dims multiples of 8.)
+    constexpr bool REGISTER_CODES =
+        CODES && ASYNC && !PAGED && !NARROW && WARPS == 1 && FRAGS == 1 && STAGES == 1 && MAX_D % 64 == 0;
     unsigned short* qs = shared + at.q;
     // K and V tiles of key tile t (its stage's)
     auto ks = [&](i64 t) { return shared + at.k + (STAGES == 2 ? (int)(t & 1) * at.k_stage : 0); };
@@ -162,7 +212,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     // The rows' ScoreRows (the band's edges, the options' rows): with one fragment, built
     // once and kept through the key loop; with two, whose accumulators take every
     // register, built again for each tile that needs them.
-    constexpr bool KEEP_SCORERS = FRAGS == 1 && (SCORE_OPTIONS || (OPTIONS & NPATTN_OPTION_BAND) != 0);
+    constexpr bool KEEP_SCORERS = !REGISTER_CODES && FRAGS == 1 && (SCORE_OPTIONS || (OPTIONS & NPATTN_OPTION_BAND) != 0);
     ScoreRow<T, Acc, OPTIONS> kept_scorer[KEEP_SCORERS ? ROWS : 1];
     if constexpr (KEEP_SCORERS) {
 #pragma unroll
@@ -235,15 +285,92 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     // copies issued after S = Q K_t^T and dequantized into K's tile at tile t+1's barrier,
     // V_t's issued after that barrier and dequantized before P V_t's, each under the work
     // between
-    constexpr bool PIPELINED_CODES = CODES && STAGES == 1;
+    constexpr bool PIPELINED_CODES = CODES && STAGES == 1 && !REGISTER_CODES;
     CodeTile<WARPS * 32, BK, MAX_D> k_tile_codes, v_tile_codes;
     auto fetch_codes = [&](CodeTile<WARPS * 32, BK, MAX_D>& codes, bool values, i64 t) {
         codes.template fetch<PAGED, true>(values ? v_staged : k_staged, values ? at.ld_v : at.ld_qk, in, values, b,
                                           kv_head, key_tiles.start(t), key_tiles.keys(t),
                                           values ? value_dim : head_dim);
     };
+    // REGISTER_CODES: S = Q K^T sums over the head dims in any order, so each lane takes
+    // the dims of its K fragments as one contiguous run of a key row: lane (quad, in_quad)
+    // holds key 8 n + quad of each 8-key block n, dims [in_quad MAX_D / 4, + MAX_D / 4),
+    // 4 of them per 16-dim step (k-slots 2 in_quad, + 1, + 8, + 9 of step kk are dims
+    // in_quad MAX_D / 4 + 4 kk + 0, 1, 2, 3), and Q's A fragments follow the same order.
+    // O = P V's output columns are ours to place: column slot `quad` of 8-column block n
+    // is value dim quad MAX_D / 8 + n, so the lane's V fragments of each 16-key block are
+    // one contiguous run, [quad MAX_D / 8, + MAX_D / 8), of its four key rows (16 kk +
+    // 2 in_quad, + 1, + 8, + 9). A K score is the product with the codes, times its key's
+    // scale in float32 (exact but for float32's rounding); a V row's scale goes into P
+    // instead: P's entries are p times the key's scale over R, the largest V scale seen so
+    // far (O is kept in units of R, rescaled with the running max when R grows), so they
+    // stay within [0, 1] and round to T as P does for a 16-bit cache.
+    constexpr int K_WORDS = MAX_D / 16, V_WORDS = MAX_D / 32, KEY_PAIRS = BK / 16;
+    constexpr int CODE_BLOCKS = REGISTER_CODES ? KEY_BLOCKS : 1, CODE_PAIRS = REGISTER_CODES ? KEY_PAIRS : 1;
+    u32 k_words[CODE_BLOCKS][K_WORDS], v_words[CODE_PAIRS][4][V_WORDS];
+    float k_scales[CODE_BLOCKS][2], v_scales[CODE_BLOCKS][2];
+    float value_reference = 0.0f;  // R
+    const unsigned char* k_head_codes = in.k_codes;
+    const unsigned char* v_head_codes = in.v_codes;
+    const float *k_head_scales = in.k_scale, *v_head_scales = in.v_scale;
+    i64 k_code_stride = 0, v_code_stride = 0, k_scale_stride = 0, v_scale_stride = 0;
+    if constexpr (REGISTER_CODES) {
+        k_head_codes += b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H];
+        v_head_codes += b * ints[NPATTN_INT_V_STRIDE_B] + kv_head * ints[NPATTN_INT_V_STRIDE_H];
+        k_head_scales += b * ints[NPATTN_INT_K_SCALE_STRIDE_B] + kv_head * ints[NPATTN_INT_K_SCALE_STRIDE_H];
+        v_head_scales += b * ints[NPATTN_INT_V_SCALE_STRIDE_B] + kv_head * ints[NPATTN_INT_V_SCALE_STRIDE_H];
+        k_code_stride = ints[NPATTN_INT_K_STRIDE_S];
+        v_code_stride = ints[NPATTN_INT_V_STRIDE_S];
+        k_scale_stride = ints[NPATTN_INT_K_SCALE_STRIDE_S];
+        v_scale_stride = ints[NPATTN_INT_V_SCALE_STRIDE_S];
+    }
+    // tile t's K codes and scales (`values`: V's) into this lane's registers; rows past
+    // the tile's keys read its last key's codes (in bounds), their scales 0
+    auto fetch_register_codes = [&](i64 t, bool values) {
+        const i64 j0 = key_tiles.start(t);
+        const int cols = key_tiles.keys(t);
+        // the scales of this lane's columns of S and P: keys 8 n + 2 in_quad + e
+        auto scale_of = [&](const float* scales, i64 stride, int n, int e) {
+            const int c = n * 8 + 2 * in_quad + e;
+            return c < cols ? scales[(j0 + c) * stride] : 0.0f;
+        };
+        if (!values) {
+#pragma unroll
+            for (int n = 0; n < CODE_BLOCKS; ++n) {
+                k_scales[n][0] = scale_of(k_head_scales, k_scale_stride, n, 0);
+                k_scales[n][1] = scale_of(k_head_scales, k_scale_stride, n, 1);
+            }
+            const int first = in_quad * (MAX_D / 4);
+#pragma unroll
+            for (int n = 0; n < CODE_BLOCKS; ++n) {
+                const int c = n * 8 + quad;
+                load_code_words<K_WORDS>(k_words[n], k_head_codes + (j0 + (c < cols ? c : cols - 1)) * k_code_stride + first,
+                                         head_dim - first);
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < CODE_BLOCKS; ++n) {
+                v_scales[n][0] = scale_of(v_head_scales, v_scale_stride, n, 0);
+                v_scales[n][1] = scale_of(v_head_scales, v_scale_stride, n, 1);
+            }
+            const int first = quad * (MAX_D / 8);
+#pragma unroll
+            for (int kk = 0; kk < CODE_PAIRS; ++kk) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int c = kk * 16 + 2 * in_quad + (r & 1) + 8 * (r >> 1);
+                    load_code_words<V_WORDS>(v_words[kk][r],
+                                             v_head_codes + (j0 + (c < cols ? c : cols - 1)) * v_code_stride + first,
+                                             value_dim - first);
+                }
+            }
+        }
+    };
     if (tile_count > 0) {
-        if constexpr (PIPELINED_CODES) {
+        if constexpr (REGISTER_CODES) {
+            fetch_register_codes(0, false);
+            fetch_register_codes(0, true);
+        } else if constexpr (PIPELINED_CODES) {
             fetch_codes(k_tile_codes, false, 0);
         } else {
             stage_k(0);
@@ -270,7 +397,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
             }
         } else if constexpr (PIPELINED_CODES) {
             fetch_codes(v_tile_codes, true, t);
-        } else {
+        } else if constexpr (!REGISTER_CODES) {
             stage_v(t);
         }
         cp_async_commit();
@@ -282,9 +409,21 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
 #pragma unroll
             for (int n = 0; n < KEY_BLOCKS; ++n) s[f][n][0] = s[f][n][1] = s[f][n][2] = s[f][n][3] = 0.0f;
         }
+        if constexpr (REGISTER_CODES) {
+            if (e4m3) {
+                code_scores<T, true, MAX_D>(s[0], k_words, qs, at.ld_qk, quad, in_quad);
+            } else {
+                code_scores<T, false, MAX_D>(s[0], k_words, qs, at.ld_qk, quad, in_quad);
+            }
+#pragma unroll
+            for (int n = 0; n < KEY_BLOCKS; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[0][n][e] *= k_scales[n][e & 1];
+            }
+        }
 #pragma unroll
         for (int k0 = 0; k0 < MAX_D; k0 += 16) {
-            if (k0 < at.head_dim) {
+            if (!REGISTER_CODES && k0 < at.head_dim) {
                 u32 a[FRAGS][4];
 #pragma unroll
                 for (int f = 0; f < FRAGS; ++f) load_a_fragment(a[f], qs, at.ld_qk, warp * WARP_ROWS + f * 16, k0, lane);
@@ -303,7 +442,9 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         if constexpr (STAGES == 1) {
             __syncthreads();  // every warp is done with K_t
             if (t + 1 < tile_count) {
-                if constexpr (PIPELINED_CODES) {
+                if constexpr (REGISTER_CODES) {
+                    fetch_register_codes(t + 1, false);
+                } else if constexpr (PIPELINED_CODES) {
                     fetch_codes(k_tile_codes, false, t + 1);
                 } else {
                     stage_k(t + 1);
@@ -369,20 +510,48 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
             seen[x] = seen[x] || tile_max[x] > lowest;
             l[x] *= correction[x];
         }
+        // REGISTER_CODES: R grows to the tile's largest V scale (the quad's lanes hold all
+        // its keys; a NaN scale is skipped here and makes its own P entry NaN); O, in units
+        // of R, shrinks by the old R over the new one
+        float value_factor[CODE_BLOCKS][2], reference_ratio = 1.0f;
+        if constexpr (REGISTER_CODES) {
+            float largest = 0.0f;
+#pragma unroll
+            for (int n = 0; n < CODE_BLOCKS; ++n) {
+                largest = v_scales[n][0] > largest ? v_scales[n][0] : largest;
+                largest = v_scales[n][1] > largest ? v_scales[n][1] : largest;
+            }
+#pragma unroll
+            for (int offset = 1; offset < 4; offset <<= 1) {
+                const float other = __shfl_xor_sync(0xffffffffu, largest, offset);
+                largest = other > largest ? other : largest;
+            }
+            const float reference = largest > value_reference ? largest : value_reference;
+            const float inverse = reference > 0.0f ? 1.0f / reference : 0.0f;
+            reference_ratio = reference > 0.0f ? value_reference / reference : 1.0f;
+            value_reference = reference;
+#pragma unroll
+            for (int n = 0; n < CODE_BLOCKS; ++n) {
+                value_factor[n][0] = v_scales[n][0] * inverse;
+                value_factor[n][1] = v_scales[n][1] * inverse;
+            }
+        }
         each_score<FRAGS, KEY_BLOCKS>(in_quad, [&](int f, int n, int e, int x, int c) {
             float p = exp2_approx(s[f][n][e] - shift[x]);
             l[x] += p;
             if (has_dropout && row_valid[x] && c < cols && !dropout_keeps(ints, dropout_state[x], j0 + c)) p = 0.0f;
+            if constexpr (REGISTER_CODES) p *= value_factor[n][e & 1];
             s[f][n][e] = p;
         });
 #pragma unroll
         for (int f = 0; f < FRAGS; ++f) {
+            const float upper = correction[2 * f] * reference_ratio, lower = correction[2 * f + 1] * reference_ratio;
 #pragma unroll
             for (int n = 0; n < VALUE_BLOCKS; ++n) {
-                o[f][n][0] *= correction[2 * f];
-                o[f][n][1] *= correction[2 * f];
-                o[f][n][2] *= correction[2 * f + 1];
-                o[f][n][3] *= correction[2 * f + 1];
+                o[f][n][0] *= upper;
+                o[f][n][1] *= upper;
+                o[f][n][2] *= lower;
+                o[f][n][3] *= lower;
             }
         }
         if constexpr (STAGES == 1) {
@@ -405,9 +574,16 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                 a[f][2] = pack_pair<T>(s[f][2 * kb + 1][0], s[f][2 * kb + 1][1]);
                 a[f][3] = pack_pair<T>(s[f][2 * kb + 1][2], s[f][2 * kb + 1][3]);
             }
+            if constexpr (REGISTER_CODES) {
+                if (e4m3) {
+                    add_code_values<T, true>(o[0], a[0], v_words[kb]);
+                } else {
+                    add_code_values<T, false>(o[0], a[0], v_words[kb]);
+                }
+            }
 #pragma unroll
             for (int n = 0; n < VALUE_BLOCKS; n += 2) {
-                if (n * 8 < at.value_dim) {
+                if (!REGISTER_CODES && n * 8 < at.value_dim) {
                     u32 bv[4];
                     load_b_fragments_transposed(bv, vt, at.ld_v, n * 8, kb * 16, lane);
 #pragma unroll
@@ -418,8 +594,23 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                 }
             }
         }
+        if constexpr (REGISTER_CODES) {
+            if (t + 1 < tile_count) fetch_register_codes(t + 1, true);
+        }
     }
     cp_async_wait<0>();  // the last (empty) group
+    // O's column of this lane's accumulator e (0 or 1) of value block n; REGISTER_CODES:
+    // O back from units of R
+    auto value_column = [&](int n, int e) {
+        return REGISTER_CODES ? (2 * in_quad + e) * (MAX_D / 8) + n : n * 8 + 2 * in_quad + e;
+    };
+    if constexpr (REGISTER_CODES) {
+#pragma unroll
+        for (int n = 0; n < VALUE_BLOCKS; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[0][n][e] *= value_reference;
+        }
+    }
 
 #pragma unroll
     for (int x = 0; x < ROWS; ++x) {
@@ -436,7 +627,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
 #pragma unroll
             for (int n = 0; n < VALUE_BLOCKS; ++n) {
                 for (int e = 0; e < 2; ++e) {
-                    const int d = n * 8 + 2 * in_quad + e;
+                    const int d = value_column(n, e);
                     if (d < value_dim) mine[d] = o[x / 2][n][2 * (x % 2) + e];
                 }
             }
@@ -459,9 +650,12 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         const int r = tile_row(x);
 #pragma unroll
         for (int n = 0; n < VALUE_BLOCKS; ++n) {
-            if (n * 8 < at.value_dim) {
-                *reinterpret_cast<u32*>(os + swizzled(r, n * 8 + 2 * in_quad, at.ld_v)) =
-                    pack_pair<T>(o[x / 2][n][2 * (x % 2)] * factor, o[x / 2][n][2 * (x % 2) + 1] * factor);
+            const u32 pair = pack_pair<T>(o[x / 2][n][2 * (x % 2)] * factor, o[x / 2][n][2 * (x % 2) + 1] * factor);
+            if constexpr (REGISTER_CODES) {  // (the pair's columns are MAX_D / 8 apart)
+                os[swizzled(r, value_column(n, 0), at.ld_v)] = (unsigned short)(pair & 0xffffu);
+                os[swizzled(r, value_column(n, 1), at.ld_v)] = (unsigned short)(pair >> 16);
+            } else if (n * 8 < at.value_dim) {
+                *reinterpret_cast<u32*>(os + swizzled(r, n * 8 + 2 * in_quad, at.ld_v)) = pair;
             }
         }
         if (in_quad == 0 && row_valid[x]) {  // every live row's lse: -inf for a row that saw no key

@@ -103,6 +103,67 @@ template <bool E4M3> __device__ inline void four_code_values(u32 word, float* va
     }
 }
 
+// ---- codes straight into mma fragments ---------------------------------------------------
+// A decode step over a quantized cache reads its codes from global memory into the
+// registers of the mma B fragments (forward_tc.cu, REGISTER_CODES) and converts them there,
+// unscaled: an int8 code or an e4m3 code is exact in float16 and bfloat16, and the scales,
+// one per key, are applied in float32 outside the products.
+
+// 1024 + u - 1152 in each float16 half of `biased` (1024 + u: u in the low mantissa byte
+// under 0x64): the int8 code u - 128, exactly (sub.f16x2).
+__device__ inline u32 int8_half_pair(u32 biased) {
+#ifdef NPATTN_HOST_EMULATION
+    return emulated_pack_pair(half_to_float((unsigned short)(biased & 0xffffu)) - 1152.0f,
+                              half_to_float((unsigned short)(biased >> 16)) - 1152.0f, false);
+#else
+    u32 result;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(result) : "r"(biased), "r"(0x64806480u));
+    return result;
+#endif
+}
+
+// The four codes of `word` as two pairs of T (pairs[0]: bytes 0 and 1, byte 0 in the low
+// half; pairs[1]: bytes 2 and 3), exactly, unscaled. int8 into float16: each code flipped
+// to u = code + 128 under float16's exponent of 1024 (0x64), less 1152: a logic operation,
+// two byte permutes and two half2 subtractions for four codes; else through float32
+// (four_code_values) and a rounding that changes nothing.
+template <typename T, bool E4M3> __device__ inline void code_pairs(u32 word, u32* pairs) {
+    if constexpr (!E4M3 && !TensorCore<T>::bf16) {
+        const u32 flipped = word ^ 0x80808080u;
+        pairs[0] = int8_half_pair(byte_permute(flipped, 0x64646464u, 0x4140u));
+        pairs[1] = int8_half_pair(byte_permute(flipped, 0x64646464u, 0x4342u));
+    } else {
+        float values[4];
+        four_code_values<E4M3>(word, values);
+        pairs[0] = pack_pair<T>(values[0], values[1]);
+        pairs[1] = pack_pair<T>(values[2], values[3]);
+    }
+}
+
+// WORDS 32-bit words of codes (4 WORDS bytes from `source`, on 16 bytes; the first in
+// words[0]'s low byte), of which the first `valid` (a multiple of 8) are read and the
+// rest are zeros: by 16-byte loads, or 8-byte ones where 8 bytes are left.
+template <int WORDS> __device__ inline void load_code_words(u32* words, const unsigned char* source, int valid) {
+    static_assert(WORDS % 4 == 0 || WORDS == 2, "whole 16-byte or 8-byte loads");
+#pragma unroll
+    for (int w = 0; w < WORDS; w += 4) {
+        uint4 chunk = {0u, 0u, 0u, 0u};
+        if (WORDS % 4 == 0 && valid >= 4 * w + 16) {
+            chunk = *reinterpret_cast<const uint4*>(source + 4 * w);
+        } else if (valid >= 4 * w + 8) {
+            const uint2 half = *reinterpret_cast<const uint2*>(source + 4 * w);
+            chunk.x = half.x;
+            chunk.y = half.y;
+        }
+        words[w] = chunk.x;
+        words[w + 1] = chunk.y;
+        if constexpr (WORDS % 4 == 0) {
+            words[w + 2] = chunk.z;
+            words[w + 3] = chunk.w;
+        }
+    }
+}
+
 // ---- shared-memory addresses ------------------------------------------------------------
 
 // Element offset of (row, column) in a swizzled tile of row length `ld` (a multiple of
