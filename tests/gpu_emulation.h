@@ -66,7 +66,7 @@ struct EmulatedBlock {
 };
 
 // One thread's cp.async copies: committed groups, oldest first, and the open group.
-struct EmulatedCopy { void* destination; const void* source; int bytes; };
+struct EmulatedCopy { void* destination; const void* source; int bytes, size; };
 struct EmulatedCopies {
     std::vector<std::vector<EmulatedCopy>> committed;
     std::vector<EmulatedCopy> open;
@@ -266,9 +266,9 @@ inline void emulated_ldmatrix(unsigned* registers, int count, bool transpose, co
     block.warps[warp]->arrive_and_wait();  // every lane has read the addresses
 }
 
-// cp.async.cg.shared.global [destination], [source], 16, bytes: queued until retired.
-inline void emulated_cp_async(void* destination, const void* source, int bytes) {
-    emulated_copies.open.push_back({destination, source, bytes});
+// cp.async.{cg,ca}.shared.global [destination], [source], size, bytes: queued until retired.
+inline void emulated_cp_async(void* destination, const void* source, int bytes, int size = 16) {
+    emulated_copies.open.push_back({destination, source, bytes, size});
 }
 
 inline void emulated_cp_async_commit() {
@@ -284,7 +284,7 @@ inline void emulated_cp_async_wait(int pending) {
         for (const EmulatedCopy& copy : groups[g]) {
             unsigned char* destination = static_cast<unsigned char*>(copy.destination);
             std::memcpy(destination, copy.source, copy.bytes);
-            std::memset(destination + copy.bytes, 0, 16 - copy.bytes);
+            std::memset(destination + copy.bytes, 0, copy.size - copy.bytes);
         }
     }
     groups.erase(groups.begin(), groups.begin() + retire);

@@ -31,18 +31,14 @@ EMULATED = (("float32", 64), ("float64", 64), ("float16", 64), ("bfloat16", 64),
 # head dims that fill the bound and at narrower ones, everything on unaligned rows,
 # paged keys (a decode step's band and pages alone), and a quantized cache's codes
 # (CODES, narrow heads) under the band alone, contiguous and paged (the builds a 16-bit
-# cache's step takes, but for CODES), and under everything on unaligned rows; and at full width, where a
-# contiguous cache's decode step reads its codes into registers (REGISTER_CODES in
-# forward_tc.cu), under the band alone and under everything but pages, at 64 and at
-# 128 (the 32-key decode tile of 128-wide heads).
+# cache's step takes, but for CODES), and under everything on unaligned rows.
 # Wider bounds get the two general sets only.
 _NARROW, _UNALIGNED = Option.NARROW, Option.UNALIGNED
 FORWARD_TC_OPTIONS = {64: (0, Option.BAND, ALL, _NARROW, Option.BAND | _NARROW, ALL | _NARROW,
                            ALL | _NARROW | _UNALIGNED, Option.BAND | Option.PAGED | _NARROW,
                            Option.BAND | _NARROW | Option.CODES, Option.BAND | Option.PAGED | _NARROW | Option.CODES,
-                           ALL | _NARROW | _UNALIGNED | Option.CODES, Option.BAND | Option.CODES,
-                           (ALL & ~Option.PAGED) | Option.CODES),
-                      128: (0, ALL | _NARROW, ALL | _NARROW | _UNALIGNED, Option.BAND | Option.CODES),
+                           ALL | _NARROW | _UNALIGNED | Option.CODES),
+                      128: (0, ALL | _NARROW, ALL | _NARROW | _UNALIGNED),
                       256: (ALL | _NARROW, ALL | _NARROW | _UNALIGNED)}
 # option sets of the tensor-core backward built: plain, the band alone, and everything
 BACKWARD_TC_OPTIONS = (0, Option.BAND, ALL)
@@ -60,8 +56,15 @@ EXTRA_TILES = {64: (sources.ForwardTile(8, 2, 64), sources.ForwardTile(4, 2, 64)
                     sources.ForwardTile(2, 2, 32, 2), sources.ForwardTile(2, 1, 16, 2), sources.ForwardTile(1, 1, 32, 2))}
 EXTRA_TILE_OPTIONS = (0, Option.BAND | _NARROW, ALL, ALL | _NARROW | _UNALIGNED)
 # and a quantized cache's decode step on two K/V stages, whose codes are staged at once
-# (the one-stage loop fetches them ahead of use)
-EXTRA_CODE_TILES = {64: ((sources.ForwardTile(1, 1, 32, 2), Option.BAND | _NARROW | Option.CODES),)}
+# (the one-stage loop fetches them ahead of use); and the decode tile of a contiguous
+# quantized cache at full width, whose codes go straight into registers (REGISTER_CODES),
+# under the band alone and under everything but pages at 64, and under the band at 128
+# (its 32-key tile)
+_REGISTERS = Option.CODES | Option.REGISTER_CODES
+EXTRA_CODE_TILES = {64: ((sources.ForwardTile(1, 1, 32, 2), Option.BAND | _NARROW | Option.CODES),
+                         (sources.forward_tc_config(1, 64), Option.BAND | _REGISTERS),
+                         (sources.forward_tc_config(1, 64), (ALL & ~Option.PAGED) | _REGISTERS)),
+                    128: ((sources.forward_tc_config(1, 128), Option.BAND | _REGISTERS),)}
 
 
 def _forward_tc_configs(dtype_name, bound):
@@ -98,7 +101,7 @@ def _built_name(launchers, kind, storage, bound, config):
     asks for: the smallest larger-or-equal head-dim bound (a larger accumulator computes
     the same) and, for the tensor-core forward, the same tile with the fewest options
     that include the asked-for ones (an option compiled in but off at run time is a
-    no-op), CODES exactly when asked for."""
+    no-op), CODES and REGISTER_CODES exactly when asked for."""
     candidates = []
     for candidate in sorted(b for b in sources.HEAD_DIM_BOUNDS if b >= bound):
         if kind in ("dkdv_tc", "dq_tc"):  # the fewest options that include the asked-for ones
@@ -110,10 +113,12 @@ def _built_name(launchers, kind, storage, bound, config):
         if kind != "forward_tc":
             candidates.append(sources.kernel_name(kind, storage, candidate))
             continue
-        # (CODES is no option to leave off at run time: its kernels read codes, not k and v)
+        # (CODES and REGISTER_CODES are no options to leave off at run time: they say how
+        # the kernel reads k and v)
+        exact = Option.CODES | Option.REGISTER_CODES
         built = [c for c in _forward_tc_configs(storage, candidate) if storage in dict(EMULATED)
                  and c[0] == config["tile"] and c[1] & config["options"] == config["options"]
-                 and c[1] & Option.CODES == config["options"] & Option.CODES]
+                 and c[1] & exact == config["options"] & exact]
         for tile, options in sorted(built, key=lambda c: bin(c[1]).count("1")):
             candidates.append(sources.kernel_name(kind, storage, candidate, tile=tile, options=options))
     built = [name for name in candidates if name in launchers]

@@ -148,6 +148,18 @@ def test_emulated_gpu_split_kv_decoding_matches_the_reference():
         check_forward("gpu", uniform_case(2, 4, 2, 3, 300, 32, 24, values_seed=3, **options), "bhsd")
 
 
+def test_split_decoding_never_asks_for_more_blocks_than_its_target():
+    """The splits round down: (16, 32/8, 1 x 2048, 128)'s 128 one-warp blocks take 8
+    splits, 1024 blocks for the 1056 places; 9 (rounding up) overshot into a second wave
+    (61.3 us a step against 45.8 on an H200)."""
+    from npattn.gpu import driver
+
+    assert driver.decode_splits(128, 4, 2048, 16, 32, warps=1) == 8
+    for blocks in (1, 7, 8, 100, 128, 129, 512, 1000, 1056):
+        splits = driver.decode_splits(blocks, 4, 10**6, 16, 32, warps=1)
+        assert splits == 1 or blocks * splits <= driver.DECODE_TARGET_WARPS, (blocks, splits)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])  # the SIMT forward, the tensor-core one
 def test_emulated_gpu_combine_over_hundreds_of_splits(dtype, monkeypatch):
     """300 splits of one key tile each: the combine's block of 8 warps, each taking
@@ -602,7 +614,22 @@ def check_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype, 
         q, k_codes, v_codes, k_scale, v_scale, k_values, v_values = (
             xp.asarray(x) for x in (q, k_codes, v_codes, k_scale, v_scale, k_values, v_values))
         call = {name: xp.asarray(value) if isinstance(value, np.ndarray) else value for name, value in call.items()}
-    from_codes = npattn.attention_with_kvcache(q, k_codes, v_codes, k_scale=k_scale, v_scale=v_scale, **call)
+    from npattn.gpu import launch
+    from npattn.gpu.options import Option
+
+    ran, real_run = [], launch.run
+
+    def spy(kind_, storage, bound, blocks, shared, arguments, **config):
+        if kind_ == "forward_tc":
+            ran.append(config["options"])
+        return real_run(kind_, storage, bound, blocks, shared, arguments, **config)
+
+    with pytest.MonkeyPatch.context() as patch:
+        if xp is np:  # (the emulation launches through launch.run; a device's plans keep their launchers)
+            patch.setattr(launch, "run", spy)
+        from_codes = npattn.attention_with_kvcache(q, k_codes, v_codes, k_scale=k_scale, v_scale=v_scale, **call)
+    if xp is np:
+        assert ran and all(bool(options & Option.REGISTER_CODES) != same_bits for options in ran), ran
     from_values = npattn.attention_with_kvcache(q, k_values, v_values, **call)
     host = [x.get() if xp is not np else x for x in (*from_codes, *from_values, q, k_codes, v_codes, k_scale, v_scale)]
     out, lse, values_out, values_lse, q, k_codes, v_codes, k_scale, v_scale = host

@@ -22,7 +22,7 @@ from . import launch
 from ..core.dropout import seed_words
 from .options import ALL, Option, _address, _strides_aligned, options_of
 from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, COMBINE_THREADS, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS,
-                      backward_kinds, forward_kind, forward_tc_config, head_dim_bound)
+                      backward_kinds, forward_kind, forward_tc_config, head_dim_bound, reads_codes_into_registers)
 
 
 def _on_device(problem):
@@ -167,9 +167,11 @@ def _spans(cp, problem):
 
 
 # Split-KV decoding: aim for this many warps (8 per SM on a 132-SM H100: enough loads
-# in flight to stream K/V at the memory's speed), giving each split at least
+# in flight to stream K/V at the memory's speed), and no more, giving each split at least
 # MIN_KEY_TILES_PER_SPLIT key tiles. Constants, not the device's SM count, so a
-# problem's summation order (and so its bits) is the same on every GPU.
+# problem's summation order (and so its bits) is the same on every GPU. (Rounding the
+# splits up overshot: (16, 32/8, 1 x 2048, 128) took 9 splits, 1152 one-warp blocks for
+# 1056 places, and its step 61.3 us on an H200 against 45.8 with 8; TUNING.md.)
 DECODE_TARGET_WARPS = 1056
 MIN_KEY_TILES_PER_SPLIT = 4
 
@@ -183,7 +185,7 @@ def decode_splits(blocks: int, rows: int, kv_len: int, block_q: int, block_k: in
     if rows > block_q or blocks >= target_blocks:
         return 1
     key_tiles = -(-kv_len // block_k)
-    return max(1, min(key_tiles // MIN_KEY_TILES_PER_SPLIT, -(-target_blocks // blocks)))
+    return max(1, min(key_tiles // MIN_KEY_TILES_PER_SPLIT, target_blocks // blocks))
 
 
 def combine_warps(splits: int) -> int:
@@ -235,6 +237,7 @@ class ForwardPlan:
             self.storage = q.dtype.name
             self.kind = kind = forward_kind(self.storage)
             self.config = {}
+            self.head_dims = (problem.head_dim, value_dim)
             if kind == "forward_tc":
                 # packed rows: the query heads of a GQA group times the query rows, per kv head
                 rows = q_len * (heads // problem.kv_heads)
@@ -248,9 +251,11 @@ class ForwardPlan:
                 if not all(_strides_aligned(_unit_last_axis(cp, x)) for x in (q, k, v)):
                     options |= Option.UNALIGNED
                 tile = forward_tc_config(rows, bound, options)
+                if reads_codes_into_registers(tile, options, bound):
+                    options |= Option.REGISTER_CODES
                 self.config = dict(tile=tile, options=options)
                 warps, block_q, block_k = tile.warps, tile.block_q, tile.block_k
-                self.shared = launch.forward_tc_shared_bytes(problem.head_dim, value_dim, tile, self.quantized)
+                self.shared = self._shared_bytes(self.config)
                 blocks = batch * problem.kv_heads * -(-rows // block_q)
             else:
                 rows, warps = q_len, THREADS // 32
@@ -335,7 +340,8 @@ class ForwardPlan:
             # the structure fixed the strides (a plan of unaligned ones has UNALIGNED already):
             # a call's rows are aligned when its arrays start on 16 bytes
             if config and not (config["options"] & Option.UNALIGNED) and (_address(q) | _address(k) | _address(v)) % 16:
-                config = dict(config, options=config["options"] | Option.UNALIGNED)
+                # (codes off 16 bytes are staged: no 16-byte loads of them into registers)
+                config = dict(config, options=config["options"] & ~Option.REGISTER_CODES | Option.UNALIGNED)
             if self.writes_every_row:
                 out, lse = _unfilled(cp, self.out_shape, self.out_dtype), _unfilled(cp, self.lse_shape, self.dtype)
             else:
@@ -372,8 +378,18 @@ class ForwardPlan:
         key = config.get("options")
         launcher = self._launchers.get(key)
         if launcher is None:
-            launcher = self._launchers[key] = launch.kernel(self.kind, self.storage, self.bound, self.shared, **config)
+            launcher = self._launchers[key] = launch.kernel(self.kind, self.storage, self.bound,
+                                                            self._shared_bytes(config), **config)
         return launcher
+
+    def _shared_bytes(self, config: dict) -> int:
+        """The tensor-core forward's dynamic shared memory for ``config``: its tile's, with
+        a quantized cache's staged codes unless it reads them into registers."""
+        if self.kind != "forward_tc":
+            return self.shared
+        options = config["options"]
+        return launch.forward_tc_shared_bytes(*self.head_dims, config["tile"], bool(options & Option.CODES),
+                                              bool(options & Option.REGISTER_CODES))
 
     def _partial(self):
         """The split partials' buffer of the calling thread and stream, kept by the plan. A

@@ -177,10 +177,12 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     const ForwardTensorCoreLayout at(NARROW ? head_dim : MAX_D, NARROW ? value_dim : MAX_D, BQ, BK, STAGES);
     // A decode step's one-warp tile over a contiguous quantized cache reads its codes
     // straight into registers in the mma fragments' order (see the key loop) instead of
-    // staging them (CodeTile), whose conversion in one-warp blocks bounded the step.
-    // (ASYNC: the driver found the codes' rows on 16 bytes, and both head dims multiples of 8.)
-    constexpr bool REGISTER_CODES =
-        CODES && ASYNC && !PAGED && !NARROW && WARPS == 1 && FRAGS == 1 && STAGES == 1 && MAX_D % 64 == 0;
+    // staging them (CodeTile), whose conversion in one-warp blocks bounded the step. The
+    // driver asks for it (npattn.gpu.sources.reads_codes_into_registers) where it fits:
+    constexpr bool REGISTER_CODES = (OPTIONS & NPATTN_OPTION_REGISTER_CODES) != 0;
+    static_assert(!REGISTER_CODES || (CODES && ASYNC && !PAGED && !NARROW && WARPS == 1 && FRAGS == 1 &&
+                                      STAGES == 1 && (MAX_D == 64 || MAX_D == 128)),
+                  "codes in registers: contiguous, aligned, full-width codes on the one-warp decode tile");
     unsigned short* qs = shared + at.q;
     // K and V tiles of key tile t (its stage's)
     auto ks = [&](i64 t) { return shared + at.k + (STAGES == 2 ? (int)(t & 1) * at.k_stage : 0); };
@@ -324,52 +326,87 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         k_scale_stride = ints[NPATTN_INT_K_SCALE_STRIDE_S];
         v_scale_stride = ints[NPATTN_INT_V_SCALE_STRIDE_S];
     }
-    // tile t's K codes and scales (`values`: V's) into this lane's registers; rows past
-    // the tile's keys read its last key's codes (in bounds), their scales 0
-    auto fetch_register_codes = [&](i64 t, bool values) {
+    // REGISTER_CODES: tile t + 2's codes and scales are copied by cp.async into one of two
+    // shared stages while tile t is worked on (no register holds them in flight), and read
+    // into registers in the fragments' order just before use. Stage s, after Q's tile: BK
+    // rows of K codes, BK of V codes (rows CODE_ROW_PAD bytes longer than MAX_D: the eight
+    // rows a quarter warp reads at once fall in different banks), then BK K scales and BK
+    // V scales. (Loading each tile's codes from global memory into registers one tile
+    // ahead instead kept 32 bytes in local memory and ran 0.96-1.04x as fast: TUNING.md.)
+    constexpr int CODE_LD = MAX_D + CODE_ROW_PAD, CODE_STAGE = 2 * BK * CODE_LD + 2 * BK * 4;
+    auto code_stage = [&](i64 t) {
+        return reinterpret_cast<unsigned char*>(shared + at.k) + (int)(t & 1) * CODE_STAGE;
+    };
+    auto stage_register_codes = [&](i64 t) {  // lane r copies rows r, r + 32, ...; rows past the keys zeros
+        unsigned char* stage = code_stage(t);
+        float* stage_scales = reinterpret_cast<float*>(stage + 2 * BK * CODE_LD);
         const i64 j0 = key_tiles.start(t);
         const int cols = key_tiles.keys(t);
-        // the scales of this lane's columns of S and P: keys 8 n + 2 in_quad + e
-        auto scale_of = [&](const float* scales, i64 stride, int n, int e) {
-            const int c = n * 8 + 2 * in_quad + e;
-            return c < cols ? scales[(j0 + c) * stride] : 0.0f;
-        };
+#pragma unroll
+        for (int r = lane; r < BK; r += 32) {
+            const bool live = r < cols;
+            const unsigned char* k_row = live ? k_head_codes + (j0 + r) * k_code_stride : k_head_codes;
+            const unsigned char* v_row = live ? v_head_codes + (j0 + r) * v_code_stride : v_head_codes;
+#pragma unroll
+            for (int c = 0; c < MAX_D / 16; ++c) {
+                cp_async_16(reinterpret_cast<unsigned short*>(stage + r * CODE_LD + 16 * c), k_row + 16 * c, live ? 16 : 0);
+                cp_async_16(reinterpret_cast<unsigned short*>(stage + (BK + r) * CODE_LD + 16 * c), v_row + 16 * c,
+                            live ? 16 : 0);
+            }
+            cp_async_4(stage_scales + r, live ? k_head_scales + (j0 + r) * k_scale_stride : k_head_scales, live ? 4 : 0);
+            cp_async_4(stage_scales + BK + r, live ? v_head_scales + (j0 + r) * v_scale_stride : v_head_scales,
+                       live ? 4 : 0);
+        }
+    };
+    // tile t's K codes and both scales (`values`: its V codes) from its stage into this
+    // lane's registers: the scales of its columns of S and P (keys 8 n + 2 in_quad + e)
+    auto read_register_codes = [&](i64 t, bool values) {
+        const unsigned char* stage = code_stage(t);
+        const float* stage_scales = reinterpret_cast<const float*>(stage + 2 * BK * CODE_LD);
         if (!values) {
 #pragma unroll
             for (int n = 0; n < CODE_BLOCKS; ++n) {
-                k_scales[n][0] = scale_of(k_head_scales, k_scale_stride, n, 0);
-                k_scales[n][1] = scale_of(k_head_scales, k_scale_stride, n, 1);
-            }
-            const int first = in_quad * (MAX_D / 4);
+                const uint2 k_pair = *reinterpret_cast<const uint2*>(stage_scales + n * 8 + 2 * in_quad);
+                const uint2 v_pair = *reinterpret_cast<const uint2*>(stage_scales + BK + n * 8 + 2 * in_quad);
+                k_scales[n][0] = __uint_as_float(k_pair.x);
+                k_scales[n][1] = __uint_as_float(k_pair.y);
+                v_scales[n][0] = __uint_as_float(v_pair.x);
+                v_scales[n][1] = __uint_as_float(v_pair.y);
 #pragma unroll
-            for (int n = 0; n < CODE_BLOCKS; ++n) {
-                const int c = n * 8 + quad;
-                load_code_words<K_WORDS>(k_words[n], k_head_codes + (j0 + (c < cols ? c : cols - 1)) * k_code_stride + first,
-                                         head_dim - first);
+                for (int w = 0; w < K_WORDS; w += 4) {
+                    const uint4 chunk =
+                        *reinterpret_cast<const uint4*>(stage + (n * 8 + quad) * CODE_LD + in_quad * (MAX_D / 4) + 4 * w);
+                    k_words[n][w] = chunk.x;
+                    k_words[n][w + 1] = chunk.y;
+                    k_words[n][w + 2] = chunk.z;
+                    k_words[n][w + 3] = chunk.w;
+                }
             }
         } else {
-#pragma unroll
-            for (int n = 0; n < CODE_BLOCKS; ++n) {
-                v_scales[n][0] = scale_of(v_head_scales, v_scale_stride, n, 0);
-                v_scales[n][1] = scale_of(v_head_scales, v_scale_stride, n, 1);
-            }
-            const int first = quad * (MAX_D / 8);
 #pragma unroll
             for (int kk = 0; kk < CODE_PAIRS; ++kk) {
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     const int c = kk * 16 + 2 * in_quad + (r & 1) + 8 * (r >> 1);
-                    load_code_words<V_WORDS>(v_words[kk][r],
-                                             v_head_codes + (j0 + (c < cols ? c : cols - 1)) * v_code_stride + first,
-                                             value_dim - first);
+                    const unsigned char* run = stage + (BK + c) * CODE_LD + quad * (MAX_D / 8);
+                    if constexpr (V_WORDS == 4) {
+                        const uint4 chunk = *reinterpret_cast<const uint4*>(run);
+                        v_words[kk][r][0] = chunk.x;
+                        v_words[kk][r][1] = chunk.y;
+                        v_words[kk][r][2] = chunk.z;
+                        v_words[kk][r][3] = chunk.w;
+                    } else {
+                        const uint2 chunk = *reinterpret_cast<const uint2*>(run);
+                        v_words[kk][r][0] = chunk.x;
+                        v_words[kk][r][1] = chunk.y;
+                    }
                 }
             }
         }
     };
     if (tile_count > 0) {
         if constexpr (REGISTER_CODES) {
-            fetch_register_codes(0, false);
-            fetch_register_codes(0, true);
+            stage_register_codes(0);
         } else if constexpr (PIPELINED_CODES) {
             fetch_codes(k_tile_codes, false, 0);
         } else {
@@ -378,12 +415,20 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         }
     }
     cp_async_commit();
+    if constexpr (REGISTER_CODES) {
+        if (tile_count > 1) stage_register_codes(1);
+        cp_async_commit();
+    }
 
     for (i64 t = 0; t < tile_count; ++t) {
         const i64 j0 = key_tiles.start(t);
         const int cols = key_tiles.keys(t);
         const unsigned short *kt = ks(t), *vt = vs(t);
-        cp_async_wait<0>();
+        if constexpr (REGISTER_CODES) {
+            cp_async_wait<1>();  // tile t's stage (tile t + 1's may still be in flight)
+        } else {
+            cp_async_wait<0>();
+        }
         if constexpr (PIPELINED_CODES) {
             k_tile_codes.template deposit<T>(k_staged, ks(t), at.ld_qk, head_dim, e4m3);
         }
@@ -400,7 +445,8 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         } else if constexpr (!REGISTER_CODES) {
             stage_v(t);
         }
-        cp_async_commit();
+        if constexpr (!REGISTER_CODES) cp_async_commit();
+        if constexpr (REGISTER_CODES) read_register_codes(t, false);
 
         // S (16 FRAGS x BK per warp) = Q K^T: each K fragment pair feeds every row fragment
         float s[FRAGS][KEY_BLOCKS][4];
@@ -442,15 +488,13 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         if constexpr (STAGES == 1) {
             __syncthreads();  // every warp is done with K_t
             if (t + 1 < tile_count) {
-                if constexpr (REGISTER_CODES) {
-                    fetch_register_codes(t + 1, false);
-                } else if constexpr (PIPELINED_CODES) {
+                if constexpr (PIPELINED_CODES) {
                     fetch_codes(k_tile_codes, false, t + 1);
-                } else {
+                } else if constexpr (!REGISTER_CODES) {  // (whose tile t + 2 goes at the loop's end)
                     stage_k(t + 1);
                 }
             }
-            cp_async_commit();
+            if constexpr (!REGISTER_CODES) cp_async_commit();
         }
 
         // scores in base 2, then the online softmax of this lane's rows
@@ -554,13 +598,14 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                 o[f][n][3] *= lower;
             }
         }
-        if constexpr (STAGES == 1) {
+        if constexpr (STAGES == 1 && !REGISTER_CODES) {
             cp_async_wait<1>();
             if constexpr (PIPELINED_CODES) {
                 v_tile_codes.template deposit<T>(v_staged, vs(t), at.ld_v, value_dim, e4m3);
             }
             __syncthreads();  // V_t landed for every thread
         }
+        if constexpr (REGISTER_CODES) read_register_codes(t, true);
 
         // O (16 FRAGS x Dv per warp) += P V: S's accumulators of two 8-key blocks are the
         // A fragment of one 16-key block; each V fragment pair feeds every row fragment
@@ -595,7 +640,9 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
             }
         }
         if constexpr (REGISTER_CODES) {
-            if (t + 1 < tile_count) fetch_register_codes(t + 1, true);
+            __syncthreads();  // every lane is done with tile t's stage, which tile t + 2 takes
+            if (t + 2 < tile_count) stage_register_codes(t + 2);
+            cp_async_commit();
         }
     }
     cp_async_wait<0>();  // the last (empty) group

@@ -26,9 +26,12 @@ def _bits(names) -> type[IntFlag]:
 # does), then three of the operands: UNALIGNED (rows not 16-byte aligned: plain
 # loads instead of cp.async), NARROW (head dims, rounded up to 16, below the kernel's
 # bound: loops test them) and CODES (k and v a quantized cache's int8 or e4m3 codes with
-# their scales, dequantized to the inputs' 16-bit type as their tiles are staged).
+# their scales, dequantized to the inputs' 16-bit type as their tiles are staged); and
+# REGISTER_CODES, a way to read CODES that the driver picks with the tile
+# (npattn.gpu.sources.reads_codes_into_registers): a decode step's codes loaded straight
+# into the mma fragments' registers, no tile of them staged.
 Option = _bits(dict.fromkeys([*(option.gpu_option for option in _table.OPTIONS if option.gpu_option),
-                              "UNALIGNED", "NARROW", "CODES"]))
+                              "UNALIGNED", "NARROW", "CODES", "REGISTER_CODES"]))
 
 
 def _union(selected) -> IntFlag:

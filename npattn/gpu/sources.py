@@ -183,6 +183,23 @@ def forward_tc_config(packed_rows: int, bound: int, options: int = 0) -> Forward
     return ForwardTile(8, 2, 64)
 
 
+# Head-dim bounds whose decode tile can hold a lane's K and V codes of a tile in registers
+# beside O's accumulators (at 256, O alone would take 128 of them)
+REGISTER_CODES_BOUNDS = (64, 128)
+
+
+def reads_codes_into_registers(tile: ForwardTile, options: int, bound: int) -> bool:
+    """Whether a call with ``options`` (CODES among them) on ``tile`` reads its quantized
+    cache's codes straight into the mma fragments' registers (Option.REGISTER_CODES,
+    forward_tc.cu) rather than staging tiles of them (CodeTile): the one-warp,
+    one-fragment, one-stage decode tile, a contiguous cache (no PAGED) whose rows lie on 16
+    bytes (no UNALIGNED), at the full width of a bound of REGISTER_CODES_BOUNDS (no NARROW).
+    The kernel holds its template arguments to the same (a static_assert)."""
+    unfit = _options.Option.PAGED | _options.Option.UNALIGNED | _options.Option.NARROW
+    return (bool(options & _options.Option.CODES) and not options & unfit and bound in REGISTER_CODES_BOUNDS
+            and (tile.warps, tile.frags, tile.stages) == (1, 1, 1))
+
+
 def stack_allowance(name: str) -> int:
     """The local-memory bytes the machine-code check lets instantiation ``name`` keep
     (:data:`TWO_FRAGMENT_STACK_BYTES` for two-fragment forwards, else none)."""
@@ -231,6 +248,9 @@ def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
     names = [kernel_name("forward_tc", dtype_name, bound, tile=tile, options=options) for tile, options in sorted(pairs)]
     names.append(kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound),
                              options=_EVERY_OPTION))
+    if bound in REGISTER_CODES_BOUNDS:  # a decode step over a contiguous quantized cache
+        names.append(kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound),
+                                 options=_options.Option.BAND | _options.Option.CODES | _options.Option.REGISTER_CODES))
     return tuple(names)
 
 
@@ -260,11 +280,27 @@ def name_expressions() -> tuple[str, ...]:
 # ldmatrix (LDSM), cp.async (LDGSTS) and mma (HMMA) present: the tensor-core forward at
 # every tile shape of 64- and 128-wide heads, plain and with every option, and the
 # tensor-core backward. (256-wide heads with every option spill a few registers.)
+def _reads_codes_into_registers(name: str) -> bool:
+    options = re.match(r"forward_tc_kernel<.*, (\d+)u>$", name)
+    return bool(options and int(options.group(1)) & _options.Option.REGISTER_CODES)
+
+
 MACHINE_CODE_CHECKED = tuple(
     [name for dtype_name in TENSOR_CORE_STORAGE for bound in (64, 128)
-     for name in forward_tc_names(dtype_name, bound) if not name.endswith(f", {int(_EVERY_OPTION)}u>")]
+     for name in forward_tc_names(dtype_name, bound)
+     if not name.endswith(f", {int(_EVERY_OPTION)}u>") and not _reads_codes_into_registers(name)]
     + [kernel_name(kind, dtype_name, bound, options=options) for dtype_name in TENSOR_CORE_STORAGE
        for kind in ("dkdv_tc", "dq_tc") for bound in TENSOR_CORE_BACKWARD_BOUNDS for options in (0, _options.ALL)])
+
+
+# The decode tiles that read a quantized cache's codes into registers (REGISTER_CODES):
+# CI holds them to mma, cp.async for the codes' stages and at most
+# REGISTER_CODES_STACK_BYTES of stack (bfloat16 q at 64-wide heads, converting codes
+# through floats over 64-key tiles, keeps 8 bytes on sm_90; the others none), but not to
+# ldmatrix (their K and V fragments come from plain shared-memory loads)
+REGISTER_CODES_STACK_BYTES = 16
+REGISTER_CODE_KERNELS = tuple(name for dtype_name in TENSOR_CORE_STORAGE for bound in REGISTER_CODES_BOUNDS
+                              for name in forward_tc_names(dtype_name, bound) if _reads_codes_into_registers(name))
 
 
 def backward_kinds(dtype_name: str, bound: int) -> tuple[str, str]:

@@ -104,10 +104,10 @@ template <bool E4M3> __device__ inline void four_code_values(u32 word, float* va
 }
 
 // ---- codes straight into mma fragments ---------------------------------------------------
-// A decode step over a quantized cache reads its codes from global memory into the
-// registers of the mma B fragments (forward_tc.cu, REGISTER_CODES) and converts them there,
-// unscaled: an int8 code or an e4m3 code is exact in float16 and bfloat16, and the scales,
-// one per key, are applied in float32 outside the products.
+// A decode step over a contiguous quantized cache reads its codes into the registers of
+// the mma B fragments (forward_tc.cu, REGISTER_CODES) and converts them there, unscaled:
+// an int8 code or an e4m3 code is exact in float16 and bfloat16, and the scales, one per
+// key, are applied in float32 outside the products.
 
 // 1024 + u - 1152 in each float16 half of `biased` (1024 + u: u in the low mantissa byte
 // under 0x64): the int8 code u - 128, exactly (sub.f16x2).
@@ -137,30 +137,6 @@ template <typename T, bool E4M3> __device__ inline void code_pairs(u32 word, u32
         four_code_values<E4M3>(word, values);
         pairs[0] = pack_pair<T>(values[0], values[1]);
         pairs[1] = pack_pair<T>(values[2], values[3]);
-    }
-}
-
-// WORDS 32-bit words of codes (4 WORDS bytes from `source`, on 16 bytes; the first in
-// words[0]'s low byte), of which the first `valid` (a multiple of 8) are read and the
-// rest are zeros: by 16-byte loads, or 8-byte ones where 8 bytes are left.
-template <int WORDS> __device__ inline void load_code_words(u32* words, const unsigned char* source, int valid) {
-    static_assert(WORDS % 4 == 0 || WORDS == 2, "whole 16-byte or 8-byte loads");
-#pragma unroll
-    for (int w = 0; w < WORDS; w += 4) {
-        uint4 chunk = {0u, 0u, 0u, 0u};
-        if (WORDS % 4 == 0 && valid >= 4 * w + 16) {
-            chunk = *reinterpret_cast<const uint4*>(source + 4 * w);
-        } else if (valid >= 4 * w + 8) {
-            const uint2 half = *reinterpret_cast<const uint2*>(source + 4 * w);
-            chunk.x = half.x;
-            chunk.y = half.y;
-        }
-        words[w] = chunk.x;
-        words[w + 1] = chunk.y;
-        if constexpr (WORDS % 4 == 0) {
-            words[w + 2] = chunk.z;
-            words[w + 3] = chunk.w;
-        }
     }
 }
 
@@ -227,6 +203,17 @@ __device__ inline void cp_async_16(unsigned short* destination, const void* sour
     emulated_cp_async(destination, source, bytes);
 #else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(shared_address(destination)), "l"(source), "r"(bytes) : "memory");
+#endif
+}
+
+// Copy 4 bytes from global `source` to shared `destination` (both on 4 bytes), of which
+// the first `bytes` (0 or 4) are read and the rest zero-filled; completes at cp_async_wait.
+__device__ inline void cp_async_4(void* destination, const void* source, int bytes) {
+#ifdef NPATTN_HOST_EMULATION
+    emulated_cp_async(destination, source, bytes, 4);
+#else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
                  :: "r"(shared_address(destination)), "l"(source), "r"(bytes) : "memory");
 #endif
 }
