@@ -22,7 +22,7 @@ from conftest import backend_params, machine_code_names, nvrtc_or_skip, started_
 from tolerances import assert_close
 from strategies import Case, Dims, cases, layouts, to_layout
 from test_backend_equivalence import check_backward, check_forward
-from test_gpu_emulated import PLANTED_V_AND_Q, check_codes_give_the_bits_of_their_16_bit_values, planted_in_v_and_q
+from test_gpu_emulated import PLANTED_V_AND_Q, check_codes_against_their_16_bit_values, planted_in_v_and_q
 from test_nonfinite import assert_same_outputs, planted_cases
 from test_quantized_cache import check_quantized_cache, quantized_cases
 
@@ -437,14 +437,16 @@ def test_gpu_decodes_against_quantized_caches(backend, case, seed):
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("q_len", [1, 5])
-def test_gpu_codes_give_the_bits_of_their_16_bit_values(backend, kind, paged, q_len, dtype):
-    """The codes' tiles staged by cp.async and dequantized into 16-bit tiles on the device
-    (test_gpu_emulated.check_codes_give_the_bits_of_their_16_bit_values)."""
+def test_gpu_codes_match_their_16_bit_values(backend, kind, paged, q_len, dtype):
+    """On the device: a paged cache's codes staged and dequantized into 16-bit tiles (the
+    bits of a 16-bit cache), a contiguous cache's read into registers and scaled outside
+    the products (within the reference's bound and twice the 16-bit cache's error)
+    (test_gpu_emulated.check_codes_against_their_16_bit_values)."""
     import cupy
 
-    check_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype, xp=cupy)
+    check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=cupy)
     if not paged and q_len == 1:  # every finite code once per (kind, dtype)
-        check_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype, xp=cupy, every_code=True)
+        check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=cupy, every_code=True)
 
 
 @pytest.mark.parametrize("backend", GPU)

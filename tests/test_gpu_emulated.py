@@ -577,7 +577,7 @@ def test_an_emulated_gpu_planned_quantized_step_is_the_call_layer_by_layer(paged
     check_planned_quantized_step(paged, "gpu")
 
 
-def check_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype, xp=np, every_code=False,
+def check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=np, every_code=False,
                                                     same_bits=None):
     """A decode or short prefill step on a quantized cache (contiguous or ``paged``, GQA,
     two sequences of 600 and 45 keys, so split keys and tiles with tails), and the same
@@ -657,14 +657,14 @@ def check_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype, 
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("q_len", [1, 5])
-def test_emulated_gpu_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype):
-    check_codes_give_the_bits_of_their_16_bit_values(kind, paged, q_len, dtype)
+def test_emulated_gpu_codes_match_their_16_bit_values(kind, paged, q_len, dtype):
+    check_codes_against_their_16_bit_values(kind, paged, q_len, dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
-def test_emulated_gpu_every_code_gives_the_bits_of_its_16_bit_value(kind, dtype):
-    check_codes_give_the_bits_of_their_16_bit_values(kind, False, 1, dtype, every_code=True)
+def test_emulated_gpu_every_code_matches_its_16_bit_value(kind, dtype):
+    check_codes_against_their_16_bit_values(kind, False, 1, dtype, every_code=True)
 
 
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
@@ -674,7 +674,7 @@ def test_emulated_gpu_codes_on_two_stages_give_the_bits_of_their_16_bit_values(k
     from npattn.gpu import sources
 
     with sources.forced_forward_tile(sources.ForwardTile(1, 1, 32, 2), decode=True):
-        check_codes_give_the_bits_of_their_16_bit_values(kind, False, 1, np.float16, same_bits=True)
+        check_codes_against_their_16_bit_values(kind, False, 1, np.float16, same_bits=True)
 
 
 @pytest.mark.parametrize("paged", [False, True])

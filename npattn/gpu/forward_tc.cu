@@ -332,7 +332,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     // rows of K codes, BK of V codes (rows CODE_ROW_PAD bytes longer than MAX_D: the eight
     // rows a quarter warp reads at once fall in different banks), then BK K scales and BK
     // V scales. (Loading each tile's codes from global memory into registers one tile
-    // ahead instead kept 32 bytes in local memory and ran 0.96-1.04x as fast: TUNING.md.)
+    // ahead instead kept 32 bytes in local memory and ran 0.78-1.04x as fast: TUNING.md.)
     constexpr int CODE_LD = MAX_D + CODE_ROW_PAD, CODE_STAGE = 2 * BK * CODE_LD + 2 * BK * 4;
     auto code_stage = [&](i64 t) {
         return reinterpret_cast<unsigned char*>(shared + at.k) + (int)(t & 1) * CODE_STAGE;
