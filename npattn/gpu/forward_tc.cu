@@ -23,7 +23,10 @@
 // A quantized cache's codes (OPTIONS has CODES) take the same path through shared memory
 // (CodeTile, tensor_core.cuh): copied by cp.async as 16-bit tiles are, then dequantized
 // into the 16-bit tiles by the threads that copied them, each code times its row's scale
-// rounded once to T.
+// rounded once to T. A decode step over a contiguous cache (REGISTER_CODES) instead reads
+// the raw codes from shared memory into the mma fragments' registers, converts them
+// there unscaled, and applies the scales in float32 outside the products (see the key
+// loop).
 //
 // OPTIONS (npattn.gpu.options) compiles in only the options a call has; tiles that
 // every row sees whole and no score option touches run the scale alone. The output is
