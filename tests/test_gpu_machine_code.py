@@ -131,22 +131,22 @@ def test_the_quantized_decode_tiles_keep_their_codes_in_registers_without_spilli
     assert not failures, "\n".join(failures)
 
 
-def test_the_hardware_e4m3_switch_builds_its_conversion_where_the_chip_has_it(monkeypatch):
-    """NPATTN_HARDWARE_E4M3 (a switch for a lent GPU to time, through NPATTN_GPU_DEFINES):
-    on sm_90 the e4m3 decode tile converts its codes with sm_89's F2FP...E4M3 (one per two
-    codes); on sm_80, which lacks it, the build keeps the float path."""
+def test_the_hardware_e4m3_switch_builds_its_conversion(monkeypatch):
+    """NPATTN_HARDWARE_E4M3 (a switch for a lent Hopper GPU to time, through
+    NPATTN_GPU_DEFINES; sm_89 and newer): the e4m3 decode tile converts its codes with
+    sm_89's F2FP...E4M3, one per two codes, and the default build has none."""
     tools_or_skip()
     from npattn.gpu.options import Option
 
-    monkeypatch.setenv("NPATTN_GPU_DEFINES", "NPATTN_HARDWARE_E4M3")
     name = sources.kernel_name("forward_tc", "float16", 128, tile=sources.forward_tc_config(1, 128),
                                options=Option.BAND | Option.CODES | Option.REGISTER_CODES)
     conversions = {}
-    for architecture in ("sm_80", "sm_90"):
-        cubin, lowered = nvrtc.compile_cubin(architecture, [name])
+    for defines in ("", "NPATTN_HARDWARE_E4M3"):
+        monkeypatch.setenv("NPATTN_GPU_DEFINES", defines)
+        cubin, lowered = nvrtc.compile_cubin("sm_90", [name])
         counter = sass.opcodes(sass.disassemble(cubin, lowered.values())[lowered[name]], full=True)
-        conversions[architecture] = sum(n for opcode, n in counter.items() if "E4M3" in opcode)
-    assert conversions["sm_80"] == 0 and conversions["sm_90"] > 0, conversions
+        conversions[defines] = sum(n for opcode, n in counter.items() if "E4M3" in opcode)
+    assert conversions[""] == 0 and conversions["NPATTN_HARDWARE_E4M3"] == 128, conversions
 
 
 def test_a_simt_kernel_fails_the_fast_kernel_check(kernels):
