@@ -424,7 +424,8 @@ def test_gpu_forward_gives_the_references_non_finite_rows(backend, case):
 
 
 @pytest.mark.parametrize("backend", GPU)
-@given(case=quantized_cases(dtypes=("float16", "float32", "float64")), seed=st.integers(0, 2**32 - 1))
+@given(case=quantized_cases(dtypes=("float16", "float32", "float64"), head_dims=(16, 64)),
+       seed=st.integers(0, 2**32 - 1))
 def test_gpu_decodes_against_quantized_caches(backend, case, seed):
     """int8 and float8 e4m3 caches on the device (test_quantized_cache.check_quantized_cache)."""
     import cupy

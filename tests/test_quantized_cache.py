@@ -77,7 +77,10 @@ def test_quantize_kv_rejects_bad_input_by_name():
 
 
 @st.composite
-def quantized_cases(draw, dtypes=("float32", "float64")):
+def quantized_cases(draw, dtypes=("float32", "float64"), head_dims=(HEAD_DIM,)):
+    """A quantized kv-cache call's case; ``head_dims``: the head dims to draw from (64
+    sends a GPU decode step over a contiguous cache to the tile that reads its codes into
+    registers, 16 to the one that stages them)."""
     batch = draw(st.integers(1, 3))
     new = draw(st.integers(0, 2))
     queries = draw(st.integers(1, 3))
@@ -90,10 +93,11 @@ def quantized_cases(draw, dtypes=("float32", "float64")):
     dtype = draw(st.sampled_from(dtypes))
     kv_heads, group = draw(st.sampled_from([(1, 1), (2, 2), (1, 4)]))
     codes = draw(st.sampled_from(["int8", "float8_e4m3"]))
-    return batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group, codes
+    head_dim = draw(st.sampled_from(head_dims))
+    return batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group, codes, head_dim
 
 
-def _quantized_cache(rng, batch, capacity, kv_heads, page_size, slots, kind="int8"):
+def _quantized_cache(rng, batch, capacity, kv_heads, page_size, slots, kind="int8", head_dim=HEAD_DIM):
     """Random codes and scales laid out as a contiguous cache (rows picked by
     cache_batch_idx when ``slots``) or a paged pool, with ``read`` giving each sequence's
     logical (B, capacity, ...) view of any of them and the call's layout arguments."""
@@ -116,10 +120,10 @@ def _quantized_cache(rng, batch, capacity, kv_heads, page_size, slots, kind="int
         def read(cache):
             return cache[table].reshape(batch, capacity, *cache.shape[2:])
     if kind == "int8":
-        codes = [rng.integers(-CODE_LIMIT, CODE_LIMIT + 1, size=(*shape, kv_heads, HEAD_DIM)).astype(np.int8)
+        codes = [rng.integers(-CODE_LIMIT, CODE_LIMIT + 1, size=(*shape, kv_heads, head_dim)).astype(np.int8)
                  for _ in range(2)]
     else:  # any e4m3 bits but the two NaN patterns
-        codes = [rng.choice(np.setdiff1d(np.arange(256), [0x7F, 0xFF]), size=(*shape, kv_heads, HEAD_DIM)).astype(
+        codes = [rng.choice(np.setdiff1d(np.arange(256), [0x7F, 0xFF]), size=(*shape, kv_heads, head_dim)).astype(
             np.uint8) for _ in range(2)]
     scales = [rng.uniform(0.001, 0.05, size=(*shape, kv_heads)).astype(np.float32) for _ in range(2)]
     return codes, scales, read, call
@@ -136,15 +140,15 @@ def check_quantized_cache(backend, case, seed, device=None):
     and the appended slots hold quantize_kv of the new (rotated) keys (test_gpu_emulated.py
     and test_gpu.py hold the GPU kernels to it too). ``device``: CuPy, for a call on
     device arrays (the caches are compared on the host after it)."""
-    batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group, kind = case
+    batch, new, queries, cached, page_size, options, rotary, slots, dtype, kv_heads, group, kind, head_dim = case
     rng = np.random.default_rng(seed)
     heads, capacity = kv_heads * group, 12
     cached = np.array(cached)
     (k_cache, v_cache), (k_scale, v_scale), read, call = _quantized_cache(rng, batch, capacity, kv_heads, page_size,
-                                                                          slots, kind)
-    q = rng.normal(size=(batch, queries, heads, HEAD_DIM)).astype(dtype)
-    k_new = rng.normal(size=(batch, new, kv_heads, HEAD_DIM)).astype(dtype) if new else None
-    v_new = rng.normal(size=(batch, new, kv_heads, HEAD_DIM)).astype(dtype) if new else None
+                                                                          slots, kind, head_dim)
+    q = rng.normal(size=(batch, queries, heads, head_dim)).astype(dtype)
+    k_new = rng.normal(size=(batch, new, kv_heads, head_dim)).astype(dtype) if new else None
+    v_new = rng.normal(size=(batch, new, kv_heads, head_dim)).astype(dtype) if new else None
     if options.pop("alibi_slopes", None):
         options["alibi_slopes"] = rng.uniform(0.1, 1.0, heads)
     if rotary is not None:

@@ -48,10 +48,9 @@ def forward_tc_shared_bytes(head_dim: int, value_dim: int, tile: sources.Forward
     quantized cache's, a K and a V tile of its byte codes after them, rows padded), or
     the output tile staged in the same bytes, if that is larger. With ``register_codes``
     (Option.REGISTER_CODES) no 16-bit K or V tile: Q's tile and two stages of raw codes
-    (K's and V's rows, CODE_ROW_PAD bytes longer, and their scales), which the staged
-    variant of forward_tc.cu uses (the bytes decide how many blocks an SM holds: a decode
-    step's 29.7 KB with 16-bit and code tiles fit 7 on an H200's SM, below the 8 its
-    registers allow; 22.5 KB fit 9)."""
+    (K's and V's rows, CODE_ROW_PAD bytes longer, and their scales). The bytes decide how
+    many blocks an SM holds: a decode step's 29.7 KB with 16-bit and code tiles fit 7 on
+    an H200's SM, below the 8 its registers allow; its 22.5 KB now fit 9."""
     def row(dim):
         return -(-(-(-dim // 16) * 16) // 64) * 64
     block_q, keys = tile.block_q, tile.stages * tile.block_k
