@@ -158,10 +158,7 @@ def checked_names() -> tuple[str, ...]:
 def machine_code_names() -> tuple[str, ...]:
     """The kernels whose machine code the checks read, on every architecture: the checked
     ones, the SIMT kernel and the combine."""
-    from npattn.gpu import sources
-
-    return tuple(dict.fromkeys((*checked_names(), SIMT_KERNEL, *combine_kernels(),
-                                *getattr(sources, "REGISTER_CODE_KERNELS", ()))))
+    return tuple(dict.fromkeys((*checked_names(), SIMT_KERNEL, *combine_kernels())))
 
 
 def compiled_names(architecture: str) -> tuple[str, ...]:

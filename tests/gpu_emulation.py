@@ -58,13 +58,14 @@ EXTRA_TILE_OPTIONS = (0, Option.BAND | _NARROW, ALL, ALL | _NARROW | _UNALIGNED)
 # and a quantized cache's decode step on two K/V stages, whose codes are staged at once
 # (the one-stage loop fetches them ahead of use); and the decode tile of a contiguous
 # quantized cache at full width, whose codes go straight into registers (REGISTER_CODES),
-# under the band alone and under everything but pages at 64, and under the band at 128
-# (its 32-key tile)
+# under the band alone and (float16 only: the property tests' 16-bit q) under everything
+# but pages at 64, and under the band at 128 (its 32-key tile). (tile, options, dtypes)
 _REGISTERS = Option.CODES | Option.REGISTER_CODES
-EXTRA_CODE_TILES = {64: ((sources.ForwardTile(1, 1, 32, 2), Option.BAND | _NARROW | Option.CODES),
-                         (sources.forward_tc_config(1, 64), Option.BAND | _REGISTERS),
-                         (sources.forward_tc_config(1, 64), (ALL & ~Option.PAGED) | _REGISTERS)),
-                    128: ((sources.forward_tc_config(1, 128), Option.BAND | _REGISTERS),)}
+_SIXTEEN_BIT = ("float16", "bfloat16")
+EXTRA_CODE_TILES = {64: ((sources.ForwardTile(1, 1, 32, 2), Option.BAND | _NARROW | Option.CODES, _SIXTEEN_BIT),
+                         (sources.forward_tc_config(1, 64), Option.BAND | _REGISTERS, _SIXTEEN_BIT),
+                         (sources.forward_tc_config(1, 64), (ALL & ~Option.PAGED) | _REGISTERS, ("float16",))),
+                    128: ((sources.forward_tc_config(1, 128), Option.BAND | _REGISTERS, _SIXTEEN_BIT),)}
 
 
 def _forward_tc_configs(dtype_name, bound):
@@ -73,7 +74,7 @@ def _forward_tc_configs(dtype_name, bound):
               for options in (0, Option.BAND, ALL)}
     configs = {(tile, int(options)) for tile in picked for options in FORWARD_TC_OPTIONS[bound]}
     configs |= {(tile, int(options)) for tile in EXTRA_TILES.get(bound, ()) for options in EXTRA_TILE_OPTIONS}
-    configs |= {(tile, int(options)) for tile, options in EXTRA_CODE_TILES.get(bound, ())}
+    configs |= {(tile, int(options)) for tile, options, dtypes in EXTRA_CODE_TILES.get(bound, ()) if dtype_name in dtypes}
     return sorted(configs)
 
 

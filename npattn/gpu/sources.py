@@ -294,7 +294,7 @@ MACHINE_CODE_CHECKED = tuple(
 
 
 # The decode tiles that read a quantized cache's codes into registers (REGISTER_CODES):
-# CI holds them to mma, cp.async for the codes' stages and at most
+# CI holds them, on sm_90, to mma, cp.async for the codes' stages and at most
 # REGISTER_CODES_STACK_BYTES of stack (bfloat16 q at 64-wide heads, converting codes
 # through floats over 64-key tiles, keeps 8 bytes on sm_90; the others none), but not to
 # ldmatrix (their K and V fragments come from plain shared-memory loads)
