@@ -138,10 +138,7 @@ def test_the_hardware_e4m3_switch_builds_its_conversion(machine_code, monkeypatc
     NPATTN_GPU_DEFINES; sm_89 and newer): the e4m3 decode tile converts its codes with
     sm_89's F2FP...E4M3, one per two codes, and the default build (CI's sm_90 one) has none."""
     tools_or_skip()
-    from npattn.gpu.options import Option
-
-    name = sources.kernel_name("forward_tc", "float16", 128, tile=sources.forward_tc_config(1, 128),
-                               options=Option.BAND | Option.CODES | Option.REGISTER_CODES)
+    name = sources.register_codes_name("float16", 128)
 
     def conversions(cubin, symbol):
         counter = sass.opcodes(sass.disassemble(cubin, [symbol])[symbol], full=True)

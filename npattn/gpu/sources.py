@@ -200,6 +200,14 @@ def reads_codes_into_registers(tile: ForwardTile, options: int, bound: int) -> b
             and (tile.warps, tile.frags, tile.stages) == (1, 1, 1))
 
 
+def register_codes_name(dtype_name: str, bound: int) -> str:
+    """The decode tile that reads a contiguous quantized cache's codes into registers, under
+    the band (a decode step's options), for ``dtype_name`` q at head-dim ``bound`` (one of
+    :data:`REGISTER_CODES_BOUNDS`)."""
+    options = _options.Option.BAND | _options.Option.CODES | _options.Option.REGISTER_CODES
+    return kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound), options=options)
+
+
 def stack_allowance(name: str) -> int:
     """The local-memory bytes the machine-code check lets instantiation ``name`` keep
     (:data:`TWO_FRAGMENT_STACK_BYTES` for two-fragment forwards, else none)."""
@@ -249,8 +257,7 @@ def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
     names.append(kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound),
                              options=_EVERY_OPTION))
     if bound in REGISTER_CODES_BOUNDS:  # a decode step over a contiguous quantized cache
-        names.append(kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound),
-                                 options=_options.Option.BAND | _options.Option.CODES | _options.Option.REGISTER_CODES))
+        names.append(register_codes_name(dtype_name, bound))
     return tuple(names)
 
 
@@ -276,31 +283,26 @@ def name_expressions() -> tuple[str, ...]:
     return tuple(names)
 
 
-# The kernels whose machine code CI reads (tests/test_gpu_machine_code.py): no spill, and
-# ldmatrix (LDSM), cp.async (LDGSTS) and mma (HMMA) present: the tensor-core forward at
-# every tile shape of 64- and 128-wide heads, plain and with every option, and the
-# tensor-core backward. (256-wide heads with every option spill a few registers.)
-def _reads_codes_into_registers(name: str) -> bool:
-    options = re.match(r"forward_tc_kernel<.*, (\d+)u>$", name)
-    return bool(options and int(options.group(1)) & _options.Option.REGISTER_CODES)
-
-
-MACHINE_CODE_CHECKED = tuple(
-    [name for dtype_name in TENSOR_CORE_STORAGE for bound in (64, 128)
-     for name in forward_tc_names(dtype_name, bound)
-     if not name.endswith(f", {int(_EVERY_OPTION)}u>") and not _reads_codes_into_registers(name)]
-    + [kernel_name(kind, dtype_name, bound, options=options) for dtype_name in TENSOR_CORE_STORAGE
-       for kind in ("dkdv_tc", "dq_tc") for bound in TENSOR_CORE_BACKWARD_BOUNDS for options in (0, _options.ALL)])
-
-
 # The decode tiles that read a quantized cache's codes into registers (REGISTER_CODES):
 # CI holds them, on sm_90, to mma, cp.async for the codes' stages and at most
 # REGISTER_CODES_STACK_BYTES of stack (bfloat16 q at 64-wide heads, converting codes
 # through floats over 64-key tiles, keeps 8 bytes on sm_90; the others none), but not to
 # ldmatrix (their K and V fragments come from plain shared-memory loads)
 REGISTER_CODES_STACK_BYTES = 16
-REGISTER_CODE_KERNELS = tuple(name for dtype_name in TENSOR_CORE_STORAGE for bound in REGISTER_CODES_BOUNDS
-                              for name in forward_tc_names(dtype_name, bound) if _reads_codes_into_registers(name))
+REGISTER_CODE_KERNELS = tuple(register_codes_name(dtype_name, bound) for dtype_name in TENSOR_CORE_STORAGE
+                              for bound in REGISTER_CODES_BOUNDS)
+
+# The kernels whose machine code CI reads (tests/test_gpu_machine_code.py): no spill, and
+# ldmatrix (LDSM), cp.async (LDGSTS) and mma (HMMA) present: the tensor-core forward at
+# every tile shape of 64- and 128-wide heads, plain and with every option, and the
+# tensor-core backward. (256-wide heads with every option spill a few registers.)
+MACHINE_CODE_CHECKED = tuple(
+    [name for dtype_name in TENSOR_CORE_STORAGE for bound in (64, 128)
+     for name in forward_tc_names(dtype_name, bound)
+     if not name.endswith(f", {int(_EVERY_OPTION)}u>") and name not in REGISTER_CODE_KERNELS]
+    + [kernel_name(kind, dtype_name, bound, options=options) for dtype_name in TENSOR_CORE_STORAGE
+       for kind in ("dkdv_tc", "dq_tc") for bound in TENSOR_CORE_BACKWARD_BOUNDS for options in (0, _options.ALL)])
+
 
 
 def backward_kinds(dtype_name: str, bound: int) -> tuple[str, str]:
