@@ -128,10 +128,11 @@ def _coded_rows(rng, name, cols, row_values):
 
 # (query rows, keys, vectors of the head dim): blocks of 4 rows and the rows left after
 # them, blocks of code_products.KEY_BLOCK keys (4, or 2 with AVX2) and the keys left after
-# them, columns VECTOR_BLOCK vectors at a time (4, or 2) and one at a time
+# them, columns VECTOR_BLOCK vectors at a time (4, or 2) and one at a time; probabilities
+# scaled a vector of keys at a time (from 16 keys on AVX-512, 8 on AVX2) and the keys left
 @pytest.mark.parametrize("decode", list(DECODES))
 @pytest.mark.parametrize("rows, cols, vectors", [(1, 1, 1), (1, 4, 4), (2, 7, 5), (3, 9, 2), (4, 12, 9), (5, 3, 8),
-                                                 (8, 5, 4), (2, 0, 1)])
+                                                 (8, 5, 4), (2, 0, 1), (4, 37, 4), (3, 33, 2)])
 def test_products_on_codes_match_numpy(rows, cols, vectors, decode):
     """Both products read a cache's codes as they lie, rows farther apart than the head dim:
     one-byte codes with scales every other element from element 1, or 16-bit floats,
@@ -160,7 +161,7 @@ def test_products_on_codes_match_numpy(rows, cols, vectors, decode):
     magnitude = max(float(np.abs(out).max()), float(np.abs(dequantized).max(initial=0)))
     _code_product(p.ravel(), codes.ravel(), scales, out.ravel(), rows, cols, depth, b_row, 2, DECODES[decode])
     assert_close(out, exact, dtype, cols + 1, magnitude, what="code_product")
-    if code_products.SCALED_FIRST and scaled:  # the probabilities left scaled, as documented (float32, as the kernel)
+    if scaled:  # the probabilities left scaled, as documented (float32, as the kernel)
         unit = np.float32(code_products.E4M3_UNIT if decode == "float8_e4m3" else 1.0)
         np.testing.assert_array_equal(p, before * (scales[1::2] * unit))
     else:

@@ -35,7 +35,7 @@ from .jit import OPTIONS, helper
 from .microkernels import DEPTH_BLOCK, WIDE_ROWS, WIDE_VECTORS
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
 from .simd import (VECTOR_BYTES, add, always_inline, fill, horizontal_sum, lanes_in, load, load_code,
-                   load_float16_bits, multiply_add, never_inline, store, store_key_sums)
+                   load_float16_bits, load_strided, multiply, multiply_add, never_inline, store, store_key_sums)
 
 
 # Query rows per register block, on both ISAs: each key's codes are converted once for a
@@ -57,15 +57,16 @@ VECTOR_BLOCK = KEY_BLOCK
 # all in cache: 1.11x and 1.03x float32's time with blocks of 2, 0.79x and 0.70x so; with
 # AVX-512's blocks of 4 the same either way, 0.83-0.88x.)
 WIDE_KEYS = 8
-# Whether P V scales its probabilities once, in place, before the blocks: with AVX2's
-# blocks of 2 vectors, scaling them per block costs a scalar multiply and a broadcast per
-# key and row for 2 FMAs. One core of the Zen 4 VM, (1, 32/8, 4096, 128): forced to AVX2,
-# int8 49.6-52.1 -> 46.1-47.1 ns per key and kv head, e4m3 68.7-70 -> 66-67; with AVX-512's
-# blocks of 4 vectors, e4m3 47.8-48.5 -> 49.5-50.6 (int8 within the noise), so not there.
-# Since the scaling runs along each row in vectors (an AVX2 int8 step's share of it 6.9% ->
-# 2.4%), AVX-512 steps scaled first are still no faster: (1, 32/8, 16384, 128) and
-# (16, 32/8, 2048, 128), int8 and e4m3, within the noise of four alternating processes.
-SCALED_FIRST = VECTOR_BLOCK == 2
+# One-byte codes' P V scales its probabilities once, in place, before its blocks: a row of
+# 16 keys' scales gathered (simd.load_strided) and multiplied into every row, so that each
+# block's weight is a probability as it lies, broadcast from memory into its FMAs
+# (``vfmadd231ps m32{1to16}``: no multiply, no broadcast on the vector ports). Scaled in
+# each block instead (a multiply and a broadcast per key, row and block of columns), the
+# AVX-512 P V took 32 of the two FMA ports' slots per key and 64 columns where its 16 FMAs
+# and 8 conversions take 24: one core of the Emerald Rapids VM, 4 rows x 64 keys at
+# D = 128 in L1, 12.3 -> 9.8 ns per key (11.4 with the scaling done a key and row at a
+# time, as AVX2's blocks of 2 had done since the Zen 4 VM measured them, forced to AVX2,
+# at 49.6-52.1 -> 46.1-47.1 ns per key and kv head of a (1, 32/8, 4096, 128) int8 step).
 # What an e4m3 code's scale is multiplied by: load_code gives 2**-8 times its value
 E4M3_UNIT = np.float32(256.0)
 _ONE = np.float32(1.0)
@@ -276,9 +277,9 @@ def code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offse
     x of the row of codes whose bytes start at ``codes[b_offset + j * b_row]`` (read by
     ``decode``), ``scale_j`` as in :func:`code_dot_products` and
     ``C[r, x] = c[c_offset + r * c_row + x]``; ``width`` a multiple of the vector's lanes.
-    May leave each ``P[r, j]`` times its scale in ``p`` (one-byte codes with
-    :data:`SCALED_FIRST`: the forward is done with the probabilities by then). float32
-    only, as :func:`code_dot_products`."""
+    Leaves each ``P[r, j]`` times its scale (times :data:`E4M3_UNIT` for e4m3) in ``p`` for
+    one-byte codes: the forward is done with the probabilities by then. float32 only, as
+    :func:`code_dot_products`."""
     raise NotImplementedError
 
 
@@ -306,16 +307,13 @@ def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offs
     first columns, as many as its wide chunks cover, over every key in one chain; the other
     columns (every column of several rows) over slices of :data:`DEPTH_BLOCK` keys, each
     slice's sums added to C in turn. One-byte codes' probabilities are scaled first, once
-    (:data:`SCALED_FIRST`)."""
+    (:func:`_scale_probabilities`)."""
     never_inline()
     if cols <= 0:
         return
-    if SCALED_FIRST and (decode == _INT8 or decode == _FLOAT8):
-        unit = E4M3_UNIT if decode == _FLOAT8 else _ONE
-        for r in range(rows):  # (row by row, along the row: vectors of keys)
-            row = as_offset(p_offset + r * p_row)
-            for j in range(as_offset(cols)):
-                p[row + j] = scalar_like(p[row + j] * (scales[as_offset(scale_offset + j * scale_step)] * unit), c)
+    if decode == _INT8 or decode == _FLOAT8:
+        _scale_probabilities(p, p_offset, p_row, scales, scale_offset, scale_step, rows, cols,
+                             E4M3_UNIT if decode == _FLOAT8 else _ONE)
     wide = WIDE_VECTORS * lanes_in(c)
     wide_end = (width // wide) * wide if rows <= WIDE_ROWS else 0
     if wide_end > 0:
@@ -334,62 +332,78 @@ def _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_o
     """:func:`_product_of` compiled once per decode."""
     never_inline()
     if decode == _FLOAT16:
-        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                    rows, cols, x_start, x_stop, _ONE, _FLOAT16)
+        _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
+                    _FLOAT16)
     elif decode == _BFLOAT16:
-        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                    rows, cols, x_start, x_stop, _ONE, _BFLOAT16)
+        _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
+                    _BFLOAT16)
     elif decode == _FLOAT8:
-        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                    rows, cols, x_start, x_stop, E4M3_UNIT, _FLOAT8)
+        _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
+                    _FLOAT8)
     else:
-        _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                    rows, cols, x_start, x_stop, _ONE, _INT8)
+        _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
+                    _INT8)
 
 
 @helper
-def _product_of(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                rows, cols, x_start, x_stop, unit, decode):
+def _scale_probabilities(p, p_offset, p_row, scales, scale_offset, scale_step, rows, cols, unit):
+    """``P[r, j] *= scale_j * unit`` for r < rows, j < cols (``P`` and ``scale_j`` as in
+    :func:`code_product`): a vector of keys' scales gathered once for every row, then the
+    keys left one by one; each product rounded once, as a block's multiply rounds it."""
+    always_inline()
+    lanes = lanes_in(p)
+    j = 0
+    while j + lanes <= cols:
+        factor = multiply(load_strided(scales, scale_offset + j * scale_step, scale_step), fill(unit, p))
+        for r in range(rows):
+            at = p_offset + r * p_row + j
+            store(p, at, multiply(load(p, at), factor))
+        j += lanes
+    while j < cols:
+        factor = scales[as_offset(scale_offset + j * scale_step)] * unit
+        for r in range(rows):
+            at = as_offset(p_offset + r * p_row + j)
+            p[at] = scalar_like(p[at] * factor, p)
+        j += 1
+
+
+@helper
+def _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop, decode):
     """Columns ``[x_start, x_stop)``: for fewer rows than a block, first
     :data:`~npattn.cpu.microkernels.WIDE_VECTORS` vectors at a time, one row at a time;
     then :data:`VECTOR_BLOCK` vectors at a time, blocks of :data:`ROW_BLOCK` rows of C
     (then single rows) held in registers over every key: each key's codes of those columns
-    converted once per block, its probabilities scaled (by the scale times ``unit``, an
-    e4m3 code's 2**8) once per block (not where :data:`SCALED_FIRST` did, nor 16-bit
-    values); then the columns left a vector at a time. Each weight rounds the same either
-    way."""
+    converted once per block, its probabilities (scaled already, for one-byte codes)
+    broadcast from ``p``; then the columns left a vector at a time."""
     always_inline()
-    scaled_first = SCALED_FIRST and decode != _FLOAT16 and decode != _BFLOAT16
     lanes = lanes_in(c)
     x0 = x_start
     if rows < ROW_BLOCK:  # each row alone anyway: WIDE_VECTORS chains in flight
         while x0 + WIDE_VECTORS * lanes <= x_stop:
             for r in range(rows):
-                _wide_vector_block(p, p_offset + r * p_row, codes, b_offset, x0, b_row, scales, scale_offset,
-                                   scale_step, c, c_offset + r * c_row + x0, cols, lanes, unit, decode, scaled_first)
+                _wide_vector_block(p, p_offset + r * p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
+                                   cols, lanes, decode)
             x0 += WIDE_VECTORS * lanes
     while x0 + VECTOR_BLOCK * lanes <= x_stop:
         r = 0
         while r + ROW_BLOCK <= rows:
-            _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, scales, scale_offset,
-                          scale_step, c, c_offset + r * c_row + x0, c_row, ROW_BLOCK, cols, lanes, unit, decode,
-                          scaled_first)
+            _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
+                          c_row, ROW_BLOCK, cols, lanes, decode)
             r += ROW_BLOCK
         while r < rows:
-            _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, scales, scale_offset,
-                          scale_step, c, c_offset + r * c_row + x0, c_row, 1, cols, lanes, unit, decode, scaled_first)
+            _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
+                          c_row, 1, cols, lanes, decode)
             r += 1
         x0 += VECTOR_BLOCK * lanes
     while x0 < x_stop:
         for r in range(rows):
-            _one_vector(p, p_offset + r * p_row, codes, b_offset, x0, b_row, scales, scale_offset, scale_step, c,
-                        c_offset + r * c_row + x0, cols, unit, decode, scaled_first)
+            _one_vector(p, p_offset + r * p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0, cols,
+                        decode)
         x0 += lanes
 
 
 @helper
-def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, scales, scale_offset, scale_step, c, c_at, c_row, rows,
-                  cols, lanes, unit, decode, scaled_first):
+def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, cols, lanes, decode):
     """:data:`VECTOR_BLOCK` vectors of columns from ``x0`` of ``rows`` (1 or
     :data:`ROW_BLOCK`, a constant) rows of :func:`_product_of`: the accumulators of row r
     are s, t, u, w, numbered by vector."""
@@ -397,25 +411,24 @@ def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, scales, scale_offset, 
     zero = fill(0.0, c)
     s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b2 = b3 = zero
     for j in range(cols):
-        scale = _weight_scale(scales, scale_offset + j * scale_step, unit, decode, scaled_first)
         at = b_at + j * b_row
         b0, b1 = _values(codes, at, x0, zero, decode), _values(codes, at, x0 + lanes, zero, decode)
         if VECTOR_BLOCK == 4:
             b2, b3 = _values(codes, at, x0 + 2 * lanes, zero, decode), _values(codes, at, x0 + 3 * lanes, zero, decode)
-        weight = _weight(p, p_at + j, scale, c)
+        weight = _weight(p, p_at + j, c)
         s0, s1 = multiply_add(weight, b0, s0), multiply_add(weight, b1, s1)
         if VECTOR_BLOCK == 4:
             s2, s3 = multiply_add(weight, b2, s2), multiply_add(weight, b3, s3)
         if rows == 4:
-            weight = _weight(p, p_at + p_row + j, scale, c)
+            weight = _weight(p, p_at + p_row + j, c)
             t0, t1 = multiply_add(weight, b0, t0), multiply_add(weight, b1, t1)
             if VECTOR_BLOCK == 4:
                 t2, t3 = multiply_add(weight, b2, t2), multiply_add(weight, b3, t3)
-            weight = _weight(p, p_at + 2 * p_row + j, scale, c)
+            weight = _weight(p, p_at + 2 * p_row + j, c)
             u0, u1 = multiply_add(weight, b0, u0), multiply_add(weight, b1, u1)
             if VECTOR_BLOCK == 4:
                 u2, u3 = multiply_add(weight, b2, u2), multiply_add(weight, b3, u3)
-            weight = _weight(p, p_at + 3 * p_row + j, scale, c)
+            weight = _weight(p, p_at + 3 * p_row + j, c)
             w0, w1 = multiply_add(weight, b0, w0), multiply_add(weight, b1, w1)
             if VECTOR_BLOCK == 4:
                 w2, w3 = multiply_add(weight, b2, w2), multiply_add(weight, b3, w3)
@@ -427,8 +440,7 @@ def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, scales, scale_offset, 
 
 
 @helper
-def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, scales, scale_offset, scale_step, c, c_at, cols, lanes, unit,
-                       decode, scaled_first):
+def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, lanes, decode):
     """:data:`~npattn.cpu.microkernels.WIDE_VECTORS` vectors of columns from ``x0`` of one
     row of :func:`_product_of` (8, or 6 with AVX2's 16 registers): as many FMA chains as
     float32's single-row products keep."""
@@ -436,8 +448,7 @@ def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, scales, scale_offset, sc
     zero = fill(0.0, c)
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
     for j in range(cols):
-        weight = _weight(p, p_at + j, _weight_scale(scales, scale_offset + j * scale_step, unit, decode, scaled_first),
-                         c)
+        weight = _weight(p, p_at + j, c)
         at = b_at + j * b_row
         s0 = multiply_add(weight, _values(codes, at, x0, zero, decode), s0)
         s1 = multiply_add(weight, _values(codes, at, x0 + lanes, zero, decode), s1)
@@ -460,33 +471,20 @@ def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, scales, scale_offset, sc
 
 
 @helper
-def _weight_scale(scales, at, unit, decode, scaled_first):
-    """A key's scale times ``unit``, by which the block scales its probabilities (1 where
-    ``scaled_first`` did, or for 16-bit values)."""
+def _weight(p, at, c):
+    """The vector of ``p[at]`` in every lane (a broadcast the FMAs take from memory)."""
     always_inline()
-    if scaled_first:
-        return np.float32(1.0)
-    return _scale(scales, at, decode) * unit
+    return fill(scalar_like(p[as_offset(at)], c), c)
 
 
 @helper
-def _weight(p, at, scale, c):
-    """The vector of ``p[at]`` times ``scale`` (a multiply by 1 folds away)."""
-    always_inline()
-    return fill(scalar_like(p[as_offset(at)] * scale, c), c)
-
-
-@helper
-def _one_vector(p, p_at, codes, b_at, x0, b_row, scales, scale_offset, scale_step, c, c_at, cols, unit, decode,
-                scaled_first):
+def _one_vector(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, decode):
     """One vector of columns (from ``x0``) of one row of :func:`_product_of`."""
     always_inline()
     zero = fill(0.0, c)
     s0 = zero
     for j in range(cols):
-        weight = _weight(p, p_at + j, _weight_scale(scales, scale_offset + j * scale_step, unit, decode, scaled_first),
-                         c)
-        s0 = multiply_add(weight, _values(codes, b_at + j * b_row, x0, zero, decode), s0)
+        s0 = multiply_add(_weight(p, p_at + j, c), _values(codes, b_at + j * b_row, x0, zero, decode), s0)
     _add_into(c, c_at, s0)
 
 

@@ -156,6 +156,42 @@ def repeat(typingctx, value, count):
     return tuple_type(value, count), codegen
 
 
+@intrinsic
+def load_strided(typingctx, array, index, step):
+    """The vector of ``array[index + lane * step]`` for each lane (a gather: ``vgatherqps``
+    on AVX-512): a row of per-key scales that lie every ``step`` values, as a (B, S, Hkv)
+    cache's scales lie for one kv head."""
+    if not (_check_float_array(array) and isinstance(index, types.Integer) and isinstance(step, types.Integer)):
+        return None
+    vector = Vector(array.dtype)
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        lanes, vector_type = vector.lanes, context.get_value_type(vector)
+        address, words = ir.IntType(64), ir.VectorType(ir.IntType(64), lanes)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        first = builder.ptrtoint(builder.gep(data, [args[1]]), address)
+        step_bytes = builder.mul(context.cast(builder, args[2], signature.args[2], types.int64),
+                                 ir.Constant(address, array.dtype.bitwidth // 8))
+        offsets = builder.mul(_splat(builder, step_bytes, words), ir.Constant(words, list(range(lanes))))
+        pointers = builder.inttoptr(builder.add(_splat(builder, first, words), offsets),
+                                    ir.VectorType(ir.PointerType(), lanes))
+        every_lane = ir.VectorType(ir.IntType(1), lanes)
+        gather = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vector_type, [pointers.type, ir.IntType(32), every_lane, vector_type]),
+            f"llvm.masked.gather.v{lanes}{'f32' if array.dtype == types.float32 else 'f64'}.v{lanes}p0")
+        return builder.call(gather, [pointers, ir.Constant(ir.IntType(32), array.dtype.bitwidth // 8),
+                                     ir.Constant(every_lane, [1] * lanes), ir.Constant(vector_type, ir.Undefined)])
+    return vector(array, index, step), codegen
+
+
+def _splat(builder, scalar, vector_type):
+    """``scalar`` in every lane of ``vector_type``."""
+    single = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    mask = ir.Constant(ir.VectorType(ir.IntType(32), vector_type.count), [0] * vector_type.count)
+    return builder.shuffle_vector(single, ir.Constant(vector_type, ir.Undefined), mask)
+
+
 def _broadcast(context, builder, vector, scalar):
     vector_type = context.get_value_type(vector)
     single = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar,
@@ -622,6 +658,18 @@ def add(typingctx, a, b):
     def codegen(context, builder, signature, args):
         _wide(builder)
         return builder.fadd(*args, flags=IN_ORDER)
+    return a(a, b), codegen
+
+
+@intrinsic
+def multiply(typingctx, a, b):
+    """``a * b`` lane by lane (vectors of one type)."""
+    if not (isinstance(a, Vector) and a == b):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        return builder.fmul(*args)
     return a(a, b), codegen
 
 
