@@ -91,15 +91,15 @@ def _accumulated_product(p, b, c, rows, cols, width, b_row):
 
 
 @njit  # not cached, as above
-def _code_dot_products(a, codes, scales, c, rows, cols, depth, b_row, scale_step, alpha, decode):
+def _code_dot_products(a, codes, scales, c, rows, cols, depth, b_row, scale_step, alpha, decode, ahead=0):
     code_products.code_dot_products(a, 0, depth, codes, 0, b_row, scales, 1, scale_step, c, 0, cols, rows, cols,
-                                    depth, alpha, decode)
+                                    depth, alpha, decode, ahead)
 
 
 @njit  # not cached, as above
-def _code_product(p, codes, scales, c, rows, cols, width, b_row, scale_step, decode):
+def _code_product(p, codes, scales, c, rows, cols, width, b_row, scale_step, decode, ahead=0):
     code_products.code_product(p, 0, cols, codes, 0, b_row, scales, 1, scale_step, c, 0, width, rows, cols, width,
-                               decode)
+                               decode, ahead)
 
 
 # The caches' codes the products read in registers, by name: one-byte codes with a scale
@@ -138,7 +138,9 @@ def test_products_on_codes_match_numpy(rows, cols, vectors, decode):
     one-byte codes with scales every other element from element 1, or 16-bit floats,
     whose scales are never read (NaN here). They match the float64 products on the codes'
     values times their scales: the scores, and P V added to what C held (float32 sums:
-    the only ones they are compiled for)."""
+    the only ones they are compiled for). Odd row counts ask for the rows a few keys on
+    as they go (the requests a decode step makes, past the arrays' ends here: a request
+    never faults, and changes nothing)."""
     dtype = np.float32
     rng = np.random.default_rng(rows * 100 + cols * 10 + vectors)
     depth = vectors * simd.lanes_of(np.dtype(dtype))
@@ -149,7 +151,9 @@ def test_products_on_codes_match_numpy(rows, cols, vectors, decode):
     dequantized = values[:, :depth] * (scales[1::2, None] if scaled else 1.0)
     a = rng.standard_normal((rows, depth)).astype(dtype)
     c = np.full((rows, cols), np.nan, dtype)
-    _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), rows, cols, depth, b_row, 2, 0.5, DECODES[decode])
+    ahead = 3 * (rows % 2)
+    _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), rows, cols, depth, b_row, 2, 0.5, DECODES[decode],
+                       ahead)
     exact = 0.5 * a.astype(np.float64) @ dequantized.T
     assert_close(c, exact, dtype, depth, 0.5 * float(np.abs(a).max() * np.abs(dequantized).max(initial=0)),
                  what="code_dot_products")
@@ -159,7 +163,7 @@ def test_products_on_codes_match_numpy(rows, cols, vectors, decode):
     exact = out.astype(np.float64) + p.astype(np.float64) @ dequantized
     # the size of each term: C's start, or a probability (at most 1) times a value
     magnitude = max(float(np.abs(out).max()), float(np.abs(dequantized).max(initial=0)))
-    _code_product(p.ravel(), codes.ravel(), scales, out.ravel(), rows, cols, depth, b_row, 2, DECODES[decode])
+    _code_product(p.ravel(), codes.ravel(), scales, out.ravel(), rows, cols, depth, b_row, 2, DECODES[decode], ahead)
     assert_close(out, exact, dtype, cols + 1, magnitude, what="code_product")
     if scaled:  # the probabilities left scaled, as documented (float32, as the kernel)
         unit = np.float32(code_products.E4M3_UNIT if decode == "float8_e4m3" else 1.0)
@@ -184,15 +188,16 @@ def test_products_on_16_bit_values_give_the_bits_of_their_float32_rows(rows, col
     scales = np.full(1, np.nan, dtype)
     a = rng.standard_normal((rows, depth)).astype(dtype)
     c, c32 = (np.full((rows, cols), np.nan, dtype) for _ in range(2))
+    ahead = 64 * (rows % 2)  # (odd row counts ask for the rows a tile on as they go: the same bits)
     _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), rows, cols, depth, codes.shape[1], 0, 0.5,
-                       DECODES[decode])
+                       DECODES[decode], ahead)
     _dot_products(a.ravel(), rows32.ravel(), c32.ravel(), rows, cols, depth, rows32.shape[1], 0.5)
     np.testing.assert_array_equal(c, c32)
     p = rng.uniform(0, 1, size=(rows, cols)).astype(dtype)
     start = rng.standard_normal((rows, depth)).astype(dtype)
     out, out32 = start.copy(), start.copy()
     _code_product(p.ravel(), codes.ravel(), scales, out.ravel(), rows, cols, depth, codes.shape[1], 0,
-                  DECODES[decode])
+                  DECODES[decode], ahead)
     _accumulated_product(p.ravel(), rows32.ravel(), out32.ravel(), rows, cols, depth, rows32.shape[1])
     np.testing.assert_array_equal(out, out32)
 

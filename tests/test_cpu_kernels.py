@@ -588,9 +588,11 @@ def test_decode_items_ask_for_the_next_tile_where_the_cores_need_it(cpu_name, sl
                                                           ("float16", 128, 256), ("int8", 128, 128)])
 def test_decode_steps_give_the_same_bits_with_and_without_asking_for_the_next_tile(monkeypatch, cache, head_dim,
                                                                                    slice_bytes):
-    """A decode item's requests for the next tile (Int.TILE_PREFETCH, set by each head's
-    slice of a key row as the kernel reads it: floats, 16-bit values or one-byte codes)
-    change no bit of the step."""
+    """A decode item's requests for the next tile change no bit of the step: on AMD's cores
+    the next tile's rows in bursts (Int.TILE_PREFETCH); on Intel's, where the products read
+    a contiguous cache's codes in registers (16-bit values, one-byte codes), the rows a
+    tile on key by key as they go (Int.ROW_PREFETCH, 64 rows: the tile), and elsewhere the
+    bursts only where each head's slice of a key row is shorter than 512 bytes."""
     from npattn.cpu import isa, operands
     from npattn.cpu.operands import Int
 
@@ -599,7 +601,7 @@ def test_decode_steps_give_the_same_bits_with_and_without_asking_for_the_next_ti
 
     def parameters(*args, **kwargs):
         ints, reals = real_parameters(*args, **kwargs)
-        flags.append((int(ints[Int.HEAD_GROUP]), int(ints[Int.TILE_PREFETCH])))
+        flags.append((int(ints[Int.HEAD_GROUP]), int(ints[Int.TILE_PREFETCH]), int(ints[Int.ROW_PREFETCH])))
         return ints, reals
 
     monkeypatch.setattr(operands, "_parameters", parameters)
@@ -620,9 +622,43 @@ def test_decode_steps_give_the_same_bits_with_and_without_asking_for_the_next_ti
                                                                 v_scale=v_scale, return_lse=True, backend="cpu")
             else:
                 steps[cpu_name] = npattn.attention(q, k, v, layout="bshd", return_lse=True, backend="cpu")
-    assert flags == [(8, 1), (8, int(slice_bytes < 512))], flags
+    in_registers = cache != "float32"
+    assert flags == [(8, 1, 0), (8, 0, 64) if in_registers else (8, int(slice_bytes < 512), 0)], flags
     for with_requests, without in zip(steps["znver4"], steps["emeraldrapids"]):
         assert with_requests.tobytes() == without.tobytes()
+
+
+def test_paged_decode_steps_ask_for_the_next_tile_in_bursts(monkeypatch):
+    """On a paged cache the rows a tile on may lie in another page: an int8 decode step on
+    Intel's cores asks for the next tile's rows (its pages looked up) in bursts, not for
+    the rows a tile on as the products go (Int.ROW_PREFETCH 0), and gives the bits of the
+    same keys in a contiguous cache."""
+    from npattn.cpu import isa, operands
+    from npattn.cpu.operands import Int
+
+    flags = []
+    real_parameters = operands._parameters
+
+    def parameters(*args, **kwargs):
+        ints, reals = real_parameters(*args, **kwargs)
+        flags.append((int(ints[Int.HEAD_GROUP]), int(ints[Int.TILE_PREFETCH]), int(ints[Int.ROW_PREFETCH])))
+        return ints, reals
+
+    monkeypatch.setattr(operands, "_parameters", parameters)
+    monkeypatch.setattr(isa, "host_cpu_name", lambda: "emeraldrapids")
+    npattn.runtime.plans.clear()
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, 1, 8, 128)).astype(np.float32)
+    (k, k_scale), (v, v_scale) = (npattn.quantize_kv(rng.standard_normal((2, 768, 8, 128))) for _ in range(2))
+    table = np.arange(12)[::-1].reshape(2, 6)  # pages of 128 keys, in reverse
+    paged = [np.ascontiguousarray(x.reshape(12, 128, *x.shape[2:])[::-1]) for x in (k, v, k_scale, v_scale)]
+    with cpu.tile_sizes(64, 64):
+        steps = [npattn.attention_with_kvcache(q, *arrays[:2], cache_seqlens=700, k_scale=arrays[2],
+                                               v_scale=arrays[3], return_lse=True, backend="cpu", **layout)
+                 for arrays, layout in (((k, v, k_scale, v_scale), {}), (paged, {"block_table": table}))]
+    assert flags == [(8, 0, 64), (8, 1, 0)], flags
+    for contiguous, from_pages in zip(*steps):
+        assert contiguous.tobytes() == from_pages.tobytes()
 
 
 def test_banded_backwards_take_small_tiles_where_they_compute_fewer_masked_scores():

@@ -53,6 +53,8 @@ Int = _positions("Int", (
                       # (decode tiles on caches whose key rows hold every head: cpu.operands.head_group)
     "TILE_PREFETCH",  # CPU forward: whether such an item asks memory for the next key tile's rows
                       # (cpu.tiles.prefetch_key_rows; where it pays: cpu.isa.tile_prefetch_pays)
+    "ROW_PREFETCH",   # CPU forward: rows ahead whose slices such an item's products read in registers
+                      # ask for, key by key (cpu.code_products; 0: none; cpu.operands.row_prefetch)
     "PACKED_ROWS",    # CPU: every entry's rows in one memory batch (attention_varlen): out, lse and
                       # the gradients hold one batch, which each entry's disjoint live rows fill
     # CPU: how the forward (and a 16-bit backward) reads k and v (a KvCodes): as they are, or

@@ -35,7 +35,8 @@ from .jit import OPTIONS, helper
 from .microkernels import DEPTH_BLOCK, WIDE_ROWS, WIDE_VECTORS
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
 from .simd import (VECTOR_BYTES, add, always_inline, fill, horizontal_sum, lanes_in, load, load_code,
-                   load_float16_bits, load_strided, multiply, multiply_add, never_inline, store, store_key_sums)
+                   line_elements, load_float16_bits, load_strided, multiply, multiply_add, never_inline,
+                   prefetch_to_l2, store, store_key_sums)
 
 
 # Query rows per register block, on both ISAs: each key's codes are converted once for a
@@ -67,6 +68,8 @@ WIDE_KEYS = 8
 # D = 128 in L1, 12.3 -> 9.8 ns per key (11.4 with the scaling done a key and row at a
 # time, as AVX2's blocks of 2 had done since the Zen 4 VM measured them, forced to AVX2,
 # at 49.6-52.1 -> 46.1-47.1 ns per key and kv head of a (1, 32/8, 4096, 128) int8 step).
+# A cache line: the unit each request for rows ahead asks for
+LINE_BYTES = 64
 # What an e4m3 code's scale is multiplied by: load_code gives 2**-8 times its value
 E4M3_UNIT = np.float32(256.0)
 _ONE = np.float32(1.0)
@@ -78,50 +81,81 @@ _FLOAT16, _BFLOAT16 = int(KvCodes.FLOAT16), int(KvCodes.BFLOAT16)
 
 
 def code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                      c_row, rows, cols, depth, alpha, decode):
+                      c_row, rows, cols, depth, alpha, decode, ahead=0):
     """``C[r, j] = alpha * scale_j * sum_x A[r, x] B[j, x]`` for r < rows, j < cols, where
     ``A[r, x] = a[a_offset + r * a_row + x]`` (floats), ``B[j, x]`` value x of the row of
     codes whose bytes start at ``codes[b_offset + j * b_row]`` (read by ``decode``),
     ``scale_j = scales[scale_offset + j * scale_step]`` (1 for 16-bit values, ``scales``
     unread) and ``C[r, j] = c[c_offset + r * c_row + j]``; ``depth`` a multiple of the
-    vector's lanes. float32 only (see :func:`~npattn.cpu.tiles.codes_in_registers`):
-    elsewhere a stub that does nothing."""
+    vector's lanes. With ``ahead`` > 0, asks L2 for the rows (and scales) of the keys
+    ``ahead`` rows on as it goes (:func:`_ask_for_row`). float32 only (see
+    :func:`~npattn.cpu.tiles.codes_in_registers`): elsewhere a stub that does nothing."""
     raise NotImplementedError
 
 
 @overload(code_dot_products, jit_options=OPTIONS)
 def _code_dot_products_overload(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c,
-                                c_offset, c_row, rows, cols, depth, alpha, decode):
+                                c_offset, c_row, rows, cols, depth, alpha, decode, ahead=0):
     if c.dtype != types.float32:
         return lambda a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, \
-            c_row, rows, cols, depth, alpha, decode: None
+            c_row, rows, cols, depth, alpha, decode, ahead=0: None
 
     def implementation(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                       c_row, rows, cols, depth, alpha, decode):
+                       c_row, rows, cols, depth, alpha, decode, ahead=0):
         _code_dot_products(as_readonly(a), plain_int(a_offset), plain_int(a_row), as_readonly(codes),
                            plain_int(b_offset), plain_int(b_row), as_readonly(scales), plain_int(scale_offset),
                            plain_int(scale_step), c, plain_int(c_offset), plain_int(c_row), plain_int(rows),
-                           plain_int(cols), plain_int(depth), scalar_like(alpha, c), plain_int(decode))
+                           plain_int(cols), plain_int(depth), scalar_like(alpha, c), plain_int(decode),
+                           plain_int(ahead))
     return implementation
 
 
 @helper
 def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                       c_row, rows, cols, depth, alpha, decode):
+                       c_row, rows, cols, depth, alpha, decode, ahead):
     """:func:`_dot_products_of` compiled once per decode (a constant there)."""
     never_inline()
     if decode == _FLOAT16:
         _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                         c_row, rows, cols, depth, alpha, _FLOAT16)
+                         c_row, rows, cols, depth, alpha, ahead, _FLOAT16)
     elif decode == _BFLOAT16:
         _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                         c_row, rows, cols, depth, alpha, _BFLOAT16)
+                         c_row, rows, cols, depth, alpha, ahead, _BFLOAT16)
     elif decode == _FLOAT8:
         _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                         c_row, rows, cols, depth, alpha * E4M3_UNIT, _FLOAT8)
+                         c_row, rows, cols, depth, alpha * E4M3_UNIT, ahead, _FLOAT8)
     else:
         _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                         c_row, rows, cols, depth, alpha, _INT8)
+                         c_row, rows, cols, depth, alpha, ahead, _INT8)
+
+
+@helper
+def _value_bytes(decode):
+    """Bytes per value of the codes ``decode`` reads."""
+    always_inline()
+    if decode == _FLOAT16 or decode == _BFLOAT16:
+        return 2
+    return 1
+
+
+@helper
+def _ask_for_row(codes, row, ahead_bytes, row_bytes):
+    """Ask L2 for the ``row_bytes`` bytes of codes from ``codes[row + ahead_bytes]`` (a key
+    row's slice some rows on), a line at a time; nothing where ``ahead_bytes`` is 0."""
+    always_inline()
+    if ahead_bytes > 0:
+        for line in range(0, row_bytes, LINE_BYTES):
+            prefetch_to_l2(codes, row + ahead_bytes + line)
+
+
+@helper
+def _ask_for_scales(scales, at, count, decode):
+    """Ask L2 for the lines holding ``scales[at : at + count]`` (one-byte codes' only: 16-bit
+    values have none)."""
+    always_inline()
+    if decode == _INT8 or decode == _FLOAT8:
+        for line in range(0, count, line_elements(scales)):
+            prefetch_to_l2(scales, at + line)
 
 
 @helper
@@ -148,17 +182,21 @@ def _scale(scales, at, decode):
 
 @helper
 def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                     c_row, rows, cols, depth, alpha, decode):
+                     c_row, rows, cols, depth, alpha, ahead, decode):
     """Fewer rows than a block: :data:`WIDE_KEYS` keys at a time, one row at a time. Then
     :data:`KEY_BLOCK` keys at a time against blocks of :data:`ROW_BLOCK` query rows, then
     single rows (each key's codes converted once per block, a FMA chain per key and row);
-    then the keys left one by one. ``alpha`` takes an e4m3 code's 2**8 (:data:`E4M3_UNIT`)."""
+    then the keys left one by one. ``alpha`` takes an e4m3 code's 2**8 (:data:`E4M3_UNIT`).
+    Each block of keys first asks for the keys ``ahead`` rows on (none where 0)."""
     always_inline()
     lanes = lanes_in(c)
+    ahead_bytes, row_bytes = ahead * b_row, depth * _value_bytes(decode)
     j = 0
     if rows < ROW_BLOCK:  # each row alone anyway: WIDE_KEYS chains in flight, not KEY_BLOCK
         while j + WIDE_KEYS <= cols:
             k = b_offset + j * b_row
+            _ask_for_keys(codes, k, b_row, WIDE_KEYS, ahead_bytes, row_bytes, scales, scale_offset + (j + ahead) *
+                          scale_step, scale_step, decode)
             low = _four_factors(scales, scale_offset + j * scale_step, scale_step, alpha, decode)
             high = _four_factors(scales, scale_offset + (j + 4) * scale_step, scale_step, alpha, decode)
             for r in range(rows):
@@ -167,6 +205,8 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
             j += WIDE_KEYS
     while j + KEY_BLOCK <= cols:
         k = b_offset + j * b_row
+        _ask_for_keys(codes, k, b_row, KEY_BLOCK, ahead_bytes, row_bytes, scales, scale_offset + (j + ahead) *
+                      scale_step, scale_step, decode)
         factors = _key_factors(scales, scale_offset + j * scale_step, scale_step, alpha, decode)
         r = 0
         while r + ROW_BLOCK <= rows:
@@ -181,6 +221,8 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
     zero = fill(0.0, c)
     while j < cols:
         k = b_offset + j * b_row
+        _ask_for_keys(codes, k, b_row, 1, ahead_bytes, row_bytes, scales, scale_offset + (j + ahead) * scale_step,
+                      scale_step, decode)
         factor = alpha * _scale(scales, scale_offset + j * scale_step, decode)
         for r in range(rows):
             q0 = a_offset + r * a_row
@@ -189,6 +231,17 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
                 s0 = multiply_add(load(a, q0 + x), _values(codes, k, x, zero, decode), s0)
             c[as_offset(c_offset + r * c_row + j)] = factor * horizontal_sum(s0)
         j += 1
+
+
+@helper
+def _ask_for_keys(codes, k, b_row, keys, ahead_bytes, row_bytes, scales, scale_at, scale_step, decode):
+    """Ask for the rows of ``keys`` keys from ``codes[k]`` as they lie ``ahead_bytes`` on, and
+    for their scales from ``scales[scale_at]`` (nothing where ``ahead_bytes`` is 0)."""
+    always_inline()
+    if ahead_bytes > 0:
+        for n in range(keys):
+            _ask_for_row(codes, k + n * b_row, ahead_bytes, row_bytes)
+        _ask_for_scales(scales, scale_at, keys * scale_step, decode)
 
 
 @helper
@@ -271,89 +324,95 @@ def _key_block(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, d
 
 
 def code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                 rows, cols, width, decode):
+                 rows, cols, width, decode, ahead=0):
     """``C[r, x] += sum_j (P[r, j] * scale_j) * B[j, x]`` for r < rows, j < cols,
     x < width, where ``P[r, j] = p[p_offset + r * p_row + j]`` (floats), ``B[j, x]`` value
     x of the row of codes whose bytes start at ``codes[b_offset + j * b_row]`` (read by
     ``decode``), ``scale_j`` as in :func:`code_dot_products` and
     ``C[r, x] = c[c_offset + r * c_row + x]``; ``width`` a multiple of the vector's lanes.
     Leaves each ``P[r, j]`` times its scale (times :data:`E4M3_UNIT` for e4m3) in ``p`` for
-    one-byte codes: the forward is done with the probabilities by then. float32 only, as
-    :func:`code_dot_products`."""
+    one-byte codes: the forward is done with the probabilities by then. With ``ahead`` > 0,
+    asks L2 for the value rows (and scales) ``ahead`` rows on as it goes, as
+    :func:`code_dot_products` does. float32 only, as :func:`code_dot_products`."""
     raise NotImplementedError
 
 
 @overload(code_product, jit_options=OPTIONS)
 def _code_product_overload(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                           c_row, rows, cols, width, decode):
+                           c_row, rows, cols, width, decode, ahead=0):
     if c.dtype != types.float32:
         return lambda p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, \
-            c_row, rows, cols, width, decode: None
+            c_row, rows, cols, width, decode, ahead=0: None
 
     def implementation(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                       c_row, rows, cols, width, decode):
+                       c_row, rows, cols, width, decode, ahead=0):
         _code_product(p, plain_int(p_offset), plain_int(p_row), as_readonly(codes), plain_int(b_offset),
                       plain_int(b_row), as_readonly(scales), plain_int(scale_offset), plain_int(scale_step), c,
                       plain_int(c_offset), plain_int(c_row), plain_int(rows), plain_int(cols), plain_int(width),
-                      plain_int(decode))
+                      plain_int(decode), plain_int(ahead))
     return implementation
 
 
 @helper
 def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                  rows, cols, width, decode):
+                  rows, cols, width, decode, ahead):
     """The columns and keys in the pieces :func:`~npattn.cpu.microkernels.product` sums them
     in, so a 16-bit cache's P V gives the bits of its values' float32 rows: a single row's
     first columns, as many as its wide chunks cover, over every key in one chain; the other
     columns (every column of several rows) over slices of :data:`DEPTH_BLOCK` keys, each
     slice's sums added to C in turn. One-byte codes' probabilities are scaled first, once
-    (:func:`_scale_probabilities`)."""
+    (:func:`_scale_probabilities`). The first pass over each key asks for the key ``ahead``
+    rows on (its whole row of ``width`` values)."""
     never_inline()
     if cols <= 0:
         return
     if decode == _INT8 or decode == _FLOAT8:
         _scale_probabilities(p, p_offset, p_row, scales, scale_offset, scale_step, rows, cols,
-                             E4M3_UNIT if decode == _FLOAT8 else _ONE)
+                             E4M3_UNIT if decode == _FLOAT8 else _ONE, ahead)
+    ahead_bytes, row_bytes = ahead * b_row, width * _value_bytes(decode)
     wide = WIDE_VECTORS * lanes_in(c)
     wide_end = (width // wide) * wide if rows <= WIDE_ROWS else 0
     if wide_end > 0:
-        _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
-                         c_row, rows, cols, 0, wide_end, decode)
-    if wide_end < width:
+        _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, 0, wide_end,
+                         ahead_bytes, row_bytes, decode)
+    if wide_end < width:  # (each slice's keys asked for by its first pass, where no wide pass asked)
+        ask = ahead_bytes if wide_end == 0 else 0
         for j0 in range(0, cols, DEPTH_BLOCK):
-            _decoded_product(p, p_offset + j0, p_row, codes, b_offset + j0 * b_row, b_row, scales,
-                             scale_offset + j0 * scale_step, scale_step, c, c_offset, c_row, rows,
-                             smaller(DEPTH_BLOCK, cols - j0), wide_end, width, decode)
+            _decoded_product(p, p_offset + j0, p_row, codes, b_offset + j0 * b_row, b_row, c, c_offset, c_row, rows,
+                             smaller(DEPTH_BLOCK, cols - j0), wide_end, width, ask, row_bytes, decode)
 
 
 @helper
-def _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
-                     rows, cols, x_start, x_stop, decode):
+def _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
+                     ask_bytes, row_bytes, decode):
     """:func:`_product_of` compiled once per decode."""
     never_inline()
     if decode == _FLOAT16:
         _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
-                    _FLOAT16)
+                    ask_bytes, row_bytes, _FLOAT16)
     elif decode == _BFLOAT16:
         _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
-                    _BFLOAT16)
+                    ask_bytes, row_bytes, _BFLOAT16)
     elif decode == _FLOAT8:
         _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
-                    _FLOAT8)
+                    ask_bytes, row_bytes, _FLOAT8)
     else:
         _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
-                    _INT8)
+                    ask_bytes, row_bytes, _INT8)
 
 
 @helper
-def _scale_probabilities(p, p_offset, p_row, scales, scale_offset, scale_step, rows, cols, unit):
+def _scale_probabilities(p, p_offset, p_row, scales, scale_offset, scale_step, rows, cols, unit, ahead):
     """``P[r, j] *= scale_j * unit`` for r < rows, j < cols (``P`` and ``scale_j`` as in
     :func:`code_product`): a vector of keys' scales gathered once for every row, then the
-    keys left one by one; each product rounded once, as a block's multiply rounds it."""
+    keys left one by one; each product rounded once, as a block's multiply rounds it. Asks
+    for the scales of the keys ``ahead`` rows on (none where 0)."""
     always_inline()
     lanes = lanes_in(p)
     j = 0
     while j + lanes <= cols:
+        if ahead > 0:
+            _ask_for_scales(scales, scale_offset + (j + ahead) * scale_step, lanes * scale_step, _INT8)
         factor = multiply(load_strided(scales, scale_offset + j * scale_step, scale_step), fill(unit, p))
         for r in range(rows):
             at = p_offset + r * p_row + j
@@ -368,42 +427,51 @@ def _scale_probabilities(p, p_offset, p_row, scales, scale_offset, scale_step, r
 
 
 @helper
-def _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop, decode):
+def _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop, ask_bytes,
+                row_bytes, decode):
     """Columns ``[x_start, x_stop)``: for fewer rows than a block, first
     :data:`~npattn.cpu.microkernels.WIDE_VECTORS` vectors at a time, one row at a time;
     then :data:`VECTOR_BLOCK` vectors at a time, blocks of :data:`ROW_BLOCK` rows of C
     (then single rows) held in registers over every key: each key's codes of those columns
     converted once per block, its probabilities (scaled already, for one-byte codes)
-    broadcast from ``p``; then the columns left a vector at a time."""
+    broadcast from ``p``; then the columns left a vector at a time. The first block over
+    the keys asks, key by key, for the ``row_bytes`` of the key ``ask_bytes`` on (none
+    where 0); the later ones find nothing left to ask."""
     always_inline()
     lanes = lanes_in(c)
     x0 = x_start
+    ask = ask_bytes
     if rows < ROW_BLOCK:  # each row alone anyway: WIDE_VECTORS chains in flight
         while x0 + WIDE_VECTORS * lanes <= x_stop:
             for r in range(rows):
                 _wide_vector_block(p, p_offset + r * p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
-                                   cols, lanes, decode)
+                                   cols, lanes, ask, row_bytes, decode)
+                ask = 0
             x0 += WIDE_VECTORS * lanes
     while x0 + VECTOR_BLOCK * lanes <= x_stop:
         r = 0
         while r + ROW_BLOCK <= rows:
             _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
-                          c_row, ROW_BLOCK, cols, lanes, decode)
+                          c_row, ROW_BLOCK, cols, lanes, ask, row_bytes, decode)
+            ask = 0
             r += ROW_BLOCK
         while r < rows:
             _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
-                          c_row, 1, cols, lanes, decode)
+                          c_row, 1, cols, lanes, ask, row_bytes, decode)
+            ask = 0
             r += 1
         x0 += VECTOR_BLOCK * lanes
     while x0 < x_stop:
         for r in range(rows):
             _one_vector(p, p_offset + r * p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0, cols,
-                        decode)
+                        ask, row_bytes, decode)
+            ask = 0
         x0 += lanes
 
 
 @helper
-def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, cols, lanes, decode):
+def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, cols, lanes, ask_bytes, row_bytes,
+                  decode):
     """:data:`VECTOR_BLOCK` vectors of columns from ``x0`` of ``rows`` (1 or
     :data:`ROW_BLOCK`, a constant) rows of :func:`_product_of`: the accumulators of row r
     are s, t, u, w, numbered by vector."""
@@ -412,6 +480,7 @@ def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, 
     s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b2 = b3 = zero
     for j in range(cols):
         at = b_at + j * b_row
+        _ask_for_row(codes, at, ask_bytes, row_bytes)
         b0, b1 = _values(codes, at, x0, zero, decode), _values(codes, at, x0 + lanes, zero, decode)
         if VECTOR_BLOCK == 4:
             b2, b3 = _values(codes, at, x0 + 2 * lanes, zero, decode), _values(codes, at, x0 + 3 * lanes, zero, decode)
@@ -440,7 +509,7 @@ def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, 
 
 
 @helper
-def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, lanes, decode):
+def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, lanes, ask_bytes, row_bytes, decode):
     """:data:`~npattn.cpu.microkernels.WIDE_VECTORS` vectors of columns from ``x0`` of one
     row of :func:`_product_of` (8, or 6 with AVX2's 16 registers): as many FMA chains as
     float32's single-row products keep."""
@@ -450,6 +519,7 @@ def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, lanes, de
     for j in range(cols):
         weight = _weight(p, p_at + j, c)
         at = b_at + j * b_row
+        _ask_for_row(codes, at, ask_bytes, row_bytes)
         s0 = multiply_add(weight, _values(codes, at, x0, zero, decode), s0)
         s1 = multiply_add(weight, _values(codes, at, x0 + lanes, zero, decode), s1)
         s2 = multiply_add(weight, _values(codes, at, x0 + 2 * lanes, zero, decode), s2)
@@ -478,12 +548,13 @@ def _weight(p, at, c):
 
 
 @helper
-def _one_vector(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, decode):
+def _one_vector(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, ask_bytes, row_bytes, decode):
     """One vector of columns (from ``x0``) of one row of :func:`_product_of`."""
     always_inline()
     zero = fill(0.0, c)
     s0 = zero
     for j in range(cols):
+        _ask_for_row(codes, b_at + j * b_row, ask_bytes, row_bytes)
         s0 = multiply_add(_weight(p, p_at + j, c), _values(codes, b_at + j * b_row, x0, zero, decode), s0)
     _add_into(c, c_at, s0)
 

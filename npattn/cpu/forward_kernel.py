@@ -253,7 +253,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                                  v_row_stride, v_scale, v_scale_row(ints, pages, b, kv_head, j),
                                                  ints[Int.V_SCALE_STRIDE_S], sums_array,
                                                  out_offset + r0 * out_row_stride,
-                                                 out_row_stride, band_rows, run, dv, quantized)
+                                                 out_row_stride, band_rows, run, dv, quantized,
+                                                 ints[Int.ROW_PREFETCH])
                                 elif quantized:  # the converted value rows (16-bit ones too: converted)
                                     product(s, r0 * ld + c0, ld, 1, values, c0 * dv, dv, sums_array,
                                             out_offset + r0 * out_row_stride, out_row_stride, band_rows, run, dv, 1.0,

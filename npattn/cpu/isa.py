@@ -88,6 +88,19 @@ def bf16_pairs_pay() -> bool:
     return host_cpu_name().startswith("znver")
 
 
+def row_prefetch_pays() -> bool:
+    """Whether a decode step's products that read a contiguous cache's codes in registers
+    (int8, float8 e4m3, float16, bfloat16) should ask L2 for the key rows a tile on, key
+    by key as they go (:mod:`npattn.cpu.code_products`), instead of the next tile's rows in
+    two bursts per head (:func:`tile_prefetch_pays`): on Intel's cores, where a software
+    request holds a fill buffer until its line arrives, a burst of 128 lines left the
+    products' own loads waiting for buffers. Emerald Rapids VM, ``bench --caches``, three
+    alternating processes each way: int8 (1, 32/8, 16384, 128) 3.7-3.9 -> 2.9-3.1 ms and
+    (16, 32/8, 2048, 128) 6.7-7.0 -> 5.1-5.4 ms. Not measured on AMD's cores, which keep
+    the bursts their measurements chose."""
+    return not host_cpu_name().startswith("znver")
+
+
 # The shortest slice of a key row (one head's keys or values, in bytes) from which Intel's
 # cores stream a decode step's cache faster without the next tile asked for
 HARDWARE_STREAMED_SLICE = 512

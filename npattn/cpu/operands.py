@@ -20,7 +20,7 @@ from ..core.kernel_params import OPERAND_NAMES, SPAN_FIELDS, Int, KvCodes, Real,
 from ..runtime.plans import PlanCache
 from ..core.problem import signature
 from .conversion import BYTES, converted, kept_widened
-from .isa import tile_prefetch_pays
+from .isa import row_prefetch_pays, tile_prefetch_pays
 from .microkernels import chunk_columns
 from .simd import BF16_DOT, lanes_of as vector_lanes
 from .splitting import key_splits
@@ -453,6 +453,19 @@ def head_group(problem, kind: str, ints) -> tuple[int, int]:
     return heads, heads if interleaved and heads == ints[Int.KV_HEADS] else 1
 
 
+def row_prefetch(problem, ints, codes, tiles) -> int:
+    """``Int.ROW_PREFETCH``: the rows ahead (a key tile) whose slices a decode item of every
+    head (``Int.HEAD_GROUP``) asks for key by key as its products read a contiguous cache's
+    codes in registers (:func:`npattn.cpu.tiles.codes_in_registers`), where that pays
+    (:func:`npattn.cpu.isa.row_prefetch_pays`); 0 elsewhere (paged caches too: a tile on
+    may lie in another page)."""
+    in_registers = (codes != KvCodes.NONE and ints[Int.DOT_SCORES] and ints[Int.VECTOR_VALUES]
+                    and np.dtype(problem.accumulate_dtype) == np.float32)
+    if ints[Int.HEAD_GROUP] > 1 and in_registers and problem.block_table is None and row_prefetch_pays():
+        return int(tiles[1])
+    return 0
+
+
 def _head_slice_bytes(problem, ints, codes, pairs) -> int:
     """The bytes of one head's keys (or values, the shorter) in a row of the cache as the
     forward reads it: k's own elements where it reads them as they lie (codes, 16-bit
@@ -514,8 +527,9 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.DOT_SCORES] = dot_scores
     ints[Int.SCORE_LD] = -(-tiles[1] // chunk) * chunk if vector else tiles[1]
     heads_per_item, ints[Int.HEAD_GROUP] = head_group(problem, kind, ints)
-    ints[Int.TILE_PREFETCH] = ints[Int.HEAD_GROUP] > 1 and tile_prefetch_pays(_head_slice_bytes(problem, ints, codes,
-                                                                                                 pairs))
+    ints[Int.ROW_PREFETCH] = row_prefetch(problem, ints, codes, tiles)
+    ints[Int.TILE_PREFETCH] = (ints[Int.HEAD_GROUP] > 1 and not ints[Int.ROW_PREFETCH]
+                               and tile_prefetch_pays(_head_slice_bytes(problem, ints, codes, pairs)))
     ints[Int.KEY_SPLITS], ints[Int.SPLIT_KEYS] = (key_splits(problem, tiles, heads_per_item) if kind == "forward"
                                                   else (1, 1))
     ints[Int.ROW_GROUP] = rows_per_position

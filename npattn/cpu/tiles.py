@@ -759,7 +759,7 @@ def score_tile(q, q_offset, q_row, k, dequantized, k_codes, k_scale, bias, mask,
                     code_dot_products(q, q_offset + r0 * q_row, q_row, k_codes, k_row(ints, pages, b, kv_head, j),
                                       ints[Int.K_STRIDE_S], k_scale, k_scale_row(ints, pages, b, kv_head, j),
                                       ints[Int.K_SCALE_STRIDE_S], s, r0 * ld + c0, ld, band_rows, run, head_dim,
-                                      reals[Real.SCALE], ints[Int.KV_CODES])
+                                      reals[Real.SCALE], ints[Int.KV_CODES], ints[Int.ROW_PREFETCH])
                     c0 += run
             elif ints[Int.DOT_SCORES] and ints[Int.KV_CODES]:  # the dequantized tile's rows
                 dot_products(q, q_offset + r0 * q_row, q_row, dequantized, 0, head_dim, s, r0 * ld, ld, band_rows,
