@@ -329,6 +329,37 @@ def test_the_compiled_append_quantizes_with_quantize_rows_bits(magnitude, ties, 
     assert_same_bytes(caches, before)
 
 
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("reversed_arrays", [("k", "v"), ("k_scale", "v_scale"), ("k_scale",), ("k", "v", "k_scale",
+                                                                                               "v_scale")])
+def test_codes_and_scales_with_negative_strides_give_the_contiguous_caches_bits(backend, paged, reversed_arrays):
+    """A quantized cache's codes and scales read through views with a negative stride along
+    the keys (or pages) give the bits of the same values in contiguous memory. (The CPU
+    plan had taken the scales' own strides while its calls handed the kernel a contiguous
+    copy of them: with both scales reversed the step read the wrong scales.)"""
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((2, 1, 8, 128)).astype(np.float32)
+    (k, k_scale), (v, v_scale) = (npattn.quantize_kv(rng.standard_normal((2, 384, 2, 128))) for _ in range(2))
+    arrays = {"k": k, "v": v, "k_scale": k_scale, "v_scale": v_scale}
+    layout = {}
+    if paged:  # pages of 64 keys, the pool's pages in reverse order
+        arrays = {name: np.ascontiguousarray(x.reshape(12, 64, *x.shape[2:])[::-1]) for name, x in arrays.items()}
+        layout = {"block_table": np.arange(12)[::-1].reshape(2, 6)}
+
+    def reversed_view(x):  # the same values, the keys' (or pool's pages') axis read backwards
+        backwards = (slice(None, None, -1),) if paged else (slice(None), slice(None, None, -1))
+        return np.ascontiguousarray(x[backwards])[backwards]
+
+    odd = {name: reversed_view(x) if name in reversed_arrays else x for name, x in arrays.items()}
+    assert all((odd[name].strides[0 if paged else 1] < 0) for name in reversed_arrays)
+    steps = [npattn.attention_with_kvcache(q, given["k"], given["v"], cache_seqlens=np.array([300, 371]),
+                                           k_scale=given["k_scale"], v_scale=given["v_scale"], return_lse=True,
+                                           backend=backend, **layout) for given in (arrays, odd)]
+    for contiguous, from_odd_views in zip(*steps):
+        assert contiguous.tobytes() == from_odd_views.tobytes()
+
+
 def test_a_quantized_call_that_raises_changes_no_byte(monkeypatch):
     rng = np.random.default_rng(5)
     q = rng.normal(size=(2, 1, 2, HEAD_DIM)).astype(np.float32)

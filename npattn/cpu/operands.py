@@ -86,6 +86,21 @@ def flat_view(array, dtype, unit_last_axis=False, empty=np.empty):
     return flat, elements
 
 
+def flat_view_strides(array, dtype, unit_last_axis=False) -> tuple:
+    """The element strides :func:`flat_view` gives for ``array`` (the same arguments),
+    without its copy: the strides of a C-contiguous array of its shape where flat_view
+    copies it for its strides (a negative one, or one that is not a whole number of
+    elements, or a last axis that is not contiguous with ``unit_last_axis``), else its own.
+    A plan's parameters take a scales array's strides from here, so that they are the
+    strides of the operand its calls hand the kernel."""
+    if memory_order(array, dtype, unit_last_axis) is None:
+        itemsize = array.itemsize
+        if (any(s < 0 or s % itemsize for s in array.strides)
+                or (unit_last_axis and array.shape[-1] > 1 and array.strides[-1] != itemsize)):
+            return element_strides(np.empty(array.shape, np.dtype(dtype)))
+    return element_strides(array)
+
+
 def _within_base(array, extent):
     """``extent`` elements from ``array``'s first, as a read-only slice of the contiguous
     array it is a view of (a KV cache's filled part, ``cache[:, :, :n]``), or None where it
@@ -543,8 +558,8 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning) if pairs else 0
     ints[Int.CLAIM_RUN] = kv_head_items(ints) if ints[Int.KEY_CACHE_SLOTS] else 1
     if problem.quantized:
-        ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = element_strides(problem.k_scale)
-        ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = element_strides(problem.v_scale)
+        ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = flat_view_strides(problem.k_scale, SCALE_DTYPE)
+        ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = flat_view_strides(problem.v_scale, SCALE_DTYPE)
     return _frozen(np.array(ints, np.int64)), _frozen(problem_reals(problem, dtype))
 
 
