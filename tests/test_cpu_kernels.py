@@ -584,16 +584,10 @@ def test_decode_items_ask_for_the_next_tile_where_the_cores_need_it(cpu_name, sl
         assert isa.tile_prefetch_pays(slice_bytes) is asks
 
 
-@pytest.mark.parametrize("cache, head_dim, slice_bytes", [("float32", 128, 512), ("float32", 64, 256),
-                                                          ("float16", 128, 256), ("int8", 128, 128)])
-def test_decode_steps_give_the_same_bits_with_and_without_asking_for_the_next_tile(monkeypatch, cache, head_dim,
-                                                                                   slice_bytes):
-    """A decode item's requests for the next tile change no bit of the step: on AMD's cores
-    the next tile's rows in bursts (Int.TILE_PREFETCH); on Intel's, where the products read
-    a contiguous cache's codes in registers (16-bit values, one-byte codes), the rows a
-    tile on key by key as they go (Int.ROW_PREFETCH, 64 rows: the tile), and elsewhere the
-    bursts only where each head's slice of a key row is shorter than 512 bytes."""
-    from npattn.cpu import isa, operands
+def _recorded_prefetch_flags(monkeypatch) -> list:
+    """A list that each forward plan made from now on appends its (Int.HEAD_GROUP,
+    Int.TILE_PREFETCH, Int.ROW_PREFETCH) to."""
+    from npattn.cpu import operands
     from npattn.cpu.operands import Int
 
     flags = []
@@ -605,6 +599,21 @@ def test_decode_steps_give_the_same_bits_with_and_without_asking_for_the_next_ti
         return ints, reals
 
     monkeypatch.setattr(operands, "_parameters", parameters)
+    return flags
+
+
+@pytest.mark.parametrize("cache, head_dim, slice_bytes", [("float32", 128, 512), ("float32", 64, 256),
+                                                          ("float16", 128, 256), ("int8", 128, 128)])
+def test_decode_steps_give_the_same_bits_with_and_without_asking_for_the_next_tile(monkeypatch, cache, head_dim,
+                                                                                   slice_bytes):
+    """A decode item's requests for the next tile change no bit of the step: on AMD's cores
+    the next tile's rows in bursts (Int.TILE_PREFETCH); on Intel's, where the products read
+    a contiguous cache's codes in registers (16-bit values, one-byte codes), the rows a
+    tile on key by key as they go (Int.ROW_PREFETCH, 64 rows: the tile), and elsewhere the
+    bursts only where each head's slice of a key row is shorter than 512 bytes."""
+    from npattn.cpu import isa
+
+    flags = _recorded_prefetch_flags(monkeypatch)
     rng = np.random.default_rng(3)
     q = rng.standard_normal((2, 1, 8, head_dim)).astype(np.float16 if cache == "float16" else np.float32)
     k, v = (rng.standard_normal((2, 700, 8, head_dim)) for _ in range(2))
@@ -633,18 +642,9 @@ def test_paged_decode_steps_ask_for_the_next_tile_in_bursts(monkeypatch):
     Intel's cores asks for the next tile's rows (its pages looked up) in bursts, not for
     the rows a tile on as the products go (Int.ROW_PREFETCH 0), and gives the bits of the
     same keys in a contiguous cache."""
-    from npattn.cpu import isa, operands
-    from npattn.cpu.operands import Int
+    from npattn.cpu import isa
 
-    flags = []
-    real_parameters = operands._parameters
-
-    def parameters(*args, **kwargs):
-        ints, reals = real_parameters(*args, **kwargs)
-        flags.append((int(ints[Int.HEAD_GROUP]), int(ints[Int.TILE_PREFETCH]), int(ints[Int.ROW_PREFETCH])))
-        return ints, reals
-
-    monkeypatch.setattr(operands, "_parameters", parameters)
+    flags = _recorded_prefetch_flags(monkeypatch)
     monkeypatch.setattr(isa, "host_cpu_name", lambda: "emeraldrapids")
     npattn.runtime.plans.clear()
     rng = np.random.default_rng(4)

@@ -68,6 +68,7 @@ WIDE_KEYS = 8
 # D = 128 in L1, 12.3 -> 9.8 ns per key (11.4 with the scaling done a key and row at a
 # time, as AVX2's blocks of 2 had done since the Zen 4 VM measured them, forced to AVX2,
 # at 49.6-52.1 -> 46.1-47.1 ns per key and kv head of a (1, 32/8, 4096, 128) int8 step).
+
 # A cache line: the unit each request for rows ahead asks for
 LINE_BYTES = 64
 # What an e4m3 code's scale is multiplied by: load_code gives 2**-8 times its value
@@ -88,7 +89,7 @@ def code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_
     ``scale_j = scales[scale_offset + j * scale_step]`` (1 for 16-bit values, ``scales``
     unread) and ``C[r, j] = c[c_offset + r * c_row + j]``; ``depth`` a multiple of the
     vector's lanes. With ``ahead`` > 0, asks L2 for the rows (and scales) of the keys
-    ``ahead`` rows on as it goes (:func:`_ask_for_row`). float32 only (see
+    ``ahead`` rows on as it goes (:func:`_ask_for_keys`). float32 only (see
     :func:`~npattn.cpu.tiles.codes_in_registers`): elsewhere a stub that does nothing."""
     raise NotImplementedError
 
@@ -139,23 +140,27 @@ def _value_bytes(decode):
 
 
 @helper
-def _ask_for_row(codes, row, ahead_bytes, row_bytes):
-    """Ask L2 for the ``row_bytes`` bytes of codes from ``codes[row + ahead_bytes]`` (a key
-    row's slice some rows on), a line at a time; nothing where ``ahead_bytes`` is 0."""
+def _ask_for_block(codes, at, block_bytes, ahead_bytes):
+    """Ask L2 for the ``block_bytes`` (a compile-time constant: a block's columns) of codes
+    from ``codes[at + ahead_bytes]`` (the same columns of a key some rows on), inlined into
+    P V's key loop, where a call would save every accumulator: where they are less than a
+    line, only for a block that starts a line (its row's offset ``at``). Nothing where
+    ``ahead_bytes`` is 0."""
     always_inline()
     if ahead_bytes > 0:
-        for line in range(0, row_bytes, LINE_BYTES):
-            prefetch_to_l2(codes, row + ahead_bytes + line)
+        if block_bytes >= LINE_BYTES:
+            for line in range(0, block_bytes, LINE_BYTES):
+                prefetch_to_l2(codes, at + ahead_bytes + line)
+        elif at % LINE_BYTES == 0:
+            prefetch_to_l2(codes, at + ahead_bytes)
 
 
 @helper
-def _ask_for_scales(scales, at, count, decode):
-    """Ask L2 for the lines holding ``scales[at : at + count]`` (one-byte codes' only: 16-bit
-    values have none)."""
+def _ask_for_scales(scales, at, count):
+    """Ask L2 for the lines holding ``scales[at : at + count]``."""
     always_inline()
-    if decode == _INT8 or decode == _FLOAT8:
-        for line in range(0, count, line_elements(scales)):
-            prefetch_to_l2(scales, at + line)
+    for line in range(0, count, line_elements(scales)):
+        prefetch_to_l2(scales, at + line)
 
 
 @helper
@@ -219,10 +224,8 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
             r += 1
         j += KEY_BLOCK
     zero = fill(0.0, c)
-    while j < cols:
+    while j < cols:  # (fewer keys than a block: not asked for)
         k = b_offset + j * b_row
-        _ask_for_keys(codes, k, b_row, 1, ahead_bytes, row_bytes, scales, scale_offset + (j + ahead) * scale_step,
-                      scale_step, decode)
         factor = alpha * _scale(scales, scale_offset + j * scale_step, decode)
         for r in range(rows):
             q0 = a_offset + r * a_row
@@ -236,12 +239,25 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
 @helper
 def _ask_for_keys(codes, k, b_row, keys, ahead_bytes, row_bytes, scales, scale_at, scale_step, decode):
     """Ask for the rows of ``keys`` keys from ``codes[k]`` as they lie ``ahead_bytes`` on, and
-    for their scales from ``scales[scale_at]`` (nothing where ``ahead_bytes`` is 0)."""
+    for their scales from ``scales[scale_at]`` (nothing where ``ahead_bytes`` is 0). A call,
+    not inlined: made between blocks, where no accumulator is live, and inlined into every
+    block of every decode the requests' loops took 7 s more of the float32 forward's first
+    compile."""
     always_inline()
     if ahead_bytes > 0:
-        for n in range(keys):
-            _ask_for_row(codes, k + n * b_row, ahead_bytes, row_bytes)
-        _ask_for_scales(scales, scale_at, keys * scale_step, decode)
+        _ask_for_key_rows(codes, k + ahead_bytes, b_row, keys, row_bytes, scales, scale_at, scale_step,
+                          decode == _INT8 or decode == _FLOAT8)
+
+
+@helper
+def _ask_for_key_rows(codes, at, b_row, keys, row_bytes, scales, scale_at, scale_step, scaled):
+    """The requests of :func:`_ask_for_keys` (``scaled``: for the scales' lines too)."""
+    never_inline()
+    for n in range(keys):
+        for line in range(0, row_bytes, LINE_BYTES):
+            prefetch_to_l2(codes, at + n * b_row + line)
+    if scaled:
+        _ask_for_scales(scales, scale_at, keys * scale_step)
 
 
 @helper
@@ -361,44 +377,43 @@ def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offs
     first columns, as many as its wide chunks cover, over every key in one chain; the other
     columns (every column of several rows) over slices of :data:`DEPTH_BLOCK` keys, each
     slice's sums added to C in turn. One-byte codes' probabilities are scaled first, once
-    (:func:`_scale_probabilities`). The first pass over each key asks for the key ``ahead``
-    rows on (its whole row of ``width`` values)."""
+    (:func:`_scale_probabilities`). Each block of columns asks, key by key, for its columns
+    of the key ``ahead`` rows on."""
     never_inline()
     if cols <= 0:
         return
     if decode == _INT8 or decode == _FLOAT8:
         _scale_probabilities(p, p_offset, p_row, scales, scale_offset, scale_step, rows, cols,
                              E4M3_UNIT if decode == _FLOAT8 else _ONE, ahead)
-    ahead_bytes, row_bytes = ahead * b_row, width * _value_bytes(decode)
+    ahead_bytes = ahead * b_row
     wide = WIDE_VECTORS * lanes_in(c)
     wide_end = (width // wide) * wide if rows <= WIDE_ROWS else 0
     if wide_end > 0:
         _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, 0, wide_end,
-                         ahead_bytes, row_bytes, decode)
-    if wide_end < width:  # (each slice's keys asked for by its first pass, where no wide pass asked)
-        ask = ahead_bytes if wide_end == 0 else 0
+                         ahead_bytes, decode)
+    if wide_end < width:
         for j0 in range(0, cols, DEPTH_BLOCK):
             _decoded_product(p, p_offset + j0, p_row, codes, b_offset + j0 * b_row, b_row, c, c_offset, c_row, rows,
-                             smaller(DEPTH_BLOCK, cols - j0), wide_end, width, ask, row_bytes, decode)
+                             smaller(DEPTH_BLOCK, cols - j0), wide_end, width, ahead_bytes, decode)
 
 
 @helper
 def _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
-                     ask_bytes, row_bytes, decode):
+                     ask_bytes, decode):
     """:func:`_product_of` compiled once per decode."""
     never_inline()
     if decode == _FLOAT16:
         _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
-                    ask_bytes, row_bytes, _FLOAT16)
+                    ask_bytes, _FLOAT16)
     elif decode == _BFLOAT16:
         _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
-                    ask_bytes, row_bytes, _BFLOAT16)
+                    ask_bytes, _BFLOAT16)
     elif decode == _FLOAT8:
         _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
-                    ask_bytes, row_bytes, _FLOAT8)
+                    ask_bytes, _FLOAT8)
     else:
         _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop,
-                    ask_bytes, row_bytes, _INT8)
+                    ask_bytes, _INT8)
 
 
 @helper
@@ -412,7 +427,7 @@ def _scale_probabilities(p, p_offset, p_row, scales, scale_offset, scale_step, r
     j = 0
     while j + lanes <= cols:
         if ahead > 0:
-            _ask_for_scales(scales, scale_offset + (j + ahead) * scale_step, lanes * scale_step, _INT8)
+            _ask_for_scales(scales, scale_offset + (j + ahead) * scale_step, lanes * scale_step)
         factor = multiply(load_strided(scales, scale_offset + j * scale_step, scale_step), fill(unit, p))
         for r in range(rows):
             at = p_offset + r * p_row + j
@@ -428,50 +443,44 @@ def _scale_probabilities(p, p_offset, p_row, scales, scale_offset, scale_step, r
 
 @helper
 def _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, x_start, x_stop, ask_bytes,
-                row_bytes, decode):
+                decode):
     """Columns ``[x_start, x_stop)``: for fewer rows than a block, first
     :data:`~npattn.cpu.microkernels.WIDE_VECTORS` vectors at a time, one row at a time;
     then :data:`VECTOR_BLOCK` vectors at a time, blocks of :data:`ROW_BLOCK` rows of C
     (then single rows) held in registers over every key: each key's codes of those columns
     converted once per block, its probabilities (scaled already, for one-byte codes)
-    broadcast from ``p``; then the columns left a vector at a time. The first block over
-    the keys asks, key by key, for the ``row_bytes`` of the key ``ask_bytes`` on (none
-    where 0); the later ones find nothing left to ask."""
+    broadcast from ``p``; then the columns left a vector at a time. The blocks of the
+    first row (block) ask, key by key, for their columns of the key ``ask_bytes`` on
+    (none where 0)."""
     always_inline()
     lanes = lanes_in(c)
     x0 = x_start
-    ask = ask_bytes
     if rows < ROW_BLOCK:  # each row alone anyway: WIDE_VECTORS chains in flight
         while x0 + WIDE_VECTORS * lanes <= x_stop:
             for r in range(rows):
                 _wide_vector_block(p, p_offset + r * p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
-                                   cols, lanes, ask, row_bytes, decode)
-                ask = 0
+                                   cols, lanes, ask_bytes if r == 0 else 0, decode)
             x0 += WIDE_VECTORS * lanes
     while x0 + VECTOR_BLOCK * lanes <= x_stop:
         r = 0
         while r + ROW_BLOCK <= rows:
             _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
-                          c_row, ROW_BLOCK, cols, lanes, ask, row_bytes, decode)
-            ask = 0
+                          c_row, ROW_BLOCK, cols, lanes, ask_bytes if r == 0 else 0, decode)
             r += ROW_BLOCK
         while r < rows:
             _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
-                          c_row, 1, cols, lanes, ask, row_bytes, decode)
-            ask = 0
+                          c_row, 1, cols, lanes, ask_bytes if r == 0 else 0, decode)
             r += 1
         x0 += VECTOR_BLOCK * lanes
     while x0 < x_stop:
         for r in range(rows):
             _one_vector(p, p_offset + r * p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0, cols,
-                        ask, row_bytes, decode)
-            ask = 0
+                        decode)
         x0 += lanes
 
 
 @helper
-def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, cols, lanes, ask_bytes, row_bytes,
-                  decode):
+def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, cols, lanes, ask_bytes, decode):
     """:data:`VECTOR_BLOCK` vectors of columns from ``x0`` of ``rows`` (1 or
     :data:`ROW_BLOCK`, a constant) rows of :func:`_product_of`: the accumulators of row r
     are s, t, u, w, numbered by vector."""
@@ -480,7 +489,7 @@ def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, 
     s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b2 = b3 = zero
     for j in range(cols):
         at = b_at + j * b_row
-        _ask_for_row(codes, at, ask_bytes, row_bytes)
+        _ask_for_block(codes, at + x0 * _value_bytes(decode), VECTOR_BLOCK * lanes * _value_bytes(decode), ask_bytes)
         b0, b1 = _values(codes, at, x0, zero, decode), _values(codes, at, x0 + lanes, zero, decode)
         if VECTOR_BLOCK == 4:
             b2, b3 = _values(codes, at, x0 + 2 * lanes, zero, decode), _values(codes, at, x0 + 3 * lanes, zero, decode)
@@ -509,7 +518,7 @@ def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, 
 
 
 @helper
-def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, lanes, ask_bytes, row_bytes, decode):
+def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, lanes, ask_bytes, decode):
     """:data:`~npattn.cpu.microkernels.WIDE_VECTORS` vectors of columns from ``x0`` of one
     row of :func:`_product_of` (8, or 6 with AVX2's 16 registers): as many FMA chains as
     float32's single-row products keep."""
@@ -519,7 +528,7 @@ def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, lanes, as
     for j in range(cols):
         weight = _weight(p, p_at + j, c)
         at = b_at + j * b_row
-        _ask_for_row(codes, at, ask_bytes, row_bytes)
+        _ask_for_block(codes, at + x0 * _value_bytes(decode), WIDE_VECTORS * lanes * _value_bytes(decode), ask_bytes)
         s0 = multiply_add(weight, _values(codes, at, x0, zero, decode), s0)
         s1 = multiply_add(weight, _values(codes, at, x0 + lanes, zero, decode), s1)
         s2 = multiply_add(weight, _values(codes, at, x0 + 2 * lanes, zero, decode), s2)
@@ -548,13 +557,13 @@ def _weight(p, at, c):
 
 
 @helper
-def _one_vector(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, ask_bytes, row_bytes, decode):
-    """One vector of columns (from ``x0``) of one row of :func:`_product_of`."""
+def _one_vector(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, decode):
+    """One vector of columns (from ``x0``) of one row of :func:`_product_of` (not asked
+    for: at most a few columns)."""
     always_inline()
     zero = fill(0.0, c)
     s0 = zero
     for j in range(cols):
-        _ask_for_row(codes, b_at + j * b_row, ask_bytes, row_bytes)
         s0 = multiply_add(_weight(p, p_at + j, c), _values(codes, b_at + j * b_row, x0, zero, decode), s0)
     _add_into(c, c_at, s0)
 
