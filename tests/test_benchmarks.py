@@ -10,7 +10,7 @@ from benchmarks import attention as suite  # noqa: E402
 
 
 @pytest.mark.parametrize("suite_class", [suite.Attention, suite.Variants, suite.TargetShapes, suite.Serving,
-                                         suite.SlidingWindow, suite.Adapters, suite.Layouts],
+                                         suite.SlidingWindow, suite.Adapters, suite.Layouts, suite.DecodeCaches],
                          ids=lambda c: c.__name__)
 def test_benchmark_methods_run(suite_class):
     backends, *others = suite_class.params

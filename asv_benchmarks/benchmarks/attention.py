@@ -167,6 +167,40 @@ class Layouts:
         _synchronize(backend)
 
 
+class DecodeCaches:
+    """The decode steps of ``python -m npattn bench --caches``: one query row per sequence
+    against a cache of each dtype, (B, H / Hkv, Sk, D) = (16, 32 / 8, 2048, 128) and
+    (1, 32 / 8, 16384, 128), causal, no append. q is float32 for one-byte codes and
+    float32 caches and float16 for float16 ones on the CPU, float16 for every cache on the
+    GPU (its tensor-core decode)."""
+
+    params = (["cpu", "gpu"], ["int8", "float8_e4m3", "float16", "float32"],
+              ["16,32,8,2048,128", "1,32,8,16384,128"])
+    param_names = ["backend", "cache", "shape"]
+    timeout = 300
+
+    def setup(self, backend, cache, shape):
+        from npattn.tools import bench_caches
+
+        require(backend)
+        if backend == "gpu" and cache == "float32":
+            raise NotImplementedError("the GPU's decode rows are of 16-bit q (bench --caches --gpu)")
+        shape = tuple(int(x) for x in shape.split(","))
+        xp = np
+        if backend == "gpu":
+            import cupy as xp
+        q, k, v, self.scales, _ = bench_caches.cache_arrays(shape, cache, np.random.default_rng(0),
+                                                       np.float16 if backend == "gpu" else None, xp)
+        self.step = npattn.plan_with_kvcache(q, k, v, cache_seqlens=shape[3], causal=True, backend=backend,
+                                             **self.scales)
+        self.arrays = (q, k, v)
+        self.time_decode_step(backend)
+
+    def time_decode_step(self, backend, *params):
+        self.step.run(*self.arrays, **self.scales)
+        _synchronize(backend)
+
+
 def _synchronize(backend):
     if backend == "gpu":
         import cupy

@@ -31,7 +31,7 @@ GPU_CACHES = ("float16", "float8_e4m3", "int8")
 GPU_RUNS = 20  # device-timed runs per round on the GPU
 
 
-def _arrays(shape, cache: str, rng, q_dtype=None, xp=np):
+def cache_arrays(shape, cache: str, rng, q_dtype=None, xp=np):
     """q, k_cache, v_cache (bshd, k and v of ``cache`` dtype; q of ``q_dtype``, default
     the cache's, float32 for codes), the scales' keywords, and the bytes of cache a step
     reads, as arrays of ``xp``."""
@@ -57,7 +57,7 @@ def _arrays(shape, cache: str, rng, q_dtype=None, xp=np):
 def _step(shape, cache: str, rng):
     """A callable running one decode step on a cache of ``cache`` dtype, and the bytes of
     cache it reads."""
-    q, k, v, scales, read = _arrays(shape, cache, rng)
+    q, k, v, scales, read = cache_arrays(shape, cache, rng)
     return (lambda: attention_with_kvcache(q, k, v, cache_seqlens=shape[3], causal=True, **scales)), read
 
 
@@ -118,7 +118,7 @@ def compare_gpu(repeats: int = 5, shapes=SHAPES, out=sys.stdout) -> dict:
     for shape in shapes:
         steps, reads = {}, {}
         for cache in GPU_CACHES:
-            q, k, v, scales, reads[cache] = _arrays(shape, cache, rng, np.float16, cupy)
+            q, k, v, scales, reads[cache] = cache_arrays(shape, cache, rng, np.float16, cupy)
             plan = plan_with_kvcache(q, k, v, cache_seqlens=shape[3], causal=True, **scales)
             steps[cache] = (lambda plan=plan, arrays=(q, k, v), scales=scales: plan.run(*arrays, **scales))
         torch_step = _torch_step(shape, rng)
