@@ -193,11 +193,7 @@ def _splat(builder, scalar, vector_type):
 
 
 def _broadcast(context, builder, vector, scalar):
-    vector_type = context.get_value_type(vector)
-    single = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar,
-                                    ir.Constant(ir.IntType(32), 0))
-    mask = ir.Constant(ir.VectorType(ir.IntType(32), vector.lanes), [0] * vector.lanes)
-    return builder.shuffle_vector(single, ir.Constant(vector_type, ir.Undefined), mask)
+    return _splat(builder, scalar, context.get_value_type(vector))
 
 
 @intrinsic
