@@ -69,10 +69,7 @@ def flat_view(array, dtype, unit_last_axis=False, empty=np.empty):
     array = np.asarray(array)
     if array.dtype != dtype:
         array = widened(array, dtype, empty)
-    itemsize = array.itemsize
-    strides = array.strides
-    if (any(s < 0 or s % itemsize for s in strides)
-            or (unit_last_axis and array.shape[-1] > 1 and strides[-1] != itemsize)):
+    if _unreadable_strides(array, unit_last_axis):
         array = np.ascontiguousarray(array)
     elements = element_strides(array)
     if array.size == 0:
@@ -82,22 +79,28 @@ def flat_view(array, dtype, unit_last_axis=False, empty=np.empty):
     extent = 1 + sum((n - 1) * s for n, s in zip(array.shape, elements))
     flat = _within_base(array, extent)
     if flat is None:
-        flat = np.lib.stride_tricks.as_strided(array, shape=(extent,), strides=(itemsize,), writeable=False)
+        flat = np.lib.stride_tricks.as_strided(array, shape=(extent,), strides=(array.itemsize,), writeable=False)
     return flat, elements
+
+
+def _unreadable_strides(array, unit_last_axis) -> bool:
+    """Whether :func:`flat_view` copies ``array`` (of its dtype) for its strides: a
+    negative one, one that is not a whole number of elements, or (``unit_last_axis``) a
+    last axis that is not contiguous."""
+    itemsize = array.itemsize
+    return (any(s < 0 or s % itemsize for s in array.strides)
+            or (unit_last_axis and array.shape[-1] > 1 and array.strides[-1] != itemsize))
 
 
 def flat_view_strides(array, dtype, unit_last_axis=False) -> tuple:
     """The element strides :func:`flat_view` gives for ``array`` (the same arguments),
-    without its copy: the strides of a C-contiguous array of its shape where flat_view
-    copies it for its strides (a negative one, or one that is not a whole number of
-    elements, or a last axis that is not contiguous with ``unit_last_axis``), else its own.
-    A plan's parameters take a scales array's strides from here, so that they are the
-    strides of the operand its calls hand the kernel."""
-    if memory_order(array, dtype, unit_last_axis) is None:
-        itemsize = array.itemsize
-        if (any(s < 0 or s % itemsize for s in array.strides)
-                or (unit_last_axis and array.shape[-1] > 1 and array.strides[-1] != itemsize)):
-            return element_strides(np.empty(array.shape, np.dtype(dtype)))
+    without its copy: those of a C-contiguous array of its shape where flat_view copies it
+    (another dtype, or :func:`_unreadable_strides`), else its own. A plan's parameters take
+    a scales array's strides from here, so that they are the strides of the operand its
+    calls hand the kernel."""
+    if memory_order(array, dtype, unit_last_axis) is None and (array.dtype != dtype
+                                                               or _unreadable_strides(array, unit_last_axis)):
+        return element_strides(np.empty(array.shape, np.dtype(dtype)))
     return element_strides(array)
 
 
