@@ -131,8 +131,9 @@ def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale
 
 
 @helper
-def _value_bytes(decode):
-    """Bytes per value of the codes ``decode`` reads."""
+def code_bytes(decode):
+    """Bytes per value of the codes ``decode`` (a :data:`~npattn.core.kernel_params.KvCodes`)
+    reads: 1 for int8 and e4m3, 2 for float16 and bfloat16."""
     always_inline()
     if decode == _FLOAT16 or decode == _BFLOAT16:
         return 2
@@ -197,7 +198,7 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
     Each block of keys first asks for the keys ``ahead`` rows on (none where 0)."""
     always_inline()
     lanes = lanes_in(c)
-    ahead_bytes, row_bytes = ahead * b_row, depth * _value_bytes(decode)
+    ahead_bytes, row_bytes = ahead * b_row, depth * code_bytes(decode)
     j = 0
     if rows < ROW_BLOCK:  # each row alone anyway: WIDE_KEYS chains in flight, not KEY_BLOCK
         while j + WIDE_KEYS <= cols:
@@ -241,10 +242,10 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
 @helper
 def _ask_for_keys(codes, k, b_row, keys, ahead_bytes, row_bytes, scales, scale_at, scale_step, decode):
     """Ask for the rows of ``keys`` keys from ``codes[k]`` as they lie ``ahead_bytes`` on, and
-    for their scales from ``scales[scale_at]`` (nothing where ``ahead_bytes`` is 0). A call,
-    not inlined: made between blocks, where no accumulator is live, and inlined into every
-    block of every decode the requests' loops took 7 s more of the float32 forward's first
-    compile."""
+    for their scales from ``scales[scale_at]`` (nothing where ``ahead_bytes`` is 0). The test
+    is inlined, the requests are a call (:func:`_ask_for_key_rows`): made between blocks,
+    where no accumulator is live; inlined into every block of every decode, their loops
+    took 7 s more of the float32 forward's first compile."""
     always_inline()
     if ahead_bytes > 0:
         _ask_for_key_rows(codes, k + ahead_bytes, b_row, keys, row_bytes, scales, scale_at, scale_step,
@@ -491,7 +492,7 @@ def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, 
     s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b2 = b3 = zero
     for j in range(cols):
         at = b_at + j * b_row
-        _ask_for_block(codes, at + x0 * _value_bytes(decode), VECTOR_BLOCK * lanes * _value_bytes(decode), ask_bytes)
+        _ask_for_block(codes, at + x0 * code_bytes(decode), VECTOR_BLOCK * lanes * code_bytes(decode), ask_bytes)
         b0, b1 = _values(codes, at, x0, zero, decode), _values(codes, at, x0 + lanes, zero, decode)
         if VECTOR_BLOCK == 4:
             b2, b3 = _values(codes, at, x0 + 2 * lanes, zero, decode), _values(codes, at, x0 + 3 * lanes, zero, decode)
@@ -530,7 +531,7 @@ def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, lanes, as
     for j in range(cols):
         weight = _weight(p, p_at + j, c)
         at = b_at + j * b_row
-        _ask_for_block(codes, at + x0 * _value_bytes(decode), WIDE_VECTORS * lanes * _value_bytes(decode), ask_bytes)
+        _ask_for_block(codes, at + x0 * code_bytes(decode), WIDE_VECTORS * lanes * code_bytes(decode), ask_bytes)
         s0 = multiply_add(weight, _values(codes, at, x0, zero, decode), s0)
         s1 = multiply_add(weight, _values(codes, at, x0 + lanes, zero, decode), s1)
         s2 = multiply_add(weight, _values(codes, at, x0 + 2 * lanes, zero, decode), s2)

@@ -15,7 +15,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from .blas import gemm
-from .code_products import code_dot_products
+from .code_products import code_bytes, code_dot_products
 from .jit import OPTIONS, helper
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
 from .simd import (VECTOR_BYTES, as_float, fill, lanes_in, line_elements, load, load_float16_bits, prefetch,
@@ -260,7 +260,7 @@ def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head,
     head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
     values_at = ints[Int.BLOCK_K] * head_dim
     codes = ints[Int.KV_CODES]
-    width = 1 if codes in (KvCodes.INT8, KvCodes.FLOAT8) else 2  # bytes per value
+    width = code_bytes(codes)
     k_step, v_step = ints[Int.K_STRIDE_S], ints[Int.V_STRIDE_S]
     k_scale_step, v_scale_step = ints[Int.K_SCALE_STRIDE_S], ints[Int.V_SCALE_STRIDE_S]
     c = 0
@@ -343,7 +343,7 @@ def prefetch_key_rows(k, v, k_codes, v_codes, k_scale, v_scale, pages, ints, b, 
     find it there."""
     heads, head_dim, value_dim = ints[Int.KV_HEADS], ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
     codes = ints[Int.KV_CODES]
-    width = 1 if codes in (KvCodes.INT8, KvCodes.FLOAT8) else 2  # bytes per code
+    width = code_bytes(codes)
     # Row by row, each row's page looked up again: measured on the 2-core Zen 4 VM, a loop
     # that looked pages up once per run issued the requests faster and an int8 step
     # (1, 32/8, 16384, 128) slowed: 1.88-2.27x float32's speed against 2.47-2.70x this way,
