@@ -31,7 +31,7 @@ from numba import types
 from numba.extending import overload
 
 from ..core.kernel_params import KvCodes
-from .jit import OPTIONS, helper
+from .jit import OPTIONS, helper, inlined_helper
 from .microkernels import DEPTH_BLOCK, WIDE_ROWS, WIDE_VECTORS
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
 from .simd import (VECTOR_BYTES, add, always_inline, fill, horizontal_sum, lanes_in, load, load_code,
@@ -111,7 +111,7 @@ def _code_dot_products_overload(a, a_offset, a_row, codes, b_offset, b_row, scal
     return implementation
 
 
-@helper
+@inlined_helper
 def _code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset,
                        c_row, rows, cols, depth, alpha, decode, ahead):
     """:func:`_dot_products_of` compiled once per decode (a constant there)."""
@@ -372,7 +372,7 @@ def _code_product_overload(p, p_offset, p_row, codes, b_offset, b_row, scales, s
     return implementation
 
 
-@helper
+@inlined_helper
 def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
                   rows, cols, width, decode, ahead):
     """The columns and keys in the pieces :func:`~npattn.cpu.microkernels.product` sums them
@@ -391,9 +391,9 @@ def _code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offs
     ahead_bytes = ahead * b_row
     wide = WIDE_VECTORS * lanes_in(c)
     wide_end = (width // wide) * wide if rows <= WIDE_ROWS else 0
-    if wide_end > 0:
-        _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, 0, wide_end,
-                         ahead_bytes, decode)
+    if wide_end > 0:  # (x_start a plain int: a literal 0 compiled every decode's P V a second time)
+        _decoded_product(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, rows, cols, plain_int(0),
+                         wide_end, ahead_bytes, decode)
     if wide_end < width:
         for j0 in range(0, cols, DEPTH_BLOCK):
             _decoded_product(p, p_offset + j0, p_row, codes, b_offset + j0 * b_row, b_row, c, c_offset, c_row, rows,
