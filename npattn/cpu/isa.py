@@ -88,17 +88,26 @@ def bf16_pairs_pay() -> bool:
     return host_cpu_name().startswith("znver")
 
 
+# AMD's cores that keep a decode item's bursts (:func:`tile_prefetch_pays`) where the
+# products read codes in registers: the AVX-512 Zen cores, where the bursts were measured
+# against no requests and the rows-ahead requests were not measured
+_BURSTING_CORES = ("znver4", "znver5")
+
+
 def row_prefetch_pays() -> bool:
     """Whether a decode step's products that read a contiguous cache's codes in registers
     (int8, float8 e4m3, float16, bfloat16) should ask L2 for the key rows a tile on, key
     by key as they go (:mod:`npattn.cpu.code_products`), instead of the next tile's rows in
-    two bursts per head (:func:`tile_prefetch_pays`): on Intel's cores, where a software
+    two bursts per head (:func:`tile_prefetch_pays`). On Intel's cores, where a software
     request holds a fill buffer until its line arrives, a burst of 128 lines left the
     products' own loads waiting for buffers. Emerald Rapids VM, ``bench --caches``, three
     alternating processes each way: int8 (1, 32/8, 16384, 128) 3.7-3.9 -> 2.9-3.1 ms and
-    (16, 32/8, 2048, 128) 6.7-7.0 -> 5.1-5.4 ms. Not measured on AMD's cores, which keep
-    the bursts their measurements chose."""
-    return not host_cpu_name().startswith("znver")
+    (16, 32/8, 2048, 128) 6.7-7.0 -> 5.1-5.4 ms. On the AVX2 Zen 3 VM (2026-11-29), two
+    alternating processes each way: int8 11.4-13.5 -> 8.9-9.4 ms and 19.3-21.2 ->
+    13.6-15.5 ms, e4m3 13.2-20.0 -> 11.0-11.2 and 21.9-29.1 -> 17.2-19.3 ms, float16 within
+    the VM's noise (13.6-20.2 against 15.3-16.0 ms). Zen 4 and later keep the bursts
+    (:data:`_BURSTING_CORES`: not measured this way)."""
+    return host_cpu_name() not in _BURSTING_CORES
 
 
 # The shortest slice of a key row (one head's keys or values, in bytes) from which Intel's
