@@ -8,6 +8,8 @@ copies of the same library code: the options live here, shared.
 - :data:`helper`: everything only jitted code calls: no CPython or C wrappers, each
   of which would cost compile time and never be used. Calling a helper from Python
   crashes the interpreter; nothing outside this package should.
+- :data:`inlined_helper`: a helper with one call site, which Numba types and inlines
+  there (no library of its own: see the comment at its definition).
 """
 from __future__ import annotations
 
