@@ -90,6 +90,9 @@ def _accumulated_product(p, b, c, rows, cols, width, b_row):
     microkernels.product(p, 0, cols, 1, b, 0, b_row, c, 0, width, rows, cols, width, 1.0, True)
 
 
+# The two wrappers read key j's scale at scales[1 + j * scale_step]: from index 1, so that
+# a scale read one key early would read index 0 (and a test that gives the keys' scales at
+# odd indices catches a read of the wrong one)
 @njit  # not cached, as above
 def _code_dot_products(a, codes, scales, c, rows, cols, depth, b_row, scale_step, alpha, decode, ahead=0):
     code_products.code_dot_products(a, 0, depth, codes, 0, b_row, scales, 1, scale_step, c, 0, cols, rows, cols,
@@ -210,7 +213,7 @@ def test_an_e4m3_nan_code_reads_as_nan(nan_code):
     rng = np.random.default_rng(5)
     codes = rng.integers(-100, 100, size=(5, lanes)).astype(np.int8)
     codes[2, 3] = nan_code
-    scales = np.full(5, 0.01, np.float32)
+    scales = np.full(1 + 5, 0.01, np.float32)  # (read from index 1, as the wrappers do)
     a = rng.standard_normal((4, lanes)).astype(np.float32)
     c = np.zeros((4, 5), np.float32)
     _code_dot_products(a.ravel(), codes.ravel(), scales, c.ravel(), 4, 5, lanes, lanes, 1, 1.0, DECODES["float8_e4m3"])
