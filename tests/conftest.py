@@ -162,23 +162,35 @@ def machine_code_names() -> tuple[str, ...]:
 
 
 def compiled_names(architecture: str) -> tuple[str, ...]:
-    """What CI compiles for ``architecture``: every name expression (and the checked
-    kernels) for ``sources.EVERY_INSTANTIATION_ARCHITECTURE``; for the others, the kernels
-    whose machine code is read. The source has no code that depends on the architecture
-    (tests/test_gpu.py holds it to that), so an instantiation that compiles for one
-    compiles for every one; what differs is the machine code. Compiling all 116
-    instantiations for sm_80 too took 36 s more of NVRTC (on the 2-core Zen 4 VM,
-    2026-11-28: 43 s for the read kernels, 36 s for the rest), a core's time while the
-    tests wait for a free one."""
+    """What CI compiles to machine code for ``architecture``: the kernels whose machine
+    code the checks read, and for ``sources.EVERY_INSTANTIATION_ARCHITECTURE`` the decode
+    tiles that keep their codes in registers (read there only)."""
     from npattn.gpu import sources
 
     if architecture != getattr(sources, "EVERY_INSTANTIATION_ARCHITECTURE", architecture):
         return machine_code_names()
-    return tuple(dict.fromkeys((*sources.name_expressions(), *machine_code_names())))
+    return tuple(dict.fromkeys((*machine_code_names(), *getattr(sources, "REGISTER_CODE_KERNELS", ()))))
+
+
+def ptx_names() -> tuple[str, ...]:
+    """Every other instantiation: CI compiles them to PTX for
+    ``sources.EVERY_INSTANTIATION_ARCHITECTURE`` (nvrtc.compile_ptx), which finds any
+    template or syntax error. The source has no code that depends on the architecture
+    (tests/test_gpu.py holds it to that), so an instantiation that compiles for one
+    compiles for every one; what differs is the machine code, which no test reads for
+    these. Their machine code, from ptxas, is what took the time: on the 2-core Zen 3 VM
+    (2026-11-29), 137 s of one core to a cubin against 49 s to PTX for these 65
+    instantiations (and compiling all of them for sm_80 too had taken 36 s more on the
+    Zen 4 VM), a core's time while the tests wait for a free one."""
+    from npattn.gpu import sources
+
+    every = getattr(sources, "EVERY_INSTANTIATION_ARCHITECTURE", sources.ARCHITECTURES[0])
+    compiled = set(compiled_names(every))
+    return tuple(name for name in dict.fromkeys(sources.name_expressions()) if name not in compiled)
 
 
 # ---- slow builds started at collection, on threads of their own ---------------------------
-# The NVRTC compile of every kernel (a minute on 2 cores), the g++ build of the GPU
+# The NVRTC compile of every kernel (minutes of a core), the g++ build of the GPU
 # emulation and the forced-AVX2 child process (a minute, compiling its kernels) start as
 # soon as the run is known to need them, and go on while the CPU tests run (those keep
 # one core busy, mostly): the fixtures and tests that need them wait for the result.
@@ -225,16 +237,20 @@ def started_in_turn(name, work):
 
 
 def _compile_machine_code():
-    """``{architecture: (cubin, {name expression: symbol})}``, the architectures side by side
-    (NVRTC runs without the GIL)."""
+    """``({architecture: (cubin, {name expression: symbol})}, {name expression: symbol})``:
+    the machine code of :func:`compiled_names` for each architecture, and the symbols of
+    the PTX compile of :func:`ptx_names`, the three compiles side by side (NVRTC runs
+    without the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from npattn.gpu import nvrtc, sources
 
-    with ThreadPoolExecutor(len(sources.ARCHITECTURES)) as pool:
+    every = getattr(sources, "EVERY_INSTANTIATION_ARCHITECTURE", sources.ARCHITECTURES[0])
+    with ThreadPoolExecutor(len(sources.ARCHITECTURES) + 1) as pool:
+        ptx = pool.submit(nvrtc.compile_ptx, every, ptx_names())
         results = pool.map(lambda architecture: nvrtc.compile_cubin(architecture, compiled_names(architecture)),
                            sources.ARCHITECTURES)
-        return dict(zip(sources.ARCHITECTURES, results))
+        return dict(zip(sources.ARCHITECTURES, results)), ptx.result()[1]
 
 
 def _build_emulation(config):
@@ -307,8 +323,16 @@ def _background_run(item) -> bool:
 @pytest.fixture(scope="session")
 def machine_code():
     """``{architecture: (cubin, {name expression: symbol})}`` for every architecture CI
-    targets and the names :func:`compiled_names` gives it. The compile takes a minute on 2
-    cores, so tests/test_gpu.py (it compiles) and tests/test_gpu_machine_code.py (what it
-    compiles to) share this one, started at collection (:func:`started`)."""
+    targets and the names :func:`compiled_names` gives it. The compile takes minutes of
+    the 2-core VMs, so tests/test_gpu.py (it compiles) and tests/test_gpu_machine_code.py
+    (what it compiles to) share this one, started at collection (:func:`started`)."""
     nvrtc_or_skip()
-    return started("machine_code", _compile_machine_code).result()
+    return started("machine_code", _compile_machine_code).result()[0]
+
+
+@pytest.fixture(scope="session")
+def ptx_symbols():
+    """``{name expression: symbol}`` of the PTX compile of :func:`ptx_names` (with the
+    machine code, in the same started compile)."""
+    nvrtc_or_skip()
+    return started("machine_code", _compile_machine_code).result()[1]
