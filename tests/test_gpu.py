@@ -142,7 +142,6 @@ def test_shared_memory_fits_an_sm80_block_at_the_widest_heads(dtype):
 
 @pytest.mark.parametrize("rows", [1, 64, 65])
 def test_tensor_core_shared_memory_fits_an_sm80_block_at_the_widest_heads(rows):
-    widest = sources.MAX_HEAD_DIM
     for bound in sources.HEAD_DIM_BOUNDS:
         tile = sources.forward_tc_config(rows, bound)
         assert launch.forward_tc_shared_bytes(bound, bound, tile) <= _SM80_SHARED_BYTES
