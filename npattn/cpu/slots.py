@@ -38,6 +38,7 @@ except ImportError:  # (not public: a Numba without it keys by type)
 
 from ..core.quantization import CODE_LIMIT, E4M3_LARGEST
 from .jit import helper, kernel
+from .signatures import plain_int
 from .threads import direct_entry
 from .simd import MICROKERNELS, VECTOR_BYTES, as_bits, load, store
 
@@ -52,7 +53,8 @@ class SlotWriter:
     the same dtypes and shapes (a plan checked them)."""
 
     def __init__(self, caches, new, targets, positions):
-        self._targets, self._positions = targets, positions
+        # read-only, whoever made them: one type for the compiled writes to take
+        self._targets, self._positions = _read_only(targets), _read_only(positions)
         # per pair of caches: the unsigned ints its bytes are copied as (or None), and the
         # size of its staging: each cache's old rows, then a copy of its new rows
         self._pairs = tuple((_bits(caches[pair].dtype), 2 * (new[pair].size + new[pair + 1].size))
@@ -224,9 +226,22 @@ def _as_rows(array, bits):
 
 
 def _bits(dtype: np.dtype) -> np.dtype | None:
-    """The unsigned int dtype of ``dtype``'s width where Numba cannot type ``dtype``
-    (float16; ml_dtypes' bfloat16 and float8), else None (a copy moves the bytes as they are)."""
-    return None if dtype in _TYPED else np.dtype(f"u{dtype.itemsize}")
+    """The int dtype of ``dtype``'s width where Numba cannot type ``dtype`` (float16;
+    ml_dtypes' bfloat16 and float8) or where another dtype of its width is compiled for
+    already (uint8 e4m3 codes, as int8), else None (a copy moves the bytes as they are):
+    each write kernel is compiled once per width, not once per dtype."""
+    if dtype in _TYPED:
+        return None
+    return np.dtype(np.int8) if dtype.itemsize == 1 else np.dtype(f"u{dtype.itemsize}")
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """``array``, or a read-only view of it where it is writable."""
+    if not array.flags.writeable:
+        return array
+    view = array.view()
+    view.setflags(write=False)
+    return view
 
 
 _UNCHECKED = np.zeros((0, 8), np.int64)  # no rows: _write_plain compares no array
@@ -246,7 +261,7 @@ def _write_plain(query, first, second, first_new, second_new, targets, positions
     if not _all_match(query, first, second, first_new, second_new, expected):
         return False
     _write_cache(second, second_new, targets, positions, staged,
-                 _write_cache(first, first_new, targets, positions, staged, 0))
+                 _write_cache(first, first_new, targets, positions, staged, plain_int(0)))
     return True
 
 
@@ -301,7 +316,7 @@ def _write_vector_plain(query, first, second, first_new, second_new, targets, po
     if not _all_match(query, first, second, first_new, second_new, expected):
         return False
     _write_vector_cache(second, second_new, targets, positions, staged,
-                        _write_vector_cache(first, first_new, targets, positions, staged, 0))
+                        _write_vector_cache(first, first_new, targets, positions, staged, plain_int(0)))
     return True
 
 
