@@ -7,6 +7,13 @@ of this package, stamps with the hash of every module here and of the two outsid
 that number the kernels' parameters (then defers to Numba's usual locations). Import
 it before any ``@njit(cache=True)`` of the package.
 
+Numba's save of a new entry is a read of the function's index, a free data file's name
+picked from it, and the index written back: two processes compiling different
+specializations of one kernel at once (``python -m npattn compile`` compiles its dtypes
+side by side; services warm up in parallel) could both pick the same name, and the
+index of one would then name the other's machine code. Saves of this package's entries
+hold a lock on a file in the cache's directory (:func:`_locked_save`).
+
 It also applies ``NPATTN_CPU_ISA`` (:mod:`.isa`) before that first ``@njit``. Numba
 keys each cached entry by its target CPU's features, so AVX-512 and AVX2 machine
 code live side by side in one cache.
@@ -17,6 +24,11 @@ import glob
 import hashlib
 import os
 import re
+
+try:
+    import fcntl
+except ImportError:  # (not on Windows: saves are not locked there)
+    fcntl = None
 
 from numba.core import caching
 
@@ -107,6 +119,35 @@ class PackageStampedLocator(caching._CacheLocator):
                 return cls(inner)
         return None
 
+
+_LOCK_NAME = "npattn-cache.lock"
+
+
+def _locked_save(save):
+    """``IndexDataCacheFile.save`` holding an exclusive lock (``flock``) on
+    :data:`_LOCK_NAME` in the entry's directory, for this package's entries (their file
+    names carry the digest); others' as Numba saves them. Best effort where there is no
+    ``fcntl`` (Windows) or the lock file cannot be made: Numba's save as it is."""
+    ours = f"_{_DIGEST[:_DIGEST_CHARS]}.py"
+
+    def save_locked(self, key, data):
+        index_path = getattr(self, "_index_path", "")
+        if fcntl is None or ours not in os.path.basename(index_path):
+            return save(self, key, data)
+        try:
+            lock = open(os.path.join(os.path.dirname(index_path), _LOCK_NAME), "a")
+        except OSError:
+            return save(self, key, data)
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+            return save(self, key, data)
+    save_locked.npattn_locked = True
+    return save_locked
+
+
+_FILE_CLASS = getattr(caching, "IndexDataCacheFile", None)
+if _FILE_CLASS is not None and not getattr(_FILE_CLASS.save, "npattn_locked", False):
+    _FILE_CLASS.save = _locked_save(_FILE_CLASS.save)
 
 _LOCATORS = getattr(getattr(caching, "CacheImpl", None), "_locator_classes", None)
 if isinstance(_LOCATORS, list) and PackageStampedLocator not in _LOCATORS:
