@@ -5,8 +5,11 @@ environment (forward and backward: 81 s for float32 and 43 s for float64 on a 2-
 VM, about half that on the project's AVX-512 VMs) and then loaded from Numba's
 on-disk cache (``__pycache__`` beside the package, or ``NUMBA_CACHE_DIR``) in well
 under a second. One compiled kernel serves every shape, layout and option (options
-are runtime flags), so a tiny call per dtype, forward and backward, fills the cache:
-a service can pay the compile at start-up, an image build can bake it in.
+are runtime flags), so a few tiny calls per dtype fill the cache: the forward, the
+attention weights' kernel and, with ``backward``, the backward and the bias gradient's
+kernel. A service can pay the compile at start-up, an image build can bake it in.
+``python -m npattn compile`` compiles its dtypes side by side, a process each, where
+the machine has the cores (saves into one cache are locked: :mod:`npattn.cpu._cache`).
 The GPU backend compiles its CUDA kernels per option set on first use and keeps the
 cubins on disk (``NPATTN_CACHE_DIR``); it is not warmed here.
 """
@@ -21,9 +24,10 @@ from .core.checks import FLOAT_DTYPE_NAMES as DTYPES
 
 
 def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True) -> dict[str, float]:
-    """Compile (or load from the cache) the CPU kernels for each of ``dtypes``: one tiny
-    forward, and its backward unless ``backward=False``. Returns the seconds each dtype
-    took. float16 and bfloat16 compute in float32, so they share its kernels."""
+    """Compile (or load from the cache) the CPU kernels for each of ``dtypes``: tiny
+    calls of the forward and of the weights' kernel (``return_weights=True``), and unless
+    ``backward=False`` of the backward and the bias gradient's kernel. Returns the seconds
+    each dtype took. float16 and bfloat16 compute in float32, so they share its kernels."""
     from .api import attention_vjp
     from .backends import backends
     from .cpu import compiling
@@ -36,12 +40,12 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True) ->
     seconds = {}
     for name in dtypes:
         dtype = _dtype(name)
-        q = np.zeros((1, 1, 2, 8), dtype)
+        q, bias = np.zeros((1, 1, 2, 8), dtype), np.zeros((1, 1, 2, 2), dtype)
         start = time.perf_counter()
         with compiling.quiet():  # asked for: no note on stderr
-            out, vjp = attention_vjp(q, q, q, backend="cpu")
+            out, vjp = attention_vjp(q, q, q, bias=bias, return_weights=True, backend="cpu")
             if backward:
-                vjp(np.ones_like(out))
+                vjp(np.ones_like(out[0]))
         seconds[np.dtype(dtype).name] = time.perf_counter() - start
     # the tiny calls run on one thread; a call shared with other threads also runs the
     # crew's watches, or the pool's watch of the counter (small jitted functions: compiled,

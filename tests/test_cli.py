@@ -228,10 +228,12 @@ def test_bad_arguments_get_a_usage_error_not_a_traceback(arguments, message):
 
 
 def test_compile_warms_the_kernels_of_each_dtype():
-    result = _run_cli("compile", "--dtype", "float32")
+    """Two dtypes: side by side in child processes where there are two cores (a line
+    each, in the order asked), one after the other on one."""
+    result = _run_cli("compile", "--dtype", "float64", "--dtype", "float32")
     assert result.returncode == 0, result.stderr
-    assert "compiling the CPU kernels" in result.stdout
-    assert re.search(r"float32\s+ready in \d+\.\d s", result.stdout)
+    assert re.fullmatch(r"compiling the CPU kernels \(or loading them from Numba's cache\)\.\.\.\n"
+                        r"  float64\s+ready in \d+\.\d s\n  float32\s+ready in \d+\.\d s\n", result.stdout), result.stdout
 
 
 def test_warmup_returns_seconds_per_dtype_and_names_a_bad_one():
