@@ -8,7 +8,9 @@ Profiles: "ci" (the default; fast, derandomized so CI is reproducible) and "dev"
 import functools
 import os
 import platform
+import subprocess
 import sys
+import threading
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -196,17 +198,57 @@ def ptx_names() -> tuple[str, ...]:
 # one core busy, mostly): the fixtures and tests that need them wait for the result.
 
 _STARTED: dict = {}
+# How much lower than the tests' the builds' and subprocesses' priority is (a nice value):
+# the main process's tests are the run's longest path, so they take a core whenever they
+# can; the builds take the other, and both when the tests wait
+BACKGROUND_NICE = 10
 
 
-def started(name, work):
-    """The future of ``work()`` run on a thread of its own, started now unless already."""
+def started(name, work, background=True):
+    """The future of ``work()`` run on a thread of its own, started now unless already;
+    at :data:`BACKGROUND_NICE` (and so are the threads and processes it starts) unless
+    not ``background``."""
     if name not in _STARTED:
         from concurrent.futures import ThreadPoolExecutor
 
         pool = ThreadPoolExecutor(1, thread_name_prefix=f"npattn-tests-{name}")
-        _STARTED[name] = pool.submit(work)
+        _STARTED[name] = pool.submit(_niced(work) if background else work)
         pool.shutdown(wait=False)
     return _STARTED[name]
+
+
+def _niced(work):
+    """``work`` run at :data:`BACKGROUND_NICE` on its thread (Linux sets a thread's nice
+    value by its id; threads and processes it starts inherit it)."""
+    def run():
+        if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+            except OSError:
+                pass
+        return work()
+    return run
+
+
+# The CPU kernels, float32 and float64, compiled into Numba's cache before the first test
+# by ``python -m npattn compile`` (a process per dtype, side by side), where a run
+# collects at least PRECOMPILE_ITEMS tests: compiled by the tests instead, one after the
+# other in the main process, they took 390 of its 805 s on the 2-core Zen 3 VM (with the
+# builds below on the other core). Smaller runs compile what they use, or load it.
+PRECOMPILE_ITEMS = 200
+
+
+def _precompile_cpu_kernels():
+    return subprocess.run([sys.executable, "-m", "npattn", "compile", "--dtype", "float32", "--dtype", "float64"],
+                          capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_compiled():
+    """Wait, before the first test, for the kernels' compile where the run started one."""
+    future = _STARTED.get("cpu-kernels")
+    if future is not None:
+        future.exception()  # (a failed compile fails no test: the tests compile what they need)
 
 
 # Test subprocesses that run a program whole (the CLI's demo, the examples: a minute in all,
@@ -232,7 +274,7 @@ def started_in_turn(name, work):
             for future in earlier:
                 future.exception()  # (waits; a failed build fails its own tests)
             return work()
-        _STARTED[name] = _IN_TURN[0].submit(after_the_builds)
+        _STARTED[name] = _IN_TURN[0].submit(_niced(after_the_builds))
     return _STARTED[name]
 
 
@@ -266,6 +308,8 @@ def emulation_library(config):
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(session, config, items):
+    if len(items) >= PRECOMPILE_ITEMS and _STATUS["cpu"]:
+        started("cpu-kernels", _precompile_cpu_kernels, background=False)
     fixtures = {name for item in items for name in getattr(item, "fixturenames", ())}
     if "machine_code" in fixtures:
         from npattn.gpu import nvrtc
