@@ -217,6 +217,19 @@ def started(name, work, background=True):
     return _STARTED[name]
 
 
+# A test's subprocess runs beside the other tests: one thread each for npattn's kernels and
+# for the BLAS, whose waiting threads spin (npattn's crew for NPATTN_SPIN_US, OpenBLAS's
+# longer) and, on a busy machine, spin for much of the time they wait for a core. Beside
+# the suite on the 2-core Zen 3 VM, examples/train_sort.py took 252 s of CPU (40 alone).
+ONE_THREAD = {"NPATTN_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+              "MKL_NUM_THREADS": "1"}
+
+
+def one_thread_environment(**more) -> dict:
+    """``os.environ`` with :data:`ONE_THREAD` and ``more`` set: a test subprocess's."""
+    return {**os.environ, **ONE_THREAD, **more}
+
+
 def _niced(work):
     """``work`` run at :data:`BACKGROUND_NICE` on its thread (Linux sets a thread's nice
     value by its id; threads and processes it starts inherit it)."""

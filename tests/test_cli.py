@@ -14,7 +14,7 @@ import pytest
 import npattn
 from npattn.tools import cli
 from npattn.tools.variants import VARIANTS, Size
-from conftest import started_in_turn
+from conftest import one_thread_environment, started_in_turn
 from tolerances import bound
 
 
@@ -81,7 +81,8 @@ def demo_child():
     it at collection (:func:`conftest.started_in_turn`), so that it runs beside the other tests."""
     directory = pathlib.Path(tempfile.mkdtemp(prefix="npattn-demo-"))
     return directory, subprocess.run([sys.executable, "-m", "npattn", "demo", "--seq-len", "16", "--head-dim", "8"],
-                                     capture_output=True, text=True, cwd=directory, timeout=900)
+                                     capture_output=True, text=True, cwd=directory, timeout=900,
+                                     env=one_thread_environment())
 
 
 def test_demo_command_line():

@@ -1,12 +1,11 @@
 """Every script in examples/ runs and reports success."""
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from conftest import started_in_turn
+from conftest import one_thread_environment, started_in_turn
 
 EXAMPLES = sorted((pathlib.Path(__file__).resolve().parent.parent / "examples").glob("*.py"))
 
@@ -14,7 +13,7 @@ EXAMPLES = sorted((pathlib.Path(__file__).resolve().parent.parent / "examples").
 def run_example(script):
     """The completed process of ``script`` run in full: conftest starts it at collection
     (:func:`conftest.started_in_turn`), so that it runs beside the other tests."""
-    environment = {name: value for name, value in os.environ.items() if name != "NPATTN_EXAMPLE_QUICK"}
+    environment = {name: value for name, value in one_thread_environment().items() if name != "NPATTN_EXAMPLE_QUICK"}
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                           env=environment)
 

@@ -2,7 +2,6 @@
 rank comparing its outputs and gradients with the one-process call (tests/ring_worker.py).
 Needs mpi4py and an MPI launcher (the test extra installs mpi4py and the MPICH wheel)."""
 import functools
-import os
 import pathlib
 import re
 import shutil
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 import npattn
-from conftest import started_in_turn
+from conftest import one_thread_environment, started_in_turn
 from npattn.distributed import shard, unshard
 
 pytest.importorskip("mpi4py")
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 def run(ranks, *arguments, timeout=300, folder=None):
     """The worker on ``ranks`` ranks; with ``folder``, each rank writes its report lines to
     ``folder/rank<R>.txt`` (lines on one shared pipe may run into each other)."""
-    environment = {**os.environ, "NPATTN_NUM_THREADS": "1"}
+    environment = one_thread_environment()
     if folder is not None:
         environment["NPATTN_FUZZ_OUT"] = str(folder)
     result = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, str(WORKER), *map(str, arguments)],
@@ -168,5 +167,5 @@ def test_the_readmes_mpi_example_runs_on_two_ranks(tmp_path):
     script = tmp_path / "readme_ring.py"
     script.write_text(block)
     result = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "NPATTN_NUM_THREADS": "1"})
+                            timeout=300, env=one_thread_environment())
     assert result.returncode == 0, result.stdout + result.stderr

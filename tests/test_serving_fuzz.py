@@ -6,7 +6,6 @@ The CI profile draws 1500 in-process calls and 200 ring calls on 2 ranks;
 from __future__ import annotations
 
 import collections
-import os
 import pathlib
 import re
 import subprocess
@@ -16,7 +15,7 @@ import pytest
 from hypothesis import settings
 
 import serving_fuzz
-from conftest import FUZZ_TABLES
+from conftest import FUZZ_TABLES, one_thread_environment
 
 SCALE = 10 if settings().max_examples >= 1000 else 1
 CALLS, RING_CALLS = 1500 * SCALE, 200 * SCALE
@@ -43,7 +42,7 @@ def test_the_ring_fuzz_finds_no_fault_and_every_rank_raises_alike(request, tmp_p
         pytest.skip("no mpiexec")
     result = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(WORKER), "fuzz", "20261126", str(RING_CALLS)],
                             capture_output=True, text=True, timeout=600, cwd=WORKER.parent,
-                            env={**os.environ, "NPATTN_NUM_THREADS": "1", "NPATTN_FUZZ_OUT": str(tmp_path)})
+                            env=one_thread_environment(NPATTN_FUZZ_OUT=str(tmp_path)))
     crashed = result.returncode != 0
     records = {}
     for rank in (0, 1):
