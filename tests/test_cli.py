@@ -246,6 +246,24 @@ def test_warmup_returns_seconds_per_dtype_and_names_a_bad_one():
         npattn.warmup(dtypes="int8")
 
 
+def test_warmup_compiles_every_cpu_kernel_of_its_dtype():
+    """The forward, the backward, the weights' kernel and the bias gradient's: after a
+    warmup, a call that returns the weights or takes a bias's gradient compiles nothing.
+    In a process of its own, where no other test has called the kernels."""
+    script = """
+import npattn
+from npattn.cpu import backward_kernel, forward_kernel
+npattn.warmup(dtypes=("float64",))
+for kernel in (forward_kernel.forward_kernel, forward_kernel.weights_kernel, backward_kernel.backward_kernel,
+               backward_kernel.dbias_kernel):
+    print(kernel.__name__, any(str(signature[0].dtype) == "float64" for signature in kernel.signatures))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["forward_kernel", "True", "weights_kernel", "True", "backward_kernel", "True",
+                                     "dbias_kernel", "True"], result.stdout
+
+
 def test_bench_adapters_times_each_way_of_calling_against_numpy(monkeypatch, capsys):
     """One tiny shape, one round: numpy's own ratio is 1, and a row for each framework
     importable here, forward and forward+backward."""
