@@ -186,8 +186,7 @@ def ptx_names() -> tuple[str, ...]:
     Zen 4 VM), a core's time while the tests wait for a free one."""
     from npattn.gpu import sources
 
-    every = getattr(sources, "EVERY_INSTANTIATION_ARCHITECTURE", sources.ARCHITECTURES[0])
-    compiled = set(compiled_names(every))
+    compiled = set(compiled_names(sources.EVERY_INSTANTIATION_ARCHITECTURE))
     return tuple(name for name in dict.fromkeys(sources.name_expressions()) if name not in compiled)
 
 
@@ -300,9 +299,8 @@ def _compile_machine_code():
 
     from npattn.gpu import nvrtc, sources
 
-    every = getattr(sources, "EVERY_INSTANTIATION_ARCHITECTURE", sources.ARCHITECTURES[0])
     with ThreadPoolExecutor(len(sources.ARCHITECTURES) + 1) as pool:
-        ptx = pool.submit(nvrtc.compile_ptx, every, ptx_names())
+        ptx = pool.submit(nvrtc.compile_ptx, sources.EVERY_INSTANTIATION_ARCHITECTURE, ptx_names())
         results = pool.map(lambda architecture: nvrtc.compile_cubin(architecture, compiled_names(architecture)),
                            sources.ARCHITECTURES)
         return dict(zip(sources.ARCHITECTURES, results)), ptx.result()[1]
