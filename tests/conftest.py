@@ -175,14 +175,15 @@ def compiled_names(architecture: str) -> tuple[str, ...]:
 
 
 def ptx_names() -> tuple[str, ...]:
-    """Every other instantiation: CI compiles them to PTX for
-    ``sources.EVERY_INSTANTIATION_ARCHITECTURE`` (nvrtc.compile_ptx), which finds any
-    template or syntax error. The source has no code that depends on the architecture
-    (tests/test_gpu.py holds it to that), so an instantiation that compiles for one
-    compiles for every one; what differs is the machine code, which no test reads for
-    these. Their machine code, from ptxas, is what took the time: on the 2-core Zen 3 VM
-    (2026-11-29), 137 s of one core to a cubin against 49 s to PTX for these 65
-    instantiations (and compiling all of them for sm_80 too had taken 36 s more on the
+    """Every other instantiation: CI compiles them to PTX at NVRTC's fastest compile level
+    for ``sources.EVERY_INSTANTIATION_ARCHITECTURE`` (nvrtc.compile_ptx, optimized=False),
+    which finds any template or syntax error. The source has no code that depends on the
+    architecture (tests/test_gpu.py holds it to that), so an instantiation that compiles
+    for one compiles for every one; what differs is the machine code, which no test reads
+    for these. Their machine code and NVVM's optimizer are what took the time: on the
+    2-core Zen 3 VM (2026-11-29), 137 s of one core to a cubin and 49 s to optimized PTX
+    under the suite's load; alone, 23.7 s optimized against 1.9 s at the fastest level
+    (61 instantiations; compiling all of them for sm_80 too had taken 36 s more on the
     Zen 4 VM), a core's time while the tests wait for a free one."""
     from npattn.gpu import sources
 
@@ -300,7 +301,7 @@ def _compile_machine_code():
     from npattn.gpu import nvrtc, sources
 
     with ThreadPoolExecutor(len(sources.ARCHITECTURES) + 1) as pool:
-        ptx = pool.submit(nvrtc.compile_ptx, sources.EVERY_INSTANTIATION_ARCHITECTURE, ptx_names())
+        ptx = pool.submit(nvrtc.compile_ptx, sources.EVERY_INSTANTIATION_ARCHITECTURE, ptx_names(), optimized=False)
         results = pool.map(lambda architecture: nvrtc.compile_cubin(architecture, compiled_names(architecture)),
                            sources.ARCHITECTURES)
         return dict(zip(sources.ARCHITECTURES, results)), ptx.result()[1]

@@ -4,8 +4,9 @@
 (a cubin) of one architecture, the same way CuPy's ``RawModule`` does on a GPU, but
 needing only the ``nvidia-cuda-nvrtc-cu12`` wheel: no GPU, no driver, no CuPy. CI uses
 it to catch a syntax or template error in kernels it cannot run
-(:func:`check_compiles`; :func:`compile_ptx` stops at PTX, for kernels whose machine
-code it does not read) and to read the machine code itself (:mod:`npattn.gpu.sass`).
+(:func:`check_compiles`; :func:`compile_ptx` stops at PTX, unoptimized where only the
+compile is checked, for kernels whose machine code it does not read) and to read the
+machine code itself (:mod:`npattn.gpu.sass`).
 
 Imports nothing but the standard library. :mod:`.sources` is imported inside the
 functions that need it, because :mod:`.sources` re-exports this module's names at
@@ -14,6 +15,7 @@ its bottom: a module-level import here would make the two a cycle.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import importlib.util
 import os
@@ -49,6 +51,13 @@ def _library() -> ctypes.CDLL:
     nvrtc = ctypes.CDLL(path)
     nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
     return nvrtc
+
+
+def version() -> tuple[int, int]:
+    """NVRTC's (major, minor) version."""
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _checker(_library())(_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
 
 
 def _checker(nvrtc: ctypes.CDLL):
@@ -92,13 +101,37 @@ def compile_cubin(architecture: str, names=None, text: str | None = None) -> tup
     return _compiled(architecture, names, text, machine_code=True)
 
 
-def compile_ptx(architecture: str, names=None, text: str | None = None) -> tuple[bytes, dict[str, str]]:
+def compile_ptx(architecture: str, names=None, text: str | None = None,
+                optimized: bool = True) -> tuple[bytes, dict[str, str]]:
     """:func:`compile_cubin` up to PTX, for ``architecture``'s virtual architecture
-    ("sm_90" compiles for "compute_90"): the C++ front end and NVVM's optimizer, which
-    find every template or syntax error, without ptxas's machine code. For the 65
-    instantiations whose machine code no test reads, 49 s of one core against 137 s to
-    a cubin (the 2-core Zen 3 VM). Returns the PTX's bytes and the lowered symbols."""
-    return _compiled(virtual_architecture(architecture), names, text, machine_code=False)
+    ("sm_90" compiles for "compute_90"): the C++ front end and NVVM, which find every
+    template or syntax error, without ptxas's machine code. Returns the PTX's bytes and
+    the lowered symbols.
+
+    ``optimized=False`` compiles at NVRTC's fastest compile level (``--Ofast-compile=max``,
+    NVRTC 12.8 and later; an older NVRTC optimizes as usual), which leaves out most of
+    NVVM's optimizer, where the time of an optimized compile goes: for a check that the
+    instantiations compile, and nothing that reads their code. On the 2-core Zen 3 VM, one
+    core's time for the 61 instantiations whose machine code no test reads: 1.9 s against
+    23.7 s optimized; for the 31 tiles the tuning harness times, 2.0 against 26.5 s.
+    (``--device-debug`` leaves the optimizer out too, but took 90 s for those tiles.)"""
+    extra = () if optimized else _fast_compile_options()
+    return _compiled(virtual_architecture(architecture), names, text, machine_code=False, extra_options=extra)
+
+
+FAST_COMPILE_OPTION = "--Ofast-compile=max"
+
+
+@functools.cache
+def _fast_compile_options() -> tuple[str, ...]:
+    """``(FAST_COMPILE_OPTION,)`` where this NVRTC takes it, else ``()``: a trivial
+    program compiled with it once per process (0.2 s) tells."""
+    probe = "template <int N> __global__ void probe(float* x) { x[N] = 1.0f; }"
+    try:
+        _compiled("compute_80", ["probe<0>"], probe, machine_code=False, extra_options=(FAST_COMPILE_OPTION,))
+    except CompileError:
+        return ()
+    return (FAST_COMPILE_OPTION,)
 
 
 def virtual_architecture(architecture: str) -> str:
@@ -107,7 +140,8 @@ def virtual_architecture(architecture: str) -> str:
     return "compute_" + architecture[len("sm_"):] if architecture.startswith("sm_") else architecture
 
 
-def _compiled(architecture: str, names, text: str | None, machine_code: bool) -> tuple[bytes, dict[str, str]]:
+def _compiled(architecture: str, names, text: str | None, machine_code: bool,
+              extra_options: tuple[str, ...] = ()) -> tuple[bytes, dict[str, str]]:
     from .sources import compile_options, name_expressions, source
 
     nvrtc = _library()
@@ -120,7 +154,7 @@ def _compiled(architecture: str, names, text: str | None, machine_code: bool) ->
     try:
         for name in names:
             check(nvrtc.nvrtcAddNameExpression(program, name.encode()), f"nvrtcAddNameExpression({name})")
-        options = [option.encode() for option in compile_options(architecture)]
+        options = [option.encode() for option in (*compile_options(architecture), *extra_options)]
         status = nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
         if status != 0:
             raise CompileError(f"NVRTC failed for {architecture}:\n{_log(nvrtc, program)}")
@@ -146,9 +180,12 @@ def _ptx(nvrtc: ctypes.CDLL, program: ctypes.c_void_p, architecture: str) -> byt
 
 def check_compiles(architecture: str, names=None, machine_code: bool = True) -> dict[str, str]:
     """Compile :func:`~npattn.gpu.sources.source` to machine code for ``architecture``
-    (say "sm_90") with NVRTC, or with ``machine_code=False`` to its PTX only
-    (:func:`compile_ptx`), instantiating ``names`` (default: every name expression);
-    returns each name's lowered (mangled) symbol. Raises :class:`CompileError` with
-    NVRTC's log, or RuntimeError when no NVRTC library is found. Needs no GPU and no
-    CuPy."""
-    return (compile_cubin if machine_code else compile_ptx)(architecture, names)[1]
+    (say "sm_90") with NVRTC, or with ``machine_code=False`` to unoptimized PTX only
+    (:func:`compile_ptx`, ``optimized=False``: the check that every instantiation
+    compiles, at a tenth of an optimized compile's time), instantiating ``names``
+    (default: every name expression); returns each name's lowered (mangled) symbol.
+    Raises :class:`CompileError` with NVRTC's log, or RuntimeError when no NVRTC library
+    is found. Needs no GPU and no CuPy."""
+    if machine_code:
+        return compile_cubin(architecture, names)[1]
+    return compile_ptx(architecture, names, optimized=False)[1]
