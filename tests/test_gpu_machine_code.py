@@ -201,6 +201,9 @@ def test_a_selection_disassembles_as_the_whole_cubin_does():
     for symbol in lowered.values():
         assert sass.disassemble(cubin, [symbol]).keys() == {symbol}
         assert sass.opcodes(sass.disassemble(cubin, [symbol])[symbol]) == sass.opcodes(whole[symbol])
+    together = sass.disassemble(cubin, lowered.values())  # (one nvdisasm run for all of them)
+    assert together.keys() == set(lowered.values())
+    assert all(sass.opcodes(together[symbol]) == sass.opcodes(whole[symbol]) for symbol in lowered.values())
     with pytest.raises(KeyError, match="no function absent"):
         sass.disassemble(cubin, ["absent"])
 
