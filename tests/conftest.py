@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import npattn
+import offload
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", max_examples=100, derandomize=True, print_blob=True, **_COMMON)
@@ -320,7 +321,7 @@ def emulation_library(config):
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(session, config, items):
-    if len(items) >= PRECOMPILE_ITEMS and _STATUS["cpu"]:
+    if len(items) >= PRECOMPILE_ITEMS and _STATUS["cpu"] and not offload.is_child():
         started("cpu-kernels", _precompile_cpu_kernels, background=False)
     fixtures = {name for item in items for name in getattr(item, "fixturenames", ())}
     if "machine_code" in fixtures:
@@ -353,7 +354,15 @@ def pytest_collection_modifyitems(session, config, items):
                   or _background_run(item)):
             continue
         waiting.append(item)
-    items[:] = [item for item in items if item not in waiting] + waiting
+    # the files a child pytest runs beside this process (tests/offload.py): last of all
+    offloaded = offload.start(config, offload.wanted(config, items), started, _STARTED.get("cpu-kernels"),
+                              one_thread_environment())
+    later = set(waiting) | set(offloaded)
+    items[:] = [item for item in items if item not in later] + waiting + offloaded
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(offload.Plugin(config), "npattn-offload")
 
 
 def started_beside(item, test_name: str, name: str, work, needs: str | None = None) -> bool:
