@@ -70,8 +70,8 @@ def start(config, items, started, after, environment) -> list:
             if os.path.exists(path):
                 with open(path) as stream:
                     for data in json.load(stream):
-                        if isinstance(data.get("longrepr"), list):  # a skip's (path, line, reason): a tuple, not JSON's list
-                            data["longrepr"] = tuple(data["longrepr"])
+                        if isinstance(data.get("longrepr"), list):  # a skip's (path, line, reason):
+                            data["longrepr"] = tuple(data["longrepr"])  # a tuple, which JSON made a list
                         reports.setdefault(data["nodeid"], []).append(data)
             return reports, done
 
