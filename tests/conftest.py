@@ -321,7 +321,10 @@ def emulation_library(config):
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(session, config, items):
-    if len(items) >= PRECOMPILE_ITEMS and _STATUS["cpu"] and not offload.is_child():
+    if config.option.collectonly:  # (nothing will run: start no build or subprocess)
+        return
+    full_run = len(items) >= PRECOMPILE_ITEMS
+    if full_run and _STATUS["cpu"] and not offload.is_child():
         started("cpu-kernels", _precompile_cpu_kernels, background=False)
     fixtures = {name for item in items for name in getattr(item, "fixturenames", ())}
     if "machine_code" in fixtures:
@@ -355,8 +358,8 @@ def pytest_collection_modifyitems(session, config, items):
             continue
         waiting.append(item)
     # the files a child pytest runs beside this process (tests/offload.py): last of all
-    offloaded = offload.start(config, offload.wanted(config, items), started, _STARTED.get("cpu-kernels"),
-                              one_thread_environment())
+    offloaded = offload.start(config, offload.wanted(config, items) if full_run else [], started,
+                              _STARTED.get("cpu-kernels"), one_thread_environment())
     later = set(waiting) | set(offloaded)
     items[:] = [item for item in items if item not in later] + waiting + offloaded
 
