@@ -63,9 +63,8 @@ def start(config, items, started, after, environment) -> list:
         with tempfile.TemporaryDirectory() as directory:
             path = os.path.join(directory, "reports.json")
             # (its own tmp_path root: pytest's numbered directories, shared, are cleaned by each run)
-            done = subprocess.run([*command, f"--basetemp={os.path.join(directory, 'tmp')}"],
-                                  cwd=str(config.rootpath), capture_output=True, text=True,
-                                  env={**environment, REPORTS: path})
+            subprocess.run([*command, f"--basetemp={os.path.join(directory, 'tmp')}"], cwd=str(config.rootpath),
+                           capture_output=True, text=True, env={**environment, REPORTS: path})
             reports = {}
             if os.path.exists(path):
                 with open(path) as stream:
@@ -73,7 +72,7 @@ def start(config, items, started, after, environment) -> list:
                         if isinstance(data.get("longrepr"), list):  # a skip's (path, line, reason):
                             data["longrepr"] = tuple(data["longrepr"])  # a tuple, which JSON made a list
                         reports.setdefault(data["nodeid"], []).append(data)
-            return reports, done
+            return reports
 
     future = started("offloaded-files", run)
     for item in items:
@@ -87,8 +86,7 @@ def reported(item) -> bool:
     future = item.stash.get(_CHILD, None)
     if future is None:
         return False
-    reports, _ = future.result()
-    phases = reports.get(item.nodeid)
+    phases = future.result().get(item.nodeid)
     if not phases or phases[-1]["when"] != "teardown":  # (none, or cut short: the child crashed)
         return False
     hook = item.ihook

@@ -53,10 +53,19 @@ def test_runs_here():
 """
 
 
-def run_project(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess:
+CRASH = """
+
+def test_crashes_the_child():
+    if os.environ.get({variable!r}):
+        os._exit(3)
+"""
+
+
+def run_project(tmp_path: Path, *arguments: str, crash: bool = False) -> subprocess.CompletedProcess:
     tests = str(Path(__file__).parent)
     (tmp_path / "conftest.py").write_text(textwrap.dedent(CONFTEST.format(tests=tests)))
-    (tmp_path / "test_there.py").write_text(textwrap.dedent(THERE.format(variable=offload.REPORTS)))
+    there = THERE + (CRASH if crash else "")
+    (tmp_path / "test_there.py").write_text(textwrap.dedent(there.format(variable=offload.REPORTS)))
     (tmp_path / "test_here.py").write_text(textwrap.dedent(HERE.format(variable=offload.REPORTS)))
     (tmp_path / "setup.cfg").write_text("[tool:pytest]\n")
     environment = {key: value for key, value in os.environ.items() if key != offload.REPORTS}
@@ -81,3 +90,12 @@ def test_a_run_of_named_files_runs_them_here(tmp_path):
     done = run_project(tmp_path, "test_there.py", "test_here.py")
     assert "FAILED test_there.py::test_runs_in_the_child" in done.stdout
     assert "FAILED test_there.py::test_fails_there" in done.stdout
+
+
+def test_the_tests_of_a_child_that_crashed_run_here(tmp_path):
+    """A child that dies before writing its reports leaves each offloaded test to the
+    main process (which then finds it is not in the child)."""
+    done = run_project(tmp_path, crash=True)
+    assert "FAILED test_there.py::test_runs_in_the_child" in done.stdout
+    assert "PASSED test_there.py::test_crashes_the_child" in done.stdout
+    assert "2 failed, 4 passed, 1 skipped" in done.stdout, done.stdout

@@ -55,8 +55,9 @@ def _library() -> ctypes.CDLL:
 
 def version() -> tuple[int, int]:
     """NVRTC's (major, minor) version."""
+    nvrtc = _library()
     major, minor = ctypes.c_int(), ctypes.c_int()
-    _checker(_library())(_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    _checker(nvrtc)(nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     return major.value, minor.value
 
 
