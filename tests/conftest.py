@@ -294,18 +294,19 @@ def started_in_turn(name, work):
 
 def _compile_machine_code():
     """``({architecture: (cubin, {name expression: symbol})}, {name expression: symbol})``:
-    the machine code of :func:`compiled_names` for each architecture, and the symbols of
-    the PTX compile of :func:`ptx_names`, the three compiles side by side (NVRTC runs
-    without the GIL)."""
+    the machine code of :func:`compiled_names` for each architecture (NVVM once, then
+    ptxas for each, where the test wheels bring a ptxas of NVRTC's release:
+    :func:`npattn.gpu.nvrtc.compile_cubins`), and the symbols of the PTX compile of
+    :func:`ptx_names`, beside it (NVRTC runs without the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from npattn.gpu import nvrtc, sources
 
-    with ThreadPoolExecutor(len(sources.ARCHITECTURES) + 1) as pool:
+    with ThreadPoolExecutor(1) as pool:
         ptx = pool.submit(nvrtc.compile_ptx, sources.EVERY_INSTANTIATION_ARCHITECTURE, ptx_names(), optimized=False)
-        results = pool.map(lambda architecture: nvrtc.compile_cubin(architecture, compiled_names(architecture)),
-                           sources.ARCHITECTURES)
-        return dict(zip(sources.ARCHITECTURES, results)), ptx.result()[1]
+        cubins = nvrtc.compile_cubins({architecture: compiled_names(architecture)
+                                       for architecture in sources.ARCHITECTURES})
+        return cubins, ptx.result()[1]
 
 
 def _build_emulation(config):

@@ -8,6 +8,7 @@ fail, too: on a kernel that spills, on a SIMT kernel, and on canned tool output.
 from __future__ import annotations
 
 import collections
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -206,6 +207,92 @@ def test_a_selection_disassembles_as_the_whole_cubin_does():
     assert all(sass.opcodes(together[symbol]) == sass.opcodes(whole[symbol]) for symbol in lowered.values())
     with pytest.raises(KeyError, match="no function absent"):
         sass.disassemble(cubin, ["absent"])
+
+
+def comparable(sass_text: str) -> list[str]:
+    """One function's instructions as two compiles of it compare: without their
+    addresses, with branch labels numbered within the function and the internal helpers
+    it calls unnumbered (nvdisasm numbers both across the cubin, whose order of
+    functions differs between NVRTC's and ptxas's cubins)."""
+    address = re.compile(r"/\*[0-9a-f]{4,}\*/")
+    labels: dict[str, str] = {}
+    instructions = []
+    for line in sass_text.splitlines():
+        if address.search(line):
+            line = re.sub(r"__internal_\d+_", "__internal_", address.sub("", line)).strip()
+            instructions.append(re.sub(r"\.L_x_\d+", lambda label: labels.setdefault(label[0], f".L{len(labels)}"),
+                                       line))
+    return instructions
+
+
+def same_machine_code(first, second) -> list[str]:
+    """The symbols whose resources or SASS differ between two ``(cubin, lowered)``
+    compiles of the same names (each symbol must be in both)."""
+    (first_cubin, first_lowered), (second_cubin, second_lowered) = first, second
+    assert first_lowered == second_lowered
+    symbols = list(first_lowered.values())
+    usages = sass.resource_usage(first_cubin), sass.resource_usage(second_cubin)
+    codes = sass.disassemble(first_cubin, symbols), sass.disassemble(second_cubin, symbols)
+    return [symbol for symbol in symbols if usages[0][symbol] != usages[1][symbol]
+            or comparable(codes[0][symbol]) != comparable(codes[1][symbol])]
+
+
+def ptxas_or_skip():
+    if nvrtc.ptxas_path() is None:
+        if NVIDIA_WHEEL_PLATFORM:
+            pytest.fail(f"no ptxas of NVRTC's release {nvrtc.version()}: the test extra installs "
+                        "nvidia-cuda-nvcc-cu12, of the release nvidia-cuda-nvrtc-cu12 brings")
+        pytest.skip("no ptxas wheel for this platform")
+
+
+def test_ptxas_from_nvvms_ptx_makes_nvrtcs_machine_code():
+    """compile_cubins' route (NVVM once, ptxas for each architecture, the PTX retargeted)
+    against NVRTC's own compile of each, on the kernels that spill and use cp.async,
+    ldmatrix and mma."""
+    tools_or_skip()
+    ptxas_or_skip()
+    together = nvrtc.compile_cubins({architecture: SMALL_NAMES for architecture in sources.ARCHITECTURES},
+                                    SMALL_KERNELS)
+    assert set(together) == set(sources.ARCHITECTURES)
+    assert same_machine_code(*together.values()) != []  # (the comparison tells architectures apart)
+    for architecture in sources.ARCHITECTURES:
+        alone = nvrtc.compile_cubin(architecture, SMALL_NAMES, SMALL_KERNELS)
+        assert same_machine_code(together[architecture], alone) == [], architecture
+        assert _headerflags(together[architecture][0]) == _headerflags(alone[0])
+        assert _elf_flags(together[architecture][0]) == _elf_flags(alone[0])
+        assert f"EF_CUDA_{architecture.upper().replace('_', '')} " in _headerflags(alone[0])
+
+
+def _headerflags(cubin: bytes) -> str:
+    """nvdisasm's header flags line of ``cubin`` (it names the architecture; it prints
+    the whole cubin's code too: small cubins only)."""
+    return next(line for line in sass._run("nvdisasm", ["--print-code"], cubin).splitlines() if "headerflags" in line)
+
+
+def _elf_flags(cubin: bytes) -> bytes:
+    """The ELF header's e_flags, where a cubin keeps its architecture (what nvdisasm's
+    header flags line shows)."""
+    return cubin[0x30:0x34]
+
+
+def test_the_checked_machine_code_is_nvrtcs(machine_code):
+    """The machine code the checks read (conftest's compile, with compile_cubins) is what
+    NVRTC makes for a GPU of each architecture, on the decode combine and the SIMT kernel."""
+    tools_or_skip()
+    names = (COMBINE_KERNELS[0], SIMT_KERNEL)
+    with ThreadPoolExecutor(len(sources.ARCHITECTURES)) as pool:
+        alone = dict(zip(sources.ARCHITECTURES, pool.map(lambda architecture: nvrtc.compile_cubin(architecture, names),
+                                                         sources.ARCHITECTURES)))
+    for architecture, (cubin, lowered) in machine_code.items():
+        assert same_machine_code((cubin, {name: lowered[name] for name in names}), alone[architecture]) == []
+        assert _elf_flags(cubin) == _elf_flags(alone[architecture][0])
+
+
+def test_retargeted_names_the_architecture_in_the_target_only():
+    ptx = b"//\n.version 8.8\n.target sm_80\n.address_size 64\n// .target sm_80 in a comment\n"
+    assert nvrtc.retargeted(ptx, "sm_90") == ptx.replace(b".target sm_80\n", b".target sm_90\n", 1)
+    with pytest.raises(nvrtc.CompileError, match="no .target"):
+        nvrtc.retargeted(b".version 8.8\n", "sm_90")
 
 
 # ---- the parsers, on canned tool output (no tool needed) ------------------------------------

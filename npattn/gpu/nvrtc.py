@@ -19,6 +19,9 @@ import functools
 import glob
 import importlib.util
 import os
+import re
+import subprocess
+import tempfile
 
 
 class CompileError(RuntimeError):
@@ -118,6 +121,88 @@ def compile_ptx(architecture: str, names=None, text: str | None = None,
     (``--device-debug`` leaves the optimizer out too, but took 90 s for those tiles.)"""
     extra = () if optimized else _fast_compile_options()
     return _compiled(virtual_architecture(architecture), names, text, machine_code=False, extra_options=extra)
+
+
+def compile_cubins(names_by_architecture, text: str | None = None) -> dict[str, tuple[bytes, dict[str, str]]]:
+    """:func:`compile_cubin` of each architecture in ``names_by_architecture``
+    (``{"sm_80": names, "sm_90": names}``): ``{architecture: (cubin, lowered symbols)}``.
+
+    NVRTC makes a cubin in two steps, NVVM to PTX and then its own ptxas; where a ptxas
+    of NVRTC's release is installed (:func:`ptxas_path`), this takes them apart: NVVM
+    runs once, to PTX for the lowest architecture with every architecture's names, and
+    ptxas compiles each architecture's kernels from it (the PTX's ``.target`` raised to
+    that architecture), in processes side by side. The machine code is NVRTC's, function
+    for function (in another order within the cubin), as long as NVVM's PTX of the
+    sources does not depend on the architecture: the sources name no ``__CUDA_ARCH__``,
+    and tests/test_gpu_machine_code.py compares the two routes. On the 2-core Zen 3 VM,
+    each alone: NVRTC took 120 s for sm_80's 55 kernels and 125 s for sm_90's 59; NVVM
+    once took 55 s, and ptxas 64 s and 70 s. Without a matching ptxas, NVRTC compiles
+    each architecture whole, in threads side by side (NVRTC runs without the GIL).
+
+    Raises :class:`CompileError` with NVRTC's or ptxas's log."""
+    architectures = sorted(names_by_architecture, key=_architecture_number)
+    ptxas = ptxas_path() if len(architectures) > 1 else None
+    if ptxas is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, len(architectures))) as pool:
+            compiled = pool.map(lambda architecture: compile_cubin(architecture, names_by_architecture[architecture],
+                                                                   text), architectures)
+            return dict(zip(architectures, compiled))
+    every_name = tuple(dict.fromkeys(name for architecture in architectures
+                                     for name in names_by_architecture[architecture]))
+    ptx, lowered = compile_ptx(architectures[0], every_name, text)
+    with tempfile.TemporaryDirectory(prefix="npattn-ptxas-") as directory:
+        running = {}
+        for architecture in architectures:
+            source = os.path.join(directory, f"{architecture}.ptx")
+            with open(source, "wb") as stream:
+                stream.write(retargeted(ptx, architecture))
+            entries = [argument for name in names_by_architecture[architecture] for argument in ("-e", lowered[name])]
+            command = [ptxas, f"--gpu-name={architecture}", "-O3", source, "-o", source[:-len(".ptx")] + ".cubin",
+                       *entries]
+            running[architecture] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        results = {}
+        for architecture, process in running.items():
+            log = process.communicate()[0].decode(errors="replace")
+            if process.returncode != 0:
+                raise CompileError(f"ptxas failed for {architecture} ({process.returncode}):\n{log}")
+            with open(os.path.join(directory, f"{architecture}.cubin"), "rb") as stream:
+                results[architecture] = (stream.read(), {name: lowered[name]
+                                                         for name in names_by_architecture[architecture]})
+    return results
+
+
+def retargeted(ptx: bytes, architecture: str) -> bytes:
+    """``ptx`` with its ``.target`` directive naming ``architecture`` ("sm_90")."""
+    changed, count = re.subn(rb"^\.target\s+sm_\w+", b".target " + architecture.encode(), ptx, count=1, flags=re.M)
+    if count != 1:
+        raise CompileError("the PTX has no .target directive")
+    return changed
+
+
+def _architecture_number(architecture: str) -> int:
+    return int(re.sub(r"\D", "", architecture) or 0)
+
+
+@functools.cache
+def ptxas_path() -> str | None:
+    """A ptxas of NVRTC's own release (major.minor, as ``ptxas --version`` and
+    :func:`version` say): the ``nvidia-cuda-nvcc-cu12`` wheel's, CUDA's or one on PATH
+    (:func:`npattn.gpu.sass.tool_candidates`); None where there is none. A ptxas of
+    another release may make other machine code than NVRTC's own, so it is not used."""
+    from .sass import tool_candidates
+
+    wanted = version()
+    for path in tool_candidates("ptxas"):
+        try:
+            done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        match = re.search(r"release (\d+)\.(\d+)", done.stdout)
+        if match is not None and (int(match[1]), int(match[2])) == wanted:
+            return path
+    return None
 
 
 FAST_COMPILE_OPTION = "--Ofast-compile=max"

@@ -56,9 +56,17 @@ class Usage:
 
 
 def tool_path(name: str) -> str | None:
-    """The executable ``name`` ("cuobjdump" or "nvdisasm"): from a wheel under the
-    ``nvidia`` namespace package (``nvidia/cu13/bin`` today, ``nvidia/cuda_<tool>/bin``
-    in older layouts), else ``CUDA_PATH``/``CUDA_HOME``/bin, else PATH; None if absent."""
+    """The executable ``name`` ("cuobjdump" or "nvdisasm"): the first of
+    :func:`tool_candidates`; None if absent."""
+    usable = tool_candidates(name)
+    return usable[0] if usable else None
+
+
+def tool_candidates(name: str) -> list[str]:
+    """Every executable ``name`` found, in the order they are preferred: from a wheel
+    under the ``nvidia`` namespace package (``nvidia/cu13/bin`` today,
+    ``nvidia/cuda_<tool>/bin`` in older layouts and ``nvidia/cuda_nvcc/bin`` for ptxas),
+    then ``CUDA_PATH``/``CUDA_HOME``/bin, then PATH."""
     candidates = []
     spec = importlib.util.find_spec("nvidia")
     if spec is not None and spec.submodule_search_locations:
@@ -69,7 +77,7 @@ def tool_path(name: str) -> str | None:
             candidates.append(os.path.join(os.environ[variable], "bin", name))
     candidates.append(shutil.which(name) or "")
     usable = [path for path in candidates if os.path.isfile(path) and os.access(path, os.X_OK)]
-    return usable[0] if usable else None
+    return list(dict.fromkeys(usable))
 
 
 def _required(tool: str) -> str:
