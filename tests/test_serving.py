@@ -448,7 +448,9 @@ def test_the_compiled_append_writes_numpys_bytes_and_puts_them_back(dtype, layou
 def test_a_checked_append_writes_nothing_for_arrays_of_other_strides_or_alignment():
     """SlotWriter.write_checked compares each array's shape, strides and alignment with
     the plan's in its compiled call, before any write: None, and the caches untouched,
-    where one differs; the write, as write's, where none does."""
+    where one differs; the write, as write's, where none does. Both before a call
+    matched (the machine code typed for the odd array's layout) and after (the kept
+    machine code, typed for the plan's arrays, given arrays of another layout)."""
     from npattn.cpu.slots import SlotWriter
     from npattn.serving.kvcache import _slots
 
@@ -461,18 +463,24 @@ def test_a_checked_append_writes_nothing_for_arrays_of_other_strides_or_alignmen
     expected.setflags(write=False)
     targets, positions = _slots(np, 2, 1, np.array([3, 5]), None, None, 8, views=False)
     writer = SlotWriter(caches, new, targets, positions)
-    before = [cache.copy() for cache in caches]
+    odd = []  # each array in turn replaced by a spread and by an unaligned copy of it
     for index, array in enumerate(arrays):
         spread = np.zeros((*array.shape[:-1], 2 * array.shape[-1]), np.float32)[..., ::2]
         unaligned = np.frombuffer(bytearray(array.nbytes + 1), np.uint8)[1:].view(np.float32).reshape(array.shape)
         for other in (spread, unaligned):
             other[...] = array
-            assert writer.write_checked(*arrays[:index], other, *arrays[index + 1:], expected) is None
-            assert_same_bytes(caches, before)
+            odd.append([*arrays[:index], other, *arrays[index + 1:]])
+    before = [cache.copy() for cache in caches]
+    # the first call (each odd structure would compile its own typed code: one here)
+    assert writer.write_checked(*odd[2], expected) is None
+    assert_same_bytes(caches, before)
     assert writer.write_checked(*arrays, expected) is not None
     for cache, old, rows in zip(caches, before, new):
         old[targets, positions] = rows
     assert_same_bytes(caches, before)
+    for others in odd:  # the kept code compares them all
+        assert writer.write_checked(*others, expected) is None
+        assert_same_bytes(caches, before)
 
 
 def test_a_compiled_append_that_fails_midway_puts_the_codes_back(monkeypatch):
