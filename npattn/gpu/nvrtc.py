@@ -6,7 +6,8 @@ needing only the ``nvidia-cuda-nvrtc-cu12`` wheel: no GPU, no driver, no CuPy. C
 it to catch a syntax or template error in kernels it cannot run
 (:func:`check_compiles`; :func:`compile_ptx` stops at PTX, unoptimized where only the
 compile is checked, for kernels whose machine code it does not read) and to read the
-machine code itself (:mod:`npattn.gpu.sass`).
+machine code itself (:mod:`npattn.gpu.sass`; :func:`compile_cubins` makes it for several
+architectures from one NVVM compile, with ptxas of NVRTC's release where installed).
 
 Imports nothing but the standard library. :mod:`.sources` is imported inside the
 functions that need it, because :mod:`.sources` re-exports this module's names at
