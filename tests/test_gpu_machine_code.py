@@ -288,6 +288,14 @@ def test_the_checked_machine_code_is_nvrtcs(machine_code):
         assert _elf_flags(cubin) == _elf_flags(alone[architecture][0])
 
 
+def test_a_ptx_ptxas_refuses_fails_naming_the_architecture(monkeypatch):
+    tools_or_skip()
+    ptxas_or_skip()
+    monkeypatch.setattr(nvrtc, "retargeted", lambda ptx, architecture: ptx.replace(b".entry", b".entry_broken"))
+    with pytest.raises(nvrtc.CompileError, match="ptxas failed for sm_80"):
+        nvrtc.compile_cubins({architecture: SMALL_NAMES for architecture in sources.ARCHITECTURES}, SMALL_KERNELS)
+
+
 def test_retargeted_names_the_architecture_in_the_target_only():
     ptx = b"//\n.version 8.8\n.target sm_80\n.address_size 64\n// .target sm_80 in a comment\n"
     assert nvrtc.retargeted(ptx, "sm_90") == ptx.replace(b".target sm_80\n", b".target sm_90\n", 1)

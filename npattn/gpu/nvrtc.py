@@ -163,11 +163,12 @@ def compile_cubins(names_by_architecture, text: str | None = None) -> dict[str, 
             command = [ptxas, f"--gpu-name={architecture}", "-O3", source, "-o", source[:-len(".ptx")] + ".cubin",
                        *entries]
             running[architecture] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        logs = {architecture: process.communicate()[0].decode(errors="replace")  # (all done before any raise)
+                for architecture, process in running.items()}
         results = {}
         for architecture, process in running.items():
-            log = process.communicate()[0].decode(errors="replace")
             if process.returncode != 0:
-                raise CompileError(f"ptxas failed for {architecture} ({process.returncode}):\n{log}")
+                raise CompileError(f"ptxas failed for {architecture} ({process.returncode}):\n{logs[architecture]}")
             with open(os.path.join(directory, f"{architecture}.cubin"), "rb") as stream:
                 results[architecture] = (stream.read(), {name: lowered[name]
                                                          for name in names_by_architecture[architecture]})
