@@ -225,7 +225,7 @@ def comparable(sass_text: str) -> list[str]:
     return instructions
 
 
-def same_machine_code(first, second) -> list[str]:
+def differing_symbols(first, second) -> list[str]:
     """The symbols whose resources or SASS differ between two ``(cubin, lowered)``
     compiles of the same names (each symbol must be in both)."""
     (first_cubin, first_lowered), (second_cubin, second_lowered) = first, second
@@ -254,10 +254,10 @@ def test_ptxas_from_nvvms_ptx_makes_nvrtcs_machine_code():
     together = nvrtc.compile_cubins({architecture: SMALL_NAMES for architecture in sources.ARCHITECTURES},
                                     SMALL_KERNELS)
     assert set(together) == set(sources.ARCHITECTURES)
-    assert same_machine_code(*together.values()) != []  # (the comparison tells architectures apart)
+    assert differing_symbols(*together.values()) != []  # (the comparison tells architectures apart)
     for architecture in sources.ARCHITECTURES:
         alone = nvrtc.compile_cubin(architecture, SMALL_NAMES, SMALL_KERNELS)
-        assert same_machine_code(together[architecture], alone) == [], architecture
+        assert differing_symbols(together[architecture], alone) == [], architecture
         assert _headerflags(together[architecture][0]) == _headerflags(alone[0])
         assert _elf_flags(together[architecture][0]) == _elf_flags(alone[0])
         assert f"EF_CUDA_{architecture.upper().replace('_', '')} " in _headerflags(alone[0])
@@ -284,7 +284,7 @@ def test_the_checked_machine_code_is_nvrtcs(machine_code):
         alone = dict(zip(sources.ARCHITECTURES, pool.map(lambda architecture: nvrtc.compile_cubin(architecture, names),
                                                          sources.ARCHITECTURES)))
     for architecture, (cubin, lowered) in machine_code.items():
-        assert same_machine_code((cubin, {name: lowered[name] for name in names}), alone[architecture]) == []
+        assert differing_symbols((cubin, {name: lowered[name] for name in names}), alone[architecture]) == []
         assert _elf_flags(cubin) == _elf_flags(alone[architecture][0])
 
 
