@@ -319,8 +319,8 @@ def _build_emulation(config):
     return gpu_emulation.build(config.cache.mkdir("npattn-gpu-emulation"))
 
 
-def emulation_library(config):
-    """``(library, launchers)`` of the host-built GPU emulation (tests/gpu_emulation.py)."""
+def emulation(config):
+    """The host-built GPU emulation (:class:`gpu_emulation.Emulation`)."""
     return started("emulation", lambda: _build_emulation(config)).result()
 
 

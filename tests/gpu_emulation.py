@@ -5,8 +5,10 @@ of CuPy.
 :func:`emulated_gpu` patches :mod:`npattn.gpu.launch` and the backend's availability so
 that ``backend="gpu"`` takes NumPy arrays and runs every kernel here: the driver, the
 kernels' indexing, masking, online softmax, dropout and gradients are all exercised
-before any GPU is at hand. Only the instantiations in :data:`EMULATED` are built (a
-full build takes minutes of compile time).
+before any GPU is at hand. Only the instantiations of :data:`EMULATED` can run (the
+menu: building every one takes minutes of compile time), and of those, only the ones
+listed in tests/data/emulated_ahead.txt are built before the first test: the rest, all at
+once, when a test first launches one (:class:`Emulation`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import ctypes
 import hashlib
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -97,8 +100,8 @@ def _names():
     return names
 
 
-def _built_name(launchers, kind, storage, bound, config):
-    """The built instantiation that computes what ``kind`` at ``bound`` with ``config``
+def _built_name(menu, kind, storage, bound, config):
+    """The menu's instantiation that computes what ``kind`` at ``bound`` with ``config``
     asks for: the smallest larger-or-equal head-dim bound (a larger accumulator computes
     the same) and, for the tensor-core forward, the same tile with the fewest options
     that include the asked-for ones (an option compiled in but off at run time is a
@@ -122,17 +125,71 @@ def _built_name(launchers, kind, storage, bound, config):
                  and c[1] & exact == config["options"] & exact]
         for tile, options in sorted(built, key=lambda c: bin(c[1]).count("1")):
             candidates.append(sources.kernel_name(kind, storage, candidate, tile=tile, options=options))
-    built = [name for name in candidates if name in launchers]
+    built = [name for name in candidates if name in menu]
     if not built:
         raise AssertionError(f"no {kind} kernel for {storage} with bound >= {bound} and {config} is built; "
                              "add it to EMULATED")
     return built[0]
 
 
-def build(directory: Path) -> tuple[ctypes.CDLL, dict]:
-    """Compile the emulation library into ``directory`` (reused while the sources are
-    unchanged); returns it and a map from name expression to its launcher."""
-    return build_source(directory, sources.source(), _names())
+# The menu's instantiations that the ci profile's examples launch (written by a run of
+# tests/test_gpu_emulated.py with NPATTN_WRITE_EMULATED_AHEAD=1): built before the first
+# test. On the 2-core Zen 3 VM, g++ built those 96 in 30 s of a core, and all 215 of the
+# menu in 70 s. The other profiles' examples reach more of the menu: the first launch of
+# one not built ahead builds the rest, once.
+AHEAD_LIST = Path(__file__).parent / "data" / "emulated_ahead.txt"
+WRITE_AHEAD_VARIABLE = "NPATTN_WRITE_EMULATED_AHEAD"
+
+
+def ahead_names() -> list[str]:
+    """The names of :data:`AHEAD_LIST` that are on the menu (a stale entry is skipped)."""
+    menu = set(_names())
+    listed = AHEAD_LIST.read_text().split("\n") if AHEAD_LIST.exists() else []
+    return [name for name in listed if name in menu]
+
+
+class Emulation:
+    """The emulation's kernels: the instantiations built ahead (one library), and on the
+    first launch of any other on the menu, every one not yet built (a second library).
+    Remembers which it launched."""
+
+    def __init__(self, directory: Path, text: str, menu, ahead):
+        self._directory, self._text, self._menu = directory, text, tuple(menu)
+        self._symbols: dict = {}  # name -> (library, its launcher's symbol)
+        self._lock = threading.Lock()
+        self.launched: set = set()
+        ahead = set(ahead) or set(self._menu)  # (no list: everything ahead)
+        self._add(build_source(directory, text, [name for name in self._menu if name in ahead]))
+
+    def _add(self, built) -> None:
+        library, launchers = built
+        self._symbols.update({name: (library, symbol) for name, symbol in launchers.items()})
+
+    @property
+    def menu(self) -> tuple[str, ...]:
+        return self._menu
+
+    def run(self, name: str, blocks: int, threads: int, shared_bytes: int, arguments) -> None:
+        """:func:`run_kernel` for the menu's instantiation ``name``, built if it was not."""
+        with self._lock:
+            if name not in self._symbols:
+                if name not in self._menu:
+                    raise AssertionError(f"{name} is not on the emulation's menu (gpu_emulation.EMULATED)")
+                self._add(build_source(self._directory, self._text,
+                                       [other for other in self._menu if other not in self._symbols]))
+            self.launched.add(name)
+            library, symbol = self._symbols[name]
+        run_kernel(library, {name: symbol}, name, blocks, threads, shared_bytes, arguments)
+
+    def write_ahead_list(self) -> None:
+        """Write what this session launched as :data:`AHEAD_LIST`, in the menu's order."""
+        AHEAD_LIST.write_text("".join(f"{name}\n" for name in self._menu if name in self.launched))
+
+
+def build(directory: Path) -> Emulation:
+    """The :class:`Emulation` of the sources, its libraries built into ``directory``
+    (reused while the sources are unchanged)."""
+    return Emulation(directory, sources.source(), _names(), ahead_names())
 
 
 def build_source(directory: Path, text: str, names) -> tuple[ctypes.CDLL, dict]:
@@ -169,17 +226,17 @@ def _argument(value):
 
 
 @contextlib.contextmanager
-def emulated_gpu(monkeypatch, library, launchers):
-    """``backend="gpu"`` on NumPy arrays, every launch run by ``library``."""
+def emulated_gpu(monkeypatch, emulation: Emulation):
+    """``backend="gpu"`` on NumPy arrays, every launch run by ``emulation``."""
     import npattn.gpu
     import npattn.gpu.driver
 
     def run(kind, storage, bound, blocks, shared_bytes, arguments, threads=None, **config):
         if blocks <= 0:
             return
-        name = _built_name(launchers, kind, storage, bound, config)
+        name = _built_name(emulation.menu, kind, storage, bound, config)
         threads = threads or launch.threads_of(kind, config.get("tile"))
-        run_kernel(library, launchers, name, blocks, threads, shared_bytes, arguments)
+        emulation.run(name, blocks, threads, shared_bytes, arguments)
 
     def kernel(kind, storage, bound, shared_bytes, threads=None, **config):
         # looked up at each launch, so a test's spy on launch.run sees plans' launches too

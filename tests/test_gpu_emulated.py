@@ -6,6 +6,7 @@ GPU (CI's); test_gpu.py holds them to the same properties on a real device.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from test_serving import (cache_cases, check_kvcache, check_paged_forward, check
 
 import gpu_emulation
 import tolerances
-from conftest import emulation_library
+from conftest import emulation
 
 pytestmark = pytest.mark.skipif(gpu_emulation.compiler() is None, reason="needs g++ to build the emulation")
 ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -46,11 +47,13 @@ FEWER = settings(max_examples=max(8, settings().max_examples // 8))
 
 @pytest.fixture(scope="module", autouse=True)
 def emulated_gpu(request):
-    library, launchers = emulation_library(request.config)  # started at collection (conftest.started)
+    built = emulation(request.config)  # started at collection (conftest.started)
     patch = pytest.MonkeyPatch()
-    with gpu_emulation.emulated_gpu(patch, library, launchers):
+    with gpu_emulation.emulated_gpu(patch, built):
         yield
     patch.undo()
+    if os.environ.get(gpu_emulation.WRITE_AHEAD_VARIABLE) == "1":
+        built.write_ahead_list()
 
 
 # float64 runs the SIMT kernels, float16 the tensor-core ones: an option of the table that

@@ -106,3 +106,29 @@ def test_a_barrier_that_cannot_open_stops_the_process_with_a_message(library, re
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert child.returncode != 0 and "returned" not in child.stdout
     assert "waits at a barrier that cannot open" in child.stderr, child.stderr[-2000:]
+
+
+def test_a_kernel_not_built_ahead_is_built_with_the_rest_at_its_first_launch(tmp_path):
+    emulation = gpu_emulation.Emulation(tmp_path, KERNELS, NAMES, ahead=("block_sum",))
+    assert len(list(tmp_path.glob("*.so"))) == 1
+    values = np.arange(64, dtype=np.float32)
+    out = np.full(64, np.nan, np.float32)
+    emulation.run("warp_sum", 1, 64, 0, (values, out))
+    np.testing.assert_array_equal(out, np.repeat(values.reshape(2, 32).sum(axis=1), 32))
+    assert len(list(tmp_path.glob("*.so"))) == 2  # the three not built ahead, in one library
+    sums = np.full(2, np.nan, np.float32)
+    emulation.run("block_sum", 2, 32, 4 * 32, (values, sums))
+    emulation.run("copy_then_wait", 1, 16, 16 * 16, (values, np.zeros(32, np.float32)))
+    assert len(list(tmp_path.glob("*.so"))) == 2
+    np.testing.assert_array_equal(sums, values.reshape(2, 32).sum(axis=1))
+    assert emulation.launched == {"warp_sum", "block_sum", "copy_then_wait"}
+    with pytest.raises(AssertionError, match="not on the emulation's menu"):
+        emulation.run("grid_sum", 1, 32, 0, (values, out))
+
+
+def test_the_kernels_built_ahead_are_on_the_menu():
+    listed = [name for name in gpu_emulation.AHEAD_LIST.read_text().split("\n") if name]
+    assert listed, "tests/data/emulated_ahead.txt lists nothing"
+    stale = set(listed) - set(gpu_emulation._names())
+    assert not stale, (f"{sorted(stale)} are no longer on the menu: write the list again "
+                       f"({gpu_emulation.WRITE_AHEAD_VARIABLE}=1 python -m pytest tests/test_gpu_emulated.py)")
