@@ -6,8 +6,8 @@ VM, about half that on the project's AVX-512 VMs) and then loaded from Numba's
 on-disk cache (``__pycache__`` beside the package, or ``NUMBA_CACHE_DIR``) in well
 under a second. One compiled kernel serves every shape, layout and option (options
 are runtime flags), so a few tiny calls per dtype fill the cache: the forward, the
-attention weights' kernel and, with ``backward``, the backward and the bias gradient's
-kernel. A service can pay the compile at start-up, an image build can bake it in.
+attention weights' kernel, with ``backward`` the backward and the bias gradient's
+kernel, and with ``serving`` the kv-cache calls' appends (compiled per cache dtype). A service can pay the compile at start-up, an image build can bake it in.
 ``python -m npattn compile`` compiles its dtypes side by side, a process each, where
 the machine has the cores (saves into one cache are locked: :mod:`npattn.cpu._cache`).
 The GPU backend compiles its CUDA kernels per option set on first use and keeps the
@@ -23,11 +23,14 @@ import numpy as np
 from .core.checks import FLOAT_DTYPE_NAMES as DTYPES
 
 
-def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True) -> dict[str, float]:
+def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
+           serving: bool = True) -> dict[str, float]:
     """Compile (or load from the cache) the CPU kernels for each of ``dtypes``: tiny
-    calls of the forward and of the weights' kernel (``return_weights=True``), and unless
-    ``backward=False`` of the backward and the bias gradient's kernel. Returns the seconds
-    each dtype took. float16 and bfloat16 compute in float32, so they share its kernels."""
+    calls of the forward and of the weights' kernel (``return_weights=True``), unless
+    ``backward=False`` of the backward and the bias gradient's kernel, and unless
+    ``serving=False`` of the kv-cache calls' compiled appends (:func:`_serving_steps`).
+    Returns the seconds each dtype took. float16 and bfloat16 compute in float32, so they
+    share its kernels."""
     from .api import attention_vjp
     from .backends import backends
     from .cpu import compiling
@@ -46,6 +49,8 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True) ->
             out, vjp = attention_vjp(q, q, q, bias=bias, return_weights=True, backend="cpu")
             if backward:
                 vjp(np.ones_like(out[0]))
+            if serving:
+                _serving_steps(dtype)
         seconds[np.dtype(dtype).name] = time.perf_counter() - start
     # the tiny calls run on one thread; a call shared with other threads also runs the
     # crew's watches, or the pool's watch of the counter (small jitted functions: compiled,
@@ -56,6 +61,29 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True) ->
     threads_out(new_counter(1), 0, 0)
     crew.prepare()
     return seconds
+
+
+def _serving_steps(dtype: Any) -> None:
+    """Tiny decode steps that append keys of ``dtype`` to caches, called and planned (a
+    plan's later runs take the write's checked entry): caches of ``dtype`` and int8 and
+    float8 e4m3 caches (new float32 or float64 rows quantized in the compiled append).
+    Each cache dtype's append is a compiled function of its own (npattn.cpu.slots),
+    2-7 s of a first decode step on the Zen 3 VM where only the attention was warmed."""
+    from .serving.kvcache import attention_with_kvcache, plan_with_kvcache
+
+    # (a head dim of whole vectors, as models have: the appends' vector path; two query
+    # heads a kv head, as GQA has)
+    q, k, v = np.zeros((1, 1, 2, 64), dtype), np.zeros((1, 1, 1, 64), dtype), np.zeros((1, 1, 1, 64), dtype)
+    capacity = (1, 4, 1, 64)
+    for cache_dtype, quantized in ((dtype, False), (np.int8, True), (np.uint8, True)):
+        k_cache, v_cache = np.zeros(capacity, cache_dtype), np.zeros(capacity, cache_dtype)
+        k_scale, v_scale = (np.ones(capacity[:3], np.float32) if quantized else None for _ in range(2))
+        attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.zeros(1, np.int32), k_scale=k_scale,
+                               v_scale=v_scale)
+        step = plan_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.ones(1, np.int32), k_scale=k_scale,
+                                 v_scale=v_scale)
+        for _ in range(2):
+            step.run(q, k_cache, v_cache, k, v, k_scale=k_scale, v_scale=v_scale)
 
 
 def _dtype(name: Any) -> Any:

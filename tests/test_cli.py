@@ -264,6 +264,47 @@ for kernel in (forward_kernel.forward_kernel, forward_kernel.weights_kernel, bac
                                      "dbias_kernel", "True"], result.stdout
 
 
+def test_after_a_warmup_decode_steps_that_append_compile_nothing():
+    """A decode step's append into a cache is a compiled function per cache dtype and
+    layout (npattn.cpu.slots): after a warmup, steps of another batch, head count and
+    cache size (called, planned, paged; float32 caches and int8 and e4m3 ones, whose new
+    rows the planned runs quantize) add no machine code to any Numba function. In a
+    process of its own, where no other test has called them."""
+    script = """
+import gc
+import numpy as np
+import npattn
+from numba.core.registry import CPUDispatcher
+
+npattn.warmup(dtypes=("float32",), backward=False)
+
+def machine_code():
+    return {id(f): len(f.overloads) for f in gc.get_objects() if isinstance(f, CPUDispatcher)}
+
+before = machine_code()
+rng = np.random.default_rng(0)
+q = rng.standard_normal((3, 1, 8, 64)).astype(np.float32)
+k, v = (rng.standard_normal((3, 1, 2, 64)).astype(np.float32) for _ in range(2))
+seqlens = np.array([5, 0, 9], np.int32)
+pages = {"block_table": np.arange(12, dtype=np.int32).reshape(3, 4)}
+for capacity, dtype, extra in (((3, 40, 2, 64), np.float32, {}), ((12, 8, 2, 64), np.float32, pages),
+                               ((3, 40, 2, 64), np.int8, None), ((3, 40, 2, 64), np.uint8, None)):
+    if extra is None:
+        extra = {"k_scale": np.ones(capacity[:3], np.float32), "v_scale": np.ones(capacity[:3], np.float32)}
+    k_cache, v_cache = np.zeros(capacity, dtype), np.zeros(capacity, dtype)
+    npattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True, **extra)
+    step = npattn.plan_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens + 1, causal=True, **extra)
+    scales = {name: extra[name] for name in ("k_scale", "v_scale") if name in extra}
+    for _ in range(3):
+        step.run(q, k_cache, v_cache, k, v, **scales)
+after = machine_code()
+print(sum(after.get(key, 0) - count for key, count in before.items()), len(set(after) - set(before)))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "0"], result.stdout
+
+
 def test_bench_adapters_times_each_way_of_calling_against_numpy(monkeypatch, capsys):
     """One tiny shape, one round: numpy's own ratio is 1, and a row for each framework
     importable here, forward and forward+backward."""

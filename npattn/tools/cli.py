@@ -122,7 +122,7 @@ commands:
   info      what is installed: versions, backends, threads, CPU vector ISA, GPU
   demo      every attention variant through every backend, checked against float64
   bench     npattn's CPU kernels timed beside PyTorch and naive NumPy
-  compile   compile the CPU kernels now, so that the first call does not wait
+  compile   compile the CPU kernels (and kv-cache appends) now, so that no first call waits
 
 Run "python -m npattn COMMAND --help" for a command's options."""
 
@@ -211,7 +211,8 @@ def main(argv=None) -> int:
     bench_parser.add_argument("--products", choices=["vector", "blas"], default=None,
                               help="CPU: npattn's tile products on its micro-kernels or on SciPy's BLAS "
                                    "(default: the micro-kernels where the CPU has AVX-512 or AVX2)")
-    compile_parser = commands.add_parser("compile", help="compile the CPU kernels into Numba's on-disk cache now")
+    compile_parser = commands.add_parser(
+        "compile", help="compile the CPU kernels and the kv-cache calls' appends into Numba's on-disk cache now")
     compile_parser.add_argument("--dtype", action="append", dest="dtypes", choices=list(FLOAT_DTYPE_NAMES),
                                 help="a dtype to compile for (repeatable; default float32 and float64)")
     args = parser.parse_args(argv)
