@@ -7,7 +7,8 @@ on-disk cache (``__pycache__`` beside the package, or ``NUMBA_CACHE_DIR``) in we
 under a second. One compiled kernel serves every shape, layout and option (options
 are runtime flags), so a few tiny calls per dtype fill the cache: the forward, the
 attention weights' kernel, with ``backward`` the backward and the bias gradient's
-kernel, and with ``serving`` the kv-cache calls' appends (compiled per cache dtype). A service can pay the compile at start-up, an image build can bake it in.
+kernel, and with ``serving`` the kv-cache calls' appends (compiled per cache dtype). A
+service can pay the compile at start-up, an image build can bake it in.
 ``python -m npattn compile`` compiles its dtypes side by side, a process each, where
 the machine has the cores (saves into one cache are locked: :mod:`npattn.cpu._cache`).
 The GPU backend compiles its CUDA kernels per option set on first use and keeps the

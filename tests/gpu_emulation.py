@@ -127,8 +127,8 @@ def _built_name(menu, kind, storage, bound, config):
             candidates.append(sources.kernel_name(kind, storage, candidate, tile=tile, options=options))
     built = [name for name in candidates if name in menu]
     if not built:
-        raise AssertionError(f"no {kind} kernel for {storage} with bound >= {bound} and {config} is built; "
-                             "add it to EMULATED")
+        raise AssertionError(f"no {kind} kernel for {storage} with bound >= {bound} and {config} is on the "
+                             "emulation's menu; add it to EMULATED")
     return built[0]
 
 
