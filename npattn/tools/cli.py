@@ -66,7 +66,7 @@ def demo(size: Size = Size(), dtype=np.float32, repeats: int = 3, out=sys.stdout
         from ..warmup import warmup
 
         print("compiling the CPU kernels (or loading them from Numba's cache)...", end=" ", file=out, flush=True)
-        seconds = warmup(dtypes=(np.dtype(dtype).name,))
+        seconds = warmup(dtypes=(np.dtype(dtype).name,), serving=False)  # (no variant appends to a cache)
         print(f"ready in {sum(seconds.values()):.1f} s", file=out)
     print(header, file=out)
     print("-" * len(header), file=out)
