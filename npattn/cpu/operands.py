@@ -252,6 +252,9 @@ class OperandPlan:
         self.plain_rest = (placeholder, mask_placeholder, placeholder, placeholder, self.plain_spans,
                            self.plain_pages, self.ints, self.reals, self.code_placeholder, self.code_placeholder,
                            self.scale_placeholder, self.scale_placeholder)
+        # and of a small 16-bit call's (entry_operands): those between q and the key bytes, and after them
+        self.coded_middle = (placeholder, placeholder, *self.plain_rest[:8])
+        self.coded_tail = (self.scale_placeholder, self.scale_placeholder)
 
     def _keys_dtype(self, problem):
         """The dtype the kernels read k and v in: their own where they are codes (int8, e4m3 or 16-bit floats
@@ -322,10 +325,8 @@ class OperandPlan:
         q_order, k_order, v_order = self.orders
         if self.q_codes:  # a small 16-bit call: q's words and the keys' bytes as they lie (an
             # unaligned q's words are another type: the caller's alignment check sends it on)
-            placeholder = self.placeholders[0]
-            return (q.ravel(order="K").view(WORDS), placeholder, placeholder, *self.plain_rest[:8],
-                    k.ravel(order="K").view(BYTES), v.ravel(order="K").view(BYTES), self.scale_placeholder,
-                    self.scale_placeholder)
+            return (q.ravel(order="K").view(WORDS), *self.coded_middle, k.ravel(order="K").view(BYTES),
+                    v.ravel(order="K").view(BYTES), *self.coded_tail)
         if q_order is None or k_order is None or v_order is None or self.codes or self.pairs:
             return self.operands(q, k, v)
         return (q.ravel(order="K"), k.ravel(order="K"), v.ravel(order="K"), *self.plain_rest)
