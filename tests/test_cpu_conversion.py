@@ -117,6 +117,16 @@ def test_16_bit_finiteness_reads_the_exponent_bits(dtype):
         assert not all_finite(broken) and not all_finite(broken.transpose(0, 2, 1, 3))
 
 
+def test_16_bit_finiteness_of_swapped_bytes_reads_the_values():
+    """A byte-swapped float16 array's words are not its bits: 1.121 (0x3C7C) read as a
+    native word has every exponent bit set. (ml_dtypes' bfloat16 has no swapped form.)"""
+    values = np.array([0x3C7C, 0x3F7F], np.uint16).view(np.float16)
+    swapped = values.astype(values.dtype.newbyteorder())
+    assert all_finite(values) and all_finite(swapped)
+    swapped[1] = np.nan
+    assert not all_finite(swapped)
+
+
 def test_kept_widened_arrays_are_reused_per_slot_and_bounded(monkeypatch):
     """A thread's kept array of a slot, shape and dtype comes back at the next request;
     another slot or shape gets its own; an array above the bound is not kept, and the
