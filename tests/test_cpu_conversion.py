@@ -147,8 +147,9 @@ def test_kept_widened_arrays_are_reused_per_slot_and_bounded(monkeypatch):
 def test_a_16_bit_backward_reuses_its_widened_copies_and_stays_right():
     """Two float16 forward and backward calls of one structure on new values: both passes
     read q, k and v (and the backward dout) a tile at a time, with no float32 copy of them;
-    the forward writes its float16 out itself, which the backward widens, the second call
-    into the first's array (no fresh pages); both match the float64 reference."""
+    the forward writes its float16 out itself, which the backward widens, and delta widens
+    dout (here in one block), the second call into the first's arrays (no fresh pages);
+    both match the float64 reference."""
     import npattn
     from npattn.cpu import driver, operands
     from strategies import Case, Dims
@@ -176,4 +177,30 @@ def test_a_16_bit_backward_reuses_its_widened_copies_and_stays_right():
             terms = gradient_bound_terms(case, dout)
             for name, grad, exact in zip("qkv", got, exact_vjp(dout.astype(np.float64))):
                 assert_close(grad, exact, np.float16, *terms, f"d{name}")
-    assert len(handed) == 2 and handed[0] is handed[1]  # the out, widened: nothing else
+    # the out and delta's dout, widened: nothing else
+    assert len(handed) == 4 and handed[0] is handed[2] and handed[1] is handed[3]
+    assert handed[0].shape == handed[1].shape == (1, 2, 1100, 16)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("layouts", [("bhsd", "bhsd"), ("bshd", "bshd"), ("bshd", "bhsd")])
+def test_a_16_bit_douts_delta_has_the_bits_of_its_float32_copys(monkeypatch, dtype, layouts):
+    """delta = rowsum(dout * out) of a 16-bit dout, widened a block of rows at a time (here
+    blocks of 3 rows of 48, the last one short) where dout and out lie in one memory order,
+    whole where they do not: the bits of einsum on dout's float32 copy either way."""
+    from npattn.cpu import driver
+
+    monkeypatch.setattr(driver, "_DELTA_BLOCK", 3 * 48 + 7)
+    rng = np.random.default_rng(3)
+
+    def in_layout(array, layout):  # a bhsd view of memory in that layout
+        if layout == "bhsd":
+            return array
+        return np.ascontiguousarray(array.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+    dout = in_layout(rng.standard_normal((2, 3, 11, 48)).astype(dtype), layouts[0])
+    out = in_layout(rng.standard_normal((2, 3, 11, 48)).astype(np.float32), layouts[1])
+    delta = driver._delta_of_16_bit(dout, out)
+    expected = np.einsum("bhsd,bhsd->bhs", dout.astype(np.float32), out)
+    assert delta.shape == (2, 3, 11) and delta.dtype == np.float32
+    np.testing.assert_array_equal(delta, expected)
