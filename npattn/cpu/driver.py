@@ -75,9 +75,10 @@ class ForwardPlan:
         # out straight in its 16-bit dtype (OUT_CODES: the kernel rounds each row it sums),
         # else in the compute dtype
         self.out_codes = bool(ints[Int.OUT_CODES])
-        # which is made as the float32 words the kernel takes (half as many a row) and handed
-        # back viewed as its dtype: a view to the smaller item costs 0.2 us, where the
-        # kernel's view of a 16-bit array as words cost a small call 1 us
+        # which is made as the float32 words the kernel takes (half as many a row: OUT_CODES
+        # has Dv whole vectors, or even for bfloat16 pairs) and handed back viewed as its
+        # dtype: a view to the smaller item costs 0.2 us, where the kernel's view of a 16-bit
+        # array as words cost a small call 1 us
         made_shape = (*self.out_shape[:-1], self.out_shape[-1] // 2) if self.out_codes else self.out_shape
         made_dtype = WORDS if self.out_codes else dtype
         self.out_zeros = zeros_maker(made_shape, made_dtype)
