@@ -41,3 +41,23 @@ def test_a_save_of_the_packages_entry_holds_the_lock_and_no_other_does(tmp_path,
     # each key names its own data file, as Numba's save would
     assert ours.load(("(float32,)", "cpu")) == b"float32 code"
     assert ours.load(("(float64,)", "cpu")) == b"float64 code"
+
+
+def test_a_kernel_numba_cannot_cache_gets_numbas_warning_not_an_attribute_error():
+    """Numba warns, naming the locator's ``_py_file``, when a compile result cannot be cached
+    (some kernels cannot under NUMBA_OPT=0); the package's locator must answer for it."""
+    from types import SimpleNamespace
+
+    from numba.core import caching
+    from numba.core.errors import NumbaWarning
+
+    from npattn.cpu import rowmath
+
+    kernel = rowmath.row_max
+    impl = caching.CompileResultCacheImpl(kernel.py_func)
+    assert isinstance(impl._locator, _cache.PackageStampedLocator)
+    assert impl._locator._py_file == kernel.py_func.__code__.co_filename
+    uncachable = SimpleNamespace(lifted=(), library=SimpleNamespace(has_dynamic_globals=True),
+                                 fndesc=SimpleNamespace(qualname=kernel.py_func.__qualname__))
+    with pytest.warns(NumbaWarning, match="Cannot cache"):
+        assert impl.check_cachable(uncachable) is False

@@ -92,6 +92,14 @@ class PackageStampedLocator(caching._CacheLocator):
     def __init__(self, inner):
         self._inner = inner
 
+    def __getattr__(self, name):
+        # Numba reads some of its locator's attributes directly: ``_py_file``, for one,
+        # names the file in its warning that a function cannot be cached (which some
+        # kernels are not under NUMBA_OPT=0). Those are the wrapped locator's.
+        if name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
     def ensure_cache_path(self):
         self._inner.ensure_cache_path()
         _remove_stale_entries(self._inner.get_cache_path())
