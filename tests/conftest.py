@@ -316,7 +316,17 @@ def _compile_machine_code():
 def _build_emulation(config):
     import gpu_emulation
 
-    return gpu_emulation.build(config.cache.mkdir("npattn-gpu-emulation"))
+    if getattr(config, "cache", None) is not None:  # pytest's cache: the build is kept between runs
+        return gpu_emulation.build(config.cache.mkdir("npattn-gpu-emulation"))
+    # (-p no:cacheprovider: a directory for this run only, removed at its end)
+    import atexit
+    import pathlib
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="npattn-gpu-emulation-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return gpu_emulation.build(pathlib.Path(directory))
 
 
 def emulation(config):
