@@ -9,6 +9,7 @@ import tempfile
 
 import pytest
 
+import code_blocks
 from conftest import started_beside, started_in_turn
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
@@ -45,8 +46,8 @@ def _code_blocks(page):
 @pytest.mark.parametrize("page", [p for p in PAGES if _code_blocks(p)], ids=lambda p: p.stem)
 def test_every_code_block_runs(page):
     namespace = {}
-    for block in _code_blocks(page):
-        exec(compile(block, str(page), "exec"), namespace)
+    for number, block in enumerate(_code_blocks(page), 1):
+        code_blocks.run(block, f"{page.relative_to(DOCS)}, block {number}", namespace)
 
 
 def test_the_tutorials_have_code():
