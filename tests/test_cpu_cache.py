@@ -1,7 +1,8 @@
 """Numba's on-disk cache of the CPU kernels (npattn/cpu/_cache.py): a save of one of the
 package's entries holds the cache directory's lock, so that processes compiling
 different specializations of one kernel at once (``python -m npattn compile``'s dtypes
-side by side) cannot both pick one data file for them."""
+side by side) cannot both pick one data file for them; and the package's cache locator
+answers for the standard locator's attributes that Numba reads directly."""
 import pytest
 
 from npattn.cpu import _cache
