@@ -12,7 +12,7 @@ from .runtime import limits as _limits
 from .runtime import nonfinite as _nonfinite
 from .core import options as _options
 from .runtime import plans as _plans
-from .core.arrays import all_finite, all_finite_arrays, array_kind, check_native
+from .core.arrays import array_kind, check_native
 from .core.problem import ARRAY_FIELDS, AttentionProblem, to_user_layout
 from .core.results import ForwardResult, Gradients, out_is_finite
 from .types import Array, ArrayLike, Outputs, Vjp
@@ -309,16 +309,15 @@ class Plan:
 
     def gradients(self, q: Any, k: Any, v: Any, saved: Any, dout: Any, arrays: Any = None) -> Gradients | None:
         """The gradients for bhsd ``dout`` from the backend's plan (``arrays``: the run's
-        problem, for its option arrays and seed), or None where the full path must answer."""
+        problem, for its option arrays and seed), or None where the full path must answer:
+        the plan checks that dout and the gradients are all finite (it returns None where
+        not), on work it does anyway."""
         backward_plan = self.backward_plan(q, k, v)
-        if not all_finite(dout) or backward_plan is None:
+        if backward_plan is None:
             return None
         form = self._form
-        grads = backward_plan(_to_bhsd(form, q), _to_bhsd(form, k), _to_bhsd(form, v), saved, dout,
-                              arrays if self._reads_problem else None)
-        if grads is None or not all_finite_arrays((grads.dq, grads.dk, grads.dv, grads.dbias, grads.dsink_logits)):
-            return None
-        return grads
+        return backward_plan(_to_bhsd(form, q), _to_bhsd(form, k), _to_bhsd(form, v), saved, dout,
+                             arrays if self._reads_problem else None)
 
 
 def owned(problem: AttentionProblem) -> AttentionProblem:

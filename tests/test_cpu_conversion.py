@@ -104,6 +104,38 @@ def test_a_plans_conversion_entry_gives_numpys_and_ml_dtypes_bits(narrow, vector
     assert conversion.conversion_entry(np.float64, narrow, size) is None
 
 
+# float32 values on both sides of where each 16-bit type's rounding reaches an infinity
+# (the halfway points 65520 and 0x7F7F8000, which round up to it), and the specials
+_EDGES = {np.dtype(np.float16): np.array([65504.0, 65519.996, 65520.0, 65536.0, 1e5], np.float32),
+          np.dtype(ml_dtypes.bfloat16): np.array([3.3895314e38, 3.3961773e38, 3.3961776e38, np.finfo(np.float32).max],
+                                                  np.float32)}
+
+
+@pytest.mark.skipif(not conversion.MICROKERNELS, reason="the vector conversions need AVX2 or AVX-512")
+@pytest.mark.parametrize("narrow", [np.float16, ml_dtypes.bfloat16])
+@given(vectors=st.integers(1, 40), seed=st.integers(0, 2**32 - 1), plants=st.lists(
+    st.tuples(st.sampled_from([np.nan, np.inf, -np.inf, "edge"]), st.integers(0, 10**6), st.booleans()),
+    max_size=3))
+def test_a_narrowing_says_whether_any_rounded_value_is_not_finite(narrow, vectors, seed, plants):
+    """The narrowing kernels return whether any value they rounded is NaN or infinite
+    (what the backward's gradients are checked by): a NaN or infinity in, or a float32
+    past the 16-bit range (rounded to an infinity as astype rounds it), of either sign,
+    anywhere in the array; False for finite values up to the edge."""
+    size = vectors * conversion._LANES
+    rng = np.random.default_rng(seed)
+    single = (rng.normal(size=size) * 10.0 ** rng.integers(-9, 4, size=size)).astype(np.float32)
+    edges = _EDGES[np.dtype(narrow)]
+    for value, place, negative in plants:
+        value = edges[place % len(edges)] if value == "edge" else value
+        single[place % size] = -value if negative else value
+    with np.errstate(over="ignore"):
+        expected = single.astype(narrow)
+    narrowed = np.empty(size, narrow)
+    flag = conversion.conversion_entry(np.float32, narrow, size)(single, narrowed.view(np.int8))
+    np.testing.assert_array_equal(narrowed.view(np.uint16), expected.view(np.uint16))
+    assert flag == (not np.isfinite(expected.astype(np.float32)).all())
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
 def test_16_bit_finiteness_reads_the_exponent_bits(dtype):
     rng = np.random.default_rng(1)

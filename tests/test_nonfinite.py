@@ -252,3 +252,47 @@ def test_all_finite_agrees_with_isfinite_in_every_memory_order(dtype, shape, ord
     order.shuffle(axes)
     view = base[..., ::step].transpose(axes)
     assert all_finite(view) == bool(np.isfinite(view).all())
+
+
+@given(case=cases(dtypes=("float16", "bfloat16", "float32", "float64")), seed=st.integers(0, 2**32 - 1),
+       plants=st.lists(st.tuples(st.sampled_from(PLANTS), st.integers(0, 10**6)), min_size=1, max_size=3))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_a_non_finite_dout_gets_the_references_gradients(backend, case, seed, plants):
+    """NaN and inf planted in dout give a plan's vjp the reference's gradients, in every
+    dtype: the CPU plans find them on delta = rowsum(dout * out) before their kernels
+    run (the float16 and bfloat16 ones read dout as it lies), or on the gradients. (The
+    kernels alone would spread a NaN to keys its row does not see, through 0 * NaN.)"""
+    dout = np.random.default_rng(seed).uniform(-1, 1, (*case.q.shape[:3], case.v.shape[-1])).astype(case.dtype)
+    for value, place in plants:
+        dout.reshape(-1)[place % dout.size] = value
+    expected = case.vjp("reference")[1](dout)
+    got = npattn.plan(case.q, case.k, case.v, backend=backend, **case.options).vjp(case.q, case.k, case.v)[1](dout)
+    terms = gradient_bound_terms(case, _finite_part(dout.astype(np.float64)))
+    for name, actual, want in zip(("dq", "dk", "dv", "dbias", "dsink_logits"), got, expected):
+        assert_same_values(actual, want, case.dtype, *terms, name)
+
+
+@pytest.mark.reference_may_answer
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_gradients_past_the_dtypes_range_are_the_references(dtype, monkeypatch):
+    """A finite dout whose gradients leave the dtype's range (dv, the sum of 16 dout rows,
+    past the largest value; in float32 and bfloat16 delta = rowsum(dout * out) overflows
+    float32 first, and the kernels would make dq NaN where it is 0) gives a plan's vjp
+    the reference's gradients: the plan's checks send the call to the full path, whose
+    reference answers, as for a non-finite input."""
+    from npattn.runtime import nonfinite
+
+    answered = []
+    monkeypatch.setattr(nonfinite.reference, "backward",
+                        lambda *arguments, backward=reference.backward: answered.append(1) or backward(*arguments))
+    rng = np.random.default_rng(3)
+    q = rng.uniform(-1, 1, (1, 2, 16, 64)).astype(dtype)
+    k, v = (rng.uniform(0.5, 1, (1, 2, 2, 64)).astype(dtype) for _ in range(2))
+    big = 30000.0 if dtype == "float16" else float(np.finfo(np.float32).max) / 4
+    dout = np.full((1, 2, 16, 64), big, dtype)
+    got = npattn.plan(q, k, v).vjp(q, k, v)[1](dout)
+    assert answered
+    want = npattn.attention_vjp(q, k, v, backend="reference")[1](dout)
+    assert not np.isfinite(np.asarray(want[2], np.float64)).all()
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64), err_msg=name)

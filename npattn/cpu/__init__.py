@@ -95,7 +95,8 @@ def forward_plan(problem):
 
 def backward_plan(problem):
     """A callable ``(q, k, v, saved, dout) -> Gradients | None``: :func:`forward_plan`'s
-    counterpart for the backward."""
+    counterpart for the backward, which returns None where dout or a gradient is not all
+    finite (:meth:`npattn.cpu.driver.BackwardPlan.__call__`)."""
     from .driver import backward_plan as plan
     from .tuning import current
     return plan(problem, current())

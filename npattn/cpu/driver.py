@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 
+from ..core.arrays import all_finite, all_finite_arrays
 from ..core.kernel_params import OPERAND_NAMES, sink_logits_gradient
 from ..runtime.plans import PlanCache
 from ..core.problem import signature
@@ -282,14 +283,20 @@ def _delta_of_16_bit(dout, out):
     return sums.reshape([dout.shape[axis] for axis in order[:-1]]).transpose(order[:-1])
 
 
-def _narrowed(gradient, dtype):
-    """A float32 gradient in the 16-bit ``dtype`` (:func:`~npattn.cpu.conversion.converted`;
-    NumPy's astype where it cannot)."""
+def _narrowed(gradient, dtype, entry) -> tuple:
+    """``(narrow, finite)``: a C-contiguous float32 gradient in the 16-bit ``dtype``, and
+    whether every value of it is finite (none NaN or infinite, none rounded past the
+    16-bit range). ``entry``: the conversion's entry point for the gradient's size
+    (:func:`~npattn.cpu.conversion.conversion_entry`, which checks as it rounds), or None:
+    :func:`~npattn.cpu.conversion.converted` or NumPy's astype, then a pass to check."""
+    if entry is not None:
+        narrow = np.empty(gradient.shape, dtype)
+        return narrow, not entry(gradient.reshape(-1), narrow.reshape(-1).view(BYTES))
     narrow = converted(gradient, dtype)
     if narrow is None:
         with np.errstate(over="ignore"):
-            return gradient.astype(dtype)
-    return narrow
+            narrow = gradient.astype(dtype)
+    return narrow, all_finite(narrow)
 
 
 def _memory_batches(problem) -> int:
@@ -310,7 +317,7 @@ _BACKWARD_ITEMS = 8
 
 def backward(problem, saved, dout) -> Gradients:
     """Gradients of ``sum(out * dout)`` from the saved (out, lse); ``dout`` is bhsd."""
-    return backward_plan(problem, current())(problem.q, problem.k, problem.v, saved, dout, problem)
+    return backward_plan(problem, current())(problem.q, problem.k, problem.v, saved, dout, problem, checked=False)
 
 
 def backward_plan(problem, tuning: Tuning) -> "BackwardPlan":
@@ -353,11 +360,24 @@ class BackwardPlan:
                      * (key_tiles if shape[3] > 1 else 1))
             self.dbias = (shape, read_only(np.array(shape, np.int64)), int(items), tuple(problem.bias_shape),
                           gradient_tile_specs(ints, dtype))
+        # a 16-bit problem's gradients rounded, and checked, by the conversion's entry points
+        # (no dispatcher: 1.5-2 us of each of a small call's three)
+        self._narrowings = tuple(None if self.narrow is None
+                                 else conversion_entry(dtype, self.narrow, int(np.prod(shape)))
+                                 for shape in (self.dq_shape[1:], self.dk_shape, self.dv_shape))
 
-    def __call__(self, q, k, v, saved, dout, arrays=None) -> Gradients | None:
+    def __call__(self, q, k, v, saved, dout, arrays=None, checked=True) -> Gradients | None:
         """The gradients for bhsd ``q``, ``k``, ``v``, the forward's ``saved`` (out, lse)
         and bhsd ``dout``, with the option arrays and seed of ``arrays`` (as for
-        :meth:`ForwardPlan.__call__`; None when the tuning changed since planning)."""
+        :meth:`ForwardPlan.__call__`). None when the tuning changed since planning, and,
+        ``checked``, where ``dout`` or a gradient is not all finite (the caller's full
+        path answers: :mod:`npattn.runtime.nonfinite`). The checks ride on work the
+        backward does anyway: dout's on delta = rowsum(dout * out), which is NaN or
+        infinite in every row where dout is, and so is checked before the kernels run
+        (a delta that overflowed float32 from finite values fails it too, and the full
+        path answers that call); a 16-bit problem's gradients' as they are rounded
+        (their own pass over a small call's float16 gradients took 3 times the
+        conversion's time)."""
         tuning = current()
         if tuning is not self.tuning and tuning != self.tuning:
             return None
@@ -381,6 +401,8 @@ class BackwardPlan:
             dout_flat, dout_strides = row_strides(dout, dtype)
             dout_strides = (*dout_strides, KvCodes.NONE)
             delta = np.einsum("bhsd,bhsd->bhs", dout, out)  # rowsum(dO * O): the softmax's backward term
+        if checked and not all_finite(delta):
+            return None
         out_flat, out_strides = row_strides(out, dtype)
         dq = np.zeros(self.dq_shape, dtype)
         dk = np.zeros(self.dk_shape, dtype)
@@ -408,7 +430,13 @@ class BackwardPlan:
                         else sink_logits_gradient(np, arrays, lse, delta))
         dq = dq.sum(axis=0) if self.chunks > 1 else dq[0]
         if self.narrow is not None:  # the gradients in q's dtype, on the vector units
-            dq, dk, dv = (_narrowed(gradient, self.narrow) for gradient in (dq, dk, dv))
+            (dq, dq_finite), (dk, dk_finite), (dv, dv_finite) = (
+                _narrowed(gradient, self.narrow, entry) for gradient, entry in zip((dq, dk, dv), self._narrowings))
+            finite = dq_finite and dk_finite and dv_finite
+        else:
+            finite = not checked or all_finite_arrays((dq, dk, dv))
+        if checked and not (finite and all_finite_arrays((dbias, dsink_logits))):
+            return None
         return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink_logits=dsink_logits)
 
 

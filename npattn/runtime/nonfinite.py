@@ -16,7 +16,11 @@ kernels report it as they write out's rows; elsewhere a pass over ``out``,
 answered by the float64 reference, and its vjp by the reference's backward (a
 MemoryError says so first when the reference's S x S arrays cannot fit:
 :mod:`npattn.runtime.limits`). Finite inputs pay that check (and a pass over dout and
-the gradients in the backward) and get the kernels' results. The GPU's forward checks
+the gradients in the backward) and get the kernels' results. The CPU's backward plans
+check as they work: dout on delta = rowsum(dout * out) (NaN or infinite in every row
+where dout is), before the kernels run, and 16-bit gradients as they are rounded; a
+plan that finds a non-finite value returns None, and the call takes this module's
+path. The GPU's forward checks
 on the device instead: a kernel after it recomputes, in float64 and reading only the
 keys each row sees, every row that is not finite (``npattn/gpu/repair.cu``), and the
 result says it needs no check, so no call waits for the device (calls that return the
