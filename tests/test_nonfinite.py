@@ -296,3 +296,21 @@ def test_gradients_past_the_dtypes_range_are_the_references(dtype, monkeypatch):
     assert not np.isfinite(np.asarray(want[2], np.float64)).all()
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64), err_msg=name)
+
+
+@given(dtype=st.sampled_from([np.float32, np.float64]), size=st.integers(1, 3000),
+       plants=st.lists(st.tuples(st.sampled_from([np.nan, np.inf, -np.inf, "max", "-max", "tiny"]),
+                                 st.integers(0, 10**6)), max_size=3))
+def test_the_cpu_plans_finiteness_pass_agrees_with_isfinite(dtype, size, plants):
+    """The jitted pass the CPU's backward plans check delta and their gradients with
+    (:mod:`npattn.cpu.finiteness`) says what ``np.isfinite(a).all()`` says: with NaN
+    and infinities of both signs anywhere, and with the largest and the smallest finite
+    values (whose products with 0 must stay 0)."""
+    from npattn.cpu.finiteness import finiteness_entry
+
+    values = np.random.default_rng(size).standard_normal(size).astype(dtype)
+    info = np.finfo(dtype)
+    special = {"max": info.max, "-max": -info.max, "tiny": info.smallest_subnormal}
+    for value, place in plants:
+        values[place % size] = special.get(value, value) if isinstance(value, str) else value
+    assert finiteness_entry(dtype)(values) == bool(np.isfinite(values).all())

@@ -17,6 +17,7 @@ from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from . import folding, splitting
 from .blas import single_threaded_blas
 from .conversion import BYTES, NARROW, conversion_entry, converted, kept_widened
+from .finiteness import finiteness_entry
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, new_counter, run_items
 from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, fresh_set, gradient_tile_specs,
@@ -365,6 +366,8 @@ class BackwardPlan:
         self._narrowings = tuple(None if self.narrow is None
                                  else conversion_entry(dtype, self.narrow, int(np.prod(shape)))
                                  for shape in (self.dq_shape[1:], self.dk_shape, self.dv_shape))
+        # and delta and float32 or float64 gradients checked by a jitted pass's entry point
+        self._finite = finiteness_entry(dtype)
 
     def __call__(self, q, k, v, saved, dout, arrays=None, checked=True) -> Gradients | None:
         """The gradients for bhsd ``q``, ``k``, ``v``, the forward's ``saved`` (out, lse)
@@ -401,7 +404,8 @@ class BackwardPlan:
             dout_flat, dout_strides = row_strides(dout, dtype)
             dout_strides = (*dout_strides, KvCodes.NONE)
             delta = np.einsum("bhsd,bhsd->bhs", dout, out)  # rowsum(dO * O): the softmax's backward term
-        if checked and not all_finite(delta):
+        delta_flat = delta.reshape(-1)  # (C-contiguous, as the kernels and the check read it)
+        if checked and not self._finite(delta_flat):
             return None
         out_flat, out_strides = row_strides(out, dtype)
         dq = np.zeros(self.dq_shape, dtype)
@@ -411,7 +415,7 @@ class BackwardPlan:
         # distinct array type would compile the backward kernels once more (5-10 s each)
         lse_flat = read_only(np.ascontiguousarray(lse, dtype).reshape(-1))
         common = (*ops, dout_flat, np.array(dout_strides, np.int64), out_flat, np.array(out_strides, np.int64),
-                  lse_flat, delta.reshape(-1))
+                  lse_flat, delta_flat)
         dbias = None
         with single_threaded_blas() if self.blas else _NO_PIN:
             begin_reuse()
@@ -434,7 +438,8 @@ class BackwardPlan:
                 _narrowed(gradient, self.narrow, entry) for gradient, entry in zip((dq, dk, dv), self._narrowings))
             finite = dq_finite and dk_finite and dv_finite
         else:
-            finite = not checked or all_finite_arrays((dq, dk, dv))
+            check = self._finite
+            finite = not checked or (check(dq.reshape(-1)) and check(dk.reshape(-1)) and check(dv.reshape(-1)))
         if checked and not (finite and all_finite_arrays((dbias, dsink_logits))):
             return None
         return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink_logits=dsink_logits)
