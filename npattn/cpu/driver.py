@@ -17,6 +17,7 @@ from .backward_kernel import backward_items, backward_kernel, dbias_kernel
 from . import folding, splitting
 from .blas import single_threaded_blas
 from .conversion import BYTES, NARROW, conversion_entry, converted, kept_widened
+from .delta import delta_of_rows
 from .finiteness import finiteness_entry
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, new_counter, run_items
@@ -389,21 +390,30 @@ class BackwardPlan:
         ops = self.operands.operands(q, k, v, arrays)
         # out is the forward's float32, or its 16-bit out (OUT_CODES) widened into an array this
         # thread keeps for the next call
-        out = widened(out, dtype, _KEPT_OUT)
         codes = self.operands.q_codes
         if codes and dout.dtype == q.dtype and row_order(dout, dout.dtype) is not None:
             # a 16-bit dout read as it lies where q is (Q_CODES), its rows converted where the
-            # kernel uses them, and for delta a block of rows at a time
+            # kernel uses them; delta and the widened out in one pass over both where it can,
+            # else delta from dout widened a block of rows at a time
             dout_flat = pair_words(dout)
             dout_strides = (*(2 * n for n in row_view_strides(dout, dout.dtype)), codes)
-            delta = _delta_of_16_bit(dout, out)
+            rows = delta_of_rows(dout, out, _KEPT_OUT) if self.narrow is not None else None
+            if rows is not None:
+                delta, out = rows
+            else:
+                out = widened(out, dtype, _KEPT_OUT)
+                delta = _delta_of_16_bit(dout, out)
         else:
+            out = widened(out, dtype, _KEPT_OUT)
             # a 16-bit dout widened once, for the kernels and for delta (it was widened twice: a
             # second copy, 4 MB of fresh pages at (1, 8, 2048, 64)), into a kept array
             dout = widened(dout, dtype, _KEPT_DOUT)
             dout_flat, dout_strides = row_strides(dout, dtype)
             dout_strides = (*dout_strides, KvCodes.NONE)
-            delta = np.einsum("bhsd,bhsd->bhs", dout, out)  # rowsum(dO * O): the softmax's backward term
+            # rowsum(dO * O), the softmax's backward term: a 16-bit problem's in the order of
+            # the pass that reads 16-bit rows (the same bits whichever way its arrays are read)
+            rows = delta_of_rows(dout, out) if self.narrow is not None else None
+            delta = np.einsum("bhsd,bhsd->bhs", dout, out) if rows is None else rows[0]
         delta_flat = delta.reshape(-1)  # (C-contiguous, as the kernels and the check read it)
         if checked and not self._finite(delta_flat):
             return None
