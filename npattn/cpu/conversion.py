@@ -199,10 +199,12 @@ def kept_widened(slot: str) -> Callable[[tuple, object], np.ndarray]:
             kept = _WIDENED.arrays = {}  # (slot, shape, dtype) -> array, the most recently used last
         key = (slot, tuple(shape), np.dtype(dtype))
         array = kept.pop(key, None)
-        if array is None:
-            array = np.empty(shape, dtype)
-            if array.nbytes > _KEPT_WIDENED_BYTES:
-                return array
+        if array is not None:  # (kept again, the most recent: the total is unchanged)
+            kept[key] = array
+            return array
+        array = np.empty(shape, dtype)
+        if array.nbytes > _KEPT_WIDENED_BYTES:
+            return array
         kept[key] = array
         total = sum(kept_array.nbytes for kept_array in kept.values())
         while total > _KEPT_WIDENED_BYTES:
