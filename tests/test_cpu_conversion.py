@@ -248,8 +248,9 @@ def test_delta_has_the_same_bits_however_a_16_bit_problems_rows_are_read(dtype, 
     dout and out as they lie (npattn.cpu.delta): within float32's rounding of the exact
     sum (the recursive-summation bound, (D + 1) eps sum |dout out|), and the same bits
     whether each of dout and out is read in 16 bits or as a float32 copy, in either
-    layout; a 16-bit out comes back widened with astype's bits in its memory order. None
-    where dout and out lie in two orders or rows are not whole vectors."""
+    layout, the two in one memory order or not; a 16-bit out comes back widened with
+    astype's bits in its memory order. None where rows are not whole vectors (einsum
+    then, however the arrays are read)."""
     from npattn.cpu.delta import delta_of_rows
 
     rng = np.random.default_rng(seed)
@@ -269,7 +270,8 @@ def test_delta_has_the_same_bits_however_a_16_bit_problems_rows_are_read(dtype, 
     for copied in ((dout.astype(np.float32), out), (dout, out.astype(np.float32)),
                    (dout.astype(np.float32), out.astype(np.float32))):
         np.testing.assert_array_equal(delta_of_rows(*copied)[0], delta)
-    if heads > 1 and rows > 1:  # (else both layouts are one memory order)
-        assert delta_of_rows(dout, in_layout(np.ascontiguousarray(out), not bshd)) is None
+    other_order = in_layout(np.ascontiguousarray(out), not bshd)  # (the same memory where H or S is 1)
+    np.testing.assert_array_equal(delta_of_rows(dout, other_order)[0], delta)
+    np.testing.assert_array_equal(delta_of_rows(dout.astype(np.float32), other_order.astype(np.float32))[0], delta)
     narrow = rng.standard_normal((batch, heads, rows, conversion._LANES + 1)).astype(dtype)
     assert delta_of_rows(narrow, narrow) is None

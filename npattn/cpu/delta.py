@@ -3,9 +3,9 @@
 A float16 or bfloat16 backward gets the forward's out (16-bit where the forward wrote it
 so) and a dout, of q's dtype or float32. Its kernels read out in float32 (the gradient of
 a dominant key subtracts it), and delta is a dot product of each dout row with its out
-row. Where both lie in one memory order, one jitted pass reads them as they lie, widens a
-16-bit out into the thread's kept float32 array and sums each row's products from the
-same registers: no float32 copy of dout, and one call where the widening, dout's block
+row. One jitted pass reads them as they lie (dout copied into out's memory order where
+the two differ), widens a 16-bit out into the thread's kept float32 array and sums each
+row's products from the same registers: no float32 copy of dout, and one call where the widening, dout's block
 conversions and einsum took four (a (1, 8, 16 x 16, 64) float16 backward's delta and out
 took 18 us that way on the 2-core Zen 3 VM).
 
@@ -110,17 +110,22 @@ _BRAIN_OF_DTYPE: dict = {}
 
 def delta_of_rows(dout, out, empty=np.empty):
     """``(delta, out32)`` for a 16-bit problem's bhsd ``dout`` and ``out``, each float32
-    or the problem's 16-bit dtype: delta (B, H, Sq) float32, and out in float32 (``out``
+    or the problem's 16-bit dtype: delta (B, H, Sq) float32 C-contiguous, and out in float32 (``out``
     itself where it is float32; else widened, laid out in memory as ``out`` is, into
     ``empty(memory shape, float32)``). None where the pass does not apply (the caller
-    widens and uses einsum): no vector kernels, a head dim that is not whole vectors,
-    dout and out in two memory orders, or other dtypes."""
+    widens and uses einsum): no vector kernels, a head dim that is not whole vectors, or
+    other dtypes. dout and out in two memory orders are read in out's (a copy of dout):
+    delta's bits never depend on the layouts."""
     width = dout.shape[-1]
     if not MICROKERNELS or width % _LANES or not dout.size:
         return None
-    order = memory_order(dout, dout.dtype)
-    if order is None or order != memory_order(out, out.dtype):
-        return None
+    order = memory_order(out, out.dtype)
+    if order is None:  # (out in no memory order: a C-contiguous copy)
+        out, order = np.ascontiguousarray(out), (0, 1, 2, 3)
+    if memory_order(dout, dout.dtype) != order:
+        # dout copied into out's memory order: the same arithmetic, so the same bits, whatever
+        # the two arrays' layouts (the orders memory_order gives are their own inverses)
+        dout = np.ascontiguousarray(dout.transpose(order)).transpose(order)
     dout_brain, out_brain = _brain(dout.dtype), _brain(out.dtype)
     memory_shape = tuple(dout.shape[axis] for axis in order)
     sums = np.empty(dout.size // width, np.float32)  # the rows in memory order
@@ -137,4 +142,6 @@ def delta_of_rows(dout, out, empty=np.empty):
         _float32_sums(dout_flat, flat_memory(out, order), width, sums)
     else:
         return None
-    return sums.reshape(memory_shape[:-1]).transpose(order[:-1]), out
+    # delta C-contiguous in (B, H, S) whatever the layout: the kernels read it so, and the sink
+    # logits' gradient sums it over rows, in an order (and so bits) that a view would change
+    return np.ascontiguousarray(sums.reshape(memory_shape[:-1]).transpose(order[:-1])), out

@@ -281,8 +281,9 @@ def _delta_of_16_bit(dout, out):
         first = start // width
         np.einsum("rd,rd->r", block.reshape(rows, width), values[start:start + step].reshape(rows, width),
                   out=sums[first:first + rows])
-    # (the orders memory_order gives are their own inverses)
-    return sums.reshape([dout.shape[axis] for axis in order[:-1]]).transpose(order[:-1])
+    # (the orders memory_order gives are their own inverses; C-contiguous in (B, H, S) as
+    # einsum's: the sink logits' gradient sums it over rows, in an order a view would change)
+    return np.ascontiguousarray(sums.reshape([dout.shape[axis] for axis in order[:-1]]).transpose(order[:-1]))
 
 
 def _narrowed(gradient, dtype, entry) -> tuple:
