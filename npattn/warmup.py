@@ -7,7 +7,8 @@ on-disk cache (``__pycache__`` beside the package, or ``NUMBA_CACHE_DIR``) in we
 under a second. One compiled kernel serves every shape, layout and option (options
 are runtime flags), so a few tiny calls per dtype fill the cache: the forward, the
 attention weights' kernel, with ``backward`` the backward and the bias gradient's
-kernel, and with ``serving`` the kv-cache calls' appends (compiled per cache dtype). A
+kernel, with ``serving`` the kv-cache calls' appends (compiled per cache dtype), and for
+float32 the exact GELU that :func:`npattn.autograd.gelu` runs on float32 arrays. A
 service can pay the compile at start-up, an image build can bake it in.
 ``python -m npattn compile`` compiles its dtypes side by side, a process each, where
 the machine has the cores (saves into one cache are locked: :mod:`npattn.cpu._cache`).
@@ -29,8 +30,8 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
     """Compile (or load from the cache) the CPU kernels for each of ``dtypes``: tiny
     calls of the forward and of the weights' kernel (``return_weights=True``), unless
     ``backward=False`` of the backward and the bias gradient's kernel, and unless
-    ``serving=False`` of the kv-cache calls' compiled appends (:func:`_serving_steps`).
-    Returns the seconds each dtype took. float16 and bfloat16 compute in float32, so they
+    ``serving=False`` of the kv-cache calls' compiled appends (:func:`_serving_steps`);
+    for float32 also the exact GELU's kernel (:mod:`npattn.cpu.activations`). Returns the seconds each dtype took. float16 and bfloat16 compute in float32, so they
     share its kernels."""
     from .api import attention_vjp
     from .backends import backends
@@ -52,6 +53,10 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
                 vjp(np.ones_like(out[0]))
             if serving:
                 _serving_steps(dtype)
+            if np.dtype(dtype) == np.float32:  # the exact GELU (npattn.nn's models, float32 autograd arrays)
+                from .cpu.activations import gelu_with_cdf
+
+                gelu_with_cdf(np.zeros(1, np.float32))
         seconds[np.dtype(dtype).name] = time.perf_counter() - start
     # the tiny calls run on one thread; a call shared with other threads also runs the
     # crew's watches, or the pool's watch of the counter (small jitted functions: compiled,

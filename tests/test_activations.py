@@ -121,3 +121,31 @@ def test_the_autograds_float32_gelu_takes_the_kernel_and_its_gradient_is_exact(m
         assert np.array_equal(ag.gelu(x).data, y.data)
     with pytest.raises(AssertionError, match="reached erf"):
         ag.gelu(ag.Tensor(wide))
+
+
+def test_a_split_array_is_written_whole_with_the_values_of_its_pieces():
+    """An array of many work items, shared among the threads, gets the values of each
+    piece computed alone (below one item: the calling thread)."""
+    x = np.random.default_rng(3).standard_normal(5 * (1 << 15) + 7).astype(np.float32) * 5
+    out, cdf = gelu_with_cdf(x)
+    pieces = [gelu_with_cdf(piece) for piece in np.array_split(x, 23)]
+    assert np.array_equal(out, np.concatenate([piece[0] for piece in pieces]))
+    assert np.array_equal(cdf, np.concatenate([piece[1] for piece in pieces]))
+
+
+def test_a_float32_warmup_compiles_the_gelu_kernel():
+    """In a process of its own, where no other test has called it."""
+    import subprocess
+    import sys
+
+    script = """
+import npattn
+from npattn.cpu.activations import gelu_kernel
+npattn.warmup(dtypes=("float64",), backward=False, serving=False)
+print(len(gelu_kernel.signatures))
+npattn.warmup(dtypes=("float32",), backward=False, serving=False)
+print(len(gelu_kernel.signatures))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "1"], result.stdout
