@@ -1,8 +1,9 @@
 """Saying when the CPU kernels compile, which a first call otherwise does in silence.
 
-Numba compiles each kernel on its first call for a dtype on a machine (10-15 s on the
-project's 2-core VMs, forward and backward) and loads it from its disk cache in later
-processes. :func:`announced` wraps the first call of each kernel and dtype in a process:
+Numba compiles each kernel on its first call for a dtype on a machine and loads it from
+its disk cache in later processes. The compile is long on small machines: the float32
+forward's first call took 83 s on a 2-core AVX2 Zen 3 VM (2026-11-29), every float32
+kernel 44 s on a 2-core Zen 4 VM (2026-11-26). :func:`announced` wraps the first call of each kernel and dtype in a process:
 one INFO line on the ``npattn`` logger before it, and when it took longer than
 :data:`NOTE_SECONDS` (a compile, not a cache load), one note on stderr for the process,
 naming the ways to pay the compile ahead of time. :func:`quiet` silences both where the
@@ -42,8 +43,9 @@ def announced(kernel: str, dtype) -> object:
     if _QUIET.get():
         yield
         return
-    LOGGER.info("npattn: preparing the CPU kernel %s for %s (compiled on this machine's first call, which takes "
-                "10-15 s; loaded from Numba's disk cache after that); %s", kernel, dtype, AHEAD_OF_TIME)
+    LOGGER.info("npattn: preparing the CPU kernel %s for %s (compiled on this machine's first call, which can "
+                "take a minute or more on a small machine; loaded from Numba's disk cache after that); %s",
+                kernel, dtype, AHEAD_OF_TIME)
     start = time.perf_counter()
     yield
     seconds = time.perf_counter() - start
