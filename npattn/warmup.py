@@ -54,9 +54,9 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
             if serving:
                 _serving_steps(dtype)
             if np.dtype(dtype) == np.float32:  # the exact GELU (npattn.nn's models, float32 autograd arrays)
-                from .cpu.activations import gelu_with_cdf
+                from .cpu.activations import gelu, gelu_gradient
 
-                gelu_with_cdf(np.zeros(1, np.float32))
+                gelu_gradient(gelu(np.zeros(1, np.float32)), np.ones(1, np.float32))
         seconds[np.dtype(dtype).name] = time.perf_counter() - start
     # the tiny calls run on one thread; a call shared with other threads also runs the
     # crew's watches, or the pool's watch of the counter (small jitted functions: compiled,

@@ -10,7 +10,7 @@ import math
 
 from ..core.arrays import array_module
 from .function import Function, as_tensor, unbroadcast
-from .tensor import Tensor, is_grad_enabled
+from .tensor import Tensor
 
 
 # ----- arithmetic ---------------------------------------------------------------------------
@@ -205,11 +205,10 @@ class _Gelu(Function):
         if approximate == "tanh":
             self.inner = xp.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a ** 3))
             return 0.5 * a * (1 + self.inner)
-        if _vector_gelu(a):
-            from ..cpu.activations import gelu_with_cdf
+        if _vector_gelu(a):  # (its backward needs only a)
+            from ..cpu.activations import gelu
 
-            out, self.cdf = gelu_with_cdf(a, keep_cdf=is_grad_enabled() and any(self.needs_input_grad))
-            return out
+            return gelu(a)
         self.cdf = 0.5 * (1 + _erf(a / math.sqrt(2.0)))
         return a * self.cdf
 
@@ -220,6 +219,12 @@ class _Gelu(Function):
             t = self.inner
             d_inner = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * a * a)
             return grad * (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * d_inner)
+        if not hasattr(self, "cdf"):  # the vector kernel's forward
+            if grad.dtype == a.dtype and grad.shape == a.shape and _vector_gelu(grad):
+                from ..cpu.activations import gelu_gradient
+
+                return gelu_gradient(a, grad)
+            self.cdf = 0.5 * (1 + _erf(a / math.sqrt(2.0)))  # (a grad of another dtype or kind)
         density = xp.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi)
         return grad * (self.cdf + a * density)
 

@@ -1,11 +1,12 @@
 """The exact GELU, ``x * Phi(x)`` with Phi the standard normal CDF, for float32 arrays, on
-the vector units: :func:`gelu_with_cdf`.
+the vector units: :func:`gelu` and its backward :func:`gelu_gradient`.
 
 Why: NumPy has no erf, and SciPy's float32 ``erf`` calls a scalar float64 routine per
 value: GELU in SciPy's form took 24 ns a value on one core of the 2-core Zen 3 VM, and a
 quarter of a BERT encoder's time there (``examples/sentence_embeddings.py``,
 all-MiniLM-L6-v2, batch 32, one core: 1.09 of 4.4 s). Numba's ``math.erf`` and
-``math.exp`` are scalar libm calls too. This kernel takes 4.0 ns a value there.
+``math.exp`` are scalar libm calls too. This kernel takes 3.8 ns a value there, forward
+or backward.
 
 How, in float64 with one rounding to float32 at the end:
 
@@ -24,8 +25,12 @@ How, in float64 with one rounding to float32 at the end:
   ``gelu(-inf)`` is ``-inf * 0 = NaN`` as in torch and in SciPy's form; NaN stays NaN.
 
 So each result is float64's ``x * Phi(x)`` to about 1e-11 relative, rounded once: within
-one float32 ulp of the exact value (tested against float64 SciPy). The loop has no calls
-and no branches (selects), so LLVM runs it on whole vectors.
+one float32 ulp of the exact value (tested against float64 SciPy). The backward,
+``grad (Phi(x) + x phi(x))``, takes the same steps from x alone, the exp giving phi too;
+where Phi and x phi nearly cancel (the slope's zero, x about -0.75) it is within 1e-10 of
+their size. The loops have no calls and no branches (selects), and index from 0 (from
+``start`` Numba's wraparound of negative indices kept a loop scalar: 9 ns a value), so
+LLVM runs them on whole vectors.
 """
 from __future__ import annotations
 
@@ -39,7 +44,6 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .jit import OPTIONS
-from .threads import next_item, run_items
 
 # Past Z_HIGH the CDF is 0 (left) or 1 (right) in float32; the fit's t = 2 / (2 + z) runs
 # down to T_LOW there
@@ -59,6 +63,7 @@ _LN2_HIGH = struct.unpack("<d", struct.pack("<Q", struct.unpack("<Q", struct.pac
                                             & ~0xFFFFFFFF))[0]
 _LN2_LOW = math.log(2.0) - _LN2_HIGH
 _INVERSE_SQRT2 = 1.0 / math.sqrt(2.0)
+_INVERSE_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 # Only FMA contraction: "reassoc" (the kernels' other flag) would let LLVM regroup the
 # reduction y - k ln2_high - k ln2_low into y - k ln 2, which loses its point
 _OPTIONS = {**OPTIONS, "fastmath": {"contract"}}
@@ -114,8 +119,9 @@ def _exp_of_negative(y):
 
 
 @njit(inline="always")
-def _normal_cdf(x):
-    """Phi(x) of a float64 ``x`` (a float32's value), by the module's steps."""
+def _cdf_and_exp(x):
+    """``(Phi(x), exp(-x^2 / 2))`` of a float64 ``x`` (a float32's value), by the module's
+    steps; from ``|x| / sqrt 2 = 11`` the exp is taken as 0."""
     z = abs(x) * _INVERSE_SQRT2
     t = 2.0 / (2.0 + z)
     s = t * _S_SCALE - _S_SHIFT
@@ -135,48 +141,52 @@ def _normal_cdf(x):
     h = h * s + _H[1]
     h = h * s + _H[0]
     inside = z < _Z_HIGH  # (False for inf and NaN)
-    w = 0.5 * x * x if inside else 0.0  # z^2, exact (0 outside, where q is not used)
-    q = 0.5 * t * h * _exp_of_negative(-w) if inside else 0.0  # Phi(-|x|)
+    w = 0.5 * x * x if inside else 0.0  # z^2, exact (0 outside, where e is not used)
+    e = _exp_of_negative(-w) if inside else 0.0
+    q = 0.5 * t * h * e  # Phi(-|x|)
     cdf = q if x < 0.0 else 1.0 - q
-    return cdf if x == x else x
+    return (cdf if x == x else x), e
 
 
 @njit(**_OPTIONS)
-def gelu_kernel(x, out, cdf, counter, items):
-    """``out[i] = x[i] * Phi(x[i])`` over the 1-D float32 arrays (same length), and
-    ``cdf[i] = Phi(x[i])`` when ``cdf`` has their length (else it is not written); item
-    ``j`` of ``items`` is the span ``[j n / items, (j + 1) n / items)``, claimed from
-    ``counter`` (:func:`~npattn.cpu.threads.run_items`)."""
-    n = x.size
-    while True:
-        item = next_item(counter, items)
-        if item >= items:
-            return
-        start, stop = item * n // items, (item + 1) * n // items
-        if cdf.size == n:
-            for i in range(start, stop):
-                value = float(x[i])
-                phi = _normal_cdf(value)
-                out[i] = value * phi
-                cdf[i] = phi
-        else:
-            for i in range(start, stop):
-                value = float(x[i])
-                out[i] = value * _normal_cdf(value)
+def gelu_kernel(x, grad, out):
+    """Over 1-D float32 arrays of one length: ``out[i] = x[i] * Phi(x[i])``, or where
+    ``grad`` has their length, the backward ``out[i] = grad[i] * (Phi(x[i]) + x[i] phi(x[i]))``
+    (phi the normal density)."""
+    if grad.size == x.size:
+        for i in range(x.size):
+            value = float(x[i])
+            cdf, e = _cdf_and_exp(value)
+            out[i] = float(grad[i]) * (cdf + value * (e * _INVERSE_SQRT_2PI))
+    else:
+        for i in range(x.size):
+            value = float(x[i])
+            out[i] = value * _cdf_and_exp(value)[0]
 
 
-# Values per work item (about 130 us at 4 ns a value on the Zen 3 VM): an array of fewer
-# than two items' values runs on the calling thread alone
-_ITEM_VALUES = 1 << 15
-_NO_CDF = np.empty(0, np.float32)
+# One thread: shared among the CPU backend's threads (spans claimed from a counter), the
+# example's throughput was 0.96-0.99x that of one thread in three interleaved runs on the
+# 2-core Zen 3 VM. A GELU follows a matrix product, after which OpenBLAS's threads spin
+# on the second core for a while.
+_NO_GRAD = np.empty(0, np.float32)
 
 
-def gelu_with_cdf(x, keep_cdf: bool = True):
-    """``(gelu(x), Phi(x))`` of a float32 NumPy array of any shape (the second None unless
-    ``keep_cdf``): fresh C-contiguous float32 arrays of x's shape. Large arrays are shared
-    among the CPU backend's threads (``NPATTN_NUM_THREADS``), which never changes a value."""
-    flat = x.reshape(-1) if x.flags.c_contiguous else x.ravel()  # (a copy only where x is not C-ordered)
+def _flat(x):
+    return x.reshape(-1) if x.flags.c_contiguous else x.ravel()  # (a copy only where x is not C-ordered)
+
+
+def gelu(x):
+    """``x * Phi(x)`` of a float32 NumPy array of any shape: a fresh C-contiguous float32
+    array of x's shape."""
     out = np.empty(x.shape, np.float32)
-    cdf = np.empty(x.shape, np.float32) if keep_cdf else _NO_CDF
-    run_items(gelu_kernel, (flat, out.reshape(-1), cdf.reshape(-1)), max(1, flat.size // _ITEM_VALUES))
-    return out, (cdf if keep_cdf else None)
+    gelu_kernel(_flat(x), _NO_GRAD, out.reshape(-1))
+    return out
+
+
+def gelu_gradient(x, grad):
+    """The backward of :func:`gelu`: ``grad * (Phi(x) + x phi(x))`` for float32 NumPy
+    arrays ``x`` and ``grad`` of one shape, from x alone (nothing of the forward kept),
+    rounded once: a fresh C-contiguous float32 array."""
+    out = np.empty(x.shape, np.float32)
+    gelu_kernel(_flat(x), _flat(grad), out.reshape(-1))
+    return out
