@@ -8,7 +8,8 @@ under a second. One compiled kernel serves every shape, layout and option (optio
 are runtime flags), so a few tiny calls per dtype fill the cache: the forward, the
 attention weights' kernel, with ``backward`` the backward and the bias gradient's
 kernel, with ``serving`` the kv-cache calls' appends (compiled per cache dtype), and for
-float32 the exact GELU that :func:`npattn.autograd.gelu` runs on float32 arrays. A
+float32 the exact GELU and the normalization rows that :mod:`npattn.autograd` runs on
+float32 arrays. A
 service can pay the compile at start-up, an image build can bake it in.
 ``python -m npattn compile`` compiles its dtypes side by side, a process each, where
 the machine has the cores (saves into one cache are locked: :mod:`npattn.cpu._cache`).
@@ -31,7 +32,8 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
     calls of the forward and of the weights' kernel (``return_weights=True``), unless
     ``backward=False`` of the backward and the bias gradient's kernel, and unless
     ``serving=False`` of the kv-cache calls' compiled appends (:func:`_serving_steps`);
-    for float32 also the exact GELU's kernel (:mod:`npattn.cpu.activations`). Returns the seconds each dtype took. float16 and bfloat16 compute in float32, so they
+    for float32 also the exact GELU's and the normalization's kernels
+    (:mod:`npattn.cpu.activations`, :mod:`npattn.cpu.normalization`). Returns the seconds each dtype took. float16 and bfloat16 compute in float32, so they
     share its kernels."""
     from .api import attention_vjp
     from .backends import backends
@@ -53,10 +55,12 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
                 vjp(np.ones_like(out[0]))
             if serving:
                 _serving_steps(dtype)
-            if np.dtype(dtype) == np.float32:  # the exact GELU (npattn.nn's models, float32 autograd arrays)
+            if np.dtype(dtype) == np.float32:  # npattn.nn's layers on float32 autograd arrays
                 from .cpu.activations import gelu, gelu_gradient
+                from .cpu.normalization import normalize
 
                 gelu_gradient(gelu(np.zeros(1, np.float32)), np.ones(1, np.float32))
+                normalize(np.zeros((1, 2), np.float32), None, None, 1e-5, True, keep=True)
         seconds[np.dtype(dtype).name] = time.perf_counter() - start
     # the tiny calls run on one thread; a call shared with other threads also runs the
     # crew's watches, or the pool's watch of the counter (small jitted functions: compiled,

@@ -143,19 +143,20 @@ def test_the_autograds_float32_gelu_takes_the_kernel_and_its_gradient_is_exact(m
         ag.gelu(ag.Tensor(wide))
 
 
-def test_a_float32_warmup_compiles_the_gelu_kernel():
-    """In a process of its own, where no other test has called it."""
+def test_a_float32_warmup_compiles_the_gelu_and_normalization_kernels():
+    """In a process of its own, where no other test has called them."""
     import subprocess
     import sys
 
     script = """
 import npattn
 from npattn.cpu.activations import gelu_kernel
+from npattn.cpu.normalization import normalize_rows
 npattn.warmup(dtypes=("float64",), backward=False, serving=False)
-print(len(gelu_kernel.signatures))
+print(len(gelu_kernel.signatures), len(normalize_rows.signatures))
 npattn.warmup(dtypes=("float32",), backward=False, serving=False)
-print(len(gelu_kernel.signatures))
+print(len(gelu_kernel.signatures), len(normalize_rows.signatures))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["0", "1"], result.stdout
+    assert result.stdout.split() == ["0", "0", "1", "1"], result.stdout

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..core.arrays import array_module
 from .function import Function, as_tensor
-from .tensor import Tensor
+from .tensor import Tensor, is_grad_enabled
 
 
 def _matmul_rows(a, b):
@@ -168,6 +168,13 @@ class _Normalize(Function):
 
     def forward(self, x, weight=None, bias=None, eps=1e-5, center=True):
         xp = array_module(x)
+        self.weight, self.center = weight, center
+        if _vector_rows(x, weight, bias):  # one pass a row, float64 sums (npattn.cpu.normalization)
+            from ..cpu.normalization import normalize
+
+            out, self.normalized, self.inverse_std = normalize(
+                x, weight, bias, eps, center, keep=is_grad_enabled() and any(self.needs_input_grad))
+            return out
         mean = x.mean(axis=-1, keepdims=True) if center else 0.0
         centered = x - mean
         inverse_std = 1.0 / xp.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
@@ -192,6 +199,18 @@ class _Normalize(Function):
         d_weight = (grad * normalized).reshape(flat).sum(axis=0) if len(needs) > 1 and needs[1] else None
         d_bias = grad.reshape(flat).sum(axis=0) if len(needs) > 2 and needs[2] else None
         return d_x, d_weight, d_bias
+
+
+def _vector_rows(x, weight, bias) -> bool:
+    """Whether layer_norm / rms_norm of ``x`` run on the CPU backend's row kernel: float32
+    NumPy arrays (weight and bias too, or None), where Numba can run."""
+    if x.dtype != "float32" or array_module(x).__name__ != "numpy" or x.size == 0:
+        return False
+    if any(p is not None and (p.dtype != "float32" or array_module(p).__name__ != "numpy") for p in (weight, bias)):
+        return False
+    from .. import cpu
+
+    return cpu.unavailable_reason("numpy") is None
 
 
 def _norm(name, x, weight, bias, eps, center):

@@ -6,8 +6,9 @@ Modules: :mod:`.tuning` (tile sizes and product path, per context), :mod:`.opera
 :mod:`.microkernels` (register-blocked tile products on them), :mod:`.blas`
 (BLAS products on row blocks in place, the fallback), :mod:`.rowmath` (a vectorized exp),
 :mod:`.tiles` (visibility, dropout hash, one tile of scores), :mod:`.forward_kernel`
-and :mod:`.backward_kernel`; :mod:`.activations` (the exact GELU on the vector units, which
-the autograd takes for float32 arrays). Importing this package needs neither Numba nor SciPy;
+and :mod:`.backward_kernel`; :mod:`.activations` (the exact GELU on the vector units) and
+:mod:`.normalization` (layer and RMS normalization a row at a time), which the autograd
+takes for float32 arrays. Importing this package needs neither Numba nor SciPy;
 the kernels are imported (and compiled, or loaded from Numba's on-disk cache) on
 first use.
 """
