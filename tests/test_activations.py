@@ -160,3 +160,15 @@ print(len(gelu_kernel.signatures), len(normalize_rows.signatures))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0", "0", "1", "1"], result.stdout
+
+
+def test_the_fitting_tool_makes_the_kernels_coefficients():
+    """``python -m npattn.tools.fit_normal_cdf`` fits the polynomial the kernel holds (to a
+    least-squares solve's rounding) with the error its docstring states."""
+    from npattn.cpu import activations
+    from npattn.tools import fit_normal_cdf
+
+    coefficients, error = fit_normal_cdf.fit()
+    assert np.allclose(coefficients, activations._H, rtol=1e-9, atol=1e-15)
+    assert error < 9e-12
+    assert (fit_normal_cdf.Z_HIGH, fit_normal_cdf.T_LOW) == (activations._Z_HIGH, activations._T_LOW)
