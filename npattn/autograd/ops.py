@@ -203,7 +203,9 @@ class _Gelu(Function):
         xp = array_module(a)
         self.a, self.approximate = a, approximate
         if approximate == "tanh":
-            self.inner = xp.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a ** 3))
+            # a * a * a, as torch's kernel: NumPy's a ** 3 takes its general power (23.9 ns a
+            # value for the whole form on one Zen 3 core, 8.8-9.4 with the products)
+            self.inner = xp.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * (a * a * a)))
             return 0.5 * a * (1 + self.inner)
         if _vector_gelu(a):  # (its backward needs only a)
             from ..cpu.activations import gelu
