@@ -9,8 +9,7 @@ are runtime flags), so a few tiny calls per dtype fill the cache: the forward, t
 attention weights' kernel, with ``backward`` the backward and the bias gradient's
 kernel, with ``serving`` the kv-cache calls' appends (compiled per cache dtype), and for
 float32 the exact GELU and the normalization rows that :mod:`npattn.autograd` runs on
-float32 arrays. A
-service can pay the compile at start-up, an image build can bake it in.
+float32 arrays. A service can pay the compile at start-up, an image build can bake it in.
 ``python -m npattn compile`` compiles its dtypes side by side, a process each, where
 the machine has the cores (saves into one cache are locked: :mod:`npattn.cpu._cache`).
 The GPU backend compiles its CUDA kernels per option set on first use and keeps the
@@ -33,8 +32,8 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
     ``backward=False`` of the backward and the bias gradient's kernel, and unless
     ``serving=False`` of the kv-cache calls' compiled appends (:func:`_serving_steps`);
     for float32 also the exact GELU's and the normalization's kernels
-    (:mod:`npattn.cpu.activations`, :mod:`npattn.cpu.normalization`). Returns the seconds each dtype took. float16 and bfloat16 compute in float32, so they
-    share its kernels."""
+    (:mod:`npattn.cpu.activations`, :mod:`npattn.cpu.normalization`). Returns the seconds
+    each dtype took. float16 and bfloat16 compute in float32, so they share its kernels."""
     from .api import attention_vjp
     from .backends import backends
     from .cpu import compiling

@@ -96,4 +96,6 @@ def test_the_autograds_float32_norms_take_the_kernel_and_their_gradients_match_f
     for value, reference in zip(got, exact):
         if reference is not None:
             assert value.dtype == np.float32
-            assert np.abs(value - reference).max() <= 64 * EPS32 * np.abs(reference).max()
+            # the backward's float32 NumPy sums over a row's features: features * eps each
+            # way, twice over (the row's two sums), of the largest gradient
+            assert np.abs(value - reference).max() <= 4 * data.shape[-1] * EPS32 * np.abs(reference).max()

@@ -84,3 +84,17 @@ def unbroadcast(grad, shape):
     if axes:
         grad = grad.sum(axis=axes, keepdims=True)
     return xp.reshape(grad, shape)
+
+
+def cpu_kernel_takes(*arrays) -> bool:
+    """Whether the CPU backend's float32 kernels for the autograd (the exact GELU,
+    :mod:`npattn.cpu.activations`; layer and RMS normalization,
+    :mod:`npattn.cpu.normalization`) take ``arrays``: non-empty float32 NumPy arrays (None
+    entries allowed: absent parameters), where Numba can run. Other arrays keep the
+    NumPy or CuPy forms."""
+    if any(a is not None and (a.dtype != "float32" or array_module(a).__name__ != "numpy" or a.size == 0)
+           for a in arrays):
+        return False
+    from .. import cpu
+
+    return cpu.unavailable_reason("numpy") is None

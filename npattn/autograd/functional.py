@@ -8,7 +8,7 @@ rather than a chain of elementwise nodes: fewer temporaries and one rounding pat
 from __future__ import annotations
 
 from ..core.arrays import array_module
-from .function import Function, as_tensor
+from .function import Function, as_tensor, cpu_kernel_takes
 from .tensor import Tensor, is_grad_enabled
 
 
@@ -169,7 +169,7 @@ class _Normalize(Function):
     def forward(self, x, weight=None, bias=None, eps=1e-5, center=True):
         xp = array_module(x)
         self.weight, self.center = weight, center
-        if _vector_rows(x, weight, bias):  # one pass a row, float64 sums (npattn.cpu.normalization)
+        if cpu_kernel_takes(x, weight, bias):  # one pass a row, float64 sums (npattn.cpu.normalization)
             from ..cpu.normalization import normalize
 
             out, self.normalized, self.inverse_std = normalize(
@@ -179,7 +179,7 @@ class _Normalize(Function):
         centered = x - mean
         inverse_std = 1.0 / xp.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
         normalized = centered * inverse_std
-        self.normalized, self.inverse_std, self.weight, self.center = normalized, inverse_std, weight, center
+        self.normalized, self.inverse_std = normalized, inverse_std
         out = normalized if weight is None else normalized * weight
         return out if bias is None else out + bias
 
@@ -199,18 +199,6 @@ class _Normalize(Function):
         d_weight = (grad * normalized).reshape(flat).sum(axis=0) if len(needs) > 1 and needs[1] else None
         d_bias = grad.reshape(flat).sum(axis=0) if len(needs) > 2 and needs[2] else None
         return d_x, d_weight, d_bias
-
-
-def _vector_rows(x, weight, bias) -> bool:
-    """Whether layer_norm / rms_norm of ``x`` run on the CPU backend's row kernel: float32
-    NumPy arrays (weight and bias too, or None), where Numba can run."""
-    if x.dtype != "float32" or array_module(x).__name__ != "numpy" or x.size == 0:
-        return False
-    if any(p is not None and (p.dtype != "float32" or array_module(p).__name__ != "numpy") for p in (weight, bias)):
-        return False
-    from .. import cpu
-
-    return cpu.unavailable_reason("numpy") is None
 
 
 def _norm(name, x, weight, bias, eps, center):

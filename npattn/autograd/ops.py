@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from ..core.arrays import array_module
-from .function import Function, as_tensor, unbroadcast
+from .function import Function, as_tensor, cpu_kernel_takes, unbroadcast
 from .tensor import Tensor
 
 
@@ -207,7 +207,7 @@ class _Gelu(Function):
             # value for the whole form on one Zen 3 core, 8.8-9.4 with the products)
             self.inner = xp.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * (a * a * a)))
             return 0.5 * a * (1 + self.inner)
-        if _vector_gelu(a):  # (its backward needs only a)
+        if cpu_kernel_takes(a):  # the vector kernel (6x SciPy's erf form; its backward needs only a)
             from ..cpu.activations import gelu
 
             return gelu(a)
@@ -222,25 +222,13 @@ class _Gelu(Function):
             d_inner = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * a * a)
             return grad * (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * d_inner)
         if not hasattr(self, "cdf"):  # the vector kernel's forward
-            if grad.dtype == a.dtype and grad.shape == a.shape and _vector_gelu(grad):
+            if grad.shape == a.shape and cpu_kernel_takes(grad):
                 from ..cpu.activations import gelu_gradient
 
                 return gelu_gradient(a, grad)
             self.cdf = 0.5 * (1 + _erf(a / math.sqrt(2.0)))  # (a grad of another dtype or kind)
         density = xp.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi)
         return grad * (self.cdf + a * density)
-
-
-def _vector_gelu(a) -> bool:
-    """Whether the exact GELU of ``a`` runs on the CPU backend's vector kernel
-    (:mod:`npattn.cpu.activations`: float32 NumPy arrays, where Numba can run; 6x faster
-    than SciPy's erf on the Zen 3 VM, and within an ulp of the exact value, where SciPy's
-    erf form loses the left tail to cancellation)."""
-    if a.dtype != "float32" or array_module(a).__name__ != "numpy" or a.size == 0:
-        return False
-    from .. import cpu
-
-    return cpu.unavailable_reason("numpy") is None
 
 
 def _erf(x):
