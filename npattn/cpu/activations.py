@@ -155,12 +155,12 @@ def gelu_kernel(x, grad, out):
     (phi the normal density)."""
     if grad.size == x.size:
         for i in range(x.size):
-            value = float(x[i])
+            value = np.float64(x[i])  # (float() of a float32 stays float32 in Numba)
             cdf, e = _cdf_and_exp(value)
-            out[i] = float(grad[i]) * (cdf + value * (e * _INVERSE_SQRT_2PI))
+            out[i] = np.float64(grad[i]) * (cdf + value * (e * _INVERSE_SQRT_2PI))
     else:
         for i in range(x.size):
-            value = float(x[i])
+            value = np.float64(x[i])
             out[i] = value * _cdf_and_exp(value)[0]
 
 
