@@ -164,11 +164,19 @@ print(len(gelu_kernel.signatures), len(normalize_rows.signatures))
 
 def test_the_fitting_tool_makes_the_kernels_coefficients():
     """``python -m npattn.tools.fit_normal_cdf`` fits the polynomial the kernel holds (to a
-    least-squares solve's rounding) with the error its docstring states."""
+    least-squares solve's rounding) with the error its docstring states. Compared by value
+    over the fit's interval, not by coefficient: the conversion from the Chebyshev basis is
+    ill-conditioned, and the coefficients of degree 12 and up came out 7e-6 apart (relative)
+    on an AVX-512 Zen 4 from those fitted on a Zen 3, while the polynomials' values agreed to
+    1e-15, four orders below the fit's own error."""
+    from numpy.polynomial import polynomial
+
     from npattn.cpu import activations
     from npattn.tools import fit_normal_cdf
 
     coefficients, error = fit_normal_cdf.fit()
-    assert np.allclose(coefficients, activations._H, rtol=1e-9, atol=1e-15)
+    s = np.linspace(-1.0, 1.0, 100001)
+    kernels = polynomial.polyval(s, np.asarray(activations._H))
+    assert np.abs(polynomial.polyval(s, coefficients) / kernels - 1).max() < 1e-13
     assert error < 9e-12
     assert (fit_normal_cdf.Z_HIGH, fit_normal_cdf.T_LOW) == (activations._Z_HIGH, activations._T_LOW)
