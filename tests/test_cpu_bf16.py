@@ -108,7 +108,18 @@ def test_bfloat16_products_are_taken_where_they_pay_and_nowhere_else():
     x = np.zeros((1, 2, 256, 64), "bfloat16")
     assert operand_plan(build_problem(x, x, x), "forward", current()).ints[Int.OUT_CODES] == KvCodes.BFLOAT16
     assert not taken(256, 256, dtype="float32") and not taken(256, 256, dtype="float16")
-    assert not taken(256, 256, kind="backward") and not taken(256, 256, return_weights=True)
+    assert not taken(256, 256, return_weights=True)
+    # the backward too (every product, pair_gradients), but not where it computes a bias
+    # gradient (whose kernel reads k and v as they are), nor for head dims of part vectors
+    bias = np.zeros((256, 256), np.float32)
+    assert taken(256, 256, kind="backward") and taken(100, 37, kind="backward", causal=True)
+    assert taken(256, 256, bias=bias) and not taken(256, 256, kind="backward", bias=bias)
+    narrow_keys = (np.zeros((1, 2, 256, 40), "bfloat16"),) * 2  # (dK and dQ need whole vectors of D)
+    wide_values = np.zeros((1, 2, 256, 64), "bfloat16")
+    assert operand_plan(build_problem(*narrow_keys, wide_values), "forward", current()).ints[Int.BF16_PRODUCTS]
+    assert not operand_plan(build_problem(*narrow_keys, wide_values), "backward", current()).ints[Int.BF16_PRODUCTS]
+    backward = operand_plan(build_problem(x, x, x), "backward", current()).ints
+    assert backward[Int.KEY_CACHE_SLOTS] == 0 and backward[Int.OUT_CODES] == KvCodes.NONE
     assert not taken(1, 4096)  # a decode step's dot products (and 16-bit tiles) instead
     # from the first row past the dot products' on, short queries and small calls too
     assert not taken(8, 300) and taken(9, 300) and taken(16, 16) and taken(40, 40, causal=True)
@@ -315,3 +326,82 @@ def test_a_bfloat16_prefill_keeps_its_key_tiles_packed_where_a_tile_is_read_twic
         assert slots_and_run(40, 200) == (5, 3)  # 7 tiles, 5 within the budget
         assert slots_and_run(16, 100) == (0, 1)  # one query tile per head: each key tile read once
         assert slots_and_run(16, 100, heads=4, kv_heads=2) == (4, 2)  # GQA: read by each head of a group
+
+
+@needs_bf16
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
+       q_len=st.integers(1, 200), kv_len=st.integers(1, 200), head_dim=st.sampled_from([16, 32, 64, 128]),
+       causal=st.booleans(), dropout=st.sampled_from([0.0, 0.0, 0.3]), softcap=st.sampled_from([None, None, 2.0]),
+       seed=st.integers(0, 2**32 - 1))
+def test_bfloat16_backward_products_keep_the_pair_rounding_bound(batch, kv_heads, group, q_len, kv_len, head_dim,
+                                                                 causal, dropout, softcap, seed):
+    """The backward on bfloat16 pairs (npattn.cpu.pair_gradients) against the float64
+    gradients, element by element: within the rounding of P~ and dS to bfloat16 (half an
+    ulp of each term summed into that element), float32's sums, and the result's own
+    rounding to bfloat16. The terms' sizes come from the float64 probabilities, so a
+    product that drops or misplaces a pair (a row, a key, a head) fails by the term's
+    whole size."""
+    rng = np.random.default_rng(seed)
+    heads = kv_heads * group
+    q = rng.normal(size=(batch, heads, q_len, head_dim)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.normal(size=(batch, kv_heads, kv_len, head_dim)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    dout = rng.normal(size=(batch, heads, q_len, head_dim)).astype(ml_dtypes.bfloat16)
+    options = dict(causal=causal, softcap=softcap)
+    if dropout:
+        options.update(dropout_p=dropout, seed=seed)
+    _, vjp = npattn.attention_vjp(q, k, v, **options)
+    dq, dk, dv = (g.astype(np.float64) for g in vjp(dout)[:3])
+    terms = _pair_gradient_terms(*(x.astype(np.float64) for x in (q, k, v, dout)), **options)
+    eps32, eps16 = float(np.finfo(np.float32).eps), float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps)
+    length = q_len * group + kv_len + head_dim
+    for name, actual, (expected, size) in zip(("dq", "dk", "dv"), (dq, dk, dv), terms):
+        tolerance = tolerances.SAFETY * (eps16 / 2 * (np.abs(expected) + size) + length * eps32 * size)
+        assert (np.abs(actual - expected) <= tolerance).all(), (
+            f"{name}: worst excess {np.max(np.abs(actual - expected) - tolerance):.3g}")
+
+
+def _pair_gradient_terms(q, k, v, dout, causal, softcap, dropout_p=0.0, seed=0):
+    """``((dq, its terms' size), (dk, ...), (dv, ...))`` in float64, materialized: each
+    gradient and, element by element, the sum of the magnitudes of the terms summed into it
+    (for dq and dk with dS's own error, P (|dP| + |dO| . |O|), beside |dS|)."""
+    from npattn.core.dropout import keep_mask
+
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scale = 1 / np.sqrt(head_dim)
+    scores = scale * q @ k.swapaxes(-1, -2)
+    tanh = np.tanh(scores / softcap) if softcap else None
+    if softcap:
+        scores = softcap * tanh
+    visible = np.ones((q_len, kv_len), bool)
+    if causal:  # (bottom-right: the last query row sees every key)
+        visible = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + (kv_len - q_len)
+    scores = np.where(visible, scores, -np.inf)
+    top = scores.max(-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    p = np.exp(scores - top)
+    p = p / np.maximum(p.sum(-1, keepdims=True), np.finfo(np.float64).tiny)
+    keep = (keep_mask(np, seed, dropout_p, batch, heads, q_len, kv_len) / (1 - dropout_p) if dropout_p
+            else np.ones_like(p))
+    dropped = p * keep
+    out = dropped @ v
+    dp = (dout @ v.swapaxes(-1, -2)) * keep
+    delta = (dout * out).sum(-1, keepdims=True)
+    ds = p * (dp - delta)
+    # (dS's own error: float32's in dP - delta, and bfloat16's in delta, which the backward
+    # takes from the forward's out as returned, rounded to bfloat16, as torch's does)
+    ds_error = p * (np.abs(dp) + (np.abs(dout) * np.abs(out)).sum(-1, keepdims=True))
+    if softcap:
+        ds, ds_error = ds * (1 - tanh ** 2), ds_error * (1 - tanh ** 2)
+
+    def per_kv_head(x):  # (B, H, Sk, X) summed over each group's heads
+        return x.reshape(batch, kv_heads, group, kv_len, -1).sum(axis=2)
+    dq = scale * ds @ k
+    dq_size = scale * (np.abs(ds) + ds_error) @ np.abs(k)
+    dk = per_kv_head(scale * ds.swapaxes(-1, -2) @ q)
+    dk_size = per_kv_head(scale * (np.abs(ds) + ds_error).swapaxes(-1, -2) @ np.abs(q))
+    dv = per_kv_head(dropped.swapaxes(-1, -2) @ dout)
+    dv_size = per_kv_head(dropped.swapaxes(-1, -2) @ np.abs(dout))
+    return (dq, dq_size), (dk, dk_size), (dv, dv_size)

@@ -29,6 +29,7 @@ from .threads import next_item
 from .operands import Int, KvCodes, Real, Span
 from .rowmath import exp_shifted, row_max
 from .microkernels import padded_width, product
+from .pair_gradients import bfloat16_word, pair_gradients, pair_key_tile, pair_output_gradient
 from .tiles import (apply_dropout, convert_query_rows, convert_rows, dequantize_tile, k_row, key_segments,
                     memory_batch, memory_batches, pack_key_tile, pack_value_tile, packed_values, query_offset,
                     query_tile_start, score_tile, span, v_row, value_tile_rows)
@@ -58,19 +59,20 @@ def tile_is_live(ints, spans, b, i0, i1, j0, j1):
 
 @helper
 def score_gradient_tile(q, q_offset, q_row, k, v, bias, mask, alibi, spans, pages, ints, reals, dout, o_offset,
-                        o_row, out, out_strides, lse, delta, p, dropped, ds, tanh, packed, dequantized, b, h, i0,
-                        rows, j0, cols):
+                        o_row, out, out_strides, lse, delta, p, dropped, ds, tanh, packed, dequantized, pair_scratch,
+                        b, h, i0, rows, j0, cols):
     """For one tile: ``p`` = probabilities, ``dropped`` = p after dropout (``p`` itself when
     there is none), ``ds`` = gradient of the scores after softcap, bias and ALiBi (what
     dbias needs; the caller applies softcap's derivative and the scale). Row ``i0 + r``'s
     query is ``q[q_offset + r * q_row:]`` and its output gradient ``dout[o_offset + r *
     o_row:]`` (the item's converted rows, for 16-bit ones). ``dequantized``: with KV_CODES
     the key tile's keys and values as float rows (:func:`dequantize_tile`), which ``packed``
-    holds packed already."""
+    holds packed already. With BF16_PRODUCTS the products take bfloat16 pairs, q, k and v
+    as words (:mod:`npattn.cpu.pair_gradients`, whose tiles ``pair_scratch`` holds)."""
     ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
-    # (never quantized nor BF16_PRODUCTS: forward-only; k and _NO_CODES stand in for the unused tiles,
-    # and 16-bit keys read by tiles are packed already)
+    # (never quantized: forward-only; k and _NO_CODES stand in for the unused tiles, and 16-bit
+    # keys read by tiles are packed already; with BF16_PRODUCTS q's rows of pairs as they lie)
     score_tile(q, q_offset, q_row, k, as_readonly(k), _NO_CODES, _NO_SCALES, bias, mask, alibi, spans, pages,
                ints, reals, p, ld, tanh, packed, b, h, i0, rows, j0, cols)
     row_offset = (memory_batch(ints, b) * heads + h) * ints[Int.Q_LEN] + i0
@@ -81,7 +83,10 @@ def score_gradient_tile(q, q_offset, q_row, k, v, bias, mask, alibi, spans, page
         else:  # an empty row: no probability, no gradient
             for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
                 p[x] = 0.0
-    if ints[Int.VECTOR_SCORES]:
+    if ints[Int.BF16_PRODUCTS]:  # dO's rows rounded to pairs (exactly: they are bfloat16), V^T in pairs
+        pair_output_gradient(dout, o_offset, o_row, packed_values(ints, packed), ds, ld, rows, cols, ints,
+                             pair_scratch)
+    elif ints[Int.VECTOR_SCORES]:
         # dP (rows x cols) = dO (rows x Dv) . V^T (Dv x cols)
         product(dout, o_offset, o_row, 1, packed_values(ints, packed), 0, ld, ds, 0, ld,
                 rows, ints[Int.VALUE_DIM], padded_width(cols, ds), 1.0, False)
@@ -136,8 +141,13 @@ def dominant_key_gradient(v, dequantized, pages, ints, reals, dout, o_row, out, 
             if ints[Int.HAS_DROPOUT] and dropped[x] == 0.0:
                 keep = keep - keep
             total = 0.0
-            for d in range(value_dim):
-                total += dout[o_row + d] * (keep * values[value_row + d] - out[out_row + d])
+            if ints[Int.BF16_PRODUCTS]:  # v as bfloat16 words (pair_gradients)
+                for d in range(value_dim):
+                    value = bfloat16_word(v, value_row * 2 + d)
+                    total += dout[o_row + d] * (keep * value - out[out_row + d])
+            else:
+                for d in range(value_dim):
+                    total += dout[o_row + d] * (keep * values[value_row + d] - out[out_row + d])
             ds[x] = p[x] * total
             return
 
@@ -196,6 +206,8 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
             pack_key_tile(k, as_readonly(dequantized), pages, ints, b, kv_head, j0, cols, packed)
             pack_value_tile(v, as_readonly(value_tile_rows(ints, dequantized)), pages, ints, b, kv_head, j0, cols,
                             packed)
+            if ints[Int.BF16_PRODUCTS]:  # and the keys in pairs of keys, dQ's B
+                pair_key_tile(k, pages, ints, b, kv_head, j0, cols, dequantized)
             for h in range(kv_head * group, (kv_head + 1) * group):
                 for i0 in range(rows_first, rows_valid, block_q):
                     rows = smaller(block_q, rows_valid - i0)
@@ -214,7 +226,17 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                         grad_out, o_offset, o_row = as_readonly(dequantized), dout_start, value_dim
                     score_gradient_tile(query, q_offset, q_row, k, v, bias, mask, alibi, spans, pages, ints, reals,
                                         grad_out, o_offset, o_row, out, out_strides, lse, delta, p, dropped, ds,
-                                        tanh, packed, as_readonly(dequantized), b, h, i0, rows, j0, cols)
+                                        tanh, packed, as_readonly(dequantized), dequantized, b, h, i0, rows, j0, cols)
+                    if ints[Int.HAS_SOFTCAP]:  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
+                        for r in range(rows):
+                            for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
+                                ds[x] *= 1.0 - tanh[x] * tanh[x]
+                    dq_offset = (((chunk * memory_batches(ints) + memory_batch(ints, b)) * heads + h) * q_len
+                                 + i0) * head_dim
+                    if ints[Int.BF16_PRODUCTS]:  # dV, dK and dQ on bfloat16 pairs (P~ and dS rounded)
+                        pair_gradients(query, q_offset, q_row, grad_out, o_offset, o_row, dropped, ds, ld, rows, cols,
+                                       dk_tile, dv_tile, dq, dq_offset, scale, ints, dequantized)
+                        continue
                     # dV (cols x Dv) += dropped^T (cols x rows) . dO (rows x Dv)
                     if ints[Int.VECTOR_VALUES]:
                         product(dropped, 0, 1, ld, grad_out, o_offset, o_row, dv_tile, 0, value_dim,
@@ -222,12 +244,6 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                     else:  # column-major: dV^T = dO^T (Dv x rows) . dropped (rows x cols)
                         gemm(False, True, value_dim, cols, rows, 1.0, grad_out[o_offset:], o_row,
                              dropped, ld, 1.0, dv_tile, value_dim)
-                    if ints[Int.HAS_SOFTCAP]:  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
-                        for r in range(rows):
-                            for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
-                                ds[x] *= 1.0 - tanh[x] * tanh[x]
-                    dq_offset = (((chunk * memory_batches(ints) + memory_batch(ints, b)) * heads + h) * q_len
-                                 + i0) * head_dim
                     if ints[Int.VECTOR_KEYS]:
                         # dK (cols x D) += scale dS^T (cols x rows) . Q (rows x D)
                         product(ds, 0, 1, ld, query, q_offset, q_row, dk_tile, 0, head_dim,
@@ -292,8 +308,8 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_
                         score_gradient_tile(as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, v,
                                             bias, mask, alibi, spans, pages, ints, reals, as_readonly(dout),
                                             dout_offset(dout_strides, b, h, i0), dout_strides[2], out, out_strides,
-                                            lse, delta, p, dropped, ds, tanh, packed, as_readonly(k), b, h, i0,
-                                            rows, j0, cols)
+                                            lse, delta, p, dropped, ds, tanh, packed, as_readonly(k), packed, b, h,
+                                            i0, rows, j0, cols)
                         for r in range(rows):
                             out_row = ((bb * bias_h + hb) * bias_q + (i0 + r if bias_q > 1 else 0)) * bias_k
                             row = as_offset(r * ld)

@@ -232,7 +232,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                         for r0 in range(0, rows, band):
                             band_rows = smaller(band, rows - r0)
                             depth = band_keys(ints, spans, b, i0 + r0 + band_rows - 1, j0, cols, full)
-                            pair_product(p_pairs, r0 * half_ld, half_ld, value_pairs, 0, dv, sums_array,
+                            pair_product(p_pairs, r0 * half_ld, half_ld, 1, value_pairs, 0, dv, sums_array,
                                          out_offset + r0 * out_row_stride, out_row_stride, band_rows, (depth + 1) // 2,
                                          dv, 1.0, True)
                     elif ints[Int.VECTOR_VALUES]:

@@ -129,11 +129,11 @@ def product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
              plain_int(rows), plain_int(depth), plain_int(width), scalar_like(alpha, c), bool(accumulate), None)
 
 
-def pair_product(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
+def pair_product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
                  accumulate):
     """:func:`product` on bfloat16 pairs (float32 arrays whose elements hold two bfloat16,
     see :func:`pair_bits`): ``C[r, x] = [C[r, x] +] alpha * sum_p (A[r, p].lo B[p, x].lo +
-    A[r, p].hi B[p, x].hi)`` for p < ``pairs``, with ``A[r, p] = a[a_offset + r * a_row + p]``
+    A[r, p].hi B[p, x].hi)`` for p < ``pairs``, with ``A[r, p] = a[a_offset + r * a_row + p * a_col]``
     and ``B[p, x] = b[b_offset + p * b_row + x]``: each step two depths, one vdpbf16ps a
     vector on AVX512_BF16 (:func:`npattn.cpu.simd.splat_pair_dot_rows`).
 
@@ -145,15 +145,15 @@ def pair_product(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, row
 
 
 @overload(pair_product, jit_options=OPTIONS)
-def _pair_product_overload(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
-                           accumulate):
+def _pair_product_overload(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width,
+                           alpha, accumulate):
     if not (BF16_DOT and c.dtype == types.float32):
-        return lambda a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha, \
+        return lambda a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha, \
             accumulate: None
 
-    def implementation(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
+    def implementation(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
                        accumulate):
-        _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(1),
+        _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(a_col),
                  as_readonly(b), plain_int(b_offset), plain_int(b_row),
                  c, plain_int(c_offset), plain_int(c_row),
                  plain_int(rows), plain_int(pairs), plain_int(width), scalar_like(alpha, c), bool(accumulate), True)

@@ -433,10 +433,13 @@ def bf16_products(problem, kind: str, tuning: Tuning, codes=KvCodes.NONE) -> boo
     (whose recomputed scores must be the float32 ones), and q, k and v are bfloat16 in a
     known memory order with even head dims: the kernels then read their memory as it
     lies, as float32 words of two bfloat16 (:func:`pair_words`), with no float32 copy."""
-    if not (kind == "forward" and BF16_DOT and tuning.pair_products and codes == KvCodes.NONE
+    if not (kind in ("forward", "backward") and BF16_DOT and tuning.pair_products and codes == KvCodes.NONE
             and not problem.return_weights and problem.accumulate_dtype == np.float32):
         return False
-    vector, vector_values, _, dot_scores = _product_paths(problem, kind, tuning)
+    vector, vector_values, vector_keys, dot_scores = _product_paths(problem, kind, tuning)
+    if kind == "backward" and (problem.bias is not None or not vector_keys):
+        # (a bias gradient's kernel reads k and v as they are; dK and dQ need whole vectors)
+        return False
     return (vector and vector_values and not dot_scores and problem.head_dim % 2 == 0 and problem.value_dim % 2 == 0
             and all(x.dtype.name == "bfloat16" and row_order(x, x.dtype) is not None
                     for x in (problem.q, problem.k, problem.v)))
@@ -559,7 +562,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     # range: several are float32 parts merged afterwards)
     out_codes = KvCodes.BFLOAT16 if pairs else q_codes
     ints[Int.OUT_CODES] = out_codes if kind == "forward" and ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
-    ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning) if pairs else 0
+    ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning) if pairs and kind == "forward" else 0
     ints[Int.CLAIM_RUN] = kv_head_items(ints) if ints[Int.KEY_CACHE_SLOTS] else 1
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = flat_view_strides(problem.k_scale, SCALE_DTYPE)

@@ -183,9 +183,16 @@ def backward_scratch_specs(ints, dtype) -> tuple:
     """:func:`gradient_tile_specs`, then one key tile's dK and dV sums (BLOCK_K x D and
     BLOCK_K x Dv), then its keys and values as float rows where k and v are read a 16-bit
     tile at a time (KV_CODES: :func:`dequantized_tile_spec`, with Q_CODES a query tile's q
-    and dout rows after them; 1 element otherwise)."""
+    and dout rows after them; with BF16_PRODUCTS the tiles of bfloat16 pairs,
+    :func:`npattn.cpu.pair_gradients.backward_pair_tiles`; 1 element otherwise)."""
     keys = int(ints[Int.BLOCK_K])
-    tile_size, _ = dequantized_tile_spec(ints, dtype)
+    if ints[Int.BF16_PRODUCTS]:
+        from .pair_gradients import backward_pair_sizes
+
+        tile_size = sum(backward_pair_sizes(int(ints[Int.BLOCK_Q]), keys, int(ints[Int.HEAD_DIM]),
+                                            int(ints[Int.VALUE_DIM]), int(ints[Int.SCORE_LD])))
+    else:
+        tile_size, _ = dequantized_tile_spec(ints, dtype)
     if ints[Int.Q_CODES]:  # and a query tile's 16-bit dout rows, converted after its q rows
         tile_size += int(ints[Int.BLOCK_Q]) * int(ints[Int.VALUE_DIM])
     return (*gradient_tile_specs(ints, dtype), (keys * int(ints[Int.HEAD_DIM]), dtype),

@@ -404,6 +404,31 @@ def store_bfloat16(typingctx, out, index, value):
 
 
 @intrinsic
+def store_rounded_pairs(typingctx, out, index, first, second):
+    """Store the float32 vectors ``first`` and ``second`` (lanes L; two rows' values at the
+    same columns) rounded to bfloat16 and interleaved, as ``out[index + i]`` = pair
+    (first's i, second's i), i < L: two rows of consecutive query rows as
+    :func:`splat_pair_dot_rows` reads them along the rows (a backward's P, dS, dO), rounded
+    as :func:`store_bfloat16` rounds (``vcvtneps2bf16`` on AVX512_BF16 CPUs), one shuffle
+    for the lot."""
+    # (float64 kernels compile it too, and never run it)
+    if not (_check_float_array(out) and isinstance(first, Vector) and isinstance(second, Vector)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        low, high = _bfloat16_rounded(builder, args[2]), _bfloat16_rounded(builder, args[3])
+        lanes = low.type.count
+        mask = ir.Constant(ir.VectorType(ir.IntType(32), 2 * lanes),
+                           [lane // 2 + (lanes if lane % 2 else 0) for lane in range(2 * lanes)])
+        interleaved = builder.shuffle_vector(low, high, mask)
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], interleaved.type)
+        builder.store(interleaved, pointer, align=4)
+        return context.get_dummy_value()
+    return types.none(out, index, first, second), codegen
+
+
+@intrinsic
 def store_interleaved_pairs(typingctx, out, index, pairs, first, second, has_second):
     """Store the L bfloat16 that start at word ``pairs[first]`` (a float32 array whose
     words hold two bfloat16 each: bfloat16 memory seen as float32) interleaved with the L

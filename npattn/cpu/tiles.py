@@ -702,7 +702,9 @@ def cached_key_tile(ints, j0, cols):
 def pack_value_tile(v, value_rows, pages, ints, b, kv_head, j0, cols, packed):
     """Values ``[j0, j0 + cols)`` of ``kv_head`` as V^T (Dv x SCORE_LD) after the key tile
     in ``packed`` (see :func:`packed_values`): the B operand of dO V^T. With KV_CODES the
-    values come from ``value_rows``, the tile's float rows (:func:`value_tile_rows`)."""
+    values come from ``value_rows``, the tile's float rows (:func:`value_tile_rows`); with
+    BF16_PRODUCTS, v is bfloat16 words and V^T is in pairs (Dv / 2 x SCORE_LD), as
+    :func:`pack_key_tile` packs K^T."""
     if not ints[Int.VECTOR_SCORES]:
         return
     width = padded_width(cols, packed)
@@ -714,7 +716,8 @@ def pack_value_tile(v, value_rows, pages, ints, b, kv_head, j0, cols, packed):
     c0 = 0
     while c0 < cols:
         run = page_run(ints, j0 + c0, cols - c0)
-        pack_transposed(v, v_row(ints, pages, b, kv_head, j0 + c0), ints[Int.V_STRIDE_S], run, ints[Int.VALUE_DIM],
+        value_words = ints[Int.VALUE_DIM] // 2 if ints[Int.BF16_PRODUCTS] else ints[Int.VALUE_DIM]
+        pack_transposed(v, v_row(ints, pages, b, kv_head, j0 + c0), ints[Int.V_STRIDE_S], run, value_words,
                         values[c0:], ints[Int.SCORE_LD], width - c0 if c0 + run == cols else run)
         c0 += run
 
@@ -774,7 +777,7 @@ def score_tile(q, q_offset, q_row, k, dequantized, k_codes, k_scale, bias, mask,
             else:
                 width = padded_width(width, s)
                 if width > 0 and ints[Int.BF16_PRODUCTS]:  # q's rows of pairs as they lie
-                    pair_product(q, q_offset + r0 * q_row, q_row, packed, 0, ld, s, r0 * ld, ld, band_rows,
+                    pair_product(q, q_offset + r0 * q_row, q_row, 1, packed, 0, ld, s, r0 * ld, ld, band_rows,
                                  key_words(ints), width, reals[Real.SCALE], False)
                 elif width > 0:
                     product(q, q_offset + r0 * q_row, q_row, 1, packed, 0, ld, s, r0 * ld, ld, band_rows,
