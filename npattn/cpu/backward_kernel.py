@@ -59,16 +59,16 @@ def tile_is_live(ints, spans, b, i0, i1, j0, j1):
 
 @helper
 def score_gradient_tile(q, q_offset, q_row, k, v, bias, mask, alibi, spans, pages, ints, reals, dout, o_offset,
-                        o_row, out, out_strides, lse, delta, p, dropped, ds, tanh, packed, dequantized, pair_scratch,
-                        b, h, i0, rows, j0, cols):
+                        o_row, out, out_strides, lse, delta, p, dropped, ds, tanh, packed, dequantized, b, h, i0,
+                        rows, j0, cols):
     """For one tile: ``p`` = probabilities, ``dropped`` = p after dropout (``p`` itself when
     there is none), ``ds`` = gradient of the scores after softcap, bias and ALiBi (what
     dbias needs; the caller applies softcap's derivative and the scale). Row ``i0 + r``'s
     query is ``q[q_offset + r * q_row:]`` and its output gradient ``dout[o_offset + r *
     o_row:]`` (the item's converted rows, for 16-bit ones). ``dequantized``: with KV_CODES
     the key tile's keys and values as float rows (:func:`dequantize_tile`), which ``packed``
-    holds packed already. With BF16_PRODUCTS the products take bfloat16 pairs, q, k and v
-    as words (:mod:`npattn.cpu.pair_gradients`, whose tiles ``pair_scratch`` holds)."""
+    holds packed already. With BF16_PRODUCTS the products take bfloat16 pairs, q, k, v and
+    dout as words (:mod:`npattn.cpu.pair_gradients`)."""
     ld = ints[Int.SCORE_LD]
     heads = ints[Int.HEADS]
     # (never quantized: forward-only; k and _NO_CODES stand in for the unused tiles, and 16-bit
@@ -83,9 +83,8 @@ def score_gradient_tile(q, q_offset, q_row, k, v, bias, mask, alibi, spans, page
         else:  # an empty row: no probability, no gradient
             for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
                 p[x] = 0.0
-    if ints[Int.BF16_PRODUCTS]:  # dO's rows rounded to pairs (exactly: they are bfloat16), V^T in pairs
-        pair_output_gradient(dout, o_offset, o_row, packed_values(ints, packed), ds, ld, rows, cols, ints,
-                             pair_scratch)
+    if ints[Int.BF16_PRODUCTS]:  # dO's rows of pairs as they lie, V^T in pairs
+        pair_output_gradient(dout, o_offset, o_row, packed_values(ints, packed), ds, ld, rows, cols, ints)
     elif ints[Int.VECTOR_SCORES]:
         # dP (rows x cols) = dO (rows x Dv) . V^T (Dv x cols)
         product(dout, o_offset, o_row, 1, packed_values(ints, packed), 0, ld, ds, 0, ld,
@@ -141,10 +140,10 @@ def dominant_key_gradient(v, dequantized, pages, ints, reals, dout, o_row, out, 
             if ints[Int.HAS_DROPOUT] and dropped[x] == 0.0:
                 keep = keep - keep
             total = 0.0
-            if ints[Int.BF16_PRODUCTS]:  # v as bfloat16 words (pair_gradients)
+            if ints[Int.BF16_PRODUCTS]:  # v and dout as bfloat16 words (pair_gradients)
                 for d in range(value_dim):
                     value = bfloat16_word(v, value_row * 2 + d)
-                    total += dout[o_row + d] * (keep * value - out[out_row + d])
+                    total += bfloat16_word(dout, 2 * o_row + d) * (keep * value - out[out_row + d])
             else:
                 for d in range(value_dim):
                     total += dout[o_row + d] * (keep * values[value_row + d] - out[out_row + d])
@@ -226,7 +225,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                         grad_out, o_offset, o_row = as_readonly(dequantized), dout_start, value_dim
                     score_gradient_tile(query, q_offset, q_row, k, v, bias, mask, alibi, spans, pages, ints, reals,
                                         grad_out, o_offset, o_row, out, out_strides, lse, delta, p, dropped, ds,
-                                        tanh, packed, as_readonly(dequantized), dequantized, b, h, i0, rows, j0, cols)
+                                        tanh, packed, as_readonly(dequantized), b, h, i0, rows, j0, cols)
                     if ints[Int.HAS_SOFTCAP]:  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
                         for r in range(rows):
                             for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
@@ -308,8 +307,8 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_
                         score_gradient_tile(as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, v,
                                             bias, mask, alibi, spans, pages, ints, reals, as_readonly(dout),
                                             dout_offset(dout_strides, b, h, i0), dout_strides[2], out, out_strides,
-                                            lse, delta, p, dropped, ds, tanh, packed, as_readonly(k), packed, b, h,
-                                            i0, rows, j0, cols)
+                                            lse, delta, p, dropped, ds, tanh, packed, as_readonly(k), b, h, i0,
+                                            rows, j0, cols)
                         for r in range(rows):
                             out_row = ((bb * bias_h + hb) * bias_q + (i0 + r if bias_q > 1 else 0)) * bias_k
                             row = as_offset(r * ld)

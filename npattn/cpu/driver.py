@@ -392,12 +392,15 @@ class BackwardPlan:
         # out is the forward's float32, or its 16-bit out (OUT_CODES) widened into an array this
         # thread keeps for the next call
         codes = self.operands.q_codes
-        if codes and dout.dtype == q.dtype and row_order(dout, dout.dtype) is not None:
+        pairs = self.operands.pairs
+        if (codes or pairs) and dout.dtype == q.dtype and row_order(dout, dout.dtype) is not None:
             # a 16-bit dout read as it lies where q is (Q_CODES), its rows converted where the
             # kernel uses them; delta and the widened out in one pass over both where it can,
             # else delta from dout widened a block of rows at a time
             dout_flat = pair_words(dout)
-            dout_strides = (*(2 * n for n in row_view_strides(dout, dout.dtype)), codes)
+            # (with pairs, bfloat16 words the products read as they lie: strides in words)
+            dout_strides = ((*(n // 2 for n in row_view_strides(dout, dout.dtype)), KvCodes.NONE) if pairs
+                            else (*(2 * n for n in row_view_strides(dout, dout.dtype)), codes))
             rows = delta_of_rows(dout, out, _KEPT_OUT) if self.narrow is not None else None
             if rows is not None:
                 delta, out = rows
@@ -415,6 +418,10 @@ class BackwardPlan:
             # the pass that reads 16-bit rows (the same bits whichever way its arrays are read)
             rows = delta_of_rows(dout, out) if self.narrow is not None else None
             delta = np.einsum("bhsd,bhsd->bhs", dout, out) if rows is None else rows[0]
+            if pairs:  # the products' bfloat16 words of dout (the values they rounded it to anyway)
+                dout = np.ascontiguousarray(dout, dtype=q.dtype)
+                dout_flat, dout_strides = pair_words(dout), (*(n // 2 for n in row_view_strides(dout, q.dtype)),
+                                                            KvCodes.NONE)
         delta_flat = delta.reshape(-1)  # (C-contiguous, as the kernels and the check read it)
         if checked and not self._finite(delta_flat):
             return None

@@ -7,8 +7,7 @@ row), and every product of :func:`npattn.cpu.backward_kernel.backward_kernel` ru
 sums, with the operands the GPU kernels round:
 
 - ``S = Q K^T``: q's rows as they lie, K^T packed in pairs (as the forward packs it);
-- ``dP = dO V^T``: dout's rows rounded to pairs (exact: a bfloat16 problem's dout is
-  bfloat16), V^T packed in pairs;
+- ``dP = dO V^T``: dout's rows as they lie (bfloat16 words too), V^T packed in pairs;
 - ``dV += P~^T dO``: P~ (the probabilities after dropout) rounded to bfloat16, and dO, in
   pairs of consecutive query rows, P~'s read down its columns;
 - ``dK += scale dS^T Q``: dS rounded to bfloat16 and q, in pairs of query rows likewise;
@@ -42,7 +41,7 @@ def backward_pair_sizes(rows, keys, head_dim, value_dim, ld):
     BLOCK_K ``keys`` and SCORE_LD ``ld``. Plain Python: the kernels compile it too."""
     half_rows = (rows + 1) // 2
     return (half_rows * ld, rows * ((ld + 1) // 2), half_rows * value_dim, half_rows * head_dim,
-            rows * (value_dim // 2), (keys + 1) // 2 * head_dim)
+            (keys + 1) // 2 * head_dim)
 
 
 _pair_sizes = njit(inline="always")(backward_pair_sizes)
@@ -50,14 +49,13 @@ _pair_sizes = njit(inline="always")(backward_pair_sizes)
 
 @njit(inline="always")
 def backward_pair_tiles(ints, scratch):
-    """``(row pairs, ds pairs, dout row pairs, query row pairs, dout pairs, key pairs)``, the
+    """``(row pairs, ds pairs, dout row pairs, query row pairs, key pairs)``, the
     tiles of :func:`pair_gradients` carved from the backward's scratch after its other
     tiles (:func:`npattn.cpu.scratch.backward_scratch_specs`):
 
     - row pairs (BLOCK_Q / 2 x SCORE_LD): P~, then dS, in pairs of consecutive rows;
     - ds pairs (BLOCK_Q x SCORE_LD / 2): dS in pairs along its rows;
     - dout row pairs (BLOCK_Q / 2 x Dv) and query row pairs (BLOCK_Q / 2 x D);
-    - dout pairs (BLOCK_Q x Dv / 2): dout's rows in pairs along them;
     - key pairs (BLOCK_K / 2 x D): the key tile in pairs of consecutive keys."""
     sizes = _pair_sizes(ints[Int.BLOCK_Q], ints[Int.BLOCK_K], ints[Int.HEAD_DIM], ints[Int.VALUE_DIM],
                         ints[Int.SCORE_LD])
@@ -65,8 +63,7 @@ def backward_pair_tiles(ints, scratch):
     b = a + sizes[1]
     c = b + sizes[2]
     d = c + sizes[3]
-    e = d + sizes[4]
-    return scratch[:a], scratch[a:b], scratch[b:c], scratch[c:d], scratch[d:e], scratch[e:e + sizes[5]]
+    return scratch[:a], scratch[a:b], scratch[b:c], scratch[c:d], scratch[d:d + sizes[4]]
 
 
 @helper
@@ -116,7 +113,7 @@ def _pair_key_tile_overload(k, pages, ints, b, kv_head, j0, cols, scratch):
         return lambda k, pages, ints, b, kv_head, j0, cols, scratch: None
 
     def implementation(k, pages, ints, b, kv_head, j0, cols, scratch):
-        _pair_key_rows(as_readonly(k), pages, ints, b, kv_head, j0, cols, backward_pair_tiles(ints, scratch)[5])
+        _pair_key_rows(as_readonly(k), pages, ints, b, kv_head, j0, cols, backward_pair_tiles(ints, scratch)[4])
     return implementation
 
 
@@ -132,24 +129,22 @@ def _pair_key_rows(k, pages, ints, b, kv_head, j0, cols, out):
             store_interleaved_pairs(out, p * head_dim + x, k, first + x // 2, second + x // 2, has_second)
 
 
-def pair_output_gradient(dout, o_offset, o_row, values, ds, ld, rows, cols, ints, scratch):
+def pair_output_gradient(dout, o_offset, o_row, values, ds, ld, rows, cols, ints):
     """``dP = dO V^T`` into ``ds`` (rows x SCORE_LD, padding columns included) from dout's
-    float32 rows (``dout[o_offset + r * o_row:]``, bfloat16 values) rounded to pairs and
+    rows as they lie (bfloat16 words: row r at word ``o_offset + r * o_row``) and
     ``values``, V^T packed in pairs (:func:`npattn.cpu.tiles.pack_value_tile`)."""
     raise NotImplementedError
 
 
 @overload(pair_output_gradient, jit_options=OPTIONS)
-def _pair_output_gradient_overload(dout, o_offset, o_row, values, ds, ld, rows, cols, ints, scratch):
-    if not _pairs_compile(scratch):
-        return lambda dout, o_offset, o_row, values, ds, ld, rows, cols, ints, scratch: None
+def _pair_output_gradient_overload(dout, o_offset, o_row, values, ds, ld, rows, cols, ints):
+    if not _pairs_compile(ds):
+        return lambda dout, o_offset, o_row, values, ds, ld, rows, cols, ints: None
 
-    def implementation(dout, o_offset, o_row, values, ds, ld, rows, cols, ints, scratch):
+    def implementation(dout, o_offset, o_row, values, ds, ld, rows, cols, ints):
         value_words = ints[Int.VALUE_DIM] // 2
-        dout_pairs = backward_pair_tiles(ints, scratch)[4]
-        pair_rows(dout, o_offset, o_row, rows, ints[Int.VALUE_DIM], dout_pairs, value_words)
-        pair_product(dout_pairs, 0, value_words, 1, values, 0, ld, ds, 0, ld, rows, value_words,
-                     padded_width(cols, ds), 1.0, False)
+        pair_product(dout, o_offset, o_row, 1, values, 0, ld, ds, 0, ld, rows, value_words, padded_width(cols, ds),
+                     1.0, False)
     return implementation
 
 
@@ -157,8 +152,8 @@ def pair_gradients(query, q_offset, q_row, dout, o_offset, o_row, dropped, ds, l
                    dq, dq_offset, scale, ints, scratch):
     """A tile's ``dV += P~^T dO``, ``dK += scale dS^T Q`` and ``dQ += scale dS K`` on
     bfloat16 pairs: ``dropped`` (P~) and ``ds`` (rows x ``ld``) float32, rounded here;
-    query row r at word ``q_offset + r * q_row`` of ``query`` (bfloat16 words), its dout
-    row at ``dout[o_offset + r * o_row:]`` (float32); dk_tile and dv_tile (cols x D, cols x
+    query row r at word ``q_offset + r * q_row`` of ``query`` and its dout row at word
+    ``o_offset + r * o_row`` of ``dout`` (both bfloat16 words); dk_tile and dv_tile (cols x D, cols x
     Dv) and dq's rows from ``dq_offset`` (row stride D) summed into; the key tile's pairs
     packed by :func:`pair_key_tile`."""
     raise NotImplementedError
@@ -174,11 +169,11 @@ def _pair_gradients_overload(query, q_offset, q_row, dout, o_offset, o_row, drop
     def implementation(query, q_offset, q_row, dout, o_offset, o_row, dropped, ds, ld, rows, cols, dk_tile,
                        dv_tile, dq, dq_offset, scale, ints, scratch):
         head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
-        row_pairs, ds_pairs, dout_row_pairs, query_row_pairs, _, key_pairs = backward_pair_tiles(ints, scratch)
+        row_pairs, ds_pairs, dout_row_pairs, query_row_pairs, key_pairs = backward_pair_tiles(ints, scratch)
         half = (rows + 1) // 2
         # dV (cols x Dv) += P~^T (cols x rows) dO (rows x Dv): P~'s row pairs read down a column
         pair_rows_of_rows(dropped, 0, ld, rows, cols, row_pairs, ld)
-        pair_rows_of_rows(dout, o_offset, o_row, rows, value_dim, dout_row_pairs, value_dim)
+        interleave_word_rows(dout, o_offset, o_row, rows, value_dim, dout_row_pairs, value_dim)
         pair_product(row_pairs, 0, 1, ld, dout_row_pairs, 0, value_dim, dv_tile, 0, value_dim, cols, half,
                      value_dim, 1.0, True)
         # dK (cols x D) += scale dS^T (cols x rows) Q (rows x D), the same way
