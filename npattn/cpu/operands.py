@@ -424,8 +424,10 @@ def query_codes(problem, kind: str, codes) -> KvCodes:
 
 
 def bf16_products(problem, kind: str, tuning: Tuning, codes=KvCodes.NONE) -> bool:
-    """Whether a bfloat16 forward multiplies in bfloat16 (AVX512_BF16's vdpbf16ps, two
-    products per float32 lane; P rounded to bfloat16 as GPU kernels round it): where the
+    """Whether a bfloat16 forward or backward multiplies in bfloat16 (AVX512_BF16's
+    vdpbf16ps, two products per float32 lane; P, and in the backward dS, rounded to
+    bfloat16 as GPU kernels round them; the backward not where it computes a bias gradient,
+    nor for head dims of part vectors: :mod:`npattn.cpu.pair_gradients`): where the
     CPU has the instruction and the tuning asks for it (by default where it is faster than
     float32's FMAs: :func:`npattn.cpu.isa.bf16_pairs_pay`), the products run on the
     micro-kernels with packed keys (not
