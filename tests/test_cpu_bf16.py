@@ -332,9 +332,9 @@ def test_a_bfloat16_prefill_keeps_its_key_tiles_packed_where_a_tile_is_read_twic
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
        q_len=st.integers(1, 200), kv_len=st.integers(1, 200), head_dim=st.sampled_from([16, 32, 64, 128]),
        causal=st.booleans(), dropout=st.sampled_from([0.0, 0.0, 0.3]), softcap=st.sampled_from([None, None, 2.0]),
-       seed=st.integers(0, 2**32 - 1))
+       bshd=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_bfloat16_backward_products_keep_the_pair_rounding_bound(batch, kv_heads, group, q_len, kv_len, head_dim,
-                                                                 causal, dropout, softcap, seed):
+                                                                 causal, dropout, softcap, bshd, seed):
     """The backward on bfloat16 pairs (npattn.cpu.pair_gradients) against the float64
     gradients, element by element: within the rounding of P~ and dS to bfloat16 (half an
     ulp of each term summed into that element), float32's sums, and the result's own
@@ -349,8 +349,15 @@ def test_bfloat16_backward_products_keep_the_pair_rounding_bound(batch, kv_heads
     options = dict(causal=causal, softcap=softcap)
     if dropout:
         options.update(dropout_p=dropout, seed=seed)
-    _, vjp = npattn.attention_vjp(q, k, v, **options)
-    dq, dk, dv = (g.astype(np.float64) for g in vjp(dout)[:3])
+    if bshd:  # (B, S, H, D) memory: rows of pairs a head stride apart, in words
+        def swapped(x):
+            return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+        _, vjp = npattn.attention_vjp(swapped(q), swapped(k), swapped(v), layout="bshd", **options)
+        dq, dk, dv = (g.transpose(0, 2, 1, 3) for g in vjp(swapped(dout))[:3])
+    else:
+        _, vjp = npattn.attention_vjp(q, k, v, **options)
+        dq, dk, dv = vjp(dout)[:3]
+    dq, dk, dv = (g.astype(np.float64) for g in (dq, dk, dv))
     terms = _pair_gradient_terms(*(x.astype(np.float64) for x in (q, k, v, dout)), **options)
     eps32, eps16 = float(np.finfo(np.float32).eps), float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps)
     length = q_len * group + kv_len + head_dim

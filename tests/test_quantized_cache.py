@@ -806,14 +806,25 @@ def test_16_bit_queries_read_as_they_lie_give_the_bits_of_a_widened_copy(dtype, 
         np.testing.assert_array_equal(mine, theirs)
 
 
+@pytest.fixture
+def float32_products():
+    """bfloat16 computed in float32, not on AVX512_BF16's pairs (npattn.cpu.pair_gradients,
+    tests/test_cpu_bf16.py), where the CPU has them."""
+    with npattn.cpu.bfloat16_products(False):
+        yield
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", ["causal gqa", "dropout bshd window", "softcap"])
-def test_a_16_bit_backward_reading_its_arrays_by_tiles_gives_the_bits_of_widened_copies(dtype, case, monkeypatch):
+def test_a_16_bit_backward_reading_its_arrays_by_tiles_gives_the_bits_of_widened_copies(dtype, case, monkeypatch,
+                                                                                       float32_products):
     """The backward converts each key tile of 16-bit k and v once per work item (KV_CODES:
     packed for the products, its rows for dQ and for the gradient of a row's dominant key,
     which every causal row 0 has) and each (head, query tile)'s q and dout rows where a key
     tile uses them (Q_CODES; a float32 dout is read as it is), and gives the gradients
-    float32 copies gave, bit for bit; with a bias gradient to compute it reads the copies."""
+    float32 copies gave, bit for bit; with a bias gradient to compute it reads the copies.
+    (bfloat16 computed in float32: on AVX512_BF16's pairs the backward reads its arrays as
+    they lie, with no tiles converted.)"""
     import ml_dtypes  # noqa: F401  (registers bfloat16)
     from npattn.core.kernel_params import Int, KvCodes
     from npattn.cpu import driver, operands

@@ -92,6 +92,31 @@ class TargetShapes(_ForwardBackward):
 
 
 
+class LowPrecision(_ForwardBackward):
+    """The target shapes (B, H, Hkv, SQ, SK, D) in bfloat16 and float16 on the CPU: bfloat16
+    multiplies in bfloat16 pairs forward and backward where the CPU has AVX512_BF16
+    (npattn.cpu.pair_gradients), float16 computes in float32 reading its arrays in place.
+    Compare with ``python -m npattn bench --dtype bfloat16``, which times torch's SDPA in the
+    same dtype and npattn's float32 on the same values beside them."""
+
+    params = (["cpu"], ["bfloat16", "float16"], ["1,8,8,2048,2048,64", "4,16,16,1024,1024,64",
+                                                 "1,32,8,2048,2048,128"], [False, True])
+    param_names = ["backend", "dtype", "shape", "causal"]
+    timeout = 600
+
+    def setup(self, backend, dtype, shape, causal):
+        require(backend)
+        try:  # (NumPy's bfloat16: the benchmark environment installs npattn[testing], which brings it)
+            import ml_dtypes
+        except ImportError:
+            raise NotImplementedError("bfloat16 needs ml_dtypes") from None
+
+        self.q, self.k, self.v, self.dout = shaped_operands(
+            backend, ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype, shape)
+        self.options = dict(causal=causal, backend=backend)
+        self.prepare()
+
+
 class SlidingWindow(_ForwardBackward):
     """Causal sliding windows of ``window`` keys at (1, 8, 2048, 64), float32: where the
     backward's tiles follow the band of visible keys (npattn.cpu.tuning.Tuning.backward_tiles)."""
