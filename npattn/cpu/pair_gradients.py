@@ -33,7 +33,7 @@ from .microkernels import padded_width, pair_product
 from .operands import Int
 from .signatures import as_readonly
 from .simd import BF16_DOT, VECTOR_BYTES, as_bits, as_float, fill, load, store_interleaved_pairs, store_rounded_pairs
-from .tiles import k_row, pair_rows
+from .tiles import pack_row_pairs, pair_rows
 
 
 def backward_pair_sizes(rows, keys, head_dim, value_dim, ld):
@@ -119,14 +119,8 @@ def _pair_key_tile_overload(k, pages, ints, b, kv_head, j0, cols, scratch):
 
 @helper
 def _pair_key_rows(k, pages, ints, b, kv_head, j0, cols, out):
-    head_dim = ints[Int.HEAD_DIM]
-    lanes = VECTOR_BYTES // 4
-    for p in range((cols + 1) // 2):
-        first = k_row(ints, pages, b, kv_head, j0 + 2 * p)
-        has_second = 2 * p + 1 < cols
-        second = k_row(ints, pages, b, kv_head, j0 + 2 * p + 1) if has_second else first
-        for x in range(0, head_dim, lanes):
-            store_interleaved_pairs(out, p * head_dim + x, k, first + x // 2, second + x // 2, has_second)
+    pack_row_pairs(k, pages, ints, b, kv_head, j0, cols, ints[Int.HEAD_DIM], ints[Int.K_STRIDE_B],
+                   ints[Int.K_STRIDE_H], ints[Int.K_STRIDE_S], out)
 
 
 def pair_output_gradient(dout, o_offset, o_row, values, ds, ld, rows, cols, ints):

@@ -418,12 +418,7 @@ def store_rounded_pairs(typingctx, out, index, first, second):
     def codegen(context, builder, signature, args):
         _wide(builder)
         low, high = _bfloat16_rounded(builder, args[2]), _bfloat16_rounded(builder, args[3])
-        lanes = low.type.count
-        mask = ir.Constant(ir.VectorType(ir.IntType(32), 2 * lanes),
-                           [lane // 2 + (lanes if lane % 2 else 0) for lane in range(2 * lanes)])
-        interleaved = builder.shuffle_vector(low, high, mask)
-        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], interleaved.type)
-        builder.store(interleaved, pointer, align=4)
+        _store_interleaved(context, builder, signature.args[0], args[0], args[1], low, high)
         return context.get_dummy_value()
     return types.none(out, index, first, second), codegen
 
@@ -448,13 +443,19 @@ def store_interleaved_pairs(typingctx, out, index, pairs, first, second, has_sec
         low = builder.load(_pointer(context, builder, signature.args[2], args[2], args[3], halves), align=2)
         high = builder.load(_pointer(context, builder, signature.args[2], args[2], args[4], halves), align=2)
         high = builder.select(args[5], high, ir.Constant(halves, [0] * lanes))
-        mask = ir.Constant(ir.VectorType(ir.IntType(32), 2 * lanes),
-                           [lane // 2 + (lanes if lane % 2 else 0) for lane in range(2 * lanes)])
-        interleaved = builder.shuffle_vector(low, high, mask)
-        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], interleaved.type)
-        builder.store(interleaved, pointer, align=4)
+        _store_interleaved(context, builder, signature.args[0], args[0], args[1], low, high)
         return context.get_dummy_value()
     return types.none(out, index, pairs, first, second, has_second), codegen
+
+
+def _store_interleaved(context, builder, out_type, out, index, low, high):
+    """Store i16 vectors ``low`` and ``high`` (L lanes each) interleaved, as the L float32
+    words ``out[index + i]`` = pair (low's i, high's i)."""
+    lanes = low.type.count
+    mask = ir.Constant(ir.VectorType(ir.IntType(32), 2 * lanes),
+                       [lane // 2 + (lanes if lane % 2 else 0) for lane in range(2 * lanes)])
+    interleaved = builder.shuffle_vector(low, high, mask)
+    builder.store(interleaved, _pointer(context, builder, out_type, out, index, interleaved.type), align=4)
 
 
 def _is_block(block, dtype):

@@ -633,16 +633,25 @@ def pack_value_pairs(v, pages, ints, b, kv_head, j0, cols, out):
     """BF16_PRODUCTS: the values of keys ``[j0, j0 + cols)`` (v: bfloat16 memory seen as
     float32 words, :func:`key_words`) as bfloat16 pairs of consecutive keys, ``out[p * Dv
     + x]`` = pair (v[2p, x], v[2p + 1, x]) (0 past ``cols``): P V's B operand (Dv whole
-    vectors: VECTOR_VALUES), two rows' halves interleaved a vector at a time."""
-    value_dim = ints[Int.VALUE_DIM]
+    vectors: VECTOR_VALUES)."""
+    pack_row_pairs(v, pages, ints, b, kv_head, j0, cols, ints[Int.VALUE_DIM], ints[Int.V_STRIDE_B],
+                   ints[Int.V_STRIDE_H], ints[Int.V_STRIDE_S], out)
+
+
+@njit(inline="always")
+def pack_row_pairs(words, pages, ints, b, kv_head, j0, cols, width, stride_b, stride_h, stride_s, out):
+    """Key rows ``[j0, j0 + cols)`` of ``kv_head`` of k or v (bfloat16 memory seen as float32
+    ``words``, with those strides in words) as bfloat16 pairs of consecutive keys, ``out[p *
+    width + x]`` = pair (row 2p's x, row 2p + 1's x) (0 past ``cols``), ``width`` values a
+    row (whole vectors): two rows' halves interleaved a vector at a time."""
     lanes = VECTOR_BYTES // 4
     for p in range((cols + 1) // 2):
-        first = v_row(ints, pages, b, kv_head, j0 + 2 * p)
+        first = key_row(ints, pages, b, kv_head, j0 + 2 * p, stride_b, stride_h, stride_s)
         has_second = 2 * p + 1 < cols
-        second = v_row(ints, pages, b, kv_head, j0 + 2 * p + 1) if has_second else first
-        target = p * value_dim
-        for x in range(0, value_dim, lanes):
-            store_interleaved_pairs(out, target + x, v, first + x // 2, second + x // 2, has_second)
+        second = key_row(ints, pages, b, kv_head, j0 + 2 * p + 1, stride_b, stride_h, stride_s) if has_second else first
+        target = p * width
+        for x in range(0, width, lanes):
+            store_interleaved_pairs(out, target + x, words, first + x // 2, second + x // 2, has_second)
 
 
 @njit(inline="always")
