@@ -9,8 +9,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "asv_ben
 from benchmarks import attention as suite  # noqa: E402
 
 
-@pytest.mark.parametrize("suite_class", [suite.Attention, suite.Variants, suite.TargetShapes, suite.LowPrecision, suite.Serving,
-                                         suite.SlidingWindow, suite.Adapters, suite.Layouts, suite.DecodeCaches],
+@pytest.mark.parametrize("suite_class", [suite.Attention, suite.Variants, suite.TargetShapes, suite.LowPrecision,
+                                         suite.Serving, suite.SlidingWindow, suite.Adapters, suite.Layouts,
+                                         suite.DecodeCaches],
                          ids=lambda c: c.__name__)
 def test_benchmark_methods_run(suite_class):
     backends, *others = suite_class.params

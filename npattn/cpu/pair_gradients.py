@@ -37,7 +37,7 @@ from .tiles import pack_row_pairs, pair_rows
 
 
 def backward_pair_sizes(rows, keys, head_dim, value_dim, ld):
-    """The float32 words of :func:`backward_pair_tiles`' six tiles for BLOCK_Q ``rows``,
+    """The float32 words of :func:`backward_pair_tiles`' five tiles for BLOCK_Q ``rows``,
     BLOCK_K ``keys`` and SCORE_LD ``ld``. Plain Python: the kernels compile it too."""
     half_rows = (rows + 1) // 2
     return (half_rows * ld, rows * ((ld + 1) // 2), half_rows * value_dim, half_rows * head_dim,
@@ -67,7 +67,7 @@ def backward_pair_tiles(ints, scratch):
 
 
 @helper
-def pair_rows_of_rows(x, offset, row_stride, rows, width, out, out_row):
+def pair_consecutive_rows(x, offset, row_stride, rows, width, out, out_row):
     """Rows ``[0, rows)`` of float32 ``x`` (``x[offset + r * row_stride + c]``) rounded to
     bfloat16 in pairs of consecutive rows: ``out[p * out_row + c]`` = pair (x[2p, c],
     x[2p + 1, c]), 0 for the high half of an odd count's last pair, for c below ``width``
@@ -87,7 +87,7 @@ def pair_rows_of_rows(x, offset, row_stride, rows, width, out, out_row):
 
 
 @helper
-def interleave_word_rows(words, offset, row_stride, rows, width, out, out_row):
+def pair_consecutive_word_rows(words, offset, row_stride, rows, width, out, out_row):
     """Rows ``[0, rows)`` of bfloat16 memory seen as float32 words (row r's values from
     word ``offset + r * row_stride``; ``width`` values a row, whole vectors) in pairs of
     consecutive rows, ``out[p * out_row + x]`` = pair (row 2p's x, row 2p + 1's x), 0 for
@@ -166,13 +166,13 @@ def _pair_gradients_overload(query, q_offset, q_row, dout, o_offset, o_row, drop
         row_pairs, ds_pairs, dout_row_pairs, query_row_pairs, key_pairs = backward_pair_tiles(ints, scratch)
         half = (rows + 1) // 2
         # dV (cols x Dv) += P~^T (cols x rows) dO (rows x Dv): P~'s row pairs read down a column
-        pair_rows_of_rows(dropped, 0, ld, rows, cols, row_pairs, ld)
-        interleave_word_rows(dout, o_offset, o_row, rows, value_dim, dout_row_pairs, value_dim)
+        pair_consecutive_rows(dropped, 0, ld, rows, cols, row_pairs, ld)
+        pair_consecutive_word_rows(dout, o_offset, o_row, rows, value_dim, dout_row_pairs, value_dim)
         pair_product(row_pairs, 0, 1, ld, dout_row_pairs, 0, value_dim, dv_tile, 0, value_dim, cols, half,
                      value_dim, 1.0, True)
         # dK (cols x D) += scale dS^T (cols x rows) Q (rows x D), the same way
-        pair_rows_of_rows(ds, 0, ld, rows, cols, row_pairs, ld)
-        interleave_word_rows(query, q_offset, q_row, rows, head_dim, query_row_pairs, head_dim)
+        pair_consecutive_rows(ds, 0, ld, rows, cols, row_pairs, ld)
+        pair_consecutive_word_rows(query, q_offset, q_row, rows, head_dim, query_row_pairs, head_dim)
         pair_product(row_pairs, 0, 1, ld, query_row_pairs, 0, head_dim, dk_tile, 0, head_dim, cols, half,
                      head_dim, scale, True)
         # dQ (rows x D) += scale dS (rows x cols) K (cols x D): dS in pairs along its rows
