@@ -109,11 +109,11 @@ def test_bfloat16_products_are_taken_where_they_pay_and_nowhere_else():
     assert operand_plan(build_problem(x, x, x), "forward", current()).ints[Int.OUT_CODES] == KvCodes.BFLOAT16
     assert not taken(256, 256, dtype="float32") and not taken(256, 256, dtype="float16")
     assert not taken(256, 256, return_weights=True)
-    # the backward too (every product, pair_gradients), but not where it computes a bias
-    # gradient (whose kernel reads k and v as they are), nor for head dims of part vectors
+    # the backward too (every product, pair_gradients; with a bias, its gradient's kernel
+    # too), but not for head dims of part vectors
     bias = np.zeros((256, 256), np.float32)
     assert taken(256, 256, kind="backward") and taken(100, 37, kind="backward", causal=True)
-    assert taken(256, 256, bias=bias) and not taken(256, 256, kind="backward", bias=bias)
+    assert taken(256, 256, bias=bias) and taken(256, 256, kind="backward", bias=bias)
     narrow_keys = (np.zeros((1, 2, 256, 40), "bfloat16"),) * 2  # (dK and dQ need whole vectors of D)
     wide_values = np.zeros((1, 2, 256, 64), "bfloat16")
     assert operand_plan(build_problem(*narrow_keys, wide_values), "forward", current()).ints[Int.BF16_PRODUCTS]
@@ -332,9 +332,9 @@ def test_a_bfloat16_prefill_keeps_its_key_tiles_packed_where_a_tile_is_read_twic
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
        q_len=st.integers(1, 200), kv_len=st.integers(1, 200), head_dim=st.sampled_from([16, 32, 64, 128]),
        causal=st.booleans(), dropout=st.sampled_from([0.0, 0.0, 0.3]), softcap=st.sampled_from([None, None, 2.0]),
-       bshd=st.booleans(), seed=st.integers(0, 2**32 - 1))
+       bshd=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_bfloat16_backward_products_keep_the_pair_rounding_bound(batch, kv_heads, group, q_len, kv_len, head_dim,
-                                                                 causal, dropout, softcap, bshd, seed):
+                                                                 causal, dropout, softcap, bshd, bias, seed):
     """The backward on bfloat16 pairs (npattn.cpu.pair_gradients) against the float64
     gradients, element by element: within the rounding of P~ and dS to bfloat16 (half an
     ulp of each term summed into that element), float32's sums, and the result's own
@@ -349,28 +349,33 @@ def test_bfloat16_backward_products_keep_the_pair_rounding_bound(batch, kv_heads
     options = dict(causal=causal, softcap=softcap)
     if dropout:
         options.update(dropout_p=dropout, seed=seed)
+    if bias:  # (Sq, Sk), broadcast over batch and heads: its gradient sums dS over both
+        options.update(bias=rng.normal(size=(q_len, kv_len)).astype(np.float32))
     if bshd:  # (B, S, H, D) memory: rows of pairs a head stride apart, in words
         def swapped(x):
             return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
         _, vjp = npattn.attention_vjp(swapped(q), swapped(k), swapped(v), layout="bshd", **options)
-        dq, dk, dv = (g.transpose(0, 2, 1, 3) for g in vjp(swapped(dout))[:3])
+        grads = vjp(swapped(dout))
+        dq, dk, dv = (g.transpose(0, 2, 1, 3) for g in grads[:3])
     else:
         _, vjp = npattn.attention_vjp(q, k, v, **options)
-        dq, dk, dv = vjp(dout)[:3]
-    dq, dk, dv = (g.astype(np.float64) for g in (dq, dk, dv))
+        grads = vjp(dout)
+        dq, dk, dv = grads[:3]
+    actual = [g.astype(np.float64) for g in (dq, dk, dv)] + ([grads[3].astype(np.float64)] if bias else [])
     terms = _pair_gradient_terms(*(x.astype(np.float64) for x in (q, k, v, dout)), **options)
     eps32, eps16 = float(np.finfo(np.float32).eps), float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps)
-    length = q_len * group + kv_len + head_dim
-    for name, actual, (expected, size) in zip(("dq", "dk", "dv"), (dq, dk, dv), terms):
+    length = q_len * group + kv_len + head_dim + batch * heads
+    for name, actual, (expected, size) in zip(("dq", "dk", "dv", "dbias"), actual, terms):
         tolerance = tolerances.SAFETY * (eps16 / 2 * (np.abs(expected) + size) + length * eps32 * size)
         assert (np.abs(actual - expected) <= tolerance).all(), (
             f"{name}: worst excess {np.max(np.abs(actual - expected) - tolerance):.3g}")
 
 
-def _pair_gradient_terms(q, k, v, dout, causal, softcap, dropout_p=0.0, seed=0):
-    """``((dq, its terms' size), (dk, ...), (dv, ...))`` in float64, materialized: each
-    gradient and, element by element, the sum of the magnitudes of the terms summed into it
-    (for dq and dk with dS's own error, P (|dP| + |dO| . |O|), beside |dS|)."""
+def _pair_gradient_terms(q, k, v, dout, causal, softcap, dropout_p=0.0, seed=0, bias=None):
+    """``((dq, its terms' size), (dk, ...), (dv, ...), (dbias, ...))`` in float64,
+    materialized: each gradient and, element by element, the sum of the magnitudes of the
+    terms summed into it (for dq, dk and dbias with dS's own error, P (|dP| + |dO| . |O|),
+    beside |dS|)."""
     from npattn.core.dropout import keep_mask
 
     batch, heads, q_len, head_dim = q.shape
@@ -382,6 +387,8 @@ def _pair_gradient_terms(q, k, v, dout, causal, softcap, dropout_p=0.0, seed=0):
     tanh = np.tanh(scores / softcap) if softcap else None
     if softcap:
         scores = softcap * tanh
+    if bias is not None:
+        scores = scores + bias
     visible = np.ones((q_len, kv_len), bool)
     if causal:  # (bottom-right: the last query row sees every key)
         visible = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + (kv_len - q_len)
@@ -400,6 +407,8 @@ def _pair_gradient_terms(q, k, v, dout, causal, softcap, dropout_p=0.0, seed=0):
     # (dS's own error: float32's in dP - delta, and bfloat16's in delta, which the backward
     # takes from the forward's out as returned, rounded to bfloat16, as torch's does)
     ds_error = p * (np.abs(dp) + (np.abs(dout) * np.abs(out)).sum(-1, keepdims=True))
+    # (the bias's gradient is dS before softcap's derivative, summed over batch and heads)
+    dbias, dbias_size = ds.sum(axis=(0, 1)), (np.abs(ds) + ds_error).sum(axis=(0, 1))
     if softcap:
         ds, ds_error = ds * (1 - tanh ** 2), ds_error * (1 - tanh ** 2)
 
@@ -411,4 +420,4 @@ def _pair_gradient_terms(q, k, v, dout, causal, softcap, dropout_p=0.0, seed=0):
     dk_size = per_kv_head(scale * (np.abs(ds) + ds_error).swapaxes(-1, -2) @ np.abs(q))
     dv = per_kv_head(dropped.swapaxes(-1, -2) @ dout)
     dv_size = per_kv_head(dropped.swapaxes(-1, -2) @ np.abs(dout))
-    return (dq, dq_size), (dk, dk_size), (dv, dv_size)
+    return (dq, dq_size), (dk, dk_size), (dv, dv_size), (dbias, dbias_size)

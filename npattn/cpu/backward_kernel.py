@@ -15,7 +15,8 @@ chunk order. The chunk count depends only on the shapes, so the bits are the
 same on every run and every machine.
 
 :func:`dbias_kernel` gives the bias gradient: ``dS`` summed over the axes the
-bias was broadcast along, each bias element owned by one item.
+bias was broadcast along, each bias element owned by one item (with BF16_PRODUCTS its
+scores and dP on bfloat16 pairs too, reading the same words as the backward).
 """
 from __future__ import annotations
 

@@ -426,8 +426,8 @@ def query_codes(problem, kind: str, codes) -> KvCodes:
 def bf16_products(problem, kind: str, tuning: Tuning, codes=KvCodes.NONE) -> bool:
     """Whether a bfloat16 forward or backward multiplies in bfloat16 (AVX512_BF16's
     vdpbf16ps, two products per float32 lane; P, and in the backward dS, rounded to
-    bfloat16 as GPU kernels round them; the backward not where it computes a bias gradient,
-    nor for head dims of part vectors: :mod:`npattn.cpu.pair_gradients`): where the
+    bfloat16 as GPU kernels round them; the backward, and its bias gradient's kernel, not
+    for head dims of part vectors: :mod:`npattn.cpu.pair_gradients`): where the
     CPU has the instruction and the tuning asks for it (by default where it is faster than
     float32's FMAs: :func:`npattn.cpu.isa.bf16_pairs_pay`), the products run on the
     micro-kernels with packed keys (not
@@ -439,8 +439,7 @@ def bf16_products(problem, kind: str, tuning: Tuning, codes=KvCodes.NONE) -> boo
             and not problem.return_weights and problem.accumulate_dtype == np.float32):
         return False
     vector, vector_values, vector_keys, dot_scores = _product_paths(problem, kind, tuning)
-    if kind == "backward" and (problem.bias is not None or not vector_keys):
-        # (a bias gradient's kernel reads k and v as they are; dK and dQ need whole vectors)
+    if kind == "backward" and not vector_keys:  # (dK and dQ need whole vectors)
         return False
     return (vector and vector_values and not dot_scores and problem.head_dim % 2 == 0 and problem.value_dim % 2 == 0
             and all(x.dtype.name == "bfloat16" and row_order(x, x.dtype) is not None
