@@ -338,7 +338,8 @@ def test_bfloat16_backward_products_keep_the_pair_rounding_bound(batch, kv_heads
     """The backward on bfloat16 pairs (npattn.cpu.pair_gradients) against the float64
     gradients, element by element: within the rounding of P~ and dS to bfloat16 (half an
     ulp of each term summed into that element), float32's sums, and the result's own
-    rounding to bfloat16. The terms' sizes come from the float64 probabilities, so a
+    rounding to bfloat16; with a bias, its gradient too (float32 sums of dS, whose own
+    error the bound counts). The terms' sizes come from the float64 probabilities, so a
     product that drops or misplaces a pair (a row, a key, a head) fails by the term's
     whole size."""
     rng = np.random.default_rng(seed)
@@ -361,11 +362,11 @@ def test_bfloat16_backward_products_keep_the_pair_rounding_bound(batch, kv_heads
         _, vjp = npattn.attention_vjp(q, k, v, **options)
         grads = vjp(dout)
         dq, dk, dv = grads[:3]
-    actual = [g.astype(np.float64) for g in (dq, dk, dv)] + ([grads[3].astype(np.float64)] if bias else [])
+    computed = [g.astype(np.float64) for g in (dq, dk, dv)] + ([grads[3].astype(np.float64)] if bias else [])
     terms = _pair_gradient_terms(*(x.astype(np.float64) for x in (q, k, v, dout)), **options)
     eps32, eps16 = float(np.finfo(np.float32).eps), float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps)
     length = q_len * group + kv_len + head_dim + batch * heads
-    for name, actual, (expected, size) in zip(("dq", "dk", "dv", "dbias"), actual, terms):
+    for name, actual, (expected, size) in zip(("dq", "dk", "dv", "dbias"), computed, terms):
         tolerance = tolerances.SAFETY * (eps16 / 2 * (np.abs(expected) + size) + length * eps32 * size)
         assert (np.abs(actual - expected) <= tolerance).all(), (
             f"{name}: worst excess {np.max(np.abs(actual - expected) - tolerance):.3g}")
