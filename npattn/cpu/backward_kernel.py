@@ -80,7 +80,9 @@ def score_gradient_tile(q, q_offset, q_row, k, v, bias, mask, alibi, spans, page
     for r in range(rows):
         row_lse = lse[row_offset + r]
         if row_lse > -np.inf:
-            exp_shifted(p, r * ld, cols, row_lse, False)
+            # (on bfloat16 pairs, the forward's brief exp: its P, which its lse sums, and
+            # rounded to bfloat16 for dV anyway)
+            exp_shifted(p, r * ld, cols, row_lse, ints[Int.BF16_PRODUCTS] != 0)
         else:  # an empty row: no probability, no gradient
             for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
                 p[x] = 0.0
