@@ -4,9 +4,9 @@ Numba compiles each kernel on its first call for a dtype on a machine and loads 
 its disk cache in later processes. The compile is long on small machines: the float32
 forward's first call took 83 s on a 2-core AVX2 Zen 3 VM (2026-11-29), every float32
 kernel 44 s on a 2-core Zen 4 VM (2026-11-26). :func:`announced` wraps the first call of
-each kernel and dtype in a process: one INFO line on the ``npattn`` logger before it, and when it took longer than
-:data:`NOTE_SECONDS` (a compile, not a cache load), one note on stderr for the process,
-naming the ways to pay the compile ahead of time. :func:`quiet` silences both where the
+each kernel and dtype in a process: one INFO line on the ``npattn`` logger before it,
+and when it took longer than :data:`NOTE_SECONDS` (a compile, not a cache load), one
+note on stderr for the process, naming the ways to pay the compile ahead of time. :func:`quiet` silences both where the
 caller asked for the compile (:func:`npattn.warmup`, ``python -m npattn compile``).
 """
 from __future__ import annotations
