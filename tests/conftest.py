@@ -12,11 +12,15 @@ import subprocess
 import sys
 import threading
 
-import pytest
-from hypothesis import HealthCheck, settings
+import bytecode_prefix
 
-import npattn
-import offload
+bytecode_prefix.keep_for_the_run()  # (before npattn, Numba and SciPy are imported: see tests/bytecode_prefix.py)
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+import npattn  # noqa: E402
+import offload  # noqa: E402
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # ci draws 50 examples a property, the same ones every run: the property tests' examples
