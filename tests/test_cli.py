@@ -265,11 +265,12 @@ for kernel in (forward_kernel.forward_kernel, forward_kernel.weights_kernel, bac
 
 
 def test_after_a_warmup_decode_steps_that_append_compile_nothing():
-    """A decode step's append into a cache is a compiled function per cache dtype and
+    """A decode step's append into a cache is a compiled function per cache dtype, of any
     layout (npattn.cpu.slots): after a warmup, steps of another batch, head count and
     cache size (called, planned, paged; float32 caches and int8 and e4m3 ones, whose new
-    rows the planned runs quantize) add no machine code to any Numba function. In a
-    process of its own, where no other test has called them."""
+    rows the planned runs quantize), and steps whose new rows are views of a fused
+    projection and whose caches are views of a larger allocation, add no machine code to
+    any Numba function. In a process of its own, where no other test has called them."""
     script = """
 import gc
 import numpy as np
@@ -297,6 +298,16 @@ for capacity, dtype, extra in (((3, 40, 2, 64), np.float32, {}), ((12, 8, 2, 64)
     scales = {name: extra[name] for name in ("k_scale", "v_scale") if name in extra}
     for _ in range(3):
         step.run(q, k_cache, v_cache, k, v, **scales)
+fused = rng.standard_normal((3, 1, 12, 64)).astype(np.float32)  # q's 8 heads, then k's 2 and v's 2
+q, k, v = fused[:, :, :8], fused[:, :, 8:10], fused[:, :, 10:]
+for dtype in (np.float32, np.int8, np.uint8):
+    k_cache, v_cache = (np.zeros((3, 64, 2, 64), dtype)[:, :40] for _ in range(2))
+    extra = {} if dtype == np.float32 else {"k_scale": np.ones((3, 64, 2), np.float32)[:, :40],
+                                            "v_scale": np.ones((3, 64, 2), np.float32)[:, :40]}
+    npattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True, **extra)
+    step = npattn.plan_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens + 1, causal=True, **extra)
+    for _ in range(3):
+        step.run(q, k_cache, v_cache, k, v, **extra)
 after = machine_code()
 print(sum(after.get(key, 0) - count for key, count in before.items()), len(set(after) - set(before)))
 """

@@ -497,19 +497,19 @@ def test_a_compiled_append_that_fails_midway_puts_the_codes_back(monkeypatch):
     targets, positions = _slots(np, 2, 1, np.array([3, 5]), None, None, 8, views=False)
     before = [cache.copy() for cache in caches]
     writer = slots.SlotWriter(caches, new, targets, positions)
-    write = slots._write_plain
+    run = slots._run
     calls = []
 
-    def failing(*arguments):
-        calls.append(1)
+    def failing(kernel, *arguments):
+        calls.append(kernel)
         if len(calls) == 2:
             raise MemoryError("no memory for the scales")
-        return write(*arguments)
+        return run(kernel, *arguments)
 
-    monkeypatch.setattr(slots, "_write_plain", failing)
+    monkeypatch.setattr(slots, "_run", failing)
     with pytest.raises(MemoryError, match="no memory for the scales"):
         writer.write(caches, new)
-    assert len(calls) == 2
+    assert calls == [slots._write_plain, slots._write_plain]
     assert_same_bytes(caches, before)
 
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numba import njit, typeof
+from numba import njit, typeof, types
 
 try:  # the dispatcher's own key of an argument's type (0.15 us; typeof costs tens of us)
     from numba._dispatcher import compute_fingerprint
@@ -39,7 +39,6 @@ except ImportError:  # (not public: a Numba without it keys by type)
 from ..core.quantization import CODE_LIMIT, E4M3_LARGEST
 from .jit import helper, kernel
 from .signatures import plain_int
-from .threads import direct_entry
 from .simd import MICROKERNELS, VECTOR_BYTES, as_bits, load, store
 
 
@@ -82,7 +81,8 @@ class SlotWriter:
         plain, size, dtype, write = self._plain
         if plain:
             staged = np.empty(size, dtype)
-            write(caches[0], caches[0], caches[1], new[0], new[1], self._targets, self._positions, staged, _UNCHECKED)
+            _run(write, caches[0], caches[0], caches[1], new[0], new[1], self._targets, self._positions, staged,
+                 _UNCHECKED)
             return (staged,)
         olds = []
         try:
@@ -90,7 +90,7 @@ class SlotWriter:
                 arrays = [_as_rows(array, bits) for array in (caches[2 * index], caches[2 * index + 1],
                                                                new[2 * index], new[2 * index + 1])]
                 staged = np.empty(size, arrays[0].dtype)
-                _write_plain(arrays[0], *arrays, self._targets, self._positions, staged, _UNCHECKED)
+                _run(_write_plain, arrays[0], *arrays, self._targets, self._positions, staged, _UNCHECKED)
                 olds.append(staged)
         except BaseException:
             self.restore(caches, new, olds)
@@ -112,9 +112,9 @@ class SlotWriter:
         :meth:`write` returns; this thread's, reused by its next call), or None, with nothing
         written, where an array differs (the caller checks them one by one, to name it).
 
-        It runs the write's machine code typed for the arrays' Numba types, which the
-        caller's checks and the compiled comparison fix (kind, dtype, ndim, writable caches;
-        layout, alignment): the dispatcher's typing of nine arguments costs twice the write."""
+        It runs the write's machine code for the arrays' Numba types in any layout
+        (:func:`_typed_entry`), which the caller's checks fix (kind, dtype, ndim, writable
+        caches): the dispatcher's typing of nine arguments costs twice the write."""
         staged = getattr(self._local, "staged", None)
         if staged is None:
             _, size, dtype, _ = self._plain
@@ -123,8 +123,7 @@ class SlotWriter:
         entry = self._entry
         if entry is not None:
             return staged if entry(*arguments) else None
-        # kept once a call matched: typed for arrays of another structure (another layout,
-        # a Fortran order say), it would index the plan's arrays as if they had that one
+        # kept once a call matched (the structure the plan's later runs are checked against)
         entry = _typed_entry(self._plain[3], arguments)
         if not entry(*arguments):
             return None
@@ -143,13 +142,10 @@ class SlotWriter:
         see :meth:`quantizes`), the codes and scales computed in the same compiled pass;
         None, with nothing written, where a row holds a value that is not finite in float32
         (NumPy's int8 of a NaN is the platform's: the caller quantizes through NumPy)."""
-        key_codes, value_codes, key_scales, value_scales = caches
-        staged = np.empty(self._quantized_staging, np.uint8)
-        if not _quantize_slots(key_codes, value_codes, key_scales, value_scales, new[0], new[1], self._targets,
-                               self._positions, staged[:self._scales_at].view(np.int8),
-                               staged[self._scales_at:].view(np.float32), self._codes == _E4M3):
-            return None
-        return _Quantized(staged)
+        # (the checked call's machine code with nothing to compare: the new keys stand in for q,
+        # whose structure only the comparison reads; one compiled function serves both calls)
+        olds = self._quantized(new[0], caches, new, _UNCHECKED)
+        return olds if type(olds) is _Quantized else None
 
     def quantize_checked(self, q, caches, new, expected):
         """:meth:`quantize` for a plan's run that has checked only the kind, dtype, ndim and
@@ -161,13 +157,19 @@ class SlotWriter:
         differs (the caller checks them one by one, to name it) and -1 where a row is not
         finite in float32 (the caller quantizes through NumPy). Runs the machine code typed
         for the arrays' Numba types, as :meth:`write_checked` does."""
+        return self._quantized(q, caches, new, expected)
+
+    def _quantized(self, q, caches, new, expected):
+        """:meth:`quantize_checked`; with ``expected`` of no rows (:data:`_UNCHECKED`) it
+        compares nothing."""
         staged = np.empty(self._quantized_staging, np.uint8)
         arguments = (q, *caches, *new, self._targets, self._positions, staged[:self._scales_at].view(np.int8),
                      staged[self._scales_at:].view(np.float32), self._codes == _E4M3, expected)
-        entry = self._quantize_entry
+        checked = expected is not _UNCHECKED
+        entry = self._quantize_entry if checked else None
         typed = entry or _typed_entry(_quantize_slots_checked, arguments)
         done = typed(*arguments)
-        if entry is None and done != 0:  # (kept once a call matched, as write_checked's)
+        if checked and entry is None and done != 0:  # (kept once a call matched, as write_checked's)
             self._quantize_entry = typed
         return _Quantized(staged) if done == 1 else done
 
@@ -193,18 +195,32 @@ class SlotWriter:
 
 
 def _typed_entry(kernel, arguments):
-    """The entry point of ``kernel``'s machine code for the Numba types of ``arguments``
-    (compiled by a call that writes nothing: an expected structure no array has), kept per
-    Numba fingerprint of the arguments: a plan per decode step looks it up in 1.3 us, where
-    typing the arguments costs tens."""
+    """The entry point of ``kernel``'s machine code for ``arguments``, compiled for their
+    Numba types with every array's layout "A" (strides read from the array), so that one
+    compile per dtype and dimension count serves caches and new rows of any layout: C or
+    Fortran order, or views such as a fused projection's k and v slices, each of which had
+    been a compile of its own (1-8 s on the 2-core VMs) in the middle of a serving loop,
+    after a warmup that had seen other layouts. Kept per Numba fingerprint of the
+    arguments: a plan per decode step looks it up in 1.3 us, where typing the arguments
+    costs tens. The entry point reads each array's own shape and strides, whatever
+    layout it has."""
     key = (kernel, *(compute_fingerprint(argument) for argument in arguments))
     entry = _ENTRIES.get(key)
     if entry is None:
-        nothing = np.full_like(arguments[-1], -1)
-        nothing.setflags(write=False)
-        kernel(*arguments[:-1], nothing)
-        entry = _ENTRIES[key] = direct_entry(kernel, arguments)
+        signature = tuple(_any_layout(typeof(argument)) for argument in arguments)
+        kernel.compile(signature)  # (or loads it from the cache)
+        entry = _ENTRIES[key] = kernel.overloads[signature].entry_point
     return entry
+
+
+def _any_layout(numba_type):
+    """``numba_type``, an array's with layout "A"."""
+    return numba_type.copy(layout="A") if isinstance(numba_type, types.Array) else numba_type
+
+
+def _run(kernel, *arguments):
+    """``kernel(*arguments)`` through :func:`_typed_entry`'s machine code."""
+    return _typed_entry(kernel, arguments)(*arguments)
 
 
 _ENTRIES: dict = {}  # _typed_entry's entry points
@@ -377,8 +393,9 @@ def _quantize_slots_checked(query, key_codes, value_codes, key_scales, value_sca
                             codes, scales, e4m3, expected):
     """:meth:`SlotWriter.quantize_checked`: 1 where :func:`_quantize_slots` wrote; 0,
     nothing written, where an array does not have the shape, strides and alignment of its
-    row of ``expected`` (:func:`_matches`); -1, nothing written, where a row is not finite."""
-    if not (_matches(query, expected[0]) and _matches(key_codes, expected[1]) and _matches(value_codes, expected[2])
+    row of ``expected`` (:func:`_matches`; none where it has no rows); -1, nothing written,
+    where a row is not finite."""
+    if expected.shape[0] and not (_matches(query, expected[0]) and _matches(key_codes, expected[1]) and _matches(value_codes, expected[2])
             and _matches(key_scales, expected[3]) and _matches(value_scales, expected[4])
             and _matches(k, expected[5]) and _matches(v, expected[6])):
         return 0
