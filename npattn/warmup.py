@@ -32,8 +32,10 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
     ``backward=False`` of the backward and the bias gradient's kernel, and unless
     ``serving=False`` of the kv-cache calls' compiled appends (:func:`_serving_steps`);
     for float32 also the exact GELU's and the normalization's kernels
-    (:mod:`npattn.cpu.activations`, :mod:`npattn.cpu.normalization`). Returns the seconds
-    each dtype took. float16 and bfloat16 compute in float32, so they share its kernels."""
+    (:mod:`npattn.cpu.activations`, :mod:`npattn.cpu.normalization`); for float16 and
+    bfloat16 also their conversions and the backward's delta sums (:func:`_sixteen_bit_calls`).
+    Returns the seconds each dtype took. float16 and bfloat16 compute in float32, so they
+    share its kernels."""
     from .api import attention_vjp
     from .backends import backends
     from .cpu import compiling
@@ -52,6 +54,8 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
             out, vjp = attention_vjp(q, q, q, bias=bias, return_weights=True, backend="cpu")
             if backward:
                 vjp(np.ones_like(out[0]))
+            if np.dtype(dtype).itemsize == 2:
+                _sixteen_bit_calls(dtype, backward)
             if serving:
                 _serving_steps(dtype)
             if np.dtype(dtype) == np.float32:  # npattn.nn's layers on float32 autograd arrays
@@ -70,6 +74,23 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
     threads_out(new_counter(1), 0, 0)
     crew.prepare()
     return seconds
+
+
+def _sixteen_bit_calls(dtype: Any, backward: bool) -> None:
+    """float16 and bfloat16 where the head dim is whole vectors: read as they lie, with
+    the kernels that convert them and that sum the backward's delta from a 16-bit out,
+    given a dout of the dtype and a float32 one (as mixed precision passes it); and where
+    it is not, a call over the 1024 values from which the widened copies are converted on
+    the vector units (npattn.cpu.conversion; the tiny calls' copies are NumPy's)."""
+    from .api import attention, attention_vjp
+
+    q = np.zeros((1, 1, 2, 64), dtype)
+    out, vjp = attention_vjp(q, q, q, backend="cpu")
+    if backward:
+        vjp(np.ones_like(out))
+        vjp(np.ones(out.shape, np.float32))
+    q = np.zeros((1, 1, 32, 40), dtype)
+    attention(q, q, q, backend="cpu")
 
 
 def _serving_steps(dtype: Any) -> None:

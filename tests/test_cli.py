@@ -264,6 +264,53 @@ for kernel in (forward_kernel.forward_kernel, forward_kernel.weights_kernel, bac
                                      "dbias_kernel", "True"], result.stdout
 
 
+def test_after_a_sixteen_bit_warmup_calls_of_that_dtype_compile_nothing():
+    """float16 and bfloat16 share float32's kernels, but convert and sum their backward's
+    delta in small kernels of their own: after a warmup of both dtypes, their calls
+    (head dims of whole vectors and not, causal, dropout, bshd, a float32 dout, arrays
+    past the 1024 values that are converted on the vector units, kv-cache steps on caches
+    of the dtype, called and planned) add no machine code to any Numba function. In a
+    process of its own, where no other test has called them."""
+    script = """
+import gc
+import ml_dtypes
+import numpy as np
+import npattn
+from numba.core.registry import CPUDispatcher
+
+npattn.warmup(dtypes=("float16", "bfloat16"))
+
+def machine_code():
+    return {id(f): len(f.overloads) for f in gc.get_objects() if isinstance(f, CPUDispatcher)}
+
+before = machine_code()
+rng = np.random.default_rng(0)
+for dtype in (np.float16, ml_dtypes.bfloat16):
+    for q_shape, k_shape, options in (((2, 8, 33, 64), (2, 2, 47, 64), {"causal": True}),
+                                      ((1, 4, 5, 40), (1, 4, 70, 40), {}),
+                                      ((1, 4, 300, 64), (1, 4, 300, 64), {"causal": True, "dropout_p": 0.1, "seed": 1})):
+        q = rng.standard_normal(q_shape).astype(dtype)
+        k, v = (rng.standard_normal(k_shape).astype(dtype) for _ in range(2))
+        out, vjp = npattn.attention_vjp(q, k, v, **options)
+        vjp(np.ones_like(out))
+        bshd = [x.transpose(0, 2, 1, 3).copy() for x in (q, k, v)]
+        out, vjp = npattn.attention_vjp(*bshd, layout="bshd", **options)
+        vjp(np.ones(out.shape, np.float32))
+    q = rng.standard_normal((2, 1, 8, 64)).astype(dtype)
+    k, v = (rng.standard_normal((2, 1, 2, 64)).astype(dtype) for _ in range(2))
+    k_cache, v_cache = np.zeros((2, 40, 2, 64), dtype), np.zeros((2, 40, 2, 64), dtype)
+    npattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.array([3, 5], np.int32), causal=True)
+    step = npattn.plan_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.array([4, 6], np.int32), causal=True)
+    for _ in range(3):
+        step.run(q, k_cache, v_cache, k, v)
+after = machine_code()
+print(sum(after.get(key, 0) - count for key, count in before.items()), len(set(after) - set(before)))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "0"], result.stdout
+
+
 def test_after_a_warmup_decode_steps_that_append_compile_nothing():
     """A decode step's append into a cache is a compiled function per cache dtype, of any
     layout (npattn.cpu.slots): after a warmup, steps of another batch, head count and
