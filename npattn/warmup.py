@@ -85,10 +85,10 @@ def _sixteen_bit_calls(dtype: Any, backward: bool) -> None:
     from .api import attention, attention_vjp
 
     q = np.zeros((1, 1, 2, 64), dtype)
-    out, vjp = attention_vjp(q, q, q, backend="cpu")
-    if backward:
-        vjp(np.ones_like(out))
-        vjp(np.ones(out.shape, np.float32))
+    _, vjp = attention_vjp(q, q, q, backend="cpu")
+    if backward:  # (out has q's shape)
+        vjp(np.ones(q.shape, dtype))
+        vjp(np.ones(q.shape, np.float32))
     q = np.zeros((1, 1, 32, 40), dtype)
     attention(q, q, q, backend="cpu")
 
