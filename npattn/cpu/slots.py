@@ -369,11 +369,14 @@ def _write_vector_cache(cache, new, targets, positions, staged, start):
 
 # IEEE arithmetic, as NumPy's: no fastmath (a reciprocal for the division would move codes)
 _exact = njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
+# the same, called only from jitted code: no CPython or C wrapper (as jit.helper)
+_exact_helper = njit(cache=True, nogil=True, error_model="numpy", _nrt=False, no_cpython_wrapper=True,
+                     no_cfunc_wrapper=True)
 
 
-@_exact
+@_exact_helper
 def _quantize_slots(key_codes, value_codes, key_scales, value_scales, k, v, targets, positions, codes, scales, e4m3):
-    """:meth:`SlotWriter.quantize` on arrays Numba types: both caches' rows quantized
+    """:func:`_quantize_slots_checked`'s write: both caches' rows quantized
     (int8 codes, or with ``e4m3`` float8 e4m3 bits) into ``codes`` and ``scales`` (flat; per
     cache its old codes, then its new ones, as bytes; its old scales, then its new ones)
     before the first write; False, with nothing written, where a row is not finite in
@@ -391,11 +394,12 @@ def _quantize_slots(key_codes, value_codes, key_scales, value_scales, k, v, targ
 @_exact
 def _quantize_slots_checked(query, key_codes, value_codes, key_scales, value_scales, k, v, targets, positions,
                             codes, scales, e4m3, expected):
-    """:meth:`SlotWriter.quantize_checked`: 1 where :func:`_quantize_slots` wrote; 0,
-    nothing written, where an array does not have the shape, strides and alignment of its
-    row of ``expected`` (:func:`_matches`; none where it has no rows); -1, nothing written,
-    where a row is not finite."""
-    if expected.shape[0] and not (_matches(query, expected[0]) and _matches(key_codes, expected[1]) and _matches(value_codes, expected[2])
+    """:meth:`SlotWriter.quantize_checked`, and unchecked :meth:`SlotWriter.quantize`: 1
+    where :func:`_quantize_slots` wrote; 0, nothing written, where an array does not have
+    the shape, strides and alignment of its row of ``expected`` (:func:`_matches`; none
+    where it has no rows); -1, nothing written, where a row is not finite."""
+    if expected.shape[0] and not (
+            _matches(query, expected[0]) and _matches(key_codes, expected[1]) and _matches(value_codes, expected[2])
             and _matches(key_scales, expected[3]) and _matches(value_scales, expected[4])
             and _matches(k, expected[5]) and _matches(v, expected[6])):
         return 0
