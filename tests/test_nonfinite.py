@@ -298,6 +298,30 @@ def test_gradients_past_the_dtypes_range_are_the_references(dtype, monkeypatch):
         np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64), err_msg=name)
 
 
+def test_a_float32_gradient_past_the_range_with_a_finite_delta_gets_the_references_gradients(monkeypatch):
+    """dv past float32's range (the sum of 64 dout rows of a quarter of the largest value)
+    while delta = rowsum(dout * out) stays finite (dout's columns alternate in sign against
+    an out that is the same in every column): the plan's check of the gradients themselves
+    sends the call to the full path, whose reference answers."""
+    from npattn.runtime import nonfinite
+
+    answered = []
+    monkeypatch.setattr(nonfinite.reference, "backward",
+                        lambda *arguments, backward=reference.backward: answered.append(1) or backward(*arguments))
+    rng = np.random.default_rng(4)
+    q = rng.uniform(-1, 1, (1, 2, 64, 64)).astype(np.float32)
+    k = rng.uniform(-1, 1, (1, 2, 2, 64)).astype(np.float32)
+    v = np.full((1, 2, 2, 64), 0.75, np.float32)
+    dout = np.where(np.arange(64) % 2 == 0, 1.0, -1.0) * np.full((1, 2, 64, 64), np.finfo(np.float32).max / 16)
+    dout = dout.astype(np.float32)
+    got = npattn.plan(q, k, v).vjp(q, k, v)[1](dout)
+    assert answered
+    want = npattn.attention_vjp(q, k, v, backend="reference")[1](dout)
+    assert not np.isfinite(want[2]).all()
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 @given(dtype=st.sampled_from([np.float32, np.float64]), size=st.integers(1, 3000),
        plants=st.lists(st.tuples(st.sampled_from([np.nan, np.inf, -np.inf, "max", "-max", "tiny"]),
                                  st.integers(0, 10**6)), max_size=3))

@@ -256,6 +256,33 @@ def test_inputs_are_not_modified_and_outputs_are_fresh():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kv_len", [16, 512])
+def test_gradients_are_separate_arrays_and_a_large_calls_own_their_memory(dtype, kv_len):
+    """A small backward's dq, dk and dv are parts of one block (one allocation, one
+    rounding pass): writing one leaves the others as they were. A large one's (more than
+    1 MiB together) each own their memory, so that keeping one keeps no other alive. Both
+    are the first call's values on a repeated (planned) call."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 8, 16, 64)).astype(dtype)
+    k, v = (rng.standard_normal((1, 8, kv_len, 64)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    first = npattn.attention_vjp(q, k, v)[1](dout)
+    gradients = npattn.attention_vjp(q, k, v)[1](dout)
+    for got, want in zip(gradients, first):
+        assert got.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got, want)
+    dq, dk, dv = gradients
+    assert not any(np.shares_memory(a, b) for a, b in ((dq, dk), (dq, dv), (dk, dv)))
+    before = dk.copy(), dv.copy()
+    dq[...] = 7
+    np.testing.assert_array_equal(dk, before[0])
+    np.testing.assert_array_equal(dv, before[1])
+    if kv_len == 512:  # 2.1 MiB of float32 gradients, in one key chunk
+        for gradient in gradients:
+            assert gradient.flags.owndata or gradient.base.nbytes == gradient.nbytes
+
+
 def test_threads_sharing_plans_get_their_own_answers():
     rng = np.random.default_rng(0)
     inputs = [tuple(rng.standard_normal((1, 4, 24, 16), dtype=np.float32) for _ in "qkv") for _ in range(4)]

@@ -144,8 +144,9 @@ def memory_order(array, dtype, unit_last_axis=False):
 
 def flat_memory(array, order):
     """A read-only 1-D view of the memory of ``array``, C-contiguous in axis ``order``
-    (:func:`memory_order`), starting at its first element."""
-    return _frozen(array.transpose(order).reshape(-1))
+    (:func:`memory_order`; None: its own axes, for an array known to be C-contiguous),
+    starting at its first element."""
+    return _frozen((array if order is None else array.transpose(order)).reshape(-1))
 
 
 def row_strides(array, dtype, empty=np.empty):
