@@ -1,10 +1,12 @@
 """The online softmax's row operations on their own: the float32 exp polynomials (float32's
-and the bfloat16 forward's brief one) and the vector row max, on rows of every length
-(whole vectors, a scalar tail, both).
+and the bfloat16 forward's brief one), the vector row max and softcap's tanh, on rows of
+every length (whole vectors, a scalar tail, both).
 
 The kernel tests reach these only through whole attention results, where an error in a
 rare lane (the tail, an underflow, an overflow) can hide under the tolerance of a sum.
 """
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -15,7 +17,7 @@ pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 
 from npattn.cpu.rowmath import (_BRIEF_C, SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, row_max,  # noqa: E402
-                                short_row_max)
+                                short_row_max, soft_capped)
 from npattn.cpu.simd import VECTOR_BYTES, lanes_in, line_elements  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -56,6 +58,24 @@ def _exp_short_row_shifted(row, start, shift):
 @njit  # not cached: a cache stamped with this file alone would outlive edits to rowmath
 def _short_row_max(row, start):
     return short_row_max(row, start)
+
+
+@njit  # not cached (as above)
+def _soft_capped(row, tanh, start, n, softcap):
+    soft_capped(row, tanh, start, n, softcap)
+
+
+@njit  # not cached (as above): each value alone, in the scalar tail
+def _soft_capped_one_by_one(row, tanh, start, n, softcap):
+    for c in range(start, start + n):
+        soft_capped(row, tanh, c, 1, softcap)
+
+
+def _ulps(got, want):
+    """|got - want| in float32 steps (both float32, finite, of one sign or zero)."""
+    ordered = [np.where(x.view(np.int32) < 0, -(x.view(np.int32) & 0x7FFFFFFF), x.view(np.int32)).astype(np.int64)
+               for x in (got, want)]
+    return np.abs(ordered[0] - ordered[1])
 
 
 lengths = st.integers(0, 70)
@@ -164,3 +184,48 @@ def test_sums_keep_the_order_written_on_every_cpu():
     sums = re.findall(r"= fadd ([a-z ]*?)(?:<\d+ x )?float", ir)
     assert len(sums) >= 2, ir  # the lanes' halves and the scalar
     assert all(flags.split() == ["nsz"] for flags in sums), sums
+
+
+def test_float32_tanh_is_within_2_ulps_of_the_rounded_tanh_everywhere():
+    """Every 61st float32 of either sign (about 70 million values: both branches, the switch
+    at 5/8, the tiny and the saturated), in whole vectors: within 2 ulps of float64's tanh
+    rounded to float32; NaN stays NaN, +-inf give +-1, -0 gives -0."""
+    positive = np.arange(0, 0x7F800000, 61, dtype=np.uint32).view(np.float32)
+    values = np.concatenate([positive, -positive, np.float32([np.inf, -np.inf, np.nan, -0.0])])
+    row, tanh = values.copy(), np.empty_like(values)
+    _soft_capped(row, tanh, 0, row.size, np.float32(1.0))
+    finite = np.isfinite(values)
+    want = np.tanh(values[finite].astype(np.float64)).astype(np.float32)
+    assert _ulps(tanh[finite], want).max() <= 2
+    assert np.isnan(tanh[np.isnan(values)]).all()
+    np.testing.assert_array_equal(tanh[-4:-2], [1.0, -1.0])
+    assert tanh[-1] == 0 and np.signbit(tanh[-1])
+    np.testing.assert_array_equal(row.view(np.int32)[finite], tanh.view(np.int32)[finite])  # softcap 1: s = tanh
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@given(data=st.data(), start=starts, n=lengths, softcap=st.floats(0.5, 100, width=32))
+def test_softcap_rows_keep_their_tanh_and_scale_it(dtype, data, start, n, softcap):
+    """A row of scores becomes softcap * tanh(s / softcap), the tanh kept for the backward:
+    float32 within 2 ulps of the rounded tanh of its float32 argument, in whole vectors and
+    in the scalar tail alike (the same bits); float64 libm's tanh (``math.tanh``'s); the elements
+    around the row untouched."""
+    size = start + n + 5
+    row = data.draw(hnp.arrays(dtype, size, elements=st.floats(-1e4, 1e4, width=32)))
+    tanh = np.full(size, 7.0, dtype)
+    got = row.copy()
+    _soft_capped(got, tanh, start, n, dtype(softcap))
+    part = slice(start, start + n)
+    np.testing.assert_array_equal(got[:start], row[:start])
+    np.testing.assert_array_equal(got[start + n:], row[start + n:])
+    assert (tanh[:start] == 7).all() and (tanh[start + n:] == 7).all()
+    argument = row[part] * (dtype(1.0) / dtype(softcap))
+    if dtype == np.float64:
+        np.testing.assert_array_equal(tanh[part], [math.tanh(x) for x in row[part] * (1.0 / softcap)])
+    else:
+        assert _ulps(tanh[part], np.tanh(argument.astype(np.float64)).astype(np.float32)).max(initial=0) <= 2
+        one_by_one, kept = row.copy(), np.full(size, 7.0, dtype)
+        _soft_capped_one_by_one(one_by_one, kept, start, n, dtype(softcap))
+        np.testing.assert_array_equal(kept.view(np.int32), tanh.view(np.int32))
+        np.testing.assert_array_equal(one_by_one.view(np.int32), got.view(np.int32))
+    np.testing.assert_array_equal(got[part], dtype(softcap) * tanh[part])

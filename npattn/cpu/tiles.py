@@ -8,8 +8,6 @@ the flat operands of the same name. They mirror the reference's steps exactly (s
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
@@ -17,6 +15,7 @@ from numba.extending import overload
 from .blas import gemm
 from .code_products import code_bytes, code_dot_products
 from .jit import OPTIONS, helper
+from .rowmath import soft_capped
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
 from .simd import (VECTOR_BYTES, as_float, fill, lanes_in, line_elements, load, load_float16_bits, prefetch,
                    prefetch_to_l2, store, store_bfloat16, store_float16_bits, store_interleaved_pairs,
@@ -802,13 +801,8 @@ def score_tile(q, q_offset, q_row, k, dequantized, k_codes, k_scale, bias, mask,
                  ints[Int.K_STRIDE_S], q[q_offset:], q_row, 0.0, s[c0:], ld)
             c0 += run
     if ints[Int.HAS_SOFTCAP]:
-        softcap = reals[Real.SOFTCAP]
-        inverse = 1.0 / softcap
         for r in range(rows):
-            for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
-                t = math.tanh(s[x] * inverse)
-                tanh[x] = t
-                s[x] = softcap * t
+            soft_capped(s, tanh, r * ld, cols, reals[Real.SOFTCAP])
     if ints[Int.HAS_BIAS]:
         sb, sh, sq, sk = (ints[Int.BIAS_STRIDE_B], ints[Int.BIAS_STRIDE_H], ints[Int.BIAS_STRIDE_Q],
                           ints[Int.BIAS_STRIDE_K])
