@@ -242,6 +242,7 @@ _CHILD_TESTS = ("tests/test_cpu_isa.py::test_micro_kernel_products_match_numpy",
                 "tests/test_cpu_isa.py::test_products_on_codes_match_numpy",
                 "tests/test_cpu_isa.py::test_products_on_16_bit_values_give_the_bits_of_their_float32_rows",
                 "tests/test_cpu_rowmath.py::test_the_short_row_operations_give_the_general_ones_bits",
+                "tests/test_cpu_rowmath.py::test_softcap_rows_keep_their_tanh_and_scale_it",
                 "tests/test_cpu_kernels.py::test_vector_products_match_the_reference_at_vector_widths")
 _SWITCH_TEST = "tests/test_cpu_isa.py::test_the_child_compiles_for_avx2"
 
