@@ -352,6 +352,49 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
         assert not direct_calls
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("layout, kv_heads", [("bhsd", 8), ("bshd", 2)])
+def test_planned_backwards_run_the_kernels_machine_code_with_the_first_calls_bits(monkeypatch, dtype, layout,
+                                                                                 kv_heads):
+    """From its second plain vjp on, a small plan's backward calls the backward kernel's
+    compiled entry point directly, with the first call's bits: for every dtype, with a
+    dout whose strides it has seen (kept) and of another layout, and with a dout at an
+    address off its alignment (another Numba type: through the dispatcher, once typed)."""
+    from npattn.cpu import driver
+
+    kernels = []
+    typed = driver.direct_entry
+
+    def counted(kernel, arguments):
+        entry = typed(kernel, arguments)
+        return None if entry is None else (lambda *values: kernels.append(kernel.__name__) or entry(*values))
+
+    monkeypatch.setattr(driver, "direct_entry", counted)
+    rng = np.random.default_rng(4)
+    heads_axis = 2 if layout == "bshd" else 1
+
+    def shaped(heads):
+        shape = [1, 8, 16, 64]
+        shape[heads_axis] = heads
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+    q, k, v, dout = shaped(8), shaped(kv_heads), shaped(kv_heads), shaped(8)
+    plan = npattn.plan(q, k, v, causal=True, layout=layout)
+    first = plan.vjp(q, k, v)[1](dout)
+    assert "backward_kernel" not in kernels
+    again = plan.vjp(q, k, v)[1](dout)
+    assert "backward_kernel" in kernels, "the second plain vjp did not run the entry point"
+    transposed = np.ascontiguousarray(np.swapaxes(dout, 1, 2)).swapaxes(1, 2)  # the same values, other strides
+    buffer = np.zeros(dout.nbytes + 1, np.uint8)
+    unaligned = np.frombuffer(buffer.data, dtype, dout.size, offset=1).reshape(dout.shape)
+    unaligned[...] = dout
+    assert not unaligned.flags.aligned
+    for other in (again, plan.vjp(q, k, v)[1](transposed), plan.vjp(q, k, v)[1](unaligned),
+                  plan.vjp(q, k, v)[1](unaligned), plan.vjp(q, k, v)[1](dout)):
+        for a, b in zip(first, other):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_a_structure_that_never_repeats_is_never_planned():
     rng = np.random.default_rng(0)
     cache = rng.standard_normal((1, 2, 40, 8)).astype(np.float32)

@@ -392,6 +392,15 @@ class BackwardPlan:
                                  else conversion_entry(dtype, self.narrow, self._block[0]))
         # and delta and float32 or float64 gradients checked by a jitted pass's entry point
         self._finite = finiteness_entry(dtype)
+        # row strides of dout and out by layout (the kernel's int64 arrays, kept: a layout
+        # seen before is viewed with no stride arithmetic)
+        self._layouts: dict = {}
+        # a plain call whose whole work is one inline kernel call runs, from the second on,
+        # the kernel's entry point (threads.direct_entry) on the plan's own scratch, as the
+        # forward's do: (the alignment of the arrays it was typed for, the entry point or None)
+        self._alone = not self.blas and self.dbias is None and (self.flops < INLINE_FLOPS or self.items <= 1)
+        self._entry = None
+        self._scratch = threading.local()
 
     def __call__(self, q, k, v, saved, dout, arrays=None, checked=True) -> Gradients | None:
         """The gradients for bhsd ``q``, ``k``, ``v``, the forward's ``saved`` (out, lse)
@@ -415,14 +424,12 @@ class BackwardPlan:
         # thread keeps for the next call
         codes = self.operands.q_codes
         pairs = self.operands.pairs
-        if (codes or pairs) and dout.dtype == q.dtype and row_order(dout, dout.dtype) is not None:
+        dout_strides = self._sixteen_bit_strides(dout) if (codes or pairs) and dout.dtype == q.dtype else None
+        if dout_strides is not None:
             # a 16-bit dout read as it lies where q is (Q_CODES), its rows converted where the
             # kernel uses them; delta and the widened out in one pass over both where it can,
             # else delta from dout widened a block of rows at a time
             dout_flat = pair_words(dout)
-            # (with pairs, bfloat16 words the products read as they lie: strides in words)
-            dout_strides = ((*(n // 2 for n in row_view_strides(dout, dout.dtype)), KvCodes.NONE) if pairs
-                            else (*(2 * n for n in row_view_strides(dout, dout.dtype)), codes))
             rows = delta_of_rows(dout, out, _KEPT_OUT) if self.narrow is not None else None
             if rows is not None:
                 delta, out = rows
@@ -434,8 +441,7 @@ class BackwardPlan:
             # a 16-bit dout widened once, for the kernels and for delta (it was widened twice: a
             # second copy, 4 MB of fresh pages at (1, 8, 2048, 64)), into a kept array
             dout = widened(dout, dtype, _KEPT_DOUT)
-            dout_flat, dout_strides = row_strides(dout, dtype)
-            dout_strides = (*dout_strides, KvCodes.NONE)
+            dout_flat, dout_strides = self._rows(dout, dtype, KvCodes.NONE)
             # rowsum(dO * O), the softmax's backward term: a 16-bit problem's in the order of
             # the pass that reads 16-bit rows (the same bits whichever way its arrays are read)
             rows = delta_of_rows(dout, out) if self.narrow is not None else None
@@ -447,7 +453,7 @@ class BackwardPlan:
         delta_flat = delta.reshape(-1)  # (C-contiguous, as the kernels and the check read it)
         if checked and not self._finite(delta_flat):
             return None
-        out_flat, out_strides = row_strides(out, dtype)
+        out_flat, out_strides = self._rows(out, dtype)
         block = None
         if self._block is not None:
             size, parts, _ = self._block
@@ -461,14 +467,30 @@ class BackwardPlan:
         # lse as one type whatever the caller's (writable or not, a slice of a longer one): each
         # distinct array type would compile the backward kernels once more (5-10 s each)
         lse_flat = read_only(np.ascontiguousarray(lse, dtype).reshape(-1))
-        common = (*ops, dout_flat, np.array(dout_strides, np.int64), out_flat, np.array(out_strides, np.int64),
-                  lse_flat, delta_flat)
+        if type(dout_strides) is tuple:
+            dout_strides = np.array(dout_strides, np.int64)
+        common = (*ops, dout_flat, dout_strides, out_flat, out_strides, lse_flat, delta_flat)
+        arguments = (*common, flat_dq, flat_dk, flat_dv, self.chunks)
+        direct, entry = self._alone and arrays is None, None
+        if direct:  # (the entry point is typed for q, k, v, dout, out and lse of one alignment)
+            aligned = (ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned, dout_flat.flags.aligned,
+                       out_flat.flags.aligned, lse_flat.flags.aligned)
+            kept = self._entry
+            entry = kept if kept is not None and kept[0] == aligned else None
         dbias = None
         with single_threaded_blas() if self.blas else _NO_PIN:
             begin_reuse()
             try:
-                run_items(backward_kernel, (*common, flat_dq, flat_dk, flat_dv, self.chunks),
-                          self.items, lambda: with_dropout_copy(scratch_set(self.scratch_specs)), self.flops)
+                if entry is not None and entry[1] is not None:  # one inline call of the machine code
+                    configured_threads()  # (a bad NPATTN_NUM_THREADS fails every call)
+                    entry[1](*arguments, *self._own_scratch(), new_counter(1), self.items)
+                else:
+                    run_items(backward_kernel, arguments, self.items,
+                              lambda: with_dropout_copy(scratch_set(self.scratch_specs)), self.flops)
+                    if direct and entry is None:  # typed once per alignment, on the plan's own scratch (None:
+                        # those types were never compiled, and every such call keeps the path above)
+                        self._entry = (aligned, direct_entry(backward_kernel, (*arguments, *self._own_scratch(),
+                                                                               new_counter(1), self.items)))
                 if self.dbias is not None:
                     shape, shape_array, items, user_shape, specs = self.dbias
                     dbias = np.zeros(shape, dtype)
@@ -503,6 +525,51 @@ class BackwardPlan:
         if checked and not (finite and all_finite_arrays((dbias, dsink_logits))):
             return None
         return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink_logits=dsink_logits)
+
+    def _rows(self, array, dtype, code=None) -> tuple:
+        """``(flat, strides)`` of :func:`~npattn.cpu.operands.row_strides`, the strides as the
+        kernel's int64 array (with ``code`` appended where given: dout's), kept per layout
+        that needs no copy: dout and out of a layout seen before cost a view (their stride
+        arithmetic and arrays had taken 3 us of a small call each)."""
+        key = (array.shape, array.strides, array.dtype, code)
+        kept = self._layouts.get(key)
+        if kept is not None:
+            return flat_memory(array, kept[0]), kept[1]
+        flat, strides = row_strides(array, dtype)
+        strides = np.array(strides if code is None else (*strides, code), np.int64)
+        order = row_order(array, dtype)
+        if order is not None and len(self._layouts) < _KEPT_LAYOUTS:
+            self._layouts[key] = (order, strides)
+        return flat, strides
+
+    def _sixteen_bit_strides(self, dout):
+        """The kernel's strides array of a 16-bit ``dout`` (q's dtype) read as it lies: byte
+        strides and the codes (Q_CODES), or with bfloat16 pairs strides in words; None where
+        its rows cannot be read so (:func:`~npattn.cpu.operands.row_order`). Kept per layout."""
+        key = (dout.shape, dout.strides, dout.dtype)
+        kept = self._layouts.get(key, False)
+        if kept is not False:
+            return kept
+        strides = None
+        if row_order(dout, dout.dtype) is not None:
+            elements = row_view_strides(dout, dout.dtype)
+            # (with pairs, bfloat16 words the products read as they lie: strides in words)
+            strides = np.array((*(n // 2 for n in elements), KvCodes.NONE) if self.operands.pairs
+                               else (*(2 * n for n in elements), self.operands.q_codes), np.int64)
+        if len(self._layouts) < _KEPT_LAYOUTS:
+            self._layouts[key] = strides
+        return strides
+
+    def _own_scratch(self) -> tuple:
+        """This plan's scratch set for the calling thread, as the kernel takes it
+        (:meth:`ForwardPlan._own_scratch`)."""
+        scratch = getattr(self._scratch, "set", None)
+        if scratch is None:
+            scratch = self._scratch.set = with_dropout_copy(fresh_set(self.scratch_specs))
+        return scratch
+
+
+_KEPT_LAYOUTS = 8  # layouts of dout and out a backward plan keeps the strides of
 
 
 def _alignment(ops, run) -> tuple:
