@@ -399,15 +399,24 @@ def test_a_worker_that_fails_before_its_kernel_runs_raises_from_the_call(monkeyp
     assert (done == 1).all()
 
 
-@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (None, 2)}, {"softcap": 2.0, "scale": 0.3},
-                                     {"causal": True, "window": (None, 1)},
-                                     {"kv_lengths": np.array([5, 37])}, {"q_lengths": np.array([1, 0])}])
+_FOLDING_OPTIONS = [{}, {"causal": True}, {"window": (None, 2)}, {"softcap": 2.0, "scale": 0.3},
+                    {"causal": True, "window": (None, 1)}, {"kv_lengths": np.array([5, 37])},
+                    {"q_lengths": np.array([1, 0])}, {"causal": True, "alibi_slopes": np.linspace(0.05, 0.6, 12)},
+                    {"alibi_slopes": np.linspace(-0.3, 0.4, 24).reshape(2, 12)},
+                    {"sink_logits": np.linspace(-2, 3, 12, dtype=np.float32)}]
+
+
+@pytest.mark.parametrize("options, q_len, tiles", [
+    *((options, q_len, tiles) for options in _FOLDING_OPTIONS for q_len, tiles in ((1, None), (7, None), (7, (28, 5)))),
+    # a left window bound folds a decode step's one row (its folded rows share one band), sinks too
+    ({"causal": True, "window": (5, 0)}, 1, None), ({"causal": True, "window": (5, 0), "sinks": 2}, 1, (28, 5)),
+    ({"window": (3, 3), "sink_logits": np.ones(12, np.float32), "alibi_slopes": np.full(12, 0.2)}, 1, (28, 5))])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-@pytest.mark.parametrize("q_len, tiles", [(1, None), (7, None), (7, (28, 5))])
 def test_gqa_forward_folds_query_heads_into_rows_with_the_same_bits(monkeypatch, options, layout, q_len, tiles):
     """GQA runs forward as Sq x group rows per kv head (cpu/folding.py), the rows of a
     position side by side: out, lse, weights, and the gradients computed from them, are
-    bit for bit those of the unfolded kernels, also with many key tiles."""
+    bit for bit those of the unfolded kernels, also with many key tiles, with each folded
+    row's own ALiBi slope and sink logit, and a decode step's left window bound."""
     from npattn.cpu import folding
 
     rng = np.random.default_rng(0)
@@ -456,12 +465,13 @@ def test_decode_key_ranges_depend_on_the_shapes_only():
     (none empty), as is any decode step at B = 1 once its items hold every head; 8 items
     of one head each, or 16 entries, need no split, nor do long queries; the
     weights and sink logits need the whole row, and packed rows write their out and lse
-    in place."""
+    in place; a window of fewer keys than two ranges would leave all ranges but one empty."""
+    from npattn.core.masks import Visibility
     from npattn.cpu import splitting
 
     def problem(**fields):  # the fields key_splits reads
         defaults = dict(batch=1, heads=1, q_len=1, kv_len=8192, return_weights=False, sink_logits=None,
-                        packed_rows=False)
+                        packed_rows=False, visibility=Visibility())
         return type("Problem", (), {**defaults, **fields})
 
     assert splitting.key_splits(problem(), (192, 384)) == (8, 1152)
@@ -475,9 +485,17 @@ def test_decode_key_ranges_depend_on_the_shapes_only():
     assert splitting.key_splits(problem(return_weights=True), (192, 384)) == (1, 8192)
     assert splitting.key_splits(problem(sink_logits=np.zeros(1)), (192, 384)) == (1, 8192)
     assert splitting.key_splits(problem(packed_rows=True), (192, 384)) == (1, 8192)
+    window = Visibility.from_options(True, (128, 0), 0)
+    assert splitting.key_splits(problem(visibility=window), (192, 384)) == (1, 8192)
+    assert splitting.key_splits(problem(visibility=Visibility.from_options(True, (2047, 0), 0)), (192, 384)) == (
+        2, 4224)
+    assert splitting.key_splits(problem(visibility=Visibility.from_options(False, (128, None), 0)), (192, 384)) == (
+        8, 1152)  # (unbounded on the right)
+    assert splitting.key_splits(problem(visibility=Visibility.from_options(True, (1000, 0), 1100)), (192, 384)) == (
+        2, 4224)  # (the sinks add their keys)
 
 
-@pytest.mark.parametrize("options", [{}, {"kv_lengths": np.array([3000])}, {"causal": True, "window": (700, 0)}])
+@pytest.mark.parametrize("options", [{}, {"kv_lengths": np.array([3000])}, {"causal": True, "window": (2100, 0)}])
 def test_split_decode_steps_give_the_same_bits_on_any_thread_count(monkeypatch, options):
     from npattn.cpu import splitting
 

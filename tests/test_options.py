@@ -148,10 +148,12 @@ def test_every_array_option_has_its_ring_sharding_or_is_refused():
 
 
 # The options whose decisive examples stop the CPU's GQA fold: they read a row's own head or
-# row index (per-head arrays, masks and biases per head, dropout's hash) or bound a row's keys
-# on the left (a window; sinks come with one). Dropout's seed and offset come with dropout.
-STOP_THE_FOLD = {"window", "sinks", "sink_logits", "mask", "bias", "alibi_slopes", "dropout_p", "seed",
-                 "dropout_offset"}
+# row index per score (masks and biases per head, dropout's hash) or, past one query row,
+# bound a row's keys on the left (a window; sinks come with one). Dropout's seed and offset
+# come with dropout. ALiBi slopes and sink logits, a value per head, fold.
+STOP_THE_FOLD = {"window", "sinks", "mask", "bias", "dropout_p", "seed", "dropout_offset"}
+# those of them that fold a decode step's one query row (the folded rows share one band)
+FOLD_ONE_ROW = {"window", "sinks"}
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
@@ -159,7 +161,7 @@ def test_the_gqa_fold_stops_for_the_options_the_table_says(name):
     """The CPU folds a GQA group's heads into one kv head's rows unless an option's ``folds``
     entry in the table stops it (cpu/folding.py keeps no list of its own): each option's
     decisive example, with a group of 2 and one query row (decoding) and with 5 rows,
-    folds exactly when it is not in STOP_THE_FOLD."""
+    folds exactly when it is not in STOP_THE_FOLD, or, with one query row, in FOLD_ONE_ROW."""
     from npattn.cpu import folding
     from npattn.cpu.tuning import current
     from npattn.core.validation import build_problem
@@ -175,5 +177,6 @@ def test_the_gqa_fold_stops_for_the_options_the_table_says(name):
         if name in ("q_lengths", "q_start"):
             options[name] = np.minimum(options[name], q_len)
         problem = build_problem(q, k, v, **options)
-        assert folding.foldable(problem, current()) == (name not in STOP_THE_FOLD), (name, q_len)
+        folds = name not in STOP_THE_FOLD or (q_len == 1 and name in FOLD_ONE_ROW)
+        assert folding.foldable(problem, current()) == folds, (name, q_len)
     assert (table.BY_NAME[name].folds is not None) == (name in STOP_THE_FOLD - {"seed", "dropout_offset"})

@@ -137,7 +137,9 @@ class Option:
 # - folds: whether, as a problem uses it, the option lets the CPU fold a GQA group's query
 #   heads into the rows of one kv head (a folded tile mixes the group's heads, and row r
 #   sits at position r // group): None where it never stops the fold; an option that reads
-#   a row's own head or row index, or bounds a row's keys on the left, stops it.
+#   a row's own head or row index per score (a mask, a bias, dropout's hash), or bounds a
+#   row's keys on the left past one query row, stops it. A per-head value that enters each
+#   row once (ALiBi slopes, sink logits) does not: the kernels read a folded row's head.
 KVCACHE = "attention_with_kvcache"
 VARLEN = "attention_varlen"
 RING = "ring attention"
@@ -194,7 +196,8 @@ OPTIONS: tuple[Option, ...] = (
            "None, int w (-> (w, w), or (w, 0) when causal) or (left, right) with None for an "
            "unbounded side; bounds past Sq + Sk mean none.",
            lambda value, call: _check_window(value, call.reach),
-           present=_window_set, gpu_option="BAND", folds=lambda problem: problem.visibility.window_left is None),
+           present=_window_set, gpu_option="BAND",
+           folds=lambda problem: problem.visibility.window_left is None or problem.q_len == 1),
     Option("sinks", 0, "visibility",
            "int: the first keys stay visible despite the window (past Sk: all of them).",
            lambda value, call: min(checks.check_count("sinks", value), call.kv_len),
@@ -205,7 +208,7 @@ OPTIONS: tuple[Option, ...] = (
                "sink_logits", checks.check_vector("sink_logits", value, call.q, (call.heads,), "(H,)"),
                call.compute),
            field="sink_logits", present=_has("sink_logits"), flag="HAS_SINK", gpu_option="SINK",
-           gradient=1, per_head=True, sharding="shared", folds=_lacks("sink_logits")),
+           gradient=1, per_head=True, sharding="shared"),
     Option("mask", None, "visibility",
            "bool, broadcastable to (B, H, Sq, Sk); True = may attend.",
            lambda value, call: checks.check_broadcastable("mask", value, call.q, call.scores_shape,
@@ -225,7 +228,7 @@ OPTIONS: tuple[Option, ...] = (
            lambda value, call: _check_alibi(value, call.q, call.batch, call.heads, call.reach,
                                                   call.compute),
            field="alibi_slopes", present=_has("alibi_slopes"), flag="HAS_ALIBI", gpu_option="ALIBI",
-           per_score=True, per_entry=True, per_head=True, folds=_lacks("alibi_slopes")),
+           per_score=True, per_entry=True, per_head=True),
     _row_bounds("q_lengths", "q", "int (B,): rows past q_lengths[b] are padding and output zeros.",
                 present=None, set_by=(KVCACHE, VARLEN), sharding="shared"),
     _row_bounds("kv_lengths", "kv", "int (B,): keys past kv_lengths[b] are padding and never seen.",

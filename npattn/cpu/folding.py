@@ -16,12 +16,15 @@ group's rows fit one query tile (Sq x group <= 192 by default): past that each t
 already reuses its keys over many rows, and 128 x 4 or 2048 x 4 rows ran no faster
 folded (within 3%), so the copies of q and out would be spent for nothing.
 
-It also needs nothing else to depend on the query head (no mask, bias, ALiBi, sink
-logits or dropout) and no left window bound (nor, past one query row, attention sinks):
-their band of keys starts where a tile's first or last row says, so folded tiles could
-cut the keys elsewhere (the same result to rounding, not the same bits). For one query
-row the fold is a view of q; for more, q and out are reordered (a copy of each, small
-beside K and V).
+It also needs nothing else per score to depend on the query head (no mask, bias or
+dropout) and, past one query row, no left window bound nor attention sinks: their band
+of keys starts where a tile's first or last row says, so folded tiles could cut the keys
+elsewhere (the same result to rounding, not the same bits); a decode step's folded rows
+share their one position, and so their band. ALiBi slopes and sink logits, one value per
+query head, fold: the kernels read folded row ``i``'s head as ``h * group + i % group``
+(``h`` the kv head), so each row gets its own head's slope and logit. For one query row
+the fold is a view of q; for more, q and out are reordered (a copy of each, small beside
+K and V).
 
 Only the forward folds: the backward's dK/dV would then sum a group's rows in one product
 rather than head by head, a different rounding, and decode steps are rarely trained.
@@ -81,6 +84,8 @@ class FoldedArrays(NamedTuple):
     block_table: Any
     k_scale: Any
     v_scale: Any
+    alibi_slopes: Any  # (per query head, as given: the kernels read a folded row's head)
+    sink_logits: Any
 
     @classmethod
     def of(cls, arrays, group: int) -> "FoldedArrays":
@@ -88,10 +93,11 @@ class FoldedArrays(NamedTuple):
         def rows(values):
             return None if values is None else values * group
         return cls(rows(arrays.q_lengths), arrays.kv_lengths, rows(arrays.q_start), arrays.kv_start,
-                   arrays.row_shifts, arrays.block_table, arrays.k_scale, arrays.v_scale)
+                   arrays.row_shifts, arrays.block_table, arrays.k_scale, arrays.v_scale, arrays.alibi_slopes,
+                   arrays.sink_logits)
 
     # what a foldable problem never has (foldable)
-    bias = mask = alibi_slopes = sink_logits = None
+    bias = mask = None
     seed = 0
 
 

@@ -145,11 +145,13 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
         rows = i1 - i0
         if rows <= 0:
             continue
-        # the sink logit enters as a first column of value 0 (in the first key range)
+        # the sink logit enters as a first column of value 0 (in the first key range); a folded
+        # row i is query head h * ROW_GROUP + i % ROW_GROUP of the kv head h it is a row of
         has_sink = ints[Int.HAS_SINK] and split == 0
+        row_group = ints[Int.ROW_GROUP]
         for g in range(group):  # each head's running max, sum and whether it saw a key; its out rows zero
             for r in range(rows):
-                m[g * block_q + r] = sink[h0 + g] if has_sink else -np.inf
+                m[g * block_q + r] = sink[(h0 + g) * row_group + (i0 + r) % row_group] if has_sink else -np.inf
                 total[g * block_q + r] = 1.0 if has_sink else 0.0
                 seen[g * block_q + r] = False
                 o, row_stride = _sums_rows(ints, out_strides, split, b, h0 + g, g, i0)

@@ -13,7 +13,8 @@ ranges in order, so the bits are the same on every run and with any number of th
 contribute exp(-inf) = 0; rows with none at all keep out 0 and lse -inf.
 
 Not split: calls with more than one query tile per head (enough items already, and the
-ranges' outputs would cost a full extra pass over O), calls that return the weights
+ranges' outputs would cost a full extra pass over O), windows of too few keys for two
+ranges (:func:`_visible_keys`), calls that return the weights
 (they need the whole row's lse first) and sink logits (they belong to one range but a
 row that sees no key must still give lse -inf).
 """
@@ -40,9 +41,22 @@ def key_splits(problem, tiles, heads_per_item: int = 1) -> tuple[int, int]:
     if problem.q_len > block_q or problem.return_weights or problem.sink_logits is not None or problem.packed_rows:
         return whole
     items = problem.batch * problem.heads // heads_per_item
-    ranges = min(-(-SPLIT_ITEMS // max(items, 1)), kv_len // MIN_SPLIT_KEYS)
+    ranges = min(-(-SPLIT_ITEMS // max(items, 1)), _visible_keys(problem) // MIN_SPLIT_KEYS)
     if ranges < 2:
         return whole
     key_tiles = -(-kv_len // block_k)
     tiles_per_range = -(-key_tiles // ranges)
     return -(-key_tiles // tiles_per_range), tiles_per_range * block_k
+
+
+def _visible_keys(problem) -> int:
+    """The most keys a query tile's rows see together: all of them, or, in a window
+    bounded on both sides, the band its rows span and the sinks. The ranges are cut from
+    the whole key sequence, so a window narrower than two ranges would leave every range
+    but one empty and the merge for nothing (a gpt-oss-like decode step, (4, 32/8, 1 x
+    2048, 128) with a 128-key window: 214-222 us split against 146-148 unsplit)."""
+    visibility = problem.visibility
+    if visibility.window_left is None or visibility.window_right is None:
+        return problem.kv_len
+    band = visibility.window_left + visibility.window_right + problem.q_len
+    return max(0, min(problem.kv_len, band + visibility.sinks))

@@ -811,9 +811,10 @@ def score_tile(q, q_offset, q_row, k, dequantized, k_codes, k_scale, bias, mask,
             base, row = as_offset(b * sb + h * sh + (i0 + r) * sq + j0 * sk), as_offset(r * ld)
             for c in range(as_offset(cols)):
                 s[row + c] += bias[base + c * step]
-    if ints[Int.HAS_ALIBI]:
-        slope = alibi[b * ints[Int.HEADS] + h]
+    if ints[Int.HAS_ALIBI]:  # (alibi: (B, H) slopes; a folded row's head as for the sink logits)
+        row_group = ints[Int.ROW_GROUP]
         for r in range(rows):
+            slope = alibi[(b * ints[Int.HEADS] + h) * row_group + (i0 + r) % row_group]
             position = row_position(ints, spans, b, i0 + r)
             for c in range(cols):
                 s[as_offset(r * ld + c)] -= slope * abs(position - (j0 + c))
