@@ -16,17 +16,22 @@ import numpy as np
 from .arrays import array_module
 
 
-def merge(out_parts, lse_parts, out, lse) -> None:
+def merge(out_parts, lse_parts, out, lse, sink=None) -> None:
     """Write the merged ``out`` (..., Dv), any strides, and ``lse`` (...) from the n parts'
     ``out_parts`` and ``lse_parts``: stacked (n, ..., Dv) and (n, ...) arrays or sequences of
     n arrays, summed in order in out's dtype (a part of another dtype is promoted as it is
     multiplied, with no copy of it). ``out`` and ``lse`` may share memory with the parts:
-    every part is read before either is written. NumPy or CuPy arrays, all of one kind."""
+    every part is read before either is written. NumPy or CuPy arrays, all of one kind.
+    ``sink``: sink logits broadcastable to lse's shape, each a value-less part of its row
+    (weight, no output) after the others, in rows that some part saw (a row that sees no
+    key keeps out 0 and lse -inf, as without parts)."""
     xp = array_module(out)
     top = lse_parts[0]
     for part_lse in lse_parts[1:]:
         top = xp.maximum(top, part_lse)
     seen = top > -np.inf
+    if sink is not None:
+        top = xp.where(seen, xp.maximum(top, sink), top)
     shift = xp.where(seen, top, 0.0)
     total = xp.zeros(top.shape, top.dtype)
     merged = xp.zeros(out.shape, out.dtype)
@@ -34,6 +39,8 @@ def merge(out_parts, lse_parts, out, lse) -> None:
         weight = xp.exp(part_lse - shift)  # exactly 0 for a part that saw no key
         total += weight
         merged += weight[..., None] * part
+    if sink is not None:
+        total += xp.exp(xp.where(seen, sink - shift, -np.inf)).astype(total.dtype, copy=False)  # (0 where unseen)
     lse[...] = xp.where(seen, shift + xp.log(xp.where(seen, total, 1.0)), -np.inf)
     out[...] = merged / xp.where(seen, total, 1.0)[..., None]
 

@@ -197,7 +197,7 @@ class ForwardPlan:
                 if self.bshd:
                     out = out.transpose(0, 2, 1, 3)
                 if self.splits > 1:
-                    splitting.merge(out_parts, lse_parts, out, lse)
+                    splitting.merge(out_parts, lse_parts, out, lse, self._sink_rows(arrays))
                 weights = None
                 if self.weights:
                     weights = np.zeros(self.weights_shape, dtype)
@@ -206,6 +206,17 @@ class ForwardPlan:
             finally:
                 end_reuse()
         return self._result(out, lse, weights, status)
+
+    def _sink_rows(self, arrays):
+        """The sink logit of every (folded) row, (H', Sq') as out's heads and rows lie,
+        for the merge of key ranges; None without sink logits. A folded row r of kv head h
+        is query head h * group + r % group."""
+        if arrays is None or arrays.sink_logits is None:
+            return None
+        sink = np.asarray(arrays.sink_logits, self.dtype)
+        group = self.group
+        q_len = self.fold_shape[3] if group > 1 else 1  # (unfolded: one column, broadcast over the rows)
+        return np.tile(sink.reshape(-1, group), (1, q_len))
 
     def _every_row_written(self, arrays) -> bool:
         """Whether this call writes every row of out and lse, so they need no zeros first:

@@ -145,9 +145,10 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
         rows = i1 - i0
         if rows <= 0:
             continue
-        # the sink logit enters as a first column of value 0 (in the first key range); a folded
-        # row i is query head h * ROW_GROUP + i % ROW_GROUP of the kv head h it is a row of
-        has_sink = ints[Int.HAS_SINK] and split == 0
+        # the sink logit enters as a first column of value 0 (with key ranges, in their merge:
+        # splitting.merge); a folded row i is query head h * ROW_GROUP + i % ROW_GROUP of the
+        # kv head h it is a row of
+        has_sink = ints[Int.HAS_SINK] and splits == 1
         row_group = ints[Int.ROW_GROUP]
         for g in range(group):  # each head's running max, sum and whether it saw a key; its out rows zero
             for r in range(rows):

@@ -15,8 +15,9 @@ contribute exp(-inf) = 0; rows with none at all keep out 0 and lse -inf.
 Not split: calls with more than one query tile per head (enough items already, and the
 ranges' outputs would cost a full extra pass over O), windows of too few keys for two
 ranges (:func:`_visible_keys`), calls that return the weights
-(they need the whole row's lse first) and sink logits (they belong to one range but a
-row that sees no key must still give lse -inf).
+(they need the whole row's lse first). Sink logits enter the merge, not a range: a row
+that sees no key in any range must still give lse -inf, which a range holding the sink
+could not tell (:func:`~npattn.core.merging.merge`'s ``sink``).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def key_splits(problem, tiles, heads_per_item: int = 1) -> tuple[int, int]:
     block_q, block_k = tiles
     kv_len = problem.kv_len
     whole = (1, max(kv_len, 1))
-    if problem.q_len > block_q or problem.return_weights or problem.sink_logits is not None or problem.packed_rows:
+    if problem.q_len > block_q or problem.return_weights or problem.packed_rows:
         return whole
     items = problem.batch * problem.heads // heads_per_item
     ranges = min(-(-SPLIT_ITEMS // max(items, 1)), _visible_keys(problem) // MIN_SPLIT_KEYS)
