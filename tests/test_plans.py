@@ -302,6 +302,22 @@ def test_threads_sharing_plans_get_their_own_answers():
     assert not failures
 
 
+def _small_heads(rng, layout, heads, dtype):
+    """A (1, heads, 16, 64) array of ``dtype`` in ``layout`` ((1, 16, heads, 64) for bshd)."""
+    shape = [1, 8, 16, 64]
+    shape[2 if layout == "bshd" else 1] = heads
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def _unaligned_copy(array):
+    """``array``'s values at an address off its dtype's alignment (another Numba type)."""
+    buffer = np.zeros(array.nbytes + 1, np.uint8)
+    unaligned = np.frombuffer(buffer.data, array.dtype, array.size, offset=1).reshape(array.shape)
+    unaligned[...] = array
+    assert not unaligned.flags.aligned
+    return unaligned
+
+
 @pytest.mark.parametrize("dtype, bf16_products", [(np.float32, True), (np.float16, True), (ml_dtypes.bfloat16, False),
                                                    (ml_dtypes.bfloat16, True)])
 @pytest.mark.parametrize("layout, kv_heads", [("bhsd", 8), ("bshd", 8), ("bhsd", 2)])
@@ -318,14 +334,7 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
     aligned copy)."""
     direct_calls = count_direct_entries(monkeypatch)
     rng = np.random.default_rng(3)
-    heads_axis = 2 if layout == "bshd" else 1
-
-    def shaped(heads):
-        shape = [1, 8, 16, 64]
-        shape[heads_axis] = heads
-        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
-
-    q, k, v = shaped(8), shaped(kv_heads), shaped(kv_heads)
+    q, k, v = (_small_heads(rng, layout, heads, dtype) for heads in (8, kv_heads, kv_heads))
     with tuned(bf16_products=bf16_products):
         plan = npattn.plan(q, k, v, causal=True, layout=layout, return_lse=True)
         first = plan.run(q, k, v)
@@ -341,12 +350,8 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
             assert operands.pairs == (layout == "bhsd" and bf16_products and dtype == ml_dtypes.bfloat16
                                       and simd.BF16_DOT)
             assert plan._forward_plan.out_codes and plan._forward_plan._narrow_out is None
-        buffer = np.zeros(q.nbytes + 1, np.uint8)
-        unaligned = np.frombuffer(buffer.data, dtype, q.size, offset=1).reshape(q.shape)
-        unaligned[...] = q
-        assert not unaligned.flags.aligned
         direct_calls.clear()
-        for a, b in zip(first, plan.run(unaligned, k, v)):
+        for a, b in zip(first, plan.run(_unaligned_copy(q), k, v)):
             np.testing.assert_array_equal(a, b)
     if kv_heads == 8 and dtype == np.float32:  # (folded GQA rows are a copy of q, aligned again)
         assert not direct_calls
@@ -371,24 +376,14 @@ def test_planned_backwards_run_the_kernels_machine_code_with_the_first_calls_bit
 
     monkeypatch.setattr(driver, "direct_entry", counted)
     rng = np.random.default_rng(4)
-    heads_axis = 2 if layout == "bshd" else 1
-
-    def shaped(heads):
-        shape = [1, 8, 16, 64]
-        shape[heads_axis] = heads
-        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
-
-    q, k, v, dout = shaped(8), shaped(kv_heads), shaped(kv_heads), shaped(8)
+    q, k, v, dout = (_small_heads(rng, layout, heads, dtype) for heads in (8, kv_heads, kv_heads, 8))
     plan = npattn.plan(q, k, v, causal=True, layout=layout)
     first = plan.vjp(q, k, v)[1](dout)
     assert "backward_kernel" not in kernels
     again = plan.vjp(q, k, v)[1](dout)
     assert "backward_kernel" in kernels, "the second plain vjp did not run the entry point"
     transposed = np.ascontiguousarray(np.swapaxes(dout, 1, 2)).swapaxes(1, 2)  # the same values, other strides
-    buffer = np.zeros(dout.nbytes + 1, np.uint8)
-    unaligned = np.frombuffer(buffer.data, dtype, dout.size, offset=1).reshape(dout.shape)
-    unaligned[...] = dout
-    assert not unaligned.flags.aligned
+    unaligned = _unaligned_copy(dout)
     for other in (again, plan.vjp(q, k, v)[1](transposed), plan.vjp(q, k, v)[1](unaligned),
                   plan.vjp(q, k, v)[1](unaligned), plan.vjp(q, k, v)[1](dout)):
         for a, b in zip(first, other):
