@@ -38,8 +38,8 @@ from .tiles import (CONVERTED_VALUE_ROWS, accumulator_start, apply_dropout, band
                     cached_key_tile, codes_in_registers, convert_query_rows, convert_value_rows, dequantize_tile,
                     key_cache, key_segments, memory_batch,
                     memory_batches, narrow_row, pack_key_codes, pack_key_tile, pack_value_pairs, page_run, pair_rows,
-                    pair_tiles, prefetch_key_rows, query_offset, query_rows, score_tile, span, v_row, v_scale_row,
-                    value_tile_rows)
+                    pair_tiles, prefetch_key_rows, query_offset, query_rows, row_head, score_tile, span, v_row,
+                    v_scale_row, value_tile_rows)
 from .operands import Span
 
 
@@ -145,14 +145,12 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
         rows = i1 - i0
         if rows <= 0:
             continue
-        # the sink logit enters as a first column of value 0 (with key ranges, in their merge:
-        # splitting.merge); a folded row i is query head h * ROW_GROUP + i % ROW_GROUP of the
-        # kv head h it is a row of
+        # the sink logit (the row's query head's) enters as a first column of value 0 (with key
+        # ranges, in their merge: splitting.merge)
         has_sink = ints[Int.HAS_SINK] and splits == 1
-        row_group = ints[Int.ROW_GROUP]
         for g in range(group):  # each head's running max, sum and whether it saw a key; its out rows zero
             for r in range(rows):
-                m[g * block_q + r] = sink[(h0 + g) * row_group + (i0 + r) % row_group] if has_sink else -np.inf
+                m[g * block_q + r] = sink[row_head(ints, h0 + g, i0 + r)] if has_sink else -np.inf
                 total[g * block_q + r] = 1.0 if has_sink else 0.0
                 seen[g * block_q + r] = False
                 o, row_stride = _sums_rows(ints, out_strides, split, b, h0 + g, g, i0)

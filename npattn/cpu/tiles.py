@@ -88,6 +88,15 @@ def row_position(ints, spans, b, i):
     return (i if group == 1 else i // group) + span(spans, b, Span.SHIFT)
 
 
+@njit(inline="always")
+def row_head(ints, h, i):
+    """The query head of row ``i`` of head ``h``: ``h`` itself, or in a folded problem
+    (:mod:`npattn.cpu.folding`: ``h`` a kv head, its rows position-major) query head
+    ``h * ROW_GROUP + i % ROW_GROUP``, whose ALiBi slope and sink logit the row takes."""
+    group = ints[Int.ROW_GROUP]
+    return h if group == 1 else h * group + i % group
+
+
 @helper
 def hidden_tail(s, start, stop, row_end):
     """``s[start:stop] = -inf`` for a run of hidden keys ending a score row, in whole
@@ -811,10 +820,10 @@ def score_tile(q, q_offset, q_row, k, dequantized, k_codes, k_scale, bias, mask,
             base, row = as_offset(b * sb + h * sh + (i0 + r) * sq + j0 * sk), as_offset(r * ld)
             for c in range(as_offset(cols)):
                 s[row + c] += bias[base + c * step]
-    if ints[Int.HAS_ALIBI]:  # (alibi: (B, H) slopes; a folded row's head as for the sink logits)
-        row_group = ints[Int.ROW_GROUP]
+    if ints[Int.HAS_ALIBI]:  # (alibi: (B, H) slopes, H the query heads: HEADS x ROW_GROUP folded)
+        query_heads = ints[Int.HEADS] * ints[Int.ROW_GROUP]
         for r in range(rows):
-            slope = alibi[(b * ints[Int.HEADS] + h) * row_group + (i0 + r) % row_group]
+            slope = alibi[b * query_heads + row_head(ints, h, i0 + r)]
             position = row_position(ints, spans, b, i0 + r)
             for c in range(cols):
                 s[as_offset(r * ld + c)] -= slope * abs(position - (j0 + c))
