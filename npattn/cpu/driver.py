@@ -396,7 +396,7 @@ class BackwardPlan:
         # a 16-bit problem's gradients rounded, and checked, by the conversion's entry points
         # (no dispatcher: 1.5-2 us of each of a small call's three), the block's in one call
         # (a (1, 8, 16 x 16, 64) float16 call: 6.1 us for its three arrays, 4.0 for their block)
-        self._narrowings = tuple(None if self.narrow is None
+        self._narrowings = tuple(None if self.narrow is None or self._block is not None
                                  else conversion_entry(dtype, self.narrow, int(np.prod(shape)))
                                  for shape in (self.dq_shape[1:], self.dk_shape, self.dv_shape))
         self._block_narrowing = (None if self.narrow is None or self._block is None
