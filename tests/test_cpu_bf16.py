@@ -280,14 +280,14 @@ def test_key_tiles_kept_packed_give_the_bits_of_tiles_packed_where_read(batch, k
 def _shared_by(threads):
     """Calls of any size run on ``threads`` threads (1: as they would). (No plan made
     outside is kept: a plan decides once whether its calls run inline.)"""
-    from npattn.cpu import driver, threads as threads_module
+    from npattn.cpu import driver
 
     if threads == 1:
         yield
         return
     npattn.runtime.plans.clear()
-    with (mock.patch.dict(os.environ, NPATTN_NUM_THREADS=str(threads)), mock.patch.object(driver, "INLINE_FLOPS", 0),
-          mock.patch.object(threads_module, "INLINE_FLOPS", 0)):
+    with (mock.patch.dict(os.environ, NPATTN_NUM_THREADS=str(threads)),
+          mock.patch.object(driver, "runs_inline", lambda flops, items, backward=False: items <= 1)):
         yield
     npattn.runtime.plans.clear()
 

@@ -231,10 +231,10 @@ def test_a_later_key_far_above_the_running_max_is_handled_exactly(dtype):
 
 @pytest.mark.parametrize("hand_off", ["crew", "pool"])
 def test_small_calls_run_on_the_calling_thread_and_large_ones_share_the_work(monkeypatch, hand_off):
-    """Below threads.INLINE_FLOPS of work no item goes to another thread (the hand-off cost
-    more than a small call's whole work); above it, with 2 threads, the crew takes them
-    (npattn/cpu/crew.py), or with NPATTN_SPIN_US=0 the pool; the bits are the same either
-    way."""
+    """Below threads.FORWARD_INLINE_FLOPS of work (BACKWARD_INLINE_FLOPS for a backward) no
+    item goes to another thread (the hand-off cost more than a small call's whole work);
+    above it, with 2 threads, the crew takes them (npattn/cpu/crew.py), or with
+    NPATTN_SPIN_US=0 the pool; the bits are the same either way."""
     from npattn.cpu import crew, threads
 
     submitted = []
@@ -252,11 +252,23 @@ def test_small_calls_run_on_the_calling_thread_and_large_ones_share_the_work(mon
     out, vjp = npattn.attention_vjp(*small, backend="cpu")
     vjp(out)
     assert submitted == []
+    # between the two: 1.2 MFLOP, a forward that shares its items and a backward that does not
+    assert threads.FORWARD_INLINE_FLOPS <= 2 * 8 * 24 * 24 * 128 < threads.BACKWARD_INLINE_FLOPS
+    middle = [rng.standard_normal((1, 8, 24, 64), dtype=np.float32) for _ in range(3)]
+    out, vjp = npattn.attention_vjp(*middle, backend="cpu")
+    assert submitted == [1]
+    gradients = vjp(out)
+    assert submitted == [1]
     large = [rng.standard_normal((1, 8, 256, 64), dtype=np.float32) for _ in range(3)]
     shared = npattn.attention(*large, backend="cpu")
-    assert submitted and set(submitted) == {1}
+    shared_gradients = npattn.attention_vjp(*large, backend="cpu")[1](shared)
+    assert submitted == [1] * 4  # (the middle forward, the large one, and the large vjp's two passes)
     monkeypatch.setenv("NPATTN_NUM_THREADS", "1")
     assert npattn.attention(*large, backend="cpu").tobytes() == shared.tobytes()
+    alone = npattn.attention_vjp(*large, backend="cpu")[1](shared)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(alone, shared_gradients))
+    middle_alone = npattn.attention_vjp(*middle, backend="cpu")[1](out)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(middle_alone, gradients))
 
 
 def _claims_kernel():

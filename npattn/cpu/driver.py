@@ -20,7 +20,7 @@ from .conversion import BYTES, NARROW, conversion_entry, converted, kept_widened
 from .delta import delta_of_rows
 from .finiteness import finiteness_entry
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
-from .threads import INLINE_FLOPS, NON_FINITE, configured_threads, direct_entry, new_counter, run_items
+from .threads import NON_FINITE, configured_threads, direct_entry, new_counter, run_items, runs_inline
 from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, fresh_set, gradient_tile_specs,
                       scratch_set, weights_scratch_specs, with_dropout_copy, zeros_maker)
 from .operands import (WORDS, Int, KvCodes, flat_memory, memory_order, pair_words, read_only, operand_plan, row_order,
@@ -67,7 +67,7 @@ class ForwardPlan:
         self.items = int(forward_items(ints))
         self.splits = int(ints[Int.KEY_SPLITS])
         self.blas = not (ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES] and ints[Int.VECTOR_KEYS])
-        self.flops = _forward_flops(problem)
+        self.inline = runs_inline(_forward_flops(problem), self.items)
         self.scratch_specs = forward_scratch_specs(ints, dtype)
         self.weights_specs = weights_scratch_specs(ints, dtype)
         self.weights = problem.return_weights
@@ -111,8 +111,7 @@ class ForwardPlan:
         self._entry, self._entry_aligned = None, None
         # (a quantized step's runs: the problem they read and its option operands)
         self._scale_run = None
-        self._alone = (not self.blas and self.splits == 1 and not self.weights
-                       and (self.flops < INLINE_FLOPS or self.items <= 1))
+        self._alone = not self.blas and self.splits == 1 and not self.weights and self.inline
         # and a 16-bit out's conversion on that path: the conversion's entry point, into a
         # fresh array of out's memory shape (2.3 us of converted() become 0.7)
         self._narrow_out = (conversion_entry(dtype, self.narrow, int(np.prod(self.out_shape)))
@@ -189,7 +188,7 @@ class ForwardPlan:
             try:
                 arguments = (*ops, flat_out, self.out_strides, lse_parts.reshape(-1))
                 status = run_items(forward_kernel, arguments, self.items, lambda: scratch_set(self.scratch_specs),
-                                   self.flops)
+                                   self.inline)
                 if direct and self._entry is None:
                     self._entry = direct_entry(forward_kernel, (*arguments, *scratch_set(self.scratch_specs),
                                                                 status, self.items))
@@ -202,7 +201,7 @@ class ForwardPlan:
                 if self.weights:
                     weights = np.zeros(self.weights_shape, dtype)
                     run_items(weights_kernel, (*ops, lse.reshape(-1), weights.reshape(-1)), self.items,
-                              lambda: scratch_set(self.weights_specs), self.flops)
+                              lambda: scratch_set(self.weights_specs), self.inline)
             finally:
                 end_reuse()
         return self._result(out, lse, weights, status)
@@ -372,6 +371,7 @@ class BackwardPlan:
         self.items = int(backward_items(ints, chunks))
         self.blas = not (ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES] and ints[Int.VECTOR_KEYS])
         self.flops = _forward_flops(problem)
+        self.inline = runs_inline(self.flops, self.items, backward=True)
         self.scratch_specs = backward_scratch_specs(ints, dtype)
         gradient_batch = _memory_batches(problem)
         self.dq_shape = (chunks, gradient_batch, heads, q_len, head_dim)
@@ -409,7 +409,7 @@ class BackwardPlan:
         # a plain call whose whole work is one inline kernel call runs, from the second on,
         # the kernel's entry point (threads.direct_entry) on the plan's own scratch, as the
         # forward's do: (the alignment of the arrays it was typed for, the entry point or None)
-        self._alone = not self.blas and self.dbias is None and (self.flops < INLINE_FLOPS or self.items <= 1)
+        self._alone = not self.blas and self.dbias is None and self.inline
         self._entry = None
         self._scratch = threading.local()
 
@@ -497,7 +497,7 @@ class BackwardPlan:
                     entry[1](*arguments, *self._own_scratch(), new_counter(1), self.items)
                 else:
                     run_items(backward_kernel, arguments, self.items,
-                              lambda: with_dropout_copy(scratch_set(self.scratch_specs)), self.flops)
+                              lambda: with_dropout_copy(scratch_set(self.scratch_specs)), self.inline)
                     if direct and entry is None:  # typed once per alignment, on the plan's own scratch (None:
                         # those types were never compiled, and every such call keeps the path above)
                         self._entry = (aligned, direct_entry(backward_kernel, (*arguments, *self._own_scratch(),
@@ -506,7 +506,8 @@ class BackwardPlan:
                     shape, shape_array, items, user_shape, specs = self.dbias
                     dbias = np.zeros(shape, dtype)
                     run_items(dbias_kernel, (*common, dbias.reshape(-1), shape_array), items,
-                              lambda: with_dropout_copy(scratch_set(specs)), self.flops)
+                              lambda: with_dropout_copy(scratch_set(specs)),
+                              runs_inline(self.flops, items, backward=True))
                     dbias = dbias.reshape(user_shape)
             finally:
                 end_reuse()

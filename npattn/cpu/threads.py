@@ -86,31 +86,42 @@ def _submit(calls) -> list:
         return [_POOL.submit(function, *arguments) for function, arguments in calls]
 
 
-# Calls with less work than this (the forward's FLOPs, 2 B H Sq Sk (D + Dv)) run on the
-# calling thread alone: handing items to a pool worker costs more than the worker saves.
-# Measured on the 2-core VM, float32, medians of 100 (1 thread against 2): the forward at
-# (1, 8, 16, 64), 0.5 MFLOP, 165-270 against 410-445 us; (1, 8, 64, 64), 8.4 MFLOP,
-# 257-259 against 307-328 us, its backward 661-708 against 729-794 us; at
-# (1, 8, 128, 64), 34 MFLOP, even (forward 575-763 against 704-708, backward 1749-2117
-# against 1606-1709); at (1, 8, 256, 64), 134 MFLOP, 2 threads win (1157-1258 against
-# 1745-1748 us).
-INLINE_FLOPS = 16e6
+# Calls with less work than these (the forward's FLOPs, 2 B H Sq Sk (D + Dv), for both
+# passes) run on the calling thread alone: handing items to another thread costs more than
+# it saves. Measured on the 2-core Zen 4 VM with the crew (npattn/cpu/crew.py), float32,
+# D = 64, alternating processes, the best of three medians of 9 rounds, 2 threads against
+# 1: forwards (1, 8, 16 x 16) 0.5 MFLOP 1.10-1.52x, (1, 8, 20 x 20) 0.8 MFLOP 0.84x,
+# (1, 8, 24 x 24) 1.2 MFLOP 0.96-0.99x, (1, 8, 32 x 32) 2.1 MFLOP 0.84-1.01x, (1, 8, 48 x 48)
+# 0.77-0.79x, (1, 8, 64 x 64) 0.66-0.69x, (1, 8, 88 x 88) 16 MFLOP 0.59-0.64x, decode steps
+# (1, 16, 1 x 1024) 0.64x and (4, 8, 1 x 1024) 0.54x; backwards (vjp) (1, 8, 16 x 16)
+# 1.27-1.49x, (1, 8, 20 x 20) 1.11x, (1, 8, 24 x 24) 0.97x, (1, 8, 32 x 32) 0.93-1.01x,
+# (1, 8, 40 x 40) 3.3 MFLOP 0.91x, (1, 8, 48 x 48) 0.82x, (1, 8, 64 x 64) 0.75x. The
+# threshold had been 16 MFLOP, measured with the pool before the crew, which hands work over
+# without the pool's wake-ups and GIL meetings.
+FORWARD_INLINE_FLOPS = 1e6
+BACKWARD_INLINE_FLOPS = 2e6
 
 
-def run_items(kernel, arguments, items: int, scratch=tuple, flops: float | None = None) -> np.ndarray:
+def runs_inline(flops: float, items: int, backward: bool = False) -> bool:
+    """Whether a call of ``flops`` (the forward's FLOPs) in ``items`` work items runs on the
+    calling thread alone: one item, or less work than :data:`FORWARD_INLINE_FLOPS`
+    (:data:`BACKWARD_INLINE_FLOPS` for a backward). A plan decides it once."""
+    return items <= 1 or flops < (BACKWARD_INLINE_FLOPS if backward else FORWARD_INLINE_FLOPS)
+
+
+def run_items(kernel, arguments, items: int, scratch=tuple, inline: bool = False) -> np.ndarray:
     """``kernel(*arguments, *scratch(), counter, items)`` on ``min(items, threads)`` threads
     sharing one fresh ``counter``, each with scratch of its own from ``scratch()``; on the
-    calling thread alone when ``flops`` (the call's work, forward FLOPs) is below
-    :data:`INLINE_FLOPS`. Which thread runs an item never changes the bits. The first
+    calling thread alone where ``inline`` (:func:`runs_inline`) or ``items`` is 1. Which thread runs an item never changes the bits. The first
     call of a kernel for a dtype in the process (a compile, or a load from Numba's cache)
     is announced (:mod:`.compiling`). Returns the ``counter`` (:func:`new_counter`), whose
     ``[NON_FINITE]`` is what the forward reports of its run (1 where it wrote a
     non-finite output row)."""
     key = (kernel, arguments[0].dtype)
     if key in _PREPARED:
-        return _run_items(kernel, arguments, items, scratch, flops)
+        return _run_items(kernel, arguments, items, scratch, inline)
     with compiling.announced(getattr(kernel, "__name__", "kernel"), arguments[0].dtype):
-        counter = _run_items(kernel, arguments, items, scratch, flops)
+        counter = _run_items(kernel, arguments, items, scratch, inline)
     _PREPARED.add(key)
     return counter
 
@@ -132,9 +143,8 @@ def direct_entry(kernel, arguments):
     return None if overload is None else overload.entry_point
 
 
-def _run_items(kernel, arguments, items, scratch, flops) -> np.ndarray:
+def _run_items(kernel, arguments, items, scratch, inline) -> np.ndarray:
     configured_threads()  # a bad NPATTN_NUM_THREADS fails every call, not only the threaded ones
-    inline = (flops is not None and flops < INLINE_FLOPS) or items <= 1
     threads = 1 if inline else min(items, thread_count())
     if threads <= 1:
         counter = new_counter(threads)
