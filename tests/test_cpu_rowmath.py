@@ -1,6 +1,6 @@
 """The online softmax's row operations on their own: the float32 exp polynomials (float32's
 and the bfloat16 forward's brief one), the vector row max and softcap's tanh, on rows of
-every length (whole vectors, a scalar tail, both).
+every length (whole vectors, a partial last vector, both).
 
 The kernel tests reach these only through whole attention results, where an error in a
 rare lane (the tail, an underflow, an overflow) can hide under the tolerance of a sum.
@@ -65,7 +65,7 @@ def _soft_capped(row, tanh, start, n, softcap):
     soft_capped(row, tanh, start, n, softcap)
 
 
-@njit  # not cached (as above): each value alone, in the scalar tail
+@njit  # not cached (as above): each value alone, in a partial vector
 def _soft_capped_one_by_one(row, tanh, start, n, softcap):
     for c in range(start, start + n):
         soft_capped(row, tanh, c, 1, softcap)
@@ -115,6 +115,25 @@ def test_float32_exp_is_within_its_derived_bound_of_float64(brief, data, start, 
         assert abs(float(total) - got.sum()) <= n * EPS32 * got.sum() + SMALLEST_NORMAL
     elif got.sum() > FLOAT32_MAX * (1 + n * EPS32):
         assert total == np.inf, "a float32 sum past float32's range is +inf"
+
+
+@njit  # not cached (as above): each value alone, in a partial vector
+def _exp_one_by_one(row, start, n, shift, brief):
+    for c in range(start, start + n):
+        exp_shifted(row, c, 1, shift, brief)
+
+
+@pytest.mark.parametrize("brief", [False, True])
+@given(data=st.data(), start=starts, n=lengths, shift=st.floats(-100, 100, width=32))
+def test_a_float32_exp_has_the_same_bits_anywhere_in_a_row(brief, data, start, n, shift):
+    """A value's exp does not depend on its place in the row: whole vectors and the partial
+    last one give the same bits (the forward and the backward cut a row into vectors at
+    different places: a causal band's last key, another tile width)."""
+    row = data.draw(hnp.arrays(np.float32, start + n + 3, elements=scores))
+    whole, one_by_one = row.copy(), row.copy()
+    _exp_shifted(whole, start, n, np.float32(shift), brief)
+    _exp_one_by_one(one_by_one, start, n, np.float32(shift), brief)
+    np.testing.assert_array_equal(one_by_one.view(np.int32), whole.view(np.int32))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -211,7 +230,7 @@ def test_float32_tanh_is_within_2_ulps_of_the_rounded_tanh_everywhere():
 def test_softcap_rows_keep_their_tanh_and_scale_it(dtype, data, start, n, softcap):
     """A row of scores becomes softcap * tanh(s / softcap), the tanh kept for the backward:
     float32 within 2 ulps of the rounded tanh of its float32 argument, in whole vectors and
-    in the scalar tail alike (the same bits); float64 libm's tanh (``math.tanh``'s); the elements
+    in the partial last one alike (the same bits); float64 libm's tanh (``math.tanh``'s); the elements
     around the row untouched."""
     size = start + n + 5
     row = data.draw(hnp.arrays(dtype, size, elements=st.floats(-1e4, 1e4, width=32)))

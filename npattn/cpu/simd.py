@@ -129,6 +129,66 @@ def store(typingctx, array, index, value):
     return types.none(array, index, value), codegen
 
 
+def _first_lanes(builder, count, lanes):
+    """The mask of a vector's first ``count`` lanes (an int64 value)."""
+    indices = ir.Constant(ir.VectorType(ir.IntType(64), lanes), list(range(lanes)))
+    return builder.icmp_signed("<", indices, _splat(builder, count, indices.type))
+
+
+def _masked(builder, kind, vector_type, operands):
+    """A call of ``llvm.masked.<kind>`` (load or store) on ``vector_type``."""
+    pointer, i32 = vector_type.as_pointer(), ir.IntType(32)
+    mask = ir.VectorType(ir.IntType(1), vector_type.count)
+    suffix = f"v{vector_type.count}{'f32' if isinstance(vector_type.element, ir.FloatType) else 'f64'}.p0"
+    arguments = ([pointer, i32, mask, vector_type] if kind == "load" else [vector_type, pointer, i32, mask])
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vector_type if kind == "load" else ir.VoidType(), arguments),
+        f"llvm.masked.{kind}.{suffix}")
+    return builder.call(function, operands)
+
+
+@intrinsic
+def load_first(typingctx, array, index, count, other):
+    """The vector of ``array[index : index + count]`` in its first ``count`` lanes (0 <=
+    count <= lanes) and ``other`` in the rest: a masked load, which reads nothing past
+    ``count`` (a row's last, partial vector, where the row may end its array)."""
+    if not (_check_float_array(array) and isinstance(index, types.Integer) and isinstance(count, types.Integer)
+            and isinstance(other, (types.Float, types.Integer))):
+        return None
+    vector = Vector(array.dtype)
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        vector_type = context.get_value_type(vector)
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], vector_type)
+        count_value = context.cast(builder, args[2], signature.args[2], types.int64)
+        fallback = _splat(builder, context.cast(builder, args[3], signature.args[3], array.dtype), vector_type)
+        alignment = ir.Constant(ir.IntType(32), array.dtype.bitwidth // 8)
+        return _masked(builder, "load", vector_type,
+                       [pointer, alignment, _first_lanes(builder, count_value, vector_type.count), fallback])
+    return vector(array, index, count, other), codegen
+
+
+@intrinsic
+def store_first(typingctx, array, index, value, count):
+    """``array[index : index + count] = value``'s first ``count`` lanes (0 <= count <=
+    lanes): a masked store, which writes nothing past ``count``."""
+    if not (_check_float_array(array) and isinstance(value, Vector) and value.dtype == array.dtype
+            and isinstance(count, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        vector_type = context.get_value_type(value)
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], vector_type)
+        count_value = context.cast(builder, args[3], signature.args[3], types.int64)
+        alignment = ir.Constant(ir.IntType(32), array.dtype.bitwidth // 8)
+        _masked(builder, "store", vector_type,
+                [args[2], pointer, alignment, _first_lanes(builder, count_value, vector_type.count)])
+        return context.get_dummy_value()
+    return types.none(array, index, value, count), codegen
+
+
 @intrinsic
 def fill(typingctx, value, like):
     """A vector of ``like.dtype`` with every lane ``value`` (converted)."""
