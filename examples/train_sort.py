@@ -4,7 +4,7 @@ Two pre-norm encoder layers from npattn.nn, learned token and position embedding
 AdamW from npattn.nn.optim. To emit the k-th smallest digit, a position must count, through
 attention, how many digits of each value the sequence holds.
 
-    python examples/train_sort.py                            # full run, 15-20 s on 2 cores
+    python examples/train_sort.py                            # full run, 9-11 s on 2 cores
     NPATTN_EXAMPLE_QUICK=1 python examples/train_sort.py     # a short run (the test suite's)
 
 Exits with status 1 if the full run misses its stated accuracy, or the short run's loss

@@ -93,6 +93,25 @@ def test_gradients_match_finite_differences(fn, inputs):
     assert gradcheck(fn, inputs)
 
 
+@pytest.mark.parametrize("fn, inputs", [pytest.param(fn, inputs, id=name) for name, fn, inputs in CASES])
+def test_float32_graphs_keep_float32_gradients(monkeypatch, fn, inputs):
+    """Every function keeps a float32 graph in float32: given float32 gradients, it returns
+    float32 ones, with no cast left to the engine (one function that returned float64 made
+    every gradient of a float32 model behind it float64, at twice the time); and a leaf's
+    gradient has the leaf's dtype also where a float64 constant promoted the output."""
+    from npattn.autograd import tensor as tensor_module
+
+    casts, real = [], tensor_module.in_dtype
+    monkeypatch.setattr(tensor_module, "in_dtype",
+                        lambda grad, dtype: grad if grad.dtype == dtype else casts.append(grad.dtype) or real(grad, dtype))
+    singles = [Tensor(x.data.astype(np.float32), requires_grad=True) for x in inputs]
+    out = fn(*singles)
+    (out * RNG.standard_normal(out.shape).astype(out.dtype)).sum().backward()
+    assert [x.grad.dtype for x in singles] == [np.float32] * len(singles)
+    if out.dtype == np.float32:
+        assert casts == [], f"a function returned {casts[0]} gradients in a float32 graph"
+
+
 @settings(max_examples=30)
 @given(shapes=mutually_broadcastable_shapes(num_shapes=2, min_dims=0, max_dims=3, max_side=3),
        op=st.sampled_from(["add", "sub", "mul", "div"]))

@@ -120,7 +120,9 @@ class _CrossEntropy(Function):
         xp = array_module(grad)
         probabilities = xp.exp(self.log_p)
         one_hot = xp.arange(self.classes) == self.targets[..., None]
-        target = (1 - self.smoothing) * one_hot + self.smoothing / self.classes
+        # (in the logits' dtype: a bool array times a Python float is float64, which made every
+        # gradient of a float32 model float64 behind it, at twice the cost)
+        target = ((1 - self.smoothing) * one_hot + self.smoothing / self.classes).astype(probabilities.dtype)
         per_row = grad[..., None] if self.reduction == "none" else grad / self.divisor
         d_logits = (probabilities - target) * self.kept[..., None] * per_row
         return d_logits, None

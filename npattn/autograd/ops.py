@@ -337,7 +337,7 @@ class _Max(Function):
     def forward(self, a, axis=None, keepdims=False):
         self.axes, self.keepdims = _axes(axis, a.ndim), keepdims
         best = a.max(axis=self.axes, keepdims=True)
-        winners = a == best
+        winners = (a == best).astype(a.dtype)  # (in a's dtype: a bool share would be float64)
         self.share = winners / winners.sum(axis=self.axes, keepdims=True)
         return best if keepdims else best.squeeze(axis=self.axes)
 

@@ -164,12 +164,21 @@ class Tensor:
             for parent, parent_grad in zip(ctx.parents, input_grads):
                 if parent_grad is None or not parent.requires_grad:
                     continue
+                parent_grad = in_dtype(parent_grad, parent.data.dtype)
                 key = id(parent)
                 pending[key] = parent_grad if key not in pending else pending[key] + parent_grad
             ctx.release()
 
     # The operators (+, @, [], ...) and array methods (sum, reshape, T, ...) are installed
     # by ops.py, where the operations are: this module imports nothing of it.
+
+
+def in_dtype(grad, dtype):
+    """``grad`` in ``dtype``, its tensor's: a tensor's gradient always has the tensor's dtype
+    (as torch's), whatever an operation's mixed dtypes promoted it to (a float32 tensor
+    times a float64 array gives a float64 product, whose gradient the float32 tensor
+    takes in float32)."""
+    return grad if grad.dtype == dtype else grad.astype(dtype)
 
 
 def _topological_order(root: Tensor) -> list:
