@@ -282,6 +282,22 @@ def test_float32_stays_float32():
     assert x.grad.dtype == np.float32
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.77])
+def test_dropout_is_its_documented_mask_scaled_once(dtype, p):
+    """dropout(x, p, seed) is x times ``default_rng(seed).random(x.shape) >= p`` divided by
+    1 - p, that scale rounded once to x's dtype: the same bits in float32 and float64."""
+    x = Tensor(RNG.standard_normal((5, 7, 9)).astype(dtype), requires_grad=True)
+    out = ag.dropout(x, p=p, seed=3)
+    keep = np.random.default_rng(3).random(x.shape) >= p
+    expected = x.data * (keep / (1.0 - p)).astype(dtype)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out.data.view(np.uint8), expected.view(np.uint8))
+    grad = RNG.standard_normal(x.shape).astype(dtype)
+    out.backward(grad)
+    np.testing.assert_array_equal(x.grad.view(np.uint8), (grad * (keep / (1.0 - p)).astype(dtype)).view(np.uint8))
+
+
 def test_inputs_are_not_modified():
     data = RNG.standard_normal((3, 4))
     before = data.copy()

