@@ -57,3 +57,30 @@ def test_get_attention_builds_each_kind():
     assert get_attention("mha", embed_dim=8, num_heads=2, causal=True).causal
     with pytest.raises(ValueError, match="get_attention: kind must be one of"):
         get_attention("linear", embed_dim=8, num_heads=2)
+
+
+@pytest.mark.parametrize("kind", ["encoder", "encoder-rope-gqa-dropout", "decoder"])
+def test_float32_layers_train_in_float32(monkeypatch, kind):
+    """A float32 layer's forward, and its backward from a float32 loss, stay float32: every
+    gradient comes back float32 from the function that made it, none cast by the engine
+    (a float64 gradient had made every gradient behind it float64, at twice the time)."""
+    from npattn import autograd as ag
+    from npattn.autograd import tensor as tensor_module
+
+    casts, real = [], tensor_module.in_dtype
+    monkeypatch.setattr(tensor_module, "in_dtype",
+                        lambda grad, dtype: grad if grad.dtype == dtype else casts.append(grad.dtype) or real(grad, dtype))
+    x = Tensor(RNG.standard_normal((2, 5, 16)).astype(np.float32), requires_grad=True)
+    if kind == "decoder":
+        layer = TransformerDecoderLayer(16, 4, 32, dropout=0.1, seed=3)
+        memory = Tensor(RNG.standard_normal((2, 7, 16)).astype(np.float32), requires_grad=True)
+        out, inputs = layer(x, memory), [x, memory]
+    else:
+        options = dict(num_kv_heads=2, rotary="rope", dropout=0.1) if kind != "encoder" else dict(dropout=0.0)
+        layer = TransformerEncoderLayer(16, 4, 32, activation="gelu", norm_first=True, seed=3, **options)
+        out, inputs = layer(x), [x]
+    logits = ag.linear(out, Tensor(RNG.standard_normal((10, 16)).astype(np.float32)))
+    ag.cross_entropy(logits.reshape(-1, 10), RNG.integers(0, 10, logits.shape[0] * logits.shape[1])).backward()
+    assert casts == [] and out.dtype == np.float32
+    grads = [x.grad for x in inputs] + [p.grad for p in layer.parameters()]
+    assert all(g is not None and g.dtype == np.float32 for g in grads)
