@@ -99,6 +99,15 @@ def _pointer(context, builder, array_type, array, index, vector_type):
     return builder.bitcast(address, ir.PointerType(vector_type))
 
 
+def _vector_at(context, builder, signature, args, vector):
+    """(the LLVM type of ``vector``, a pointer to it at ``args[0][args[1]]``) for an
+    intrinsic whose first two arguments are an array and an index, in a function that
+    then uses full-width registers."""
+    _wide(builder)
+    vector_type = context.get_value_type(vector)
+    return vector_type, _pointer(context, builder, signature.args[0], args[0], args[1], vector_type)
+
+
 @intrinsic
 def load(typingctx, array, index):
     """The vector ``array[index : index + lanes]``."""
@@ -107,9 +116,7 @@ def load(typingctx, array, index):
     vector = Vector(array.dtype)
 
     def codegen(context, builder, signature, args):
-        _wide(builder)
-        vector_type = context.get_value_type(vector)
-        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], vector_type)
+        _, pointer = _vector_at(context, builder, signature, args, vector)
         return builder.load(pointer, align=array.dtype.bitwidth // 8)
     return vector(array, index), codegen
 
@@ -121,9 +128,7 @@ def store(typingctx, array, index, value):
         return None
 
     def codegen(context, builder, signature, args):
-        _wide(builder)
-        vector_type = context.get_value_type(value)
-        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], vector_type)
+        _, pointer = _vector_at(context, builder, signature, args, value)
         builder.store(args[2], pointer, align=array.dtype.bitwidth // 8)
         return context.get_dummy_value()
     return types.none(array, index, value), codegen
@@ -158,9 +163,7 @@ def load_first(typingctx, array, index, count, other):
     vector = Vector(array.dtype)
 
     def codegen(context, builder, signature, args):
-        _wide(builder)
-        vector_type = context.get_value_type(vector)
-        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], vector_type)
+        vector_type, pointer = _vector_at(context, builder, signature, args, vector)
         count_value = context.cast(builder, args[2], signature.args[2], types.int64)
         fallback = _splat(builder, context.cast(builder, args[3], signature.args[3], array.dtype), vector_type)
         alignment = ir.Constant(ir.IntType(32), array.dtype.bitwidth // 8)
@@ -178,9 +181,7 @@ def store_first(typingctx, array, index, value, count):
         return None
 
     def codegen(context, builder, signature, args):
-        _wide(builder)
-        vector_type = context.get_value_type(value)
-        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], vector_type)
+        vector_type, pointer = _vector_at(context, builder, signature, args, value)
         count_value = context.cast(builder, args[3], signature.args[3], types.int64)
         alignment = ir.Constant(ir.IntType(32), array.dtype.bitwidth // 8)
         _masked(builder, "store", vector_type,
