@@ -67,7 +67,9 @@ class ForwardPlan:
         self.items = int(forward_items(ints))
         self.splits = int(ints[Int.KEY_SPLITS])
         self.blas = not (ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES] and ints[Int.VECTOR_KEYS])
-        self.inline = runs_inline(_forward_flops(problem), self.items)
+        flops = _forward_flops(problem)
+        self.inline = runs_inline(flops, self.items)
+        self.pool_inline = runs_inline(flops, self.items, pool=True)
         self.scratch_specs = forward_scratch_specs(ints, dtype)
         self.weights_specs = weights_scratch_specs(ints, dtype)
         self.weights = problem.return_weights
@@ -188,7 +190,7 @@ class ForwardPlan:
             try:
                 arguments = (*ops, flat_out, self.out_strides, lse_parts.reshape(-1))
                 status = run_items(forward_kernel, arguments, self.items, lambda: scratch_set(self.scratch_specs),
-                                   self.inline)
+                                   self.inline, self.pool_inline)
                 if direct and self._entry is None:
                     self._entry = direct_entry(forward_kernel, (*arguments, *scratch_set(self.scratch_specs),
                                                                 status, self.items))
@@ -201,7 +203,8 @@ class ForwardPlan:
                 if self.weights:
                     weights = np.zeros(self.weights_shape, dtype)
                     run_items(weights_kernel, (*ops, lse.reshape(-1), weights.reshape(-1)), self.items,
-                              lambda: scratch_set(self.weights_specs), self.inline)
+                              lambda: scratch_set(self.weights_specs), self.inline,
+                              self.pool_inline)
             finally:
                 end_reuse()
         return self._result(out, lse, weights, status)
@@ -372,6 +375,7 @@ class BackwardPlan:
         self.blas = not (ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES] and ints[Int.VECTOR_KEYS])
         self.flops = _forward_flops(problem)
         self.inline = runs_inline(self.flops, self.items, backward=True)
+        self.pool_inline = runs_inline(self.flops, self.items, pool=True)
         self.scratch_specs = backward_scratch_specs(ints, dtype)
         gradient_batch = _memory_batches(problem)
         self.dq_shape = (chunks, gradient_batch, heads, q_len, head_dim)
@@ -497,7 +501,8 @@ class BackwardPlan:
                     entry[1](*arguments, *self._own_scratch(), new_counter(1), self.items)
                 else:
                     run_items(backward_kernel, arguments, self.items,
-                              lambda: with_dropout_copy(scratch_set(self.scratch_specs)), self.inline)
+                              lambda: with_dropout_copy(scratch_set(self.scratch_specs)), self.inline,
+                              self.pool_inline)
                     if direct and entry is None:  # typed once per alignment, on the plan's own scratch (None:
                         # those types were never compiled, and every such call keeps the path above)
                         self._entry = (aligned, direct_entry(backward_kernel, (*arguments, *self._own_scratch(),
@@ -507,7 +512,7 @@ class BackwardPlan:
                     dbias = np.zeros(shape, dtype)
                     run_items(dbias_kernel, (*common, dbias.reshape(-1), shape_array), items,
                               lambda: with_dropout_copy(scratch_set(specs)),
-                              runs_inline(self.flops, items, backward=True))
+                              runs_inline(self.flops, items, backward=True), runs_inline(self.flops, items, pool=True))
                     dbias = dbias.reshape(user_shape)
             finally:
                 end_reuse()

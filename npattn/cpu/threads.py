@@ -95,33 +95,44 @@ def _submit(calls) -> list:
 # 0.77-0.79x, (1, 8, 64 x 64) 0.66-0.69x, (1, 8, 88 x 88) 16 MFLOP 0.59-0.64x, decode steps
 # (1, 16, 1 x 1024) 0.64x and (4, 8, 1 x 1024) 0.54x; backwards (vjp) (1, 8, 16 x 16)
 # 1.27-1.49x, (1, 8, 20 x 20) 1.11x, (1, 8, 24 x 24) 0.97x, (1, 8, 32 x 32) 0.93-1.01x,
-# (1, 8, 40 x 40) 3.3 MFLOP 0.91x, (1, 8, 48 x 48) 0.82x, (1, 8, 64 x 64) 0.75x. The
-# threshold had been 16 MFLOP, measured with the pool before the crew, which hands work over
-# without the pool's wake-ups and GIL meetings.
+# (1, 8, 40 x 40) 3.3 MFLOP 0.91x, (1, 8, 48 x 48) 0.82x, (1, 8, 64 x 64) 0.75x.
 FORWARD_INLINE_FLOPS = 1e6
 BACKWARD_INLINE_FLOPS = 2e6
+# Where the pool takes the items instead (NPATTN_SPIN_US=0, or another call holds the
+# crew), its wake-ups and GIL meetings cost more. Measured on the same VM with
+# NPATTN_SPIN_US=0, planned forwards (1, 8, S x S, 64), medians of 9 rounds, three
+# processes each, inline against the pool: S = 32 (2.1 MFLOP) 49-51 against 65-123 us,
+# S = 48 (4.7 MFLOP) 80-84 against 92-150, S = 64 (8.4 MFLOP) 120-127 against 101-173,
+# S = 88 (15.9 MFLOP) 247-259 against 179-186, S = 128 271-288 against 249-272.
+POOL_INLINE_FLOPS = 6e6
 
 
-def runs_inline(flops: float, items: int, backward: bool = False) -> bool:
+def runs_inline(flops: float, items: int, backward: bool = False, pool: bool = False) -> bool:
     """Whether a call of ``flops`` (the forward's FLOPs) in ``items`` work items runs on the
     calling thread alone: one item, or less work than :data:`FORWARD_INLINE_FLOPS`
-    (:data:`BACKWARD_INLINE_FLOPS` for a backward). A plan decides it once."""
-    return items <= 1 or flops < (BACKWARD_INLINE_FLOPS if backward else FORWARD_INLINE_FLOPS)
+    (:data:`BACKWARD_INLINE_FLOPS` for a backward), or, where the pool would take the items
+    (``pool``), than :data:`POOL_INLINE_FLOPS`. A plan decides it once."""
+    if items <= 1:
+        return True
+    return flops < (POOL_INLINE_FLOPS if pool else BACKWARD_INLINE_FLOPS if backward else FORWARD_INLINE_FLOPS)
 
 
-def run_items(kernel, arguments, items: int, scratch=tuple, inline: bool = False) -> np.ndarray:
+def run_items(kernel, arguments, items: int, scratch=tuple, inline: bool = False,
+              pool_inline: bool | None = None) -> np.ndarray:
     """``kernel(*arguments, *scratch(), counter, items)`` on ``min(items, threads)`` threads
     sharing one fresh ``counter``, each with scratch of its own from ``scratch()``; on the
-    calling thread alone where ``inline`` (:func:`runs_inline`) or ``items`` is 1. Which thread runs an item never changes the bits. The first
-    call of a kernel for a dtype in the process (a compile, or a load from Numba's cache)
-    is announced (:mod:`.compiling`). Returns the ``counter`` (:func:`new_counter`), whose
-    ``[NON_FINITE]`` is what the forward reports of its run (1 where it wrote a
-    non-finite output row)."""
+    calling thread alone where ``inline`` (:func:`runs_inline`), where ``items`` is 1, and
+    where the crew is off or busy and ``pool_inline`` (None: ``inline``). Which thread runs
+    an item never changes the bits. The first call of a kernel for a dtype in the process
+    (a compile, or a load from Numba's cache) is announced (:mod:`.compiling`). Returns the
+    ``counter`` (:func:`new_counter`), whose ``[NON_FINITE]`` is what the forward reports of
+    its run (1 where it wrote a non-finite output row)."""
+    pool_inline = inline if pool_inline is None else pool_inline
     key = (kernel, arguments[0].dtype)
     if key in _PREPARED:
-        return _run_items(kernel, arguments, items, scratch, inline)
+        return _run_items(kernel, arguments, items, scratch, inline, pool_inline)
     with compiling.announced(getattr(kernel, "__name__", "kernel"), arguments[0].dtype):
-        counter = _run_items(kernel, arguments, items, scratch, inline)
+        counter = _run_items(kernel, arguments, items, scratch, inline, pool_inline)
     _PREPARED.add(key)
     return counter
 
@@ -143,20 +154,24 @@ def direct_entry(kernel, arguments):
     return None if overload is None else overload.entry_point
 
 
-def _run_items(kernel, arguments, items, scratch, inline) -> np.ndarray:
+def _run_items(kernel, arguments, items, scratch, inline, pool_inline) -> np.ndarray:
     configured_threads()  # a bad NPATTN_NUM_THREADS fails every call, not only the threaded ones
     threads = 1 if inline else min(items, thread_count())
+    crew = None
+    if threads > 1:
+        spin_us = spin_microseconds()
+        crew = crew_for(threads - 1) if spin_us else None
+        if crew is not None:  # (None: turned off, or another call has it: the pool)
+            try:
+                return crew.run(kernel, arguments, items, scratch, threads, spin_us)
+            finally:
+                crew.lock.release()
+        if pool_inline:
+            threads = 1
     if threads <= 1:
         counter = new_counter(threads)
         kernel(*arguments, *scratch(), counter, items)
         return counter
-    spin_us = spin_microseconds()
-    crew = crew_for(threads - 1) if spin_us else None
-    if crew is not None:  # (None: turned off, or another call has it: the pool)
-        try:
-            return crew.run(kernel, arguments, items, scratch, threads, spin_us)
-        finally:
-            crew.lock.release()
     counter = new_counter(threads)
     futures = _submit([(kernel, (*arguments, *scratch(), counter, items)) for _ in range(threads - 1)])
     kernel(*arguments, *scratch(), counter, items)  # the calling thread works too
