@@ -102,8 +102,8 @@ def test_float32_graphs_keep_float32_gradients(monkeypatch, fn, inputs):
     from npattn.autograd import tensor as tensor_module
 
     casts, real = [], tensor_module.in_dtype
-    monkeypatch.setattr(tensor_module, "in_dtype",
-                        lambda grad, dtype: grad if grad.dtype == dtype else casts.append(grad.dtype) or real(grad, dtype))
+    monkeypatch.setattr(tensor_module, "in_dtype", lambda grad, dtype: grad if grad.dtype == dtype
+                        else casts.append(grad.dtype) or real(grad, dtype))
     singles = [Tensor(x.data.astype(np.float32), requires_grad=True) for x in inputs]
     out = fn(*singles)
     (out * RNG.standard_normal(out.shape).astype(out.dtype)).sum().backward()

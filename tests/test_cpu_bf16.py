@@ -287,7 +287,7 @@ def _shared_by(threads):
         return
     npattn.runtime.plans.clear()
     with (mock.patch.dict(os.environ, NPATTN_NUM_THREADS=str(threads)),
-          mock.patch.object(driver, "runs_inline", lambda flops, items, backward=False: items <= 1)):
+          mock.patch.object(driver, "runs_inline", lambda flops, items, backward=False, pool=False: items <= 1)):
         yield
     npattn.runtime.plans.clear()
 

@@ -68,8 +68,8 @@ def test_float32_layers_train_in_float32(monkeypatch, kind):
     from npattn.autograd import tensor as tensor_module
 
     casts, real = [], tensor_module.in_dtype
-    monkeypatch.setattr(tensor_module, "in_dtype",
-                        lambda grad, dtype: grad if grad.dtype == dtype else casts.append(grad.dtype) or real(grad, dtype))
+    monkeypatch.setattr(tensor_module, "in_dtype", lambda grad, dtype: grad if grad.dtype == dtype
+                        else casts.append(grad.dtype) or real(grad, dtype))
     x = Tensor(RNG.standard_normal((2, 5, 16)).astype(np.float32), requires_grad=True)
     if kind == "decoder":
         layer = TransformerDecoderLayer(16, 4, 32, dropout=0.1, seed=3)
