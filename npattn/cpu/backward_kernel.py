@@ -6,13 +6,14 @@ Probabilities are recomputed tile by tile from the forward's lse, never stored:
 ``P > 3/4``, ``dS = P * dO . (z v - O)``: see :func:`dominant_key_gradient`), then
 ``dV += P~^T dO``, ``dK += scale dS^T Q`` and ``dQ += scale dS K``, all through BLAS.
 
-Work items are (batch, kv head, key chunk). An item owns dK and dV of its keys
-(summed over the query heads of its group, so GQA needs no reduction) and adds
-into dQ of every row; with one chunk per kv head it owns those dQ rows too.
-When a problem has too few kv heads to fill the cores, keys are split into
-chunks whose dQ contributions go to separate buffers, summed afterwards in
-chunk order. The chunk count depends only on the shapes, so the bits are the
-same on every run and every machine.
+Work items are (batch, kv head, head part, key chunk). An item owns dK and dV of its
+keys (summed over the query heads of its part of the group) and adds into dQ of its
+heads' rows; with one chunk per kv head it owns those dQ rows too. When a problem has
+too few kv heads to fill the cores, it is split further, either way into separate
+buffers summed afterwards in order: keys into chunks, each with its own dQ, or a GQA
+group's query heads into parts, each with its own dK and dV (for MQA these are 1/group
+the size of dQ's copies). The counts depend only on the shapes, so the bits are the same
+on every run and every machine.
 
 :func:`dbias_kernel` gives the bias gradient: ``dS`` summed over the axes the
 bias was broadcast along, each bias element owned by one item (with BF16_PRODUCTS its
@@ -154,16 +155,17 @@ def dominant_key_gradient(v, dequantized, pages, ints, reals, dout, o_row, out, 
             return
 
 
-def backward_items(ints, chunks):
-    return ints[Int.BATCH] * ints[Int.KV_HEADS] * chunks
+def backward_items(ints, chunks, head_parts=1):
+    return ints[Int.BATCH] * ints[Int.KV_HEADS] * head_parts * chunks
 
 
 @kernel
 def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_codes, v_codes, k_scale, v_scale,
-                    dout, dout_strides, out, out_strides, lse, delta, dq, dk, dv, chunks,
+                    dout, dout_strides, out, out_strides, lse, delta, dq, dk, dv, chunks, head_parts,
                     p, dropped, ds, tanh, packed, dk_tile, dv_tile, dequantized, counter, items):
-    """dq: flat (chunks, B, H, Sq, D); dk: flat (B, Hkv, Sk, D); dv: flat (B, Hkv, Sk, Dv);
-    all C-contiguous in the compute dtype and zero on entry (B is 1 with PACKED_ROWS). ``p`` to ``dequantized``:
+    """dq: flat (chunks, B, H, Sq, D); dk: flat (head_parts, B, Hkv, Sk, D); dv: flat
+    (head_parts, B, Hkv, Sk, Dv); all C-contiguous in the compute dtype and zero on entry (B
+    is 1 with PACKED_ROWS). ``p`` to ``dequantized``:
     this thread's :func:`~npattn.cpu.scratch.backward_scratch_specs`. ``dout_strides``:
     dout's batch, head and row strides, then how it is stored (a KvCodes: with Q_CODES a
     16-bit dout is its memory seen as float32 words, strides in bytes, each (head, query
@@ -180,13 +182,18 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
     ld = ints[Int.SCORE_LD]
     key_tiles = (kv_len + block_k - 1) // block_k
     tiles_per_chunk = (key_tiles + chunks - 1) // chunks
+    heads_per_part = (group + head_parts - 1) // head_parts
+    gradient_part = memory_batches(ints) * kv_heads * kv_len  # (rows of one part of dk and dv)
     while True:
         item = next_item(counter, items)
         if item >= items:
             break
-        b = item // (kv_heads * chunks)
-        kv_head = (item // chunks) % kv_heads
+        b = item // (kv_heads * head_parts * chunks)
+        kv_head = (item // (head_parts * chunks)) % kv_heads
+        part = (item // chunks) % head_parts
         chunk = item % chunks
+        first_head = kv_head * group + part * heads_per_part
+        last_head = smaller(first_head + heads_per_part, (kv_head + 1) * group)
         first = chunk * tiles_per_chunk * block_k
         last = smaller(smaller(kv_len, span(spans, b, Span.KV_STOP)), first + tiles_per_chunk * block_k)
         first = larger(first, span(spans, b, Span.KV_START))
@@ -210,7 +217,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                             packed)
             if ints[Int.BF16_PRODUCTS]:  # and the keys in pairs of keys, dQ's B
                 pair_key_tile(k, pages, ints, b, kv_head, j0, cols, dequantized)
-            for h in range(kv_head * group, (kv_head + 1) * group):
+            for h in range(first_head, last_head):
                 for i0 in range(rows_first, rows_valid, block_q):
                     rows = smaller(block_q, rows_valid - i0)
                     if not tile_is_live(ints, spans, b, i0, i0 + rows, j0, j0 + cols):
@@ -258,7 +265,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                              ds, ld, 1.0, dk_tile, head_dim)
                         gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
                              ds, ld, 1.0, dq[dq_offset:], head_dim)
-            row = (memory_batch(ints, b) * kv_heads + kv_head) * kv_len + j0
+            row = part * gradient_part + (memory_batch(ints, b) * kv_heads + kv_head) * kv_len + j0
             dk_start, dv_start = as_offset(row * head_dim), as_offset(row * value_dim)
             for x in range(as_offset(cols * head_dim)):  # not slice copies: their shape checks compile str()
                 dk[dk_start + x] = dk_tile[x]

@@ -339,6 +339,9 @@ def _forward_flops(problem) -> float:
 # Enough (batch, kv head, key chunk) items to keep this many cores busy, fixed so that
 # the chunking, and so the summation order of dq, never depends on the machine.
 _BACKWARD_ITEMS = 8
+# The most memory the key chunks' extra copies of dQ may take before a backward splits
+# its GQA groups' query heads instead (BackwardPlan)
+_DQ_COPIES_BYTES = 64 << 20
 
 
 def backward(problem, saved, dout) -> Gradients:
@@ -370,8 +373,18 @@ class BackwardPlan:
         kv_heads, kv_len, value_dim = problem.kv_heads, problem.kv_len, problem.value_dim
         batch = problem.batch
         key_tiles = -(-kv_len // int(ints[Int.BLOCK_K]))
-        self.chunks = chunks = max(1, min(key_tiles, -(-_BACKWARD_ITEMS // max(1, batch * kv_heads))))
-        self.items = int(backward_items(ints, chunks))
+        wanted = -(-_BACKWARD_ITEMS // max(1, batch * kv_heads))  # work items per kv head
+        # key chunks each keep a copy of dQ; where those copies would pass _DQ_COPIES_BYTES
+        # (MQA's 8 were 268 MB at (1, 32/1, 2048, 128)), the query heads of the GQA group
+        # are cut into parts instead, each with its own dK and dV, where those are the
+        # smaller (key chunks were 5-15% faster where both fit: npattn/cpu/TUNING.md)
+        group = heads // kv_heads
+        copies = (min(key_tiles, wanted) - 1) * _memory_batches(problem) * heads * q_len * head_dim
+        self.head_parts = head_parts = (
+            min(group, wanted) if (group > 1 and copies * np.dtype(dtype).itemsize > _DQ_COPIES_BYTES
+                                   and kv_len * (head_dim + value_dim) < group * q_len * head_dim) else 1)
+        self.chunks = chunks = max(1, min(key_tiles, -(-wanted // head_parts)))
+        self.items = int(backward_items(ints, chunks, head_parts))
         self.blas = not (ints[Int.VECTOR_SCORES] and ints[Int.VECTOR_VALUES] and ints[Int.VECTOR_KEYS])
         self.flops = _forward_flops(problem)
         self.inline = runs_inline(self.flops, self.items, backward=True)
@@ -379,8 +392,8 @@ class BackwardPlan:
         self.scratch_specs = backward_scratch_specs(ints, dtype)
         gradient_batch = _memory_batches(problem)
         self.dq_shape = (chunks, gradient_batch, heads, q_len, head_dim)
-        self.dk_shape = (gradient_batch, kv_heads, kv_len, head_dim)
-        self.dv_shape = (gradient_batch, kv_heads, kv_len, value_dim)
+        self.dk_shape = (head_parts, gradient_batch, kv_heads, kv_len, head_dim)
+        self.dv_shape = (head_parts, gradient_batch, kv_heads, kv_len, value_dim)
         self.dbias = None
         if problem.bias is not None:  # (shape as 4-D, its array for the kernel, items, user shape)
             shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)
@@ -394,15 +407,15 @@ class BackwardPlan:
         shapes = (self.dq_shape, self.dk_shape, self.dv_shape)
         sizes = [int(np.prod(shape)) for shape in shapes]
         self._block = None
-        if chunks == 1 and sum(sizes) * np.dtype(dtype).itemsize <= _GRADIENT_BLOCK_BYTES:
+        if chunks == 1 and head_parts == 1 and sum(sizes) * np.dtype(dtype).itemsize <= _GRADIENT_BLOCK_BYTES:
             starts = np.cumsum([0, *sizes]).tolist()
-            self._block = (starts[-1], tuple(map(slice, starts, starts[1:])), (shapes[0][1:], *shapes[1:]))
+            self._block = (starts[-1], tuple(map(slice, starts, starts[1:])), tuple(shape[1:] for shape in shapes))
         # a 16-bit problem's gradients rounded, and checked, by the conversion's entry points
         # (no dispatcher: 1.5-2 us of each of a small call's three), the block's in one call
         # (a (1, 8, 16 x 16, 64) float16 call: 6.1 us for its three arrays, 4.0 for their block)
         self._narrowings = tuple(None if self.narrow is None or self._block is not None
                                  else conversion_entry(dtype, self.narrow, int(np.prod(shape)))
-                                 for shape in (self.dq_shape[1:], self.dk_shape, self.dv_shape))
+                                 for shape in (self.dq_shape[1:], self.dk_shape[1:], self.dv_shape[1:]))
         self._block_narrowing = (None if self.narrow is None or self._block is None
                                  else conversion_entry(dtype, self.narrow, self._block[0]))
         # and delta and float32 or float64 gradients checked by a jitted pass's entry point
@@ -485,7 +498,7 @@ class BackwardPlan:
         if type(dout_strides) is tuple:
             dout_strides = np.array(dout_strides, np.int64)
         common = (*ops, dout_flat, dout_strides, out_flat, out_strides, lse_flat, delta_flat)
-        arguments = (*common, flat_dq, flat_dk, flat_dv, self.chunks)
+        arguments = (*common, flat_dq, flat_dk, flat_dv, self.chunks, self.head_parts)
         direct, entry = self._alone and arrays is None, None
         if direct:  # (the entry point is typed for q, k, v, dout, out and lse of one alignment)
             aligned = (ops[0].flags.aligned, ops[1].flags.aligned, ops[2].flags.aligned, dout_flat.flags.aligned,
@@ -531,17 +544,25 @@ class BackwardPlan:
                 finite = not checked or self._finite(block)
             dq, dk, dv = (block[part].reshape(shape) for part, shape in zip(parts, shapes))
         elif self.narrow is not None:  # the gradients in q's dtype, on the vector units
-            dq = dq.sum(axis=0) if self.chunks > 1 else dq[0]
+            dq, dk, dv = self._summed(dq, dk, dv)
             (dq, dq_finite), (dk, dk_finite), (dv, dv_finite) = (
                 _narrowed(gradient, self.narrow, entry) for gradient, entry in zip((dq, dk, dv), self._narrowings))
             finite = dq_finite and dk_finite and dv_finite
         else:
-            dq = dq.sum(axis=0) if self.chunks > 1 else dq[0]
+            dq, dk, dv = self._summed(dq, dk, dv)
             check = self._finite
             finite = not checked or (check(dq.reshape(-1)) and check(dk.reshape(-1)) and check(dv.reshape(-1)))
         if checked and not (finite and all_finite_arrays((dbias, dsink_logits))):
             return None
         return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink_logits=dsink_logits)
+
+    def _summed(self, dq, dk, dv) -> tuple:
+        """dq summed over its key chunks and dk and dv over their head parts, in order (the
+        kernel's separate buffers of one problem split further than its kv heads)."""
+        dq = dq.sum(axis=0) if self.chunks > 1 else dq[0]
+        if self.head_parts > 1:
+            return dq, dk.sum(axis=0), dv.sum(axis=0)
+        return dq, dk[0], dv[0]
 
     def _rows(self, array, dtype, code=None) -> tuple:
         """``(flat, strides)`` of :func:`~npattn.cpu.operands.row_strides`, the strides as the
