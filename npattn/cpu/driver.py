@@ -379,7 +379,8 @@ class BackwardPlan:
         # are cut into parts instead, each with its own dK and dV, where those are the
         # smaller (key chunks were 5-15% faster where both fit: npattn/cpu/TUNING.md)
         group = heads // kv_heads
-        copies = (min(key_tiles, wanted) - 1) * _memory_batches(problem) * heads * q_len * head_dim
+        gradient_batch = _memory_batches(problem)
+        copies = (min(key_tiles, wanted) - 1) * gradient_batch * heads * q_len * head_dim
         self.head_parts = head_parts = (
             min(group, wanted) if (group > 1 and copies * np.dtype(dtype).itemsize > _DQ_COPIES_BYTES
                                    and kv_len * (head_dim + value_dim) < group * q_len * head_dim) else 1)
@@ -390,17 +391,18 @@ class BackwardPlan:
         self.inline = runs_inline(self.flops, self.items, backward=True)
         self.pool_inline = runs_inline(self.flops, self.items, pool=True)
         self.scratch_specs = backward_scratch_specs(ints, dtype)
-        gradient_batch = _memory_batches(problem)
         self.dq_shape = (chunks, gradient_batch, heads, q_len, head_dim)
         self.dk_shape = (head_parts, gradient_batch, kv_heads, kv_len, head_dim)
         self.dv_shape = (head_parts, gradient_batch, kv_heads, kv_len, value_dim)
         self.dbias = None
-        if problem.bias is not None:  # (shape as 4-D, its array for the kernel, items, user shape)
+        if problem.bias is not None:  # (shape as 4-D, its array for the kernel, items, user shape,
+            # scratch, and whether its kernel runs inline with the crew and with the pool)
             shape = (1,) * (4 - len(problem.bias_shape)) + tuple(problem.bias_shape)
-            items = (shape[0] * shape[1] * (-(-q_len // int(ints[Int.BLOCK_Q])) if shape[2] > 1 else 1)
-                     * (key_tiles if shape[3] > 1 else 1))
-            self.dbias = (shape, read_only(np.array(shape, np.int64)), int(items), tuple(problem.bias_shape),
-                          gradient_tile_specs(ints, dtype))
+            items = int(shape[0] * shape[1] * (-(-q_len // int(ints[Int.BLOCK_Q])) if shape[2] > 1 else 1)
+                        * (key_tiles if shape[3] > 1 else 1))
+            self.dbias = (shape, read_only(np.array(shape, np.int64)), items, tuple(problem.bias_shape),
+                          gradient_tile_specs(ints, dtype), runs_inline(self.flops, items, backward=True),
+                          runs_inline(self.flops, items, pool=True))
         # a small call's dq, dk and dv: consecutive parts of one block (one allocation, one
         # pass to check or round them); None: three arrays (a large call's gradients each own
         # their memory, so keeping one of them keeps no other alive)
@@ -521,11 +523,10 @@ class BackwardPlan:
                         self._entry = (aligned, direct_entry(backward_kernel, (*arguments, *self._own_scratch(),
                                                                                new_counter(1), self.items)))
                 if self.dbias is not None:
-                    shape, shape_array, items, user_shape, specs = self.dbias
+                    shape, shape_array, items, user_shape, specs, inline, pool_inline = self.dbias
                     dbias = np.zeros(shape, dtype)
                     run_items(dbias_kernel, (*common, dbias.reshape(-1), shape_array), items,
-                              lambda: with_dropout_copy(scratch_set(specs)),
-                              runs_inline(self.flops, items, backward=True), runs_inline(self.flops, items, pool=True))
+                              lambda: with_dropout_copy(scratch_set(specs)), inline, pool_inline)
                     dbias = dbias.reshape(user_shape)
             finally:
                 end_reuse()

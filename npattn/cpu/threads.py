@@ -157,7 +157,6 @@ def direct_entry(kernel, arguments):
 def _run_items(kernel, arguments, items, scratch, inline, pool_inline) -> np.ndarray:
     configured_threads()  # a bad NPATTN_NUM_THREADS fails every call, not only the threaded ones
     threads = 1 if inline else min(items, thread_count())
-    crew = None
     if threads > 1:
         spin_us = spin_microseconds()
         crew = crew_for(threads - 1) if spin_us else None
