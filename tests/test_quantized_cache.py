@@ -10,6 +10,7 @@ from hypothesis import given, strategies as st
 
 import npattn
 from npattn.core.quantization import CODE_LIMIT
+from npattn.runtime import plans
 from npattn.serving.kvcache import apply_rotary
 from conftest import NUMPY_BACKENDS, count_direct_entries
 from test_serving import assert_lse, assert_out, assert_same_bytes, call_case, draw_positional_options
@@ -528,6 +529,9 @@ def test_a_planned_quantized_steps_later_runs_call_the_kernels_entry_point(monke
                                               cache_seqlens=seqlens, k_scale=called[layer][2],
                                               v_scale=called[layer][3], causal=True, backend="cpu")
                 for layer in range(layers)]
+    # (the calls above ran their later layers on a kept step plan, which typed the entry
+    # point already: the step below starts from no plans, to type and count its own)
+    plans.clear()
     direct_calls = count_direct_entries(monkeypatch)
     kc, vc, ks, vs = caches[0]
     step = npattn.plan_with_kvcache(q[0], kc, vc, k[0], k[0], cache_seqlens=seqlens, k_scale=ks, v_scale=vs,

@@ -124,6 +124,8 @@ def as_int(value):
     ``window=np.array(2)`` or ``q_offset=torch.tensor(1)`` mean what it says."""
     if type(value) is int:  # the common case, first
         return value
+    if type(value) is np.ndarray:  # (the checks below cost an array 3 us: str of its dtype, an ABC test)
+        return operator.index(value) if value.ndim == 0 and value.dtype.kind in "iu" else None
     if isinstance(value, (bool, np.bool_)) or "bool" in str(getattr(value, "dtype", "")):
         return None
     if isinstance(value, Integral):

@@ -88,7 +88,7 @@ def _plain(value) -> bool:
     return kind in _PLAIN or (kind is tuple and all(type(item) in (type(None), int) for item in value))
 
 
-def _repeatable(name: str, value) -> bool:
+def repeatable(name: str, value) -> bool:
     """Whether a repeated call may skip the checks of option ``name`` given ``value``: a
     plain value that its table entry (:attr:`npattn.core.options.Option.repeatable`) allows;
     never for a name that is not an option (the full path raises)."""
@@ -119,7 +119,7 @@ def call_key(q, k, v, options: dict) -> tuple | None:
     else:
         return None
     for name, value in options.items():
-        if not _repeatable(name, value):
+        if not repeatable(name, value):
             return None
         key += (name, type(value), value)
     return tuple(key)

@@ -29,7 +29,6 @@ get their old bytes back before the error propagates.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -38,9 +37,11 @@ from ..core import arrays as _arrays
 from .. import api
 from .prefix import SharedPrefix
 from . import quantized as _quantized
+from ..core.problem import with_arrays
 from ..core.quantization import RunScales, quantize_rows
 from ..core import checks
 from ..runtime import limits as _limits
+from ..runtime import plans as _plans
 from ..core import options as _options
 from ..types import Outputs
 
@@ -116,8 +117,67 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     lie and the outputs come back in q's kind; the call is forward-only (no gradients), and
     a JAX cache, which cannot be written in place, takes no new keys.
     """
-    return _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
-                    rotary_interleaved, cache_leftpad, (prefix_k, prefix_v), (k_scale, v_scale), options).run_checked()
+    key = (_step_key((q, k_cache, v_cache, k, v, k_scale, v_scale), (cache_seqlens, block_table, cache_batch_idx,
+                                                                       cache_leftpad), rotary_interleaved, options)
+           if rotary_cos is None and rotary_sin is None and prefix_k is None and prefix_v is None else None)
+    if key is not None:
+        step = _STEPS.get(key)
+        if step is not None:  # another layer of a step checked before: its plan runs it
+            return step.run(q, k_cache, v_cache, k, v, k_scale=k_scale, v_scale=v_scale)
+    step = _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
+                    rotary_interleaved, cache_leftpad, (prefix_k, prefix_v), (k_scale, v_scale), options)
+    result = step.run_checked()
+    if key is not None:
+        _STEPS.put(key, step.released())
+    return result
+
+
+# A decoder calls attention_with_kvcache once per layer with the same metadata (the
+# step's cache_seqlens, block_table, ...), on caches of one structure: the layers after
+# the first run the plan the first one's checks made (31 us of a (1, 8, 1 + 200, 64)
+# layer, where the checks and the plan cost 190). Keyed by everything those checks read
+# (_step_key), and only after they passed; a few steps are kept, the newest.
+_STEPS = _plans.PlanCache(limit=8)
+
+# Metadata arrays of more entries than this (a large batch's block_table) are not keyed:
+# copying them into a key costs more than the checks save on such a step
+_KEYED_ENTRIES = 16384
+
+
+def _step_key(arrays: tuple, metadata: tuple, rotary_interleaved: Any, options: dict) -> tuple | None:
+    """The key of an attention_with_kvcache call (no rotary tables or shared prefix) under
+    which the plan of an earlier call with the same key runs it, or None where the call
+    is not kept: every argument the checks read but the arrays' values, which the runs
+    check themselves where they matter (writability and overlap of the caches). ``arrays``
+    (q, k_cache, v_cache, k, v, k_scale, v_scale): NumPy arrays (or None where optional),
+    by their exact structure; ``metadata`` (cache_seqlens, block_table, cache_batch_idx,
+    cache_leftpad): None, ints or NumPy integer arrays, by value; ``options``: plain values
+    a repeated call may skip the checks of (:func:`npattn.runtime.plans.call_key`)."""
+    structures = checks.exact_structures(*arrays)
+    if not structures or any(structure is not None and structure[0] is not np.ndarray for structure in structures):
+        return None
+    if structures[0] is None or structures[1] is None or structures[2] is None:
+        return None
+    key: list = [structures, type(rotary_interleaved), rotary_interleaved]
+    entries = 0
+    for value in metadata:
+        kind = type(value)
+        if value is None or kind is int:
+            key.append((kind, value))
+        elif kind is np.ndarray:
+            entries += value.size
+            if entries > _KEYED_ENTRIES:
+                return None
+            key.append((value.dtype, value.shape, value.tobytes()))
+        elif isinstance(value, np.integer):
+            key.append((kind, int(value)))
+        else:
+            return None
+    for name, value in options.items():
+        if not _plans.repeatable(name, value):
+            return None
+        key += (name, type(value), value)
+    return tuple(key)
 
 
 def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any,
@@ -180,10 +240,10 @@ class KVCachePlan:
         # that planned has its codes already)
         self._quantizing = (self._writer is not None and self._quantized
                             and self._writer.quantizes(structure["k"][0][1]))
-        # what run's fast path compares (_fast_path), from the run that plans the attention on
-        self._fast_checks = self._fast_path() if self._writer is not None and self._writer.plain else None
+        # run's fast paths (_fast_path, _quantized_fast_path): made by the runs, from the
+        # run that plans the attention on (the call that plans may be the only one)
         self._fast = None
-        self._quick = self._quantized_fast_path() if self._quantizing else None
+        self._quick = _UNSET
 
     def _fast_path(self):
         """What :meth:`run`'s fast path compares, or None where a run takes the full one: a
@@ -249,6 +309,8 @@ class KVCachePlan:
                         self._writer.restore((k_cache, v_cache), (k, v), (staged,))
                         raise
         quick = self._quick
+        if quick is _UNSET:
+            quick = self._quick = self._quantized_fast_path() if self._quantizing else None
         if quick is not None and prefix_k is None and prefix_v is None:
             # a plain step on an int8 or e4m3 cache: the checks and the quantizing write in one
             # compiled call (1.4 us of structures, 1.5 of checks and 2.6 of the write, the
@@ -321,10 +383,14 @@ class KVCachePlan:
                 scales = _quantized.Scales(k_scale[:, :self._keys_used], v_scale[:, :self._keys_used])
             attention = lambda: self._codes_attention(q, keys, values, scales)  # noqa: E731
         else:
-            if self._attend is None:
-                self._attend = api.Plan(self._planned_problem, self._checked[1])
-                if self._fast_checks is not None:
-                    self._fast = (*self._fast_checks, self._attend.run_trusted)
+            if self._attend is None:  # (of this run's arrays: a released plan holds none)
+                self._attend = api.Plan(with_arrays(self._planned_problem, q=q.transpose(0, 2, 1, 3),
+                                                    k=keys.transpose(0, 2, 1, 3), v=values.transpose(0, 2, 1, 3)),
+                                        self._checked[1])
+                if self._writer is not None and self._writer.plain:
+                    checked = self._fast_path()
+                    if checked is not None:
+                        self._fast = (*checked, self._attend.run_trusted)
             attention = lambda: self._attend.run_trusted(q, keys, values)  # noqa: E731
         if shared is None:
             return self._appended(caches, new, attention, self._quantizing)
@@ -338,7 +404,7 @@ class KVCachePlan:
         on a problem of this run's arrays where the plan gives no answer (a result that is
         not all finite, plans of another tuning, a backend without plans)."""
         def problem():  # of this run's arrays: the codes, their scales and q
-            return _quantized.with_codes(dataclasses.replace(self._planned_problem, q=q.transpose(0, 2, 1, 3)),
+            return _quantized.with_codes(with_arrays(self._planned_problem, q=q.transpose(0, 2, 1, 3)),
                                          keys, values, scales)
 
         plan = self._codes_plan
@@ -358,6 +424,18 @@ class KVCachePlan:
         q, prefix_k, prefix_v = self._prefix_arrays
         return self._appended(caches, new, lambda: self._shared.attend(
             q, prefix_k, prefix_v, api.run_problem(problem, implementation)))
+
+    def released(self) -> "KVCachePlan":
+        """This plan, for its runs only, without the arrays of the call that made it (which
+        :meth:`run_checked` needs, and may no longer be called): q, the caches and the new
+        keys give way to stand-ins of their structure, so that a plan kept for later calls
+        (:func:`attention_with_kvcache`'s steps) holds no caller's array alive. Only plans
+        without a shared prefix, rotary tables or a bias release (those hold what their runs
+        read)."""
+        assert self._shared is None and self._rotary is None and self._bias is None
+        self._checked = (None, self._checked[1], None, None)
+        self._planned_problem = api.without_data(self._planned_problem, ("q", "k", "v", "k_scale", "v_scale"))
+        return self
 
     def _appended(self, caches, new, attend, quantize=False):
         """``attend()`` after appending ``new`` to ``caches`` (:func:`_append`) at the plan's
@@ -396,6 +474,7 @@ def _compared(structures) -> np.ndarray:
     return expected
 
 
+_UNSET = object()  # (a lazy attribute not worked out yet)
 _FOUR_D = (4, 4, 4, 4, 4)
 _QUANTIZED_NDIMS = (4, 4, 4, 4, 4, 3, 3)  # q, k_cache, v_cache, k, v, k_scale, v_scale
 

@@ -12,10 +12,10 @@ at a time, and the reference in float64.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 from ..core import checks
+from ..core.problem import with_arrays
 from ..core.quantization import HEAD_DIM_MULTIPLE, check_codes
 
 
@@ -75,8 +75,8 @@ def stand_ins(xp: Any, keys: Any, values: Any, dtype: Any) -> tuple[Any, Any]:
 def with_codes(problem: Any, keys: Any, values: Any, scales: Scales) -> Any:
     """``problem`` (checked in layout "bshd") reading the codes ``keys`` and ``values``
     (bshd, or pools) and their scales: bhsd and bhs views, nothing copied."""
-    return dataclasses.replace(problem, k=keys.transpose(0, 2, 1, 3), v=values.transpose(0, 2, 1, 3),
-                               k_scale=scales.k_scale.transpose(0, 2, 1), v_scale=scales.v_scale.transpose(0, 2, 1))
+    return with_arrays(problem, k=keys.transpose(0, 2, 1, 3), v=values.transpose(0, 2, 1, 3),
+                       k_scale=scales.k_scale.transpose(0, 2, 1), v_scale=scales.v_scale.transpose(0, 2, 1))
 
 
 def check_backend(implementation: Any) -> None:

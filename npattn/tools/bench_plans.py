@@ -10,7 +10,9 @@ the runs of every call taken in turn):
   float16 (its conversions on top of float32's call); where torch is
   importable, its CPU SDPA of the causal call as the bar;
 - one layer of a decode step, (1, 8/2, 1 new + 40 cached, 64) on a contiguous cache and a
-  batch of 4 on pages of 16: ``attention_with_kvcache`` against ``plan_with_kvcache(...).run``,
+  batch of 4 on pages of 16: ``attention_with_kvcache`` as a step's first layer ("first":
+  every check) and as a later one (the first layer's plan, kept), against
+  ``plan_with_kvcache(...).run``,
   and the attention call each layer makes after its append, plain and planned (what a
   kv-cache plan could come down to); the contiguous layer on int8 and float8 e4m3 caches
   too (each run quantizes its new key and value into them);
@@ -28,7 +30,7 @@ import numpy as np
 from ..adapters.dispatch import attention, attention_varlen, attention_with_kvcache
 from ..api import plan
 from ..core.quantization import code_dtype, quantize_rows
-from ..serving.kvcache import plan_with_kvcache
+from ..serving.kvcache import _STEPS, plan_with_kvcache
 from ..serving.varlen import plan_varlen
 
 
@@ -83,17 +85,19 @@ def compare(calls: int = 400, repeats: int = 5, out=sys.stdout) -> dict:
               dict(cache_seqlens=np.array([40, 30, 20, 50]), block_table=np.arange(16).reshape(4, 4))))
     for label, qs, ks, (key_cache, value_cache), metadata in steps:
         step = plan_with_kvcache(qs, key_cache, value_cache, ks, ks, **metadata)
-        results[label] = (partial(attention_with_kvcache, qs, key_cache, value_cache, ks, ks, **metadata),
-                          partial(step.run, qs, key_cache, value_cache, ks, ks))
+        call = partial(attention_with_kvcache, qs, key_cache, value_cache, ks, ks, **metadata)
+        results[f"{label}, first"] = (partial(_first_layer, call), None)
+        results[label] = (call, partial(step.run, qs, key_cache, value_cache, ks, ks))
     # the contiguous layer on quantized caches: each run quantizes the new key and value
     for kind in ("int8", "float8_e4m3"):
         (key_codes, key_scales), (value_codes, value_scales) = (quantize_rows(cache, code_dtype(kind))
                                                                 for cache in caches)
         scales = dict(k_scale=key_scales, v_scale=value_scales)
         step = plan_with_kvcache(q1, key_codes, value_codes, k1, k1, cache_seqlens=40, **scales)
-        results[f"decode layer, contiguous, {kind} cache"] = (
-            partial(attention_with_kvcache, q1, key_codes, value_codes, k1, k1, cache_seqlens=40, **scales),
-            partial(step.run, q1, key_codes, value_codes, k1, k1, **scales))
+        call = partial(attention_with_kvcache, q1, key_codes, value_codes, k1, k1, cache_seqlens=40, **scales)
+        results[f"decode layer, contiguous, {kind} cache, first"] = (partial(_first_layer, call), None)
+        results[f"decode layer, contiguous, {kind} cache"] = (call, partial(step.run, q1, key_codes, value_codes,
+                                                                            k1, k1, **scales))
     # a packed batch of 4 sequences (decode steps and a short prefill chunk), one layer
     cu_q, cu_k = np.array([0, 1, 2, 3, 19]), np.array([0, 40, 70, 90, 130])
     packed = [rng.standard_normal((int(cu[-1]), h, dim)).astype(np.float32)
@@ -117,6 +121,14 @@ def compare(calls: int = 400, repeats: int = 5, out=sys.stdout) -> dict:
     for label, (plain, planned) in results.items():
         print(f"{label:<52} {plain:>11.1f} {'-' if planned != planned else f'{planned:.1f}':>9}", file=out)
     return results
+
+
+def _first_layer(call):
+    """``call()`` (an ``attention_with_kvcache``) as a step's first layer, checked in full:
+    no plan kept from an earlier layer (:data:`npattn.serving.kvcache._STEPS`; the later
+    layers of a step run the first one's)."""
+    _STEPS.clear()
+    return call()
 
 
 def _torch_causal(q):

@@ -1,0 +1,170 @@
+"""attention_with_kvcache keeps the plan of a checked step for the step's other layers
+(npattn.serving.kvcache._STEPS): a call whose every checked argument equals an earlier
+successful call's, the arrays' data aside, runs that call's plan. These tests hold it to
+the bits, cache bytes and errors of a call checked from nothing, and to holding no array
+of the caller's."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import npattn
+from npattn.runtime import plans
+from npattn.serving import kvcache
+
+BATCH, HEADS, KV_HEADS, HEAD_DIM, CAPACITY, LAYERS = 2, 4, 2, 16, 24, 3
+
+
+def _step_arguments(rng, layout):
+    """One decode step's q, caches, new keys and keywords for ``layout`` (each call of this
+    draws another layer's arrays of one structure; the keywords are the step's)."""
+    q = rng.normal(size=(BATCH, 1, HEADS, HEAD_DIM)).astype(np.float32)
+    k, v = (rng.normal(size=(BATCH, 1, KV_HEADS, HEAD_DIM)).astype(np.float32) for _ in range(2))
+    caches = [rng.normal(size=(BATCH + 1, CAPACITY, KV_HEADS, HEAD_DIM)).astype(np.float32) for _ in range(2)]
+    keywords = dict(cache_seqlens=np.array([5, 17]), causal=True, backend="cpu")
+    if layout == "rows":
+        keywords["cache_batch_idx"] = np.array([2, 0])
+    elif layout == "paged":
+        caches = [rng.normal(size=(8, 4, KV_HEADS, HEAD_DIM)).astype(np.float32) for _ in range(2)]
+        keywords["block_table"] = np.array([[3, 1, -1, -1, -1], [0, 2, 4, 5, 6]], np.int32)
+    elif layout == "int8":
+        codes, scales = npattn.quantize_kv(caches[0][:BATCH], "int8")
+        caches = [codes, codes.copy(), scales, scales.copy()]
+        return q, caches, k, v, keywords
+    else:  # a row per sequence
+        caches = [np.ascontiguousarray(cache[:BATCH]) for cache in caches]
+        if layout == "no append":
+            k = v = None
+    return q, caches + [None, None], k, v, keywords
+
+
+def _call(q, caches, k, v, keywords):
+    k_cache, v_cache, k_scale, v_scale = caches
+    return npattn.attention_with_kvcache(q, k_cache, v_cache, k, v, k_scale=k_scale, v_scale=v_scale, **keywords)
+
+
+def _copies(caches):
+    return [None if cache is None else cache.copy() for cache in caches]
+
+
+LAYOUTS = ["contiguous", "rows", "paged", "int8", "no append"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_steps_later_layers_run_its_plan_with_the_bits_of_a_checked_call(monkeypatch, layout):
+    """Three layers of one step: the first is checked, the others run its plan, and each
+    gives the outputs and cache bytes of the same call checked from nothing."""
+    rng = np.random.default_rng(3)
+    layers = [_step_arguments(rng, layout) for _ in range(LAYERS)]
+    keywords = layers[0][4]
+    expected, expected_caches = [], []
+    for q, caches, k, v, _ in layers:  # each call checked from nothing: no kept plan
+        copies = _copies(caches)
+        plans.clear()
+        expected.append(_call(q, copies, k, v, keywords))
+        expected_caches.append(copies)
+    plans.clear()
+    checked = []
+    real = kvcache._checked
+    monkeypatch.setattr(kvcache, "_checked", lambda *arguments: checked.append(1) or real(*arguments))
+    for (q, caches, k, v, _), out, after in zip(layers, expected, expected_caches):
+        np.testing.assert_array_equal(_call(q, caches, k, v, keywords), out)
+        for cache, expected_cache in zip(caches, after):
+            if cache is not None:
+                np.testing.assert_array_equal(cache, expected_cache)
+    assert len(checked) == 1, "the later layers were checked again"
+    # the next step (its caches one key longer) is checked again
+    q, caches, k, v, _ = layers[0]
+    _call(q, caches, k, v, dict(keywords, cache_seqlens=keywords["cache_seqlens"] + 1))
+    assert len(checked) == 2
+
+
+def test_a_kept_step_holds_no_array_of_the_callers():
+    """The kept plan holds neither q, nor the caches, nor the new keys: they go when the
+    caller drops them."""
+    rng = np.random.default_rng(4)
+    q, caches, k, v, keywords = _step_arguments(rng, "int8")
+    plans.clear()
+    _call(q, caches, k, v, keywords)
+    assert len(kvcache._STEPS) == 1
+    watched = [weakref.ref(array) for array in (q, *caches, k, v)]
+    del q, caches, k, v
+    gc.collect()
+    assert all(ref() is None for ref in watched), "a kept step plan holds a caller's array"
+
+
+def _error_of(call):
+    with pytest.raises(Exception) as raised:
+        call()
+    return type(raised.value), str(raised.value)
+
+
+@pytest.mark.parametrize("change", ["read-only cache", "one array for both caches", "rotary_interleaved",
+                                    "too many keys", "an unknown option", "cache row out of range"])
+def test_a_call_like_a_kept_step_but_for_one_argument_raises_as_a_checked_call(change):
+    """After a step's plan is kept, a call that differs from it in one argument raises
+    the error of the same call checked from nothing, and writes nothing."""
+    rng = np.random.default_rng(5)
+    q, caches, k, v, keywords = _step_arguments(rng, "rows")
+    plans.clear()
+    _call(q, _copies(caches), k, v, keywords)
+    assert len(kvcache._STEPS) == 1
+    caches = _copies(caches)
+    if change == "read-only cache":
+        caches[1].flags.writeable = False
+    elif change == "one array for both caches":
+        caches[1] = caches[0]
+    elif change == "rotary_interleaved":
+        keywords = dict(keywords, rotary_interleaved="yes")
+    elif change == "too many keys":
+        keywords = dict(keywords, cache_seqlens=np.array([5, CAPACITY]))
+    elif change == "an unknown option":
+        keywords = dict(keywords, softmax_scale=0.5)
+    elif change == "cache row out of range":
+        keywords = dict(keywords, cache_batch_idx=np.array([2, BATCH + 1]))
+    before = _copies(caches)
+    kept = _error_of(lambda: _call(q, caches, k, v, keywords))
+    for cache, old in zip(caches, before):
+        np.testing.assert_array_equal(cache, old)
+    plans.clear()
+    assert kept == _error_of(lambda: _call(q, caches, k, v, keywords))
+
+
+@pytest.mark.parametrize("options", [dict(scale=0.3), dict(softcap=2.0), dict(window=(1, 0)), dict(return_lse=True)])
+def test_a_call_like_a_kept_step_but_for_an_option_gives_its_own_answer(options):
+    """An option's value is part of what a kept step is kept for: the same step with
+    another value gives what that call checked from nothing gives."""
+    rng = np.random.default_rng(6)
+    q, caches, k, v, keywords = _step_arguments(rng, "rows")
+    plans.clear()
+    _call(q, _copies(caches), k, v, keywords)
+    changed = dict(keywords, **options)
+    kept_caches, fresh_caches = _copies(caches), _copies(caches)
+    kept = _call(q, kept_caches, k, v, changed)
+    plans.clear()
+    fresh = _call(q, fresh_caches, k, v, changed)
+    kept, fresh = _outputs(kept), _outputs(fresh)
+    assert len(kept) == len(fresh)
+    for mine, theirs in zip(kept, fresh):
+        np.testing.assert_array_equal(mine, theirs)
+    unchanged = _outputs(_call(q, _copies(caches), k, v, keywords))
+    assert len(unchanged) != len(kept) or not np.array_equal(unchanged[0], kept[0]), "the option changed nothing"
+
+
+def _outputs(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+def test_dropout_without_a_seed_draws_a_fresh_mask_at_every_call():
+    """Calls that draw a fresh seed (dropout without ``seed``) are never run on a kept
+    plan: two identical calls drop different weights."""
+    rng = np.random.default_rng(7)
+    q, caches, k, v, keywords = _step_arguments(rng, "rows")
+    keywords = dict(keywords, dropout_p=0.5)
+    plans.clear()
+    first = _call(q, _copies(caches), k, v, keywords)
+    second = _call(q, _copies(caches), k, v, keywords)
+    assert not np.array_equal(first, second)
