@@ -357,6 +357,82 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
         assert not direct_calls
 
 
+_OPTION_ARRAYS = {
+    "lengths and offsets": dict(kv_lengths=np.array([11, 16]), q_offset=np.array([-5, 0]), causal=True),
+    "left padding": dict(kv_start=np.array([3, 0]), causal=True),
+    "ALiBi and sink logits": dict(alibi_slopes=np.linspace(0.1, 0.8, 8), sink_logits=np.linspace(-1, 1, 8)),
+    "pages": dict(block_table=np.array([[3, 0], [1, 2]]), kv_lengths=np.array([16, 9])),
+}
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2])
+@pytest.mark.parametrize("options", list(_OPTION_ARRAYS), ids=list(_OPTION_ARRAYS))
+def test_planned_calls_with_option_arrays_run_the_kernels_machine_code_with_the_first_calls_bits(
+        monkeypatch, options, kv_heads):
+    """A plan's option arrays (lengths, starts, offsets, pages, ALiBi slopes, sink
+    logits) are its own copies, the same at every run: from the second run on, the
+    option operands of the first are kept and the forward kernel's entry point is called
+    directly, with the first run's bits (GQA rows folded too), equal to the call checked
+    from nothing."""
+    options = _OPTION_ARRAYS[options]
+    direct_calls = count_direct_entries(monkeypatch)
+    rng = np.random.default_rng(5)
+    paged = "block_table" in options
+    q = rng.standard_normal((2, 8, 8, 32), dtype=np.float32)  # (small: a call the calling thread runs alone)
+    k, v = (rng.standard_normal((4 if paged else 2, kv_heads, 8 if paged else 16, 32), dtype=np.float32)
+            for _ in range(2))
+    plan = npattn.plan(q, k, v, **options)
+    first = plan.run(q, k, v)
+    assert not direct_calls
+    q2, k2, v2 = (rng.standard_normal(x.shape, dtype=np.float32) for x in (q, k, v))
+    again = plan.run(q2, k2, v2)
+    assert direct_calls, "the second run did not call the entry point"
+    np.testing.assert_array_equal(first, npattn.attention(q, k, v, **options))
+    np.testing.assert_array_equal(again, npattn.attention(q2, k2, v2, **options))
+
+
+def test_plans_of_one_structure_with_other_option_values_keep_their_own_operands(monkeypatch):
+    """Two plans whose problems differ only in their option arrays' values share the
+    backend's plan of their structure: runs taken in turn each give their own call's bits
+    (the operands kept are those of the problem the last run passed, used only for a run
+    that passes it again)."""
+    direct_calls = count_direct_entries(monkeypatch)
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, 8, 8, 32), dtype=np.float32) for _ in range(3))
+    option_sets = [dict(kv_lengths=np.array(lengths), q_offset=np.array(offsets), causal=True,
+                        alibi_slopes=np.linspace(0.1, slope, 8))
+                   for lengths, offsets, slope in (([8, 3], [0, -5], 0.8), ([5, 8], [-3, 0], 1.6))]
+    planned = [npattn.plan(q, k, v, **options) for options in option_sets]
+    expected = [npattn.attention(q, k, v, **options) for options in option_sets]
+    assert not np.array_equal(*expected)
+    for _ in range(3):
+        for plan, out in zip(planned, expected):
+            for _ in range(2):  # (a plan's second run in a row calls the entry point)
+                np.testing.assert_array_equal(plan.run(q, k, v), out)
+    assert direct_calls
+
+
+@pytest.mark.parametrize("option", ["bias", "float64 bias", "mask"])
+def test_a_planned_bias_or_mask_is_read_where_it_lies_at_every_run(monkeypatch, option):
+    """A plan reads ``bias`` and ``mask`` where they lie at each run (the caller may write
+    them between runs): their operands (a float64 bias's a float32 copy) are never kept,
+    and a run after a write gives the call checked from nothing on the new values."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 8, 16, 64), dtype=np.float32) for _ in range(3))
+    dtype = np.float64 if option == "float64 bias" else np.float32
+    option = option.split()[-1]
+    array = (rng.standard_normal((16, 16)).astype(dtype) if option == "bias"
+             else rng.random((16, 16)) < 0.7)
+    array[:, 0] = True if option == "mask" else array[:, 0]
+    plan = npattn.plan(q, k, v, **{option: array})
+    for _ in range(3):
+        plan.run(q, k, v)
+    array[...] = (rng.standard_normal((16, 16)).astype(dtype) if option == "bias"
+                  else rng.random((16, 16)) < 0.5)
+    array[:, 1] = True if option == "mask" else array[:, 1]
+    np.testing.assert_array_equal(plan.run(q, k, v), npattn.attention(q, k, v, **{option: array.copy()}))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("layout, kv_heads", [("bhsd", 8), ("bshd", 2)])
 def test_planned_backwards_run_the_kernels_machine_code_with_the_first_calls_bits(monkeypatch, dtype, layout,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 
 import numpy as np
 
@@ -111,8 +112,8 @@ class ForwardPlan:
         # scratch: no dispatcher, item runner or arena. The entry, and the alignment of
         # q, k and v it was typed for:
         self._entry, self._entry_aligned = None, None
-        # (a quantized step's runs: the problem they read and its option operands)
-        self._scale_run = None
+        # (the runs of one problem: a weak reference to it, and its option operands)
+        self._kept_options = None
         self._alone = not self.blas and self.splits == 1 and not self.weights and self.inline
         # and a 16-bit out's conversion on that path: the conversion's entry point, into a
         # fresh array of out's memory shape (2.3 us of converted() become 0.7)
@@ -131,30 +132,37 @@ class ForwardPlan:
         dtype = self.dtype
         if self.group > 1:
             q = folding.fold_rows(q, self.fold_shape)
-        # a quantized step's run (its plan's problem with the run's scales): the option
-        # operands of that problem are the same on every run, kept from the first
+        # a quantized step's run (its plan's problem with the run's scales), or a run of a
+        # plan's own problem whose option arrays are the plan's copies (lengths, starts,
+        # offsets, pages, ALiBi slopes, sink logits; no mask or bias, which are read where
+        # they lie, nor dropout's per-run seed): the option operands of that problem are
+        # the same on every run, kept from the first
         run = arrays if type(arrays) is RunScales else None
+        owner = (None if arrays is None else run.problem if run is not None
+                 else arrays if self._keeps_options(arrays) else None)
         # the kernel's machine code called directly: a plain call (no option arrays, whose
         # views are the caller's; 16-bit keys read as bytes have none either, and their byte
-        # views are always aligned), or such a run, on arrays of the alignment the entry was
-        # typed for
-        direct = self._alone and (arrays is None or run is not None)
+        # views are always aligned), or such a run, on arrays of the kind and alignment the
+        # entry was typed for
+        direct = self._alone and (arrays is None or owner is not None)
         entry = None
         if direct and self._entry is not None:
-            if run is None:
+            if arrays is None:
                 ops = self.operands.entry_operands(q, k, v)
             else:
-                kept = self._scale_run
-                ops = (self.operands.scale_run_operands(q, k, v, run, kept[1])
-                       if kept is not None and kept[0] is run.problem else None)
-            if ops is not None and _alignment(ops, run) == self._entry_aligned:
+                kept = self._kept_options
+                ops = None
+                if kept is not None and kept[0]() is owner:
+                    ops = (self.operands.scale_run_operands(q, k, v, run, kept[1]) if run is not None
+                           else self.operands.kept_operands(q, k, v, kept[1]))
+            if ops is not None and (arrays is None, _alignment(ops, run)) == self._entry_aligned:
                 entry = self._entry
         if entry is None:
             if self.group > 1 and arrays is not None:
                 arrays = folding.FoldedArrays.of(arrays, self.group)
             ops = self.operands.operands(q, k, v, arrays)
-            if run is not None:
-                self._scale_run = (run.problem, tuple(ops[_OPTIONS]))
+            if owner is not None:  # (held weakly: a plan's problem may hold a caller's arrays)
+                self._kept_options = (weakref.ref(owner), tuple(ops[_OPTIONS]))
             if self._every_row_written(arrays):  # (zeroing out cost a big call 1-2 ms)
                 out, lse = self.out_empty(), self.lse_empty()
             else:
@@ -194,7 +202,7 @@ class ForwardPlan:
                 if direct and self._entry is None:
                     self._entry = direct_entry(forward_kernel, (*arguments, *scratch_set(self.scratch_specs),
                                                                 status, self.items))
-                    self._entry_aligned = _alignment(ops, run)
+                    self._entry_aligned = (arrays is None, _alignment(ops, run))
                 if self.bshd:
                     out = out.transpose(0, 2, 1, 3)
                 if self.splits > 1:
@@ -219,6 +227,14 @@ class ForwardPlan:
         group = self.group
         q_len = self.fold_shape[3] if group > 1 else 1  # (unfolded: one column, broadcast over the rows)
         return np.tile(sink.reshape(-1, group), (1, q_len))
+
+    def _keeps_options(self, arrays) -> bool:
+        """Whether the option operands of the plain problem ``arrays`` may be kept for the
+        runs that pass it again: no mask or bias (views of arrays the caller may write
+        between runs), no dropout (a seed per run), and every row written (the direct
+        entry allocates out and lse without zeros)."""
+        return (arrays.mask is None and arrays.bias is None and not self.operands.dropout
+                and self._every_row_written(arrays))
 
     def _every_row_written(self, arrays) -> bool:
         """Whether this call writes every row of out and lse, so they need no zeros first:

@@ -332,6 +332,16 @@ class OperandPlan:
             return self.operands(q, k, v)
         return (q.ravel(order="K"), k.ravel(order="K"), v.ravel(order="K"), *self.plain_rest)
 
+    def kept_operands(self, q, k, v, options) -> tuple | None:
+        """:meth:`operands` of a run of a problem whose option operands ``options`` (bias to
+        reals) an earlier run kept, for a kernel's typed entry point, as
+        :meth:`entry_operands` gives a plain call's; None where q, k or v are not read in a
+        memory order known at planning (or are codes, or bfloat16 words)."""
+        q_order, k_order, v_order = self.orders
+        if q_order is None or k_order is None or v_order is None or self.codes or self.pairs or self.q_codes:
+            return None
+        return (q.ravel(order="K"), k.ravel(order="K"), v.ravel(order="K"), *options, *self.plain_rest[8:])
+
     def scale_run_operands(self, q, k, v, run, options) -> tuple | None:
         """:meth:`operands` of a quantized run (:class:`~npattn.core.quantization.RunScales`:
         the planned problem with the run's scales) for a kernel's typed entry point, as
