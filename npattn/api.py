@@ -347,7 +347,7 @@ def owned(problem: AttentionProblem) -> AttentionProblem:
     xp = problem.xp
     copies = {name: xp.array(getattr(problem, name), copy=True) for name in _CHECKED_ARRAY_FIELDS
               if getattr(problem, name) is not None}
-    return dataclasses.replace(problem, **copies) if copies else problem
+    return with_arrays(problem, **copies) if copies else problem
 
 
 # The problem's option arrays whose values the checks read: all but mask and bias (which

@@ -14,6 +14,7 @@ import pytest
 import npattn
 from npattn.runtime import plans
 from npattn.serving import kvcache
+from test_serving import assert_out, call_case
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, CAPACITY, LAYERS = 2, 4, 2, 16, 24, 3
 
@@ -168,3 +169,40 @@ def test_dropout_without_a_seed_draws_a_fresh_mask_at_every_call():
     first = _call(q, _copies(caches), k, v, keywords)
     second = _call(q, _copies(caches), k, v, keywords)
     assert not np.array_equal(first, second)
+
+
+def test_a_decode_loops_steps_share_the_cpus_plan_of_one_key_bucket(monkeypatch):
+    """Steps whose longest sequence holds keys within one KEY_BUCKET read the same keys of a
+    contiguous cache (each sequence bounded by its own length): the CPU makes one plan of
+    the attention for all of them, where each new key count had made its own; and each
+    step gives the reference's answer on its sequences' own keys."""
+    from npattn.cpu import driver
+
+    made = []
+    real = driver.ForwardPlan
+    monkeypatch.setattr(driver, "ForwardPlan", lambda *arguments: made.append(1) or real(*arguments))
+    plans.clear()
+    rng = np.random.default_rng(8)
+    q, caches, k, v, keywords = _step_arguments(rng, "contiguous")
+    k_cache = np.zeros((BATCH, 2 * kvcache.KEY_BUCKET, KV_HEADS, HEAD_DIM), np.float32)
+    v_cache = np.zeros_like(k_cache)
+    steps = 12
+    for step in range(steps):
+        lengths = np.array([3 + step, 40 + 2 * step])
+        out = npattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                            backend="cpu")
+        for b, length in enumerate(lengths + 1):
+            arrays = (q[b:b + 1], k_cache[b:b + 1, :length], v_cache[b:b + 1, :length])
+            expected = npattn.attention(*arrays, layout="bshd", causal=True, backend="reference")
+            assert_out(out[b:b + 1], expected, call_case(*arrays, dict(causal=True)))
+    assert len(made) == 1, f"{len(made)} plans for {steps} steps of one key bucket"
+
+
+def test_a_step_returning_the_weights_reads_the_keys_its_sequences_hold():
+    """The weights' last axis is the keys the step read: a contiguous cache's longest
+    sequence's, not rounded to KEY_BUCKET."""
+    rng = np.random.default_rng(9)
+    q, caches, k, v, keywords = _step_arguments(rng, "contiguous")
+    out, weights = _call(q, caches, k, v, dict(keywords, return_weights=True))
+    assert weights.shape == (BATCH, HEADS, 1, 18)
+    assert out.shape == (BATCH, 1, HEADS, HEAD_DIM)

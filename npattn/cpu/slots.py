@@ -31,13 +31,8 @@ import numpy as np
 
 from numba import njit, typeof, types
 
-try:  # the dispatcher's own key of an argument's type (0.15 us; typeof costs tens of us)
-    from numba._dispatcher import compute_fingerprint
-except ImportError:  # (not public: a Numba without it keys by type)
-    compute_fingerprint = typeof
-
 from ..core.quantization import CODE_LIMIT, E4M3_LARGEST
-from .jit import helper, kernel
+from .jit import helper, kernel, type_fingerprint
 from .signatures import plain_int
 from .simd import MICROKERNELS, VECTOR_BYTES, as_bits, load, store
 
@@ -204,7 +199,7 @@ def _typed_entry(kernel, arguments):
     arguments: a plan per decode step looks it up in 1.3 us, where typing the arguments
     costs tens. The entry point reads each array's own shape and strides, whatever
     layout it has."""
-    key = (kernel, *(compute_fingerprint(argument) for argument in arguments))
+    key = (kernel, *(type_fingerprint(argument) for argument in arguments))
     entry = _ENTRIES.get(key)
     if entry is None:
         signature = tuple(_any_layout(typeof(argument)) for argument in arguments)

@@ -111,7 +111,17 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
 
     The kernels read a paged cache in place, page by page (the ``block_table`` option of
     :func:`npattn.attention`), and a contiguous one through ``cache_batch_idx`` as pages
-    of one row each: nothing is gathered or copied.
+    of one row each: nothing is gathered or copied. Without ``cache_batch_idx`` they read
+    each row's first keys, as many as the longest sequence holds, rounded up to a multiple
+    of :data:`KEY_BUCKET` on the CPU (each sequence bounded by its own length), so that a
+    decode loop's steps share the CPU's plans of one shape.
+
+    A call whose every argument equals an earlier successful call's but for the arrays'
+    data (the same structures, metadata and plain option values: the step's next layer)
+    runs the plan that call's checks made, which checks each run's arrays as
+    :meth:`KVCachePlan.run` does; calls with rotary tables, a shared prefix, option
+    arrays or dropout without a seed are checked in full every time
+    (:func:`plan_with_kvcache` plans those).
 
     Arrays of other kinds that speak DLPack (torch tensors, JAX arrays) are read where they
     lie and the outputs come back in q's kind; the call is forward-only (no gradients), and
@@ -507,7 +517,7 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     seqlens = _cache_seqlens(cache_seqlens, batch, capacity, new_len)
     starts = _cache_leftpad(cache_leftpad, batch, seqlens)
     lengths = seqlens + new_len  # each sequence's end slot after the append
-    keys_used = int(lengths.max(initial=0))
+    keys_used = _keys_viewed(int(lengths.max(initial=0)), cache_len, xp, options)
     # positions count from each sequence's first key: row 0 sits bottom-right among its keys
     first_query = lengths - q_len - (0 if starts is None else starts)
     new_positions = seqlens - (0 if starts is None else starts)
@@ -555,7 +565,7 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     if pages is None and cache_batch_idx is None and starts is None and bool((lengths == keys_used).all()):
         # every sequence has all keys_used keys: the default bottom-right alignment and no
         # lengths say the same as the arrays, and keep the step's attention off the per-entry
-        # path (a planned (1, 8/2, 1 + 40, 64) layer 4 us faster)
+        # path (a planned (1, 8/2, 1 + 40, 64) layer 3 us faster)
         placement = {}
     else:
         placement = dict(q_offset=xp.asarray(first_query), kv_lengths=xp.asarray(lengths))
@@ -583,6 +593,25 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     return KVCachePlan((problem, implementation, caches, new), structure, metadata,
                        None if rotary is None else (*rotary, rotary_interleaved), finite, options.get("bias"), shared,
                        prefix_arrays)
+
+
+# A contiguous cache's keys are read as every row's first keys, as many as the longest
+# sequence holds rounded up to a whole number of these (on the CPU; each sequence's own
+# length bounds its keys): a decode loop's steps then share the CPU's plans of one shape
+# for this many steps, where each step's new key count had made its own (130-300 us of a
+# (1, 8/2, 1 + 850, 64) step whose kernel costs 40). The lengths cost a planned layer 3 us.
+KEY_BUCKET = 256
+
+
+def _keys_viewed(keys_used: int, cache_len: int, xp, options: dict) -> int:
+    """How many of each contiguous cache row's first keys a step's attention reads, for
+    ``keys_used`` keys in its longest sequence: rounded up to a multiple of :data:`KEY_BUCKET`
+    (at most the cache's length) for NumPy caches; as they are for CuPy's (the GPU's plans
+    of the shapes, untimed) and for calls returning the weights (whose last axis has the
+    keys read)."""
+    if xp is not np or options.get("return_weights"):
+        return keys_used
+    return min(cache_len, -(-keys_used // KEY_BUCKET) * KEY_BUCKET)
 
 
 def _checked_caches(q, k_cache, v_cache, paged, written, quantized=False):
