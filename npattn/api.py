@@ -182,7 +182,7 @@ class Plan:
         option values: :mod:`npattn.runtime.plans`); None for a backend without plans of its own."""
         if not hasattr(implementation, "forward_plan"):
             return None
-        return cls(problem, implementation)
+        return cls(owned(problem), implementation)  # (its option arrays: the call's, copied)
 
     @property
     def form(self) -> "OutputForm":

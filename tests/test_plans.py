@@ -203,12 +203,49 @@ def test_other_arrays_of_a_planned_structure_are_checked():
 def test_options_with_arrays_or_per_call_work_are_not_planned():
     q, k, v = _arrays()
     for options in ({"mask": np.ones((4, 4), bool)}, {"bias": np.zeros((4, 4), np.float32)},
-                    {"kv_lengths": np.array([3])}, {"sink_logits": np.zeros(2, np.float32)},
+                    {"kv_lengths": [3]}, {"sink_logits": np.zeros(2, np.float32)},
                     {"dropout_p": 0.1}, {"check_finite": True}, {"return_weights": True},
-                    {"window": [2, 1]}, {"scale": np.float32(0.5)}):
+                    {"window": [2, 1]}, {"scale": np.float32(0.5)},
+                    {"alibi_slopes": np.zeros(plans.KEYED_ENTRIES + 1, np.float32)}):
         assert plans.call_key(q, k, v, options) is None, options
-    for options in ({"dropout_p": 0.0}, {"check_finite": False}, {"return_weights": False}, {"window": (None, 2)}):
+    for options in ({"dropout_p": 0.0}, {"check_finite": False}, {"return_weights": False}, {"window": (None, 2)},
+                    {"kv_lengths": np.array([3])}, {"q_offset": np.array([1])}, {"alibi_slopes": np.ones(2)}):
         assert plans.call_key(q, k, v, options) is not None, options
+
+
+@pytest.mark.parametrize("name, good, other, bad", [
+    ("kv_lengths", [5, 8], [2, 8], [5, 9]),
+    ("q_lengths", [8, 3], [1, 3], [-1, 3]),
+    ("kv_start", [0, 3], [4, 3], [0, 9]),
+    ("q_offset", [0, -3], [2, -3], [2**40, 0]),
+    ("alibi_slopes", [0.5, 0.25], [0.75, 0.25], [np.nan, 0.25]),
+])
+def test_small_option_arrays_key_a_repeated_call_by_their_values(monkeypatch, name, good, other, bad):
+    """Lengths, starts, offsets and ALiBi slopes key a repeated call by their bytes: the
+    third call with an earlier pair's values runs their plan, which holds its own copy (a
+    write to the caller's array cannot reach it); other values are checked (bad ones
+    raise after good ones) and answer as a first call."""
+    from npattn import api
+
+    checked = []
+    real = api.build_problem
+    monkeypatch.setattr(api, "build_problem", lambda *a, **o: checked.append(1) or real(*a, **o))
+    q, k, v = _arrays((2, 2, 8, 16))
+    dtype = np.float32 if name == "alibi_slopes" else np.int64
+    caller = np.array(good, dtype)
+    plans.clear()
+    first = npattn.attention(q, k, v, causal=True, **{name: caller})
+    npattn.attention(q, k, v, causal=True, **{name: caller})  # planned now
+    assert len(checked) == 2
+    caller[...] = other  # the plan's copy keeps the good values
+    _same(npattn.attention(q, k, v, causal=True, **{name: np.array(good, dtype)}), first)
+    assert len(checked) == 2, "a call with the planned values was checked again"
+    changed = npattn.attention(q, k, v, causal=True, **{name: caller})
+    assert len(checked) == 3
+    plans.clear()
+    _same(changed, npattn.attention(q, k, v, causal=True, **{name: np.array(other, dtype)}))
+    with pytest.raises(ValueError, match=name):
+        npattn.attention(q, k, v, causal=True, **{name: np.array(bad, dtype)})
 
 
 def test_non_finite_inputs_after_a_planned_call_get_the_references_answer():

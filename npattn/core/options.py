@@ -99,7 +99,10 @@ class Option:
     gradient step (softcap: the tanh), in a scratch tile allocated only then
     (``Int.SAVES_SCORES``); ``repeatable``: for which plain values the check and the
     backends read nothing but the value and the call's structure, so that a repeated call
-    may skip them (:mod:`npattn.runtime.plans`; None: every plain value)."""
+    may skip them (:mod:`npattn.runtime.plans`; None: every plain value); ``keyed``: a
+    NumPy array value a repeated call may be keyed by (its bytes, :func:`npattn.runtime.plans.call_key`):
+    small, value-checked, copied by a plan (:func:`npattn.api.owned`) and with no
+    gradient."""
 
     name: str
     default: Any
@@ -114,6 +117,7 @@ class Option:
     per_score: bool = False
     saves_score: bool = False
     repeatable: Callable[[Any], bool] | None = None
+    keyed: bool = False
     gradient: int | None = None
     per_entry: bool = False
     per_head: bool = False
@@ -168,7 +172,7 @@ def _row_bounds(name: str, axis: str, doc: str, **entries) -> Option:
     return Option(name, None, "visibility", doc,
                   lambda value, call: checks.check_lengths(name, value, call.q, call.batch, getattr(call, size),
                                                            size_name),
-                  field=name, **{"present": _has(name), **entries})
+                  field=name, keyed=True, **{"present": _has(name), **entries})
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -182,7 +186,7 @@ OPTIONS: tuple[Option, ...] = (
            "None, int or int (B,): query row i sits at key position p_i = i + q_offset (an array: "
            "per batch entry; None: Sk - Sq, bottom-right; 0: top left). With q_start / kv_start "
            "it counts from each entry's first real row and key.",
-           lambda value, call: _check_q_offset(value, call), per_entry=True, set_by=(KVCACHE,),
+           lambda value, call: _check_q_offset(value, call), per_entry=True, keyed=True, set_by=(KVCACHE,),
            refused_by=((RING, "one int places the whole sequence; an array (one per batch entry) is not split"),)),
     _row_bounds("q_start", "q",
                 "int (B,): rows before q_start[b] are left padding and output zeros; positions count "
@@ -228,7 +232,7 @@ OPTIONS: tuple[Option, ...] = (
            lambda value, call: _check_alibi(value, call.q, call.batch, call.heads, call.reach,
                                                   call.compute),
            field="alibi_slopes", present=_has("alibi_slopes"), flag="HAS_ALIBI", gpu_option="ALIBI",
-           per_score=True, per_entry=True, per_head=True),
+           per_score=True, per_entry=True, per_head=True, keyed=True),
     _row_bounds("q_lengths", "q", "int (B,): rows past q_lengths[b] are padding and output zeros.",
                 present=None, set_by=(KVCACHE, VARLEN), sharding="shared"),
     _row_bounds("kv_lengths", "kv", "int (B,): keys past kv_lengths[b] are padding and never seen.",
@@ -266,7 +270,8 @@ OPTIONS: tuple[Option, ...] = (
            '"bshd", and batch entry b\'s key j is row j % page_size of page '
            "block_table[b, j // page_size] (Sk = P * page_size). Forward only.",
            lambda value, call: _check_block_table(value, call),
-           field="block_table", present=_has("block_table"), gpu_option="PAGED", set_by=(KVCACHE, VARLEN),
+           field="block_table", present=_has("block_table"), gpu_option="PAGED", keyed=True,
+           set_by=(KVCACHE, VARLEN),
            refused_by=((RING, "each rank holds its shard's keys as an array, not pages"),)),
     Option("layout", "bhsd", "layout",
            '"bhsd" (B, H, S, D) or "bshd" (B, S, H, D), for q, k, v and out.',

@@ -13,10 +13,12 @@ kernel. A decode loop whose key count grows every step repeats none, and makes n
 
 A structure is only cached when every check of the call depends on nothing else
 (:func:`call_key`): NumPy arrays of native byte order or CuPy arrays on one device, options of plain values
-(None, bools, ints, floats, strings, tuples of ints and None). Array options (masks,
-biases, lengths, ALiBi slopes, sink logits) have their values checked on every call,
-dropout draws a fresh seed, ``check_finite=True`` reads every value and
-``return_weights=True`` checks the free memory: such calls take the full path.
+(None, bools, ints, floats, strings, tuples of ints and None), and NumPy arrays of the
+small options whose checks read their values (lengths, starts and offsets per batch
+entry, ALiBi slopes, page tables: :attr:`~npattn.core.options.Option.keyed`), keyed by
+their bytes, of which the plan keeps its own copies. Masks and biases (read where they
+lie), sink logits (a gradient), dropout (a fresh seed), ``check_finite=True`` (reads
+every value) and ``return_weights=True`` (checks the free memory) take the full path.
 
 :class:`PlanCache` is the bounded, thread-safe dictionary the API and the CPU backend
 keep their plans in; :func:`clear` empties every one (tests that change a module's
@@ -119,10 +121,23 @@ def call_key(q, k, v, options: dict) -> tuple | None:
     else:
         return None
     for name, value in options.items():
-        if not repeatable(name, value):
+        if repeatable(name, value):
+            key += (name, type(value), value)
+        elif type(value) is np.ndarray and value.size <= KEYED_ENTRIES and _keyed(name):
+            key += (name, value.dtype, value.shape, value.tobytes())
+        else:
             return None
-        key += (name, type(value), value)
     return tuple(key)
+
+
+# Option arrays of more entries than this are not keyed (copying them into a key costs
+# more than the checks it saves)
+KEYED_ENTRIES = 4096
+
+
+def _keyed(name: str) -> bool:
+    option = _options.BY_NAME.get(name)
+    return option is not None and option.keyed
 
 
 _FORWARD = PlanCache()
