@@ -206,3 +206,69 @@ def test_a_step_returning_the_weights_reads_the_keys_its_sequences_hold():
     out, weights = _call(q, caches, k, v, dict(keywords, return_weights=True))
     assert weights.shape == (BATCH, HEADS, 1, 18)
     assert out.shape == (BATCH, 1, HEADS, HEAD_DIM)
+
+
+def _packed_layer(rng):
+    """One layer's packed q, k, v for sequences of 1, 1, 16 query rows and 5, 9, 20 keys."""
+    return tuple(rng.normal(size=(rows, heads, HEAD_DIM)).astype(np.float32)
+                 for rows, heads in ((18, HEADS), (34, KV_HEADS), (34, KV_HEADS)))
+
+
+CU_Q, CU_K = np.array([0, 1, 2, 18]), np.array([0, 5, 14, 34])
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, return_lse=True), dict(window=(3, 0))])
+def test_a_packed_batchs_later_layers_run_its_plan_with_the_bits_of_a_checked_call(monkeypatch, options):
+    """attention_varlen keeps the plan of a checked batch for the batch's other layers:
+    each gives what the call checked from nothing gives, and only the first is checked."""
+    from npattn.serving import varlen
+
+    rng = np.random.default_rng(10)
+    layers = [_packed_layer(rng) for _ in range(LAYERS)]
+    expected = []
+    for layer in layers:
+        plans.clear()
+        expected.append(_outputs(npattn.attention_varlen(*layer, CU_Q, CU_K, **options)))
+    plans.clear()
+    checked = []
+    real = varlen._PackedCall.of
+    monkeypatch.setattr(varlen._PackedCall, "of", lambda *arguments: checked.append(1) or real(*arguments))
+    for layer, outputs in zip(layers, expected):
+        for mine, theirs in zip(_outputs(npattn.attention_varlen(*layer, CU_Q, CU_K, **options)), outputs):
+            np.testing.assert_array_equal(mine, theirs)
+    assert len(checked) == 1, "the later layers were checked again"
+    # other lengths, other options: checked, each its own answer
+    other = np.array([0, 2, 2, 18])
+    out = npattn.attention_varlen(*layers[0], other, CU_K, **options)
+    assert len(checked) == 2
+    plans.clear()
+    for mine, theirs in zip(_outputs(out), _outputs(npattn.attention_varlen(*layers[0], other, CU_K, **options))):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_a_kept_packed_batch_holds_no_array_of_the_callers():
+    rng = np.random.default_rng(11)
+    q, k, v = _packed_layer(rng)
+    cu_q, cu_k = CU_Q.copy(), CU_K.copy()
+    plans.clear()
+    first = npattn.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    cu_q[1] = 0  # (a write to the caller's lengths: the kept plan has its own)
+    again = npattn.attention_varlen(q, k, v, CU_Q, CU_K, causal=True)
+    np.testing.assert_array_equal(first, again)
+    watched = [weakref.ref(array) for array in (q, k, v, cu_q, cu_k)]
+    del q, k, v, cu_q, cu_k
+    gc.collect()
+    assert all(ref() is None for ref in watched), "a kept packed batch holds a caller's array"
+
+
+@pytest.mark.parametrize("bad", [dict(max_seqlen_q=3), dict(cu_seqlens_k=np.array([0, 5, 14, 35])),
+                                 dict(q_offset=np.array([0, 1])), dict(scale=float("nan"))])
+def test_a_call_like_a_kept_packed_batch_but_for_one_argument_raises_as_a_checked_call(bad):
+    rng = np.random.default_rng(12)
+    q, k, v = _packed_layer(rng)
+    plans.clear()
+    npattn.attention_varlen(q, k, v, CU_Q, CU_K, causal=True)
+    arguments = {**dict(cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, causal=True), **bad}
+    kept = _error_of(lambda: npattn.attention_varlen(q, k, v, **arguments))
+    plans.clear()
+    assert kept == _error_of(lambda: npattn.attention_varlen(q, k, v, **arguments))

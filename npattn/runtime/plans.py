@@ -34,6 +34,7 @@ import numpy as np
 
 from ..core import options as _options
 from ..core.arrays import is_cupy
+from ..core.checks import exact_structures
 
 _CACHES: weakref.WeakSet = weakref.WeakSet()
 
@@ -120,19 +121,61 @@ def call_key(q, k, v, options: dict) -> tuple | None:
         key = [kind, device, q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype]
     else:
         return None
+    options_part = options_key(options)
+    return None if options_part is None else (*key, *options_part)
+
+
+# Arrays of more entries than this are not keyed (copying them into a key costs more than
+# the checks it saves)
+KEYED_ENTRIES = 4096
+
+
+def options_key(options: dict, arrays: bool = True) -> tuple | None:
+    """The options of a call as part of a key (:func:`call_key`), or None where one of them
+    keeps the call off the plans: each plain value :func:`repeatable` allows, with its
+    type, and (``arrays``) each NumPy array of a :attr:`~npattn.core.options.Option.keyed`
+    option by its bytes."""
+    key: list = []
     for name, value in options.items():
         if repeatable(name, value):
             key += (name, type(value), value)
-        elif type(value) is np.ndarray and value.size <= KEYED_ENTRIES and _keyed(name):
+        elif arrays and type(value) is np.ndarray and value.size <= KEYED_ENTRIES and _keyed(name):
             key += (name, value.dtype, value.shape, value.tobytes())
         else:
             return None
     return tuple(key)
 
 
-# Option arrays of more entries than this are not keyed (copying them into a key costs
-# more than the checks it saves)
-KEYED_ENTRIES = 4096
+def values_key(values: tuple) -> tuple | None:
+    """Arguments a call's checks read by value (a serving call's lengths, tables, bounds)
+    as part of a key: None and ints as they are, NumPy integers as ints, NumPy arrays by
+    their dtype, shape and bytes (:data:`KEYED_ENTRIES` at most, together); None where
+    one is anything else (a list, another kind of array) or the arrays are larger."""
+    key: list = []
+    entries = 0
+    for value in values:
+        kind = type(value)
+        if value is None or kind is int:
+            key.append((kind, value))
+        elif kind is np.ndarray:
+            entries += value.size
+            if entries > KEYED_ENTRIES:
+                return None
+            key.append((value.dtype, value.shape, value.tobytes()))
+        elif isinstance(value, np.integer):
+            key.append((kind, int(value)))
+        else:
+            return None
+    return tuple(key)
+
+
+def numpy_structures(*arrays) -> tuple | None:
+    """Each array's exact structure (type, dtype, shape, strides; None for None) as part of
+    a key, or None unless each is a NumPy array or None."""
+    key = exact_structures(*arrays)
+    if not key or any(structure is not None and structure[0] is not np.ndarray for structure in key):
+        return None
+    return key
 
 
 def _keyed(name: str) -> bool:

@@ -149,10 +149,6 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
 # (_step_key), and only after they passed; a few steps are kept, the newest.
 _STEPS = _plans.PlanCache(limit=8)
 
-# Metadata arrays of more entries than this (a large batch's block_table) are not keyed:
-# copying them into a key costs more than the checks save on such a step
-_KEYED_ENTRIES = 16384
-
 
 def _step_key(arrays: tuple, metadata: tuple, rotary_interleaved: Any, options: dict) -> tuple | None:
     """The key of an attention_with_kvcache call (no rotary tables or shared prefix) under
@@ -161,33 +157,16 @@ def _step_key(arrays: tuple, metadata: tuple, rotary_interleaved: Any, options: 
     check themselves where they matter (writability and overlap of the caches). ``arrays``
     (q, k_cache, v_cache, k, v, k_scale, v_scale): NumPy arrays (or None where optional),
     by their exact structure; ``metadata`` (cache_seqlens, block_table, cache_batch_idx,
-    cache_leftpad): None, ints or NumPy integer arrays, by value; ``options``: plain values
-    a repeated call may skip the checks of (:func:`npattn.runtime.plans.call_key`)."""
-    structures = checks.exact_structures(*arrays)
-    if not structures or any(structure is not None and structure[0] is not np.ndarray for structure in structures):
+    cache_leftpad): by value (:func:`npattn.runtime.plans.values_key`); ``options``: as
+    :func:`npattn.runtime.plans.call_key` keys them."""
+    structures = _plans.numpy_structures(*arrays)
+    if structures is None or structures[0] is None or structures[1] is None or structures[2] is None:
         return None
-    if structures[0] is None or structures[1] is None or structures[2] is None:
+    values = _plans.values_key(metadata)
+    options_part = None if values is None else _plans.options_key(options)
+    if options_part is None:
         return None
-    key: list = [structures, type(rotary_interleaved), rotary_interleaved]
-    entries = 0
-    for value in metadata:
-        kind = type(value)
-        if value is None or kind is int:
-            key.append((kind, value))
-        elif kind is np.ndarray:
-            entries += value.size
-            if entries > _KEYED_ENTRIES:
-                return None
-            key.append((value.dtype, value.shape, value.tobytes()))
-        elif isinstance(value, np.integer):
-            key.append((kind, int(value)))
-        else:
-            return None
-    for name, value in options.items():
-        if not _plans.repeatable(name, value):
-            return None
-        key += (name, type(value), value)
-    return tuple(key)
+    return (structures, type(rotary_interleaved), rotary_interleaved, values, options_part)
 
 
 def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any,

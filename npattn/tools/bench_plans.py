@@ -17,7 +17,8 @@ the runs of every call taken in turn):
   kv-cache plan could come down to); the contiguous layer on int8 and float8 e4m3 caches
   too (each run quantizes its new key and value into them);
 - one layer of a packed batch (3 decode steps and a 16-token chunk, 8/2 heads, D 64):
-  ``attention_varlen`` against ``plan_varlen(...).run``.
+  ``attention_varlen`` as a batch's first layer and as a later one, against
+  ``plan_varlen(...).run``.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..adapters.dispatch import attention, attention_varlen, attention_with_kvca
 from ..api import plan
 from ..core.quantization import code_dtype, quantize_rows
 from ..serving.kvcache import _STEPS, plan_with_kvcache
-from ..serving.varlen import plan_varlen
+from ..serving.varlen import _BATCHES, plan_varlen
 
 
 def best_us(calls_by_label: dict, calls: int, repeats: int) -> dict:
@@ -103,8 +104,9 @@ def compare(calls: int = 400, repeats: int = 5, out=sys.stdout) -> dict:
     packed = [rng.standard_normal((int(cu[-1]), h, dim)).astype(np.float32)
               for cu, h in ((cu_q, heads), (cu_k, kv_heads), (cu_k, kv_heads))]
     varlen_step = plan_varlen(*packed, cu_q, cu_k, causal=True)
-    results["packed layer, 4 sequences (1, 1, 1, 16 x 40-90 keys)"] = (
-        partial(attention_varlen, *packed, cu_q, cu_k, causal=True), partial(varlen_step.run, *packed))
+    call = partial(attention_varlen, *packed, cu_q, cu_k, causal=True)
+    results["packed layer (1, 1, 1, 16 x 40-90 keys), first"] = (partial(_first_layer, call), None)
+    results["packed layer (1, 1, 1, 16 x 40-90 keys)"] = (call, partial(varlen_step.run, *packed))
     # the attention each layer runs after its append: q against the contiguous cache's 41
     # keys; the 4 sequences against their pages, each at its own length
     keys, values = caches[0][:, :41], caches[1][:, :41]
@@ -124,10 +126,12 @@ def compare(calls: int = 400, repeats: int = 5, out=sys.stdout) -> dict:
 
 
 def _first_layer(call):
-    """``call()`` (an ``attention_with_kvcache``) as a step's first layer, checked in full:
-    no plan kept from an earlier layer (:data:`npattn.serving.kvcache._STEPS`; the later
-    layers of a step run the first one's)."""
+    """``call()`` (an ``attention_with_kvcache`` or ``attention_varlen``) as a step's first
+    layer, checked in full: no plan kept from an earlier layer
+    (:data:`npattn.serving.kvcache._STEPS`, :data:`npattn.serving.varlen._BATCHES`; the
+    later layers of a step run the first one's)."""
     _STEPS.clear()
+    _BATCHES.clear()
     return call()
 
 
