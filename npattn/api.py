@@ -307,13 +307,16 @@ class Plan:
 
     def gradients(self, q: Any, k: Any, v: Any, saved: Any, dout: Any, arrays: Any = None) -> Gradients | None:
         """The gradients for bhsd ``dout`` from the backend's plan (``arrays``: the run's
-        problem, for its option arrays and seed), or None where the full path must answer:
-        the plan checks that dout and the gradients are all finite (it returns None where
-        not), on work it does anyway."""
+        problem, for its option arrays and seed; None: the plan's own, a run with no seed
+        of its own), or None where the full path must answer: the plan checks that dout
+        and the gradients are all finite (it returns None where not), on work it does
+        anyway."""
         backward_plan = self.backward_plan(q, k, v)
         if backward_plan is None:
             return None
         form = self._form
+        if self._reads_problem and arrays is None:  # (the option arrays a planned call was keyed by)
+            arrays = self._problem
         return backward_plan(_to_bhsd(form, q), _to_bhsd(form, k), _to_bhsd(form, v), saved, dout,
                              arrays if self._reads_problem else None)
 

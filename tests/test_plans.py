@@ -26,6 +26,8 @@ pytestmark = pytest.mark.skipif(not npattn.backends()["cpu"], reason="needs the 
 
 # the options a repeated call can skip the checks of: plain values, nothing per call
 _PLAIN_OPTIONS = ("causal", "window", "sinks", "scale", "softcap")
+# and with arrays keyed by their values (Option.keyed)
+_KEYED_OPTIONS = ("causal", "window", "q_offset", "alibi_slopes", "kv_lengths", "q_lengths", "q_start", "kv_start")
 
 
 def _same(a, b):
@@ -66,6 +68,20 @@ def test_a_repeated_call_answers_as_a_first_call(case, layout, return_lse):
                   dims_strategy=dims(max_group=4, max_len=20, max_dim=16)),
        layout=layouts)
 def test_a_repeated_vjp_answers_as_a_first_one(case, layout):
+    _check_repeated_vjps(case, layout)
+
+
+@settings(max_examples=30)
+@given(case=cases(options=_KEYED_OPTIONS, dtypes=("float32", "float64"),
+                  dims_strategy=dims(max_group=4, max_len=20, max_dim=16)),
+       layout=layouts)
+def test_a_repeated_vjp_with_option_arrays_answers_as_a_first_one(case, layout):
+    """Option arrays keyed by value: the planned forward and backward read the plan's
+    copies of them (the backward had run without them)."""
+    _check_repeated_vjps(case, layout)
+
+
+def _check_repeated_vjps(case, layout):
     q, k, v = (to_layout(a, layout) for a in (case.q, case.k, case.v))
     options = {**case.options, "layout": layout}
     rng = np.random.default_rng(2)
@@ -520,8 +536,8 @@ def test_the_caches_stay_bounded():
 
 
 @settings(max_examples=30)
-@given(case=cases(options=_PLAIN_OPTIONS, dtypes=("float32", "float64", "float16"),
-                  dims_strategy=dims(max_group=4, max_len=20, max_dim=16)),
+@given(case=cases(options=tuple(dict.fromkeys(_PLAIN_OPTIONS + _KEYED_OPTIONS)),
+                  dtypes=("float32", "float64", "float16"), dims_strategy=dims(max_group=4, max_len=20, max_dim=16)),
        layout=layouts)
 def test_a_repeated_attention_backward_answers_as_a_first_one(case, layout):
     q, k, v = (to_layout(a, layout) for a in (case.q, case.k, case.v))
