@@ -272,3 +272,24 @@ def test_a_call_like_a_kept_packed_batch_but_for_one_argument_raises_as_a_checke
     kept = _error_of(lambda: npattn.attention_varlen(q, k, v, **arguments))
     plans.clear()
     assert kept == _error_of(lambda: npattn.attention_varlen(q, k, v, **arguments))
+
+
+def test_a_kept_step_with_alibi_slopes_reads_its_own_copy_of_them():
+    """ALiBi slopes key a step by their values (the options' keyed arrays); the kept plan
+    holds its own copy, so a later write to the caller's slopes reaches only calls made
+    with the new values."""
+    rng = np.random.default_rng(13)
+    q, caches, k, v, keywords = _step_arguments(rng, "rows")
+    slopes = np.linspace(0.1, 0.8, HEADS)
+    plans.clear()
+    _call(q, _copies(caches), k, v, dict(keywords, alibi_slopes=slopes))
+    assert len(kvcache._STEPS) == 1
+    slopes[:] = 0.05  # the caller's array written: another key
+    kept = _call(q, _copies(caches), k, v, dict(keywords, alibi_slopes=np.linspace(0.1, 0.8, HEADS)))
+    written = _call(q, _copies(caches), k, v, dict(keywords, alibi_slopes=slopes))
+    plans.clear()
+    np.testing.assert_array_equal(kept, _call(q, _copies(caches), k, v,
+                                              dict(keywords, alibi_slopes=np.linspace(0.1, 0.8, HEADS))))
+    plans.clear()
+    np.testing.assert_array_equal(written, _call(q, _copies(caches), k, v, dict(keywords, alibi_slopes=slopes)))
+    assert not np.array_equal(kept, written)

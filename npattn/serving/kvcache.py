@@ -119,8 +119,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     A call whose every argument equals an earlier successful call's but for the arrays'
     data (the same structures, metadata and plain option values: the step's next layer)
     runs the plan that call's checks made, which checks each run's arrays as
-    :meth:`KVCachePlan.run` does; calls with rotary tables, a shared prefix, option
-    arrays or dropout without a seed are checked in full every time
+    :meth:`KVCachePlan.run` does; calls with rotary tables, a shared prefix, a mask, a
+    bias, sink logits or dropout without a seed are checked in full every time
     (:func:`plan_with_kvcache` plans those).
 
     Arrays of other kinds that speak DLPack (torch tensors, JAX arrays) are read where they
@@ -144,9 +144,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
 
 # A decoder calls attention_with_kvcache once per layer with the same metadata (the
 # step's cache_seqlens, block_table, ...), on caches of one structure: the layers after
-# the first run the plan the first one's checks made (31 us of a (1, 8, 1 + 200, 64)
-# layer, where the checks and the plan cost 190). Keyed by everything those checks read
-# (_step_key), and only after they passed; a few steps are kept, the newest.
+# the first run the plan the first one's checks made (20 us of a (1, 8/2, 1 + 40, 64)
+# layer, where the checks and the plan cost 211; bench --plans). Keyed by everything those
+# checks read (_step_key), and only after they passed; a few steps are kept, the newest.
 _STEPS = _plans.PlanCache(limit=8)
 
 
@@ -496,6 +496,7 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     seqlens = _cache_seqlens(cache_seqlens, batch, capacity, new_len)
     starts = _cache_leftpad(cache_leftpad, batch, seqlens)
     lengths = seqlens + new_len  # each sequence's end slot after the append
+    # the keys of each contiguous cache row the attention reads (the longest sequence's, bucketed)
     keys_used = _keys_viewed(int(lengths.max(initial=0)), cache_len, xp, options)
     # positions count from each sequence's first key: row 0 sits bottom-right among its keys
     first_query = lengths - q_len - (0 if starts is None else starts)
