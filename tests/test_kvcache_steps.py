@@ -293,3 +293,28 @@ def test_a_kept_step_with_alibi_slopes_reads_its_own_copy_of_them():
     plans.clear()
     np.testing.assert_array_equal(written, _call(q, _copies(caches), k, v, dict(keywords, alibi_slopes=slopes)))
     assert not np.array_equal(kept, written)
+
+
+def test_a_packed_batchs_later_layers_run_its_plan_for_their_gradients_too(monkeypatch):
+    """attention_varlen_vjp keeps the checked batch's plan as attention_varlen does: the
+    later layers' outputs and gradients have the bits of calls checked from nothing."""
+    from npattn.serving import varlen
+
+    rng = np.random.default_rng(14)
+    layers = [_packed_layer(rng) for _ in range(LAYERS)]
+    douts = [rng.normal(size=(18, HEADS, HEAD_DIM)).astype(np.float32) for _ in range(LAYERS)]
+    options = dict(causal=True, alibi_slopes=None, scale=0.3)
+    expected = []
+    for layer, dout in zip(layers, douts):
+        plans.clear()
+        out, vjp = npattn.attention_varlen_vjp(*layer, CU_Q, CU_K, **options)
+        expected.append((out, *vjp(dout)))
+    plans.clear()
+    checked = []
+    real = varlen._PackedCall.of
+    monkeypatch.setattr(varlen._PackedCall, "of", lambda *arguments: checked.append(1) or real(*arguments))
+    for layer, dout, results in zip(layers, douts, expected):
+        out, vjp = npattn.attention_varlen_vjp(*layer, CU_Q, CU_K, **options)
+        for mine, theirs in zip((out, *vjp(dout)), results):
+            np.testing.assert_array_equal(mine, theirs)
+    assert len(checked) == 1, "the later layers were checked again"
