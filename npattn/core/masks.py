@@ -133,4 +133,6 @@ def row_shifts(q_offset, q_start, kv_start):
     if q_start is not None:
         shifts = shifts - _arrays.to_numpy(q_start).astype(np.int64)
     batch = next(len(a) for a in (q_offset, q_start, kv_start) if a is not None and not isinstance(a, int))
+    if shifts.shape == (batch,):  # (the usual case: broadcast_to alone costs 4 us)
+        return np.ascontiguousarray(shifts)
     return np.ascontiguousarray(np.broadcast_to(shifts, (batch,)))
