@@ -84,27 +84,32 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     if cu_seqlens_k is None:
         raise TypeError("attention_varlen needs cu_seqlens_k for packed keys (or block_table and seqused_k for "
                         "paged ones)")
-    key = _batch_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
-    kept = None if key is None else _BATCHES.get(key)
-    if kept is not None:  # another layer of a batch checked before: its plan runs it
-        return kept.run(q, k, v)
-    batch = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
-    if key is not None:  # the plan of the checked batch runs it, and the next calls of the key
-        kept = VarlenPlan(batch, fresh_seed=False)
-        result = kept.run(q, k, v)
-        _BATCHES.put(key, kept)
-        return result
+    arguments = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    key = _batch_key(*arguments)
+    if key is not None:
+        return _kept_plan(key, arguments).run(q, k, v)
+    batch = _PackedCall.of(*arguments)
     fused = batch.fused(with_vjp=False)
     if fused is not None:
         return (fused[0][0], fused[1][0]) if isinstance(fused, tuple) else fused[0]
     return batch.run(lambda qb, kb, vb, opts: (attention(qb, kb, vb, **opts), None))[0]
 
 
-# A model calls attention_varlen (or its vjp) once per layer with the batch's lengths: the layers after
-# the first run the plan of the first one's checks (bench --plans: a layer of 3 decode steps
-# and a 16-token chunk, 292 us checked, 101 planned). Keyed by everything the checks read
-# but the arrays' data (_batch_key); a few batches are kept, the newest.
+# A model calls attention_varlen (or its vjp) once per layer with the batch's lengths: the
+# layers after the first run the plan of the first one's checks (bench --plans: a layer of
+# 3 decode steps and a 16-token chunk, 359 us checked, 114 kept). Keyed by everything the
+# checks read but the arrays' data (_batch_key); a few batches are kept, the newest.
 _BATCHES = _plans.PlanCache(limit=8)
+
+
+def _kept_plan(key: tuple, arguments: tuple) -> "VarlenPlan":
+    """The plan kept for ``key``; else every check of the call of ``arguments`` (those of
+    :meth:`_PackedCall.of`), and the plan of the checked batch, kept for the next calls."""
+    kept = _BATCHES.get(key)
+    if kept is None:
+        kept = VarlenPlan(_PackedCall.of(*arguments), fresh_seed=False)
+        _BATCHES.put(key, kept)
+    return kept
 
 
 def _batch_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options) -> tuple | None:
@@ -139,15 +144,11 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
     (Tq, H, Dv) that returns ``(dq, dk, dv)`` packed like q, k and v, then
     ``dsink_logits`` (H,) when ``sink_logits`` was given. A dropout mask is reused.
     Arrays of other kinds get outputs and gradients of their kind."""
-    key = _batch_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
-    kept = None if key is None else _BATCHES.get(key)
-    if kept is not None:  # another layer of a batch checked before: its plan runs it
-        return kept.vjp(q, k, v)
-    batch = _PackedCall.of(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
-    if key is not None:  # the plan of the checked batch runs it, and the next calls of the key
-        kept = VarlenPlan(batch, fresh_seed=False)
-        _BATCHES.put(key, kept)
-        return kept.vjp(q, k, v)
+    arguments = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    key = _batch_key(*arguments)
+    if key is not None:
+        return _kept_plan(key, arguments).vjp(q, k, v)
+    batch = _PackedCall.of(*arguments)
     fused = batch.fused(with_vjp=True)
     if fused is not None:
         return _packed_vjp(batch, fused)
