@@ -315,10 +315,11 @@ class Plan:
         if backward_plan is None:
             return None
         form = self._form
-        if self._reads_problem and arrays is None:  # (the option arrays a planned call was keyed by)
+        if not self._reads_problem:
+            arrays = None
+        elif arrays is None:  # (the option arrays a planned call was keyed by)
             arrays = self._problem
-        return backward_plan(_to_bhsd(form, q), _to_bhsd(form, k), _to_bhsd(form, v), saved, dout,
-                             arrays if self._reads_problem else None)
+        return backward_plan(_to_bhsd(form, q), _to_bhsd(form, k), _to_bhsd(form, v), saved, dout, arrays)
 
 
 def without_data(problem: AttentionProblem, names: tuple = ("q", "k", "v")) -> AttentionProblem:

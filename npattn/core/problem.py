@@ -149,6 +149,7 @@ ARRAY_FIELDS = ("q", "k", "v", "sink_logits", "mask", "bias", "alibi_slopes", "q
 VALUE_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionProblem)
                      if field.name not in ("xp", *ARRAY_FIELDS))
 _arrays_of = operator.attrgetter(*ARRAY_FIELDS)
+_values_of = operator.attrgetter(*VALUE_FIELDS)
 _ARRAY_FIELD_NAMES = frozenset(ARRAY_FIELDS)
 
 
@@ -164,7 +165,6 @@ def with_arrays(problem: AttentionProblem, **arrays: Any) -> AttentionProblem:
     copy.__dict__.update(problem.__dict__)
     copy.__dict__.update(arrays)
     return copy
-_values_of = operator.attrgetter(*VALUE_FIELDS)
 
 
 def signature(problem, seed: bool = True) -> tuple:

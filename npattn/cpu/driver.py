@@ -138,8 +138,12 @@ class ForwardPlan:
         # they lie, nor dropout's per-run seed): the option operands of that problem are
         # the same on every run, kept from the first
         run = arrays if type(arrays) is RunScales else None
-        owner = (None if arrays is None else run.problem if run is not None
-                 else arrays if self._keeps_options(arrays) else None)
+        if run is not None:
+            owner = run.problem
+        elif arrays is not None and self._keeps_options(arrays):
+            owner = arrays
+        else:
+            owner = None
         # the kernel's machine code called directly: a plain call (no option arrays, whose
         # views are the caller's; 16-bit keys read as bytes have none either, and their byte
         # views are always aligned), or such a run, on arrays of the kind and alignment the
