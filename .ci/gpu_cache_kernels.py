@@ -5,7 +5,9 @@ cannot be captured, '-'. With --once each step just runs twice (the second for N
 Compute to time its kernels: `ncu --metrics gpu__time_duration.sum --csv ...`). With
 --splits TARGET,MIN ... each step is planned again under each of the driver's split-KV
 settings (DECODE_TARGET_WARPS, MIN_KEY_TILES_PER_SPLIT) and timed; each row ends with
-float16's time over int8's.
+float16's time over int8's. A quantized cache's step (4 packed rows a kv head at these
+shapes) is timed twice: with its products transposed (Option.TRANSPOSED, the default)
+and as "/untransposed" (sources.TRANSPOSED_ROWS = 0: forward_tc.cu's tile).
 Usage: python .ci/gpu_cache_kernels.py LABEL [--once] [--splits TARGET,MIN ...]"""
 import pathlib
 import sys
@@ -17,7 +19,7 @@ import npattn
 
 SHAPES = ((1, 32, 8, 16384, 128), (16, 32, 8, 2048, 128))
 CACHES = ("float16", "float8_e4m3", "int8")
-from npattn.gpu import driver
+from npattn.gpu import driver, sources
 
 label, once = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else "tree", "--once" in sys.argv
 settings = [tuple(int(x) for x in arg.split(",")) for arg in sys.argv[sys.argv.index("--splits") + 1:]
@@ -76,14 +78,17 @@ for shape in SHAPES:
         times = {}
         for cache in CACHES:
             q, k, v, scales = arrays(shape, cache, rng)
-            plan = npattn.plan_with_kvcache(q, k, v, cache_seqlens=shape[3], causal=True, **scales)
-            run = (lambda plan=plan, q=q, k=k, v=v, scales=scales: plan.run(q, k, v, **scales))
-            if once:
-                run()
-                run()
-                cupy.cuda.get_current_stream().synchronize()
-                continue
-            times[cache] = (replay_us(run), k.nbytes + v.nbytes)
+            for rows, suffix in ((8, ""), (0, "/untransposed")) if scales else ((8, ""),):
+                sources.TRANSPOSED_ROWS = rows  # read when the plan is made
+                plan = npattn.plan_with_kvcache(q, k, v, cache_seqlens=shape[3], causal=True, **scales)
+                run = (lambda plan=plan, q=q, k=k, v=v, scales=scales: plan.run(q, k, v, **scales))
+                if once:
+                    run()
+                    run()
+                    cupy.cuda.get_current_stream().synchronize()
+                    continue
+                times[cache + suffix] = (replay_us(run), k.nbytes + v.nbytes)
+            sources.TRANSPOSED_ROWS = 8
         if not once:
             ratio = times["float16"][0] / times["int8"][0]
             print(f"{label}: {shape} splits ({target},{least})  " + "  ".join(

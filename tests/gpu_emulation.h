@@ -266,6 +266,23 @@ inline void emulated_ldmatrix(unsigned* registers, int count, bool transpose, co
     block.warps[warp]->arrive_and_wait();  // every lane has read the addresses
 }
 
+// movmatrix.sync.aligned.m8n8.trans.b16: lane l holds row l / 4, columns 2 (l % 4) and + 1
+// of an 8x8 matrix (low half first), and gets the same elements of its transpose.
+inline unsigned emulated_transpose_8x8(unsigned word) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    EmulatedBlock& block = *emulated_block;
+    block.exchange[warp][lane] = (double)word;  // exact
+    block.warps[warp]->arrive_and_wait();
+    auto element = [&](int row, int column) {  // of the matrix as the lanes hold it
+        const unsigned held = (unsigned)block.exchange[warp][row * 4 + column / 2];
+        return column % 2 ? held >> 16 : held & 0xFFFFu;
+    };
+    const int row = lane / 4, column = 2 * (lane % 4);
+    const unsigned result = element(column, row) | (element(column + 1, row) << 16);
+    block.warps[warp]->arrive_and_wait();  // every lane has read the deposits
+    return result;
+}
+
 // cp.async.{cg,ca}.shared.global [destination], [source], size, bytes: queued until retired.
 inline void emulated_cp_async(void* destination, const void* source, int bytes, int size = 16) {
     emulated_copies.open.push_back({destination, source, bytes, size});

@@ -62,13 +62,17 @@ EXTRA_TILE_OPTIONS = (0, Option.BAND | _NARROW, ALL, ALL | _NARROW | _UNALIGNED)
 # (the one-stage loop fetches them ahead of use); and the decode tile of a contiguous
 # quantized cache at full width, whose codes go straight into registers (REGISTER_CODES),
 # under the band alone and (float16 only: the property tests' 16-bit q) under everything
-# but pages at 64, and under the band at 128 (its 32-key tile). (tile, options, dtypes)
+# but pages at 64, and under the band at 128 (its 32-key tile); each untransposed and,
+# for steps of at most 8 packed rows, transposed (TRANSPOSED). (tile, options, dtypes)
 _REGISTERS = Option.CODES | Option.REGISTER_CODES
 _SIXTEEN_BIT = ("float16", "bfloat16")
 EXTRA_CODE_TILES = {64: ((sources.ForwardTile(1, 1, 32, 2), Option.BAND | _NARROW | Option.CODES, _SIXTEEN_BIT),
-                         (sources.forward_tc_config(1, 64), Option.BAND | _REGISTERS, _SIXTEEN_BIT),
-                         (sources.forward_tc_config(1, 64), (ALL & ~Option.PAGED) | _REGISTERS, ("float16",))),
-                    128: ((sources.forward_tc_config(1, 128), Option.BAND | _REGISTERS, _SIXTEEN_BIT),)}
+                         *((sources.forward_tc_config(1, 64), Option.BAND | _REGISTERS | transposed, _SIXTEEN_BIT)
+                           for transposed in (0, Option.TRANSPOSED)),
+                         *((sources.forward_tc_config(1, 64), (ALL & ~Option.PAGED) | _REGISTERS | transposed,
+                            ("float16",)) for transposed in (0, Option.TRANSPOSED))),
+                    128: tuple((sources.forward_tc_config(1, 128), Option.BAND | _REGISTERS | transposed, _SIXTEEN_BIT)
+                               for transposed in (0, Option.TRANSPOSED))}
 
 
 def _forward_tc_configs(dtype_name, bound):
@@ -117,9 +121,9 @@ def _built_name(menu, kind, storage, bound, config):
         if kind != "forward_tc":
             candidates.append(sources.kernel_name(kind, storage, candidate))
             continue
-        # (CODES and REGISTER_CODES are no options to leave off at run time: they say how
-        # the kernel reads k and v)
-        exact = Option.CODES | Option.REGISTER_CODES
+        # (CODES, REGISTER_CODES and TRANSPOSED are no options to leave off at run time:
+        # they say how the kernel reads k and v)
+        exact = Option.CODES | Option.REGISTER_CODES | Option.TRANSPOSED
         built = [c for c in _forward_tc_configs(storage, candidate) if storage in dict(EMULATED)
                  and c[0] == config["tile"] and c[1] & config["options"] == config["options"]
                  and c[1] & exact == config["options"] & exact]

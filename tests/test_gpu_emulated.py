@@ -583,7 +583,7 @@ def test_an_emulated_gpu_planned_quantized_step_is_the_call_layer_by_layer(paged
 
 
 def check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=np, every_code=False,
-                                                    same_bits=None):
+                                                    same_bits=None, dim=64):
     """A decode or short prefill step on a quantized cache (contiguous or ``paged``, GQA,
     two sequences of 600 and 45 keys, so split keys and tiles with tails), and the same
     step on a cache of ``dtype`` holding each code times its scale rounded to ``dtype``.
@@ -591,16 +591,17 @@ def check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=np, ev
     dequantizes the codes as it deposits them: a paged cache, or two K/V stages), out and
     lse have the same bits. A contiguous cache's one-stage decode tile reads the codes
     into registers instead and scales outside the products (REGISTER_CODES in
-    forward_tc.cu): its out and lse are held to the bound of the float64 reference on
+    forward_tc.cu; with its products transposed, decode_tc.cu, for at most 8 packed rows:
+    ``q_len`` 1 here, not 5): its out and lse are held to the bound of the float64 reference on
     the dequantized cache, and its out's largest error to twice the 16-bit cache's
     (``same_bits`` None: same bits where paged). ``every_code``:
     codes drawn from every finite code (e4m3's subnormals and int8's -128 among them)
-    instead of quantize_kv's. ``xp``: CuPy, for the device."""
+    instead of quantize_kv's. ``xp``: CuPy, for the device. ``dim``: the head dim."""
     from test_serving import assert_lse, assert_out, call_case
 
     same_bits = paged if same_bits is None else same_bits
     rng = np.random.default_rng(11)
-    batch, kv_heads, heads, dim, page_size, pages = 2, 2, 4, 64, 32, 40
+    batch, kv_heads, heads, page_size, pages = 2, 2, 4, 32, 40
     lengths = np.array([600, 45])
     shape = (pages, page_size, kv_heads, dim) if paged else (batch, pages * page_size // batch, kv_heads, dim)
     (k_codes, k_scale), (v_codes, v_scale) = (npattn.quantize_kv(rng.normal(size=shape), kind) for _ in range(2))
@@ -633,8 +634,10 @@ def check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=np, ev
         if xp is np:  # (the emulation launches through launch.run; a device's plans keep their launchers)
             patch.setattr(launch, "run", spy)
         from_codes = npattn.attention_with_kvcache(q, k_codes, v_codes, k_scale=k_scale, v_scale=v_scale, **call)
-    if xp is np:
-        assert ran and all(bool(options & Option.REGISTER_CODES) != same_bits for options in ran), ran
+    if xp is np:  # codes into registers where not the same bits; transposed for at most 8 packed rows
+        transposed = not same_bits and q_len * heads // kv_heads <= 8
+        assert ran and all(bool(options & Option.REGISTER_CODES) != same_bits
+                           and bool(options & Option.TRANSPOSED) == transposed for options in ran), ran
     from_values = npattn.attention_with_kvcache(q, k_values, v_values, **call)
     host = [x.get() if xp is not np else x for x in (*from_codes, *from_values, q, k_codes, v_codes, k_scale, v_scale)]
     out, lse, values_out, values_lse, q, k_codes, v_codes, k_scale, v_scale = host
@@ -664,6 +667,78 @@ def check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=np, ev
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_emulated_gpu_codes_match_their_16_bit_values(kind, paged, q_len, dtype):
     check_codes_against_their_16_bit_values(kind, paged, q_len, dtype)
+
+
+# every option a decode step's codes-in-registers tiles are built with (the everything-but-
+# pages build at 64-wide heads), drawn as one value each
+_STEP_OPTIONS = {
+    "sink_logits": lambda rng, heads, q_len, keys: dict(sink_logits=rng.normal(size=heads)),
+    "alibi_slopes": lambda rng, heads, q_len, keys: dict(alibi_slopes=rng.uniform(0.1, 1.0, heads)),
+    "bias": lambda rng, heads, q_len, keys: dict(bias=rng.normal(size=(1, heads, q_len, keys)).astype(np.float32)),
+    "mask": lambda rng, heads, q_len, keys: dict(mask=rng.random((1, heads, q_len, keys)) > 0.3),
+    "dropout_p": lambda rng, heads, q_len, keys: dict(dropout_p=0.3, seed=7),
+    "softcap": lambda rng, heads, q_len, keys: dict(softcap=2.0),
+    "window": lambda rng, heads, q_len, keys: dict(window=40, sinks=3),
+}
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+@pytest.mark.parametrize("option", sorted(_STEP_OPTIONS))
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_emulated_gpu_codes_in_registers_read_every_option(option, q_len, kind):
+    """A quantized step over a contiguous cache at 64-wide heads with a group of 4 reads
+    its codes into registers, transposed for one query (4 packed rows) and not for three
+    (12), and each option there: the same out and lse as the reference backend's call on
+    the same cache, within the float16 bound, and out within twice the error of the step
+    on a float16 cache of the dequantized values (dropout: the same seeded mask)."""
+    from npattn.gpu import launch
+    from npattn.gpu.options import Option
+    from test_serving import assert_lse, assert_out, call_case
+
+    rng = np.random.default_rng(23)
+    kv_heads, group, dim, capacity, length = 2, 4, 64, 160, 150
+    heads = kv_heads * group
+    (k_codes, k_scale), (v_codes, v_scale) = (npattn.quantize_kv(rng.normal(size=(1, capacity, kv_heads, dim)), kind)
+                                              for _ in range(2))
+    q = rng.normal(size=(1, q_len, heads, dim)).astype(np.float16)
+    options = dict(_STEP_OPTIONS[option](rng, heads, q_len, capacity), causal=True, return_lse=True)
+    call = dict(k_scale=k_scale, v_scale=v_scale, cache_seqlens=np.array([length]), **options)
+    ran, real_run = [], launch.run
+
+    def spy(kind_, storage, bound, blocks, shared, arguments, **config):
+        if kind_ == "forward_tc":
+            ran.append(config["options"])
+        return real_run(kind_, storage, bound, blocks, shared, arguments, **config)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "run", spy)
+        out, lse = npattn.attention_with_kvcache(q, k_codes, v_codes, backend="gpu", **call)
+    expected, expected_lse = npattn.attention_with_kvcache(q.astype(np.float64), k_codes, v_codes,
+                                                           backend="reference", **call)
+    transposed = q_len * group <= 8
+    assert ran and all(options & Option.REGISTER_CODES and bool(options & Option.TRANSPOSED) == transposed
+                       for options in ran), ran
+    keys, values = (npattn.dequantize_kv(codes[:, :length], scale[:, :length], np.float64)
+                    for codes, scale in ((k_codes, k_scale), (v_codes, v_scale)))
+    case = call_case(q, keys, values, {name: value for name, value in options.items() if name != "return_lse"})
+    assert_out(out, expected, case)
+    assert_lse(lse, expected_lse, case)
+    # and as close as the same step on a float16 cache of the dequantized values (the bound
+    # above is the worst case over every rounding: loose for 150 keys)
+    k_values, v_values = (npattn.dequantize_kv(codes, scale).astype(np.float16)
+                          for codes, scale in ((k_codes, k_scale), (v_codes, v_scale)))
+    values_out, _ = npattn.attention_with_kvcache(q, k_values, v_values, backend="gpu", cache_seqlens=np.array([length]),
+                                                  **options)
+    error, values_error = (np.abs(np.asarray(x, np.float64) - expected).max() for x in (out, values_out))
+    assert error <= 2 * values_error, (error, values_error)
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_emulated_gpu_codes_at_128_wide_heads_match_their_16_bit_values(kind, q_len):
+    """The 128-wide decode tiles (32-key tiles), transposed (one query: 2 packed rows a kv
+    head) and not (five: 10)."""
+    check_codes_against_their_16_bit_values(kind, False, q_len, np.float16, dim=128)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from npattn.gpu import nvrtc, sass, sources
+from npattn.gpu.options import Option
 
 from conftest import (NVIDIA_WHEEL_PLATFORM, SIMT_KERNEL, checked_names, combine_kernels, machine_code_names,
                       nvrtc_or_skip)
@@ -116,7 +117,9 @@ def test_the_quantized_decode_tiles_keep_their_codes_in_registers_without_spilli
     instantiation for (sm_90, the Hopper GPUs they were timed on): no spill beyond
     sources.REGISTER_CODES_STACK_BYTES of stack, mma (HMMA), the codes' stages copied by
     cp.async (LDGSTS), and for float16 q int8 codes turned into halves by half2
-    subtractions (HADD2) rather than conversion instructions."""
+    subtractions (HADD2) rather than conversion instructions; the transposed ones
+    (TRANSPOSED) also transpose P's blocks by movmatrix (MOVM), with half the mma of the
+    untransposed tile."""
     tools_or_skip()
     assert sources.REGISTER_CODE_KERNELS, "no REGISTER_CODES kernel is named"
     architecture = sources.EVERY_INSTANTIATION_ARCHITECTURE
@@ -128,6 +131,12 @@ def test_the_quantized_decode_tiles_keep_their_codes_in_registers_without_spilli
         within = not usage.local and usage.stack <= sources.REGISTER_CODES_STACK_BYTES
         problems = [] if within else sass.spill_evidence(usage, counter)
         wanted = ("HMMA", "LDGSTS", "HADD2") if name.startswith("forward_tc_kernel<half_bits") else ("HMMA", "LDGSTS")
+        transposed = f", {int(Option.TRANSPOSED | Option.REGISTER_CODES | Option.CODES | Option.BAND)}u>"
+        if name.endswith(transposed):
+            untransposed = inspected[name.replace(transposed, f", {int(Option.REGISTER_CODES | Option.CODES | Option.BAND)}u>")]
+            wanted += ("MOVM",)
+            if 2 * counter["HMMA"] != untransposed[1]["HMMA"]:
+                problems.append(f"{counter['HMMA']} mma against the untransposed tile's {untransposed[1]['HMMA']}")
         problems += [f"no {opcode}" for opcode in wanted if not counter[opcode]]
         if problems:
             failures.append(f"{architecture} {name}: {'; '.join(problems)}")
@@ -150,6 +159,18 @@ def test_the_hardware_e4m3_switch_builds_its_conversion(machine_code, monkeypatc
     switched, switched_lowered = nvrtc.compile_cubin("sm_90", [name])
     counts = conversions(default, lowered[name]), conversions(switched, switched_lowered[name])
     assert counts == (0, 128), counts
+
+
+def test_the_transposed_blocks_switch_caps_the_registers_without_spilling(monkeypatch):
+    """NPATTN_TRANSPOSED_BLOCKS=11 (a switch for a lent GPU to time, through
+    NPATTN_GPU_DEFINES): the transposed decode tile at 128-wide heads fits 11 blocks an SM
+    by registers, as its shared memory allows, with nothing in local memory."""
+    tools_or_skip()
+    name = sources.register_codes_name("float16", 128, transposed=True)
+    monkeypatch.setenv("NPATTN_GPU_DEFINES", "NPATTN_TRANSPOSED_BLOCKS=11")
+    cubin, lowered = nvrtc.compile_cubin("sm_90", [name])
+    usage = sass.resource_usage(cubin)[lowered[name]]
+    assert usage.registers <= 65536 // (11 * 32) and not usage.local and not usage.stack, usage
 
 
 def test_a_simt_kernel_fails_the_fast_kernel_check(kernels):

@@ -7,7 +7,7 @@ kernel is specialized on), :mod:`.kernel_cache` (cubins kept on disk per
 instantiation), :mod:`.launch` (modules per device and instantiation, shared-memory
 sizes, one launch) and :mod:`.driver` (operands, outputs, gradients). The kernels are
 FlashAttention-2 style: tensor cores for float16/bfloat16 (``tensor_core.cuh``,
-``forward_tc.cu``, ``backward_tc.cu``), SIMT otherwise (``forward.cu``,
+``forward_tc.cu``, ``decode_tc.cu``, ``backward_tc.cu``), SIMT otherwise (``forward.cu``,
 ``backward.cu``), all on ``common.cuh``'s score pipeline; float32 accumulation (float64
 for float64), every option of :func:`npattn.attention` fused, a deterministic
 backward, head dims up to 256. Importing this package imports nothing but the standard library; CuPy is

@@ -161,6 +161,22 @@ __device__ inline KeyRanges key_ranges(const i64* ints, const i64* spans, i64 b,
     return ranges;
 }
 
+// The key tiles of a KeyRanges, numbered 0, 1, ... across both ranges.
+struct KeyTiles {
+    i64 first[2], last[2], count[2];
+    int block_k;
+    __device__ KeyTiles(const KeyRanges& ranges, int block_k_) : block_k(block_k_) {
+        for (int x = 0; x < 2; ++x) {
+            first[x] = ranges.first[x];
+            last[x] = ranges.last[x];
+            count[x] = last[x] > first[x] ? (last[x] - first[x] + block_k - 1) / block_k : 0;
+        }
+    }
+    __device__ i64 total() const { return count[0] + count[1]; }
+    __device__ i64 start(i64 t) const { return t < count[0] ? first[0] + t * block_k : first[1] + (t - count[0]) * block_k; }
+    __device__ int keys(i64 t) const { return (int)smaller(block_k, (t < count[0] ? last[0] : last[1]) - start(t)); }
+};
+
 // True when every row of [i0, i1) sees every key of [j0, j1) through causal, window,
 // sinks and the live keys (bounds are monotone, so the first and last rows decide).
 __device__ inline bool tile_fully_visible(const i64* ints, const i64* spans, i64 b, i64 i0, i64 i1, i64 j0,

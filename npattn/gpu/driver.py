@@ -22,7 +22,8 @@ from . import launch
 from ..core.dropout import seed_words
 from .options import ALL, Option, _address, _strides_aligned, options_of
 from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, COMBINE_THREADS, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS,
-                      backward_kinds, forward_kind, forward_tc_config, head_dim_bound, reads_codes_into_registers)
+                      backward_kinds, forward_kind, forward_tc_config, head_dim_bound, reads_codes_into_registers,
+                      transposes_decode)
 
 
 def _on_device(problem):
@@ -38,6 +39,8 @@ def _on_device(problem):
 # kernels never write them (their parameters are const). Bounded: cleared when full.
 _CONSTANTS: dict = {}
 _CONSTANTS_LIMIT = 4096
+# the ways of reading a quantized cache's codes that need 16-byte aligned rows
+_READS_CODES_INTO_REGISTERS = Option.REGISTER_CODES | Option.TRANSPOSED
 
 
 def _constant(cp, key, make):
@@ -253,6 +256,8 @@ class ForwardPlan:
                 tile = forward_tc_config(rows, bound, options)
                 if reads_codes_into_registers(tile, options, bound):
                     options |= Option.REGISTER_CODES
+                    if transposes_decode(options, rows):
+                        options |= Option.TRANSPOSED
                 self.config = dict(tile=tile, options=options)
                 warps, block_q, block_k = tile.warps, tile.block_q, tile.block_k
                 self.shared = self._shared_bytes(self.config)
@@ -341,7 +346,7 @@ class ForwardPlan:
             # a call's rows are aligned when its arrays start on 16 bytes
             if config and not (config["options"] & Option.UNALIGNED) and (_address(q) | _address(k) | _address(v)) % 16:
                 # (codes off 16 bytes are staged: no 16-byte loads of them into registers)
-                config = dict(config, options=config["options"] & ~Option.REGISTER_CODES | Option.UNALIGNED)
+                config = dict(config, options=config["options"] & ~_READS_CODES_INTO_REGISTERS | Option.UNALIGNED)
             if self.writes_every_row:
                 out, lse = _unfilled(cp, self.out_shape, self.out_dtype), _unfilled(cp, self.lse_shape, self.dtype)
             else:
@@ -389,7 +394,7 @@ class ForwardPlan:
             return self.shared
         options = config["options"]
         return launch.forward_tc_shared_bytes(*self.head_dims, config["tile"], bool(options & Option.CODES),
-                                              bool(options & Option.REGISTER_CODES))
+                                              bool(options & Option.REGISTER_CODES), bool(options & Option.TRANSPOSED))
 
     def _partial(self):
         """The split partials' buffer of the calling thread and stream, kept by the plan. A

@@ -35,9 +35,7 @@
 #include "common.cuh"
 #include "tensor_core.cuh"
 #include "forward.cu"
-
-#define NPATTN_LOG2E 1.4426950408889634f
-#define NPATTN_LN2 0.6931471805599453f
+#include "decode_tc.cu"
 
 // A decode step's one-warp tiles stage whole-width contiguous K and V tiles with
 // stage_strided_rows (tensor_core.cuh; STRIDED_STAGING): a few instructions per 16-byte
@@ -66,22 +64,6 @@ struct ForwardTensorCoreLayout {
         k_codes = v + stages * v_stage;
         v_codes = k_codes + block_k * (ld_qk + CODE_ROW_PAD) / 2;
     }
-};
-
-// The key tiles of a KeyRanges, numbered 0, 1, ... across both ranges.
-struct KeyTiles {
-    i64 first[2], last[2], count[2];
-    int block_k;
-    __device__ KeyTiles(const KeyRanges& ranges, int block_k_) : block_k(block_k_) {
-        for (int x = 0; x < 2; ++x) {
-            first[x] = ranges.first[x];
-            last[x] = ranges.last[x];
-            count[x] = last[x] > first[x] ? (last[x] - first[x] + block_k - 1) / block_k : 0;
-        }
-    }
-    __device__ i64 total() const { return count[0] + count[1]; }
-    __device__ i64 start(i64 t) const { return t < count[0] ? first[0] + t * block_k : first[1] + (t - count[0]) * block_k; }
-    __device__ int keys(i64 t) const { return (int)smaller(block_k, (t < count[0] ? last[0] : last[1]) - start(t)); }
 };
 
 // body(f, n, e, x, c) for every score a lane holds in S's accumulators (FRAGS row
@@ -142,8 +124,19 @@ __device__ inline void add_code_values(float (&o)[VALUE_BLOCKS][4], const u32 (&
     }
 }
 
+// Blocks an SM should hold of a TRANSPOSED decode tile (__launch_bounds__' second
+// argument, which caps its registers; 0: no cap, as for every other instantiation).
+// Uncapped the tile takes 240-243 registers (8 blocks an SM, as many as the driver's
+// splits launch: DECODE_TARGET_WARPS); capped for 11, which its 18.5 KB of shared memory
+// allow at 128-wide heads, it takes 168 with nothing in local memory (sm_90, read off
+// NVRTC's cubin). A switch for a lent GPU to time with more splits, through
+// NPATTN_GPU_DEFINES=NPATTN_TRANSPOSED_BLOCKS=11 (.ci/gpu_cache_kernels.py --splits 1452,4).
+#ifndef NPATTN_TRANSPOSED_BLOCKS
+#define NPATTN_TRANSPOSED_BLOCKS 0
+#endif
+
 template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, (OPTIONS & NPATTN_OPTION_TRANSPOSED) ? NPATTN_TRANSPOSED_BLOCKS : 0)
 forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
                   Acc* partial) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
@@ -173,6 +166,16 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     if (rows <= 0) return;  // the same for the whole block
     const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM], value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
     NPATTN_DYNAMIC_SHARED(shared_bytes);
+    // TRANSPOSED: a decode step of at most 8 packed rows over a contiguous quantized cache,
+    // with the products transposed (decode_tc.cu)
+    constexpr bool TRANSPOSED = (OPTIONS & NPATTN_OPTION_TRANSPOSED) != 0;
+    if constexpr (TRANSPOSED) {
+        static_assert((OPTIONS & NPATTN_OPTION_REGISTER_CODES) && WARPS == 1 && FRAGS == 1 && STAGES == 1,
+                      "transposed products: REGISTER_CODES's one-warp decode tile");
+        transposed_code_decode<T, Acc, MAX_D, BK, OPTIONS>(in, b, kv_head, p0, rows, split, splits, out, out_sb, out_sh,
+                                                           out_ss, lse, partial, shared_bytes);
+        return;
+    }
     unsigned short* shared = reinterpret_cast<unsigned short*>(shared_bytes);
     // without NARROW both head dims round up to MAX_D: the layout and every loop bound
     // over them are compile-time constants (no run-time tests inside the unrolled loops)
@@ -315,57 +318,23 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     u32 k_words[CODE_BLOCKS][K_WORDS], v_words[CODE_PAIRS][4][V_WORDS];
     float k_scales[CODE_BLOCKS][2], v_scales[CODE_BLOCKS][2];
     float value_reference = 0.0f;  // R
-    const unsigned char* k_head_codes = in.k_codes;
-    const unsigned char* v_head_codes = in.v_codes;
-    const float *k_head_scales = in.k_scale, *v_head_scales = in.v_scale;
-    i64 k_code_stride = 0, v_code_stride = 0, k_scale_stride = 0, v_scale_stride = 0;
-    if constexpr (REGISTER_CODES) {
-        k_head_codes += b * ints[NPATTN_INT_K_STRIDE_B] + kv_head * ints[NPATTN_INT_K_STRIDE_H];
-        v_head_codes += b * ints[NPATTN_INT_V_STRIDE_B] + kv_head * ints[NPATTN_INT_V_STRIDE_H];
-        k_head_scales += b * ints[NPATTN_INT_K_SCALE_STRIDE_B] + kv_head * ints[NPATTN_INT_K_SCALE_STRIDE_H];
-        v_head_scales += b * ints[NPATTN_INT_V_SCALE_STRIDE_B] + kv_head * ints[NPATTN_INT_V_SCALE_STRIDE_H];
-        k_code_stride = ints[NPATTN_INT_K_STRIDE_S];
-        v_code_stride = ints[NPATTN_INT_V_STRIDE_S];
-        k_scale_stride = ints[NPATTN_INT_K_SCALE_STRIDE_S];
-        v_scale_stride = ints[NPATTN_INT_V_SCALE_STRIDE_S];
-    }
     // REGISTER_CODES: tile t + 2's codes and scales are copied by cp.async into one of two
-    // shared stages while tile t is worked on (no register holds them in flight), and read
-    // into registers in the fragments' order just before use. Stage s, after Q's tile: BK
-    // rows of K codes, BK of V codes (rows CODE_ROW_PAD bytes longer than MAX_D: the eight
-    // rows a quarter warp reads at once fall in different banks), then BK K scales and BK
-    // V scales. (Loading each tile's codes from global memory into registers one tile
-    // ahead instead kept 32 bytes in local memory and ran 0.78-1.04x as fast: TUNING.md.)
-    constexpr int CODE_LD = MAX_D + CODE_ROW_PAD, CODE_STAGE = 2 * BK * CODE_LD + 2 * BK * 4;
-    auto code_stage = [&](i64 t) {
-        return reinterpret_cast<unsigned char*>(shared + at.k) + (int)(t & 1) * CODE_STAGE;
-    };
-    auto stage_register_codes = [&](i64 t) {  // lane r copies rows r, r + 32, ...; rows past the keys zeros
-        unsigned char* stage = code_stage(t);
-        float* stage_scales = reinterpret_cast<float*>(stage + 2 * BK * CODE_LD);
-        const i64 j0 = key_tiles.start(t);
-        const int cols = key_tiles.keys(t);
-#pragma unroll
-        for (int r = lane; r < BK; r += 32) {
-            const bool live = r < cols;
-            const unsigned char* k_row = live ? k_head_codes + (j0 + r) * k_code_stride : k_head_codes;
-            const unsigned char* v_row = live ? v_head_codes + (j0 + r) * v_code_stride : v_head_codes;
-#pragma unroll
-            for (int c = 0; c < MAX_D / 16; ++c) {
-                cp_async_16(reinterpret_cast<unsigned short*>(stage + r * CODE_LD + 16 * c), k_row + 16 * c, live ? 16 : 0);
-                cp_async_16(reinterpret_cast<unsigned short*>(stage + (BK + r) * CODE_LD + 16 * c), v_row + 16 * c,
-                            live ? 16 : 0);
-            }
-            cp_async_4(stage_scales + r, live ? k_head_scales + (j0 + r) * k_scale_stride : k_head_scales, live ? 4 : 0);
-            cp_async_4(stage_scales + BK + r, live ? v_head_scales + (j0 + r) * v_scale_stride : v_head_scales,
-                       live ? 4 : 0);
-        }
+    // shared stages after Q's tile (CodeStages) while tile t is worked on (no register
+    // holds them in flight), and read into registers in the fragments' order just before
+    // use. (Loading each tile's codes from global memory into registers one tile ahead
+    // instead kept 32 bytes in local memory and ran 0.78-1.04x as fast: TUNING.md.)
+    const CodeStages<BK, MAX_D> code_stages{reinterpret_cast<unsigned char*>(shared + at.k)};
+    constexpr int CODE_LD = CodeStages<BK, MAX_D>::LD;
+    const HeadCodes head_codes(in, b, kv_head);  // (unread without REGISTER_CODES)
+    auto code_stage = [&](i64 t) { return code_stages.stage(t); };
+    auto stage_register_codes = [&](i64 t) {
+        code_stages.fetch(head_codes, t, key_tiles.start(t), key_tiles.keys(t), lane);
     };
     // tile t's K codes and both scales (`values`: its V codes) from its stage into this
     // lane's registers: the scales of its columns of S and P (keys 8 n + 2 in_quad + e)
     auto read_register_codes = [&](i64 t, bool values) {
         const unsigned char* stage = code_stage(t);
-        const float* stage_scales = reinterpret_cast<const float*>(stage + 2 * BK * CODE_LD);
+        const float* stage_scales = reinterpret_cast<const float*>(stage + 2 * BK * CODE_LD);  // K's, then V's
         if (!values) {
 #pragma unroll
             for (int n = 0; n < CODE_BLOCKS; ++n) {

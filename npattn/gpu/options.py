@@ -29,9 +29,12 @@ def _bits(names) -> type[IntFlag]:
 # their scales, dequantized to the inputs' 16-bit type as their tiles are staged); and
 # REGISTER_CODES, a way to read CODES that the driver picks with the tile
 # (npattn.gpu.sources.reads_codes_into_registers): a decode step's codes loaded straight
-# into the mma fragments' registers, no tile of them staged.
+# into the mma fragments' registers, no tile of them staged; and TRANSPOSED, which the
+# driver adds to REGISTER_CODES for a step of at most 8 packed rows a kv head
+# (npattn.gpu.sources.transposes_decode): its products with the keys on the mma's 16
+# rows and the packed rows on its 8 columns (decode_tc.cu).
 Option = _bits(dict.fromkeys([*(option.gpu_option for option in _table.OPTIONS if option.gpu_option),
-                              "UNALIGNED", "NARROW", "CODES", "REGISTER_CODES"]))
+                              "UNALIGNED", "NARROW", "CODES", "REGISTER_CODES", "TRANSPOSED"]))
 
 
 def _union(selected) -> IntFlag:

@@ -26,7 +26,7 @@ from ..core.kernel_params import SPAN_FIELDS, Int, KvCodes, Real, Span, operand_
 from . import options as _options
 
 _DIRECTORY = Path(__file__).parent
-_FILES = ("common.cuh", "tensor_core.cuh", "forward.cu", "forward_tc.cu", "repair.cu", "backward.cu",
+_FILES = ("common.cuh", "tensor_core.cuh", "forward.cu", "decode_tc.cu", "forward_tc.cu", "repair.cu", "backward.cu",
           "backward_tc.cu")
 _LOCAL_INCLUDE = re.compile(r'^#include "[^"]+"\s*$', re.MULTILINE)
 
@@ -193,18 +193,35 @@ def reads_codes_into_registers(tile: ForwardTile, options: int, bound: int) -> b
     cache's codes straight into the mma fragments' registers (Option.REGISTER_CODES,
     forward_tc.cu) rather than staging tiles of them (CodeTile): the one-warp,
     one-fragment, one-stage decode tile, a contiguous cache (no PAGED) whose rows lie on 16
-    bytes (no UNALIGNED), at the full width of a bound of REGISTER_CODES_BOUNDS (no NARROW).
-    The kernel holds its template arguments to the same (a static_assert)."""
+    bytes (no UNALIGNED), at the full width of a bound of REGISTER_CODES_BOUNDS (no NARROW;
+    a quantized cache's head dims are multiples of 16, so both equal the bound). The
+    kernel holds its template arguments to the same (a static_assert)."""
     unfit = _options.Option.PAGED | _options.Option.UNALIGNED | _options.Option.NARROW
     return (bool(options & _options.Option.CODES) and not options & unfit and bound in REGISTER_CODES_BOUNDS
             and (tile.warps, tile.frags, tile.stages) == (1, 1, 1))
 
 
-def register_codes_name(dtype_name: str, bound: int) -> str:
+# REGISTER_CODES steps of at most this many packed rows a kv head take the transposed
+# products (Option.TRANSPOSED, decode_tc.cu: the packed rows on the mma's 8 columns).
+# The driver reads it at plan time: 0 sends every step to the untransposed tile, which is
+# how a device session times the two side by side.
+TRANSPOSED_ROWS = 8
+
+
+def transposes_decode(options: int, packed_rows: int) -> bool:
+    """Whether a REGISTER_CODES step of ``packed_rows`` rows a kv head (query rows times
+    the GQA group) runs with Option.TRANSPOSED."""
+    return bool(options & _options.Option.REGISTER_CODES) and packed_rows <= TRANSPOSED_ROWS
+
+
+def register_codes_name(dtype_name: str, bound: int, transposed: bool = False) -> str:
     """The decode tile that reads a contiguous quantized cache's codes into registers, under
     the band (a decode step's options), for ``dtype_name`` q at head-dim ``bound`` (one of
-    :data:`REGISTER_CODES_BOUNDS`)."""
+    :data:`REGISTER_CODES_BOUNDS`); ``transposed``: its products transposed, for at most
+    :data:`TRANSPOSED_ROWS` packed rows."""
     options = _options.Option.BAND | _options.Option.CODES | _options.Option.REGISTER_CODES
+    if transposed:
+        options |= _options.Option.TRANSPOSED
     return kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound), options=options)
 
 
@@ -257,7 +274,7 @@ def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
     names.append(kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound),
                              options=_EVERY_OPTION))
     if bound in REGISTER_CODES_BOUNDS:  # a decode step over a contiguous quantized cache
-        names.append(register_codes_name(dtype_name, bound))
+        names += [register_codes_name(dtype_name, bound, transposed) for transposed in (False, True)]
     return tuple(names)
 
 
@@ -289,8 +306,8 @@ def name_expressions() -> tuple[str, ...]:
 # through floats over 64-key tiles, keeps 8 bytes on sm_90; the others none), but not to
 # ldmatrix (their K and V fragments come from plain shared-memory loads)
 REGISTER_CODES_STACK_BYTES = 16
-REGISTER_CODE_KERNELS = tuple(register_codes_name(dtype_name, bound) for dtype_name in TENSOR_CORE_STORAGE
-                              for bound in REGISTER_CODES_BOUNDS)
+REGISTER_CODE_KERNELS = tuple(register_codes_name(dtype_name, bound, transposed) for dtype_name in TENSOR_CORE_STORAGE
+                              for bound in REGISTER_CODES_BOUNDS for transposed in (False, True))
 
 # The kernels whose machine code CI reads (tests/test_gpu_machine_code.py): no spill, and
 # ldmatrix (LDSM), cp.async (LDGSTS) and mma (HMMA) present: the tensor-core forward at

@@ -13,6 +13,10 @@
 #pragma once
 #include "common.cuh"
 
+// the online softmax runs in base 2: log2(e) folded into the scale, ln(2) back at the end
+#define NPATTN_LOG2E 1.4426950408889634f
+#define NPATTN_LN2 0.6931471805599453f
+
 template <typename T> struct TensorCore;
 template <> struct TensorCore<half_bits> { static constexpr bool bf16 = false; };
 template <> struct TensorCore<bf16_bits> { static constexpr bool bf16 = true; };
@@ -150,6 +154,20 @@ template <typename T, bool E4M3> __device__ inline void code_pairs(u32 word, u32
         pairs[0] = pack_pair<T>(values[0], values[1]);
         pairs[1] = pack_pair<T>(values[2], values[3]);
     }
+}
+
+// Lane l holds row l / 4, columns 2 (l % 4) and + 1 (low half first) of an 8x8 matrix
+// of 16-bit values (an mma accumulator's layout, packed by pack_pair); returns the same
+// elements of its transpose: column l / 4, rows 2 (l % 4) and + 1 (movmatrix, sm_75 and
+// newer). The whole warp calls it.
+__device__ inline u32 transpose_8x8(u32 word) {
+#ifdef NPATTN_HOST_EMULATION
+    return emulated_transpose_8x8(word);
+#else
+    u32 result;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(result) : "r"(word));
+    return result;
+#endif
 }
 
 // ---- shared-memory addresses ------------------------------------------------------------
@@ -442,3 +460,66 @@ __device__ inline void stage_strided_rows(unsigned short* tile, int ld, const T*
         }
     }
 }
+
+// ---- codes staged for registers ------------------------------------------------------
+
+// A decode step's codes over a contiguous quantized cache, for the tiles that read them
+// into registers (forward_tc.cu's REGISTER_CODES, decode_tc.cu): kv head h of entry b's
+// K and V code rows and scales, and their strides (in bytes and in scales).
+struct HeadCodes {
+    const unsigned char *k, *v;
+    const float *k_scale, *v_scale;
+    i64 k_stride, v_stride, k_scale_stride, v_scale_stride;
+    template <typename T, typename Acc> __device__ HeadCodes(const Operands<T, Acc>& in, i64 b, i64 h) {
+        const i64* ints = in.ints;
+        k = in.k_codes + b * ints[NPATTN_INT_K_STRIDE_B] + h * ints[NPATTN_INT_K_STRIDE_H];
+        v = in.v_codes + b * ints[NPATTN_INT_V_STRIDE_B] + h * ints[NPATTN_INT_V_STRIDE_H];
+        k_scale = in.k_scale + b * ints[NPATTN_INT_K_SCALE_STRIDE_B] + h * ints[NPATTN_INT_K_SCALE_STRIDE_H];
+        v_scale = in.v_scale + b * ints[NPATTN_INT_V_SCALE_STRIDE_B] + h * ints[NPATTN_INT_V_SCALE_STRIDE_H];
+        k_stride = ints[NPATTN_INT_K_STRIDE_S];
+        v_stride = ints[NPATTN_INT_V_STRIDE_S];
+        k_scale_stride = ints[NPATTN_INT_K_SCALE_STRIDE_S];
+        v_scale_stride = ints[NPATTN_INT_V_SCALE_STRIDE_S];
+    }
+};
+
+// Two shared stages of a key tile's codes (BK keys at head dims up to MAX_D), from
+// `base`: stage s holds BK rows of K codes, BK rows of V codes (rows CODE_ROW_PAD bytes
+// longer than MAX_D, so the eight rows a quarter warp reads at once fall in different
+// banks), then the BK K scales and the BK V scales. Tile t takes stage t % 2: its copies
+// run under tile t - 1's work.
+template <int BK, int MAX_D> struct CodeStages {
+    static constexpr int LD = MAX_D + CODE_ROW_PAD, BYTES = 2 * BK * LD + 2 * BK * 4;
+    unsigned char* base;
+    __device__ unsigned char* stage(i64 t) const { return base + (int)(t & 1) * BYTES; }
+    __device__ static const unsigned char* k_row(const unsigned char* stage, int key) { return stage + key * LD; }
+    __device__ static const unsigned char* v_row(const unsigned char* stage, int key) { return stage + (BK + key) * LD; }
+    __device__ static float k_scale(const unsigned char* stage, int key) {
+        return reinterpret_cast<const float*>(stage + 2 * BK * LD)[key];
+    }
+    __device__ static float v_scale(const unsigned char* stage, int key) {
+        return reinterpret_cast<const float*>(stage + 2 * BK * LD)[BK + key];
+    }
+
+    // Copy keys [j0, j0 + keys) of `codes` into stage t by cp.async (the caller commits):
+    // lane r of the one warp copies rows r, r + 32, ...; rows past `keys` get zeros.
+    __device__ void fetch(const HeadCodes& codes, i64 t, i64 j0, int keys, int lane) const {
+        unsigned char* destination = stage(t);
+        float* scales = reinterpret_cast<float*>(destination + 2 * BK * LD);
+#pragma unroll
+        for (int r = lane; r < BK; r += 32) {
+            const bool live = r < keys;
+            const unsigned char* k_row = live ? codes.k + (j0 + r) * codes.k_stride : codes.k;
+            const unsigned char* v_row = live ? codes.v + (j0 + r) * codes.v_stride : codes.v;
+#pragma unroll
+            for (int c = 0; c < MAX_D / 16; ++c) {
+                cp_async_16(reinterpret_cast<unsigned short*>(destination + r * LD + 16 * c), k_row + 16 * c, live ? 16 : 0);
+                cp_async_16(reinterpret_cast<unsigned short*>(destination + (BK + r) * LD + 16 * c), v_row + 16 * c,
+                            live ? 16 : 0);
+            }
+            cp_async_4(scales + r, live ? codes.k_scale + (j0 + r) * codes.k_scale_stride : codes.k_scale, live ? 4 : 0);
+            cp_async_4(scales + BK + r, live ? codes.v_scale + (j0 + r) * codes.v_scale_stride : codes.v_scale,
+                       live ? 4 : 0);
+        }
+    }
+};
