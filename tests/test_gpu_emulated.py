@@ -675,7 +675,9 @@ _STEP_OPTIONS = {
     "sink_logits": lambda rng, heads, q_len, keys: dict(sink_logits=rng.normal(size=heads)),
     "alibi_slopes": lambda rng, heads, q_len, keys: dict(alibi_slopes=rng.uniform(0.1, 1.0, heads)),
     "bias": lambda rng, heads, q_len, keys: dict(bias=rng.normal(size=(1, heads, q_len, keys)).astype(np.float32)),
-    "mask": lambda rng, heads, q_len, keys: dict(mask=rng.random((1, heads, q_len, keys)) > 0.3),
+    # (head 0's rows see no key: zeros and an lse of -inf)
+    "mask": lambda rng, heads, q_len, keys: dict(mask=(rng.random((1, heads, q_len, keys)) > 0.3)
+                                                 & (np.arange(heads) > 0)[None, :, None, None]),
     "dropout_p": lambda rng, heads, q_len, keys: dict(dropout_p=0.3, seed=7),
     "softcap": lambda rng, heads, q_len, keys: dict(softcap=2.0),
     "window": lambda rng, heads, q_len, keys: dict(window=40, sinks=3),

@@ -131,12 +131,15 @@ def test_the_quantized_decode_tiles_keep_their_codes_in_registers_without_spilli
         within = not usage.local and usage.stack <= sources.REGISTER_CODES_STACK_BYTES
         problems = [] if within else sass.spill_evidence(usage, counter)
         wanted = ("HMMA", "LDGSTS", "HADD2") if name.startswith("forward_tc_kernel<half_bits") else ("HMMA", "LDGSTS")
-        transposed = f", {int(Option.TRANSPOSED | Option.REGISTER_CODES | Option.CODES | Option.BAND)}u>"
-        if name.endswith(transposed):
-            untransposed = inspected[name.replace(transposed, f", {int(Option.REGISTER_CODES | Option.CODES | Option.BAND)}u>")]
+        if f", {int(Option.TRANSPOSED | Option.REGISTER_CODES | Option.CODES | Option.BAND)}u>" in name:
+            dtype_name = "float16" if name.startswith("forward_tc_kernel<half_bits") else "bfloat16"
+            bound = int(name.split(", ")[2])
+            untransposed = sources.register_codes_name(dtype_name, bound)
             wanted += ("MOVM",)
-            if 2 * counter["HMMA"] != untransposed[1]["HMMA"]:
-                problems.append(f"{counter['HMMA']} mma against the untransposed tile's {untransposed[1]['HMMA']}")
+            # (the key loop's static mma, per key of its tile: half)
+            per_key = [inspected[n][1]["HMMA"] / int(n.split(", ")[5]) for n in (name, untransposed)]
+            if 2 * per_key[0] != per_key[1]:
+                problems.append(f"{per_key[0]} mma a key against the untransposed tile's {per_key[1]}")
         problems += [f"no {opcode}" for opcode in wanted if not counter[opcode]]
         if problems:
             failures.append(f"{architecture} {name}: {'; '.join(problems)}")
@@ -159,18 +162,6 @@ def test_the_hardware_e4m3_switch_builds_its_conversion(machine_code, monkeypatc
     switched, switched_lowered = nvrtc.compile_cubin("sm_90", [name])
     counts = conversions(default, lowered[name]), conversions(switched, switched_lowered[name])
     assert counts == (0, 128), counts
-
-
-def test_the_transposed_blocks_switch_caps_the_registers_without_spilling(monkeypatch):
-    """NPATTN_TRANSPOSED_BLOCKS=11 (a switch for a lent GPU to time, through
-    NPATTN_GPU_DEFINES): the transposed decode tile at 128-wide heads fits 11 blocks an SM
-    by registers, as its shared memory allows, with nothing in local memory."""
-    tools_or_skip()
-    name = sources.register_codes_name("float16", 128, transposed=True)
-    monkeypatch.setenv("NPATTN_GPU_DEFINES", "NPATTN_TRANSPOSED_BLOCKS=11")
-    cubin, lowered = nvrtc.compile_cubin("sm_90", [name])
-    usage = sass.resource_usage(cubin)[lowered[name]]
-    assert usage.registers <= 65536 // (11 * 32) and not usage.local and not usage.stack, usage
 
 
 def test_a_simt_kernel_fails_the_fast_kernel_check(kernels):

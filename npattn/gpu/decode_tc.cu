@@ -33,6 +33,11 @@
 //   give it two keys of two rows: each 8 x 8 block of P (as 16-bit pairs) is transposed
 //   in registers by movmatrix (two per 16-key block).
 //
+// The block's WARPS warps (sources.TRANSPOSED_WARPS) take their own shares of its keys,
+// each with its own two stages, and merge their rows in shared memory at the end (in warp
+// order), so that a split step's combine reads a partial row per block, not per warp:
+// four times fewer at the same warps in flight.
+//
 // Everything else is the REGISTER_CODES tile's: codes staged two tiles ahead by
 // cp.async (CodeStages) and converted in registers unscaled, the keys' scales on the
 // scores in float32, the values' scales in P relative to R (the largest value scale
@@ -82,11 +87,11 @@ __device__ inline void transposed_values(float (&o)[MAX_D / 16][4], const u32 (&
     }
 }
 
-// One block (one warp) of forward_tc_kernel under TRANSPOSED: packed rows [p0, p0 +
+// One block (WARPS warps) of forward_tc_kernel under TRANSPOSED: packed rows [p0, p0 +
 // rows) of kv head `kv_head` of entry b (rows <= 8), split `split` of `splits` of the
 // keys; out, lse and the split partials as forward_tc_kernel writes them. `shared`:
-// the block's dynamic shared memory (two CodeStages).
-template <typename T, typename Acc, int MAX_D, int BK, unsigned OPTIONS>
+// the block's dynamic shared memory (two CodeStages a warp).
+template <typename T, typename Acc, int MAX_D, int BK, int WARPS, unsigned OPTIONS>
 __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b, i64 kv_head, i64 p0, int rows,
                                               i64 split, i64 splits, T* out, i64 out_sb, i64 out_sh, i64 out_ss,
                                               Acc* lse, Acc* partial, unsigned char* shared) {
@@ -102,7 +107,7 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
     const i64 group = heads / ints[NPATTN_INT_KV_HEADS];
     const int value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
-    const int lane = threadIdx.x % 32, quad = lane / 4, in_quad = lane % 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, in_quad = lane % 4;
     const float lowest = negative_infinity<float>();
     // tile row r is packed row p0 + r; rows past `rows` stand in for the last one
     auto packed = [&](int r) { return p0 + (r < rows ? r : rows - 1); };
@@ -129,10 +134,12 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
     }
 
     const i64 i_first = p0 / group, i_last = (p0 + rows - 1) / group;
-    const KeyTiles key_tiles(key_ranges(ints, in.spans, b, i_first, i_last + 1, BK, split, splits), BK);
+    // this warp's share of the block's split: sub-split split WARPS + warp of splits WARPS
+    const KeyTiles key_tiles(
+        key_ranges(ints, in.spans, b, i_first, i_last + 1, BK, split * WARPS + warp, splits * WARPS), BK);
     const i64 tile_count = key_tiles.total();
     const HeadCodes codes(in, b, kv_head);
-    const Stages stages{shared};
+    const Stages stages{shared + warp * 2 * Stages::BYTES};
     const bool e4m3 = ints[NPATTN_INT_KV_CODES] == NPATTN_KVCODES_FLOAT8;
     constexpr bool KEEP_SCORERS = SCORE_OPTIONS || BAND;
     ScoreRow<T, Acc, OPTIONS> scorer[KEEP_SCORERS ? 2 : 1];
@@ -140,7 +147,8 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
 #pragma unroll
         for (int x = 0; x < 2; ++x) scorer[x] = ScoreRow<T, Acc, OPTIONS>(in, b, head_of(my_rows[x]), query_of(my_rows[x]));
     }
-    const bool has_sink = (OPTIONS & NPATTN_OPTION_SINK) && ints[NPATTN_INT_HAS_SINK] != 0 && splits == 1;
+    // (the sink's column once a row: in warp 0's share)
+    const bool has_sink = (OPTIONS & NPATTN_OPTION_SINK) && ints[NPATTN_INT_HAS_SINK] != 0 && splits == 1 && warp == 0;
     const bool has_dropout = (OPTIONS & NPATTN_OPTION_DROPOUT) && ints[NPATTN_INT_HAS_DROPOUT] != 0;
     // m: a row's running max in base 2; l: this lane's share of its running sum (its 8
     // quads' shares are added once, at the end)
@@ -320,6 +328,71 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
         seen[x] = seen[x] || l[x] != l[x];  // a visible NaN score (the max skips it): a NaN row, not empty
     }
     // O back from units of R; this lane's run of row x is dims quad RUN + [0, RUN)
+#pragma unroll
+    for (int mb = 0; mb < DIM_BLOCKS; ++mb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mb][e] *= value_reference;
+    }
+    if constexpr (WARPS > 1) {
+        // the warps' rows merged by warp 0, in warp order, through the stages' bytes: each
+        // warp's accumulators (lane-minor, so a warp's stores and loads take every bank
+        // once), then each row's max, sum and seen flag. A share whose max is -inf saw no
+        // key (its sum and rows are 0) or only NaN scores (NaN): any factor keeps those, so
+        // 1, not exp2's NaN of -inf less -inf.
+        constexpr int ACCUMULATORS = DIM_BLOCKS * 4, PER_WARP = 32 * ACCUMULATORS + 3 * 8;
+        static_assert(WARPS * PER_WARP * 4 <= WARPS * 2 * Stages::BYTES, "the merge fits the stages");
+        float* merged = reinterpret_cast<float*>(shared);
+        __syncthreads();  // every warp is done with its stages
+        float* mine = merged + warp * PER_WARP;
+#pragma unroll
+        for (int mb = 0; mb < DIM_BLOCKS; ++mb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mine[(4 * mb + e) * 32 + lane] = o[mb][e];
+        }
+        if (quad == 0) {
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                float* row = mine + 32 * ACCUMULATORS + 3 * my_rows[x];
+                row[0] = m[x];
+                row[1] = l[x];
+                row[2] = seen[x] ? 1.0f : 0.0f;
+            }
+        }
+        __syncthreads();
+        if (warp != 0) return;
+        float factor[2][WARPS];
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+            float top = lowest;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float their_max = merged[w * PER_WARP + 32 * ACCUMULATORS + 3 * my_rows[x]];
+                top = their_max > top ? their_max : top;
+            }
+            float sum = 0.0f;
+            bool any = false;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float* row = merged + w * PER_WARP + 32 * ACCUMULATORS + 3 * my_rows[x];
+                factor[x][w] = row[0] > lowest ? exp2_approx(row[0] - top) : 1.0f;
+                sum += row[1] * factor[x][w];
+                any = any || row[2] != 0.0f;
+            }
+            m[x] = top;
+            l[x] = sum;
+            seen[x] = any;
+        }
+#pragma unroll
+        for (int mb = 0; mb < DIM_BLOCKS; ++mb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float total = 0.0f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) total += merged[w * PER_WARP + (4 * mb + e) * 32 + lane] * factor[e & 1][w];
+                o[mb][e] = total;
+            }
+        }
+    }
     if (splits > 1) {  // unnormalized rows, max and sum (natural log) for combine_kernel
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
@@ -331,7 +404,7 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int d = quad * RUN + 2 * mb + h;
-                    if (d < value_dim) mine[d] = o[mb][2 * h + x] * value_reference;
+                    if (d < value_dim) mine[d] = o[mb][2 * h + x];
                 }
             }
             if (quad == 0) {
@@ -346,7 +419,7 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
         if (!row_valid[x]) continue;
-        const float factor = seen[x] ? (float)in.reals[NPATTN_REAL_KEEP_SCALE] * value_reference / l[x] : 0.0f;
+        const float factor = seen[x] ? (float)in.reals[NPATTN_REAL_KEEP_SCALE] / l[x] : 0.0f;
         u32 pairs[DIM_BLOCKS];
 #pragma unroll
         for (int mb = 0; mb < DIM_BLOCKS; ++mb) pairs[mb] = pack_pair<T>(o[mb][x] * factor, o[mb][2 + x] * factor);

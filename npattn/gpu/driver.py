@@ -23,7 +23,7 @@ from ..core.dropout import seed_words
 from .options import ALL, Option, _address, _strides_aligned, options_of
 from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, COMBINE_THREADS, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS,
                       backward_kinds, forward_kind, forward_tc_config, head_dim_bound, reads_codes_into_registers,
-                      transposes_decode)
+                      transposed_tile, transposes_decode)
 
 
 def _on_device(problem):
@@ -258,6 +258,7 @@ class ForwardPlan:
                     options |= Option.REGISTER_CODES
                     if transposes_decode(options, rows):
                         options |= Option.TRANSPOSED
+                        tile = transposed_tile(tile)
                 self.config = dict(tile=tile, options=options)
                 warps, block_q, block_k = tile.warps, tile.block_q, tile.block_k
                 self.shared = self._shared_bytes(self.config)

@@ -124,19 +124,8 @@ __device__ inline void add_code_values(float (&o)[VALUE_BLOCKS][4], const u32 (&
     }
 }
 
-// Blocks an SM should hold of a TRANSPOSED decode tile (__launch_bounds__' second
-// argument, which caps its registers; 0: no cap, as for every other instantiation).
-// Uncapped the tile takes 240-243 registers (8 blocks an SM, as many as the driver's
-// splits launch: DECODE_TARGET_WARPS); capped for 11, which its 18.5 KB of shared memory
-// allow at 128-wide heads, it takes 168 with nothing in local memory (sm_90, read off
-// NVRTC's cubin). A switch for a lent GPU to time with more splits, through
-// NPATTN_GPU_DEFINES=NPATTN_TRANSPOSED_BLOCKS=11 (.ci/gpu_cache_kernels.py --splits 1452,4).
-#ifndef NPATTN_TRANSPOSED_BLOCKS
-#define NPATTN_TRANSPOSED_BLOCKS 0
-#endif
-
 template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
-__global__ void __launch_bounds__(WARPS * 32, (OPTIONS & NPATTN_OPTION_TRANSPOSED) ? NPATTN_TRANSPOSED_BLOCKS : 0)
+__global__ void __launch_bounds__(WARPS * 32)
 forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
                   Acc* partial) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
@@ -170,10 +159,10 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     // with the products transposed (decode_tc.cu)
     constexpr bool TRANSPOSED = (OPTIONS & NPATTN_OPTION_TRANSPOSED) != 0;
     if constexpr (TRANSPOSED) {
-        static_assert((OPTIONS & NPATTN_OPTION_REGISTER_CODES) && WARPS == 1 && FRAGS == 1 && STAGES == 1,
-                      "transposed products: REGISTER_CODES's one-warp decode tile");
-        transposed_code_decode<T, Acc, MAX_D, BK, OPTIONS>(in, b, kv_head, p0, rows, split, splits, out, out_sb, out_sh,
-                                                           out_ss, lse, partial, shared_bytes);
+        static_assert((OPTIONS & NPATTN_OPTION_REGISTER_CODES) && FRAGS == 1 && STAGES == 1,
+                      "transposed products: REGISTER_CODES's decode tile, its warps sharing the keys");
+        transposed_code_decode<T, Acc, MAX_D, BK, WARPS, OPTIONS>(in, b, kv_head, p0, rows, split, splits, out, out_sb,
+                                                                  out_sh, out_ss, lse, partial, shared_bytes);
         return;
     }
     unsigned short* shared = reinterpret_cast<unsigned short*>(shared_bytes);
@@ -186,7 +175,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     // staging them (CodeTile), whose conversion in one-warp blocks bounded the step. The
     // driver asks for it (npattn.gpu.sources.reads_codes_into_registers) where it fits:
     constexpr bool REGISTER_CODES = (OPTIONS & NPATTN_OPTION_REGISTER_CODES) != 0;
-    static_assert(!REGISTER_CODES || (CODES && ASYNC && !PAGED && !NARROW && WARPS == 1 && FRAGS == 1 &&
+    static_assert(!REGISTER_CODES || (CODES && ASYNC && !PAGED && !NARROW && (WARPS == 1 || TRANSPOSED) && FRAGS == 1 &&
                                       STAGES == 1 && (MAX_D == 64 || MAX_D == 128)),
                   "codes in registers: contiguous, aligned, full-width codes on the one-warp decode tile");
     unsigned short* qs = shared + at.q;

@@ -51,15 +51,15 @@ def forward_tc_shared_bytes(head_dim: int, value_dim: int, tile: sources.Forward
     (K's and V's rows, CODE_ROW_PAD bytes longer, and their scales). The bytes decide how
     many blocks an SM holds: a decode step's 29.7 KB with 16-bit and code tiles fit 7 on
     an H200's SM, below the 8 its registers allow; its 22.5 KB now fit 9. ``transposed``
-    (Option.TRANSPOSED, decode_tc.cu) keeps Q in registers and writes out from them: the
-    two stages alone (18.5 KB at 128-wide heads)."""
+    (Option.TRANSPOSED, decode_tc.cu) keeps Q in registers and writes out from them: two
+    stages for each warp alone (18.5 KB a warp at 128-wide heads)."""
     def row(dim):
         return -(-(-(-dim // 16) * 16) // 64) * 64
     block_q, keys = tile.block_q, tile.stages * tile.block_k
     if register_codes:
         stages = 2 * (2 * tile.block_k * (row(head_dim) + _CODE_ROW_PAD) + 2 * tile.block_k * 4)
-        if transposed:
-            return stages
+        if transposed:  # (two stages a warp: each warp streams its own share of the keys)
+            return tile.warps * stages
         return max(2 * block_q * row(head_dim) + stages, 2 * block_q * row(value_dim))
     code_bytes = tile.block_k * (row(head_dim) + row(value_dim) + 2 * _CODE_ROW_PAD) if codes else 0
     return max(2 * (block_q * row(head_dim) + keys * (row(head_dim) + row(value_dim))) + code_bytes,

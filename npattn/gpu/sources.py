@@ -208,6 +208,22 @@ def reads_codes_into_registers(tile: ForwardTile, options: int, bound: int) -> b
 TRANSPOSED_ROWS = 8
 
 
+# Warps of a transposed decode block: each takes its own share of the block's keys and the
+# block merges their rows in shared memory (decode_tc.cu), so a split step writes, and
+# its combine reads, one partial row per block where one-warp blocks wrote one per warp
+TRANSPOSED_WARPS = 4
+
+
+def transposed_tile(tile: ForwardTile) -> ForwardTile:
+    """The tile of a TRANSPOSED step whose untransposed decode tile is ``tile`` (one warp,
+    one fragment, one stage): :data:`TRANSPOSED_WARPS` warps over 32-key tiles at either
+    bound. Each warp keeps two stages of codes (18.5 KB at 128-wide heads, 10.5 KB at 64),
+    so an SM holds 3 blocks at 128 and 5 at 64 by shared memory; NVRTC's sm_90 build takes
+    165-168 registers, 3 blocks' worth (12 warps an SM, where one-warp blocks of the
+    untransposed tile held 8)."""
+    return ForwardTile(TRANSPOSED_WARPS, 1, 32, 1)
+
+
 def transposes_decode(options: int, packed_rows: int) -> bool:
     """Whether a REGISTER_CODES step of ``packed_rows`` rows a kv head (query rows times
     the GQA group) runs with Option.TRANSPOSED."""
@@ -220,9 +236,11 @@ def register_codes_name(dtype_name: str, bound: int, transposed: bool = False) -
     :data:`REGISTER_CODES_BOUNDS`); ``transposed``: its products transposed, for at most
     :data:`TRANSPOSED_ROWS` packed rows."""
     options = _options.Option.BAND | _options.Option.CODES | _options.Option.REGISTER_CODES
+    tile = forward_tc_config(1, bound)
     if transposed:
         options |= _options.Option.TRANSPOSED
-    return kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound), options=options)
+        tile = transposed_tile(tile)
+    return kernel_name("forward_tc", dtype_name, bound, tile=tile, options=options)
 
 
 def stack_allowance(name: str) -> int:
