@@ -61,8 +61,9 @@ EXTRA_TILE_OPTIONS = (0, Option.BAND | _NARROW, ALL, ALL | _NARROW | _UNALIGNED)
 # and a quantized cache's decode step on two K/V stages, whose codes are staged at once
 # (the one-stage loop fetches them ahead of use); and the decode tile of a contiguous
 # quantized cache at full width, whose codes go straight into registers (REGISTER_CODES),
-# under the band alone and (float16 only: the property tests' 16-bit q) under everything
-# but pages at 64, and under the band at 128 (its 32-key tile); each untransposed and,
+# under the band alone, contiguous and paged, and (float16 only: the property tests'
+# 16-bit q) under everything, without pages and with, at 64, and under the band at 128
+# (its 32-key tile), contiguous and paged; each untransposed and,
 # for steps of at most 8 packed rows, transposed (TRANSPOSED, on its own tile of
 # sources.TRANSPOSED_WARPS warps). (tile, options, dtypes)
 _REGISTERS = Option.CODES | Option.REGISTER_CODES
@@ -70,12 +71,15 @@ _SIXTEEN_BIT = ("float16", "bfloat16")
 _DECODE = {bound: sources.forward_tc_config(1, bound) for bound in (64, 128)}
 _TRANSPOSED = {bound: sources.transposed_tile(tile) for bound, tile in _DECODE.items()}
 EXTRA_CODE_TILES = {64: ((sources.ForwardTile(1, 1, 32, 2), Option.BAND | _NARROW | Option.CODES, _SIXTEEN_BIT),
-                         (_DECODE[64], Option.BAND | _REGISTERS, _SIXTEEN_BIT),
-                         (_TRANSPOSED[64], Option.BAND | _REGISTERS | Option.TRANSPOSED, _SIXTEEN_BIT),
-                         (_DECODE[64], (ALL & ~Option.PAGED) | _REGISTERS, ("float16",)),
-                         (_TRANSPOSED[64], (ALL & ~Option.PAGED) | _REGISTERS | Option.TRANSPOSED, ("float16",))),
-                    128: ((_DECODE[128], Option.BAND | _REGISTERS, _SIXTEEN_BIT),
-                          (_TRANSPOSED[128], Option.BAND | _REGISTERS | Option.TRANSPOSED, _SIXTEEN_BIT))}
+                         *((tile, Option.BAND | paged | _REGISTERS | transposed, _SIXTEEN_BIT)
+                           for tile, transposed in ((_DECODE[64], 0), (_TRANSPOSED[64], Option.TRANSPOSED))
+                           for paged in (0, Option.PAGED)),
+                         *((tile, options | _REGISTERS | transposed, ("float16",))
+                           for tile, transposed in ((_DECODE[64], 0), (_TRANSPOSED[64], Option.TRANSPOSED))
+                           for options in (ALL & ~Option.PAGED, ALL))),
+                    128: tuple((tile, Option.BAND | paged | _REGISTERS | transposed, _SIXTEEN_BIT)
+                               for tile, transposed in ((_DECODE[128], 0), (_TRANSPOSED[128], Option.TRANSPOSED))
+                               for paged in (0, Option.PAGED))}
 
 
 def _forward_tc_configs(dtype_name, bound):

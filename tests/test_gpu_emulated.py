@@ -588,18 +588,18 @@ def check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=np, ev
     two sequences of 600 and 45 keys, so split keys and tiles with tails), and the same
     step on a cache of ``dtype`` holding each code times its scale rounded to ``dtype``.
     Where the tensor-core forward stages both into the same 16-bit tiles (CodeTile
-    dequantizes the codes as it deposits them: a paged cache, or two K/V stages), out and
-    lse have the same bits. A contiguous cache's one-stage decode tile reads the codes
-    into registers instead and scales outside the products (REGISTER_CODES in
+    dequantizes the codes as it deposits them: two K/V stages, ``same_bits``), out and
+    lse have the same bits. The one-stage decode tile reads the codes into registers
+    instead, contiguous or paged, and scales outside the products (REGISTER_CODES in
     forward_tc.cu; with its products transposed, decode_tc.cu, for at most 8 packed rows:
-    ``q_len`` 1 here, not 5): its out and lse are held to the bound of the float64 reference on
-    the dequantized cache, and its out's largest error to twice the 16-bit cache's
-    (``same_bits`` None: same bits where paged). ``every_code``:
+    ``q_len`` 1 here, not 5): its out and lse are held to the bound of the float64
+    reference on the dequantized cache, and its out's largest error to twice the 16-bit
+    cache's. ``every_code``:
     codes drawn from every finite code (e4m3's subnormals and int8's -128 among them)
     instead of quantize_kv's. ``xp``: CuPy, for the device. ``dim``: the head dim."""
     from test_serving import assert_lse, assert_out, call_case
 
-    same_bits = paged if same_bits is None else same_bits
+    same_bits = False if same_bits is None else same_bits
     rng = np.random.default_rng(11)
     batch, kv_heads, heads, page_size, pages = 2, 2, 4, 32, 40
     lengths = np.array([600, 45])
@@ -614,8 +614,9 @@ def check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=np, ev
                           for codes, scale in ((k_codes, k_scale), (v_codes, v_scale)))
     q = rng.normal(size=(batch, q_len, heads, dim)).astype(dtype)
     call = dict(cache_seqlens=lengths, causal=True, return_lse=True, backend="gpu")
+    table = rng.permutation(pages)[:pages // 2 * 2].reshape(batch, pages // 2) if paged else None
     if paged:
-        call["block_table"] = rng.permutation(pages)[:pages // 2 * 2].reshape(batch, pages // 2)
+        call["block_table"] = table
     if xp is not np:
         q, k_codes, v_codes, k_scale, v_scale, k_values, v_values = (
             xp.asarray(x) for x in (q, k_codes, v_codes, k_scale, v_scale, k_values, v_values))
@@ -646,9 +647,13 @@ def check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=np, ev
         np.testing.assert_array_equal(out, values_out)
         np.testing.assert_array_equal(lse, values_lse)
         return
+    def sequence(array, b):  # sequence b's keys (codes or scales) in order, from its row or its pages
+        held = array[table[b]].reshape(-1, *array.shape[2:]) if paged else array[b]
+        return held[:lengths[b]]
+
     for b in range(batch):
         rows = slice(b, b + 1)
-        keys, values = (npattn.dequantize_kv(codes[b, :lengths[b]], scale[b, :lengths[b]], np.float64)[None]
+        keys, values = (npattn.dequantize_kv(sequence(codes, b), sequence(scale, b), np.float64)[None]
                         for codes, scale in ((k_codes, k_scale), (v_codes, v_scale)))
         expected, expected_lse = npattn.attention(q[rows].astype(np.float64), keys, values, layout="bshd",
                                                   causal=True, return_lse=True, backend="reference")
@@ -736,11 +741,12 @@ def test_emulated_gpu_codes_in_registers_read_every_option(option, q_len, kind):
 
 
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("q_len", [1, 5])
-def test_emulated_gpu_codes_at_128_wide_heads_match_their_16_bit_values(kind, q_len):
+def test_emulated_gpu_codes_at_128_wide_heads_match_their_16_bit_values(kind, paged, q_len):
     """The 128-wide decode tiles (32-key tiles), transposed (one query: 2 packed rows a kv
-    head) and not (five: 10)."""
-    check_codes_against_their_16_bit_values(kind, False, q_len, np.float16, dim=128)
+    head) and not (five: 10), on contiguous and paged caches."""
+    check_codes_against_their_16_bit_values(kind, paged, q_len, np.float16, dim=128)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])

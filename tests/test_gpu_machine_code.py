@@ -131,10 +131,11 @@ def test_the_quantized_decode_tiles_keep_their_codes_in_registers_without_spilli
         within = not usage.local and usage.stack <= sources.REGISTER_CODES_STACK_BYTES
         problems = [] if within else sass.spill_evidence(usage, counter)
         wanted = ("HMMA", "LDGSTS", "HADD2") if name.startswith("forward_tc_kernel<half_bits") else ("HMMA", "LDGSTS")
-        if f", {int(Option.TRANSPOSED | Option.REGISTER_CODES | Option.CODES | Option.BAND)}u>" in name:
+        options = int(name.split(", ")[-1][:-2])
+        if options & Option.TRANSPOSED:
             dtype_name = "float16" if name.startswith("forward_tc_kernel<half_bits") else "bfloat16"
             bound = int(name.split(", ")[2])
-            untransposed = sources.register_codes_name(dtype_name, bound)
+            untransposed = sources.register_codes_name(dtype_name, bound, paged=bool(options & Option.PAGED))
             wanted += ("MOVM",)
             # (the key loop's static mma, per key of its tile: half)
             per_key = [inspected[n][1]["HMMA"] / int(n.split(", ")[5]) for n in (name, untransposed)]

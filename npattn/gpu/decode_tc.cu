@@ -1,4 +1,4 @@
-// A decode step over a contiguous quantized cache when a kv head has at most 8 packed
+// A decode step over a quantized cache (contiguous or paged) when a kv head has at most 8 packed
 // rows (a GQA group of up to 8 query heads at one query, or a smaller group over a few
 // queries): the one-warp tile of forward_tc.cu's REGISTER_CODES with its products
 // transposed (Option.TRANSPOSED, which the driver adds to REGISTER_CODES for such
@@ -138,15 +138,13 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
     const KeyTiles key_tiles(
         key_ranges(ints, in.spans, b, i_first, i_last + 1, BK, split * WARPS + warp, splits * WARPS), BK);
     const i64 tile_count = key_tiles.total();
-    const HeadCodes codes(in, b, kv_head);
+    const HeadCodes<(OPTIONS & NPATTN_OPTION_PAGED) != 0> codes(in, b, kv_head);
     const Stages stages{shared + warp * 2 * Stages::BYTES};
     const bool e4m3 = ints[NPATTN_INT_KV_CODES] == NPATTN_KVCODES_FLOAT8;
-    constexpr bool KEEP_SCORERS = SCORE_OPTIONS || BAND;
-    ScoreRow<T, Acc, OPTIONS> scorer[KEEP_SCORERS ? 2 : 1];
-    if constexpr (KEEP_SCORERS) {
-#pragma unroll
-        for (int x = 0; x < 2; ++x) scorer[x] = ScoreRow<T, Acc, OPTIONS>(in, b, head_of(my_rows[x]), query_of(my_rows[x]));
-    }
+    // the rows' ScoreRows, built for each tile that needs them (a tile past the band's
+    // edges and with no score option, a decode step's usual one, needs none): kept through
+    // the loop, their state took registers the tile needs (8-16 bytes of stack at 168)
+    auto scorer = [&](int x) { return ScoreRow<T, Acc, OPTIONS>(in, b, head_of(my_rows[x]), query_of(my_rows[x])); };
     // (the sink's column once a row: in warp 0's share)
     const bool has_sink = (OPTIONS & NPATTN_OPTION_SINK) && ints[NPATTN_INT_HAS_SINK] != 0 && splits == 1 && warp == 0;
     const bool has_dropout = (OPTIONS & NPATTN_OPTION_DROPOUT) && ints[NPATTN_INT_HAS_DROPOUT] != 0;
@@ -214,18 +212,29 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
         // scores in base 2
         bool plain_tile = !SCORE_OPTIONS;
         if (plain_tile && BAND) plain_tile = tile_fully_visible(ints, in.spans, b, i_first, i_last + 1, j0, j0 + cols);
+        if (plain_tile) {
 #pragma unroll
-        for (int n = 0; n < BLOCKS; ++n) {
+            for (int n = 0; n < BLOCKS; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = 16 * n + quad + 8 * (e >> 1), x = e & 1;
-                if (plain_tile) {
+                for (int e = 0; e < 4; ++e) {
+                    const int c = 16 * n + quad + 8 * (e >> 1);
                     s[n][e] = c < cols ? scale_log2 * s[n][e] : lowest;
-                } else {
-                    float tanh_unused;
-                    s[n][e] = (row_valid[x] && c < cols) ? scorer[KEEP_SCORERS ? x : 0].score(j0 + c, s[n][e], &tanh_unused) *
-                                                               NPATTN_LOG2E
-                                                         : lowest;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                const ScoreRow<T, Acc, OPTIONS> row = scorer(x);
+#pragma unroll
+                for (int n = 0; n < BLOCKS; ++n) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int c = 16 * n + quad + 8 * h;
+                        float tanh_unused;
+                        float& score = s[n][2 * h + x];
+                        score = (row_valid[x] && c < cols) ? row.score(j0 + c, score, &tanh_unused) * NPATTN_LOG2E
+                                                           : lowest;
+                    }
                 }
             }
         }

@@ -23,7 +23,7 @@
 // A quantized cache's codes (OPTIONS has CODES) take the same path through shared memory
 // (CodeTile, tensor_core.cuh): copied by cp.async as 16-bit tiles are, then dequantized
 // into the 16-bit tiles by the threads that copied them, each code times its row's scale
-// rounded once to T. A decode step over a contiguous cache (REGISTER_CODES) instead reads
+// rounded once to T. A decode step (REGISTER_CODES; contiguous or paged) instead reads
 // the raw codes from shared memory into the mma fragments' registers, converts them
 // there unscaled, and applies the scales in float32 outside the products (see the key
 // loop).
@@ -124,8 +124,15 @@ __device__ inline void add_code_values(float (&o)[VALUE_BLOCKS][4], const u32 (&
     }
 }
 
+// The blocks of the TRANSPOSED decode tile an SM should hold: its shared memory (18.5 KB a
+// warp at 128-wide heads) lets 3 blocks of 4 warps share one, and its registers are
+// capped to match (168, with 8 bytes of stack at 128-wide heads and none at 64; uncapped,
+// NVRTC's sm_90 build took 168 or 244-246 as the code around it changed, and 244 lets 2
+// blocks fit). Every other instantiation: no cap (0).
+#define NPATTN_TRANSPOSED_BLOCKS_PER_SM 3
+
 template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, (OPTIONS & NPATTN_OPTION_TRANSPOSED) ? NPATTN_TRANSPOSED_BLOCKS_PER_SM : 0)
 forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
                   Acc* partial) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
@@ -155,7 +162,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     if (rows <= 0) return;  // the same for the whole block
     const int head_dim = (int)ints[NPATTN_INT_HEAD_DIM], value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
     NPATTN_DYNAMIC_SHARED(shared_bytes);
-    // TRANSPOSED: a decode step of at most 8 packed rows over a contiguous quantized cache,
+    // TRANSPOSED: a decode step of at most 8 packed rows over a quantized cache,
     // with the products transposed (decode_tc.cu)
     constexpr bool TRANSPOSED = (OPTIONS & NPATTN_OPTION_TRANSPOSED) != 0;
     if constexpr (TRANSPOSED) {
@@ -170,14 +177,14 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     // over them are compile-time constants (no run-time tests inside the unrolled loops)
     constexpr bool NARROW = (OPTIONS & NPATTN_OPTION_NARROW) != 0;
     const ForwardTensorCoreLayout at(NARROW ? head_dim : MAX_D, NARROW ? value_dim : MAX_D, BQ, BK, STAGES);
-    // A decode step's one-warp tile over a contiguous quantized cache reads its codes
+    // A decode step's one-warp tile over a quantized cache (contiguous or paged) reads its codes
     // straight into registers in the mma fragments' order (see the key loop) instead of
     // staging them (CodeTile), whose conversion in one-warp blocks bounded the step. The
     // driver asks for it (npattn.gpu.sources.reads_codes_into_registers) where it fits:
     constexpr bool REGISTER_CODES = (OPTIONS & NPATTN_OPTION_REGISTER_CODES) != 0;
-    static_assert(!REGISTER_CODES || (CODES && ASYNC && !PAGED && !NARROW && (WARPS == 1 || TRANSPOSED) && FRAGS == 1 &&
+    static_assert(!REGISTER_CODES || (CODES && ASYNC && !NARROW && (WARPS == 1 || TRANSPOSED) && FRAGS == 1 &&
                                       STAGES == 1 && (MAX_D == 64 || MAX_D == 128)),
-                  "codes in registers: contiguous, aligned, full-width codes on the one-warp decode tile");
+                  "codes in registers: aligned, full-width codes on the one-warp decode tile");
     unsigned short* qs = shared + at.q;
     // K and V tiles of key tile t (its stage's)
     auto ks = [&](i64 t) { return shared + at.k + (STAGES == 2 ? (int)(t & 1) * at.k_stage : 0); };
@@ -314,7 +321,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     // instead kept 32 bytes in local memory and ran 0.78-1.04x as fast: TUNING.md.)
     const CodeStages<BK, MAX_D> code_stages{reinterpret_cast<unsigned char*>(shared + at.k)};
     constexpr int CODE_LD = CodeStages<BK, MAX_D>::LD;
-    const HeadCodes head_codes(in, b, kv_head);  // (unread without REGISTER_CODES)
+    const HeadCodes<PAGED> head_codes(in, b, kv_head);  // (unread without REGISTER_CODES)
     auto code_stage = [&](i64 t) { return code_stages.stage(t); };
     auto stage_register_codes = [&](i64 t) {
         code_stages.fetch(head_codes, t, key_tiles.start(t), key_tiles.keys(t), lane);

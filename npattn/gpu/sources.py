@@ -192,11 +192,12 @@ def reads_codes_into_registers(tile: ForwardTile, options: int, bound: int) -> b
     """Whether a call with ``options`` (CODES among them) on ``tile`` reads its quantized
     cache's codes straight into the mma fragments' registers (Option.REGISTER_CODES,
     forward_tc.cu) rather than staging tiles of them (CodeTile): the one-warp,
-    one-fragment, one-stage decode tile, a contiguous cache (no PAGED) whose rows lie on 16
-    bytes (no UNALIGNED), at the full width of a bound of REGISTER_CODES_BOUNDS (no NARROW;
-    a quantized cache's head dims are multiples of 16, so both equal the bound). The
+    one-fragment, one-stage decode tile, a cache (contiguous or PAGED: each key's rows
+    looked up in its page as its codes are copied) whose rows lie on 16 bytes (no
+    UNALIGNED), at the full width of a bound of REGISTER_CODES_BOUNDS (no NARROW; a
+    quantized cache's head dims are multiples of 16, so both equal the bound). The
     kernel holds its template arguments to the same (a static_assert)."""
-    unfit = _options.Option.PAGED | _options.Option.UNALIGNED | _options.Option.NARROW
+    unfit = _options.Option.UNALIGNED | _options.Option.NARROW
     return (bool(options & _options.Option.CODES) and not options & unfit and bound in REGISTER_CODES_BOUNDS
             and (tile.warps, tile.frags, tile.stages) == (1, 1, 1))
 
@@ -230,12 +231,14 @@ def transposes_decode(options: int, packed_rows: int) -> bool:
     return bool(options & _options.Option.REGISTER_CODES) and packed_rows <= TRANSPOSED_ROWS
 
 
-def register_codes_name(dtype_name: str, bound: int, transposed: bool = False) -> str:
-    """The decode tile that reads a contiguous quantized cache's codes into registers, under
-    the band (a decode step's options), for ``dtype_name`` q at head-dim ``bound`` (one of
+def register_codes_name(dtype_name: str, bound: int, transposed: bool = False, paged: bool = False) -> str:
+    """The decode tile that reads a quantized cache's codes into registers, under the band
+    (a decode step's options), for ``dtype_name`` q at head-dim ``bound`` (one of
     :data:`REGISTER_CODES_BOUNDS`); ``transposed``: its products transposed, for at most
-    :data:`TRANSPOSED_ROWS` packed rows."""
+    :data:`TRANSPOSED_ROWS` packed rows; ``paged``: over a paged cache."""
     options = _options.Option.BAND | _options.Option.CODES | _options.Option.REGISTER_CODES
+    if paged:
+        options |= _options.Option.PAGED
     tile = forward_tc_config(1, bound)
     if transposed:
         options |= _options.Option.TRANSPOSED
@@ -292,7 +295,8 @@ def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
     names.append(kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound),
                              options=_EVERY_OPTION))
     if bound in REGISTER_CODES_BOUNDS:  # a decode step over a contiguous quantized cache
-        names += [register_codes_name(dtype_name, bound, transposed) for transposed in (False, True)]
+        names += [register_codes_name(dtype_name, bound, transposed, paged) for transposed in (False, True)
+                  for paged in (False, True)]
     return tuple(names)
 
 
@@ -324,8 +328,9 @@ def name_expressions() -> tuple[str, ...]:
 # through floats over 64-key tiles, keeps 8 bytes on sm_90; the others none), but not to
 # ldmatrix (their K and V fragments come from plain shared-memory loads)
 REGISTER_CODES_STACK_BYTES = 16
-REGISTER_CODE_KERNELS = tuple(register_codes_name(dtype_name, bound, transposed) for dtype_name in TENSOR_CORE_STORAGE
-                              for bound in REGISTER_CODES_BOUNDS for transposed in (False, True))
+REGISTER_CODE_KERNELS = tuple(register_codes_name(dtype_name, bound, transposed, paged)
+                              for dtype_name in TENSOR_CORE_STORAGE for bound in REGISTER_CODES_BOUNDS
+                              for transposed in (False, True) for paged in (False, True))
 
 # The kernels whose machine code CI reads (tests/test_gpu_machine_code.py): no spill, and
 # ldmatrix (LDSM), cp.async (LDGSTS) and mma (HMMA) present: the tensor-core forward at

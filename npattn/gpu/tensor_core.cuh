@@ -463,23 +463,44 @@ __device__ inline void stage_strided_rows(unsigned short* tile, int ld, const T*
 
 // ---- codes staged for registers ------------------------------------------------------
 
-// A decode step's codes over a contiguous quantized cache, for the tiles that read them
-// into registers (forward_tc.cu's REGISTER_CODES, decode_tc.cu): kv head h of entry b's
-// K and V code rows and scales, and their strides (in bytes and in scales).
-struct HeadCodes {
+// A decode step's codes, for the tiles that read them into registers (forward_tc.cu's
+// REGISTER_CODES, decode_tc.cu): where kv head h of entry b's K and V code rows and scales
+// lie. Contiguous, key j's rows are j strides from the entry's first; PAGED, slot j %
+// PAGE_SIZE of page pages[b, j / PAGE_SIZE] (key_row's lookup, once per key).
+template <bool PAGED> struct HeadCodes {
     const unsigned char *k, *v;
     const float *k_scale, *v_scale;
-    i64 k_stride, v_stride, k_scale_stride, v_scale_stride;
-    template <typename T, typename Acc> __device__ HeadCodes(const Operands<T, Acc>& in, i64 b, i64 h) {
-        const i64* ints = in.ints;
-        k = in.k_codes + b * ints[NPATTN_INT_K_STRIDE_B] + h * ints[NPATTN_INT_K_STRIDE_H];
-        v = in.v_codes + b * ints[NPATTN_INT_V_STRIDE_B] + h * ints[NPATTN_INT_V_STRIDE_H];
-        k_scale = in.k_scale + b * ints[NPATTN_INT_K_SCALE_STRIDE_B] + h * ints[NPATTN_INT_K_SCALE_STRIDE_H];
-        v_scale = in.v_scale + b * ints[NPATTN_INT_V_SCALE_STRIDE_B] + h * ints[NPATTN_INT_V_SCALE_STRIDE_H];
-        k_stride = ints[NPATTN_INT_K_STRIDE_S];
-        v_stride = ints[NPATTN_INT_V_STRIDE_S];
-        k_scale_stride = ints[NPATTN_INT_K_SCALE_STRIDE_S];
-        v_scale_stride = ints[NPATTN_INT_V_SCALE_STRIDE_S];
+    i64 k_slot, v_slot, k_scale_slot, v_scale_slot;  // a key's (slot's) strides
+    const i64* ints;     // PAGED: the pages' strides and size, read where a tile's copies are
+                         // issued rather than kept in registers through the key loop
+    const i64* page_of;  // PAGED: entry b's row of the page table
+    template <typename T, typename Acc> __device__ HeadCodes(const Operands<T, Acc>& in, i64 b, i64 h) : ints(in.ints) {
+        k_slot = ints[NPATTN_INT_K_STRIDE_S];
+        v_slot = ints[NPATTN_INT_V_STRIDE_S];
+        k_scale_slot = ints[NPATTN_INT_K_SCALE_STRIDE_S];
+        v_scale_slot = ints[NPATTN_INT_V_SCALE_STRIDE_S];
+        const i64 entry = PAGED ? 0 : b;  // (paged, the page's stride takes the B axis's place)
+        k = in.k_codes + entry * ints[NPATTN_INT_K_STRIDE_B] + h * ints[NPATTN_INT_K_STRIDE_H];
+        v = in.v_codes + entry * ints[NPATTN_INT_V_STRIDE_B] + h * ints[NPATTN_INT_V_STRIDE_H];
+        k_scale = in.k_scale + entry * ints[NPATTN_INT_K_SCALE_STRIDE_B] + h * ints[NPATTN_INT_K_SCALE_STRIDE_H];
+        v_scale = in.v_scale + entry * ints[NPATTN_INT_V_SCALE_STRIDE_B] + h * ints[NPATTN_INT_V_SCALE_STRIDE_H];
+        page_of = in.pages + b * ints[NPATTN_INT_PAGES];
+    }
+    // key j's page and slot (contiguous: no page, slot j)
+    __device__ void place(i64 j, i64& page, i64& slot) const {
+        if constexpr (PAGED) {
+            const i64 page_size = ints[NPATTN_INT_PAGE_SIZE], block = j / page_size;
+            page = page_of[block];
+            slot = j - block * page_size;
+        } else {
+            page = 0;
+            slot = j;
+        }
+    }
+    // the offset of (page, slot) in the array whose B (a page's) stride is ints[STRIDE_B]
+    // and whose S stride is `slot_stride`
+    template <int STRIDE_B> __device__ i64 offset(i64 page, i64 slot, i64 slot_stride) const {
+        return (PAGED ? page * ints[STRIDE_B] : 0) + slot * slot_stride;
     }
 };
 
@@ -502,23 +523,27 @@ template <int BK, int MAX_D> struct CodeStages {
     }
 
     // Copy keys [j0, j0 + keys) of `codes` into stage t by cp.async (the caller commits):
-    // lane r of the one warp copies rows r, r + 32, ...; rows past `keys` get zeros.
-    __device__ void fetch(const HeadCodes& codes, i64 t, i64 j0, int keys, int lane) const {
+    // lane r of the warp copies rows r, r + 32, ...; rows past `keys` get zeros.
+    template <bool PAGED>
+    __device__ void fetch(const HeadCodes<PAGED>& codes, i64 t, i64 j0, int keys, int lane) const {
         unsigned char* destination = stage(t);
         float* scales = reinterpret_cast<float*>(destination + 2 * BK * LD);
 #pragma unroll
         for (int r = lane; r < BK; r += 32) {
             const bool live = r < keys;
-            const unsigned char* k_row = live ? codes.k + (j0 + r) * codes.k_stride : codes.k;
-            const unsigned char* v_row = live ? codes.v + (j0 + r) * codes.v_stride : codes.v;
+            i64 page = 0, slot = 0;
+            if (live) codes.place(j0 + r, page, slot);
+            const unsigned char* k_row = codes.k + codes.template offset<NPATTN_INT_K_STRIDE_B>(page, slot, codes.k_slot);
+            const unsigned char* v_row = codes.v + codes.template offset<NPATTN_INT_V_STRIDE_B>(page, slot, codes.v_slot);
 #pragma unroll
             for (int c = 0; c < MAX_D / 16; ++c) {
                 cp_async_16(reinterpret_cast<unsigned short*>(destination + r * LD + 16 * c), k_row + 16 * c, live ? 16 : 0);
                 cp_async_16(reinterpret_cast<unsigned short*>(destination + (BK + r) * LD + 16 * c), v_row + 16 * c,
                             live ? 16 : 0);
             }
-            cp_async_4(scales + r, live ? codes.k_scale + (j0 + r) * codes.k_scale_stride : codes.k_scale, live ? 4 : 0);
-            cp_async_4(scales + BK + r, live ? codes.v_scale + (j0 + r) * codes.v_scale_stride : codes.v_scale,
+            cp_async_4(scales + r, codes.k_scale + codes.template offset<NPATTN_INT_K_SCALE_STRIDE_B>(page, slot, codes.k_scale_slot),
+                       live ? 4 : 0);
+            cp_async_4(scales + BK + r, codes.v_scale + codes.template offset<NPATTN_INT_V_SCALE_STRIDE_B>(page, slot, codes.v_scale_slot),
                        live ? 4 : 0);
         }
     }
