@@ -1,6 +1,7 @@
 """The public functions: validate once, pick a backend, run it, hand back the user's layout."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, NamedTuple
 
@@ -152,10 +153,11 @@ class Plan:
         self._forward_plan = (implementation.forward_plan(problem)
                               if hasattr(implementation, "forward_plan") else None)
         self._backward_plan: Any = None
-        # q, k and v only gave the structure: stand-ins of their shape and dtype (one element
-        # of memory each) keep the plan from holding the caller's arrays alive; every run
-        # puts its own arrays in their place before anything reads them
-        self._problem = problem = without_data(problem)
+        # q, k and v (and a quantized cache's scales) only gave the structure: stand-ins of
+        # their shape and dtype (one element of memory each) keep the plan from holding the
+        # caller's arrays alive; every run puts its own arrays in their place before anything
+        # reads them (a quantized step's runs pass their scales: RunScales)
+        self._problem = problem = without_data(problem, _STRUCTURE_ONLY)
         # what the backend's plans read of the problem they are given: its option arrays and
         # seed; a call with neither passes None (the plans then skip them)
         self._reads_problem = fresh_seed or problem.dropout_p > 0 or any(
@@ -212,6 +214,18 @@ class Plan:
             # (None: plans of another tuning; not finite: the general path answers, from the reference)
         result, _, _, _ = self._forward(q, k, v)
         return _public_outputs(self._form, result)
+
+    def moved(self, **arrays: Any) -> "Plan":
+        """This plan for its problem with other values of the option arrays ``arrays`` (of
+        the same dtypes and shapes, checked by the caller: a kv-cache step's ``kv_lengths``
+        and ``row_shifts`` as its decode loop moves on), sharing the backend's plans, which
+        take the problem of each run (the CPU's key what they keep of one by identity).
+        Only for a plan that reads its problem at every run, whose problem has those arrays."""
+        assert self._reads_problem and all(getattr(self._problem, name) is not None for name in arrays)
+        plan = copy.copy(self)
+        plan._problem = with_arrays(self._problem, **arrays)
+        plan._backward_plan = None  # (made from a run's problem: the moved plan makes its own)
+        return plan
 
     def run_trusted(self, q: Any, k: Any, v: Any) -> Outputs:
         """:meth:`run` for callers that checked the arrays' structure themselves (the
@@ -320,6 +334,11 @@ class Plan:
         elif arrays is None:  # (the option arrays a planned call was keyed by)
             arrays = self._problem
         return backward_plan(_to_bhsd(form, q), _to_bhsd(form, k), _to_bhsd(form, v), saved, dout, arrays)
+
+
+# the arrays a plan's problem holds for their structure only (a kv-cache step's scales held
+# a cache's memory alive through the plan its layers share until 2026-11-30)
+_STRUCTURE_ONLY = ("q", "k", "v", "k_scale", "v_scale")
 
 
 def without_data(problem: AttentionProblem, names: tuple = ("q", "k", "v")) -> AttentionProblem:

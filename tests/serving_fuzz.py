@@ -2,7 +2,8 @@
 mixed, each classified.
 
 Every call is drawn from a seed: a valid call of one surface (attention_with_kvcache on a
-contiguous cache, on cache rows picked by cache_batch_idx or on a paged pool;
+contiguous cache, on cache rows picked by cache_batch_idx or on a paged pool, sometimes
+after the decode loop's step before it, whose kept plan the call moves on;
 PagedKVCache.attend; attention_varlen; npattn.torch and npattn.jax), then, for about half
 of them, one argument broken by a mutation that names the argument(s) its error must
 name. A call ends in one of these classes:
@@ -526,9 +527,25 @@ def _colliding(problem: KVProblem):
     return table, seqlens
 
 
+def _earlier_step(rng, arguments, caches) -> None:
+    """Sometimes, the call a decode loop made the step before this one (every sequence one
+    key shorter, on copies of the caches ``caches`` names): the plan attention_with_kvcache
+    keeps of it is the one this call's checks move on to its own lengths where nothing
+    else changed (KVCachePlan.advanced), valid call or broken."""
+    seqlens = arguments["cache_seqlens"]
+    if rng.random() >= 0.5 or (seqlens < 1).any():
+        return
+    earlier = dict(arguments, cache_seqlens=seqlens - 1, **{name: arguments[name].copy() for name in caches})
+    try:
+        npattn.attention_with_kvcache(**earlier)
+    except (ValueError, TypeError):  # (a call this one's lengths make valid may not be: rotary positions)
+        pass
+
+
 def kvcache_call(rng) -> Call:
     problem = kv_problem(rng)
     arguments = problem.arguments()
+    _earlier_step(rng, arguments, ("k_cache", "v_cache"))
     names = ()
     label = f"{problem.layout} valid"
     if rng.random() < 0.5:
@@ -559,6 +576,7 @@ def quantized_kvcache_call(rng) -> Call:
     arguments = dict(problem.arguments(), k_cache=k_codes, v_cache=v_codes, k_scale=k_scale, v_scale=v_scale)
     arguments.pop("backend", None)
     caches = (k_codes, v_codes, k_scale, v_scale)
+    _earlier_step(rng, arguments, ("k_cache", "v_cache", "k_scale", "v_scale"))
     names, label = (), f"{kind} {problem.layout} valid"
     if rng.random() < 0.5:
         new = problem.k is not None and problem.k.shape[1] > 0

@@ -423,8 +423,9 @@ def test_bench_plans_times_each_call_plain_and_planned():
     assert [row[:52].strip() for row in rows] == list(results)
     assert all(plain > 0 for plain, _ in results.values())
     assert all(planned > 0 for label, (_, planned) in results.items()
-               if "alone" not in label and "torch" not in label and not label.endswith(", first"))
+               if "alone" not in label and "torch" not in label and not label.endswith((", first", ", next")))
     assert any(label.endswith(", first") for label in results)  # (a step's first layer: every check)
+    assert any(label.endswith(", next") for label in results)  # (a next step's first layer: its plan moved on)
 
 
 def test_bench_caches_times_every_cache_dtype_against_int8():

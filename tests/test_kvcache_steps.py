@@ -1,8 +1,9 @@
 """attention_with_kvcache keeps the plan of a checked step for the step's other layers
 (npattn.serving.kvcache._STEPS): a call whose every checked argument equals an earlier
-successful call's, the arrays' data aside, runs that call's plan. These tests hold it to
-the bits, cache bytes and errors of a call checked from nothing, and to holding no array
-of the caller's."""
+successful call's, the arrays' data aside, runs that call's plan; and a decode loop's next
+step, whose only change is cache_seqlens, runs that plan moved on to the new lengths
+(_MOVING, KVCachePlan.advanced). These tests hold both to the bits, cache bytes and errors
+of a call checked from nothing, and to holding no array of the caller's."""
 from __future__ import annotations
 
 import gc
@@ -77,10 +78,112 @@ def test_a_steps_later_layers_run_its_plan_with_the_bits_of_a_checked_call(monke
             if cache is not None:
                 np.testing.assert_array_equal(cache, expected_cache)
     assert len(checked) == 1, "the later layers were checked again"
-    # the next step (its caches one key longer) is checked again
+    # the next step (its caches one key longer) is checked again, unless its plan moves on
+    # (a contiguous cache whose rows are its sequences: test_a_decode_loops_next_steps_...)
     q, caches, k, v, _ = layers[0]
     _call(q, caches, k, v, dict(keywords, cache_seqlens=keywords["cache_seqlens"] + 1))
-    assert len(checked) == 2
+    assert len(checked) == (1 if layout in MOVING_LAYOUTS else 2)
+
+
+MOVING_LAYOUTS = ["contiguous", "int8", "no append"]
+
+
+def _checked_calls(monkeypatch):
+    """A list that gets an entry at each full check of a kv-cache call."""
+    checked = []
+    real = kvcache._checked
+    monkeypatch.setattr(kvcache, "_checked", lambda *arguments: checked.append(1) or real(*arguments))
+    return checked
+
+
+@pytest.mark.parametrize("layout", MOVING_LAYOUTS)
+def test_a_decode_loops_next_steps_move_its_plan_with_the_bits_of_a_checked_call(monkeypatch, layout):
+    """Steps of a decode loop whose only change is cache_seqlens (each sequence one key
+    longer, the last one sitting at the cache's end at the last step) run the plan of the
+    step before, moved on to the new lengths: each layer gives the outputs and cache bytes
+    of the same call checked from nothing, and only the loop's first step is checked."""
+    rng = np.random.default_rng(13)
+    layers = [_step_arguments(rng, layout) for _ in range(2)]
+    appends = layers[0][2] is not None
+    steps = [np.array([3 + s, CAPACITY - 6 + s]) for s in range(6 if appends else 7)]  # (the last: 23 + 1 keys)
+    expected = {}
+    for s, lengths in enumerate(steps):
+        for layer, (q, caches, k, v, keywords) in enumerate(layers):
+            copies = _copies(caches)
+            plans.clear()
+            expected[s, layer] = (_call(q, copies, k, v, dict(keywords, cache_seqlens=lengths)), copies)
+    plans.clear()
+    checked = _checked_calls(monkeypatch)
+    for s, lengths in enumerate(steps):
+        for layer, (q, caches, k, v, keywords) in enumerate(layers):
+            caches = _copies(caches)
+            out = _call(q, caches, k, v, dict(keywords, cache_seqlens=lengths))
+            expected_out, expected_caches = expected[s, layer]
+            np.testing.assert_array_equal(out, expected_out)
+            for cache, expected_cache in zip(caches, expected_caches):
+                if cache is not None:
+                    np.testing.assert_array_equal(cache, expected_cache)
+    assert len(checked) == 1, f"{len(checked)} full checks for {len(steps)} steps"
+
+
+@pytest.mark.parametrize("change", ["too many keys", "a negative length", "lengths of another shape"])
+def test_a_moved_step_with_lengths_out_of_range_raises_as_a_checked_call(monkeypatch, change):
+    """The lengths a plan moves on to are checked as the full call checks them: out of
+    range, the call raises the error of the call checked from nothing (lengths of another
+    shape are another key: checked in full) and writes nothing."""
+    rng = np.random.default_rng(14)
+    q, caches, k, v, keywords = _step_arguments(rng, "contiguous")
+    plans.clear()
+    _call(q, _copies(caches), k, v, keywords)
+    lengths = {"too many keys": np.array([5, CAPACITY]), "a negative length": np.array([-1, 6]),
+               "lengths of another shape": np.array([5, 6, 7])}[change]
+    keywords = dict(keywords, cache_seqlens=lengths)
+    caches = _copies(caches)
+    before = _copies(caches)
+    kept = _error_of(lambda: _call(q, caches, k, v, keywords))
+    for cache, old in zip(caches, before):
+        if cache is not None:
+            np.testing.assert_array_equal(cache, old)
+    plans.clear()
+    assert kept == _error_of(lambda: _call(q, caches, k, v, keywords))
+
+
+def test_a_step_past_its_key_bucket_or_with_every_sequence_at_its_end_is_checked_again(monkeypatch):
+    """A plan moves on only within its KEY_BUCKET of keys read: a step whose longest
+    sequence crosses into the next bucket is checked in full, as is one whose sequences all
+    end at the bucket's end (whose full checks give no lengths); both still give the
+    reference's answer."""
+    rng = np.random.default_rng(15)
+    q, _, k, v, keywords = _step_arguments(rng, "contiguous")
+    bucket = kvcache.KEY_BUCKET
+    k_cache = rng.normal(size=(BATCH, 2 * bucket, KV_HEADS, HEAD_DIM)).astype(np.float32)
+    v_cache = rng.normal(size=k_cache.shape).astype(np.float32)
+    plans.clear()
+    checked = _checked_calls(monkeypatch)
+    for lengths, checks in (([10, bucket - 3], 1), ([11, bucket - 2], 1), ([bucket - 1, bucket - 1], 2),
+                            ([12, bucket], 3), ([13, bucket + 1], 3)):
+        lengths = np.array(lengths)
+        out = npattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                            backend="cpu")
+        assert len(checked) == checks, (lengths, len(checked))
+        for b, length in enumerate(lengths + 1):
+            arrays = (q[b:b + 1], k_cache[b:b + 1, :length], v_cache[b:b + 1, :length])
+            expected = npattn.attention(*arrays, layout="bshd", causal=True, backend="reference")
+            assert_out(out[b:b + 1], expected, call_case(*arrays, dict(causal=True)))
+
+
+def test_a_moved_step_holds_no_array_of_the_callers():
+    """Nor does a plan moved on to the next step's lengths."""
+    rng = np.random.default_rng(16)
+    q, caches, k, v, keywords = _step_arguments(rng, "int8")
+    plans.clear()
+    _call(q, caches, k, v, keywords)
+    _call(q, caches, k, v, dict(keywords, cache_seqlens=keywords["cache_seqlens"] + 1))
+    assert len(kvcache._STEPS) == 2 and len(kvcache._MOVING) == 1
+    watched = [weakref.ref(array) for array in (q, *caches, k, v)]
+    del q, caches, k, v
+    gc.collect()
+    assert all(ref() is None for ref in watched), "a moved step plan holds a caller's array"
 
 
 def test_a_kept_step_holds_no_array_of_the_callers():
@@ -95,6 +198,23 @@ def test_a_kept_step_holds_no_array_of_the_callers():
     del q, caches, k, v
     gc.collect()
     assert all(ref() is None for ref in watched), "a kept step plan holds a caller's array"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "int8"])
+def test_a_kept_step_holds_no_array_of_a_later_layers(layout):
+    """Nor the arrays of the layers that ran the kept plan after it: a quantized step's
+    plan of the codes held the last layer's scales (a cache's memory) until 2026-11-30."""
+    rng = np.random.default_rng(17)
+    q, caches, k, v, keywords = _step_arguments(rng, layout)
+    plans.clear()
+    _call(q, caches, k, v, keywords)
+    q, caches, k, v, _ = _step_arguments(rng, layout)
+    _call(q, caches, k, v, keywords)
+    assert len(kvcache._STEPS) == 1
+    watched = [weakref.ref(array) for array in (q, *caches, k, v) if array is not None]
+    del q, caches, k, v
+    gc.collect()
+    assert all(ref() is None for ref in watched), "a kept step plan holds a later layer's array"
 
 
 def _error_of(call):

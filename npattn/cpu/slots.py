@@ -23,6 +23,7 @@ of the write costs 1.0-1.2 and comparing the five arrays' shapes and strides in 
 """
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from typing import NamedTuple
@@ -69,6 +70,13 @@ class SlotWriter:
         self._scales_at = -(-2 * (math.prod(new[0].shape) + math.prod((*codes, caches[1].shape[3]))) // 8) * 8
         self._quantized_staging = self._scales_at + 4 * 2 * 2 * math.prod(codes)
         self._quantize_entry = None  # quantize_checked's entry point
+
+    def moved(self, targets, positions) -> "SlotWriter":
+        """This writer for the same structure at other slots (a decode loop's next step):
+        its compiled entry points and staging shared."""
+        writer = copy.copy(self)
+        writer._targets, writer._positions = _read_only(targets), _read_only(positions)
+        return writer
 
     def write(self, caches, new) -> tuple:
         """Write ``new`` into ``caches``; returns the slots' old bytes, for :meth:`restore`.

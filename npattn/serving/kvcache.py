@@ -29,6 +29,7 @@ get their old bytes back before the error propagates.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -121,24 +122,41 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     runs the plan that call's checks made, which checks each run's arrays as
     :meth:`KVCachePlan.run` does; calls with rotary tables, a shared prefix, a mask, a
     bias, sink logits or dropout without a seed are checked in full every time
-    (:func:`plan_with_kvcache` plans those).
+    (:func:`plan_with_kvcache` plans those). A call that differs from such a call in
+    ``cache_seqlens`` alone (the next step's first layer) runs that plan moved on to its
+    lengths (:meth:`KVCachePlan.advanced`: a contiguous NumPy cache, every row its
+    sequence, keys read within one :data:`KEY_BUCKET`), which checks the lengths as the
+    full checks do.
 
     Arrays of other kinds that speak DLPack (torch tensors, JAX arrays) are read where they
     lie and the outputs come back in q's kind; the call is forward-only (no gradients), and
     a JAX cache, which cannot be written in place, takes no new keys.
     """
-    key = (_step_key((q, k_cache, v_cache, k, v, k_scale, v_scale), (cache_seqlens, block_table, cache_batch_idx,
-                                                                       cache_leftpad), rotary_interleaved, options)
-           if rotary_cos is None and rotary_sin is None and prefix_k is None and prefix_v is None else None)
+    key = moving_key = None
+    if rotary_cos is None and rotary_sin is None and prefix_k is None and prefix_v is None:
+        arrays = (q, k_cache, v_cache, k, v, k_scale, v_scale)
+        key = _step_key(arrays, (cache_seqlens, block_table, cache_batch_idx, cache_leftpad), rotary_interleaved,
+                        options)
     if key is not None:
         step = _STEPS.get(key)
         if step is not None:  # another layer of a step checked before: its plan runs it
             return step.run(q, k_cache, v_cache, k, v, k_scale=k_scale, v_scale=v_scale)
+        moving_key = _moving_key(key, cache_seqlens)
+        moving = _MOVING.get(moving_key)
+        step = None if moving is None else moving.advanced(cache_seqlens)
+        if step is not None:  # the next step of a decode loop checked before: its plan, moved on
+            result = step.run(q, k_cache, v_cache, k, v, k_scale=k_scale, v_scale=v_scale)
+            _STEPS.put(key, step)
+            _MOVING.put(moving_key, step)
+            return result
     step = _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
                     rotary_interleaved, cache_leftpad, (prefix_k, prefix_v), (k_scale, v_scale), options)
     result = step.run_checked()
     if key is not None:
-        _STEPS.put(key, step.released())
+        released = step.released()
+        _STEPS.put(key, released)
+        if released.moves:
+            _MOVING.put(moving_key, released)
     return result
 
 
@@ -148,6 +166,19 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
 # layer, where the checks and the plan cost 211; bench --plans). Keyed by everything those
 # checks read (_step_key), and only after they passed; a few steps are kept, the newest.
 _STEPS = _plans.PlanCache(limit=8)
+# and the next step's first layer, whose cache_seqlens moved on, runs the plan of the step
+# before it moved to the new lengths (KVCachePlan.advanced) where nothing else changed: the
+# step's key with cache_seqlens by structure (_moving_key)
+_MOVING = _plans.PlanCache(limit=8)
+
+
+def _moving_key(key: tuple, cache_seqlens: Any) -> tuple:
+    """``key`` (a :func:`_step_key`) with ``cache_seqlens`` by its kind, dtype and shape in
+    place of its value: the steps of one decode loop share it."""
+    structure = ((np.ndarray, cache_seqlens.dtype.str, cache_seqlens.shape) if type(cache_seqlens) is np.ndarray
+                 else (type(cache_seqlens),))
+    structures, kind, interleaved, values, options = key
+    return (structures, kind, interleaved, (structure, values[1:]), options)
 
 
 def _step_key(arrays: tuple, metadata: tuple, rotary_interleaved: Any, options: dict) -> tuple | None:
@@ -233,6 +264,9 @@ class KVCachePlan:
         # run that plans the attention on (the call that plans may be the only one)
         self._fast = None
         self._quick = _UNSET
+        # (batch, capacity, new keys, query rows) where the plan may move on to another
+        # step's cache_seqlens (advanced), set by the checks that made it; else None
+        self._advance = None
 
     def _fast_path(self):
         """What :meth:`run`'s fast path compares, or None where a run takes the full one: a
@@ -414,6 +448,51 @@ class KVCachePlan:
         return self._appended(caches, new, lambda: self._shared.attend(
             q, prefix_k, prefix_v, api.run_problem(problem, implementation)))
 
+    @property
+    def moves(self) -> bool:
+        """Whether :meth:`advanced` can move this plan on to other ``cache_seqlens``."""
+        return self._advance is not None
+
+    def advanced(self, cache_seqlens: Any) -> "KVCachePlan | None":
+        """This plan for the step after it, whose only change is ``cache_seqlens`` (a decode
+        loop's next step): a plan of a NumPy contiguous cache whose rows are its sequences
+        in order, with no left padding, rotary tables, shared prefix, finite check, bias or
+        asked weights (:attr:`moves`), and whose new lengths keep the keys read within its
+        bucket (:data:`KEY_BUCKET`). What depends on the lengths is made again from them:
+        their checks (raising as :func:`attention_with_kvcache` does, whose first failing
+        check they would be), the slots of the new keys, the attention's kv_lengths and
+        query positions; the runs check their arrays as ever. None where the call needs
+        the full checks (another bucket, or every sequence exactly at the bucket's end,
+        which the full checks give no lengths)."""
+        if self._advance is None:
+            return None
+        batch, capacity, new_len, q_len = self._advance
+        seqlens = _cache_seqlens(cache_seqlens, batch, capacity, new_len)
+        lengths = seqlens + new_len
+        keys_used = _keys_viewed(int(lengths.max(initial=0)), self._page_size, np, {})
+        if keys_used != self._keys_used or bool((lengths == keys_used).all()):
+            return None
+        first_query = lengths - q_len
+        placement = dict(kv_lengths=np.ascontiguousarray(lengths, np.int64),
+                         row_shifts=np.ascontiguousarray(first_query, np.int64))
+        plan = copy.copy(self)
+        plan._seqlens, plan._positions = seqlens, (first_query, seqlens)
+        plan._planned_problem = with_arrays(self._planned_problem, **placement)
+        if self._appends:
+            plan._slots = _slots(np, batch, new_len, seqlens, None, None, self._page_size,
+                                 views=self._writer is None)
+            plan._writer = None if self._writer is None else self._writer.moved(*plan._slots)
+        # the attention's plans move on with it where they read lengths already (else the
+        # first run makes them), and the fast path with them and the moved writer
+        reads_lengths = self._planned_problem.kv_lengths is not None
+        plan._attend = self._attend.moved(**placement) if reads_lengths and self._attend is not None else None
+        plan._codes_plan = (self._codes_plan.moved(**placement) if reads_lengths and self._codes_plan is not None
+                            else None)
+        fast = self._fast
+        plan._fast = (None if fast is None or plan._attend is None
+                      else (*fast[:3], plan._writer.write_checked, plan._attend.run_trusted))
+        return plan
+
     def released(self) -> "KVCachePlan":
         """This plan, for its runs only, without the arrays of the call that made it (which
         :meth:`run_checked` needs, and may no longer be called): q, the caches and the new
@@ -570,9 +649,13 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
                             seqlens, starts, pages, cache_batch_idx, cache_len)
     prefix_arrays = () if shared is None else (q, *checks.as_arrays(prefix_k=prefix[0], prefix_v=prefix[1],
                                                                      reference=q))
-    return KVCachePlan((problem, implementation, caches, new), structure, metadata,
+    plan = KVCachePlan((problem, implementation, caches, new), structure, metadata,
                        None if rotary is None else (*rotary, rotary_interleaved), finite, options.get("bias"), shared,
                        prefix_arrays)
+    if (xp is np and pages is None and cache_batch_idx is None and starts is None and rotary is None and shared is None
+            and not finite and options.get("bias") is None and not options.get("return_weights")):
+        plan._advance = (batch, capacity, new_len, q_len)
+    return plan
 
 
 # A contiguous cache's keys are read as every row's first keys, as many as the longest

@@ -11,8 +11,9 @@ the runs of every call taken in turn):
   importable, its CPU SDPA of the causal call as the bar;
 - one layer of a decode step, (1, 8/2, 1 new + 40 cached, 64) on a contiguous cache and a
   batch of 4 on pages of 16: ``attention_with_kvcache`` as a step's first layer ("first":
-  every check) and as a later one (the first layer's plan, kept), against
-  ``plan_with_kvcache(...).run``,
+  every check), as a decode loop's next step's first layer on the contiguous caches
+  ("next": the plan of the step before, moved on) and as a later one (the first layer's
+  plan, kept), against ``plan_with_kvcache(...).run``,
   and the attention call each layer makes after its append, plain and planned (what a
   kv-cache plan could come down to); the contiguous layer on int8 and float8 e4m3 caches
   too (each run quantizes its new key and value into them);
@@ -31,7 +32,7 @@ import numpy as np
 from ..adapters.dispatch import attention, attention_varlen, attention_with_kvcache
 from ..api import plan
 from ..core.quantization import code_dtype, quantize_rows
-from ..serving.kvcache import _STEPS, plan_with_kvcache
+from ..serving.kvcache import _MOVING, _STEPS, plan_with_kvcache
 from ..serving.varlen import _BATCHES, plan_varlen
 
 
@@ -88,6 +89,8 @@ def compare(calls: int = 400, repeats: int = 5, out=sys.stdout) -> dict:
         step = plan_with_kvcache(qs, key_cache, value_cache, ks, ks, **metadata)
         call = partial(attention_with_kvcache, qs, key_cache, value_cache, ks, ks, **metadata)
         results[f"{label}, first"] = (partial(_first_layer, call), None)
+        if "block_table" not in metadata:  # (a paged step's plan does not move on)
+            results[f"{label}, next"] = (partial(_next_steps_first_layer, call), None)
         results[label] = (call, partial(step.run, qs, key_cache, value_cache, ks, ks))
     # the contiguous layer on quantized caches: each run quantizes the new key and value
     for kind in ("int8", "float8_e4m3"):
@@ -97,6 +100,7 @@ def compare(calls: int = 400, repeats: int = 5, out=sys.stdout) -> dict:
         step = plan_with_kvcache(q1, key_codes, value_codes, k1, k1, cache_seqlens=40, **scales)
         call = partial(attention_with_kvcache, q1, key_codes, value_codes, k1, k1, cache_seqlens=40, **scales)
         results[f"decode layer, contiguous, {kind} cache, first"] = (partial(_first_layer, call), None)
+        results[f"decode layer, contiguous, {kind} cache, next"] = (partial(_next_steps_first_layer, call), None)
         results[f"decode layer, contiguous, {kind} cache"] = (call, partial(step.run, q1, key_codes, value_codes,
                                                                             k1, k1, **scales))
     # a packed batch of 4 sequences (decode steps and a short prefill chunk), one layer
@@ -129,9 +133,19 @@ def _first_layer(call):
     """``call()`` (an ``attention_with_kvcache`` or ``attention_varlen``) as a step's first
     layer, checked in full: no plan kept from an earlier layer
     (:data:`npattn.serving.kvcache._STEPS`, :data:`npattn.serving.varlen._BATCHES`; the
-    later layers of a step run the first one's)."""
+    later layers of a step run the first one's; :data:`npattn.serving.kvcache._MOVING`, the
+    next step's first)."""
     _STEPS.clear()
+    _MOVING.clear()
     _BATCHES.clear()
+    return call()
+
+
+def _next_steps_first_layer(call):
+    """``call()`` (an ``attention_with_kvcache``) as a decode loop's next step's first layer:
+    the plan of the step before moved on to its lengths (here the same ones), not the
+    step's own kept plan."""
+    _STEPS.clear()
     return call()
 
 
