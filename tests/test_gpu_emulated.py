@@ -5,6 +5,7 @@ GPU (CI's); test_gpu.py holds them to the same properties on a real device.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -582,6 +583,24 @@ def test_an_emulated_gpu_planned_quantized_step_is_the_call_layer_by_layer(paged
     check_planned_quantized_step(paged, "gpu")
 
 
+@contextlib.contextmanager
+def forward_options_launched():
+    """A list of the option sets of the tensor-core forwards the emulation launches inside
+    the block."""
+    from npattn.gpu import launch
+
+    ran, real_run = [], launch.run
+
+    def spy(kind, storage, bound, blocks, shared, arguments, **config):
+        if kind == "forward_tc":
+            ran.append(config["options"])
+        return real_run(kind, storage, bound, blocks, shared, arguments, **config)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "run", spy)
+        yield ran
+
+
 def check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=np, every_code=False,
                                                     same_bits=None, dim=64):
     """A decode or short prefill step on a quantized cache (contiguous or ``paged``, GQA,
@@ -621,19 +640,10 @@ def check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=np, ev
         q, k_codes, v_codes, k_scale, v_scale, k_values, v_values = (
             xp.asarray(x) for x in (q, k_codes, v_codes, k_scale, v_scale, k_values, v_values))
         call = {name: xp.asarray(value) if isinstance(value, np.ndarray) else value for name, value in call.items()}
-    from npattn.gpu import launch
     from npattn.gpu.options import Option
 
-    ran, real_run = [], launch.run
-
-    def spy(kind_, storage, bound, blocks, shared, arguments, **config):
-        if kind_ == "forward_tc":
-            ran.append(config["options"])
-        return real_run(kind_, storage, bound, blocks, shared, arguments, **config)
-
-    with pytest.MonkeyPatch.context() as patch:
-        if xp is np:  # (the emulation launches through launch.run; a device's plans keep their launchers)
-            patch.setattr(launch, "run", spy)
+    # (the emulation launches through launch.run; a device's plans keep their launchers)
+    with forward_options_launched() if xp is np else contextlib.nullcontext([]) as ran:
         from_codes = npattn.attention_with_kvcache(q, k_codes, v_codes, k_scale=k_scale, v_scale=v_scale, **call)
     if xp is np:  # codes into registers where not the same bits; transposed for at most 8 packed rows
         transposed = not same_bits and q_len * heads // kv_heads <= 8
@@ -698,7 +708,6 @@ def test_emulated_gpu_codes_in_registers_read_every_option(option, q_len, kind):
     (12), and each option there: the same out and lse as the reference backend's call on
     the same cache, within the float16 bound, and out within twice the error of the step
     on a float16 cache of the dequantized values (dropout: the same seeded mask)."""
-    from npattn.gpu import launch
     from npattn.gpu.options import Option
     from test_serving import assert_lse, assert_out, call_case
 
@@ -710,15 +719,7 @@ def test_emulated_gpu_codes_in_registers_read_every_option(option, q_len, kind):
     q = rng.normal(size=(1, q_len, heads, dim)).astype(np.float16)
     options = dict(_STEP_OPTIONS[option](rng, heads, q_len, capacity), causal=True, return_lse=True)
     call = dict(k_scale=k_scale, v_scale=v_scale, cache_seqlens=np.array([length]), **options)
-    ran, real_run = [], launch.run
-
-    def spy(kind_, storage, bound, blocks, shared, arguments, **config):
-        if kind_ == "forward_tc":
-            ran.append(config["options"])
-        return real_run(kind_, storage, bound, blocks, shared, arguments, **config)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launch, "run", spy)
+    with forward_options_launched() as ran:
         out, lse = npattn.attention_with_kvcache(q, k_codes, v_codes, backend="gpu", **call)
     expected, expected_lse = npattn.attention_with_kvcache(q.astype(np.float64), k_codes, v_codes,
                                                            backend="reference", **call)

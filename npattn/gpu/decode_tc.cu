@@ -261,24 +261,10 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
             seen[x] = seen[x] || tile_max > lowest;
             l[x] *= correction[x];
         }
-        // R grows to the tile's largest V scale (each quad holds its own keys' scales; a
-        // NaN scale is skipped here and makes its own P entry NaN); O, in units of R,
-        // shrinks by the old R over the new one
-        float largest = 0.0f;
-#pragma unroll
-        for (int n = 0; n < BLOCKS; ++n) {
-            largest = value_scale[n][0] > largest ? value_scale[n][0] : largest;
-            largest = value_scale[n][1] > largest ? value_scale[n][1] : largest;
-        }
-#pragma unroll
-        for (int offset = 4; offset < 32; offset <<= 1) {
-            const float other = __shfl_xor_sync(0xffffffffu, largest, offset);
-            largest = other > largest ? other : largest;
-        }
-        const float reference = largest > value_reference ? largest : value_reference;
-        const float inverse = reference > 0.0f ? 1.0f / reference : 0.0f;
-        const float reference_ratio = reference > 0.0f ? value_reference / reference : 1.0f;
-        value_reference = reference;
+        // R grows to the tile's largest V scale (each quad holds its own keys' scales: the
+        // reduction runs over lane bits 2-4); O, in units of R, shrinks by the old R over the new
+        float reference_ratio;
+        const float inverse = grow_value_reference<4, 32>(value_scale, value_reference, reference_ratio);
 #pragma unroll
         for (int n = 0; n < BLOCKS; ++n) {
 #pragma unroll

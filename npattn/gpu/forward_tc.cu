@@ -523,25 +523,11 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
             l[x] *= correction[x];
         }
         // REGISTER_CODES: R grows to the tile's largest V scale (the quad's lanes hold all
-        // its keys; a NaN scale is skipped here and makes its own P entry NaN); O, in units
-        // of R, shrinks by the old R over the new one
+        // its keys: the reduction runs over lane bits 0-1); O, in units of R, shrinks by
+        // the old R over the new one
         float value_factor[CODE_BLOCKS][2], reference_ratio = 1.0f;
         if constexpr (REGISTER_CODES) {
-            float largest = 0.0f;
-#pragma unroll
-            for (int n = 0; n < CODE_BLOCKS; ++n) {
-                largest = v_scales[n][0] > largest ? v_scales[n][0] : largest;
-                largest = v_scales[n][1] > largest ? v_scales[n][1] : largest;
-            }
-#pragma unroll
-            for (int offset = 1; offset < 4; offset <<= 1) {
-                const float other = __shfl_xor_sync(0xffffffffu, largest, offset);
-                largest = other > largest ? other : largest;
-            }
-            const float reference = largest > value_reference ? largest : value_reference;
-            const float inverse = reference > 0.0f ? 1.0f / reference : 0.0f;
-            reference_ratio = reference > 0.0f ? value_reference / reference : 1.0f;
-            value_reference = reference;
+            const float inverse = grow_value_reference<1, 4>(v_scales, value_reference, reference_ratio);
 #pragma unroll
             for (int n = 0; n < CODE_BLOCKS; ++n) {
                 value_factor[n][0] = v_scales[n][0] * inverse;

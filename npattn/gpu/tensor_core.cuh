@@ -170,6 +170,32 @@ __device__ inline u32 transpose_8x8(u32 word) {
 #endif
 }
 
+// The codes-in-registers tiles' R (forward_tc.cu, decode_tc.cu), the largest value scale
+// seen, grown to a tile's: the largest of this lane's value scales of the tile (`scales`,
+// two keys per block), reduced over the lanes that hold the tile's other keys (XOR offsets
+// FIRST, 2 FIRST, ... below LAST; a NaN scale is skipped here and makes its own P entry
+// NaN). Sets `ratio` to the old R over the new one (O, kept in units of R, shrinks by it)
+// and returns 1 / R (0 while R is 0), by which each key's P entry is scaled with its value
+// scale.
+template <int FIRST, int LAST, int BLOCKS>
+__device__ inline float grow_value_reference(const float (&scales)[BLOCKS][2], float& reference, float& ratio) {
+    float largest = 0.0f;
+#pragma unroll
+    for (int n = 0; n < BLOCKS; ++n) {
+        largest = scales[n][0] > largest ? scales[n][0] : largest;
+        largest = scales[n][1] > largest ? scales[n][1] : largest;
+    }
+#pragma unroll
+    for (int offset = FIRST; offset < LAST; offset <<= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, largest, offset);
+        largest = other > largest ? other : largest;
+    }
+    const float grown = largest > reference ? largest : reference;
+    ratio = grown > 0.0f ? reference / grown : 1.0f;
+    reference = grown;
+    return grown > 0.0f ? 1.0f / grown : 0.0f;
+}
+
 // ---- shared-memory addresses ------------------------------------------------------------
 
 // Element offset of (row, column) in a swizzled tile of row length `ld` (a multiple of
