@@ -126,6 +126,31 @@ def test_a_decode_loops_next_steps_move_its_plan_with_the_bits_of_a_checked_call
     assert len(checked) == 1, f"{len(checked)} full checks for {len(steps)} steps"
 
 
+def test_a_plan_with_kvcache_moved_on_runs_the_next_steps_as_checked_calls():
+    """plan_with_kvcache's plan of one step, moved on by KVCachePlan.advanced to each next
+    step's lengths, gives the bits and cache bytes of attention_with_kvcache checked from
+    nothing at each; a plan whose structure does not move (cache rows picked by
+    cache_batch_idx) answers None."""
+    rng = np.random.default_rng(18)
+    q, caches, k, v, keywords = _step_arguments(rng, "int8")
+    k_cache, v_cache, k_scale, v_scale = caches
+    lengths = keywords.pop("cache_seqlens")
+    step = npattn.plan_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, k_scale=k_scale,
+                                    v_scale=v_scale, **keywords)
+    mine, theirs = _copies(caches), _copies(caches)
+    for moved in range(4):
+        out = step.run(q, mine[0], mine[1], k, v, k_scale=mine[2], v_scale=mine[3])
+        plans.clear()
+        expected = _call(q, theirs, k, v, dict(keywords, cache_seqlens=lengths + moved))
+        np.testing.assert_array_equal(out, expected)
+        for cache, expected_cache in zip(mine, theirs):
+            np.testing.assert_array_equal(cache, expected_cache)
+        step = step.advanced(lengths + moved + 1)
+    q, caches, k, v, keywords = _step_arguments(rng, "rows")
+    rows = npattn.plan_with_kvcache(q, caches[0], caches[1], k, v, **keywords)
+    assert rows.advanced(keywords["cache_seqlens"] + 1) is None
+
+
 @pytest.mark.parametrize("change", ["too many keys", "a negative length", "lengths of another shape"])
 def test_a_moved_step_with_lengths_out_of_range_raises_as_a_checked_call(monkeypatch, change):
     """The lengths a plan moves on to are checked as the full call checks them: out of

@@ -214,7 +214,9 @@ def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any 
     rotary tables, the options). Nothing is written here: the arrays give the structure.
 
     The metadata belong to the plan (copied now): a step's plan serves that step only; the
-    next step, whose ``cache_seqlens`` moved on, takes a new plan. ``check_finite=True``
+    next step, whose ``cache_seqlens`` moved on, takes a new plan, or this one moved on to
+    its lengths by :meth:`KVCachePlan.advanced` where that applies (a NumPy contiguous
+    cache whose rows are the sequences, ...: None where not). ``check_finite=True``
     checks what each run reads; ``bias`` is read where it lies at each run.
     """
     arguments = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
@@ -228,7 +230,8 @@ def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any 
 class KVCachePlan:
     """A checked kv-cache step (:func:`plan_with_kvcache`): ``run(q, k_cache, v_cache, k, v)``
     appends and attends on arrays of the plan's structure; arrays of another structure
-    raise ValueError naming the argument. A run that raises leaves the caches as they were."""
+    raise ValueError naming the argument. A run that raises leaves the caches as they were.
+    ``advanced(cache_seqlens)`` gives the plan of the decode loop's next step."""
 
     def __init__(self, checked: tuple, structure: dict, metadata: tuple, rotary: tuple | None, finite: bool,
                  bias: Any, shared: Any = None, prefix_arrays: tuple = ()):
@@ -476,6 +479,7 @@ class KVCachePlan:
         placement = dict(kv_lengths=np.ascontiguousarray(lengths, np.int64),
                          row_shifts=np.ascontiguousarray(first_query, np.int64))
         plan = copy.copy(self)
+        plan._checked = (None, self._checked[1], None, None)  # (run_checked is its maker's call's alone)
         plan._seqlens, plan._positions = seqlens, (first_query, seqlens)
         plan._planned_problem = with_arrays(self._planned_problem, **placement)
         if self._appends:
