@@ -560,8 +560,9 @@ def test_emulated_gpu_decodes_against_caches(case, seed):
 
 # int8 and float8 e4m3 caches, contiguous or paged, every positional option: the forward
 # dequantizes the tiles it stages (float16 q: the tensor-core one, CodeTile;
-# float32/float64 q: the SIMT one, load_key_tile) or, for float16 q at head dim 64 over a
-# contiguous cache, reads the codes into registers (REGISTER_CODES); the repair pass
+# float32/float64 q: the SIMT one, load_key_tile) or, for float16 q at head dim 64,
+# reads the codes into registers (REGISTER_CODES, TRANSPOSED for up to 8 packed rows);
+# the repair pass
 # the keys it rereads (key_element)
 @FEWER
 @given(case=quantized_cases(dtypes=("float16", "float32", "float64"), head_dims=(16, 64)),

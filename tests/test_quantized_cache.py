@@ -80,7 +80,7 @@ def test_quantize_kv_rejects_bad_input_by_name():
 @st.composite
 def quantized_cases(draw, dtypes=("float32", "float64"), head_dims=(HEAD_DIM,)):
     """A quantized kv-cache call's case; ``head_dims``: the head dims to draw from (64
-    sends a GPU decode step over a contiguous cache to the tile that reads its codes into
+    sends a GPU decode step, contiguous or paged, to the tiles that read its codes into
     registers, 16 to the one that stages them)."""
     batch = draw(st.integers(1, 3))
     new = draw(st.integers(0, 2))
