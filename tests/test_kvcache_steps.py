@@ -85,7 +85,7 @@ def test_a_steps_later_layers_run_its_plan_with_the_bits_of_a_checked_call(monke
     assert len(checked) == (1 if layout in MOVING_LAYOUTS else 2)
 
 
-MOVING_LAYOUTS = ["contiguous", "int8", "no append"]
+MOVING_LAYOUTS = LAYOUTS  # (every layout here: NumPy, no left padding, rotary tables or prefix)
 
 
 def _checked_calls(monkeypatch):
@@ -101,11 +101,15 @@ def test_a_decode_loops_next_steps_move_its_plan_with_the_bits_of_a_checked_call
     """Steps of a decode loop whose only change is cache_seqlens (each sequence one key
     longer, the last one sitting at the cache's end at the last step) run the plan of the
     step before, moved on to the new lengths: each layer gives the outputs and cache bytes
-    of the same call checked from nothing, and only the loop's first step is checked."""
+    of the same call checked from nothing, and only the loop's first step is checked (and,
+    paged, the step whose longest sequence reaches another page)."""
     rng = np.random.default_rng(13)
     layers = [_step_arguments(rng, layout) for _ in range(2)]
     appends = layers[0][2] is not None
-    steps = [np.array([3 + s, CAPACITY - 6 + s]) for s in range(6 if appends else 7)]  # (the last: 23 + 1 keys)
+    # (the last step: 23 + 1 keys of 24; paged: 17 + 1 of 20, the longest sequence reaching a
+    # fifth page of 4 keys at the fifth step, whose plan holds four: checked in full)
+    (first, longest) = (1, 12) if layout == "paged" else (3, CAPACITY - 6)  # (paged: the first holds two pages)
+    steps = [np.array([first + s, longest + s]) for s in range(6 if appends else 7)]
     expected = {}
     for s, lengths in enumerate(steps):
         for layer, (q, caches, k, v, keywords) in enumerate(layers):
@@ -123,14 +127,14 @@ def test_a_decode_loops_next_steps_move_its_plan_with_the_bits_of_a_checked_call
             for cache, expected_cache in zip(caches, expected_caches):
                 if cache is not None:
                     np.testing.assert_array_equal(cache, expected_cache)
-    assert len(checked) == 1, f"{len(checked)} full checks for {len(steps)} steps"
+    assert len(checked) == (2 if layout == "paged" else 1), f"{len(checked)} full checks for {len(steps)} steps"
 
 
 def test_a_plan_with_kvcache_moved_on_runs_the_next_steps_as_checked_calls():
     """plan_with_kvcache's plan of one step, moved on by KVCachePlan.advanced to each next
     step's lengths, gives the bits and cache bytes of attention_with_kvcache checked from
-    nothing at each; a plan whose structure does not move (cache rows picked by
-    cache_batch_idx) answers None."""
+    nothing at each; a paged plan answers None for lengths that reach another number of
+    pages."""
     rng = np.random.default_rng(18)
     q, caches, k, v, keywords = _step_arguments(rng, "int8")
     k_cache, v_cache, k_scale, v_scale = caches
@@ -146,9 +150,10 @@ def test_a_plan_with_kvcache_moved_on_runs_the_next_steps_as_checked_calls():
         for cache, expected_cache in zip(mine, theirs):
             np.testing.assert_array_equal(cache, expected_cache)
         step = step.advanced(lengths + moved + 1)
-    q, caches, k, v, keywords = _step_arguments(rng, "rows")
-    rows = npattn.plan_with_kvcache(q, caches[0], caches[1], k, v, **keywords)
-    assert rows.advanced(keywords["cache_seqlens"] + 1) is None
+    q, caches, k, v, keywords = _step_arguments(rng, "paged")
+    paged = npattn.plan_with_kvcache(q, caches[0], caches[1], k, v, **keywords)
+    assert paged.advanced(keywords["cache_seqlens"] + 1) is not None
+    assert paged.advanced(np.array([5, 14])) is None  # (its longest sequence in 4 pages, not 5)
 
 
 @pytest.mark.parametrize("change", ["too many keys", "a negative length", "lengths of another shape"])
@@ -171,6 +176,33 @@ def test_a_moved_step_with_lengths_out_of_range_raises_as_a_checked_call(monkeyp
             np.testing.assert_array_equal(cache, old)
     plans.clear()
     assert kept == _error_of(lambda: _call(q, caches, k, v, keywords))
+
+
+@pytest.mark.parametrize("change", ["a write into another sequence's page", "a page outside the pool"])
+def test_a_moved_paged_step_checks_the_pages_its_lengths_reach(monkeypatch, change):
+    """A paged plan moves on with its table, but the pages and slots the new lengths reach
+    are checked as the full call checks them: a new key landing in a page another sequence
+    holds, or a length reaching a table entry outside the pool, raises the error of the
+    call checked from nothing and writes nothing."""
+    rng = np.random.default_rng(19)
+    q, caches, k, v, keywords = _step_arguments(rng, "paged")
+    # sequence 0's third page is sequence 1's fifth (read by it, never written by 0 at first);
+    # or a third page past the pool
+    third = 6 if change == "a write into another sequence's page" else 8
+    keywords["block_table"] = np.array([[3, 1, third, -1, -1], [0, 2, 4, 5, 6]], np.int32)
+    plans.clear()
+    _call(q, _copies(caches), k, v, keywords)  # lengths (5, 17) + 1: sequence 0 in two pages
+    checked = _checked_calls(monkeypatch)
+    keywords = dict(keywords, cache_seqlens=np.array([8, 17]))  # sequence 0's new key: its third page
+    caches = _copies(caches)
+    before = _copies(caches)
+    moved = _error_of(lambda: _call(q, caches, k, v, keywords))
+    assert not checked, "the step was checked in full, not moved"
+    for cache, old in zip(caches, before):
+        if cache is not None:
+            np.testing.assert_array_equal(cache, old)
+    plans.clear()
+    assert moved == _error_of(lambda: _call(q, caches, k, v, keywords))
 
 
 def test_a_step_past_its_key_bucket_or_with_every_sequence_at_its_end_is_checked_again(monkeypatch):

@@ -124,9 +124,10 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     bias, sink logits or dropout without a seed are checked in full every time
     (:func:`plan_with_kvcache` plans those). A call that differs from such a call in
     ``cache_seqlens`` alone (the next step's first layer) runs that plan moved on to its
-    lengths (:meth:`KVCachePlan.advanced`: a contiguous NumPy cache, every row its
-    sequence, keys read within one :data:`KEY_BUCKET`), which checks the lengths as the
-    full checks do.
+    lengths (:meth:`KVCachePlan.advanced`: NumPy caches, contiguous within one
+    :data:`KEY_BUCKET` of keys read, or paged while the longest sequence holds as many
+    pages), which checks the lengths, and the pages and slots they reach, as the full
+    checks do.
 
     Arrays of other kinds that speak DLPack (torch tensors, JAX arrays) are read where they
     lie and the outputs come back in q's kind; the call is forward-only (no gradients), and
@@ -215,8 +216,8 @@ def plan_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any 
 
     The metadata belong to the plan (copied now): a step's plan serves that step only; the
     next step, whose ``cache_seqlens`` moved on, takes a new plan, or this one moved on to
-    its lengths by :meth:`KVCachePlan.advanced` where that applies (a NumPy contiguous
-    cache whose rows are the sequences, ...: None where not). ``check_finite=True``
+    its lengths by :meth:`KVCachePlan.advanced` where that applies (NumPy caches, no
+    left padding, rotary tables or prefix, ...: None where not). ``check_finite=True``
     checks what each run reads; ``bias`` is read where it lies at each run.
     """
     arguments = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary_cos, rotary_sin,
@@ -458,32 +459,45 @@ class KVCachePlan:
 
     def advanced(self, cache_seqlens: Any) -> "KVCachePlan | None":
         """This plan for the step after it, whose only change is ``cache_seqlens`` (a decode
-        loop's next step): a plan of a NumPy contiguous cache whose rows are its sequences
-        in order, with no left padding, rotary tables, shared prefix, finite check, bias or
-        asked weights (:attr:`moves`), and whose new lengths keep the keys read within its
-        bucket (:data:`KEY_BUCKET`). What depends on the lengths is made again from them:
-        their checks (raising as :func:`attention_with_kvcache` does, whose first failing
-        check they would be), the slots of the new keys, the attention's kv_lengths and
-        query positions; the runs check their arrays as ever. None where the call needs
-        the full checks (another bucket, or every sequence exactly at the bucket's end,
-        which the full checks give no lengths)."""
+        loop's next step): a plan of NumPy caches (contiguous, cache rows picked by
+        ``cache_batch_idx``, or paged with the same ``block_table``) with no left padding,
+        rotary tables, shared prefix, finite check, bias or asked weights (:attr:`moves`).
+        What depends on the lengths is made again from them: their checks, as the full
+        checks make them (raising as :func:`attention_with_kvcache` does, whose first
+        failing checks they would be: the lengths' range, and with pages the pages they
+        reach and the slots the new keys take), the slots of the new keys, the attention's
+        kv_lengths, query positions and pages; the runs check their arrays as ever. None
+        where the call needs the full checks: a contiguous cache's keys read leave the
+        plan's bucket (:data:`KEY_BUCKET`) or every sequence ends at the bucket's end
+        (whose full checks give no lengths); a paged step's longest sequence reaches more
+        or fewer pages than the plan's."""
         if self._advance is None:
             return None
-        batch, capacity, new_len, q_len = self._advance
+        batch, capacity, new_len, q_len, pool_pages, table = self._advance
         seqlens = _cache_seqlens(cache_seqlens, batch, capacity, new_len)
         lengths = seqlens + new_len
-        keys_used = _keys_viewed(int(lengths.max(initial=0)), self._page_size, np, {})
-        if keys_used != self._keys_used or bool((lengths == keys_used).all()):
-            return None
+        pages = self._pages
+        if table is not None:  # paged: the pages the lengths reach, checked as the full checks check them
+            pages, held = _used_pages(table, lengths, self._page_size, pool_pages)
+            if pages.shape != self._pages.shape:
+                return None
+            if new_len:
+                _check_paged_writes(pages, held, seqlens, lengths, self._page_size)
+        elif self._prefix:  # a contiguous cache's first keys, read in buckets
+            keys_used = _keys_viewed(int(lengths.max(initial=0)), self._page_size, np, {})
+            if keys_used != self._keys_used or bool((lengths == keys_used).all()):
+                return None
         first_query = lengths - q_len
         placement = dict(kv_lengths=np.ascontiguousarray(lengths, np.int64),
                          row_shifts=np.ascontiguousarray(first_query, np.int64))
+        if table is not None:
+            placement["block_table"] = pages
         plan = copy.copy(self)
         plan._checked = (None, self._checked[1], None, None)  # (run_checked is its maker's call's alone)
-        plan._seqlens, plan._positions = seqlens, (first_query, seqlens)
+        plan._seqlens, plan._positions, plan._pages = seqlens, (first_query, seqlens), pages
         plan._planned_problem = with_arrays(self._planned_problem, **placement)
         if self._appends:
-            plan._slots = _slots(np, batch, new_len, seqlens, None, None, self._page_size,
+            plan._slots = _slots(np, batch, new_len, seqlens, pages, self._rows, self._page_size,
                                  views=self._writer is None)
             plan._writer = None if self._writer is None else self._writer.moved(*plan._slots)
         # the attention's plans move on with it where they read lengths already (else the
@@ -656,9 +670,12 @@ def _checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_
     plan = KVCachePlan((problem, implementation, caches, new), structure, metadata,
                        None if rotary is None else (*rotary, rotary_interleaved), finite, options.get("bias"), shared,
                        prefix_arrays)
-    if (xp is np and pages is None and cache_batch_idx is None and starts is None and rotary is None and shared is None
-            and not finite and options.get("bias") is None and not options.get("return_weights")):
-        plan._advance = (batch, capacity, new_len, q_len)
+    if (xp is np and starts is None and rotary is None and shared is None and not finite
+            and options.get("bias") is None and not options.get("return_weights")):
+        # (a paged plan keeps its table, as the call gave it, to find the pages of the lengths
+        # it moves on to: the moving key holds the table's value)
+        table = None if pages is None else np.array(_arrays.to_numpy(block_table))
+        plan._advance = (batch, capacity, new_len, q_len, cache_rows, table)
     return plan
 
 

@@ -11,9 +11,9 @@ the runs of every call taken in turn):
   importable, its CPU SDPA of the causal call as the bar;
 - one layer of a decode step, (1, 8/2, 1 new + 40 cached, 64) on a contiguous cache and a
   batch of 4 on pages of 16: ``attention_with_kvcache`` as a step's first layer ("first":
-  every check), as a decode loop's next step's first layer on the contiguous caches
-  ("next": the plan of the step before, moved on) and as a later one (the first layer's
-  plan, kept), against ``plan_with_kvcache(...).run``,
+  every check), as a decode loop's next step's first layer ("next": the plan of the step
+  before, moved on) and as a later one (the first layer's plan, kept), against
+  ``plan_with_kvcache(...).run``,
   and the attention call each layer makes after its append, plain and planned (what a
   kv-cache plan could come down to); the contiguous layer on int8 and float8 e4m3 caches
   too (each run quantizes its new key and value into them);
@@ -89,8 +89,7 @@ def compare(calls: int = 400, repeats: int = 5, out=sys.stdout) -> dict:
         step = plan_with_kvcache(qs, key_cache, value_cache, ks, ks, **metadata)
         call = partial(attention_with_kvcache, qs, key_cache, value_cache, ks, ks, **metadata)
         results[f"{label}, first"] = (partial(_first_layer, call), None)
-        if "block_table" not in metadata:  # (a paged step's plan does not move on)
-            results[f"{label}, next"] = (partial(_next_steps_first_layer, call), None)
+        results[f"{label}, next"] = (partial(_next_steps_first_layer, call), None)
         results[label] = (call, partial(step.run, qs, key_cache, value_cache, ks, ks))
     # the contiguous layer on quantized caches: each run quantizes the new key and value
     for kind in ("int8", "float8_e4m3"):
