@@ -268,8 +268,9 @@ class KVCachePlan:
         # run that plans the attention on (the call that plans may be the only one)
         self._fast = None
         self._quick = _UNSET
-        # (batch, capacity, new keys, query rows) where the plan may move on to another
-        # step's cache_seqlens (advanced), set by the checks that made it; else None
+        # (batch, capacity, new keys, query rows, the pool's pages, a paged call's table)
+        # where the plan may move on to another step's cache_seqlens (advanced), set by
+        # the checks that made it; else None
         self._advance = None
 
     def _fast_path(self):
