@@ -322,14 +322,13 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     const CodeStages<BK, MAX_D> code_stages{reinterpret_cast<unsigned char*>(shared + at.k)};
     constexpr int CODE_LD = CodeStages<BK, MAX_D>::LD;
     const HeadCodes<PAGED> head_codes(in, b, kv_head);  // (unread without REGISTER_CODES)
-    auto code_stage = [&](i64 t) { return code_stages.stage(t); };
     auto stage_register_codes = [&](i64 t) {
         code_stages.fetch(head_codes, t, key_tiles.start(t), key_tiles.keys(t), lane);
     };
     // tile t's K codes and both scales (`values`: its V codes) from its stage into this
     // lane's registers: the scales of its columns of S and P (keys 8 n + 2 in_quad + e)
     auto read_register_codes = [&](i64 t, bool values) {
-        const unsigned char* stage = code_stage(t);
+        const unsigned char* stage = code_stages.stage(t);
         const float* stage_scales = reinterpret_cast<const float*>(stage + 2 * BK * CODE_LD);  // K's, then V's
         if (!values) {
 #pragma unroll
