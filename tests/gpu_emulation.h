@@ -2,7 +2,7 @@
 //
 // Every CUDA thread of a block runs as a fiber (its own stack and registers, switched in
 // user space) on the launching OS thread; __syncthreads() is a barrier of the block's
-// fibers, __shfl_xor_sync an exchange through a per-warp buffer between two barriers of
+// fibers, __shfl_xor_sync and __shfl_sync an exchange through a per-warp buffer between two barriers of
 // the warp's 32 fibers, and mma.sync m16n8k16 a product computed from the whole warp's
 // fragments as the PTX ISA lays them out; ldmatrix gathers the warp's row addresses the
 // same way. A fiber runs until it waits at a barrier, then the next one runs, in thread
@@ -175,6 +175,15 @@ template <typename V> V __shfl_xor_sync(unsigned, V value, int offset) {
     emulated_block->exchange[warp][lane] = (double)value;  // exact for float and double
     emulated_block->warps[warp]->arrive_and_wait();
     const V other = (V)emulated_block->exchange[warp][lane ^ offset];
+    emulated_block->warps[warp]->arrive_and_wait();
+    return other;
+}
+
+template <typename V> V __shfl_sync(unsigned, V value, int from) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    emulated_block->exchange[warp][lane] = (double)value;  // exact for 32-bit values, float and double
+    emulated_block->warps[warp]->arrive_and_wait();
+    const V other = (V)emulated_block->exchange[warp][from % 32];
     emulated_block->warps[warp]->arrive_and_wait();
     return other;
 }

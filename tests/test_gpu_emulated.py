@@ -167,8 +167,9 @@ def test_split_decoding_never_asks_for_more_blocks_than_its_target():
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])  # the SIMT forward, the tensor-core one
 def test_emulated_gpu_combine_over_hundreds_of_splits(dtype, monkeypatch):
     """300 splits of one key tile each: the combine's block of 8 warps, each taking
-    chunks of 32 splits (two chunks for the first warps, the last one partial), with a
-    sink logit and a mask that hides whole splits from a row."""
+    chunks of sources.COMBINE_CHUNK = 8 splits (five chunks for the first warps, four for
+    the rest, the last one partial), with a sink logit and a mask that hides whole splits
+    from a row."""
     from npattn.gpu import driver
 
     monkeypatch.setattr(driver, "MIN_KEY_TILES_PER_SPLIT", 1)
@@ -702,11 +703,12 @@ _STEP_OPTIONS = {
 
 @pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
 @pytest.mark.parametrize("option", sorted(_STEP_OPTIONS))
-@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("q_len", [1, 2, 3])
 def test_emulated_gpu_codes_in_registers_read_every_option(option, q_len, kind):
     """A quantized step over a contiguous cache at 64-wide heads with a group of 4 reads
-    its codes into registers, transposed for one query (4 packed rows) and not for three
-    (12), and each option there: the same out and lse as the reference backend's call on
+    its codes into registers, transposed for one query (4 packed rows) and two (8: their
+    windows differ, so some tiles are partly visible) and not for three (12), and each
+    option there: the same out and lse as the reference backend's call on
     the same cache, within the float16 bound, and out within twice the error of the step
     on a float16 cache of the dequantized values (dropout: the same seeded mask)."""
     from npattn.gpu.options import Option

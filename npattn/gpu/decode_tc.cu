@@ -138,6 +138,8 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
     const KeyTiles key_tiles(
         key_ranges(ints, in.spans, b, i_first, i_last + 1, BK, split * WARPS + warp, splits * WARPS), BK);
     const i64 tile_count = key_tiles.total();
+    // (a decode step's usual case: no tile needs the band's test)
+    const bool every_tile_visible = BAND && !SCORE_OPTIONS && tiles_fully_visible(ints, in.spans, b, i_first, i_last + 1, key_tiles);
     const HeadCodes<(OPTIONS & NPATTN_OPTION_PAGED) != 0> codes(in, b, kv_head);
     const Stages stages{shared + warp * 2 * Stages::BYTES};
     const bool e4m3 = ints[NPATTN_INT_KV_CODES] == NPATTN_KVCODES_FLOAT8;
@@ -211,7 +213,9 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
 
         // scores in base 2
         bool plain_tile = !SCORE_OPTIONS;
-        if (plain_tile && BAND) plain_tile = tile_fully_visible(ints, in.spans, b, i_first, i_last + 1, j0, j0 + cols);
+        if (plain_tile && BAND && !every_tile_visible) {
+            plain_tile = tile_fully_visible(ints, in.spans, b, i_first, i_last + 1, j0, j0 + cols);
+        }
         if (plain_tile) {
 #pragma unroll
             for (int n = 0; n < BLOCKS; ++n) {

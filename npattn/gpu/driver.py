@@ -21,7 +21,7 @@ from ..core.results import ForwardResult, Gradients
 from . import launch
 from ..core.dropout import seed_words
 from .options import ALL, Option, _address, _strides_aligned, options_of
-from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, COMBINE_THREADS, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS,
+from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, COMBINE_CHUNK, COMBINE_THREADS, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS,
                       backward_kinds, forward_kind, forward_tc_config, head_dim_bound, reads_codes_into_registers,
                       transposed_tile, transposes_decode)
 
@@ -192,10 +192,10 @@ def decode_splits(blocks: int, rows: int, kv_len: int, block_q: int, block_k: in
 
 
 def combine_warps(splits: int) -> int:
-    """Warps of combine_kernel's block per query row: one per 32 splits (a warp's lanes
-    read 32 splits' maxima and sums at once), at most COMBINE_THREADS / 32. The sums'
-    order, and so the bits, follow from ``splits`` alone."""
-    return max(1, min(COMBINE_THREADS // 32, -(-splits // 32)))
+    """Warps of combine_kernel's block per query row: one per COMBINE_CHUNK splits (a
+    warp's loads of a chunk's rows are in flight together), at most COMBINE_THREADS / 32.
+    The sums' order, and so the bits, follow from ``splits`` alone."""
+    return max(1, min(COMBINE_THREADS // 32, -(-splits // COMBINE_CHUNK)))
 
 
 def forward(problem) -> ForwardResult:
@@ -281,7 +281,7 @@ class ForwardPlan:
                               else (batch, heads, q_len, value_dim))
             self.lse_shape = (batch, heads, q_len)
             self.partial_size = batch * heads * q_len * splits * (value_dim + 3) if splits > 1 else 1
-            # the combine: one block per query row, a warp per 32 splits (combine_warps); the
+            # the combine: one block per query row, a warp per COMBINE_CHUNK splits (combine_warps); the
             # repair: one warp per query row
             self.combine_blocks = batch * heads * q_len
             merging_warps = combine_warps(splits)

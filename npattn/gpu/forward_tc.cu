@@ -250,6 +250,9 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     unsigned char* v_staged = reinterpret_cast<unsigned char*>(shared + at.v_codes);
     const KeyTiles key_tiles(key_ranges(ints, spans, b, i_first, i_last + 1, BK, split, splits), BK);
     const i64 tile_count = key_tiles.total();
+    // (a decode step's usual case: no tile needs the band's test)
+    const bool every_tile_visible = (OPTIONS & NPATTN_OPTION_BAND) && !SCORE_OPTIONS &&
+                                    tiles_fully_visible(ints, spans, b, i_first, i_last + 1, key_tiles);
     // key tile t of K or V (strides sb, sh, ss): one stride from its first key's row, or
     // with PAGED, each key's row looked up in its page
     auto stage_keys = [&](const T* x, i64 sb, i64 sh, i64 ss, unsigned short* tile, int ld, int width, int chunks,
@@ -466,7 +469,7 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
 
         // scores in base 2, then the online softmax of this lane's rows
         bool plain_tile = !SCORE_OPTIONS;
-        if (plain_tile && (OPTIONS & NPATTN_OPTION_BAND)) {
+        if (plain_tile && (OPTIONS & NPATTN_OPTION_BAND) && !every_tile_visible) {
             plain_tile = tile_fully_visible(ints, spans, b, i_first, i_last + 1, j0, j0 + cols);
         }
         if (plain_tile) {

@@ -142,18 +142,20 @@ repair_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss,
 
 // Merge the forward's split-KV partial rows (the same bits on every run for a given
 // number of splits): one block per query row, of blockDim.x / 32 warps (the driver's
-// combine_warps: one per 32 splits, at most NPATTN_COMBINE_THREADS / 32), with the sink
-// logit as the starting max and sum. All threads find the max over the splits (a max is
-// exact in any order). Then warp w takes splits in chunks of 32 (w, w + warps, ... in
-// chunk order): lane j reads split j's max, sum and seen flag (one load each for the
-// whole chunk) and works out its weight; the chunk's rows are added in split order, lane
-// d holding columns d, d + 32, ..., each split's weight and flag broadcast by a shuffle,
-// so no row load waits on another split's flag and a chunk's loads are in flight
-// together. The lanes' sums are added by a fixed tree, and the warps' results in warp
-// order. (One warp per row, reading split after split, made a decode step at batch 1
-// with one kv head and 256 splits take 274-277 us of device time on an H200, where the
-// forward kernel takes 13-14.) Shared memory: combine_shared_bytes (launch.py), a row of
-// value_dim + 1 sums per warp.
+// combine_warps: one per COMBINE_CHUNK splits, at most NPATTN_COMBINE_THREADS / 32), with
+// the sink logit as the starting max and sum. All threads find the max over the splits (a
+// max is exact in any order). Then warp w takes splits in chunks of COMBINE_CHUNK (w, w +
+// warps, ... in chunk order): lane j < COMBINE_CHUNK reads split j's max, sum and seen
+// flag and works out its weight; the chunk's rows are loaded together and added in split
+// order, lane d holding columns d, d + 32, ..., each split's weight and flag broadcast by a
+// shuffle, so no row load waits on another split's flag. The lanes' sums are added by a
+// fixed tree, and the warps' results in warp order.
+// (One warp per row, reading split after split, made a decode step at batch 1 with one kv
+// head and 256 splits take 274-277 us of device time on an H200, where the forward kernel
+// takes 13-14. Then a warp per 32 splits, each chunk of 32 taken 8 at a time: at batch 1
+// and 33 splits a row the combine still took 13.9 us under Nsight Compute, one warp running
+// four chunks of about 700 dependent instructions at 9 cycles each.) Shared memory:
+// combine_shared_bytes (launch.py), a row of value_dim + 1 sums per warp.
 // (The 1 lets it take the registers it wants: with repair_row inlined it kept 16 bytes of
 // spills at 128 registers on sm_90; it takes 188 and none.)
 template <typename T, typename Acc>
@@ -206,46 +208,43 @@ combine_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss
     Acc total[COLUMNS];
 #pragma unroll
     for (int c = 0; c < COLUMNS; ++c) total[c] = 0;
-    for (i64 s0 = 32 * warp; s0 < splits; s0 += 32 * warps) {
-        const i64 s = s0 + lane;
+    const int row_length = (int)value_dim3;  // (a row's splits fit an int: splits x (D + 3) floats)
+    for (int s0 = NPATTN_COMBINE_CHUNK * warp; s0 < splits; s0 += NPATTN_COMBINE_CHUNK * warps) {
+        const int count = (int)smaller((i64)NPATTN_COMBINE_CHUNK, splits - s0);
         int kept = 0;
         Acc weight = 0;
-        if (s < splits) {
-            const Acc* part = parts + s * value_dim3;
+        if (lane < count) {
+            const Acc* part = parts + (s0 + lane) * row_length;
             kept = part[value_dim + 2] != 0;
             weight = kept ? exp_of(part[value_dim] - m) : (Acc)0;
             l = kept ? l + part[value_dim + 1] * weight : l;
         }
-        const int count = (int)smaller((i64)32, splits - s0);
-        // 8 splits at a time: their rows loaded into registers first, then added in split
-        // order. Every load is unconditional, from an address that exists (split 0 of the
-        // chunk for one past its end, column 0 for one past value_dim), and masked after:
-        // a load under a condition became a predicated load and a move that waited for it,
-        // one latency per value (the combine took 50-54 us under Nsight Compute at batch 1
-        // with one kv head and 256 splits, H200; read off the SASS, the fix is untimed)
-        for (int j0 = 0; j0 < count; j0 += 8) {
-            Acc rows[8][COLUMNS];
-            int kept_j[8];
-            Acc weight_j[8];
+        // the chunk's rows loaded into registers first, then added in split order. Every
+        // load is unconditional, from an address that exists (split s0 for one past the
+        // chunk's end, column 0 for one past value_dim), and masked after: a load under a
+        // condition became a predicated load and a move that waited for it, one latency
+        // per value (the combine took 50-54 us under Nsight Compute at batch 1 with one kv
+        // head and 256 splits, H200)
+        Acc rows[NPATTN_COMBINE_CHUNK][COLUMNS];
+        int kept_j[NPATTN_COMBINE_CHUNK];
+        Acc weight_j[NPATTN_COMBINE_CHUNK];
 #pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-                const int j = j0 + jj;  // below 32: a lane of this warp
-                kept_j[jj] = __shfl_xor_sync(0xffffffffu, kept, lane ^ j) && j < count;
-                weight_j[jj] = __shfl_xor_sync(0xffffffffu, weight, lane ^ j);
-                const Acc* part = parts + (s0 + (j < count ? j : 0)) * value_dim3;
+        for (int j = 0; j < NPATTN_COMBINE_CHUNK; ++j) {
+            kept_j[j] = __shfl_xor_sync(0xffffffffu, kept, lane ^ j) && j < count;
+            weight_j[j] = __shfl_xor_sync(0xffffffffu, weight, lane ^ j);
+            const Acc* part = parts + (s0 + (j < count ? j : 0)) * row_length;
 #pragma unroll
-                for (int c = 0; c < COLUMNS; ++c) {
-                    const i64 d = lane + 32 * c;
-                    rows[jj][c] = part[d < value_dim ? d : 0];
-                }
+            for (int c = 0; c < COLUMNS; ++c) {
+                const int d = lane + 32 * c;
+                rows[j][c] = part[d < value_dim ? d : 0];
             }
+        }
 #pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
+        for (int j = 0; j < NPATTN_COMBINE_CHUNK; ++j) {
 #pragma unroll
-                for (int c = 0; c < COLUMNS; ++c) {
-                    // a split that saw no key adds nothing (its row may hold 0 * NaN of a key it masked)
-                    if (kept_j[jj] && lane + 32 * c < value_dim) total[c] += rows[jj][c] * weight_j[jj];
-                }
+            for (int c = 0; c < COLUMNS; ++c) {
+                // a split that saw no key adds nothing (its row may hold 0 * NaN of a key it masked)
+                if (kept_j[j] && lane + 32 * c < value_dim) total[c] += rows[j][c] * weight_j[j];
             }
         }
     }

@@ -41,9 +41,11 @@ STORAGE = {
 HEAD_DIM_BOUNDS = (64, 128, 256)
 MAX_HEAD_DIM = HEAD_DIM_BOUNDS[-1]
 THREADS = 128
-# the combine of split-KV partials runs one block of up to this many threads per query row
-# (a warp per 32 splits: driver.combine_warps)
+# the combine of split-KV partials runs one block of up to this many threads per query row,
+# a warp per COMBINE_CHUNK splits (driver.combine_warps): short chains of loads a warp, as a
+# row's splits are few at batch 1 (33 at (1, 32/8, 1 x 16384, 128))
 COMBINE_THREADS = 256
+COMBINE_CHUNK = 8
 BLOCK_Q = 16                 # query rows per block, forward and backward
 BACKWARD_BLOCK_K = 16        # keys per tile in the backward kernels
 # keys per tile in the forward: a warp's lanes are a tile's columns; float64 tiles
@@ -78,6 +80,7 @@ def source() -> str:
     parts.append(f"#define NPATTN_SPAN_FIELDS {SPAN_FIELDS}")
     parts.append(f"#define NPATTN_MAX_HEAD_DIM {MAX_HEAD_DIM}")
     parts.append(f"#define NPATTN_COMBINE_THREADS {COMBINE_THREADS}")
+    parts.append(f"#define NPATTN_COMBINE_CHUNK {COMBINE_CHUNK}")
     parts += [f"#define NPATTN_REAL_{member.name} {member.value}" for member in Real]
     parts += operand_defines()
     parts += _options.defines()

@@ -548,29 +548,56 @@ template <int BK, int MAX_D> struct CodeStages {
         return reinterpret_cast<const float*>(stage + 2 * BK * LD)[BK + key];
     }
 
-    // Copy keys [j0, j0 + keys) of `codes` into stage t by cp.async (the caller commits):
-    // lane r of the warp copies rows r, r + 32, ...; rows past `keys` get zeros.
+    // Copy keys [j0, j0 + keys) of `codes` into stage t by cp.async (the caller commits);
+    // rows past `keys` get zeros. The code rows are copied coalesced: 16-byte chunk c of a
+    // row by lane c % CHUNKS of a run of CHUNKS lanes, so one warp-wide copy covers
+    // 32 / CHUNKS whole rows (4 at 128-wide heads), each one line read in full sectors.
+    // (Lane r copying all of row r made each copy touch 32 lines 1 KB apart, half of each
+    // sector it read: on an H200 the int8 step's warps stalled on the load/store queue,
+    // lg_throttle and mio, for a quarter of the forward's samples, Nsight Compute.)
+    // PAGED, each lane finds the rows of keys lane, lane + 32, ... (their pages) and the
+    // rows' runs of lanes take them by shuffles. The scales, 4 bytes a key, stay lane-per-key.
     template <bool PAGED>
     __device__ void fetch(const HeadCodes<PAGED>& codes, i64 t, i64 j0, int keys, int lane) const {
+        static_assert(MAX_D % 16 == 0 && 32 % (MAX_D / 16) == 0 && BK % (32 / (MAX_D / 16)) == 0,
+                      "whole rows a copy, whole copies a tile");
+        constexpr int CHUNKS = MAX_D / 16, ROWS = 32 / CHUNKS;  // a row's 16-byte chunks; rows a copy
         unsigned char* destination = stage(t);
         float* scales = reinterpret_cast<float*>(destination + 2 * BK * LD);
+        constexpr int MINE = (BK + 31) / 32;  // keys lane, lane + 32, ... of the tile
+        i64 k_offset[MINE], v_offset[MINE];
 #pragma unroll
-        for (int r = lane; r < BK; r += 32) {
+        for (int u = 0; u < MINE; ++u) {
+            const int r = lane + 32 * u;
             const bool live = r < keys;
             i64 page = 0, slot = 0;
             if (live) codes.place(j0 + r, page, slot);
-            const unsigned char* k_row = codes.k + codes.template offset<NPATTN_INT_K_STRIDE_B>(page, slot, codes.k_slot);
-            const unsigned char* v_row = codes.v + codes.template offset<NPATTN_INT_V_STRIDE_B>(page, slot, codes.v_slot);
-#pragma unroll
-            for (int c = 0; c < MAX_D / 16; ++c) {
-                cp_async_16(reinterpret_cast<unsigned short*>(destination + r * LD + 16 * c), k_row + 16 * c, live ? 16 : 0);
-                cp_async_16(reinterpret_cast<unsigned short*>(destination + (BK + r) * LD + 16 * c), v_row + 16 * c,
-                            live ? 16 : 0);
+            k_offset[u] = codes.template offset<NPATTN_INT_K_STRIDE_B>(page, slot, codes.k_slot);
+            v_offset[u] = codes.template offset<NPATTN_INT_V_STRIDE_B>(page, slot, codes.v_slot);
+            if (r < BK) {
+                cp_async_4(scales + r, codes.k_scale + codes.template offset<NPATTN_INT_K_SCALE_STRIDE_B>(page, slot, codes.k_scale_slot),
+                           live ? 4 : 0);
+                cp_async_4(scales + BK + r, codes.v_scale + codes.template offset<NPATTN_INT_V_SCALE_STRIDE_B>(page, slot, codes.v_scale_slot),
+                           live ? 4 : 0);
             }
-            cp_async_4(scales + r, codes.k_scale + codes.template offset<NPATTN_INT_K_SCALE_STRIDE_B>(page, slot, codes.k_scale_slot),
-                       live ? 4 : 0);
-            cp_async_4(scales + BK + r, codes.v_scale + codes.template offset<NPATTN_INT_V_SCALE_STRIDE_B>(page, slot, codes.v_scale_slot),
-                       live ? 4 : 0);
+        }
+        const int chunk = lane % CHUNKS;
+#pragma unroll
+        for (int r0 = 0; r0 < BK; r0 += ROWS) {
+            const int r = r0 + lane / CHUNKS;  // this lane's row of the copy; key r's lane is r % 32
+            const int u = r0 / 32;              // (the same for the copy's every row: ROWS divides 32)
+            i64 k_at, v_at;
+            if constexpr (PAGED) {
+                k_at = shuffle_i64(k_offset[u], r % 32);
+                v_at = shuffle_i64(v_offset[u], r % 32);
+            } else {  // key j0 + r's rows, without shuffles
+                k_at = (j0 + r) * codes.k_slot;
+                v_at = (j0 + r) * codes.v_slot;
+            }
+            const int size = r < keys ? 16 : 0;
+            cp_async_16(reinterpret_cast<unsigned short*>(destination + r * LD + 16 * chunk), codes.k + k_at + 16 * chunk, size);
+            cp_async_16(reinterpret_cast<unsigned short*>(destination + (BK + r) * LD + 16 * chunk), codes.v + v_at + 16 * chunk,
+                        size);
         }
     }
 };

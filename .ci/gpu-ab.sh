@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One lent GPU call: this tree's decode steps on each cache beside an older tree's ($BASE,
+# a folder holding that tree's npattn/, carried), replayed in CUDA graphs; the same under
+# kernel switches ($VARIANTS, space-separated NPATTN_GPU_DEFINES sets); each step's
+# kernels under Nsight Compute; a full profile of the int8 step at batch 1; then the GPU
+# tests selected by $TESTS_K. Usage: OUT=dir BASE=.base VARIANTS=... TESTS_K=... .ci/gpu-ab.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 NPATTN_CACHE_DIR=/tmp/npattn-cubins
+python=${PYTHON:-python3}
+step() { echo; echo "==== $1 ($(date +%T))"; }
+step "tree and base"
+PYTHONPATH=$PWD timeout 150 $python .ci/gpu_cache_kernels.py tree 2>&1 | tee "$OUT/ab.txt"
+if [[ -n "${BASE:-}" && -d "$BASE" ]]; then
+  PYTHONPATH=$PWD/$BASE timeout 150 $python .ci/gpu_cache_kernels.py base 2>&1 | tee -a "$OUT/ab.txt"
+fi
+for defines in ${VARIANTS:-}; do
+  NPATTN_GPU_DEFINES="${defines//,/ }" PYTHONPATH=$PWD timeout 150 $python .ci/gpu_cache_kernels.py "$defines" 2>&1 | tee -a "$OUT/ab.txt"
+done
+step "ncu"
+PYTHONPATH=$PWD timeout 90 ncu --clock-control none --metrics gpu__time_duration.sum --csv -k regex:"forward_tc|combine" \
+  $python .ci/gpu_cache_kernels.py tree --once > "$OUT/ncu.csv" 2>&1
+grep -E "forward_tc|combine" "$OUT/ncu.csv" | awk -F'","' '{print substr($5, 1, 60), $NF}'
+step "profile"
+PYTHONPATH=$PWD timeout 120 ncu --clock-control none --set full -k regex:"forward_tc|combine" --launch-skip 2 --launch-count 2 \
+  -o /tmp/int8-b1 -f $python .ci/gpu_profile_step.py int8 1 16384 > /tmp/profile.log 2>&1 || tail -5 /tmp/profile.log
+ncu -i /tmp/int8-b1.ncu-rep --page source --csv --print-source sass > "$OUT/int8-b1-sass.csv" 2>&1
+ncu -i /tmp/int8-b1.ncu-rep --page details > "$OUT/int8-b1.txt" 2>&1
+ncu -i /tmp/int8-b1.ncu-rep --page raw 2>&1 | grep -E "^  [a-z]|smsp__pcsamp_warps_issue_stalled" >> "$OUT/int8-b1.txt"
+grep -E "^  void|^    Duration|DRAM Throughput" "$OUT/int8-b1.txt" | cut -c1-100
+step "tests"
+PYTHONPATH=$PWD timeout ${TESTS_SECONDS:-200} $python -m pytest -q -x -p no:randomly tests/test_gpu.py -k "${TESTS_K:-quantized or codes}" \
+  2>&1 | tee "$OUT/tests.txt" | tail -5
+step "done"
