@@ -423,18 +423,25 @@ def test_compiled_kernels_are_kept_on_disk_per_instantiation(tmp_path, monkeypat
 
 
 def test_tuning_switches_reach_nvrtc_and_the_cache_key(monkeypatch):
-    """NPATTN_GPU_DEFINES (the harness's A/B switches) becomes one -D per name, and a
-    cubin built with them never stands in for the default build's."""
+    """NPATTN_GPU_DEFINES (the harness's A/B switches) becomes one -D per name, after the
+    architecture's own (sm_89 and later: the hardware e4m3 conversion, which
+    NPATTN_SOFTWARE_E4M3 leaves out), and a cubin built with them never stands in for the
+    default build's."""
     from npattn.gpu import kernel_cache
 
     nvrtc_or_skip()
     name = sources.kernel_name("combine", "float32")
     monkeypatch.delenv("NPATTN_GPU_DEFINES", raising=False)
     default_options, default_key = sources.compile_options("sm_90"), kernel_cache.key("sm_90", name)
-    assert not any(option.startswith("-D") for option in default_options)
+    assert [option for option in default_options if option.startswith("-D")] == ["-DNPATTN_HARDWARE_E4M3"]
+    assert not any(option.startswith("-D") for option in sources.compile_options("sm_80"))
+    assert sources.compile_options("compute_90") == ("--gpu-architecture=compute_90", *default_options[1:])
     monkeypatch.setenv("NPATTN_GPU_DEFINES", " NPATTN_A  NPATTN_B ")
     assert sources.compile_options("sm_90") == (*default_options, "-DNPATTN_A", "-DNPATTN_B")
     assert kernel_cache.key("sm_90", name) != default_key
+    monkeypatch.setenv("NPATTN_GPU_DEFINES", "NPATTN_SOFTWARE_E4M3")
+    assert sources.compile_options("sm_90")[-1:] == ("-DNPATTN_SOFTWARE_E4M3",)
+    assert "-DNPATTN_HARDWARE_E4M3" not in sources.compile_options("sm_90")
 
 
 @pytest.mark.parametrize("backend", GPU)

@@ -130,36 +130,52 @@ def compile_cubins(names_by_architecture, text: str | None = None) -> dict[str, 
 
     NVRTC makes a cubin in two steps, NVVM to PTX and then its own ptxas; where a ptxas
     of NVRTC's release is installed (:func:`ptxas_path`), this takes them apart: NVVM
-    runs once, to PTX for the lowest architecture with every architecture's names, and
-    ptxas compiles each architecture's kernels from it (the PTX's ``.target`` raised to
-    that architecture), in processes side by side. The machine code is NVRTC's, function
-    for function (in another order within the cubin), as long as NVVM's PTX of the
-    sources does not depend on the architecture: the sources name no ``__CUDA_ARCH__``,
-    and tests/test_gpu_machine_code.py compares the two routes. On the 2-core Zen 3 VM,
+    runs once for each set of architectures that define the same macros
+    (:func:`~npattn.gpu.sources.architecture_defines`: sm_80 apart from sm_89 and later),
+    to PTX for the set's lowest architecture with every name of the set (the sets side by
+    side, in threads), and ptxas compiles each architecture's kernels from its set's PTX
+    (the ``.target`` raised to that architecture), in processes side by side. The machine
+    code is NVRTC's, function for function (in another order within the cubin), as long
+    as NVVM's PTX of the sources depends on the architecture through those macros alone:
+    the sources name no ``__CUDA_ARCH__``, and tests/test_gpu_machine_code.py compares
+    the two routes. On the 2-core Zen 3 VM,
     each alone: NVRTC took 120 s for sm_80's 55 kernels and 125 s for sm_90's 59; NVVM
     once took 55 s, and ptxas 64 s and 70 s. Without a matching ptxas, NVRTC compiles
     each architecture whole, in threads side by side (NVRTC runs without the GIL).
 
     Raises :class:`CompileError` with NVRTC's or ptxas's log."""
-    architectures = sorted(names_by_architecture, key=_architecture_number)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .sources import architecture_defines, architecture_number
+
+    architectures = sorted(names_by_architecture, key=architecture_number)
     ptxas = ptxas_path() if len(architectures) > 1 else None
     if ptxas is None:
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(max(1, len(architectures))) as pool:
             compiled = pool.map(lambda architecture: compile_cubin(architecture, names_by_architecture[architecture],
                                                                    text), architectures)
             return dict(zip(architectures, compiled))
-    every_name = tuple(dict.fromkeys(name for architecture in architectures
-                                     for name in names_by_architecture[architecture]))
-    ptx, lowered = compile_ptx(architectures[0], every_name, text)
+    sets: dict[tuple[str, ...], list[str]] = {}
+    for architecture in architectures:
+        sets.setdefault(architecture_defines(architecture), []).append(architecture)
+
+    def set_ptx(members):
+        every_name = tuple(dict.fromkeys(name for architecture in members
+                                         for name in names_by_architecture[architecture]))
+        return compile_ptx(members[0], every_name, text)
+
+    with ThreadPoolExecutor(len(sets)) as pool:
+        ptx_of = dict(zip(sets, pool.map(set_ptx, sets.values())))
     with tempfile.TemporaryDirectory(prefix="npattn-ptxas-") as directory:
         running = {}
+        lowered = {}
         for architecture in architectures:
+            ptx, lowered[architecture] = ptx_of[architecture_defines(architecture)]
             source = os.path.join(directory, f"{architecture}.ptx")
             with open(source, "wb") as stream:
                 stream.write(retargeted(ptx, architecture))
-            entries = [argument for name in names_by_architecture[architecture] for argument in ("-e", lowered[name])]
+            entries = [argument for name in names_by_architecture[architecture]
+                       for argument in ("-e", lowered[architecture][name])]
             command = [ptxas, f"--gpu-name={architecture}", "-O3", source, "-o", source[:-len(".ptx")] + ".cubin",
                        *entries]
             running[architecture] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -170,7 +186,7 @@ def compile_cubins(names_by_architecture, text: str | None = None) -> dict[str, 
             if process.returncode != 0:
                 raise CompileError(f"ptxas failed for {architecture} ({process.returncode}):\n{logs[architecture]}")
             with open(os.path.join(directory, f"{architecture}.cubin"), "rb") as stream:
-                results[architecture] = (stream.read(), {name: lowered[name]
+                results[architecture] = (stream.read(), {name: lowered[architecture][name]
                                                          for name in names_by_architecture[architecture]})
     return results
 
@@ -181,10 +197,6 @@ def retargeted(ptx: bytes, architecture: str) -> bytes:
     if count != 1:
         raise CompileError("the PTX has no .target directive")
     return changed
-
-
-def _architecture_number(architecture: str) -> int:
-    return int(re.sub(r"\D", "", architecture) or 0)
 
 
 @functools.cache

@@ -360,11 +360,39 @@ def forward_kind(dtype_name: str) -> str:
     return "forward_tc" if dtype_name in TENSOR_CORE_STORAGE else "forward"
 
 
-def compile_options(architecture: str) -> tuple[str, ...]:
-    """NVRTC's options for ``architecture``, with a ``-D`` for each macro named in
+def architecture_number(architecture: str) -> int:
+    """90 for "sm_90" or "compute_90"."""
+    return int(re.sub(r"\D", "", architecture) or 0)
+
+
+# From sm_89 on, e4m3 codes become float16 pairs by the hardware's conversion
+# (cvt.rn.f16x2.e4m3x2, one per two codes; tensor_core.cuh's code_pairs) rather than
+# through float32. On an H200 (2026-11-30, CUDA graphs, q float16) it took the e4m3 step
+# at (1, 32/8, 1 x 16384, 128) from 39.8 to 22.1 us and at (16, 32/8, 1 x 2048, 128) from
+# 69.7 to 34.1 us; the GPU tests of quantized caches passed under it. The values are the
+# same: every e4m3 value is a float16. NPATTN_SOFTWARE_E4M3 in $NPATTN_GPU_DEFINES keeps
+# the float32 route (to time the two).
+HARDWARE_E4M3_FROM = 89
+
+
+def architecture_defines(architecture: str) -> tuple[str, ...]:
+    """The macros ``architecture``'s compile defines: NPATTN_HARDWARE_E4M3 where it has
+    the conversion (:data:`HARDWARE_E4M3_FROM`), then those named in
     ``$NPATTN_GPU_DEFINES`` (space-separated): how ``.ci/gpu-variants`` times a kernel
     change kept behind an ``#ifdef`` against the build without it, in one GPU call. The
-    options are part of the kernel cache's key. The switches the kernels read are
-    listed in their sources (tensor_core.cuh: NPATTN_GENERIC_STAGING)."""
-    defines = tuple(f"-D{name}" for name in os.environ.get("NPATTN_GPU_DEFINES", "").split())
+    source itself names no ``__CUDA_ARCH__``: an architecture's code differs from
+    another's only through these (nvrtc.compile_cubins runs NVVM once for each set)."""
+    switches = os.environ.get("NPATTN_GPU_DEFINES", "").split()
+    own = []
+    if architecture_number(architecture) >= HARDWARE_E4M3_FROM and "NPATTN_SOFTWARE_E4M3" not in switches:
+        own.append("NPATTN_HARDWARE_E4M3")
+    return tuple(dict.fromkeys([*own, *switches]))
+
+
+def compile_options(architecture: str) -> tuple[str, ...]:
+    """NVRTC's options for ``architecture``, with a ``-D`` for each of
+    :func:`architecture_defines`. The options are part of the kernel cache's key. The
+    switches the kernels read are listed in their sources (tensor_core.cuh:
+    NPATTN_GENERIC_STAGING, NPATTN_HARDWARE_E4M3)."""
+    defines = tuple(f"-D{name}" for name in architecture_defines(architecture))
     return (f"--gpu-architecture={architecture}", "--std=c++17", *defines)

@@ -133,10 +133,9 @@ __device__ inline u32 int8_half_pair(u32 biased) {
 // (four_code_values) and a rounding that changes nothing.
 template <typename T, bool E4M3> __device__ inline void code_pairs(u32 word, u32* pairs) {
 #if defined(NPATTN_HARDWARE_E4M3) && !defined(NPATTN_HOST_EMULATION)
-    // (a switch for a lent GPU to time and check, through NPATTN_GPU_DEFINES: e4m3 pairs
-    // into float16 by sm_89's conversion, each 16-bit half's low byte into the low half as
-    // public kernels use it; builds for sm_89 and newer only, and the source tests no
-    // architecture (test_gpu.py); untimed and unchecked on a device so far)
+    // e4m3 pairs into float16 by sm_89's conversion, each 16-bit half's low byte into the
+    // low half: defined for sm_89 and newer by sources.architecture_defines (the source
+    // itself tests no architecture, test_gpu.py), which says what it measured on an H200
     if constexpr (E4M3 && !TensorCore<T>::bf16) {
         asm("{ .reg .b16 low, high; mov.b32 {low, high}, %2; cvt.rn.f16x2.e4m3x2 %0, low; "
             "cvt.rn.f16x2.e4m3x2 %1, high; }"
