@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
-# One lent GPU call: this tree's decode steps on each cache beside an older tree's ($BASE,
-# a folder holding that tree's npattn/, carried), replayed in CUDA graphs; the same under
-# kernel switches ($VARIANTS, space-separated NPATTN_GPU_DEFINES sets); each step's
-# kernels under Nsight Compute; a full profile of the int8 step at batch 1; then the GPU
-# tests selected by $TESTS_K. Usage: OUT=dir BASE=.base VARIANTS=... TESTS_K=... .ci/gpu-ab.sh
+# One lent GPU call, in the order of what it is worth: this tree's decode steps on each
+# cache, replayed in CUDA graphs, under the driver's split settings and each of $SPLITS
+# (TARGET,MIN pairs), beside an older tree's ($BASE: a folder holding that tree's npattn/,
+# carried); the same under kernel switches ($VARIANTS, space-separated NPATTN_GPU_DEFINES
+# sets, names joined by commas); the GPU tests selected by $TESTS_K; bench --caches --gpu
+# (host included, beside torch); each step's kernels under Nsight Compute; a full profile
+# of the int8 step at batch 1 (details and SASS source counters).
+# Usage: OUT=dir BASE=.base SPLITS="528,4 ..." VARIANTS=... TESTS_K=... .ci/gpu-ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 NPATTN_CACHE_DIR=/tmp/npattn-cubins
 python=${PYTHON:-python3}
 step() { echo; echo "==== $1 ($(date +%T))"; }
 step "tree and base"
-PYTHONPATH=$PWD timeout 150 $python .ci/gpu_cache_kernels.py tree 2>&1 | tee "$OUT/ab.txt"
+PYTHONPATH=$PWD timeout 150 $python .ci/gpu_cache_kernels.py tree ${SPLITS:+--splits 1056,4 $SPLITS} 2>&1 | tee "$OUT/ab.txt"
 if [[ -n "${BASE:-}" && -d "$BASE" ]]; then
   PYTHONPATH=$PWD/$BASE timeout 150 $python .ci/gpu_cache_kernels.py base 2>&1 | tee -a "$OUT/ab.txt"
 fi
 for defines in ${VARIANTS:-}; do
   NPATTN_GPU_DEFINES="${defines//,/ }" PYTHONPATH=$PWD timeout 150 $python .ci/gpu_cache_kernels.py "$defines" 2>&1 | tee -a "$OUT/ab.txt"
 done
+step "tests"
+PYTHONPATH=$PWD timeout ${TESTS_SECONDS:-200} $python -m pytest -q -x -p no:randomly tests/test_gpu.py -k "${TESTS_K:-quantized or codes}" \
+  2>&1 | tee "$OUT/tests.txt" | tail -5
+step "bench caches"
+PYTHONPATH=$PWD timeout 120 $python -m npattn bench --caches --gpu --repeats 5 2>&1 | tee "$OUT/caches.txt"
 step "ncu"
 PYTHONPATH=$PWD timeout 90 ncu --clock-control none --metrics gpu__time_duration.sum --csv -k regex:"forward_tc|combine" \
   $python .ci/gpu_cache_kernels.py tree --once > "$OUT/ncu.csv" 2>&1
@@ -28,7 +36,4 @@ ncu -i /tmp/int8-b1.ncu-rep --page source --csv --print-source sass > "$OUT/int8
 ncu -i /tmp/int8-b1.ncu-rep --page details > "$OUT/int8-b1.txt" 2>&1
 ncu -i /tmp/int8-b1.ncu-rep --page raw 2>&1 | grep -E "^  [a-z]|smsp__pcsamp_warps_issue_stalled" >> "$OUT/int8-b1.txt"
 grep -E "^  void|^    Duration|DRAM Throughput" "$OUT/int8-b1.txt" | cut -c1-100
-step "tests"
-PYTHONPATH=$PWD timeout ${TESTS_SECONDS:-200} $python -m pytest -q -x -p no:randomly tests/test_gpu.py -k "${TESTS_K:-quantized or codes}" \
-  2>&1 | tee "$OUT/tests.txt" | tail -5
 step "done"

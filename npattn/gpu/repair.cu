@@ -43,31 +43,20 @@ __device__ inline double score_in_double(const ScoreRow<T, Acc>& scorer, const O
     return score - (double)scorer.slope * (double)distance;
 }
 
-// The check and, where it fails, the recompute of query row `row` (batch-major, then
-// head, then query) by one warp (`lane` its thread's): what repair_kernel runs on every
-// row, and combine_kernel on the row it merged.
+// The recompute of query row `row` (batch-major, then head, then query; a live row whose
+// out or lse is not finite) by one warp (`lane` its thread's), as the top of this file
+// says: what repair_row runs where its check fails, and combine_kernel where the row it
+// merged is not finite.
 template <typename T, typename Acc>
-__device__ inline void repair_row(const Operands<T, Acc>& in, i64 row, int lane, T* out, i64 out_sb, i64 out_sh,
-                                  i64 out_ss, Acc* lse) {
+__device__ inline void recompute_row(const Operands<T, Acc>& in, i64 row, int lane, T* out, i64 out_sb, i64 out_sh,
+                                     i64 out_ss, Acc* lse) {
     constexpr int COLUMNS = NPATTN_MAX_HEAD_DIM / 32;  // columns per lane
     const Acc *sink = in.sink, *reals = in.reals;
-    const i64 *spans = in.spans, *pages = in.pages, *ints = in.ints;
+    const i64* ints = in.ints;
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN], kv_len = ints[NPATTN_INT_KV_LEN];
     const i64 b = row / (heads * q_len), h = (row / q_len) % heads, i = row % q_len;
-    // padding rows keep the zeros and -inf they were given
-    if (i < span(spans, b, NPATTN_SPAN_Q_START) || i >= span(spans, b, NPATTN_SPAN_Q_STOP)) return;
     const int value_dim = (int)ints[NPATTN_INT_VALUE_DIM], head_dim = (int)ints[NPATTN_INT_HEAD_DIM];
     T* row_out = out + b * out_sb + h * out_sh + i * out_ss;
-
-    // the check: x - x is 0 for a finite x, NaN for NaN and inf
-    int bad = 0;
-    for (int d = lane; d < value_dim; d += 32) {
-        const double x = Storage<T>::template load<double>(row_out, d);
-        bad |= !(x - x == 0);
-    }
-    if (lane == 0) bad |= lse[row] != lse[row] || lse[row] == -negative_infinity<Acc>();
-    if (warp_sum(bad) == 0) return;
-
     const ScoreRow<T, Acc> scorer(in, b, h, i);
     const i64 kv_head = kv_head_of(ints, h), q_offset = q_row(ints, b, h, i);
     auto score_of = [&](i64 j) {
@@ -129,6 +118,29 @@ __device__ inline void repair_row(const Operands<T, Acc>& in, i64 row, int lane,
         if (d < value_dim) Storage<T>::store(row_out, d, sums[c] / total);
     }
     if (lane == 0) lse[row] = (Acc)(top + log(total));
+}
+
+// The check and, where it fails, the recompute of query row `row` by one warp: what
+// repair_kernel runs on every row.
+template <typename T, typename Acc>
+__device__ inline void repair_row(const Operands<T, Acc>& in, i64 row, int lane, T* out, i64 out_sb, i64 out_sh,
+                                  i64 out_ss, Acc* lse) {
+    const i64 *spans = in.spans, *ints = in.ints;
+    const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
+    const i64 b = row / (heads * q_len), h = (row / q_len) % heads, i = row % q_len;
+    // padding rows keep the zeros and -inf they were given
+    if (i < span(spans, b, NPATTN_SPAN_Q_START) || i >= span(spans, b, NPATTN_SPAN_Q_STOP)) return;
+    const int value_dim = (int)ints[NPATTN_INT_VALUE_DIM];
+    const T* row_out = out + b * out_sb + h * out_sh + i * out_ss;
+    // the check: x - x is 0 for a finite x, NaN for NaN and inf
+    int bad = 0;
+    for (int d = lane; d < value_dim; d += 32) {
+        const double x = Storage<T>::template load<double>(row_out, d);
+        bad |= !(x - x == 0);
+    }
+    if (lane == 0) bad |= lse[row] != lse[row] || lse[row] == -negative_infinity<Acc>();
+    if (warp_sum(bad) == 0) return;
+    recompute_row(in, row, lane, out, out_sb, out_sh, out_ss, lse);
 }
 
 template <typename T, typename Acc>
@@ -271,15 +283,26 @@ combine_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss
         }
     }
     const Acc factor = reals[NPATTN_REAL_KEEP_SCALE] / l;
+    // the repair pass of this row, by the warp that wrote it (a split call launches no
+    // repair_kernel): repair_row's check, on the values as stored (rounded to T) while
+    // they are in registers rather than read back (a round trip to L2 at the end of every
+    // combine); left alone when finite, else the reference's answer
+    int bad = 0;
 #pragma unroll
     for (int c = 0; c < COLUMNS; ++c) {
         const i64 d = lane + 32 * c;
-        if (d < value_dim) Storage<T>::store(row_out, d, (double)(total[c] * factor));
+        if (d < value_dim) {
+            const Acc value = total[c] * factor;
+            Storage<T>::store(row_out, d, (double)value);
+            const Acc stored = Storage<T>::template round<Acc>(value);
+            bad |= !(stored - stored == 0);
+        }
     }
-    if (lane == 0) lse[row] = m + log_of(l);
-    // the repair pass of this row, by the warp that wrote it (a split call launches no
-    // repair_kernel): left alone when finite, else the reference's answer
+    const Acc row_lse = m + log_of(l);
+    if (lane == 0) lse[row] = row_lse;
+    bad |= row_lse != row_lse || row_lse == -negative_infinity<Acc>();
+    if (warp_sum(bad) == 0) return;
     __syncwarp();
     const Operands<T, Acc> in = NPATTN_OPERANDS;
-    repair_row(in, row, lane, out, out_sb, out_sh, out_ss, lse);
+    recompute_row(in, row, lane, out, out_sb, out_sh, out_ss, lse);
 }
