@@ -5,7 +5,8 @@
 # carried); the same under kernel switches ($VARIANTS, space-separated NPATTN_GPU_DEFINES
 # sets, names joined by commas); the GPU tests selected by $TESTS_K; bench --caches --gpu
 # (host included, beside torch); each step's kernels under Nsight Compute; a full profile
-# of the int8 step at batch 1 (details and SASS source counters).
+# of the int8 step at batch 1 (details, and SASS source counters with
+# .ci/ncu_sass_summary.py's summary of them).
 # Usage: OUT=dir BASE=.base SPLITS="528,4 ..." VARIANTS=... TESTS_K=... .ci/gpu-ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,7 @@ step "profile"
 PYTHONPATH=$PWD timeout 120 ncu --clock-control none --set full -k regex:"forward_tc|combine" --launch-skip 2 --launch-count 2 \
   -o /tmp/int8-b1 -f $python .ci/gpu_profile_step.py int8 1 16384 > /tmp/profile.log 2>&1 || tail -5 /tmp/profile.log
 ncu -i /tmp/int8-b1.ncu-rep --page source --csv --print-source sass > "$OUT/int8-b1-sass.csv" 2>&1
+$python .ci/ncu_sass_summary.py "$OUT/int8-b1-sass.csv" 20 > "$OUT/int8-b1-sass.txt" 2>&1
 ncu -i /tmp/int8-b1.ncu-rep --page details > "$OUT/int8-b1.txt" 2>&1
 ncu -i /tmp/int8-b1.ncu-rep --page raw 2>&1 | grep -E "^  [a-z]|smsp__pcsamp_warps_issue_stalled" >> "$OUT/int8-b1.txt"
 grep -E "^  void|^    Duration|DRAM Throughput" "$OUT/int8-b1.txt" | cut -c1-100
