@@ -167,6 +167,24 @@ def test_e4m3_codes_take_the_hardware_conversion_from_sm_89(machine_code, monkey
     assert conversions(switched, switched_lowered[name]) == 0
 
 
+def test_the_prefetch_switch_asks_for_the_parameters_lines(machine_code, monkeypatch):
+    """NPATTN_PREFETCH_PARAMETERS (a switch for a lent GPU to time, through
+    NPATTN_GPU_DEFINES): the decode tiles ask for the lines of ints and reals into L1
+    (CCTL.E.PF1, one instruction each) and the combine for those of ints; the default
+    build asks for none."""
+    tools_or_skip()
+    names = [sources.register_codes_name("float16", 128, transposed=True), "combine_kernel<half_bits, float>"]
+
+    def prefetches(cubin, lowered):
+        texts = sass.disassemble(cubin, [lowered[name] for name in names])
+        return [sass.opcodes(texts[lowered[name]], full=True)["CCTL.E.PF1"] for name in names]
+
+    default, lowered = machine_code["sm_90"]
+    monkeypatch.setenv("NPATTN_GPU_DEFINES", "NPATTN_PREFETCH_PARAMETERS")
+    switched, switched_lowered = nvrtc.compile_cubin("sm_90", names)
+    assert (prefetches(default, lowered), prefetches(switched, switched_lowered)) == ([0, 0], [2, 1])
+
+
 def test_a_simt_kernel_fails_the_fast_kernel_check(kernels):
     for architecture, inspected in kernels.items():
         usage, counter = inspected[SIMT_KERNEL]

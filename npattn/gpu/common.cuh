@@ -177,6 +177,25 @@ struct KeyTiles {
     __device__ int keys(i64 t) const { return (int)smaller(block_k, (t < count[0] ? last[0] : last[1]) - start(t)); }
 };
 
+// With NPATTN_PREFETCH_PARAMETERS (a switch for a lent GPU to time, through
+// NPATTN_GPU_DEFINES; untimed so far): the 128-byte lines holding `count` elements from
+// `p` asked into L1 at once, lane i of the warp asking for line i (every lane calls it).
+// Why: a decode step's forward spent 55% of its warp samples before its key loop (H200,
+// 2026-11-30), in a chain of about 7 loads of ints, spans and Q, each touching a new line
+// of ints only after the load before it came back, behind the other warps' copies in
+// the memory queues. Asked for at the kernel's first instruction, every later read of
+// ints would hit L1. A no-op in the host emulation and without the switch.
+template <typename V> __device__ inline void prefetch_lines(const V* p, int count, int lane) {
+#if defined(NPATTN_PREFETCH_PARAMETERS) && !defined(NPATTN_HOST_EMULATION)
+    const unsigned long long first = reinterpret_cast<unsigned long long>(p) & ~127ull;
+    const unsigned long long end = reinterpret_cast<unsigned long long>(p + count);
+    const unsigned long long line = first + 128ull * (unsigned long long)lane;
+    if (line < end) asm volatile("prefetch.global.L1 [%0];" ::"l"(line));
+#else
+    (void)p, (void)count, (void)lane;
+#endif
+}
+
 // x from lane `from` of the warp (every lane calls it), as two 32-bit shuffles
 __device__ inline i64 shuffle_i64(i64 x, int from) {
     const unsigned low = __shfl_sync(0xffffffffu, (unsigned)((unsigned long long)x & 0xffffffffu), from);

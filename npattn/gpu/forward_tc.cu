@@ -148,6 +148,8 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     constexpr bool SCORE_OPTIONS = (OPTIONS & NPATTN_OPTION_PER_SCORE) != 0;
     constexpr bool CODES = (OPTIONS & NPATTN_OPTION_CODES) != 0, PAGED = (OPTIONS & NPATTN_OPTION_PAGED) != 0;
     const Operands<T, Acc> in = NPATTN_OPERANDS;
+    prefetch_lines(ints, NPATTN_INT_COUNT, threadIdx.x % 32);  // (NPATTN_PREFETCH_PARAMETERS)
+    prefetch_lines(reals, NPATTN_REAL_COUNT, threadIdx.x % 32);
     const i64 heads = ints[NPATTN_INT_HEADS], kv_heads = ints[NPATTN_INT_KV_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
     const i64 group = heads / kv_heads;
     const i64 tiles = (q_len * group + BQ - 1) / BQ;

@@ -176,6 +176,7 @@ combine_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss
                const Acc* partial) {
     constexpr int COLUMNS = NPATTN_MAX_HEAD_DIM / 32;  // columns per lane
     const int warps = (int)(blockDim.x / 32);
+    prefetch_lines(ints, NPATTN_INT_COUNT, threadIdx.x % 32);  // (NPATTN_PREFETCH_PARAMETERS)
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];
     const i64 row = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
