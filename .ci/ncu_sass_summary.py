@@ -14,7 +14,7 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 
 def kernels(path):
     """(kernel name, header, rows) for each kernel of the CSV."""
-    found, header = [], None
+    found = []
     for row in csv.reader(open(path)):
         if row and row[0] == "Kernel Name":
             found.append([row[1], None, []])
