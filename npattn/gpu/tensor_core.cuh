@@ -589,9 +589,11 @@ template <int BK, int MAX_D> struct CodeStages {
             if constexpr (PAGED) {
                 k_at = shuffle_i64(k_offset[u], r % 32);
                 v_at = shuffle_i64(v_offset[u], r % 32);
-            } else {  // key j0 + r's rows, without shuffles
-                k_at = (j0 + r) * codes.k_slot;
-                v_at = (j0 + r) * codes.v_slot;
+            } else {  // key j0 + r's rows, without shuffles (a row past `keys` copies no byte
+                      // but names key j0's, an address inside the cache, as a paged one does)
+                const i64 key = j0 + (r < keys ? r : keys - 1);
+                k_at = key * codes.k_slot;
+                v_at = key * codes.v_slot;
             }
             const int size = r < keys ? 16 : 0;
             cp_async_16(reinterpret_cast<unsigned short*>(destination + r * LD + 16 * chunk), codes.k + k_at + 16 * chunk, size);
