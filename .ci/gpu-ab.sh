@@ -3,7 +3,8 @@
 # cache, replayed in CUDA graphs, under the driver's split settings and each of $SPLITS
 # (TARGET,MIN pairs), beside an older tree's ($BASE: a folder holding that tree's npattn/,
 # carried); the same under kernel switches ($VARIANTS, space-separated NPATTN_GPU_DEFINES
-# sets, names joined by commas); the GPU tests selected by $TESTS_K; bench --caches --gpu
+# sets, names joined by commas) and the quantized GPU tests under each; the GPU tests
+# selected by $TESTS_K; bench --caches --gpu
 # (host included, beside torch); each step's kernels under Nsight Compute; a full profile
 # of the int8 step at batch 1 (details, and SASS source counters with
 # .ci/ncu_sass_summary.py's summary of them).
@@ -20,6 +21,11 @@ if [[ -n "${BASE:-}" && -d "$BASE" ]]; then
 fi
 for defines in ${VARIANTS:-}; do
   NPATTN_GPU_DEFINES="${defines//,/ }" PYTHONPATH=$PWD timeout 150 $python .ci/gpu_cache_kernels.py "$defines" 2>&1 | tee -a "$OUT/ab.txt"
+done
+for defines in ${VARIANTS:-}; do  # each switch's quantized tests (about 35 s each)
+  echo "== tests under $defines" | tee -a "$OUT/variant-tests.txt"
+  NPATTN_GPU_DEFINES="${defines//,/ }" PYTHONPATH=$PWD timeout 90 $python -m pytest -q -x -p no:randomly tests/test_gpu.py \
+    -k "quantized or codes" 2>&1 | tail -3 | tee -a "$OUT/variant-tests.txt"
 done
 step "tests"
 PYTHONPATH=$PWD timeout ${TESTS_SECONDS:-200} $python -m pytest -q -x -p no:randomly tests/test_gpu.py -k "${TESTS_K:-quantized or codes}" \

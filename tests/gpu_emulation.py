@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import os
 import shutil
 import subprocess
 import threading
@@ -200,7 +201,15 @@ class Emulation:
 def build(directory: Path) -> Emulation:
     """The :class:`Emulation` of the sources, its libraries built into ``directory``
     (reused while the sources are unchanged)."""
-    return Emulation(directory, sources.source(), _names(), ahead_names())
+    return Emulation(directory, switched(sources.source()), _names(), ahead_names())
+
+
+def switched(text: str) -> str:
+    """``text`` after a ``#define`` of each name in ``$NPATTN_GPU_DEFINES`` (the switches
+    a lent GPU times, which NVRTC gets as -D options): so that a switch's code runs in the
+    emulation too, ``NPATTN_GPU_DEFINES=NAME pytest tests/test_gpu_emulated.py``."""
+    names = os.environ.get("NPATTN_GPU_DEFINES", "").split()
+    return "".join(f"#define {name}\n" for name in names) + text
 
 
 def build_source(directory: Path, text: str, names) -> tuple[ctypes.CDLL, dict]:

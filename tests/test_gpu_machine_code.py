@@ -185,6 +185,24 @@ def test_the_prefetch_switch_asks_for_the_parameters_lines(machine_code, monkeyp
     assert (prefetches(default, lowered), prefetches(switched, switched_lowered)) == ([0, 0], [2, 1])
 
 
+def test_the_early_copies_switch_issues_the_first_copies_before_q(machine_code, monkeypatch):
+    """NPATTN_EARLY_COPIES (a switch for a lent GPU to time): the transposed decode tile
+    issues its first tiles' copies (LDGSTS) before Q's 16-byte loads; by default Q comes
+    first."""
+    tools_or_skip()
+    name = sources.register_codes_name("float16", 128, transposed=True)
+
+    def copies_first(cubin, symbol):
+        lines = [line for line in sass.disassemble(cubin, [symbol])[symbol].splitlines() if ";" in line]
+        first = {opcode: next(i for i, line in enumerate(lines) if opcode in line) for opcode in ("LDGSTS", "LDG.E.128")}
+        return first["LDGSTS"] < first["LDG.E.128"]
+
+    default, lowered = machine_code["sm_90"]
+    monkeypatch.setenv("NPATTN_GPU_DEFINES", "NPATTN_EARLY_COPIES")
+    switched, switched_lowered = nvrtc.compile_cubin("sm_90", [name])
+    assert (copies_first(default, lowered[name]), copies_first(switched, switched_lowered[name])) == (False, True)
+
+
 def test_a_simt_kernel_fails_the_fast_kernel_check(kernels):
     for architecture, inspected in kernels.items():
         usage, counter = inspected[SIMT_KERNEL]

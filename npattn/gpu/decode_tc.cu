@@ -49,6 +49,18 @@
 #include "common.cuh"
 #include "tensor_core.cuh"
 
+// NPATTN_EARLY_COPIES (a switch for a lent GPU to time, through NPATTN_GPU_DEFINES;
+// untimed so far): the block's first two tiles' copies issued as soon as the warp knows its
+// keys and where their codes lie, before Q's load and the rest of the loop's set-up, so
+// that the first tile's latency overlaps them. By default they come last, and ptxas
+// placed two of the loop's scalar loads (the codes' kind, the softmax scale) behind them
+// in the load/store queue (H200, 2026-11-30: 172 of the forward's 1973 samples).
+#ifdef NPATTN_EARLY_COPIES
+constexpr bool EARLY_COPIES = true;
+#else
+constexpr bool EARLY_COPIES = false;
+#endif
+
 // S^T (16 keys x 8 rows, unscaled) += K Q^T for one 16-key block: k_words[h][kk] the
 // lane's codes of key quad + 8 h at dims 4 kk + 0..3 of its run, q_words Q^T's B
 // fragments (dims 4 kk + 0, 1 in word 2 kk; + 2, 3 in word 2 kk + 1).
@@ -120,7 +132,7 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
     // Q^T's B fragments, for the whole loop: row `quad` at the dims of this lane's run
     // (zeros for a row past `rows`: its column of S^T is never read)
     u32 q_words[MAX_D / 8];
-    {
+    auto load_q = [&]() {
         const T* run = in.q + q_row(ints, b, head_of(quad), query_of(quad)) + in_quad * (MAX_D / 4);
 #pragma unroll
         for (int w = 0; w < MAX_D / 8; w += 4) {
@@ -131,7 +143,8 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
             q_words[w + 2] = chunk.z;
             q_words[w + 3] = chunk.w;
         }
-    }
+    };
+    if constexpr (!EARLY_COPIES) load_q();
 
     const i64 i_first = p0 / group, i_last = (p0 + rows - 1) / group;
     // this warp's share of the block's split: sub-split split WARPS + warp of splits WARPS
@@ -142,6 +155,18 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
     const bool every_tile_visible = BAND && !SCORE_OPTIONS && tiles_fully_visible(ints, in.spans, b, i_first, i_last + 1, key_tiles);
     const HeadCodes<(OPTIONS & NPATTN_OPTION_PAGED) != 0> codes(in, b, kv_head);
     const Stages stages{shared + warp * 2 * Stages::BYTES};
+    // the first two tiles' copies, issued where EARLY_COPIES says (the loads of Q and of
+    // the scalars the loop reads come before them by default, after them with it)
+    auto first_copies = [&]() {
+        if (tile_count > 0) stages.fetch(codes, 0, key_tiles.start(0), key_tiles.keys(0), lane);
+        cp_async_commit();
+        if (tile_count > 1) stages.fetch(codes, 1, key_tiles.start(1), key_tiles.keys(1), lane);
+        cp_async_commit();
+    };
+    if constexpr (EARLY_COPIES) {
+        first_copies();
+        load_q();
+    }
     const bool e4m3 = ints[NPATTN_INT_KV_CODES] == NPATTN_KVCODES_FLOAT8;
     // the rows' ScoreRows, built for each tile that needs them (a tile past the band's
     // edges and with no score option, a decode step's usual one, needs none): kept through
@@ -168,10 +193,7 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
     float value_reference = 0.0f;  // R
     const float scale_log2 = (float)in.reals[NPATTN_REAL_SCALE] * NPATTN_LOG2E;
 
-    if (tile_count > 0) stages.fetch(codes, 0, key_tiles.start(0), key_tiles.keys(0), lane);
-    cp_async_commit();
-    if (tile_count > 1) stages.fetch(codes, 1, key_tiles.start(1), key_tiles.keys(1), lane);
-    cp_async_commit();
+    if constexpr (!EARLY_COPIES) first_copies();
 
     for (i64 t = 0; t < tile_count; ++t) {
         const i64 j0 = key_tiles.start(t);
