@@ -150,10 +150,12 @@ SIMT_KERNEL = "dkdv_kernel<float, float, 64>"
 
 
 def combine_kernels() -> tuple[str, ...]:
-    """The split-KV combine's instantiations, one per tensor-core storage dtype."""
+    """The split-KV combine's instantiations for each tensor-core storage dtype, at the
+    decode steps' common head-dim bound (128) and the widest (256: the most registers)."""
     from npattn.gpu import sources
 
-    return tuple(sources.kernel_name("combine", dtype) for dtype in sources.TENSOR_CORE_STORAGE)
+    return tuple(sources.kernel_name("combine", dtype, bound) for dtype in sources.TENSOR_CORE_STORAGE
+                 for bound in (128, sources.MAX_HEAD_DIM))
 
 
 def checked_names() -> tuple[str, ...]:

@@ -119,7 +119,7 @@ def test_every_dtype_and_kind_has_instantiations():
         forward = sources.forward_kind(dtype_name)
         assert forward == ("forward_tc" if dtype_name in ("float16", "bfloat16") else "forward")
         for bound in sources.HEAD_DIM_BOUNDS:
-            for kind in ("dkdv", "dq"):
+            for kind in ("dkdv", "dq", "combine"):
                 assert sources.kernel_name(kind, dtype_name, bound) in names
             if forward == "forward":
                 assert sources.kernel_name(forward, dtype_name, bound) in names
@@ -129,7 +129,7 @@ def test_every_dtype_and_kind_has_instantiations():
                 for options in (0, Option.BAND, ALL):
                     tile = sources.forward_tc_config(rows, bound, options)
                     assert sources.kernel_name(forward, dtype_name, bound, tile=tile, options=options) in names
-        for kind in ("combine", "weights", "dbias"):
+        for kind in ("weights", "dbias"):
             assert sources.kernel_name(kind, dtype_name) in names
 
 
@@ -408,7 +408,7 @@ def test_compiled_kernels_are_kept_on_disk_per_instantiation(tmp_path, monkeypat
 
     nvrtc_or_skip()
     monkeypatch.setenv("NPATTN_CACHE_DIR", str(tmp_path))
-    name = sources.kernel_name("combine", "float32")
+    name = sources.kernel_name("combine", "float32", 64)
     path, symbol = kernel_cache.cubin("sm_80", name)
     assert path.parent == tmp_path and path.read_bytes()
     assert symbol == nvrtc.check_compiles("sm_80", [name])[name]
@@ -419,7 +419,7 @@ def test_compiled_kernels_are_kept_on_disk_per_instantiation(tmp_path, monkeypat
     monkeypatch.setattr(nvrtc, "compile_cubin", no_compiling)
     assert kernel_cache.cubin("sm_80", name) == (path, symbol)
     assert kernel_cache.key("sm_90", name) != kernel_cache.key("sm_80", name)
-    assert kernel_cache.key("sm_80", sources.kernel_name("combine", "float64")) != kernel_cache.key("sm_80", name)
+    assert kernel_cache.key("sm_80", sources.kernel_name("combine", "float64", 64)) != kernel_cache.key("sm_80", name)
 
 
 def test_tuning_switches_reach_nvrtc_and_the_cache_key(monkeypatch):
@@ -430,7 +430,7 @@ def test_tuning_switches_reach_nvrtc_and_the_cache_key(monkeypatch):
     from npattn.gpu import kernel_cache
 
     nvrtc_or_skip()
-    name = sources.kernel_name("combine", "float32")
+    name = sources.kernel_name("combine", "float32", 64)
     monkeypatch.delenv("NPATTN_GPU_DEFINES", raising=False)
     default_options, default_key = sources.compile_options("sm_90"), kernel_cache.key("sm_90", name)
     assert [option for option in default_options if option.startswith("-D")] == ["-DNPATTN_HARDWARE_E4M3"]

@@ -183,6 +183,31 @@ def test_emulated_gpu_combine_over_hundreds_of_splits(dtype, monkeypatch):
     check_forward("gpu", case, "bhsd")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])  # the SIMT forward, the tensor-core one
+@pytest.mark.parametrize("value_dim", [40, 96, 128, 200, 256])
+def test_emulated_gpu_combine_at_every_head_dim_bound(dtype, value_dim, monkeypatch):
+    """A split decode step (GQA, a sink logit) whose values fill each head-dim bound's
+    columns, or part of them: the combine built for the step's bound (sources.
+    HEAD_DIM_BOUNDS: MAX_D / 32 columns a lane) merges every column."""
+    from npattn.gpu import driver, launch, sources
+
+    monkeypatch.setattr(driver, "MIN_KEY_TILES_PER_SPLIT", 1)
+    keys = 12 * (32 if dtype == np.float32 else 64)
+    head_dim = min(value_dim, 64)
+    bounds, emulated_run = [], launch.run
+
+    def spy(kind, storage, bound, *args, **kwargs):
+        if kind == "combine":
+            bounds.append(bound)
+        return emulated_run(kind, storage, bound, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "run", spy)
+    case = uniform_case(1, 4, 2, 1, keys, head_dim, value_dim, values_seed=13, dtype=dtype,
+                        sink_logits=np.array([0.5, -1.0, 0.0, 2.0]))
+    check_forward("gpu", case, "bhsd")
+    assert bounds == [sources.head_dim_bound(head_dim, value_dim)], bounds
+
+
 def test_emulated_gpu_plans_keep_their_split_partials_per_thread(monkeypatch):
     """A planned split decode step keeps its partials' buffer (a CUDA graph that captured
     the call writes it at every replay, so it must outlive the call), one per thread:

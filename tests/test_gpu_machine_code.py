@@ -173,7 +173,7 @@ def test_the_prefetch_switch_asks_for_the_parameters_lines(machine_code, monkeyp
     (CCTL.E.PF1, one instruction each) and the combine for those of ints; the default
     build asks for none."""
     tools_or_skip()
-    names = [sources.register_codes_name("float16", 128, transposed=True), "combine_kernel<half_bits, float>"]
+    names = [sources.register_codes_name("float16", 128, transposed=True), sources.kernel_name("combine", "float16", 128)]
 
     def prefetches(cubin, lowered):
         texts = sass.disassemble(cubin, [lowered[name] for name in names])

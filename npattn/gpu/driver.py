@@ -362,7 +362,7 @@ class ForwardPlan:
             self._launcher(config)(self.blocks, (*operands, *outputs))
             if self.splits > 1:
                 if self._combine is None:
-                    self._combine = launch.kernel("combine", self.storage, 0, self.combine_shared,
+                    self._combine = launch.kernel("combine", self.storage, self.bound, self.combine_shared,
                                                   threads=self.combine_threads)
                 self._combine(self.combine_blocks, (*operands, *outputs))
             if self.repairs and self.splits == 1:  # (the combine repairs the rows it merges)

@@ -153,7 +153,9 @@ repair_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss,
 }
 
 // Merge the forward's split-KV partial rows (the same bits on every run for a given
-// number of splits): one block per query row, of blockDim.x / 32 warps (the driver's
+// number of splits), of value_dim <= MAX_D (the head-dim bound: each lane holds MAX_D / 32
+// columns, so a 128-wide step loads and adds 4 a split where the 256-wide build took 8):
+// one block per query row, of blockDim.x / 32 warps (the driver's
 // combine_warps: one per COMBINE_CHUNK splits, at most NPATTN_COMBINE_THREADS / 32), with
 // the sink logit as the starting max and sum. All threads find the max over the splits (a
 // max is exact in any order). Then warp w takes splits in chunks of COMBINE_CHUNK (w, w +
@@ -170,11 +172,12 @@ repair_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss,
 // combine_shared_bytes (launch.py), a row of value_dim + 1 sums per warp.
 // (The 1 lets it take the registers it wants: with repair_row inlined it kept 16 bytes of
 // spills at 128 registers on sm_90; it takes 188 and none.)
-template <typename T, typename Acc>
+template <typename T, typename Acc, int MAX_D>
 __global__ void __launch_bounds__(NPATTN_COMBINE_THREADS, 1)
 combine_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
                const Acc* partial) {
-    constexpr int COLUMNS = NPATTN_MAX_HEAD_DIM / 32;  // columns per lane
+    static_assert(MAX_D % 32 == 0, "whole columns a lane");
+    constexpr int COLUMNS = MAX_D / 32;  // columns per lane (value_dim <= MAX_D)
     const int warps = (int)(blockDim.x / 32);
     prefetch_lines(ints, NPATTN_INT_COUNT, threadIdx.x % 32);  // (NPATTN_PREFETCH_PARAMETERS)
     const i64 heads = ints[NPATTN_INT_HEADS], q_len = ints[NPATTN_INT_Q_LEN];

@@ -54,7 +54,7 @@ FORWARD_BLOCK_K = {"float": 32, "double": 16}
 # every kernel template; those with register accumulators sized by the head dims
 # (repair: the forward's rows that are not finite recomputed as the reference does)
 KINDS = ("forward", "forward_tc", "combine", "repair", "weights", "dkdv", "dq", "dkdv_tc", "dq_tc", "dbias")
-BOUNDED_KINDS = ("forward", "forward_tc", "dkdv", "dq", "dkdv_tc", "dq_tc")
+BOUNDED_KINDS = ("forward", "forward_tc", "combine", "dkdv", "dq", "dkdv_tc", "dq_tc")
 # the tensor-core backward holds two D-wide accumulators per lane: heads up to 128
 TENSOR_CORE_BACKWARD_BOUNDS = (64, 128)
 # 16-bit inputs take the tensor-core forward; the others the SIMT one
@@ -278,7 +278,7 @@ def kernel_name(kind: str, dtype_name: str, bound: int = 0, *, tile: ForwardTile
         "dkdv": f"{storage}, {accumulate}, {bound}",
         "dq": f"{storage}, {accumulate}, {bound}",
         "dbias": f"{storage}, {accumulate}",
-        "combine": f"{storage}, {accumulate}",
+        "combine": f"{storage}, {accumulate}, {bound}",
         "repair": f"{storage}, {accumulate}",
     }[kind]
     return f"{kind}_kernel<{arguments}>"
