@@ -70,16 +70,15 @@ EXTRA_TILE_OPTIONS = (0, Option.BAND | _NARROW, ALL, ALL | _NARROW | _UNALIGNED)
 _REGISTERS = Option.CODES | Option.REGISTER_CODES
 _SIXTEEN_BIT = ("float16", "bfloat16")
 _DECODE = {bound: sources.forward_tc_config(1, bound) for bound in (64, 128)}
-_TRANSPOSED = {bound: sources.transposed_tile(tile) for bound, tile in _DECODE.items()}
 EXTRA_CODE_TILES = {64: ((sources.ForwardTile(1, 1, 32, 2), Option.BAND | _NARROW | Option.CODES, _SIXTEEN_BIT),
                          *((tile, Option.BAND | paged | _REGISTERS | transposed, _SIXTEEN_BIT)
-                           for tile, transposed in ((_DECODE[64], 0), (_TRANSPOSED[64], Option.TRANSPOSED))
+                           for tile, transposed in ((_DECODE[64], 0), (sources.TRANSPOSED_TILE, Option.TRANSPOSED))
                            for paged in (0, Option.PAGED)),
                          *((tile, options | _REGISTERS | transposed, ("float16",))
-                           for tile, transposed in ((_DECODE[64], 0), (_TRANSPOSED[64], Option.TRANSPOSED))
+                           for tile, transposed in ((_DECODE[64], 0), (sources.TRANSPOSED_TILE, Option.TRANSPOSED))
                            for options in (ALL & ~Option.PAGED, ALL))),
                     128: tuple((tile, Option.BAND | paged | _REGISTERS | transposed, _SIXTEEN_BIT)
-                               for tile, transposed in ((_DECODE[128], 0), (_TRANSPOSED[128], Option.TRANSPOSED))
+                               for tile, transposed in ((_DECODE[128], 0), (sources.TRANSPOSED_TILE, Option.TRANSPOSED))
                                for paged in (0, Option.PAGED))}
 
 

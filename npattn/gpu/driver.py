@@ -23,7 +23,7 @@ from ..core.dropout import seed_words
 from .options import ALL, Option, _address, _strides_aligned, options_of
 from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, COMBINE_CHUNK, COMBINE_THREADS, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS,
                       backward_kinds, forward_kind, forward_tc_config, head_dim_bound, reads_codes_into_registers,
-                      transposed_tile, transposes_decode)
+                      TRANSPOSED_TILE, transposes_decode)
 
 
 def _on_device(problem):
@@ -258,7 +258,7 @@ class ForwardPlan:
                     options |= Option.REGISTER_CODES
                     if transposes_decode(options, rows):
                         options |= Option.TRANSPOSED
-                        tile = transposed_tile(tile)
+                        tile = TRANSPOSED_TILE
                 self.config = dict(tile=tile, options=options)
                 warps, block_q, block_k = tile.warps, tile.block_q, tile.block_k
                 self.shared = self._shared_bytes(self.config)

@@ -220,14 +220,12 @@ TRANSPOSED_ROWS = 8
 TRANSPOSED_WARPS = 4
 
 
-def transposed_tile(tile: ForwardTile) -> ForwardTile:
-    """The tile of a TRANSPOSED step whose untransposed decode tile is ``tile`` (one warp,
-    one fragment, one stage): :data:`TRANSPOSED_WARPS` warps over 32-key tiles at either
-    bound. Each warp keeps two stages of codes (18.5 KB at 128-wide heads, 10.5 KB at 64),
-    so an SM holds 3 blocks at 128 and 5 at 64 by shared memory; NVRTC's sm_90 build takes
-    165-168 registers, 3 blocks' worth (12 warps an SM, where one-warp blocks of the
-    untransposed tile held 8)."""
-    return ForwardTile(TRANSPOSED_WARPS, 1, 32, 1)
+# The tile of every TRANSPOSED step, at either bound: TRANSPOSED_WARPS warps over 32-key
+# tiles. Each warp keeps two stages of codes (18.5 KB at 128-wide heads, 10.5 KB at 64),
+# so an SM holds 3 blocks at 128 and 5 at 64 by shared memory; NVRTC's sm_90 build takes
+# 161-168 registers, 3 blocks' worth (12 warps an SM, where one-warp blocks of the
+# untransposed tile held 8).
+TRANSPOSED_TILE = ForwardTile(TRANSPOSED_WARPS, 1, 32, 1)
 
 
 def transposes_decode(options: int, packed_rows: int) -> bool:
@@ -247,7 +245,7 @@ def register_codes_name(dtype_name: str, bound: int, transposed: bool = False, p
     tile = forward_tc_config(1, bound)
     if transposed:
         options |= _options.Option.TRANSPOSED
-        tile = transposed_tile(tile)
+        tile = TRANSPOSED_TILE
     return kernel_name("forward_tc", dtype_name, bound, tile=tile, options=options)
 
 
