@@ -392,7 +392,8 @@ def architecture_defines(architecture: str) -> tuple[str, ...]:
 def compile_options(architecture: str) -> tuple[str, ...]:
     """NVRTC's options for ``architecture``, with a ``-D`` for each of
     :func:`architecture_defines`. The options are part of the kernel cache's key. The
-    switches the kernels read are listed in their sources (tensor_core.cuh:
-    NPATTN_GENERIC_STAGING, NPATTN_HARDWARE_E4M3)."""
+    switches the kernels read are described where they are read: NPATTN_GENERIC_STAGING
+    and NPATTN_HARDWARE_E4M3 (with NPATTN_SOFTWARE_E4M3, above) in tensor_core.cuh,
+    NPATTN_PREFETCH_PARAMETERS in common.cuh, NPATTN_EARLY_COPIES in decode_tc.cu."""
     defines = tuple(f"-D{name}" for name in architecture_defines(architecture))
     return (f"--gpu-architecture={architecture}", "--std=c++17", *defines)
