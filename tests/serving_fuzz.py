@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import math
 import re
 import signal
 import sys
