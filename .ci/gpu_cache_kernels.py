@@ -7,7 +7,10 @@ Compute to time its kernels: `ncu --metrics gpu__time_duration.sum --csv ...`). 
 settings (DECODE_TARGET_WARPS, MIN_KEY_TILES_PER_SPLIT) and timed; each row ends with
 float16's time over int8's. A quantized cache's step (4 packed rows a kv head at these
 shapes) is timed twice: with its products transposed (Option.TRANSPOSED, the default)
-and as "/untransposed" (sources.TRANSPOSED_ROWS = 0: forward_tc.cu's tile).
+and as "/untransposed" (sources.TRANSPOSED_ROWS = 0: forward_tc.cu's tile); where its
+transposed step splits a row's keys at most driver.MERGED_SPLITS ways (merging them in the
+forward, no combine launched), a third time as "/combine" (MERGED_SPLITS = 0; the same
+step twice where it does not merge: batch 1's 33 splits a row).
 Usage: python .ci/gpu_cache_kernels.py LABEL [--once] [--splits TARGET,MIN ...]"""
 import pathlib
 import sys
@@ -20,6 +23,7 @@ import npattn
 SHAPES = ((1, 32, 8, 16384, 128), (16, 32, 8, 2048, 128))
 CACHES = ("float16", "float8_e4m3", "int8")
 from npattn.gpu import driver, sources
+from npattn.runtime import plans
 
 label, once = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else "tree", "--once" in sys.argv
 settings = [tuple(int(x) for x in arg.split(",")) for arg in sys.argv[sys.argv.index("--splits") + 1:]
@@ -78,8 +82,10 @@ for shape in SHAPES:
         times = {}
         for cache in CACHES:
             q, k, v, scales = arrays(shape, cache, rng)
-            for rows, suffix in ((8, ""), (0, "/untransposed")) if scales else ((8, ""),):
-                sources.TRANSPOSED_ROWS = rows  # read when the plan is made
+            variants = ((8, "", driver.COMBINE_CHUNK), (8, "/combine", 0), (0, "/untransposed", driver.COMBINE_CHUNK))
+            for rows, suffix, merged in variants if scales else ((8, "", driver.COMBINE_CHUNK),):
+                sources.TRANSPOSED_ROWS, driver.MERGED_SPLITS = rows, merged  # read when the plan is made
+                plans.clear()  # (no plan of the structure made under the settings before)
                 plan = npattn.plan_with_kvcache(q, k, v, cache_seqlens=shape[3], causal=True, **scales)
                 run = (lambda plan=plan, q=q, k=k, v=v, scales=scales: plan.run(q, k, v, **scales))
                 if once:
@@ -88,7 +94,7 @@ for shape in SHAPES:
                     cupy.cuda.get_current_stream().synchronize()
                     continue
                 times[cache + suffix] = (replay_us(run), k.nbytes + v.nbytes)
-            sources.TRANSPOSED_ROWS = 8
+            sources.TRANSPOSED_ROWS, driver.MERGED_SPLITS = 8, driver.COMBINE_CHUNK
         if not once:
             ratio = times["float16"][0] / times["int8"][0]
             print(f"{label}: {shape} splits ({target},{least})  " + "  ".join(

@@ -13,6 +13,7 @@
 // of hanging. cp.async copies are queued per thread and carried out
 // only when cp.async.wait_group retires their group, so a tile read before its wait
 // (or before the barrier after it) reads stale or NaN bytes, as it could on a GPU. Blocks run one after another
+// (first to last, or last to first after npattn_emulation_reverse_blocks(1))
 // on the same fibers. Dynamic shared memory starts filled with NaN bytes, so a read
 // before a write shows up in the results. What this cannot show: races the hardware's
 // memory model would expose, the hardware's own rounding inside mma, performance.
@@ -168,6 +169,14 @@ inline void EmulatedBarrier::arrive_and_wait() {
 #define NPATTN_DYNAMIC_SHARED(name) unsigned char* name = emulated_block->shared.data()
 
 inline void __syncthreads() { emulated_block->barrier.arrive_and_wait(); }
+// Blocks run one after another, and only one thread of a block at a time: a fence orders
+// nothing more, and an atomic is a plain read and write.
+inline void __threadfence() {}
+inline unsigned atomicAdd(unsigned* address, unsigned value) {
+    const unsigned old = *address;
+    *address = old + value;
+    return old;
+}
 inline void __syncwarp() { emulated_block->warps[threadIdx.x / 32]->arrive_and_wait(); }
 
 template <typename V> V __shfl_xor_sync(unsigned, V value, int offset) {
@@ -343,13 +352,20 @@ struct EmulatedLaunch {
 template <typename... P>
 thread_local EmulatedLaunch<P...>* emulated_launch;
 
+// Whether launches run their blocks last to first (npattn_emulation_reverse_blocks): a
+// kernel whose blocks depend on their order (the last of a split work item to finish
+// merges it) is then run with another block last.
+inline bool emulated_reversed_blocks = false;
+extern "C" void npattn_emulation_reverse_blocks(int reversed) { emulated_reversed_blocks = reversed != 0; }
+
 // A fiber's body: every block in turn on CUDA thread `emulated_fiber->thread`.
 template <typename... P>
 void emulated_fiber_body() {
     EmulatedLaunch<P...>& launch = *emulated_launch<P...>;
     EmulatedFiber& fiber = *emulated_fiber;
     EmulatedBlock& state = *launch.state;
-    for (int block = 0; block < launch.blocks; ++block) {
+    for (int index = 0; index < launch.blocks; ++index) {
+        const int block = emulated_reversed_blocks ? launch.blocks - 1 - index : index;
         fiber.block = (unsigned)block;
         blockIdx = {(unsigned)block, 0, 0};
         std::apply(launch.kernel, launch.values);

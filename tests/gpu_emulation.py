@@ -89,6 +89,8 @@ def _forward_tc_configs(dtype_name, bound):
     configs = {(tile, int(options)) for tile in picked for options in FORWARD_TC_OPTIONS[bound]}
     configs |= {(tile, int(options)) for tile in EXTRA_TILES.get(bound, ()) for options in EXTRA_TILE_OPTIONS}
     configs |= {(tile, int(options)) for tile, options, dtypes in EXTRA_CODE_TILES.get(bound, ()) if dtype_name in dtypes}
+    # each transposed one also as a split step of few splits a row takes it, merging them (MERGES)
+    configs |= {(tile, options | int(Option.MERGES)) for tile, options in configs if options & Option.TRANSPOSED}
     return sorted(configs)
 
 
@@ -169,6 +171,7 @@ class Emulation:
         self._symbols: dict = {}  # name -> (library, its launcher's symbol)
         self._lock = threading.Lock()
         self.launched: set = set()
+        self.reversed_blocks = False  # (every library's launches: run_kernel sets its own flag)
         ahead = set(ahead) or set(self._menu)  # (no list: everything ahead)
         self._add(build_source(directory, text, [name for name in self._menu if name in ahead]))
 
@@ -190,7 +193,18 @@ class Emulation:
                                        [other for other in self._menu if other not in self._symbols]))
             self.launched.add(name)
             library, symbol = self._symbols[name]
+        library.npattn_emulation_reverse_blocks(int(self.reversed_blocks))
         run_kernel(library, {name: symbol}, name, blocks, threads, shared_bytes, arguments)
+
+    @contextlib.contextmanager
+    def blocks_reversed(self):
+        """Launches run their blocks last to first inside the block (first to last outside):
+        what depends on which block of a launch runs last then runs on another one."""
+        self.reversed_blocks = True
+        try:
+            yield
+        finally:
+            self.reversed_blocks = False
 
     def write_ahead_list(self) -> None:
         """Write what this session launched as :data:`AHEAD_LIST`, in the menu's order."""

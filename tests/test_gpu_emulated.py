@@ -46,6 +46,13 @@ EMULATED = settings(max_examples=max(10, settings().max_examples // 4))
 FEWER = settings(max_examples=max(8, settings().max_examples // 8))
 
 
+def launched_splits(arguments) -> int:
+    """The key splits of a forward launch, from its ``arguments`` (which end ``splits,
+    partial``): more than 1 where its blocks split the keys and their partials are merged
+    (by the forward's own last block of each item, or by the combine)."""
+    return int(arguments[-2])
+
+
 @pytest.fixture(scope="module", autouse=True)
 def emulated_gpu(request):
     built = emulation(request.config)  # started at collection (conftest.started)
@@ -75,6 +82,123 @@ def test_emulated_gpu_forward_matches_the_reference(case, layout):
 @given(case=cases(dtypes=ALL_DTYPES), layout=layouts)
 def test_emulated_gpu_backward_matches_the_reference(case, layout):
     check_backward("gpu", case, layout)
+
+
+_LAST_BLOCKS = r"""
+// out[block] = whether the block (split block % splits of item block / splits) found
+// itself the last of its item's blocks to count itself (merge.cuh's last_of_splits)
+__global__ void last_blocks(unsigned* counters, int* out, long long splits) {
+    NPATTN_DYNAMIC_SHARED(shared);
+    const bool last = last_of_splits(counters + blockIdx.x / splits, splits, reinterpret_cast<int*>(shared));
+    if (threadIdx.x == 0) out[blockIdx.x] = last;
+}
+"""
+
+
+def test_exactly_one_block_of_each_split_item_merges_it(tmp_path):
+    """The forward's merge of a split work item runs in exactly one block, the last of
+    the item's blocks to finish, whichever that is (the emulation's blocks run first to
+    last, then last to first), and leaves the item's counter at 0 for the next launch:
+    on a GPU a second block merging the item would race the blocks still writing it."""
+    from npattn.gpu import sources
+
+    library, launchers = gpu_emulation.build_source(tmp_path, sources.source() + _LAST_BLOCKS, ["last_blocks"])
+    items, splits = 3, 4
+    for reversed_blocks, last_split in ((0, splits - 1), (1, 0)):
+        counters, out = np.zeros(items, np.uint32), np.full(items * splits, -1, np.int32)
+        library.npattn_emulation_reverse_blocks(reversed_blocks)
+        gpu_emulation.run_kernel(library, launchers, "last_blocks", items * splits, 64, 16, (counters, out, splits))
+        library.npattn_emulation_reverse_blocks(0)
+        expected = np.zeros((items, splits), np.int32)
+        expected[:, last_split] = 1
+        np.testing.assert_array_equal(out.reshape(items, splits), expected)
+        assert not counters.any()
+
+
+@pytest.mark.parametrize("cache", ["int8", "float8_e4m3", "float16"])
+def test_emulated_gpu_forward_merges_a_few_splits_itself_with_the_combines_bits(monkeypatch, request, cache):
+    """A split decode step of at most COMBINE_CHUNK splits a row on the transposed tile (a
+    quantized cache) merges them in the forward (Option.MERGES, driver.MERGED_SPLITS): the
+    last block of each work item to finish merges the item's rows (merge.cuh), and no
+    combine runs. Whichever block finishes last (the emulation's blocks run first to last,
+    then last to first), out and lse are bit for bit those of the combine (MERGED_SPLITS
+    = 0 launches it) and within the reference's bounds; each item's counter is back to 0
+    after every run, so the plan's next run merges too. Rows with a sink logit, a
+    sequence of no keys (zeros and -inf) and a NaN value that one kv head of the first
+    sequence sees (the merge's repair: NaN rows). A float16 cache's step (forward_tc.cu's
+    tile) keeps the combine."""
+    from npattn.gpu import driver, launch
+    from npattn.runtime import plans
+    from test_serving import assert_lse, assert_out, call_case
+
+    rng = np.random.default_rng(21)
+    batch, kv_heads, heads, dim, capacity = 3, 2, 8, 64, 640
+    lengths = np.array([600, 0, 350])
+    q = rng.normal(size=(batch, 1, heads, dim)).astype(np.float16)
+    k, v = (rng.normal(size=(batch, capacity, kv_heads, dim)) for _ in range(2))
+    sinks = rng.normal(size=heads)
+    if cache != "float16":
+        (k_cache, k_scale), (v_cache, v_scale) = npattn.quantize_kv(k, cache), npattn.quantize_kv(v, cache)
+        v_scale[0, 100, 1] = np.nan
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        keys, values = npattn.dequantize_kv(k_cache, k_scale, np.float64), npattn.dequantize_kv(v_cache, v_scale,
+                                                                                                 np.float64)
+    else:
+        k_cache, v_cache = k.astype(np.float16), v.astype(np.float16)
+        v_cache[0, 100, 1, 3] = np.nan
+        scales = {}
+        keys, values = k_cache.astype(np.float64), v_cache.astype(np.float64)
+    launched, buffers, kept = [], [], driver.ForwardPlan._partial
+    emulated_run = launch.run
+
+    def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
+        launched.append((kind, launched_splits(arguments) if kind == "forward_tc" else None))
+        return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
+
+    monkeypatch.setattr(launch, "run", spy)
+    monkeypatch.setattr(driver.ForwardPlan, "_partial", lambda plan: buffers.append((plan, kept(plan))) or buffers[-1][1])
+
+    def step():
+        launched.clear()
+        return npattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, sink_logits=sinks,
+                                             return_lse=True, backend="gpu", **scales)
+
+    plans.clear()
+    try:
+        merged = step()
+        splits = [count for kind, count in launched if kind == "forward_tc"]
+        assert splits and 1 < splits[0] <= driver.COMBINE_CHUNK, launched
+        assert ("combine" in dict(launched)) == (cache == "float16"), launched
+        runs = [step()]
+        with emulation(request.config).blocks_reversed():
+            runs.append(step())
+        for plan, buffer in buffers:
+            assert plan.merged == (cache != "float16") and not buffer[plan.counters_at:].view(np.uint32).any()
+        monkeypatch.setattr(driver, "MERGED_SPLITS", 0)
+        plans.clear()
+        runs.append(step())
+        assert "combine" in dict(launched), launched
+    finally:
+        plans.clear()
+    for run in runs:
+        for got, want in zip(run, merged):
+            np.testing.assert_array_equal(got.view(np.uint16 if got.dtype == np.float16 else np.uint32),
+                                          want.view(np.uint16 if want.dtype == np.float16 else np.uint32))
+    out, lse = merged
+    for b in range(batch):
+        if lengths[b] == 0:
+            assert not out[b].any() and (lse[b] == -np.inf).all()
+            continue
+        expected, expected_lse = npattn.attention(q[b:b + 1].astype(np.float64), keys[b:b + 1, :lengths[b]],
+                                                  values[b:b + 1, :lengths[b]], layout="bshd", sink_logits=sinks,
+                                                  return_lse=True, backend="reference")
+        np.testing.assert_array_equal(np.isnan(out[b:b + 1]), np.isnan(expected))
+        seen = ~np.isnan(expected)
+        case = call_case(q[b:b + 1], keys[b:b + 1, :lengths[b]], np.nan_to_num(values[b:b + 1, :lengths[b]]),
+                         dict(sink_logits=sinks))
+        assert_out(np.where(seen, out[b:b + 1], 0), np.where(seen, expected, 0), case)
+        assert_lse(lse[b:b + 1], expected_lse, case)
+    assert np.isnan(out[0, 0, 4:]).any(axis=-1).all() and np.isfinite(out[0, 0, :4]).all()
 
 
 @FEWER
@@ -363,7 +487,7 @@ def test_emulated_decode_steps_with_two_kv_stages(monkeypatch, options):
     tiles, emulated_run = [], launch.run
 
     def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
-        tiles.append((kind, config.get("tile")))
+        tiles.append((kind, config.get("tile"), launched_splits(arguments) if kind == "forward_tc" else None))
         return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
 
     monkeypatch.setattr(launch, "run", spy)
@@ -375,7 +499,7 @@ def test_emulated_decode_steps_with_two_kv_stages(monkeypatch, options):
             check_forward("gpu", case, "bhsd")
     finally:
         plans.clear()
-    assert ("forward_tc", tile) in tiles and ("combine", None) in tiles, tiles
+    assert [(launched, splits > 1) for kind, launched, splits in tiles if kind == "forward_tc"] == [(tile, True)], tiles
 
 
 @pytest.mark.parametrize("head_dim, kv_len, options", [
@@ -432,7 +556,7 @@ def test_emulated_tensor_core_forward_runs_the_tile_shape_and_options_the_call_n
     emulated_run = launch.run
 
     def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
-        calls.append((kind, config))
+        calls.append((kind, dict(config, splits=launched_splits(arguments) if kind == "forward_tc" else None)))
         return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
 
     monkeypatch.setattr(launch, "run", spy)
@@ -444,7 +568,7 @@ def test_emulated_tensor_core_forward_runs_the_tile_shape_and_options_the_call_n
         forward = [config for kind, config in calls if kind == "forward_tc"]
         assert forward and all(c["tile"].warps == warps and c["options"] == expected for c in forward), forward
         if q_len == 1:
-            assert "combine" in [kind for kind, _ in calls], "a decode step against 700 keys splits them"
+            assert all(c["splits"] > 1 for c in forward), "a decode step against 700 keys splits them"
 
 
 _OPTIONED = dict(causal=True, bias=np.random.default_rng(3).normal(size=(1, 4, 70, 90)), dropout_p=0.2, seed=9)
@@ -825,9 +949,10 @@ def test_an_emulated_gpu_e4m3_nan_code_gives_the_references_nan_rows(paged):
 @pytest.mark.parametrize("nan_key", [None, 150])
 def test_emulated_gpu_split_decoding_of_quantized_caches(monkeypatch, kind, nan_key, dtype):
     """A decode step over 600 quantized keys (paged, GQA) takes the split-KV forward and
-    its combine; with a NaN value scale at a key the first sequence sees (and the second,
-    shorter one does not), the combine's repair recomputes that row from the codes: NaN,
-    as the reference's, and the other rows the reference's finite ones."""
+    its merge (the combine after the SIMT forward, the tensor-core forward's own); with a
+    NaN value scale at a key the first sequence sees (and the second, shorter one does
+    not), the merge's repair recomputes that row from the codes: NaN, as the reference's,
+    and the other rows the reference's finite ones."""
     from npattn.gpu import launch
     from test_serving import assert_lse, assert_out, call_case
 
@@ -844,14 +969,14 @@ def test_emulated_gpu_split_decoding_of_quantized_caches(monkeypatch, kind, nan_
     real_run = launch.run
 
     def spy(kind_, storage, bound, blocks, shared, arguments, **config):
-        if kind_ == "combine":
-            splits.append(blocks)
+        if kind_ in ("forward", "forward_tc"):
+            splits.append(launched_splits(arguments))
         return real_run(kind_, storage, bound, blocks, shared, arguments, **config)
 
     monkeypatch.setattr(launch, "run", spy)
     out, lse = npattn.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths, block_table=table,
                                              k_scale=k_scale, v_scale=v_scale, return_lse=True, backend="gpu")
-    assert splits, "the step did not split its keys"
+    assert splits and min(splits) > 1, "the step did not split its keys"
     for b in range(2):
         keys, values = (npattn.dequantize_kv(pool[table[b]].reshape(-1, kv_heads, dim)[:lengths[b]],
                                              scale[table[b]].reshape(-1, kv_heads)[:lengths[b]], np.float64)[None]

@@ -115,7 +115,9 @@ def test_the_decode_combine_does_not_spill(kernels):
 def test_the_quantized_decode_tiles_keep_their_codes_in_registers_without_spilling(machine_code):
     """The decode tiles of REGISTER_CODES, on the architecture CI compiles every
     instantiation for (sm_90, the Hopper GPUs they were timed on): no spill beyond
-    sources.REGISTER_CODES_STACK_BYTES of stack, mma (HMMA), the codes' stages copied by
+    sources.REGISTER_CODES_STACK_BYTES of stack (sources.MERGING_STACK_BYTES where they merge their
+    own split keys, Option.MERGES, with no local memory between the key loop's mma, and an
+    atomic count between fences), mma (HMMA), the codes' stages copied by
     cp.async (LDGSTS), and for float16 q int8 codes turned into halves by half2
     subtractions (HADD2) rather than conversion instructions; the transposed ones
     (TRANSPOSED) also transpose P's blocks by movmatrix (MOVM), with half the mma of the
@@ -125,13 +127,20 @@ def test_the_quantized_decode_tiles_keep_their_codes_in_registers_without_spilli
     architecture = sources.EVERY_INSTANTIATION_ARCHITECTURE
     cubin, lowered = machine_code[architecture]
     inspected = read(cubin, {name: lowered[name] for name in sources.REGISTER_CODE_KERNELS})
+    code = sass.disassemble(cubin, [lowered[name] for name in sources.REGISTER_CODE_KERNELS])
     failures = []
     for name in sources.REGISTER_CODE_KERNELS:
         usage, counter = inspected[name]
-        within = not usage.local and usage.stack <= sources.REGISTER_CODES_STACK_BYTES
+        options = int(name.split(", ")[-1][:-2])
+        allowed = sources.MERGING_STACK_BYTES if options & Option.MERGES else sources.REGISTER_CODES_STACK_BYTES
+        within = not usage.local and usage.stack <= allowed
         problems = [] if within else sass.spill_evidence(usage, counter)
         wanted = ("HMMA", "LDGSTS", "HADD2") if name.startswith("forward_tc_kernel<half_bits") else ("HMMA", "LDGSTS")
-        options = int(name.split(", ")[-1][:-2])
+        if options & Option.MERGES:  # the last block's count (an atomic between fences), and a loop kept clean
+            wanted += ("ATOMG", "MEMBAR")
+            inside = sass.local_memory_between(code[lowered[name]], "HMMA")
+            if inside:
+                problems.append(f"{inside} local-memory instructions inside the key loop (between its mma)")
         if options & Option.TRANSPOSED:
             dtype_name = "float16" if name.startswith("forward_tc_kernel<half_bits") else "bfloat16"
             bound = int(name.split(", ")[2])
@@ -405,6 +414,14 @@ def test_opcodes_are_counted_by_base_mnemonic_past_predicates():
     full = sass.opcodes(functions["_Z3onePf"], full=True)
     assert full["LDSM.16.MT88.4"] == 1 and full["LDSM.16.M88.4"] == 1 and full["HMMA.16816.F32.BF16"] == 1
     assert sass.opcodes(functions["two"]) == collections.Counter({"LDGSTS": 1, "EXIT": 1})
+
+
+def test_local_memory_is_counted_between_the_first_and_last_of_an_opcode():
+    loop = "\n".join(f"        /*{16 * i:04x}*/                   {line} ;" for i, line in enumerate(
+        ["STL [R1], R2", "HMMA.16816.F32 R4, R8, R12, R4", "LDL R2, [R1]", "@P0 STL.64 [R1+0x8], R6",
+         "HMMA.16816.F32 R4, R8, R12, R4", "LDL R3, [R1]", "EXIT"]))
+    assert sass.local_memory_between(loop, "HMMA") == 2  # not the store before the loop or the load after
+    assert sass.local_memory_between(loop, "MOVM") == 0
 
 
 def test_cuobjdump_sass_splits_like_nvdisasm():

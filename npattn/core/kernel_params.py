@@ -82,6 +82,10 @@ Int = _positions("Int", (
     # CPU forward: the work items a thread claims at once (cpu.threads.claim_items): with
     # KEY_CACHE_SLOTS a kv head's, which then packs its key tiles once; else 1
     "CLAIM_RUN",
+    # GPU forward with split keys: where its work items' arrival counters (unsigned ints)
+    # start in the split partials' buffer, in its floats; the last block of an item to
+    # finish merges the item's rows (merge.cuh). 0: combine_kernel merges them.
+    "SPLIT_COUNTERS",
 ))
 
 # The values of Int.KV_CODES

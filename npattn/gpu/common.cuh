@@ -282,6 +282,11 @@ template <typename T, typename Acc> struct Operands {
     NPATTN_OPERAND_FIELDS
 };
 
+// The kv head that query head h reads (a GQA group is heads / kv_heads consecutive heads)
+__device__ inline i64 kv_head_of(const i64* ints, i64 h) {
+    return h / (ints[NPATTN_INT_HEADS] / ints[NPATTN_INT_KV_HEADS]);
+}
+
 // Element offsets of row i of head h (a kv head for k and v) of batch b in q, k and v.
 __device__ inline i64 q_row(const i64* ints, i64 b, i64 h, i64 i) {
     return b * ints[NPATTN_INT_Q_STRIDE_B] + h * ints[NPATTN_INT_Q_STRIDE_H] + i * ints[NPATTN_INT_Q_STRIDE_S];

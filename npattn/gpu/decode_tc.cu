@@ -414,7 +414,7 @@ __device__ inline void transposed_code_decode(const Operands<T, Acc>& in, i64 b,
             }
         }
     }
-    if (splits > 1) {  // unnormalized rows, max and sum (natural log) for combine_kernel
+    if (splits > 1) {  // unnormalized rows, max and sum (natural log), merged as forward_tc_kernel says
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
             if (!row_valid[x]) continue;

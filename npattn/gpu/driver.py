@@ -41,6 +41,8 @@ _CONSTANTS: dict = {}
 _CONSTANTS_LIMIT = 4096
 # the ways of reading a quantized cache's codes that need 16-byte aligned rows
 _READS_CODES_INTO_REGISTERS = Option.REGISTER_CODES | Option.TRANSPOSED
+# what a call whose arrays start off 16 bytes drops (its codes staged; the merge rides on the transposed tile)
+_ALIGNED_ONLY = _READS_CODES_INTO_REGISTERS | Option.MERGES
 
 
 def _constant(cp, key, make):
@@ -191,6 +193,26 @@ def decode_splits(blocks: int, rows: int, kv_len: int, block_q: int, block_k: in
     return max(1, min(key_tiles // MIN_KEY_TILES_PER_SPLIT, target_blocks // blocks))
 
 
+# A split step on the transposed decode tile (a quantized cache, at most 8 packed rows a
+# kv head) merges its own partials where a row has at most this many splits
+# (Option.MERGES: the last block of each work item to finish merges the item's rows,
+# merge.cuh) and launches no combine_kernel: the combine's launch and its chain of
+# dependent loads were most of its 6-7 us at 2 splits a row (16, 32/8, 1 x 2048, 128;
+# H200, 2026-11-30). Up to COMBINE_CHUNK the merge takes the combine's one-warp steps in
+# its order, so the bits are the same either way; more splits a row keep the combine,
+# whose warps share a row's chunks. 0: always the combine (how a device session times the
+# two side by side). forward_tc.cu's own decode tile keeps the combine: with the merge's
+# code (the reference's recompute of a row) its sm_90 build spilled inside the key loop.
+MERGED_SPLITS = COMBINE_CHUNK
+
+
+def merges_in_forward(options: int, splits: int) -> bool:
+    """Whether a tensor-core forward of ``options`` (its tile's) with ``splits`` key splits
+    merges them itself (Option.MERGES, no combine_kernel): a TRANSPOSED step, 2 to
+    :data:`MERGED_SPLITS` splits."""
+    return bool(options & Option.TRANSPOSED) and 1 < splits <= min(MERGED_SPLITS, COMBINE_CHUNK)
+
+
 def combine_warps(splits: int) -> int:
     """Warps of combine_kernel's block per query row: one per COMBINE_CHUNK splits (a
     warp's loads of a chunk's rows are in flight together), at most COMBINE_THREADS / 32.
@@ -273,14 +295,19 @@ class ForwardPlan:
             # out in the inputs' dtype (the tensor-core forward, or the combine after split
             # keys, rounds each value once; the SIMT kernels' inputs are their Acc)
             self.out_dtype = problem.q.dtype if kind == "forward_tc" else dtype
-            # the tensor-core forward without splits, and the combine after split keys, write
-            # every element of out and lse of the live rows, which are all rows without
-            # per-entry starts and stops: no fill
+            # the tensor-core forward without splits, and the merge of split keys (its own or
+            # the combine's), write every element of out and lse of the live rows, which are
+            # all rows without per-entry starts and stops: no fill
             self.writes_every_row = (kind == "forward_tc" or splits > 1) and spans_are_default(problem)
             self.out_shape = ((batch, q_len, heads, value_dim) if self.layout == "bshd"
                               else (batch, heads, q_len, value_dim))
             self.lse_shape = (batch, heads, q_len)
-            self.partial_size = batch * heads * q_len * splits * (value_dim + 3) if splits > 1 else 1
+            # (with the forward's own merge, a counter a work item after the rows: merge.cuh)
+            self.merged = kind == "forward_tc" and merges_in_forward(self.config["options"], splits)
+            if self.merged:
+                self.config["options"] |= Option.MERGES
+            self.counters_at = batch * heads * q_len * splits * (value_dim + 3) if splits > 1 else 0
+            self.partial_size = max(1, self.counters_at + (blocks if self.merged else 0))
             # the combine: one block per query row, a warp per COMBINE_CHUNK splits (combine_warps); the
             # repair: one warp per query row
             self.combine_blocks = batch * heads * q_len
@@ -299,6 +326,7 @@ class ForwardPlan:
             # calls without option arrays, every other operand, on the device once
             self.ints, self.reals = problem_parameters(problem, dtype)
             _set_qkv_strides(self.ints, q, k, v)
+            self.ints[Int.SPLIT_COUNTERS] = self.counters_at if self.merged else 0
             self.dropout = bool(problem.dropout_p)
             # (q, k and v as stand-ins of their shapes: the plan keeps no caller's array alive)
             self._plain_problem = dataclasses.replace(problem, **{name: None for name in _OPTION_ARRAYS},
@@ -347,7 +375,7 @@ class ForwardPlan:
             # a call's rows are aligned when its arrays start on 16 bytes
             if config and not (config["options"] & Option.UNALIGNED) and (_address(q) | _address(k) | _address(v)) % 16:
                 # (codes off 16 bytes are staged: no 16-byte loads of them into registers)
-                config = dict(config, options=config["options"] & ~_READS_CODES_INTO_REGISTERS | Option.UNALIGNED)
+                config = dict(config, options=config["options"] & ~_ALIGNED_ONLY | Option.UNALIGNED)
             if self.writes_every_row:
                 out, lse = _unfilled(cp, self.out_shape, self.out_dtype), _unfilled(cp, self.lse_shape, self.dtype)
             else:
@@ -360,7 +388,8 @@ class ForwardPlan:
             partial = self._partial() if self.splits > 1 else self._no_partial()
             outputs = (out, *self._out_strides, lse, np.int64(self.splits), partial)
             self._launcher(config)(self.blocks, (*operands, *outputs))
-            if self.splits > 1:
+            # (a call off 16 bytes runs without the merge: config dropped MERGES above)
+            if self.splits > 1 and not (config and config["options"] & Option.MERGES):
                 if self._combine is None:
                     self._combine = launch.kernel("combine", self.storage, self.bound, self.combine_shared,
                                                   threads=self.combine_threads)
@@ -402,12 +431,16 @@ class ForwardPlan:
         call captured in a CUDA graph writes it at every replay, so it must outlive the call
         (memory handed back to CuPy's pool could be another array's by then); calls of other
         threads or streams get buffers of their own, so none overwrites partials another's
-        combine has yet to read."""
+        combine has yet to read. Where the forward merges its splits itself, the buffer ends
+        in a counter per work item, zeroed here once (each launch's last block of an item
+        sets its counter back to 0)."""
         cuda = getattr(self.xp, "cuda", None)
         key = (threading.get_ident(), None if cuda is None else cuda.get_current_stream().ptr)
         buffer = self._partials.get(key)
         if buffer is None:
-            buffer = self._partials[key] = self.xp.empty(self.partial_size, self.dtype)
+            buffer = self.xp.empty(self.partial_size, self.dtype)
+            buffer[self.counters_at:] = 0  # (float zeros: unsigned zeros, bit for bit)
+            self._partials[key] = buffer
         return buffer
 
     def _no_partial(self):

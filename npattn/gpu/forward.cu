@@ -48,10 +48,6 @@ __device__ inline QueryTile query_tile(const i64* ints, const i64* spans, i64 it
     return tile;
 }
 
-__device__ inline i64 kv_head_of(const i64* ints, i64 h) {
-    return h / (ints[NPATTN_INT_HEADS] / ints[NPATTN_INT_KV_HEADS]);
-}
-
 // Fill out (Acc, element strides out_sb/out_sh/out_ss, zero on entry) and lse
 // (flat (B, H, Sq), -inf on entry) for one query tile. Rows outside the live ones
 // (spans) stay as they are. Each thread owns row threadIdx.x / 8 and every 8th output column.

@@ -34,6 +34,7 @@
 // the input dtype (split-KV partials stay float32 for combine_kernel).
 #include "common.cuh"
 #include "tensor_core.cuh"
+#include "merge.cuh"
 #include "forward.cu"
 #include "decode_tc.cu"
 
@@ -172,6 +173,12 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                       "transposed products: REGISTER_CODES's decode tile, its warps sharing the keys");
         transposed_code_decode<T, Acc, MAX_D, BK, WARPS, OPTIONS>(in, b, kv_head, p0, rows, split, splits, out, out_sb,
                                                                   out_sh, out_ss, lse, partial, shared_bytes);
+        if constexpr ((OPTIONS & NPATTN_OPTION_MERGES) != 0) {  // (the driver's merges_in_forward)
+            if (splits > 1) {
+                merge_item_if_last<T, Acc, MAX_D>(in, item, b, kv_head, group, p0, rows, splits, partial, out, out_sb,
+                                                  out_sh, out_ss, lse, shared_bytes);
+            }
+        }
         return;
     }
     unsigned short* shared = reinterpret_cast<unsigned short*>(shared_bytes);
@@ -623,7 +630,8 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
         l[x] += __shfl_xor_sync(0xffffffffu, l[x], 2);
         seen[x] = seen[x] || l[x] != l[x];  // a visible NaN score (the max skips it): a NaN row, not empty
     }
-    if (splits > 1) {  // unnormalized rows, max and sum (natural log) for combine_kernel
+    if (splits > 1) {  // unnormalized rows, max and sum (natural log): merged by the item's last block
+                       // (merge_item_if_last) or by combine_kernel
 #pragma unroll
         for (int x = 0; x < ROWS; ++x) {
             if (!row_valid[x]) continue;
@@ -641,6 +649,10 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
                 mine[value_dim + 1] = l[x];
                 mine[value_dim + 2] = seen[x];
             }
+        }
+        if constexpr ((OPTIONS & NPATTN_OPTION_MERGES) != 0) {
+            merge_item_if_last<T, Acc, MAX_D>(in, item, b, kv_head, group, p0, rows, splits, partial, out, out_sb,
+                                              out_sh, out_ss, lse, shared_bytes);
         }
         return;
     }

@@ -204,6 +204,15 @@ def opcodes(sass_text: str, full: bool = False) -> collections.Counter:
     return counter
 
 
+def local_memory_between(sass_text: str, opcode: str) -> int:
+    """How many local-memory instructions (LDL, STL) lie between the first and the last
+    ``opcode`` of ``sass_text`` in program order (say "HMMA": inside a key loop whose mma
+    only it holds)."""
+    bases = [match.group(1).split(".", 1)[0] for match in _INSTRUCTION.finditer(sass_text)]
+    where = [index for index, base in enumerate(bases) if base == opcode]
+    return sum(base in ("LDL", "STL") for base in bases[where[0]:where[-1]]) if where else 0
+
+
 def spill_evidence(usage: Usage, counter: collections.Counter) -> list[str]:
     """What says a function keeps data in local memory: a stack frame, local memory, or
     LDL/STL instructions (each one a round trip to L1/L2 that registers would avoid)."""

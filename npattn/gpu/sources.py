@@ -26,7 +26,7 @@ from ..core.kernel_params import SPAN_FIELDS, Int, KvCodes, Real, Span, operand_
 from . import options as _options
 
 _DIRECTORY = Path(__file__).parent
-_FILES = ("common.cuh", "tensor_core.cuh", "forward.cu", "decode_tc.cu", "forward_tc.cu", "repair.cu", "backward.cu",
+_FILES = ("common.cuh", "tensor_core.cuh", "merge.cuh", "forward.cu", "decode_tc.cu", "forward_tc.cu", "repair.cu", "backward.cu",
           "backward_tc.cu")
 _LOCAL_INCLUDE = re.compile(r'^#include "[^"]+"\s*$', re.MULTILINE)
 
@@ -234,11 +234,13 @@ def transposes_decode(options: int, packed_rows: int) -> bool:
     return bool(options & _options.Option.REGISTER_CODES) and packed_rows <= TRANSPOSED_ROWS
 
 
-def register_codes_name(dtype_name: str, bound: int, transposed: bool = False, paged: bool = False) -> str:
+def register_codes_name(dtype_name: str, bound: int, transposed: bool = False, paged: bool = False,
+                        merges: bool = False) -> str:
     """The decode tile that reads a quantized cache's codes into registers, under the band
     (a decode step's options), for ``dtype_name`` q at head-dim ``bound`` (one of
     :data:`REGISTER_CODES_BOUNDS`); ``transposed``: its products transposed, for at most
-    :data:`TRANSPOSED_ROWS` packed rows; ``paged``: over a paged cache."""
+    :data:`TRANSPOSED_ROWS` packed rows; ``paged``: over a paged cache; ``merges``
+    (transposed only): merging its own split keys (Option.MERGES)."""
     options = _options.Option.BAND | _options.Option.CODES | _options.Option.REGISTER_CODES
     if paged:
         options |= _options.Option.PAGED
@@ -246,6 +248,8 @@ def register_codes_name(dtype_name: str, bound: int, transposed: bool = False, p
     if transposed:
         options |= _options.Option.TRANSPOSED
         tile = TRANSPOSED_TILE
+    if merges:
+        options |= _options.Option.MERGES
     return kernel_name("forward_tc", dtype_name, bound, tile=tile, options=options)
 
 
@@ -298,8 +302,8 @@ def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
     names.append(kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound),
                              options=_EVERY_OPTION))
     if bound in REGISTER_CODES_BOUNDS:  # a decode step over a contiguous quantized cache
-        names += [register_codes_name(dtype_name, bound, transposed, paged) for transposed in (False, True)
-                  for paged in (False, True)]
+        names += [register_codes_name(dtype_name, bound, transposed, paged, merges)
+                  for transposed, merges in ((False, False), (True, False), (True, True)) for paged in (False, True)]
     return tuple(names)
 
 
@@ -331,9 +335,15 @@ def name_expressions() -> tuple[str, ...]:
 # through floats over 64-key tiles, keeps 8 bytes on sm_90; the others none), but not to
 # ldmatrix (their K and V fragments come from plain shared-memory loads)
 REGISTER_CODES_STACK_BYTES = 16
-REGISTER_CODE_KERNELS = tuple(register_codes_name(dtype_name, bound, transposed, paged)
+REGISTER_CODE_KERNELS = tuple(register_codes_name(dtype_name, bound, transposed, paged, merges)
                               for dtype_name in TENSOR_CORE_STORAGE for bound in REGISTER_CODES_BOUNDS
-                              for transposed in (False, True) for paged in (False, True))
+                              for transposed, merges in ((False, False), (True, False), (True, True))
+                              for paged in (False, True))
+# ... and those that merge their own split keys (Option.MERGES) to at most this much: the
+# merge's and the recompute's values kept across the key loop take a few more bytes,
+# stored before the loop and loaded after it (sm_90: 24-48 bytes at 128-wide heads;
+# the machine-code test holds the loop itself to no local memory)
+MERGING_STACK_BYTES = 64
 
 # The kernels whose machine code CI reads (tests/test_gpu_machine_code.py): no spill, and
 # ldmatrix (LDSM), cp.async (LDGSTS) and mma (HMMA) present: the tensor-core forward at
