@@ -9,8 +9,9 @@ float16's time over int8's. A quantized cache's step (4 packed rows a kv head at
 shapes) is timed twice: with its products transposed (Option.TRANSPOSED, the default)
 and as "/untransposed" (sources.TRANSPOSED_ROWS = 0: forward_tc.cu's tile); where its
 transposed step splits a row's keys at most driver.MERGED_SPLITS ways (merging them in the
-forward, no combine launched), a third time as "/combine" (MERGED_SPLITS = 0; the same
-step twice where it does not merge: batch 1's 33 splits a row).
+forward, no combine launched), as "/combine" (MERGED_SPLITS = 0; the same step twice
+where it does not merge: batch 1's 33 splits a row), and as "/merge64" (MERGED_SPLITS =
+64: batch 1's 33 splits merged in the forward too).
 Usage: python .ci/gpu_cache_kernels.py LABEL [--once] [--splits TARGET,MIN ...]"""
 import pathlib
 import sys
@@ -82,7 +83,8 @@ for shape in SHAPES:
         times = {}
         for cache in CACHES:
             q, k, v, scales = arrays(shape, cache, rng)
-            variants = ((8, "", driver.COMBINE_CHUNK), (8, "/combine", 0), (0, "/untransposed", driver.COMBINE_CHUNK))
+            variants = ((8, "", driver.COMBINE_CHUNK), (8, "/combine", 0), (8, "/merge64", 64),
+                        (0, "/untransposed", driver.COMBINE_CHUNK))
             for rows, suffix, merged in variants if scales else ((8, "", driver.COMBINE_CHUNK),):
                 sources.TRANSPOSED_ROWS, driver.MERGED_SPLITS = rows, merged  # read when the plan is made
                 plans.clear()  # (no plan of the structure made under the settings before)

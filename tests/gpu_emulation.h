@@ -38,6 +38,8 @@
 #define __device__
 #define __launch_bounds__(...)
 #define __noinline__ __attribute__((noinline))
+#define __forceinline__ inline
+#define __grid_constant__
 #define __align__(bytes) alignas(bytes)
 
 struct uint3 { unsigned x, y, z; };

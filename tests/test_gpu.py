@@ -22,7 +22,8 @@ from conftest import backend_params, machine_code_names, nvrtc_or_skip, started_
 from tolerances import assert_close
 from strategies import Case, Dims, cases, layouts, to_layout
 from test_backend_equivalence import check_backward, check_forward
-from test_gpu_emulated import PLANTED_V_AND_Q, check_codes_against_their_16_bit_values, planted_in_v_and_q
+from test_gpu_emulated import (PLANTED_V_AND_Q, check_codes_against_their_16_bit_values, launched_splits,
+                               planted_in_v_and_q)
 from test_nonfinite import assert_same_outputs, planted_cases
 from test_quantized_cache import check_quantized_cache, quantized_cases
 
@@ -480,6 +481,83 @@ def test_gpu_codes_match_their_16_bit_values(backend, kind, paged, q_len, dtype)
     check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=cupy)
     if not paged and q_len == 1:  # every finite code once per (kind, dtype)
         check_codes_against_their_16_bit_values(kind, paged, q_len, dtype, xp=cupy, every_code=True)
+
+
+@pytest.mark.parametrize("backend", GPU)
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+def test_gpu_forward_merges_its_splits_with_the_combines_bits(backend, kind, monkeypatch):
+    """On the device, where blocks run at once: a transposed decode step of 4 splits a
+    row (256 blocks) merges them in the forward (the last block of each item, counted by
+    an atomic; merge.cuh) with the bits of the combine (driver.MERGED_SPLITS = 0), on
+    every one of 20 runs and 20 replays of a CUDA graph that captured it (a block that
+    merged before another's partials landed, or a counter left set, would show), and
+    within the float64 reference's bounds."""
+    import cupy
+
+    from npattn.gpu import driver, launch
+    from npattn.runtime import plans
+    from test_serving import assert_lse, assert_out, call_case
+
+    rng = np.random.default_rng(31)
+    batch, heads, kv_heads, length, dim = 8, 32, 8, 4096, 128
+    (k_codes, k_scale), (v_codes, v_scale) = (npattn.quantize_kv(
+        rng.standard_normal((batch, length, kv_heads, dim), np.float32), kind) for _ in range(2))
+    q = rng.standard_normal((batch, 1, heads, dim), np.float32).astype(np.float16)
+    on_device = [cupy.asarray(x) for x in (q, k_codes, v_codes, k_scale, v_scale)]
+    launched, real_kernel = [], launch.kernel
+
+    def kernel(kind_, *arguments, **config):  # (plans launch what launch.kernel gave them)
+        launcher = real_kernel(kind_, *arguments, **config)
+
+        def spied(blocks, operands):
+            launched.append((kind_, launched_splits(operands) if kind_ == "forward_tc" else None))
+            return launcher(blocks, operands)
+        return spied
+
+    monkeypatch.setattr(launch, "kernel", kernel)
+
+    def step():
+        plans.clear()
+        plan = npattn.plan_with_kvcache(on_device[0], on_device[1], on_device[2], cache_seqlens=length,
+                                        k_scale=on_device[3], v_scale=on_device[4], return_lse=True, backend=backend)
+        return plan, (lambda: plan.run(on_device[0], on_device[1], on_device[2], k_scale=on_device[3],
+                                       v_scale=on_device[4]))
+
+    _, run = step()
+    merged = [x.get() for x in run()]
+    assert ("forward_tc", 4) in launched and "combine" not in dict(launched), launched
+    for _ in range(20):
+        for got, want in zip(run(), merged):
+            np.testing.assert_array_equal(got.get(), want)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        run()
+        stream.synchronize()
+        stream.begin_capture()
+        captured = run()
+        graph = stream.end_capture()
+        for _ in range(20):
+            for x in captured:
+                x.fill(0)
+            graph.launch(stream)
+            stream.synchronize()
+            for got, want in zip(captured, merged):
+                np.testing.assert_array_equal(got.get(), want)
+    monkeypatch.setattr(driver, "MERGED_SPLITS", 0)
+    launched.clear()
+    _, run = step()
+    combined = [x.get() for x in run()]
+    assert "combine" in dict(launched), launched
+    for got, want in zip(combined, merged):
+        np.testing.assert_array_equal(got, want)
+    plans.clear()
+    keys, values = (npattn.dequantize_kv(*pair, np.float64) for pair in ((k_codes, k_scale), (v_codes, v_scale)))
+    for b in (0, batch - 1):
+        expected, expected_lse = npattn.attention(q[b:b + 1].astype(np.float64), keys[b:b + 1], values[b:b + 1],
+                                                  layout="bshd", return_lse=True, backend="reference")
+        case = call_case(q[b:b + 1], keys[b:b + 1], values[b:b + 1], {})
+        assert_out(merged[0][b:b + 1], expected, case)
+        assert_lse(merged[1][b:b + 1], expected_lse, case)
 
 
 @pytest.mark.parametrize("backend", GPU)

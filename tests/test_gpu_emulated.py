@@ -47,10 +47,13 @@ FEWER = settings(max_examples=max(8, settings().max_examples // 8))
 
 
 def launched_splits(arguments) -> int:
-    """The key splits of a forward launch, from its ``arguments`` (which end ``splits,
-    partial``): more than 1 where its blocks split the keys and their partials are merged
-    (by the forward's own last block of each item, or by the combine)."""
-    return int(arguments[-2])
+    """The key splits of a forward launch, from its ``arguments`` (the operands, then out,
+    its three strides, lse, splits and partial): more than 1 where its blocks split the
+    keys and their partials are merged (by the forward's own last block of each item, or
+    by the combine)."""
+    from npattn.core.kernel_params import OPERAND_NAMES
+
+    return int(arguments[len(OPERAND_NAMES) + 5])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,6 +116,48 @@ def test_exactly_one_block_of_each_split_item_merges_it(tmp_path):
         expected[:, last_split] = 1
         np.testing.assert_array_equal(out.reshape(items, splits), expected)
         assert not counters.any()
+
+
+def test_emulated_gpu_forward_merges_many_splits_when_told(monkeypatch, request):
+    """driver.MERGED_SPLITS past COMBINE_CHUNK (a setting a device session times): a
+    transposed step of 19 splits a row merges them in the forward, a warp taking a row's
+    three chunks in turn, first to last block or last to first the same bits, within the
+    reference's bounds, and no combine runs."""
+    from npattn.gpu import driver, launch
+    from npattn.runtime import plans
+    from test_serving import assert_lse, assert_out, call_case
+
+    monkeypatch.setattr(driver, "MERGED_SPLITS", 64)
+    monkeypatch.setattr(driver, "MIN_KEY_TILES_PER_SPLIT", 1)
+    rng = np.random.default_rng(22)
+    kv_heads, heads, dim, length = 1, 4, 64, 600
+    (k_cache, k_scale), (v_cache, v_scale) = (npattn.quantize_kv(rng.normal(size=(1, length, kv_heads, dim)), "int8")
+                                              for _ in range(2))
+    q = rng.normal(size=(1, 1, heads, dim)).astype(np.float16)
+    launched, emulated_run = [], launch.run
+
+    def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
+        launched.append((kind, launched_splits(arguments) if kind == "forward_tc" else None))
+        return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
+
+    monkeypatch.setattr(launch, "run", spy)
+    call = dict(cache_seqlens=length, k_scale=k_scale, v_scale=v_scale, return_lse=True, backend="gpu")
+    plans.clear()
+    try:
+        out, lse = npattn.attention_with_kvcache(q, k_cache, v_cache, **call)
+        assert launched == [("forward_tc", 19)], launched
+        with emulation(request.config).blocks_reversed():
+            again = npattn.attention_with_kvcache(q, k_cache, v_cache, **call)
+    finally:
+        plans.clear()
+    np.testing.assert_array_equal(again[0].view(np.uint16), out.view(np.uint16))
+    np.testing.assert_array_equal(again[1].view(np.uint32), lse.view(np.uint32))
+    keys, values = (npattn.dequantize_kv(*pair, np.float64) for pair in ((k_cache, k_scale), (v_cache, v_scale)))
+    expected, expected_lse = npattn.attention(q.astype(np.float64), keys, values, layout="bshd", return_lse=True,
+                                              backend="reference")
+    case = call_case(q, keys, values, {})
+    assert_out(out, expected, case)
+    assert_lse(lse, expected_lse, case)
 
 
 @pytest.mark.parametrize("cache", ["int8", "float8_e4m3", "float16"])

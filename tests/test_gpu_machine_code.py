@@ -212,6 +212,28 @@ def test_the_early_copies_switch_issues_the_first_copies_before_q(machine_code, 
     assert (copies_first(default, lowered[name]), copies_first(switched, switched_lowered[name])) == (False, True)
 
 
+def test_the_parameter_scalars_switch_reads_the_ints_from_the_constant_bank(machine_code, monkeypatch):
+    """NPATTN_PARAMETER_SCALARS (a switch for a lent GPU to time): the tensor-core
+    forward reads its ints and reals from a by-value kernel parameter, so its 8-byte
+    global loads (LDG.E.64: ints, spans, pages) fall to a third or less in the decode tiles,
+    transposed and not (sm_90: 52 -> 13 and 41 -> 10), the reads going to the constant
+    bank (ULDC/LDC)."""
+    tools_or_skip()
+    names = [sources.register_codes_name("float16", 128, transposed=True),
+             sources.kernel_name("forward_tc", "float16", 128, tile=sources.forward_tc_config(4, 128, Option.BAND),
+                                 options=Option.BAND)]
+
+    def loads(cubin, lowered):
+        texts = sass.disassemble(cubin, [lowered[name] for name in names])
+        return [sass.opcodes(texts[lowered[name]], full=True)["LDG.E.64"] for name in names]
+
+    default, lowered = machine_code["sm_90"]
+    monkeypatch.setenv("NPATTN_GPU_DEFINES", "NPATTN_PARAMETER_SCALARS")
+    switched = loads(*nvrtc.compile_cubin("sm_90", names))
+    for before, after in zip(loads(default, lowered), switched):
+        assert 3 * after <= before, (before, after)
+
+
 def test_a_simt_kernel_fails_the_fast_kernel_check(kernels):
     for architecture, inspected in kernels.items():
         usage, counter = inspected[SIMT_KERNEL]

@@ -130,12 +130,16 @@ OPERAND_NAMES = tuple(name for name, _, _ in OPERANDS)
 
 def operand_defines() -> list[str]:
     """The CUDA lines for :data:`OPERANDS`: the Operands struct's fields, the kernels'
-    leading parameters and the struct built from them."""
+    leading parameters, the struct built from them, and the parameters as arguments of a
+    call with other ints and reals (a kernel that passes its scalars by value on)."""
     fields = " ".join(f"{ctype} {name};" for name, ctype, _ in OPERANDS)
     params = ", ".join(f"{ctype} {name}" for name, ctype, _ in OPERANDS)
+    # (the kernel parameters passed on, with the kernel's ints and reals or others in their place)
+    arguments = ", ".join({"ints": "INTS", "reals": "REALS"}.get(name, name) for name in OPERAND_NAMES)
     return [f"#define NPATTN_OPERAND_FIELDS {fields}",
             f"#define NPATTN_OPERAND_PARAMS {params}",
-            f"#define NPATTN_OPERANDS {{{', '.join(OPERAND_NAMES)}}}"]
+            f"#define NPATTN_OPERANDS {{{', '.join(OPERAND_NAMES)}}}",
+            f"#define NPATTN_OPERAND_ARGUMENTS(INTS, REALS) {arguments}"]
 
 
 def element_strides(array) -> tuple:

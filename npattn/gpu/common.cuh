@@ -282,6 +282,28 @@ template <typename T, typename Acc> struct Operands {
     NPATTN_OPERAND_FIELDS
 };
 
+// NPATTN_PARAMETER_SCALARS (a switch for a lent GPU to time, through NPATTN_GPU_DEFINES;
+// untimed so far): the tensor-core forward takes a copy of its ints and reals by value, as
+// its last kernel parameter (the constant bank: a __grid_constant__ parameter's address
+// reads it there, LDC), and reads them there rather than from the device arrays. Why: a
+// decode step's forward spent 55% of its warp samples before its key loop (H200,
+// 2026-11-30), in a chain of loads of ints, spans and Q; a load of ints from global memory
+// is a round trip to L2 or DRAM behind the other warps' copies, a constant-bank read is
+// not. The driver passes the struct only under the switch (npattn.gpu.sources.switched_on).
+template <typename Acc> struct ParameterScalars {
+    i64 ints[NPATTN_INT_COUNT];
+    Acc reals[NPATTN_REAL_COUNT];
+};
+#ifdef NPATTN_PARAMETER_SCALARS
+#define NPATTN_SCALARS_PARAMETER , const __grid_constant__ ParameterScalars<Acc> scalars
+#define NPATTN_KERNEL_INTS scalars.ints
+#define NPATTN_KERNEL_REALS scalars.reals
+#else
+#define NPATTN_SCALARS_PARAMETER
+#define NPATTN_KERNEL_INTS ints
+#define NPATTN_KERNEL_REALS reals
+#endif
+
 // The kv head that query head h reads (a GQA group is heads / kv_heads consecutive heads)
 __device__ inline i64 kv_head_of(const i64* ints, i64 h) {
     return h / (ints[NPATTN_INT_HEADS] / ints[NPATTN_INT_KV_HEADS]);

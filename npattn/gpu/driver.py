@@ -18,7 +18,7 @@ from ..core.kernel_params import OPERAND_NAMES, Int, default_spans, element_stri
 from ..core.problem import ARRAY_FIELDS
 from ..core.quantization import RunScales
 from ..core.results import ForwardResult, Gradients
-from . import launch
+from . import launch, sources
 from ..core.dropout import seed_words
 from .options import ALL, Option, _address, _strides_aligned, options_of
 from .sources import (BACKWARD_BLOCK_K, BLOCK_Q, COMBINE_CHUNK, COMBINE_THREADS, FORWARD_BLOCK_K, TENSOR_CORE_BLOCK, THREADS,
@@ -62,6 +62,16 @@ def _int64s(cp, values):
     """``values`` (ints) as a device int64 array, uploaded once per value."""
     values = tuple(int(x) for x in values)
     return _constant(cp, ("int64", values), lambda: cp.asarray(np.array(values, np.int64)))
+
+
+def _scalars_by_value(ints, reals) -> np.void:
+    """``ints`` and ``reals`` as one struct passed by value (the tensor-core forward's last
+    parameter under NPATTN_PARAMETER_SCALARS: ``ParameterScalars`` in common.cuh, ints
+    then reals, each field aligned as C aligns it)."""
+    layout = np.dtype([("ints", np.int64, ints.shape), ("reals", reals.dtype, reals.shape)], align=True)
+    value = np.zeros((), layout)
+    value["ints"], value["reals"] = ints, reals
+    return value[()]
 
 
 def _parameters(cp, ints, reals):
@@ -200,9 +210,11 @@ def decode_splits(blocks: int, rows: int, kv_len: int, block_q: int, block_k: in
 # dependent loads were most of its 6-7 us at 2 splits a row (16, 32/8, 1 x 2048, 128;
 # H200, 2026-11-30). Up to COMBINE_CHUNK the merge takes the combine's one-warp steps in
 # its order, so the bits are the same either way; more splits a row keep the combine,
-# whose warps share a row's chunks. 0: always the combine (how a device session times the
-# two side by side). forward_tc.cu's own decode tile keeps the combine: with the merge's
-# code (the reference's recompute of a row) its sm_90 build spilled inside the key loop.
+# whose warps share a row's chunks (a device session times a larger setting too: a merge
+# of more splits takes a row's chunks one after another in one warp, its own fixed order,
+# so its bits are its own). 0: always the combine (how a device session times the two
+# side by side). forward_tc.cu's own decode tile keeps the combine: with the merge's code
+# (the reference's recompute of a row) its sm_90 build spilled inside the key loop.
 MERGED_SPLITS = COMBINE_CHUNK
 
 
@@ -210,7 +222,7 @@ def merges_in_forward(options: int, splits: int) -> bool:
     """Whether a tensor-core forward of ``options`` (its tile's) with ``splits`` key splits
     merges them itself (Option.MERGES, no combine_kernel): a TRANSPOSED step, 2 to
     :data:`MERGED_SPLITS` splits."""
-    return bool(options & Option.TRANSPOSED) and 1 < splits <= min(MERGED_SPLITS, COMBINE_CHUNK)
+    return bool(options & Option.TRANSPOSED) and 1 < splits <= MERGED_SPLITS
 
 
 def combine_warps(splits: int) -> int:
@@ -327,6 +339,7 @@ class ForwardPlan:
             self.ints, self.reals = problem_parameters(problem, dtype)
             _set_qkv_strides(self.ints, q, k, v)
             self.ints[Int.SPLIT_COUNTERS] = self.counters_at if self.merged else 0
+            self.scalars_by_value = kind == "forward_tc" and sources.switched_on("NPATTN_PARAMETER_SCALARS")
             self.dropout = bool(problem.dropout_p)
             # (q, k and v as stand-ins of their shapes: the plan keeps no caller's array alive)
             self._plain_problem = dataclasses.replace(problem, **{name: None for name in _OPTION_ARRAYS},
@@ -360,6 +373,7 @@ class ForwardPlan:
                     ints[Int.SEED_LO], ints[Int.SEED_HI] = seed_words(arrays.seed)
                 named = _option_operands(cp, arrays, self.dtype, ints)
                 named["ints"], named["reals"] = _parameters(cp, ints, self.reals)
+                named["scalars"] = ints
             if arrays is None:  # the plan's own operands in kernel order, made once
                 if self._plain_order is None:
                     self._plain_order = [named.get(name) for name in OPERAND_NAMES]
@@ -387,7 +401,13 @@ class ForwardPlan:
             # rows of (Dv outputs, max, sum, seen) per split; unread without splits
             partial = self._partial() if self.splits > 1 else self._no_partial()
             outputs = (out, *self._out_strides, lse, np.int64(self.splits), partial)
-            self._launcher(config)(self.blocks, (*operands, *outputs))
+            # (NPATTN_PARAMETER_SCALARS: the tensor-core forward's ints and reals by value too)
+            by_value = ()
+            if self.scalars_by_value:
+                if "by_value" not in named:  # (kept with the plan's own operands)
+                    named["by_value"] = _scalars_by_value(named["scalars"], self.reals)
+                by_value = (named["by_value"],)
+            self._launcher(config)(self.blocks, (*operands, *outputs, *by_value))
             # (a call off 16 bytes runs without the merge: config dropped MERGES above)
             if self.splits > 1 and not (config and config["options"] & Option.MERGES):
                 if self._combine is None:
@@ -462,6 +482,7 @@ class ForwardPlan:
             ints = self.ints.copy()
             named = _option_operands(self.xp, run, self.dtype, ints)
             named["ints"], named["reals"] = _parameters(self.xp, ints, self.reals)
+            named["scalars"] = ints
             kept = self._scaled_operands = (run.problem, named)
         named = dict(kept[1])
         named["k_scale"], named["v_scale"] = run.k_scale, run.v_scale
@@ -473,6 +494,7 @@ class ForwardPlan:
         ints = self.ints.copy()
         named = _option_operands(self.xp, self._plain_problem, self.dtype, ints)
         named["ints"], named["reals"] = _parameters(self.xp, ints, self.reals)
+        named["scalars"] = ints
         self._plain_operands = named
         return named
 

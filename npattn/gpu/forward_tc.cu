@@ -132,10 +132,11 @@ __device__ inline void add_code_values(float (&o)[VALUE_BLOCKS][4], const u32 (&
 // blocks fit). Every other instantiation: no cap (0).
 #define NPATTN_TRANSPOSED_BLOCKS_PER_SM 3
 
+// The kernel's block (forward_tc_kernel, below, passes its parameters on, the ints and
+// reals from where NPATTN_PARAMETER_SCALARS says).
 template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
-__global__ void __launch_bounds__(WARPS * 32, (OPTIONS & NPATTN_OPTION_TRANSPOSED) ? NPATTN_TRANSPOSED_BLOCKS_PER_SM : 0)
-forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
-                  Acc* partial) {
+__device__ __forceinline__ void forward_tc_block(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss,
+                                                 Acc* lse, i64 splits, Acc* partial) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
     static_assert(BK % 16 == 0 && MAX_D % 16 == 0, "whole mma tiles");
     static_assert(FRAGS == 1 || FRAGS == 2, "one or two m16 row fragments per warp");
@@ -694,4 +695,12 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
             for (int e = 0; e < 8 && 8 * c + e < value_dim; ++e) destination[e].bits = source[e];
         }
     }
+}
+
+template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
+__global__ void __launch_bounds__(WARPS * 32, (OPTIONS & NPATTN_OPTION_TRANSPOSED) ? NPATTN_TRANSPOSED_BLOCKS_PER_SM : 0)
+forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
+                  Acc* partial NPATTN_SCALARS_PARAMETER) {
+    forward_tc_block<T, Acc, MAX_D, WARPS, FRAGS, BK, STAGES, OPTIONS>(
+        NPATTN_OPERAND_ARGUMENTS(NPATTN_KERNEL_INTS, NPATTN_KERNEL_REALS), out, out_sb, out_sh, out_ss, lse, splits, partial);
 }

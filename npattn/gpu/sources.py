@@ -399,11 +399,18 @@ def architecture_defines(architecture: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys([*own, *switches]))
 
 
+def switched_on(name: str) -> bool:
+    """Whether switch ``name`` is in ``$NPATTN_GPU_DEFINES`` (for a switch that changes
+    what the driver passes as well as the kernels: NPATTN_PARAMETER_SCALARS)."""
+    return name in os.environ.get("NPATTN_GPU_DEFINES", "").split()
+
+
 def compile_options(architecture: str) -> tuple[str, ...]:
     """NVRTC's options for ``architecture``, with a ``-D`` for each of
     :func:`architecture_defines`. The options are part of the kernel cache's key. The
     switches the kernels read are described where they are read: NPATTN_GENERIC_STAGING
     and NPATTN_HARDWARE_E4M3 (with NPATTN_SOFTWARE_E4M3, above) in tensor_core.cuh,
-    NPATTN_PREFETCH_PARAMETERS in common.cuh, NPATTN_EARLY_COPIES in decode_tc.cu."""
+    NPATTN_PREFETCH_PARAMETERS and NPATTN_PARAMETER_SCALARS (which the driver reads too:
+    :func:`switched_on`) in common.cuh, NPATTN_EARLY_COPIES in decode_tc.cu."""
     defines = tuple(f"-D{name}" for name in architecture_defines(architecture))
     return (f"--gpu-architecture={architecture}", "--std=c++17", *defines)
