@@ -214,14 +214,15 @@ def test_the_early_copies_switch_issues_the_first_copies_before_q(machine_code, 
 
 def test_the_parameter_scalars_switch_reads_the_ints_from_the_constant_bank(machine_code, monkeypatch):
     """NPATTN_PARAMETER_SCALARS (a switch for a lent GPU to time): the tensor-core
-    forward reads its ints and reals from a by-value kernel parameter, so its 8-byte
-    global loads (LDG.E.64: ints, spans, pages) fall to a third or less in the decode tiles,
-    transposed and not (sm_90: 52 -> 13 and 41 -> 10), the reads going to the constant
-    bank (ULDC/LDC)."""
+    forward and the combine read their ints and reals from a by-value kernel parameter,
+    so their 8-byte global loads (LDG.E.64: ints, spans, pages) fall to a third or less in
+    the decode tiles, transposed and not, and the combine (sm_90: 52 -> 13, 41 -> 10 and
+    196 -> 34), the reads going to the constant bank (ULDC/LDC)."""
     tools_or_skip()
     names = [sources.register_codes_name("float16", 128, transposed=True),
              sources.kernel_name("forward_tc", "float16", 128, tile=sources.forward_tc_config(4, 128, Option.BAND),
-                                 options=Option.BAND)]
+                                 options=Option.BAND),
+             sources.kernel_name("combine", "float16", 128)]
 
     def loads(cubin, lowered):
         texts = sass.disassemble(cubin, [lowered[name] for name in names])

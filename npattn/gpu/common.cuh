@@ -289,7 +289,8 @@ template <typename T, typename Acc> struct Operands {
 // decode step's forward spent 55% of its warp samples before its key loop (H200,
 // 2026-11-30), in a chain of loads of ints, spans and Q; a load of ints from global memory
 // is a round trip to L2 or DRAM behind the other warps' copies, a constant-bank read is
-// not. The driver passes the struct only under the switch (npattn.gpu.sources.switched_on).
+// not. The combine (repair.cu) takes them the same way. The driver passes the struct only
+// under the switch (npattn.gpu.sources.switched_on).
 template <typename Acc> struct ParameterScalars {
     i64 ints[NPATTN_INT_COUNT];
     Acc reals[NPATTN_REAL_COUNT];

@@ -132,11 +132,21 @@ __device__ inline void add_code_values(float (&o)[VALUE_BLOCKS][4], const u32 (&
 // blocks fit). Every other instantiation: no cap (0).
 #define NPATTN_TRANSPOSED_BLOCKS_PER_SM 3
 
-// The kernel's block (forward_tc_kernel, below, passes its parameters on, the ints and
-// reals from where NPATTN_PARAMETER_SCALARS says).
+// The kernel; under NPATTN_PARAMETER_SCALARS its block, which forward_tc_kernel (at the
+// end of this file) calls with the ints and reals it took by value. (Only under the
+// switch: as a device function called by the kernel, the default build's 64-wide
+// one-warp tile took 8 bytes of stack at 168 registers on sm_90, where the kernel itself
+// keeps none.)
+#ifdef NPATTN_PARAMETER_SCALARS
+#define NPATTN_FORWARD_TC_ENTRY __device__ __forceinline__ void forward_tc_block
+#else
+#define NPATTN_FORWARD_TC_ENTRY __global__ void \
+    __launch_bounds__(WARPS * 32, (OPTIONS & NPATTN_OPTION_TRANSPOSED) ? NPATTN_TRANSPOSED_BLOCKS_PER_SM : 0) \
+    forward_tc_kernel
+#endif
 template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
-__device__ __forceinline__ void forward_tc_block(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss,
-                                                 Acc* lse, i64 splits, Acc* partial) {
+NPATTN_FORWARD_TC_ENTRY(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
+                        Acc* partial) {
     static_assert(sizeof(Acc) == 4, "tensor-core tiles accumulate in float32");
     static_assert(BK % 16 == 0 && MAX_D % 16 == 0, "whole mma tiles");
     static_assert(FRAGS == 1 || FRAGS == 2, "one or two m16 row fragments per warp");
@@ -697,6 +707,7 @@ __device__ __forceinline__ void forward_tc_block(NPATTN_OPERAND_PARAMS, T* out, 
     }
 }
 
+#ifdef NPATTN_PARAMETER_SCALARS
 template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
 __global__ void __launch_bounds__(WARPS * 32, (OPTIONS & NPATTN_OPTION_TRANSPOSED) ? NPATTN_TRANSPOSED_BLOCKS_PER_SM : 0)
 forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
@@ -704,3 +715,4 @@ forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out
     forward_tc_block<T, Acc, MAX_D, WARPS, FRAGS, BK, STAGES, OPTIONS>(
         NPATTN_OPERAND_ARGUMENTS(NPATTN_KERNEL_INTS, NPATTN_KERNEL_REALS), out, out_sb, out_sh, out_ss, lse, splits, partial);
 }
+#endif

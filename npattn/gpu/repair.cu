@@ -76,10 +76,16 @@ repair_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss,
 // combine_shared_bytes (launch.py), a row of value_dim + 1 sums per warp.
 // (The 1 lets it take the registers it wants: with repair_row inlined it kept 16 bytes of
 // spills at 128 registers on sm_90; it takes 188 and none.)
+// (Under NPATTN_PARAMETER_SCALARS the kernel's block, which combine_kernel, below, calls
+// with the ints and reals it took by value; the default build keeps the kernel as it was.)
+#ifdef NPATTN_PARAMETER_SCALARS
+#define NPATTN_COMBINE_ENTRY __device__ __forceinline__ void combine_block
+#else
+#define NPATTN_COMBINE_ENTRY __global__ void __launch_bounds__(NPATTN_COMBINE_THREADS, 1) combine_kernel
+#endif
 template <typename T, typename Acc, int MAX_D>
-__global__ void __launch_bounds__(NPATTN_COMBINE_THREADS, 1)
-combine_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
-               const Acc* partial) {
+NPATTN_COMBINE_ENTRY(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
+                     const Acc* partial) {
     static_assert(MAX_D % 32 == 0, "whole columns a lane");
     constexpr int COLUMNS = MAX_D / 32;  // columns per lane (value_dim <= MAX_D)
     const int warps = (int)(blockDim.x / 32);
@@ -148,3 +154,13 @@ combine_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss
     const Operands<T, Acc> in = NPATTN_OPERANDS;
     store_merged_row(in, row, lane, total, l, m, row_out, value_dim, out, out_sb, out_sh, out_ss, lse);
 }
+
+#ifdef NPATTN_PARAMETER_SCALARS
+template <typename T, typename Acc, int MAX_D>
+__global__ void __launch_bounds__(NPATTN_COMBINE_THREADS, 1)
+combine_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
+               const Acc* partial NPATTN_SCALARS_PARAMETER) {
+    combine_block<T, Acc, MAX_D>(NPATTN_OPERAND_ARGUMENTS(NPATTN_KERNEL_INTS, NPATTN_KERNEL_REALS), out, out_sb, out_sh,
+                                 out_ss, lse, splits, partial);
+}
+#endif
