@@ -6,13 +6,13 @@ Compute to time its kernels: `ncu --metrics gpu__time_duration.sum --csv ...`). 
 --splits TARGET,MIN ... each step is planned again under each of the driver's split-KV
 settings (DECODE_TARGET_WARPS, MIN_KEY_TILES_PER_SPLIT) and timed; each row ends with
 float16's time over int8's. A quantized cache's step (4 packed rows a kv head at these
-shapes) is timed twice: with its products transposed (Option.TRANSPOSED, the default)
-and as "/untransposed" (sources.TRANSPOSED_ROWS = 0: forward_tc.cu's tile); where its
-transposed step splits a row's keys at most driver.MERGED_SPLITS ways (merging them in the
-forward, no combine launched), as "/combine" (MERGED_SPLITS = 0; the same step twice
-where it does not merge: batch 1's 33 splits a row), and as "/merge64" (MERGED_SPLITS =
-64: batch 1's 33 splits merged in the forward too).
-Usage: python .ci/gpu_cache_kernels.py LABEL [--once] [--splits TARGET,MIN ...]"""
+shapes: products transposed, Option.TRANSPOSED) is timed as built, where it splits a
+row's keys at most driver.MERGED_SPLITS ways merging them in the forward (no combine
+launched); as "/combine" (MERGED_SPLITS = 0; the same step twice where it does not merge:
+batch 1's 33 splits a row); as "/merge64" (MERGED_SPLITS = 64: batch 1's 33 splits merged
+in the forward too); and with --untransposed as "/untransposed" (sources.TRANSPOSED_ROWS
+= 0: forward_tc.cu's tile, slower than the transposed one in every run of 2026-11-30).
+Usage: python .ci/gpu_cache_kernels.py LABEL [--once] [--untransposed] [--splits TARGET,MIN ...]"""
 import pathlib
 import sys
 
@@ -83,8 +83,9 @@ for shape in SHAPES:
         times = {}
         for cache in CACHES:
             q, k, v, scales = arrays(shape, cache, rng)
-            variants = ((8, "", driver.COMBINE_CHUNK), (8, "/combine", 0), (8, "/merge64", 64),
-                        (0, "/untransposed", driver.COMBINE_CHUNK))
+            variants = ((8, "", driver.COMBINE_CHUNK), (8, "/combine", 0), (8, "/merge64", 64))
+            if "--untransposed" in sys.argv:
+                variants += ((0, "/untransposed", driver.COMBINE_CHUNK),)
             for rows, suffix, merged in variants if scales else ((8, "", driver.COMBINE_CHUNK),):
                 sources.TRANSPOSED_ROWS, driver.MERGED_SPLITS = rows, merged  # read when the plan is made
                 plans.clear()  # (no plan of the structure made under the settings before)
