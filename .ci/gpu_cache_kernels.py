@@ -6,12 +6,13 @@ Compute to time its kernels: `ncu --metrics gpu__time_duration.sum --csv ...`). 
 --splits TARGET,MIN ... each step is planned again under each of the driver's split-KV
 settings (DECODE_TARGET_WARPS, MIN_KEY_TILES_PER_SPLIT) and timed; each row ends with
 float16's time over int8's. A quantized cache's step (4 packed rows a kv head at these
-shapes: products transposed, Option.TRANSPOSED) is timed as built, where it splits a
-row's keys at most driver.MERGED_SPLITS ways merging them in the forward (no combine
-launched); as "/combine" (MERGED_SPLITS = 0; the same step twice where it does not merge:
-batch 1's 33 splits a row); as "/merge64" (MERGED_SPLITS = 64: batch 1's 33 splits merged
-in the forward too); and with --untransposed as "/untransposed" (sources.TRANSPOSED_ROWS
-= 0: forward_tc.cu's tile, slower than the transposed one in every run of 2026-11-30).
+shapes: products transposed, Option.TRANSPOSED) and a float16 one are timed as built,
+where they split a row's keys at most driver.MERGED_SPLITS ways merging them in the
+forward (no combine launched); as "/combine" (MERGED_SPLITS = 0; the same step twice
+where it does not merge: batch 1's 33 splits a row); as "/merge64" (MERGED_SPLITS = 64:
+batch 1's splits merged in the forward too); and a quantized step with --untransposed as
+"/untransposed" (sources.TRANSPOSED_ROWS = 0: forward_tc.cu's tile, slower than the
+transposed one in every run of 2026-11-30).
 Usage: python .ci/gpu_cache_kernels.py LABEL [--once] [--untransposed] [--splits TARGET,MIN ...]"""
 import pathlib
 import sys
@@ -86,7 +87,7 @@ for shape in SHAPES:
             variants = ((8, "", driver.COMBINE_CHUNK), (8, "/combine", 0), (8, "/merge64", 64))
             if "--untransposed" in sys.argv:
                 variants += ((0, "/untransposed", driver.COMBINE_CHUNK),)
-            for rows, suffix, merged in variants if scales else ((8, "", driver.COMBINE_CHUNK),):
+            for rows, suffix, merged in variants if scales else variants[:3]:
                 sources.TRANSPOSED_ROWS, driver.MERGED_SPLITS = rows, merged  # read when the plan is made
                 plans.clear()  # (no plan of the structure made under the settings before)
                 plan = npattn.plan_with_kvcache(q, k, v, cache_seqlens=shape[3], causal=True, **scales)
@@ -99,7 +100,9 @@ for shape in SHAPES:
                 times[cache + suffix] = (replay_us(run), k.nbytes + v.nbytes)
             sources.TRANSPOSED_ROWS, driver.MERGED_SPLITS = 8, driver.COMBINE_CHUNK
         if not once:
-            ratio = times["float16"][0] / times["int8"][0]
+            ratios = "  ".join(
+                f"float16/int8{suffix} {times['float16' + suffix][0] / times['int8' + suffix][0]:.2f}x"
+                for suffix in ("", "/combine", "/merge64") if "int8" + suffix in times)
             print(f"{label}: {shape} splits ({target},{least})  " + "  ".join(
                 f"{cache} {us:.1f} ({read / us / 1e3:.0f} GB/s)" for cache, (us, read) in times.items())
-                + f"  float16/int8 {ratio:.2f}x", flush=True)
+                + f"  {ratios}", flush=True)

@@ -89,8 +89,10 @@ def _forward_tc_configs(dtype_name, bound):
     configs = {(tile, int(options)) for tile in picked for options in FORWARD_TC_OPTIONS[bound]}
     configs |= {(tile, int(options)) for tile in EXTRA_TILES.get(bound, ()) for options in EXTRA_TILE_OPTIONS}
     configs |= {(tile, int(options)) for tile, options, dtypes in EXTRA_CODE_TILES.get(bound, ()) if dtype_name in dtypes}
-    # each transposed one also as a split step of few splits a row takes it, merging them (MERGES)
-    configs |= {(tile, options | int(Option.MERGES)) for tile, options in configs if options & Option.TRANSPOSED}
+    # each also as a split step of few splits a row takes it, merging them (MERGES; heads of
+    # up to 128 dims: driver.merges_in_forward)
+    if bound <= 128:
+        configs |= {(tile, options | int(Option.MERGES)) for tile, options in configs}
     return sorted(configs)
 
 

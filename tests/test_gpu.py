@@ -484,14 +484,15 @@ def test_gpu_codes_match_their_16_bit_values(backend, kind, paged, q_len, dtype)
 
 
 @pytest.mark.parametrize("backend", GPU)
-@pytest.mark.parametrize("kind", ["int8", "float8_e4m3"])
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3", "float16"])  # decode_tc.cu's tile; forward_tc.cu's
 def test_gpu_forward_merges_its_splits_with_the_combines_bits(backend, kind, monkeypatch):
-    """On the device, where blocks run at once: a transposed decode step of 4 splits a
-    row (256 blocks) merges them in the forward (the last block of each item, counted by
-    an atomic; merge.cuh) with the bits of the combine (driver.MERGED_SPLITS = 0), on
-    every one of 20 runs and 20 replays of a CUDA graph that captured it (a block that
-    merged before another's partials landed, or a counter left set, would show), and
-    within the float64 reference's bounds."""
+    """On the device, where blocks run at once: issue 38's decode step (16, 32/8, 1 x
+    2048, 128), of 2 splits a row (256 blocks of the transposed tile over a quantized
+    cache) or 8 (1024 one-warp blocks over a float16 one), merges them in the forward (the last block of each item, counted by an
+    atomic; merge.cuh) with the bits of the combine (driver.MERGED_SPLITS = 0), on every
+    one of 20 runs and 20 replays of a CUDA graph that captured it (a block that merged
+    before another's partials landed, or a counter left set, would show), and within the
+    float64 reference's bounds."""
     import cupy
 
     from npattn.gpu import driver, launch
@@ -499,11 +500,14 @@ def test_gpu_forward_merges_its_splits_with_the_combines_bits(backend, kind, mon
     from test_serving import assert_lse, assert_out, call_case
 
     rng = np.random.default_rng(31)
-    batch, heads, kv_heads, length, dim = 8, 32, 8, 4096, 128
-    (k_codes, k_scale), (v_codes, v_scale) = (npattn.quantize_kv(
-        rng.standard_normal((batch, length, kv_heads, dim), np.float32), kind) for _ in range(2))
+    batch, heads, kv_heads, length, dim = 16, 32, 8, 2048, 128
+    k, v = (rng.standard_normal((batch, length, kv_heads, dim), np.float32) for _ in range(2))
+    if kind == "float16":
+        (k_codes, k_scale), (v_codes, v_scale) = (k.astype(np.float16), None), (v.astype(np.float16), None)
+    else:
+        (k_codes, k_scale), (v_codes, v_scale) = npattn.quantize_kv(k, kind), npattn.quantize_kv(v, kind)
     q = rng.standard_normal((batch, 1, heads, dim), np.float32).astype(np.float16)
-    on_device = [cupy.asarray(x) for x in (q, k_codes, v_codes, k_scale, v_scale)]
+    on_device = [None if x is None else cupy.asarray(x) for x in (q, k_codes, v_codes, k_scale, v_scale)]
     launched, real_kernel = [], launch.kernel
 
     def kernel(kind_, *arguments, **config):  # (plans launch what launch.kernel gave them)
@@ -525,7 +529,8 @@ def test_gpu_forward_merges_its_splits_with_the_combines_bits(backend, kind, mon
 
     _, run = step()
     merged = [x.get() for x in run()]
-    assert ("forward_tc", 4) in launched and "combine" not in dict(launched), launched
+    splits = [count for kind_, count in launched if kind_ == "forward_tc"]
+    assert splits == [2 if kind != "float16" else 8] and "combine" not in dict(launched), launched
     for _ in range(20):
         for got, want in zip(run(), merged):
             np.testing.assert_array_equal(got.get(), want)
@@ -551,7 +556,8 @@ def test_gpu_forward_merges_its_splits_with_the_combines_bits(backend, kind, mon
     for got, want in zip(combined, merged):
         np.testing.assert_array_equal(got, want)
     plans.clear()
-    keys, values = (npattn.dequantize_kv(*pair, np.float64) for pair in ((k_codes, k_scale), (v_codes, v_scale)))
+    keys, values = (x.astype(np.float64) if scale is None else npattn.dequantize_kv(x, scale, np.float64)
+                    for x, scale in ((k_codes, k_scale), (v_codes, v_scale)))
     for b in (0, batch - 1):
         expected, expected_lse = npattn.attention(q[b:b + 1].astype(np.float64), keys[b:b + 1], values[b:b + 1],
                                                   layout="bshd", return_lse=True, backend="reference")

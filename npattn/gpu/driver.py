@@ -41,7 +41,7 @@ _CONSTANTS: dict = {}
 _CONSTANTS_LIMIT = 4096
 # the ways of reading a quantized cache's codes that need 16-byte aligned rows
 _READS_CODES_INTO_REGISTERS = Option.REGISTER_CODES | Option.TRANSPOSED
-# what a call whose arrays start off 16 bytes drops (its codes staged; the merge rides on the transposed tile)
+# what a call whose arrays start off 16 bytes drops (its codes staged; its splits merged by the combine)
 _ALIGNED_ONLY = _READS_CODES_INTO_REGISTERS | Option.MERGES
 
 
@@ -203,26 +203,25 @@ def decode_splits(blocks: int, rows: int, kv_len: int, block_q: int, block_k: in
     return max(1, min(key_tiles // MIN_KEY_TILES_PER_SPLIT, target_blocks // blocks))
 
 
-# A split step on the transposed decode tile (a quantized cache, at most 8 packed rows a
-# kv head) merges its own partials where a row has at most this many splits
-# (Option.MERGES: the last block of each work item to finish merges the item's rows,
-# merge.cuh) and launches no combine_kernel: the combine's launch and its chain of
+# A split step's tensor-core forward merges its own partials where a row has at most this
+# many splits (Option.MERGES: the last block of each work item to finish merges the item's
+# rows, merge.cuh) and launches no combine_kernel: the combine's launch and its chain of
 # dependent loads were most of its 6-7 us at 2 splits a row (16, 32/8, 1 x 2048, 128;
 # H200, 2026-11-30). Up to COMBINE_CHUNK the merge takes the combine's one-warp steps in
 # its order, so the bits are the same either way; more splits a row keep the combine,
 # whose warps share a row's chunks (a device session times a larger setting too: a merge
 # of more splits takes a row's chunks one after another in one warp, its own fixed order,
 # so its bits are its own). 0: always the combine (how a device session times the two
-# side by side). forward_tc.cu's own decode tile keeps the combine: with the merge's code
-# (the reference's recompute of a row) its sm_90 build spilled inside the key loop.
+# side by side). Heads of up to 128 dims only: the 256-wide tiles already keep values in
+# local memory inside their key loops (sm_90), and the merge's code added more.
 MERGED_SPLITS = COMBINE_CHUNK
 
 
-def merges_in_forward(options: int, splits: int) -> bool:
-    """Whether a tensor-core forward of ``options`` (its tile's) with ``splits`` key splits
-    merges them itself (Option.MERGES, no combine_kernel): a TRANSPOSED step, 2 to
-    :data:`MERGED_SPLITS` splits."""
-    return bool(options & Option.TRANSPOSED) and 1 < splits <= MERGED_SPLITS
+def merges_in_forward(bound: int, splits: int) -> bool:
+    """Whether a tensor-core forward of head-dim ``bound`` with ``splits`` key splits
+    merges them itself (Option.MERGES, no combine_kernel): 2 to :data:`MERGED_SPLITS`
+    splits, heads of up to 128 dims."""
+    return bound <= 128 and 1 < splits <= MERGED_SPLITS
 
 
 def combine_warps(splits: int) -> int:
@@ -315,7 +314,7 @@ class ForwardPlan:
                               else (batch, heads, q_len, value_dim))
             self.lse_shape = (batch, heads, q_len)
             # (with the forward's own merge, a counter a work item after the rows: merge.cuh)
-            self.merged = kind == "forward_tc" and merges_in_forward(self.config["options"], splits)
+            self.merged = kind == "forward_tc" and merges_in_forward(bound, splits)
             if self.merged:
                 self.config["options"] |= Option.MERGES
             self.counters_at = batch * heads * q_len * splits * (value_dim + 3) if splits > 1 else 0

@@ -137,12 +137,19 @@ __device__ inline void add_code_values(float (&o)[VALUE_BLOCKS][4], const u32 (&
 // switch: as a device function called by the kernel, the default build's 64-wide
 // one-warp tile took 8 bytes of stack at 168 registers on sm_90, where the kernel itself
 // keeps none.)
+//
+// Its launch bounds: TRANSPOSED's cap (above); with MERGES at least 1 block an SM, which
+// lets the merge's code (after the key loop) leave the loop's registers alone (sm_90,
+// forward_tc.cu's 128-wide decode tile: 212 registers and no stack; with the bound left
+// open, ptxas took 168 and spilled inside the loop); else none.
+#define NPATTN_FORWARD_TC_BOUNDS                                                                   \
+    __launch_bounds__(WARPS * 32, (OPTIONS & NPATTN_OPTION_TRANSPOSED) ? NPATTN_TRANSPOSED_BLOCKS_PER_SM \
+                                  : (OPTIONS & NPATTN_OPTION_MERGES)   ? 1                               \
+                                                                       : 0)
 #ifdef NPATTN_PARAMETER_SCALARS
 #define NPATTN_FORWARD_TC_ENTRY __device__ __forceinline__ void forward_tc_block
 #else
-#define NPATTN_FORWARD_TC_ENTRY __global__ void \
-    __launch_bounds__(WARPS * 32, (OPTIONS & NPATTN_OPTION_TRANSPOSED) ? NPATTN_TRANSPOSED_BLOCKS_PER_SM : 0) \
-    forward_tc_kernel
+#define NPATTN_FORWARD_TC_ENTRY __global__ void NPATTN_FORWARD_TC_BOUNDS forward_tc_kernel
 #endif
 template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
 NPATTN_FORWARD_TC_ENTRY(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
@@ -709,7 +716,7 @@ NPATTN_FORWARD_TC_ENTRY(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i
 
 #ifdef NPATTN_PARAMETER_SCALARS
 template <typename T, typename Acc, int MAX_D, int WARPS, int FRAGS, int BK, int STAGES, unsigned OPTIONS>
-__global__ void __launch_bounds__(WARPS * 32, (OPTIONS & NPATTN_OPTION_TRANSPOSED) ? NPATTN_TRANSPOSED_BLOCKS_PER_SM : 0)
+__global__ void NPATTN_FORWARD_TC_BOUNDS
 forward_tc_kernel(NPATTN_OPERAND_PARAMS, T* out, i64 out_sb, i64 out_sh, i64 out_ss, Acc* lse, i64 splits,
                   Acc* partial NPATTN_SCALARS_PARAMETER) {
     forward_tc_block<T, Acc, MAX_D, WARPS, FRAGS, BK, STAGES, OPTIONS>(

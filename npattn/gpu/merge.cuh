@@ -12,9 +12,10 @@
 // For at most COMBINE_CHUNK splits (the driver's MERGED_SPLITS) the merge takes the
 // combine's steps in the combine's order (one warp a row, one chunk), so its bits are
 // the combine's. Only instantiations with Option.MERGES carry it (the driver's
-// merges_in_forward: the transposed decode tile, decode_tc.cu): inlined there, the
-// recompute's code cost forward_tc.cu's own decode tile 52 registers and spills inside
-// its key loop (sm_90), where the transposed tile's loop (capped at 168) kept none.
+// merges_in_forward), inlined: as a called function it kept more in local memory; inlined
+// under open launch bounds it took forward_tc.cu's 128-wide decode tile from 220 registers
+// to 168 with spills inside its key loop, so a MERGES kernel asks for at least 1 block an
+// SM (forward_tc.cu), and keeps 212 and no local memory (sm_90).
 #pragma once
 #include "common.cuh"
 

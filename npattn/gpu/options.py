@@ -33,11 +33,10 @@ def _bits(names) -> type[IntFlag]:
 # driver adds to REGISTER_CODES for a step of at most 8 packed rows a kv head
 # (npattn.gpu.sources.transposes_decode): its products with the keys on the mma's 16
 # rows and the packed rows on its 8 columns (decode_tc.cu); and MERGES, which the driver
-# adds to a split TRANSPOSED step of few splits a row (npattn.gpu.driver.merges_in_forward):
-# the last block of each work item merges the item's partial rows, where combine_kernel
-# would (merge.cuh). Kernels without it carry none of that code (it takes the reference's
-# recompute of a row, whose registers spilled into the key loop of forward_tc.cu's own
-# decode tile, sm_90).
+# adds to a split step of few splits a row (npattn.gpu.driver.merges_in_forward): the last
+# block of each work item merges the item's partial rows, where combine_kernel would
+# (merge.cuh). Kernels without it carry none of that code (the merge and the reference's
+# recompute of a row: twice the kernel's instructions).
 Option = _bits(dict.fromkeys([*(option.gpu_option for option in _table.OPTIONS if option.gpu_option),
                               "UNALIGNED", "NARROW", "CODES", "REGISTER_CODES", "TRANSPOSED", "MERGES"]))
 

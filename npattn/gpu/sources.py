@@ -239,8 +239,8 @@ def register_codes_name(dtype_name: str, bound: int, transposed: bool = False, p
     """The decode tile that reads a quantized cache's codes into registers, under the band
     (a decode step's options), for ``dtype_name`` q at head-dim ``bound`` (one of
     :data:`REGISTER_CODES_BOUNDS`); ``transposed``: its products transposed, for at most
-    :data:`TRANSPOSED_ROWS` packed rows; ``paged``: over a paged cache; ``merges``
-    (transposed only): merging its own split keys (Option.MERGES)."""
+    :data:`TRANSPOSED_ROWS` packed rows; ``paged``: over a paged cache; ``merges``:
+    merging its own split keys (Option.MERGES)."""
     options = _options.Option.BAND | _options.Option.CODES | _options.Option.REGISTER_CODES
     if paged:
         options |= _options.Option.PAGED
@@ -294,8 +294,10 @@ _EVERY_OPTION = _options.ALL | _options.Option.UNALIGNED | _options.Option.NARRO
 def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
     """The tensor-core forward at every (tile, options) :func:`forward_tc_config` picks
     for ``bound`` with no option, the band alone and every option (the ends of what a call
-    can ask for; the driver instantiates the sets in between on demand), and once with
-    every option on unaligned rows (plain loads instead of cp.async)."""
+    can ask for; the driver instantiates the sets in between on demand), once with
+    every option on unaligned rows (plain loads instead of cp.async), the decode tiles over
+    a quantized cache's codes in registers, and at bounds up to 128 the decode tile with no
+    option and with the band merging its own split keys (Option.MERGES)."""
     pairs = {(forward_tc_config(rows, bound, options), int(options))
              for rows in (1, 64, 65) for options in (0, _options.Option.BAND, _options.ALL)}
     names = [kernel_name("forward_tc", dtype_name, bound, tile=tile, options=options) for tile, options in sorted(pairs)]
@@ -303,7 +305,10 @@ def forward_tc_names(dtype_name: str, bound: int) -> tuple[str, ...]:
                              options=_EVERY_OPTION))
     if bound in REGISTER_CODES_BOUNDS:  # a decode step over a contiguous quantized cache
         names += [register_codes_name(dtype_name, bound, transposed, paged, merges)
-                  for transposed, merges in ((False, False), (True, False), (True, True)) for paged in (False, True)]
+                  for transposed in (False, True) for merges in (False, True) for paged in (False, True)]
+    if bound <= 128:  # a split decode step merging its own splits (the driver's merges_in_forward)
+        names += [kernel_name("forward_tc", dtype_name, bound, tile=forward_tc_config(1, bound, options),
+                              options=options | _options.Option.MERGES) for options in (0, _options.Option.BAND)]
     return tuple(names)
 
 
@@ -337,12 +342,12 @@ def name_expressions() -> tuple[str, ...]:
 REGISTER_CODES_STACK_BYTES = 16
 REGISTER_CODE_KERNELS = tuple(register_codes_name(dtype_name, bound, transposed, paged, merges)
                               for dtype_name in TENSOR_CORE_STORAGE for bound in REGISTER_CODES_BOUNDS
-                              for transposed, merges in ((False, False), (True, False), (True, True))
-                              for paged in (False, True))
+                              for transposed in (False, True) for merges in (False, True) for paged in (False, True))
 # ... and those that merge their own split keys (Option.MERGES) to at most this much: the
 # merge's and the recompute's values kept across the key loop take a few more bytes,
-# stored before the loop and loaded after it (sm_90: 24-48 bytes at 128-wide heads;
-# the machine-code test holds the loop itself to no local memory)
+# stored before the loop and loaded after it (sm_90: 24-48 bytes in the 128-wide
+# transposed tiles, 16 in bfloat16's 64-wide untransposed one; the machine-code test holds
+# the loop itself to no local memory)
 MERGING_STACK_BYTES = 64
 
 # The kernels whose machine code CI reads (tests/test_gpu_machine_code.py): no spill, and
