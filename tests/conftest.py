@@ -177,12 +177,14 @@ def machine_code_names() -> tuple[str, ...]:
 def compiled_names(architecture: str) -> tuple[str, ...]:
     """What CI compiles to machine code for ``architecture``: the kernels whose machine
     code the checks read, and for ``sources.EVERY_INSTANTIATION_ARCHITECTURE`` the decode
-    tiles that keep their codes in registers (read there only)."""
+    tiles that keep their codes in registers and those that merge their own splits (read
+    there only)."""
     from npattn.gpu import sources
 
     if architecture != getattr(sources, "EVERY_INSTANTIATION_ARCHITECTURE", architecture):
         return machine_code_names()
-    return tuple(dict.fromkeys((*machine_code_names(), *getattr(sources, "REGISTER_CODE_KERNELS", ()))))
+    return tuple(dict.fromkeys((*machine_code_names(), *getattr(sources, "REGISTER_CODE_KERNELS", ()),
+                                *getattr(sources, "MERGING_DECODE_KERNELS", ()))))
 
 
 def ptx_names() -> tuple[str, ...]:

@@ -156,6 +156,25 @@ def test_the_quantized_decode_tiles_keep_their_codes_in_registers_without_spilli
     assert not failures, "\n".join(failures)
 
 
+def test_the_merging_decode_tiles_keep_their_key_loops_in_registers(machine_code):
+    """forward_tc.cu's decode tiles that merge their own split keys (Option.MERGES,
+    sources.MERGING_DECODE_KERNELS), on sm_90: no stack or local memory (at least 1 block an
+    SM lets ptxas keep the merge's code out of the loop's registers: under open launch
+    bounds the 128-wide tile took 168 registers and spilled inside its key loop), mma, and
+    the last block's count (an atomic between fences)."""
+    tools_or_skip()
+    cubin, lowered = machine_code[sources.EVERY_INSTANTIATION_ARCHITECTURE]
+    inspected = read(cubin, {name: lowered[name] for name in sources.MERGING_DECODE_KERNELS})
+    failures = []
+    for name in sources.MERGING_DECODE_KERNELS:
+        usage, counter = inspected[name]
+        problems = sass.spill_evidence(usage, counter)
+        problems += [f"no {opcode}" for opcode in ("HMMA", "ATOMG", "MEMBAR") if not counter[opcode]]
+        if problems:
+            failures.append(f"{name}: {'; '.join(problems)}")
+    assert sources.MERGING_DECODE_KERNELS and not failures, "\n".join(failures)
+
+
 def test_e4m3_codes_take_the_hardware_conversion_from_sm_89(machine_code, monkeypatch):
     """sources.architecture_defines: CI's sm_90 build of the e4m3 decode tile converts its
     codes with sm_89's F2FP...E4M3, one per two codes; its sm_80 build has none (no such
