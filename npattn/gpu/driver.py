@@ -338,9 +338,9 @@ class ForwardPlan:
             self.ints, self.reals = problem_parameters(problem, dtype)
             _set_qkv_strides(self.ints, q, k, v)
             self.ints[Int.SPLIT_COUNTERS] = self.counters_at if self.merged else 0
-            # (NPATTN_PARAMETER_SCALARS: the tensor-core forward and the combine take them by value)
-            self.combine_scalars_by_value = sources.switched_on("NPATTN_PARAMETER_SCALARS")
-            self.scalars_by_value = kind == "forward_tc" and self.combine_scalars_by_value
+            # (NPATTN_PARAMETER_SCALARS: the combine, and the tensor-core forward, take them by value too)
+            self.scalars_by_value = sources.switched_on("NPATTN_PARAMETER_SCALARS")
+            self.forward_takes_scalars = kind == "forward_tc" and self.scalars_by_value
             self.dropout = bool(problem.dropout_p)
             # (q, k and v as stand-ins of their shapes: the plan keeps no caller's array alive)
             self._plain_problem = dataclasses.replace(problem, **{name: None for name in _OPTION_ARRAYS},
@@ -402,13 +402,13 @@ class ForwardPlan:
             # rows of (Dv outputs, max, sum, seen) per split; unread without splits
             partial = self._partial() if self.splits > 1 else self._no_partial()
             outputs = (out, *self._out_strides, lse, np.int64(self.splits), partial)
-            # (NPATTN_PARAMETER_SCALARS: the tensor-core forward's ints and reals by value too)
+            # (NPATTN_PARAMETER_SCALARS: the ints and reals by value too)
             by_value = ()
-            if self.combine_scalars_by_value:
+            if self.scalars_by_value:
                 if "by_value" not in named:  # (kept with the plan's own operands)
                     named["by_value"] = _scalars_by_value(named["scalars"], self.reals)
                 by_value = (named["by_value"],)
-            self._launcher(config)(self.blocks, (*operands, *outputs, *(by_value if self.scalars_by_value else ())))
+            self._launcher(config)(self.blocks, (*operands, *outputs, *(by_value if self.forward_takes_scalars else ())))
             # (a call off 16 bytes runs without the merge: config dropped MERGES above)
             if self.splits > 1 and not (config and config["options"] & Option.MERGES):
                 if self._combine is None:

@@ -6,7 +6,8 @@
 // Why the forward merges: a split decode step's combine is a second launch whose time is
 // nearly all fixed cost where a row has few splits (a launch, then a chain of dependent
 // loads of its scalars, spans and partials before its first add): at (16, 32/8, 1 x 2048,
-// 128), 2 splits a row, the combine took 6-7 us of a 33.6 us int8 step (H200, 2026-11-30).
+// 128), 2 splits a row, the combine took 6-7 us under Nsight Compute beside a 33.6 us int8
+// step in a CUDA graph (H200, 2026-11-30).
 // The forward's blocks count themselves per work item (an atomic a counter, kept after
 // the partials in the same buffer), and the last one merges while the others are done.
 // For at most COMBINE_CHUNK splits (the driver's MERGED_SPLITS) the merge takes the
