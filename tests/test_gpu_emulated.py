@@ -118,6 +118,42 @@ def test_exactly_one_block_of_each_split_item_merges_it(tmp_path):
         assert not counters.any()
 
 
+@pytest.mark.parametrize("options", [
+    dict(causal=True, window=(500, 0), sinks=2, softcap=3.0, dropout_p=0.3, seed=5,
+         alibi_slopes=np.linspace(0.01, 0.1, 8), sink_logits=np.linspace(-1.0, 1.0, 8)),
+    dict(bias=np.random.default_rng(4).normal(size=(2, 8, 1, 700)),
+         mask=np.random.default_rng(5).random((2, 1, 1, 700)) < 0.7, kv_lengths=np.array([700, 260]))])
+def test_emulated_gpu_merged_splits_take_every_option(monkeypatch, options):
+    """Every score option on a split float16 decode step that the forward merges (GQA, 2
+    splits a row; Option.MERGES): the reference's answer (out, lse and the weights, whose
+    call checks out on the host), and the bits of the combine (MERGED_SPLITS = 0)."""
+    from npattn.gpu import driver, launch
+    from npattn.runtime import plans
+
+    case = uniform_case(2, 8, 2, 1, 700, 64, 64, values_seed=17, dtype=np.float16, **options)
+    merging, emulated_run = [], launch.run
+
+    def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
+        if kind == "forward_tc":
+            merging.append(bool(config["options"] & Option.MERGES) and launched_splits(arguments) == 2)
+        return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
+
+    monkeypatch.setattr(launch, "run", spy)
+    plans.clear()
+    try:
+        check_forward("gpu", case, "bhsd")
+        merged = case.run("gpu", layout="bhsd", return_lse=True)
+        assert merging and all(merging), merging
+        monkeypatch.setattr(driver, "MERGED_SPLITS", 0)
+        plans.clear()
+        combined = case.run("gpu", layout="bhsd", return_lse=True)
+    finally:
+        plans.clear()
+    for got, want in zip(combined, merged):
+        np.testing.assert_array_equal(got.view(np.uint16 if got.dtype == np.float16 else np.uint32),
+                                      want.view(np.uint16 if want.dtype == np.float16 else np.uint32))
+
+
 def test_emulated_gpu_forward_merges_many_splits_when_told(monkeypatch, request):
     """driver.MERGED_SPLITS past COMBINE_CHUNK (a setting a device session times): a
     transposed step of 19 splits a row merges them in the forward, a warp taking a row's
