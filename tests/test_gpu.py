@@ -488,11 +488,11 @@ def test_gpu_codes_match_their_16_bit_values(backend, kind, paged, q_len, dtype)
 def test_gpu_forward_merges_its_splits_with_the_combines_bits(backend, kind, monkeypatch):
     """On the device, where blocks run at once: issue 38's decode step (16, 32/8, 1 x
     2048, 128), of 2 splits a row (256 blocks of the transposed tile over a quantized
-    cache) or 8 (1024 one-warp blocks over a float16 one), merges them in the forward (the last block of each item, counted by an
-    atomic; merge.cuh) with the bits of the combine (driver.MERGED_SPLITS = 0), on every
-    one of 20 runs and 20 replays of a CUDA graph that captured it (a block that merged
-    before another's partials landed, or a counter left set, would show), and within the
-    float64 reference's bounds."""
+    cache) or 8 (1024 one-warp blocks over a float16 one), merges them in the forward
+    (the last block of each item, counted by an atomic; merge.cuh) with the bits of the
+    combine (driver.MERGED_SPLITS = 0), on every one of 20 runs and 20 replays of a CUDA
+    graph that captured it (a block that merged before another's partials landed, or a
+    counter left set, would show), and within the float64 reference's bounds."""
     import cupy
 
     from npattn.gpu import driver, launch
