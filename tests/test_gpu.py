@@ -22,8 +22,8 @@ from conftest import backend_params, machine_code_names, nvrtc_or_skip, started_
 from tolerances import assert_close
 from strategies import Case, Dims, cases, layouts, to_layout
 from test_backend_equivalence import check_backward, check_forward
-from test_gpu_emulated import (PLANTED_V_AND_Q, check_codes_against_their_16_bit_values, launched_splits,
-                               planted_in_v_and_q)
+from test_gpu_emulated import (PLANTED_V_AND_Q, assert_same_bits, check_codes_against_their_16_bit_values,
+                               launched_splits, planted_in_v_and_q)
 from test_nonfinite import assert_same_outputs, planted_cases
 from test_quantized_cache import check_quantized_cache, quantized_cases
 
@@ -533,7 +533,7 @@ def test_gpu_forward_merges_its_splits_with_the_combines_bits(backend, kind, mon
     assert splits == [2 if kind != "float16" else 8] and "combine" not in dict(launched), launched
     for _ in range(20):
         for got, want in zip(run(), merged):
-            np.testing.assert_array_equal(got.get(), want)
+            assert_same_bits(got.get(), want)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         run()
@@ -547,14 +547,14 @@ def test_gpu_forward_merges_its_splits_with_the_combines_bits(backend, kind, mon
             graph.launch(stream)
             stream.synchronize()
             for got, want in zip(captured, merged):
-                np.testing.assert_array_equal(got.get(), want)
+                assert_same_bits(got.get(), want)
     monkeypatch.setattr(driver, "MERGED_SPLITS", 0)
     launched.clear()
     _, run = step()
     combined = [x.get() for x in run()]
     assert "combine" in dict(launched), launched
     for got, want in zip(combined, merged):
-        np.testing.assert_array_equal(got, want)
+        assert_same_bits(got, want)
     plans.clear()
     keys, values = (x.astype(np.float64) if scale is None else npattn.dequantize_kv(x, scale, np.float64)
                     for x, scale in ((k_codes, k_scale), (v_codes, v_scale)))

@@ -56,6 +56,29 @@ def launched_splits(arguments) -> int:
     return int(arguments[len(OPERAND_NAMES) + 5])
 
 
+def recorded_launches(monkeypatch) -> list:
+    """A list that every emulated launch from now on appends ``(kind, splits, options)``
+    to (splits and options: a tensor-core forward's, else None)."""
+    from npattn.gpu import launch
+
+    launched, emulated_run = [], launch.run
+
+    def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
+        forward = kind == "forward_tc"
+        launched.append((kind, launched_splits(arguments) if forward else None,
+                         config["options"] if forward else None))
+        return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
+
+    monkeypatch.setattr(launch, "run", spy)
+    return launched
+
+
+def assert_same_bits(got, want):
+    """``got`` and ``want`` hold the same bits (NaN payloads and the sign of 0 included)."""
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def emulated_gpu(request):
     built = emulation(request.config)  # started at collection (conftest.started)
@@ -127,31 +150,24 @@ def test_emulated_gpu_merged_splits_take_every_option(monkeypatch, options):
     """Every score option on a split float16 decode step that the forward merges (GQA, 2
     splits a row; Option.MERGES): the reference's answer (out, lse and the weights, whose
     call checks out on the host), and the bits of the combine (MERGED_SPLITS = 0)."""
-    from npattn.gpu import driver, launch
+    from npattn.gpu import driver
     from npattn.runtime import plans
 
     case = uniform_case(2, 8, 2, 1, 700, 64, 64, values_seed=17, dtype=np.float16, **options)
-    merging, emulated_run = [], launch.run
-
-    def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
-        if kind == "forward_tc":
-            merging.append(bool(config["options"] & Option.MERGES) and launched_splits(arguments) == 2)
-        return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
-
-    monkeypatch.setattr(launch, "run", spy)
+    launched = recorded_launches(monkeypatch)
     plans.clear()
     try:
         check_forward("gpu", case, "bhsd")
         merged = case.run("gpu", layout="bhsd", return_lse=True)
-        assert merging and all(merging), merging
+        forwards = [(splits, options & Option.MERGES) for kind, splits, options in launched if kind == "forward_tc"]
+        assert forwards and all(splits == 2 and merges for splits, merges in forwards), launched
         monkeypatch.setattr(driver, "MERGED_SPLITS", 0)
         plans.clear()
         combined = case.run("gpu", layout="bhsd", return_lse=True)
     finally:
         plans.clear()
     for got, want in zip(combined, merged):
-        np.testing.assert_array_equal(got.view(np.uint16 if got.dtype == np.float16 else np.uint32),
-                                      want.view(np.uint16 if want.dtype == np.float16 else np.uint32))
+        assert_same_bits(got, want)
 
 
 def test_emulated_gpu_forward_merges_many_splits_when_told(monkeypatch, request):
@@ -159,7 +175,7 @@ def test_emulated_gpu_forward_merges_many_splits_when_told(monkeypatch, request)
     transposed step of 19 splits a row merges them in the forward, a warp taking a row's
     three chunks in turn, first to last block or last to first the same bits, within the
     reference's bounds, and no combine runs."""
-    from npattn.gpu import driver, launch
+    from npattn.gpu import driver
     from npattn.runtime import plans
     from test_serving import assert_lse, assert_out, call_case
 
@@ -170,24 +186,18 @@ def test_emulated_gpu_forward_merges_many_splits_when_told(monkeypatch, request)
     (k_cache, k_scale), (v_cache, v_scale) = (npattn.quantize_kv(rng.normal(size=(1, length, kv_heads, dim)), "int8")
                                               for _ in range(2))
     q = rng.normal(size=(1, 1, heads, dim)).astype(np.float16)
-    launched, emulated_run = [], launch.run
-
-    def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
-        launched.append((kind, launched_splits(arguments) if kind == "forward_tc" else None))
-        return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
-
-    monkeypatch.setattr(launch, "run", spy)
+    launched = recorded_launches(monkeypatch)
     call = dict(cache_seqlens=length, k_scale=k_scale, v_scale=v_scale, return_lse=True, backend="gpu")
     plans.clear()
     try:
         out, lse = npattn.attention_with_kvcache(q, k_cache, v_cache, **call)
-        assert launched == [("forward_tc", 19)], launched
+        assert [(kind, splits) for kind, splits, _ in launched] == [("forward_tc", 19)], launched
         with emulation(request.config).blocks_reversed():
             again = npattn.attention_with_kvcache(q, k_cache, v_cache, **call)
     finally:
         plans.clear()
-    np.testing.assert_array_equal(again[0].view(np.uint16), out.view(np.uint16))
-    np.testing.assert_array_equal(again[1].view(np.uint32), lse.view(np.uint32))
+    assert_same_bits(again[0], out)
+    assert_same_bits(again[1], lse)
     keys, values = (npattn.dequantize_kv(*pair, np.float64) for pair in ((k_cache, k_scale), (v_cache, v_scale)))
     expected, expected_lse = npattn.attention(q.astype(np.float64), keys, values, layout="bshd", return_lse=True,
                                               backend="reference")
@@ -207,7 +217,7 @@ def test_emulated_gpu_forward_merges_a_few_splits_itself_with_the_combines_bits(
     plan's next run merges too. Rows with a sink logit, a sequence of no keys (zeros and
     -inf) and a NaN value that one kv head of the first sequence sees (the merge's repair:
     NaN rows). Quantized caches take the transposed tile, float16 ones forward_tc.cu's."""
-    from npattn.gpu import driver, launch
+    from npattn.gpu import driver
     from npattn.runtime import plans
     from test_serving import assert_lse, assert_out, call_case
 
@@ -228,14 +238,7 @@ def test_emulated_gpu_forward_merges_a_few_splits_itself_with_the_combines_bits(
         v_cache[0, 100, 1, 3] = np.nan
         scales = {}
         keys, values = k_cache.astype(np.float64), v_cache.astype(np.float64)
-    launched, buffers, kept = [], [], driver.ForwardPlan._partial
-    emulated_run = launch.run
-
-    def spy(kind, storage, bound, blocks, shared_bytes, arguments, **config):
-        launched.append((kind, launched_splits(arguments) if kind == "forward_tc" else None))
-        return emulated_run(kind, storage, bound, blocks, shared_bytes, arguments, **config)
-
-    monkeypatch.setattr(launch, "run", spy)
+    launched, buffers, kept = recorded_launches(monkeypatch), [], driver.ForwardPlan._partial
     monkeypatch.setattr(driver.ForwardPlan, "_partial", lambda plan: buffers.append((plan, kept(plan))) or buffers[-1][1])
 
     def step():
@@ -246,8 +249,9 @@ def test_emulated_gpu_forward_merges_a_few_splits_itself_with_the_combines_bits(
     plans.clear()
     try:
         merged = step()
-        splits = [count for kind, count in launched if kind == "forward_tc"]
-        assert splits and 1 < splits[0] <= driver.COMBINE_CHUNK and "combine" not in dict(launched), launched
+        splits = [count for kind, count, _ in launched if kind == "forward_tc"]
+        kinds = [kind for kind, _, _ in launched]
+        assert splits and 1 < splits[0] <= driver.COMBINE_CHUNK and "combine" not in kinds, launched
         runs = [step()]
         with emulation(request.config).blocks_reversed():
             runs.append(step())
@@ -256,13 +260,12 @@ def test_emulated_gpu_forward_merges_a_few_splits_itself_with_the_combines_bits(
         monkeypatch.setattr(driver, "MERGED_SPLITS", 0)
         plans.clear()
         runs.append(step())
-        assert "combine" in dict(launched), launched
+        assert "combine" in [kind for kind, _, _ in launched], launched
     finally:
         plans.clear()
     for run in runs:
         for got, want in zip(run, merged):
-            np.testing.assert_array_equal(got.view(np.uint16 if got.dtype == np.float16 else np.uint32),
-                                          want.view(np.uint16 if want.dtype == np.float16 else np.uint32))
+            assert_same_bits(got, want)
     out, lse = merged
     for b in range(batch):
         if lengths[b] == 0:
