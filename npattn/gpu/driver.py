@@ -372,9 +372,7 @@ class ForwardPlan:
                 ints = self.ints.copy()
                 if self.dropout:  # the seed is the one per-call value among the parameters
                     ints[Int.SEED_LO], ints[Int.SEED_HI] = seed_words(arrays.seed)
-                named = _option_operands(cp, arrays, self.dtype, ints)
-                named["ints"], named["reals"] = _parameters(cp, ints, self.reals)
-                named["scalars"] = ints
+                named = self._operands_of(arrays, ints)
             if arrays is None:  # the plan's own operands in kernel order, made once
                 if self._plain_order is None:
                     self._plain_order = [named.get(name) for name in OPERAND_NAMES]
@@ -480,11 +478,7 @@ class ForwardPlan:
         CuPy."""
         kept = self._scaled_operands
         if kept is None or kept[0] is not run.problem:
-            ints = self.ints.copy()
-            named = _option_operands(self.xp, run, self.dtype, ints)
-            named["ints"], named["reals"] = _parameters(self.xp, ints, self.reals)
-            named["scalars"] = ints
-            kept = self._scaled_operands = (run.problem, named)
+            kept = self._scaled_operands = (run.problem, self._operands_of(run, self.ints.copy()))
         named = dict(kept[1])
         named["k_scale"], named["v_scale"] = run.k_scale, run.v_scale
         return named
@@ -492,11 +486,17 @@ class ForwardPlan:
     def _make_plain_operands(self) -> dict:
         """The operands of calls without option arrays (placeholders, whole spans, one page
         per entry, the parameters) on the device, made at the first such call and kept."""
-        ints = self.ints.copy()
-        named = _option_operands(self.xp, self._plain_problem, self.dtype, ints)
+        self._plain_operands = self._operands_of(self._plain_problem, self.ints.copy())
+        return self._plain_operands
+
+    def _operands_of(self, arrays, ints) -> dict:
+        """The named operands of ``arrays`` (a problem of this plan's signature) with this
+        call's ``ints`` (a copy of the plan's, which the option arrays' strides go into):
+        the option arrays and the parameters on the device, and the host ints as
+        ``scalars`` (NPATTN_PARAMETER_SCALARS passes them by value)."""
+        named = _option_operands(self.xp, arrays, self.dtype, ints)
         named["ints"], named["reals"] = _parameters(self.xp, ints, self.reals)
         named["scalars"] = ints
-        self._plain_operands = named
         return named
 
 

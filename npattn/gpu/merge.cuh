@@ -285,8 +285,9 @@ __device__ inline bool last_of_splits(unsigned* counter, i64 splits, int* flag) 
 // p0 + rows) of a GQA group of `group` query heads; block `item` / splits of the launch)
 // by the last of its blocks: each warp takes rows warp, warp + warps, ... The item's
 // counter is the unsigned int at float ints[SPLIT_COUNTERS] + item of the partials'
-// buffer (the driver zeroes the counters once, with the buffer; 0 where it launches
-// combine_kernel instead, and then this does nothing).
+// buffer (the driver zeroes the counters once, with the buffer). The driver sets it for
+// every plan whose kernel has Option.MERGES; a 0 there (a driver that did not) leaves the
+// rows unmerged, and the poisoned out shows it, rather than counting in the partials.
 template <typename T, typename Acc, int MAX_D>
 __device__ inline void merge_item_if_last(const Operands<T, Acc>& in, i64 item, i64 b, i64 kv_head, i64 group, i64 p0,
                                           int rows, i64 splits, Acc* partial, T* out, i64 out_sb, i64 out_sh,
