@@ -249,17 +249,18 @@ def run_kernel(library: ctypes.CDLL, launchers: dict, name: str, blocks: int, th
            arguments) -> None:
     """Run the kernel ``name`` on ``blocks`` blocks of ``threads`` threads with
     ``arguments`` (NumPy arrays by their data pointers, ints as 64-bit integers, NumPy
-    structured scalars by their bytes)."""
+    one-element structured arrays, structs passed by value, by their bytes)."""
     values = [_argument(a) for a in arguments]
     pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
     getattr(library, launchers[name])(int(blocks), int(threads), ctypes.c_size_t(shared_bytes), pointers)
 
 
 def _argument(value):
+    if isinstance(value, np.ndarray) and value.dtype.fields is not None:
+        # a struct passed by value (CuPy's way: a one-element structured array): its bytes
+        return ctypes.create_string_buffer(value.tobytes(), value.nbytes)
     if isinstance(value, np.ndarray):
         return ctypes.c_void_p(value.ctypes.data)
-    if isinstance(value, np.void):  # a struct passed by value: its bytes
-        return ctypes.create_string_buffer(value.tobytes(), value.nbytes)
     return ctypes.c_longlong(int(value))
 
 

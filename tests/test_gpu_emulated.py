@@ -141,6 +141,37 @@ def test_exactly_one_block_of_each_split_item_merges_it(tmp_path):
         assert not counters.any()
 
 
+_ECHO_SCALARS = r"""
+// copies the struct passed by value back out, with its size as C lays it out
+__global__ void echo_scalars(i64* ints, float* reals, i64* size, const __grid_constant__ ParameterScalars<float> scalars) {
+    if (threadIdx.x != 0) return;
+    for (int i = 0; i < NPATTN_INT_COUNT; ++i) ints[i] = scalars.ints[i];
+    for (int i = 0; i < NPATTN_REAL_COUNT; ++i) reals[i] = scalars.reals[i];
+    *size = sizeof(scalars);
+}
+"""
+
+
+def test_parameter_scalars_travel_as_a_one_element_structured_array(tmp_path):
+    """NPATTN_PARAMETER_SCALARS's struct leaves the driver in the form CuPy passes by value
+    whatever its size (a size-one NumPy array: CuPy's ``CNumpyArray``, a pointer to its
+    bytes), not as a NumPy scalar (CuPy's scalar conversion holds 64 bytes), with the
+    C struct's size and field offsets."""
+    from npattn.core.kernel_params import Int, Real
+    from npattn.gpu import driver, sources
+
+    ints = np.arange(len(Int), dtype=np.int64) * 7 - 3
+    reals = np.linspace(-1.5, 2.5, len(Real)).astype(np.float32)
+    value = driver._scalars_by_value(ints, reals)
+    assert isinstance(value, np.ndarray) and value.size == 1 and value.dtype.fields is not None
+    library, launchers = gpu_emulation.build_source(tmp_path, sources.source() + _ECHO_SCALARS, ["echo_scalars"])
+    ints_out, reals_out, size = np.zeros_like(ints), np.zeros_like(reals), np.zeros(1, np.int64)
+    gpu_emulation.run_kernel(library, launchers, "echo_scalars", 1, 32, 0, (ints_out, reals_out, size, value))
+    assert size[0] == value.dtype.itemsize
+    np.testing.assert_array_equal(ints_out, ints)
+    np.testing.assert_array_equal(reals_out, reals)
+
+
 @pytest.mark.parametrize("options", [
     dict(causal=True, window=(500, 0), sinks=2, softcap=3.0, dropout_p=0.3, seed=5,
          alibi_slopes=np.linspace(0.01, 0.1, 8), sink_logits=np.linspace(-1.0, 1.0, 8)),

@@ -64,14 +64,18 @@ def _int64s(cp, values):
     return _constant(cp, ("int64", values), lambda: cp.asarray(np.array(values, np.int64)))
 
 
-def _scalars_by_value(ints, reals) -> np.void:
+def _scalars_by_value(ints, reals) -> np.ndarray:
     """``ints`` and ``reals`` as one struct passed by value (the tensor-core forward's last
     parameter under NPATTN_PARAMETER_SCALARS: ``ParameterScalars`` in common.cuh, ints
-    then reals, each field aligned as C aligns it)."""
+    then reals, each field aligned as C aligns it).
+
+    A one-element structured array, not a ``np.void`` scalar: CuPy passes a size-one NumPy
+    array by value from its own bytes (whatever its itemsize), while a NumPy scalar goes
+    through CuPy's scalar conversion, whose buffer holds 64 bytes (this struct has 592)."""
     layout = np.dtype([("ints", np.int64, ints.shape), ("reals", reals.dtype, reals.shape)], align=True)
-    value = np.zeros((), layout)
+    value = np.zeros(1, layout)
     value["ints"], value["reals"] = ints, reals
-    return value[()]
+    return value
 
 
 def _parameters(cp, ints, reals):
