@@ -61,14 +61,21 @@ def test_arrays_of_many_values_convert_on_the_vector_units(bshd):
     np.testing.assert_array_equal(conversion.converted(half, np.float32), half.astype(np.float32))
 
 
-@pytest.mark.skipif(not conversion.MICROKERNELS, reason="the vector conversions need AVX2 or AVX-512")
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
-@pytest.mark.parametrize("layout, kv_heads", [("bhsd", 4), ("bshd", 2)])
-def test_16_bit_weights_are_the_float32_weights_rounded_on_the_vector_units(monkeypatch, dtype, layout, kv_heads):
+@pytest.mark.parametrize("layout, kv_heads, q_len, kv_len, options", [
+    ("bhsd", 4, 60, 70, dict(causal=True)), ("bshd", 2, 60, 70, dict(causal=True)),
+    ("bhsd", 1, 3, 37, dict(window=(9, 2), sinks=2)), ("bhsd", 2, 1, 5, {}),
+    ("bhsd", 2, 4, 21, dict(mask=np.arange(4)[:, None] + np.arange(21) > 2))])
+def test_16_bit_weights_are_the_float32_weights_rounded_as_the_kernel_stores_them(monkeypatch, dtype, layout,
+                                                                                 kv_heads, q_len, kv_len, options):
     """A 16-bit call's weights: its float32 computation's (the same as a float32 call's on
     the widened inputs) rounded once to nearest even, NumPy's and ml_dtypes' bits, by the
-    vector conversion (NumPy's float16 astype, a scalar loop, had taken a (1, 8, 256 x 256,
-    64) call 2.6x float32's time)."""
+    weights kernel as it stores each row (whole vectors, then a row's last, partial vector
+    by a masked store: 70, 37, 21 and 5 keys; an odd count of weights, 3 x 37 and 2 x 5, in
+    memory seen as float32 words; the zeros between 2 sink keys and a window, and of a row
+    that sees no key, kept), never as a float32 array converted afterwards (a second
+    pass that had taken a (1, 8, 512 x 512, 64) call 1.18x float32's time); q read in its
+    16-bit dtype by the weights kernel too, and out written 16-bit by the forward's."""
     import npattn
     from npattn.cpu import driver
 
@@ -76,14 +83,15 @@ def test_16_bit_weights_are_the_float32_weights_rounded_on_the_vector_units(monk
     monkeypatch.setattr(driver, "converted", lambda array, *rest: shapes.append(array.shape)
                         or conversion.converted(array, *rest))
     rng = np.random.default_rng(5)
-    q = rng.standard_normal((2, 60, 4, 64) if layout == "bshd" else (2, 4, 60, 64)).astype(dtype)
-    k, v = (rng.standard_normal((2, 70, kv_heads, 64) if layout == "bshd" else (2, kv_heads, 70, 64)).astype(dtype)
-            for _ in range(2))
-    out, weights = npattn.attention(q, k, v, causal=True, return_weights=True, layout=layout)
-    assert (2, 4, 60, 70) in shapes
-    wide_out, wide_weights = npattn.attention(*(x.astype(np.float32) for x in (q, k, v)), causal=True,
-                                              return_weights=True, layout=layout)
-    assert weights.dtype == np.dtype(dtype) and weights.shape == (2, 4, 60, 70)
+    heads = 4 if kv_heads > 1 else 1
+    q = rng.standard_normal((2, q_len, heads, 64) if layout == "bshd" else (2, heads, q_len, 64)).astype(dtype)
+    k, v = (rng.standard_normal((2, kv_len, kv_heads, 64) if layout == "bshd" else (2, kv_heads, kv_len, 64))
+            .astype(dtype) for _ in range(2))
+    out, weights = npattn.attention(q, k, v, return_weights=True, layout=layout, backend="cpu", **options)
+    assert (2, heads, q_len, kv_len) not in shapes  # (no float32 weights converted after the kernel)
+    wide_out, wide_weights = npattn.attention(*(x.astype(np.float32) for x in (q, k, v)), return_weights=True,
+                                              layout=layout, backend="cpu", **options)
+    assert weights.dtype == np.dtype(dtype) and weights.shape == (2, heads, q_len, kv_len)
     np.testing.assert_array_equal(weights.view(np.uint16), wide_weights.astype(dtype).view(np.uint16))
     np.testing.assert_array_equal(out.view(np.uint16), wide_out.astype(dtype).view(np.uint16))
 

@@ -94,6 +94,11 @@ class ForwardPlan:
         self.lse_empty = functools.partial(np.empty, self.lse_shape, dtype)
         self.packed_rows = problem.packed_rows
         self.weights_shape = (batch, heads, q_len, problem.kv_len)
+        # 16-bit weights are rounded by the weights kernel as it stores each row
+        # (tiles.store_weights_row), into their own memory seen as float32 words
+        self.weights_codes, self.weights_size = KvCodes.NONE, int(np.prod(self.weights_shape))
+        if self.narrow is not None:
+            self.weights_codes = KvCodes.BFLOAT16 if self.narrow.name == "bfloat16" else KvCodes.FLOAT16
         # each key range's rows go to their own (out, lse) slice, merged after the kernel
         self.parts_shape = (self.splits, batch, heads, q_len, value_dim)
         # element strides of out's batch, head and row, and of a key range's slice
@@ -213,13 +218,24 @@ class ForwardPlan:
                     splitting.merge(out_parts, lse_parts, out, lse, self._sink_rows(arrays))
                 weights = None
                 if self.weights:
-                    weights = np.zeros(self.weights_shape, dtype)
-                    run_items(weights_kernel, (*ops, lse.reshape(-1), weights.reshape(-1)), self.items,
-                              lambda: scratch_set(self.weights_specs), self.inline,
-                              self.pool_inline)
+                    weights, memory = self._new_weights()
+                    run_items(weights_kernel, (*ops, lse.reshape(-1), memory, np.int64(self.weights_codes)),
+                              self.items, lambda: scratch_set(self.weights_specs), self.inline, self.pool_inline)
             finally:
                 end_reuse()
         return self._result(out, lse, weights, status)
+
+    def _new_weights(self):
+        """``(weights, memory)``: zeroed weights of the call, in the compute dtype or (16-bit
+        results) the 16-bit one, and the flat array the weights kernel writes: the weights
+        themselves, or their 16-bit memory seen as float32 words (one spare element where
+        their count is odd)."""
+        if self.weights_codes == KvCodes.NONE:
+            weights = np.zeros(self.weights_shape, self.dtype)
+            return weights, weights.reshape(-1)
+        size = self.weights_size
+        memory = np.zeros(size + size % 2, self.narrow)
+        return memory[:size].reshape(self.weights_shape), memory.view(WORDS)
 
     def _sink_rows(self, arrays):
         """The sink logit of every (folded) row, (H', Sq') as out's heads and rows lie,
@@ -265,10 +281,6 @@ class ForwardPlan:
         # a 16-bit out converted here, on the vector units (the backward keeps float32's; with
         # OUT_CODES the kernel wrote the 16-bit one, which is the backward's)
         shown = narrow if narrow is not None or self.narrow is None else converted(out, self.narrow)
-        if weights is not None and self.narrow is not None:  # so are 16-bit weights (NumPy's float16
-            # astype, a scalar loop, had taken a (1, 8, 256 x 256, 64) call from 1.0 ms to 2.5)
-            narrowed = converted(weights, self.narrow)
-            weights = weights if narrowed is None else narrowed
         # the kernel saw every out row it wrote; merged key ranges are new rows it did not see
         finite = not status[NON_FINITE] if self.splits == 1 else None
         # (positional: keywords cost a small call 0.2 us)

@@ -38,8 +38,8 @@ from .tiles import (CONVERTED_VALUE_ROWS, accumulator_start, apply_dropout, band
                     cached_key_tile, codes_in_registers, convert_query_rows, convert_value_rows, dequantize_tile,
                     key_cache, key_segments, memory_batch,
                     memory_batches, narrow_row, pack_key_codes, pack_key_tile, pack_value_pairs, page_run, pair_rows,
-                    pair_tiles, prefetch_key_rows, query_offset, query_rows, row_head, score_tile, span, v_row,
-                    v_scale_row, value_tile_rows)
+                    pair_tiles, prefetch_key_rows, query_rows, row_head, score_tile, span,
+                    store_weights_row, v_row, v_scale_row, value_tile_rows)
 from .operands import Span
 
 
@@ -373,9 +373,12 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
 
 @kernel
 def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_codes, v_codes, k_scale, v_scale,
-                   lse, weights, s, tanh, packed, dequantized, counter, items):
+                   lse, weights, weights_codes, s, tanh, packed, dequantized, counter, items):
     """Fill ``weights`` (flat, C-contiguous (B, H, Sq, Sk), zero on entry) with
-    ``exp(s - lse)``: the exact probabilities, after masking and before dropout.
+    ``exp(s - lse)``: the exact probabilities, after masking and before dropout; with
+    ``weights_codes`` (a KvCodes: FLOAT16 or BFLOAT16; else NONE) 16-bit weights, their
+    memory seen as float32 words, each row rounded as it is stored (a float32 copy and a
+    pass to round it had taken a float16 call 1.12-1.18x float32's time).
     ``s`` to ``dequantized``: this thread's :func:`~npattn.cpu.scratch.weights_scratch_specs`."""
     block_k, ld = ints[Int.BLOCK_K], ints[Int.SCORE_LD]
     heads, q_len, kv_len = ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
@@ -390,6 +393,9 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
             continue
         row_offset = (memory_batch(ints, b) * heads + h) * q_len + i0
         kv_head = h // (heads // ints[Int.KV_HEADS])
+        if ints[Int.Q_CODES]:  # 16-bit queries: the item's rows in float32, once (as the forward)
+            convert_query_rows(q, ints, b, h, 1, i0, rows, dequantized)
+        query, q_offset, q_row = query_rows(q, dequantized, ints, b, h, 0, i0)
         sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
         for segment in range(2):
             first, last = (sink_start, sink_end) if segment == 0 else (band_start, band_stop)
@@ -399,14 +405,11 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
                                     dequantized, False)
                 pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, packed)
-                # (never Q_CODES: weights are asked of calls that read q as it is)
-                score_tile(as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, tile, k_codes,
-                           k_scale, bias, mask, alibi, spans, pages, ints, reals, s, ld, tanh, packed, b, h, i0, rows,
-                           j0, cols)
+                score_tile(query, q_offset, q_row, k, tile, k_codes, k_scale, bias, mask, alibi, spans, pages, ints,
+                           reals, s, ld, tanh, packed, b, h, i0, rows, j0, cols)
                 for r in range(rows):
                     row_lse = lse[row_offset + r]
                     if row_lse > -np.inf:  # an empty row keeps its zeros
                         exp_shifted(s, r * ld, cols, row_lse, False)
-                        w, row = as_offset((row_offset + r) * kv_len + j0), as_offset(r * ld)
-                        for c in range(as_offset(cols)):  # not a slice copy: its shape check compiles str()
-                            weights[w + c] = s[row + c]
+                        store_weights_row(s, as_offset(r * ld), weights, as_offset((row_offset + r) * kv_len + j0),
+                                          cols, weights_codes)

@@ -423,12 +423,12 @@ def query_codes(problem, kind: str, codes) -> KvCodes:
     tile at a time (``codes``, :func:`kv_codes`), a q of their dtype in a known memory order
     as it lies, each work item's rows converted to float32 once in the kernel
     (:func:`npattn.cpu.tiles.convert_query_rows`: exact, so the same bits), with no float32
-    copy of q; else as it is (a float32 copy for 16-bit q). Not where weights are asked (the
-    weights kernel reads q as it is). A backward converts each (head, query tile)'s rows
+    copy of q; else as it is (a float32 copy for 16-bit q). The weights kernel reads them
+    the same way. A backward converts each (head, query tile)'s rows
     where a key tile uses them, and a dout of q's dtype likewise
     (:class:`~npattn.cpu.driver.BackwardPlan`)."""
     if (kind not in ("forward", "backward") or codes not in (KvCodes.FLOAT16, KvCodes.BFLOAT16)
-            or problem.return_weights or problem.q.dtype != problem.k.dtype
+            or problem.q.dtype != problem.k.dtype
             or row_order(problem.q, problem.q.dtype) is None):
         return KvCodes.NONE
     return codes

@@ -144,7 +144,10 @@ def _masked(builder, kind, vector_type, operands):
     """A call of ``llvm.masked.<kind>`` (load or store) on ``vector_type``."""
     pointer, i32 = vector_type.as_pointer(), ir.IntType(32)
     mask = ir.VectorType(ir.IntType(1), vector_type.count)
-    suffix = f"v{vector_type.count}{'f32' if isinstance(vector_type.element, ir.FloatType) else 'f64'}.p0"
+    element = vector_type.element
+    kind_of = {ir.FloatType: "f32", ir.DoubleType: "f64", ir.HalfType: "f16"}
+    name = kind_of.get(type(element)) or f"i{element.width}"
+    suffix = f"v{vector_type.count}{name}.p0"
     arguments = ([pointer, i32, mask, vector_type] if kind == "load" else [vector_type, pointer, i32, mask])
     function = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(vector_type if kind == "load" else ir.VoidType(), arguments),
@@ -395,6 +398,29 @@ def store_float16_bits(typingctx, out, index, value, brain):
         builder.store(narrow, pointer, align=1)
         return context.get_dummy_value()
     return types.none(out, index, value, brain), codegen
+
+
+@intrinsic
+def store_float16_bits_first(typingctx, out, index, value, count, brain):
+    """:func:`store_float16_bits` of the first ``count`` lanes only (0 <= count <= lanes): a
+    masked store of the rounded halves, which writes nothing past ``count`` (a row's last,
+    partial vector, where the next bytes are another row's)."""
+    if not (isinstance(out, types.Array) and out.dtype == types.int8 and isinstance(index, types.Integer)
+            and isinstance(value, Vector) and value.dtype == types.float32 and isinstance(count, types.Integer)
+            and isinstance(brain, types.BooleanLiteral)):
+        return None
+    bfloat = brain.literal_value
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        halves = ir.VectorType(ir.IntType(16) if bfloat else ir.HalfType(), value.lanes)
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], halves)
+        narrow = _bfloat16_rounded(builder, args[2], True) if bfloat else builder.fptrunc(args[2], halves)
+        count_value = context.cast(builder, args[3], signature.args[3], types.int64)
+        _masked(builder, "store", halves,
+                [narrow, pointer, ir.Constant(ir.IntType(32), 2), _first_lanes(builder, count_value, value.lanes)])
+        return context.get_dummy_value()
+    return types.none(out, index, value, count, brain), codegen
 
 
 @intrinsic

@@ -17,8 +17,9 @@ from .code_products import code_bytes, code_dot_products
 from .jit import OPTIONS, helper
 from .rowmath import soft_capped
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
-from .simd import (VECTOR_BYTES, as_float, fill, lanes_in, line_elements, load, load_float16_bits, prefetch,
-                   prefetch_to_l2, store, store_bfloat16, store_float16_bits, store_interleaved_pairs,
+from .simd import (VECTOR_BYTES, as_float, fill, lanes_in, line_elements, load, load_first, load_float16_bits, prefetch,
+                   prefetch_to_l2, store, store_bfloat16, store_float16_bits, store_float16_bits_first,
+                   store_interleaved_pairs,
                    transpose_converted_square)
 from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span, cache_slot_words
 from .signatures import as_offset, as_readonly, larger, plain_int, scalar_like, smaller
@@ -529,6 +530,48 @@ def _narrow_row_overload(sums, offset, out, out_at, width, brain):
                 store_float16_bits(target, 2 * (out_at + x), load(sums, offset + x), True)
             else:
                 store_float16_bits(target, 2 * (out_at + x), load(sums, offset + x), False)
+    return implementation
+
+
+def store_weights_row(scores, offset, weights, at, cols, codes):
+    """The weights kernel's row: ``scores[offset : offset + cols]`` into ``weights[at : at +
+    cols]``, in weights' dtype, or with ``codes`` (a KvCodes: FLOAT16 or BFLOAT16) into
+    16-bit weights (their memory seen as float32 words; ``at`` counts 16-bit elements),
+    rounded to nearest even: the bits of rounding float32 weights afterwards
+    (:func:`~npattn.cpu.conversion.converted`), without the second pass over them. Jitted
+    code only."""
+    raise NotImplementedError
+
+
+@njit(inline="always")
+def _store_row_as_is(scores, offset, weights, at, cols):
+    for c in range(as_offset(cols)):  # not a slice copy: its shape check compiles str()
+        weights[at + c] = scores[offset + c]
+
+
+@overload(store_weights_row, jit_options=OPTIONS, inline="always")
+def _store_weights_row_overload(scores, offset, weights, at, cols, codes):
+    if scores.dtype != types.float32:  # (16-bit weights come of float32 scores only)
+        return lambda scores, offset, weights, at, cols, codes: _store_row_as_is(scores, offset, weights, at, cols)
+
+    def implementation(scores, offset, weights, at, cols, codes):
+        if codes == KvCodes.NONE:
+            _store_row_as_is(scores, offset, weights, at, cols)
+            return
+        target = weights.view(np.int8)
+        lanes = lanes_in(scores)
+        whole = cols - cols % lanes
+        for x in range(0, whole, lanes):
+            if codes == KvCodes.BFLOAT16:  # (a literal in each branch: the rounding is compiled in)
+                store_float16_bits(target, 2 * (at + x), load(scores, offset + x), True)
+            else:
+                store_float16_bits(target, 2 * (at + x), load(scores, offset + x), False)
+        if whole < cols:  # the last, partial vector: read and written masked (the next bytes are another row's)
+            last = load_first(scores, offset + whole, cols - whole, 0.0)
+            if codes == KvCodes.BFLOAT16:
+                store_float16_bits_first(target, 2 * (at + whole), last, cols - whole, True)
+            else:
+                store_float16_bits_first(target, 2 * (at + whole), last, cols - whole, False)
     return implementation
 
 
