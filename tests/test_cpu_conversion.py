@@ -310,3 +310,55 @@ def test_delta_has_the_same_bits_however_a_16_bit_problems_rows_are_read(dtype, 
     np.testing.assert_array_equal(delta_of_rows(dout.astype(np.float32), other_order.astype(np.float32))[0], delta)
     narrow = rng.standard_normal((batch, heads, rows, conversion._LANES + 1)).astype(dtype)
     assert delta_of_rows(narrow, narrow) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("q_dtype", ["same", np.float32])
+@pytest.mark.parametrize("case", ["rows", "odd span", "off a word", "broadcast keys", "transposed", "causal GQA"])
+def test_a_16_bit_bias_is_read_as_it_lies_with_the_scores_of_its_float32_copy(monkeypatch, dtype, q_dtype, case):
+    """A float16 or bfloat16 bias of a float32 computation (16-bit or float32 q, k, v) is
+    read in place by the forward and the weights kernel, each value converted where a
+    score adds it (Int.BIAS_CODES): out, lse and weights have the bits of the same call on
+    the bias widened to float32, whether its rows run a vector at a time with a partial
+    last vector (37 and 71 keys), its memory spans an odd count of elements or starts off a
+    4-byte boundary (both copied once into words), or it steps along the keys by other
+    than 1 (broadcast, transposed: a value at a time). No float32 copy of it is made."""
+    import npattn
+    from npattn.cpu import operands
+
+    widened = []
+    real_widened = operands.widened
+    monkeypatch.setattr(operands, "widened", lambda array, *rest: widened.append(array.shape)
+                        or real_widened(array, *rest))
+    rng = np.random.default_rng(11)
+    batch, heads, kv_heads, q_len, kv_len = 2, 4, 4, 5, 37
+    options = {}
+    if case == "rows":
+        bias = rng.standard_normal((batch, heads, q_len, kv_len))
+    elif case == "odd span":
+        batch, heads, kv_heads, q_len = 1, 1, 1, 3  # (3 x 37 elements)
+        bias = rng.standard_normal((1, 1, q_len, kv_len))
+    elif case == "off a word":  # a view one element into its buffer
+        bias = rng.standard_normal(heads * q_len * kv_len + 1)[1:].reshape(1, heads, q_len, kv_len)
+    elif case == "broadcast keys":
+        bias = rng.standard_normal((1, heads, q_len, 1))
+    elif case == "transposed":
+        bias = rng.standard_normal((batch, heads, kv_len, q_len)).transpose(0, 1, 3, 2)
+    else:
+        kv_heads, q_len, kv_len, options = 2, 33, 71, dict(causal=True)
+        bias = rng.standard_normal((batch, 1, q_len, kv_len))
+    if case == "off a word":
+        buffer = np.empty(bias.size + 1, dtype)
+        sixteen = buffer[1:].reshape(bias.shape)
+        sixteen[...] = bias * 3
+    else:
+        sixteen = (bias * 3).astype(dtype)
+    compute = dtype if q_dtype == "same" else q_dtype
+    q = rng.standard_normal((batch, heads, q_len, 64)).astype(compute)
+    k, v = (rng.standard_normal((batch, kv_heads, kv_len, 64)).astype(compute) for _ in range(2))
+    got = npattn.attention(q, k, v, bias=sixteen, return_lse=True, return_weights=True, backend="cpu", **options)
+    assert sixteen.shape not in widened
+    want = npattn.attention(q, k, v, bias=sixteen.astype(np.float32), return_lse=True, return_weights=True,
+                            backend="cpu", **options)
+    for mine, theirs in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(mine).view(np.uint8), np.asarray(theirs).view(np.uint8))

@@ -207,6 +207,8 @@ class OperandPlan:
         self.pairs = pairs = bf16_products(problem, kind, tuning, codes)
         # 16-bit q read as it lies, each work item's rows converted in the kernel
         self.q_codes = q_codes = query_codes(problem, kind, codes)
+        # a 16-bit bias read as it lies, each value converted where a score adds it
+        self.bias_codes = bias_codes(problem, kind)
         # where q, k and v are widened (a 16-bit backward's, a 16-bit forward's q where it is
         # not read as it lies): into arrays this thread keeps for the next call
         # (conversion.kept_widened; the kernels are done with them when the call returns). A
@@ -226,9 +228,10 @@ class OperandPlan:
                          tuple(bytes_per_value * n for n in row_view_strides(problem.k, keys_dtype)),
                          tuple(bytes_per_value * n for n in row_view_strides(problem.v, keys_dtype))]
         strides = (*row_words,
-                   no_strides if problem.bias is None else view_strides(problem.bias, dtype),
+                   no_strides if problem.bias is None else view_strides(problem.bias, self._bias_dtype(problem)),
                    no_strides if problem.mask is None else view_strides(problem.mask.view(np.uint8), np.uint8))
-        self.ints, self.reals = _parameters(problem, kind, tuning, rows_per_position, strides, codes, pairs, q_codes)
+        self.ints, self.reals = _parameters(problem, kind, tuning, rows_per_position, strides, codes, pairs, q_codes,
+                                            self.bias_codes)
         self.spans = default_spans(problem)  # with the call's lengths and starts, per call
         self.plain_spans = _frozen(self.spans.reshape(-1))
         self.plain_pages = _frozen(np.arange(problem.batch, dtype=np.int64))  # not paged: entry b's keys in k[b]
@@ -297,7 +300,7 @@ class OperandPlan:
             k = v = placeholder
         if arrays is None:
             return Operands(q, k, v, *self.plain_rest[:8], *quantized)
-        bias = placeholder if arrays.bias is None else flat_view(arrays.bias, dtype)[0]
+        bias = placeholder if arrays.bias is None else self._bias_operand(arrays.bias, dtype)
         mask = mask_placeholder if arrays.mask is None else flat_view(arrays.mask.view(np.uint8), np.uint8)[0]
         alibi = (placeholder if arrays.alibi_slopes is None
                  else read_only(np.ascontiguousarray(arrays.alibi_slopes, dtype=dtype).reshape(-1)))
@@ -312,6 +315,26 @@ class OperandPlan:
             ints[Int.SEED_LO], ints[Int.SEED_HI] = seed_words(arrays.seed)
             ints = _frozen(ints)
         return Operands(q, k, v, bias, mask, alibi, sink, spans, pages, ints, self.reals, *quantized)
+
+    def _bias_dtype(self, problem):
+        """The dtype whose elements the kernels' bias strides count: the bias's own with
+        BIAS_CODES, else the compute dtype."""
+        return problem.bias.dtype if self.bias_codes else self.dtype
+
+    def _bias_operand(self, bias, dtype):
+        """A call's bias as the kernels read it: its flat view in the compute dtype (a
+        converted copy where its dtype differs), or with BIAS_CODES its 16-bit memory seen
+        as float32 words, as it lies. Where that memory is not a whole number of words on a
+        4-byte boundary, a copy of the flat 16-bit span one element longer: the same
+        element offsets, so the plan's strides hold."""
+        if not self.bias_codes or bias.size == 0:  # (an empty bias is never read)
+            return flat_view(bias, dtype)[0]
+        span = flat_view(bias, bias.dtype)[0]
+        if span.size % 2 or span.ctypes.data % 4:
+            padded = np.zeros(span.size + span.size % 2, bias.dtype)
+            padded[:span.size] = span
+            span = padded
+        return _frozen(span.view(WORDS))
 
     def entry_operands(self, q, k, v) -> tuple:
         """:meth:`operands` of a plain call (no option arrays) for a kernel's typed entry
@@ -434,6 +457,18 @@ def query_codes(problem, kind: str, codes) -> KvCodes:
     return codes
 
 
+def bias_codes(problem, kind: str) -> KvCodes:
+    """How the forward (and the weights kernel) reads a bias: a float16 or bfloat16 bias of
+    a float32 computation as it lies, its 16-bit memory seen as float32 words, each value
+    converted exactly where a score adds it (:func:`npattn.cpu.tiles.add_bias_codes`: the
+    scores of adding a float32 copy, without the copy); else in the compute dtype (a
+    converted copy where its dtype differs). Not the backward, whose bias gradient's kernel
+    reads its arrays in the compute dtype."""
+    if kind != "forward" or problem.bias is None or problem.accumulate_dtype != np.float32:
+        return KvCodes.NONE
+    return {"float16": KvCodes.FLOAT16, "bfloat16": KvCodes.BFLOAT16}.get(problem.bias.dtype.name, KvCodes.NONE)
+
+
 def bf16_products(problem, kind: str, tuning: Tuning, codes=KvCodes.NONE) -> bool:
     """Whether a bfloat16 forward or backward multiplies in bfloat16 (AVX512_BF16's
     vdpbf16ps, two products per float32 lane; P, and in the backward dS, rounded to
@@ -534,7 +569,7 @@ def _product_paths(problem, kind, tuning) -> tuple:
 
 
 def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes.NONE, pairs=False,
-                q_codes=KvCodes.NONE):
+                q_codes=KvCodes.NONE, bias_codes=KvCodes.NONE):
     """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
     q, k, v (3 each: float32 words with ``pairs``, :func:`bf16_products`; bytes for 16-bit
     codes, :func:`kv_codes` and :func:`query_codes`), bias and mask (4 each)."""
@@ -576,6 +611,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.OUT_CODES] = out_codes if kind == "forward" and ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
     ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning) if pairs and kind == "forward" else 0
     ints[Int.CLAIM_RUN] = kv_head_items(ints) if ints[Int.KEY_CACHE_SLOTS] else 1
+    ints[Int.BIAS_CODES] = bias_codes
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = flat_view_strides(problem.k_scale, SCALE_DTYPE)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = flat_view_strides(problem.v_scale, SCALE_DTYPE)

@@ -330,12 +330,38 @@ def load_float16_bits(typingctx, codes, index, like, brain):
     return like(codes, index, like, brain), codegen
 
 
-def _load_float16_bits(context, builder, codes_type, codes, index, lanes, vector_type, to_float32, bfloat):
+@intrinsic
+def load_float16_bits_first(typingctx, codes, index, count, like, brain):
+    """:func:`load_float16_bits` of the first ``count`` lanes only (0 <= count <= lanes), the
+    rest 0: a masked load, which reads nothing past ``count`` (a row's last, partial vector,
+    where the row may end its array)."""
+    if not (isinstance(codes, types.Array) and codes.dtype == types.int8 and isinstance(index, types.Integer)
+            and isinstance(count, types.Integer) and isinstance(like, Vector)
+            and isinstance(brain, types.BooleanLiteral)):
+        return None
+    bfloat = brain.literal_value
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        count_value = context.cast(builder, args[2], signature.args[2], types.int64)
+        return _load_float16_bits(context, builder, signature.args[0], args[0], args[1], like.lanes,
+                                  context.get_value_type(like), like.dtype == types.float32, bfloat, count_value)
+    return like(codes, index, count, like, brain), codegen
+
+
+def _load_float16_bits(context, builder, codes_type, codes, index, lanes, vector_type, to_float32, bfloat,
+                       count=None):
     """:func:`load_float16_bits`' IR: ``lanes`` 16-bit floats from byte ``index`` of
-    ``codes`` as a vector of ``vector_type`` (float32 where ``to_float32``)."""
+    ``codes`` as a vector of ``vector_type`` (float32 where ``to_float32``); with ``count``
+    (an int64 value) the first ``count`` of them, by a masked load, the rest 0."""
     element = ir.IntType(16) if bfloat else ir.HalfType()
-    pointer = _pointer(context, builder, codes_type, codes, index, ir.VectorType(element, lanes))
-    loaded = builder.load(pointer, align=1)
+    halves = ir.VectorType(element, lanes)
+    pointer = _pointer(context, builder, codes_type, codes, index, halves)
+    if count is None:
+        loaded = builder.load(pointer, align=1)
+    else:
+        loaded = _masked(builder, "load", halves, [pointer, ir.Constant(ir.IntType(32), 2),
+                                                   _first_lanes(builder, count, lanes), ir.Constant(halves, None)])
     if bfloat:  # the bits as a float32's upper half
         wide = builder.zext(loaded, ir.VectorType(ir.IntType(32), lanes))
         shifted = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [16] * lanes))

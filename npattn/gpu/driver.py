@@ -71,7 +71,7 @@ def _scalars_by_value(ints, reals) -> np.ndarray:
 
     A one-element structured array, not a ``np.void`` scalar: CuPy passes a size-one NumPy
     array by value from its own bytes (whatever its itemsize), while a NumPy scalar goes
-    through CuPy's scalar conversion, whose buffer holds 64 bytes (this struct has 592)."""
+    through CuPy's scalar conversion, whose buffer holds 64 bytes (this struct has over 500)."""
     layout = np.dtype([("ints", np.int64, ints.shape), ("reals", reals.dtype, reals.shape)], align=True)
     value = np.zeros(1, layout)
     value["ints"], value["reals"] = ints, reals
