@@ -317,8 +317,9 @@ def test_delta_has_the_same_bits_however_a_16_bit_problems_rows_are_read(dtype, 
 @pytest.mark.parametrize("case", ["rows", "odd span", "off a word", "broadcast keys", "transposed", "causal GQA"])
 def test_a_16_bit_bias_is_read_as_it_lies_with_the_scores_of_its_float32_copy(monkeypatch, dtype, q_dtype, case):
     """A float16 or bfloat16 bias of a float32 computation (16-bit or float32 q, k, v) is
-    read in place by the forward and the weights kernel, each value converted where a
-    score adds it (Int.BIAS_CODES): out, lse and weights have the bits of the same call on
+    read in place by the forward, the weights kernel, the backward and the bias gradient's
+    kernel, each value converted where a score adds it (Int.BIAS_CODES): out, lse, weights,
+    dq, dk, dv and dbias (rounded to the bias's dtype) have the bits of the same calls on
     the bias widened to float32, whether its rows run a vector at a time with a partial
     last vector (37 and 71 keys), its memory spans an odd count of elements or starts off a
     4-byte boundary (both copied once into words), or it steps along the keys by other
@@ -357,10 +358,18 @@ def test_a_16_bit_bias_is_read_as_it_lies_with_the_scores_of_its_float32_copy(mo
     q = rng.standard_normal((batch, heads, q_len, 64)).astype(compute)
     k, v = (rng.standard_normal((batch, kv_heads, kv_len, 64)).astype(compute) for _ in range(2))
     got = npattn.attention(q, k, v, bias=sixteen, return_lse=True, return_weights=True, backend="cpu", **options)
+    dout = rng.standard_normal(q.shape).astype(compute)
+    _, vjp = npattn.attention_vjp(q, k, v, bias=sixteen, backend="cpu", **options)
+    gradients = vjp(dout)
     assert sixteen.shape not in widened
-    want = npattn.attention(q, k, v, bias=sixteen.astype(np.float32), return_lse=True, return_weights=True,
-                            backend="cpu", **options)
+    wide_bias = sixteen.astype(np.float32)
+    want = npattn.attention(q, k, v, bias=wide_bias, return_lse=True, return_weights=True, backend="cpu", **options)
     for mine, theirs in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(mine).view(np.uint8), np.asarray(theirs).view(np.uint8))
+    _, wide_vjp = npattn.attention_vjp(q, k, v, bias=wide_bias, backend="cpu", **options)
+    wide_gradients = wide_vjp(dout)
+    wide_gradients = (*wide_gradients[:3], wide_gradients[3].astype(dtype))  # (dbias in the bias's dtype)
+    for mine, theirs in zip(gradients, wide_gradients):
         np.testing.assert_array_equal(np.asarray(mine).view(np.uint8), np.asarray(theirs).view(np.uint8))
 
 

@@ -86,7 +86,7 @@ Int = _positions("Int", (
     # start in the split partials' buffer, in its floats; the last block of an item to
     # finish merges the item's rows (merge.cuh). 0: combine_kernel merges them.
     "SPLIT_COUNTERS",
-    # CPU forward and weights kernels: how they read a bias (a KvCodes): in the compute dtype,
+    # CPU kernels (score_tile): how they read a bias (a KvCodes): in the compute dtype,
     # or (FLOAT16, BFLOAT16: a 16-bit bias of a float32 computation) its 16-bit memory seen
     # as float32 words, each value converted where a score adds it (BIAS_STRIDE_* still
     # count its elements)

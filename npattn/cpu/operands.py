@@ -458,13 +458,13 @@ def query_codes(problem, kind: str, codes) -> KvCodes:
 
 
 def bias_codes(problem, kind: str) -> KvCodes:
-    """How the forward (and the weights kernel) reads a bias: a float16 or bfloat16 bias of
-    a float32 computation as it lies, its 16-bit memory seen as float32 words, each value
-    converted exactly where a score adds it (:func:`npattn.cpu.tiles.add_bias_codes`: the
-    scores of adding a float32 copy, without the copy); else in the compute dtype (a
-    converted copy where its dtype differs). Not the backward, whose bias gradient's kernel
-    reads its arrays in the compute dtype."""
-    if kind != "forward" or problem.bias is None or problem.accumulate_dtype != np.float32:
+    """How the kernels read a bias (the forward's, the weights', the backward's and the bias
+    gradient's: :func:`npattn.cpu.tiles.score_tile` is the one reader): a float16 or
+    bfloat16 bias of a float32 computation as it lies, its 16-bit memory seen as float32
+    words, each value converted exactly where a score adds it
+    (:func:`npattn.cpu.tiles.add_bias_codes`: the scores of adding a float32 copy, without
+    the copy); else in the compute dtype (a converted copy where its dtype differs)."""
+    if kind not in ("forward", "backward") or problem.bias is None or problem.accumulate_dtype != np.float32:
         return KvCodes.NONE
     return {"float16": KvCodes.FLOAT16, "bfloat16": KvCodes.BFLOAT16}.get(problem.bias.dtype.name, KvCodes.NONE)
 
