@@ -417,11 +417,7 @@ def store_float16_bits(typingctx, out, index, value, brain):
     bfloat = brain.literal_value
 
     def codegen(context, builder, signature, args):
-        _wide(builder)
-        halves = ir.VectorType(ir.IntType(16) if bfloat else ir.HalfType(), value.lanes)
-        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], halves)
-        narrow = _bfloat16_rounded(builder, args[2], True) if bfloat else builder.fptrunc(args[2], halves)
-        builder.store(narrow, pointer, align=1)
+        _store_float16_bits(context, builder, signature, args, value.lanes, bfloat)
         return context.get_dummy_value()
     return types.none(out, index, value, brain), codegen
 
@@ -438,15 +434,25 @@ def store_float16_bits_first(typingctx, out, index, value, count, brain):
     bfloat = brain.literal_value
 
     def codegen(context, builder, signature, args):
-        _wide(builder)
-        halves = ir.VectorType(ir.IntType(16) if bfloat else ir.HalfType(), value.lanes)
-        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], halves)
-        narrow = _bfloat16_rounded(builder, args[2], True) if bfloat else builder.fptrunc(args[2], halves)
         count_value = context.cast(builder, args[3], signature.args[3], types.int64)
-        _masked(builder, "store", halves,
-                [narrow, pointer, ir.Constant(ir.IntType(32), 2), _first_lanes(builder, count_value, value.lanes)])
+        _store_float16_bits(context, builder, signature, args, value.lanes, bfloat, count_value)
         return context.get_dummy_value()
     return types.none(out, index, value, count, brain), codegen
+
+
+def _store_float16_bits(context, builder, signature, args, lanes, bfloat, count=None):
+    """:func:`store_float16_bits`' IR (``args``: the bytes, the index, the float32 vector):
+    the vector rounded to 16-bit floats and stored; with ``count`` (an int64 value) its
+    first ``count`` lanes only, by a masked store."""
+    _wide(builder)
+    halves = ir.VectorType(ir.IntType(16) if bfloat else ir.HalfType(), lanes)
+    pointer = _pointer(context, builder, signature.args[0], args[0], args[1], halves)
+    narrow = _bfloat16_rounded(builder, args[2], True) if bfloat else builder.fptrunc(args[2], halves)
+    if count is None:
+        builder.store(narrow, pointer, align=1)
+    else:
+        _masked(builder, "store", halves,
+                [narrow, pointer, ir.Constant(ir.IntType(32), 2), _first_lanes(builder, count, lanes)])
 
 
 @intrinsic
