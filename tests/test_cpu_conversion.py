@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from npattn.core.arrays import all_finite
+from tolerances import assert_close
 from npattn.cpu import conversion
 
 SPECIAL = [0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 7e4, 6.1e-5, 6e-8, 1e-8, -3e-8, 2049.0, 2051.0]
@@ -402,3 +403,46 @@ def test_a_16_bit_bias_gradient_is_the_float32_one_rounded_once_by_the_backward(
     (float32_sums,) = [x for x in sums if x.shape == bias_shape]
     assert float32_sums.dtype == np.float32
     np.testing.assert_array_equal(dbias.view(np.uint16), float32_sums.astype(dtype).view(np.uint16))
+
+
+@pytest.mark.skipif(not conversion.MICROKERNELS, reason="16-bit arrays are read as they lie on AVX2 or AVX-512")
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("bias_shape, options", [((2, 4, 24, 70), dict(causal=True)), ((1, 4, 1, 70), {}),
+                                                  ((2, 1, 24, 1), dict(dropout_p=0.3, seed=4))])
+def test_a_16_bit_backward_with_a_bias_gradient_reads_its_arrays_as_they_lie(monkeypatch, dtype, bias_shape, options):
+    """A float16 or bfloat16 backward that computes a bias gradient reads q, k, v and dout
+    in their 16-bit memory (tiles and rows converted where its kernels use them, the bias
+    gradient's kernel too), as a backward without one does: no float32 copy of them is
+    made. Its gradients, the bias's included, agree with those of the float32 copies
+    within twice the dtype's bound (each path is a float32 computation rounded once; dQ
+    and dK sum in another order, as without a bias)."""
+    import npattn
+    from npattn.cpu import operands
+    from npattn.runtime import plans
+
+    rng = np.random.default_rng(13)
+    q, dout = (rng.standard_normal((2, 4, 24, 64)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((2, 2, 70, 64)).astype(dtype) for _ in range(2))
+    bias = (rng.standard_normal(bias_shape) * 2).astype(dtype)
+
+    def gradients():
+        plans.clear()
+        _, vjp = npattn.attention_vjp(q, k, v, bias=bias, backend="cpu", **options)
+        return vjp(dout)
+
+    widened = []
+    real_widened = operands.widened
+    monkeypatch.setattr(operands, "widened", lambda array, *rest: widened.append(array.shape)
+                        or real_widened(array, *rest))
+    in_place = gradients()
+    assert not {q.shape, k.shape} & set(widened)
+    real_codes = operands.kv_codes  # the backward's float32 copies (the forward as it was)
+    monkeypatch.setattr(operands, "kv_codes", lambda problem, kind, tuning: operands.KvCodes.NONE
+                        if kind == "backward" else real_codes(problem, kind, tuning))
+    copied = gradients()
+    if dtype is np.float16:  # (bfloat16 on AVX512_BF16 reads its pairs as they lie either way)
+        assert k.shape in widened
+    for mine, theirs in zip(in_place, copied):
+        assert mine.dtype == theirs.dtype == np.dtype(dtype) and mine.shape == theirs.shape
+        magnitude = 2 * float(np.abs(theirs.astype(np.float64)).max())
+        assert_close(mine, theirs, dtype, length=70 + 64, magnitude=magnitude)

@@ -276,18 +276,21 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
 @kernel
 def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_codes, v_codes, k_scale, v_scale,
                  dout, dout_strides, out, out_strides, lse, delta, dbias, dbias_shape, p, dropped, ds,
-                 tanh, packed,
+                 tanh, packed, dequantized,
                  counter, items):
     """dbias: flat C-contiguous ``dbias_shape`` (Bb, Hb, Sqb, Skb), each 1 or full, zero on
     entry. Item = (bias batch, bias head, query tile or all rows, key tile or all keys);
     it sums dS over the batches, heads, rows and keys that broadcast onto its elements.
-    ``p`` to ``packed``: this thread's :func:`~npattn.cpu.scratch.gradient_tile_specs`."""
+    16-bit q, k, v and dout are read as :func:`backward_kernel` reads them (KV_CODES,
+    Q_CODES, ``dout_strides``' KvCodes: tiles and rows converted where they are used).
+    ``p`` to ``dequantized``: this thread's :func:`~npattn.cpu.scratch.dbias_scratch_specs`."""
     block_q, block_k = ints[Int.BLOCK_Q], ints[Int.BLOCK_K]
     batch, heads, q_len, kv_len = ints[Int.BATCH], ints[Int.HEADS], ints[Int.Q_LEN], ints[Int.KV_LEN]
     bias_b, bias_h, bias_q, bias_k = dbias_shape[0], dbias_shape[1], dbias_shape[2], dbias_shape[3]
     q_items = (q_len + block_q - 1) // block_q if bias_q > 1 else 1
     k_items = (kv_len + block_k - 1) // block_k if bias_k > 1 else 1
     ld = ints[Int.SCORE_LD]
+    head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
     while True:
         item = next_item(counter, items)
         if item >= items:
@@ -311,14 +314,27 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_
                         if not tile_is_live(ints, spans, b, i0, i0 + rows, j0, j0 + cols):
                             continue
                         kv_head = h // (heads // ints[Int.KV_HEADS])
-                        # (never KV_CODES: operands.kv_codes; k stands in for the tile's rows)
-                        pack_key_tile(k, as_readonly(k), pages, ints, b, kv_head, j0, cols, packed)
-                        pack_value_tile(v, as_readonly(v), pages, ints, b, kv_head, j0, cols, packed)
-                        score_gradient_tile(as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S], k, v,
-                                            bias, mask, alibi, spans, pages, ints, reals, as_readonly(dout),
-                                            dout_offset(dout_strides, b, h, i0), dout_strides[2], out, out_strides,
-                                            lse, delta, p, dropped, ds, tanh, packed, as_readonly(k), b, h, i0,
-                                            rows, j0, cols)
+                        # (as backward_kernel: 16-bit keys and values converted to float rows first)
+                        if ints[Int.KV_CODES]:
+                            dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head, j0, cols,
+                                            dequantized)
+                        pack_key_tile(k, as_readonly(dequantized), pages, ints, b, kv_head, j0, cols, packed)
+                        pack_value_tile(v, as_readonly(value_tile_rows(ints, dequantized)), pages, ints, b, kv_head,
+                                        j0, cols, packed)
+                        query, q_offset, q_row = as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S]
+                        if ints[Int.Q_CODES]:
+                            convert_query_rows(q, ints, b, h, 1, i0, rows, dequantized)
+                            query, q_offset, q_row = as_readonly(dequantized), query_tile_start(ints), head_dim
+                        grad_out, o_offset, o_row = (as_readonly(dout), dout_offset(dout_strides, b, h, i0),
+                                                     dout_strides[2])
+                        if dout_strides[3]:
+                            dout_start = query_tile_start(ints) + ints[Int.BLOCK_Q] * head_dim
+                            convert_rows(dout, o_offset, o_row, rows, value_dim, dout_strides[3] == KvCodes.BFLOAT16,
+                                         dequantized, dout_start)
+                            grad_out, o_offset, o_row = as_readonly(dequantized), dout_start, value_dim
+                        score_gradient_tile(query, q_offset, q_row, k, v, bias, mask, alibi, spans, pages, ints, reals,
+                                            grad_out, o_offset, o_row, out, out_strides, lse, delta, p, dropped, ds,
+                                            tanh, packed, as_readonly(dequantized), b, h, i0, rows, j0, cols)
                         for r in range(rows):
                             out_row = ((bb * bias_h + hb) * bias_q + (i0 + r if bias_q > 1 else 0)) * bias_k
                             row = as_offset(r * ld)

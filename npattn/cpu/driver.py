@@ -22,7 +22,7 @@ from .delta import delta_of_rows
 from .finiteness import finiteness_entry
 from .forward_kernel import forward_items, forward_kernel, weights_kernel
 from .threads import NON_FINITE, configured_threads, direct_entry, new_counter, run_items, runs_inline
-from .scratch import (backward_scratch_specs, begin_reuse, end_reuse, forward_scratch_specs, fresh_set, gradient_tile_specs,
+from .scratch import (backward_scratch_specs, begin_reuse, dbias_scratch_specs, end_reuse, forward_scratch_specs, fresh_set,
                       scratch_set, weights_scratch_specs, with_dropout_copy, zeros_maker)
 from .operands import (WORDS, Int, KvCodes, flat_memory, memory_order, pair_words, read_only, operand_plan, row_order,
                        row_strides, row_view_strides, widened)
@@ -433,7 +433,7 @@ class BackwardPlan:
             items = int(shape[0] * shape[1] * (-(-q_len // int(ints[Int.BLOCK_Q])) if shape[2] > 1 else 1)
                         * (key_tiles if shape[3] > 1 else 1))
             self.dbias = (shape, read_only(np.array(shape, np.int64)), items, tuple(problem.bias_shape),
-                          gradient_tile_specs(ints, dtype), runs_inline(self.flops, items, backward=True),
+                          dbias_scratch_specs(ints, dtype), runs_inline(self.flops, items, backward=True),
                           runs_inline(self.flops, items, pool=True))
         # a 16-bit bias's gradient rounded into its dtype here, on the vector units, and
         # checked as it rounds (NumPy's float16 astype in the public layer, a scalar loop, had

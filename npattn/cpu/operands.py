@@ -424,14 +424,13 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     ``bench --caches``). A prefill converts each key tile once per query tile, in cache,
     where the copy allocated and page-faulted two arrays per call: (1, 8, 2048, 64) causal,
     float16 over float32 in one process, 1.20x -> 1.05-1.10x (medians of 9 rounds). A
-    backward converts each key tile once per work item (not where it computes a bias
-    gradient, whose kernel reads k and v as they are)."""
+    backward converts each key tile once per work item, and its bias gradient's kernel
+    once per (head, query tile) it sums."""
     if problem.quantized:
         return KvCodes(quantized_codes(problem))
     name = problem.k.dtype.name
     if (kind not in ("forward", "backward") or name not in ("float16", "bfloat16") or problem.v.dtype != problem.k.dtype
-            or problem.accumulate_dtype != np.float32 or not tuning.vector_products
-            or (kind == "backward" and problem.bias is not None)):
+            or problem.accumulate_dtype != np.float32 or not tuning.vector_products):
         return KvCodes.NONE
     lanes = vector_lanes(problem.accumulate_dtype)
     if (problem.head_dim % lanes or problem.value_dim % lanes

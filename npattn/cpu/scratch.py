@@ -179,6 +179,19 @@ def gradient_tile_specs(ints, dtype) -> tuple:
     return score, (score[0] if ints[Int.HAS_DROPOUT] else 0, dtype), score, tanh, packed
 
 
+def dbias_scratch_specs(ints, dtype) -> tuple:
+    """:func:`gradient_tile_specs`, then where k and v are read a 16-bit tile at a time
+    (KV_CODES) a key tile's keys and values as float rows, with Q_CODES a query tile's q
+    and dout rows after them (as :func:`backward_scratch_specs` lays them out); 1 element
+    otherwise: the bias gradient's kernel's."""
+    size = 1
+    if ints[Int.KV_CODES] and not ints[Int.BF16_PRODUCTS]:
+        size, _ = dequantized_tile_spec(ints, dtype)
+        if ints[Int.Q_CODES]:
+            size += int(ints[Int.BLOCK_Q]) * int(ints[Int.VALUE_DIM])
+    return (*gradient_tile_specs(ints, dtype), (size, dtype))
+
+
 def backward_scratch_specs(ints, dtype) -> tuple:
     """:func:`gradient_tile_specs`, then one key tile's dK and dV sums (BLOCK_K x D and
     BLOCK_K x Dv), then its keys and values as float rows where k and v are read a 16-bit
