@@ -568,7 +568,7 @@ def _product_paths(problem, kind, tuning) -> tuple:
 
 
 def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes.NONE, pairs=False,
-                q_codes=KvCodes.NONE, bias_codes=KvCodes.NONE):
+                q_codes=KvCodes.NONE, bias_read=KvCodes.NONE):
     """``(ints, reals)``, read-only; ``strides``: the element strides of the flat views of
     q, k, v (3 each: float32 words with ``pairs``, :func:`bf16_products`; bytes for 16-bit
     codes, :func:`kv_codes` and :func:`query_codes`), bias and mask (4 each)."""
@@ -610,7 +610,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.OUT_CODES] = out_codes if kind == "forward" and ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
     ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning) if pairs and kind == "forward" else 0
     ints[Int.CLAIM_RUN] = kv_head_items(ints) if ints[Int.KEY_CACHE_SLOTS] else 1
-    ints[Int.BIAS_CODES] = bias_codes
+    ints[Int.BIAS_CODES] = bias_read  # (bias_codes)
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = flat_view_strides(problem.k_scale, SCALE_DTYPE)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = flat_view_strides(problem.v_scale, SCALE_DTYPE)
