@@ -159,6 +159,26 @@ def backward_items(ints, chunks, head_parts=1):
     return ints[Int.BATCH] * ints[Int.KV_HEADS] * head_parts * chunks
 
 
+@helper
+def _tile_rows(q, dout, dout_strides, ints, b, h, i0, rows, dequantized):
+    """``(query, q_offset, q_row, grad_out, o_offset, o_row)``: where rows ``[i0, i0 + rows)``
+    of head ``h`` of q and of dout lie for a key tile's products (:func:`score_gradient_tile`'s
+    arguments): as they are, or (Q_CODES; dout_strides' KvCodes) their 16-bit rows converted
+    into ``dequantized`` after the key tile, q's then dout's, no float32 copy of either."""
+    head_dim = ints[Int.HEAD_DIM]
+    query, q_offset, q_row = as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S]
+    if ints[Int.Q_CODES]:
+        convert_query_rows(q, ints, b, h, 1, i0, rows, dequantized)
+        query, q_offset, q_row = as_readonly(dequantized), query_tile_start(ints), head_dim
+    grad_out, o_offset, o_row = as_readonly(dout), dout_offset(dout_strides, b, h, i0), dout_strides[2]
+    if dout_strides[3]:
+        dout_start = query_tile_start(ints) + ints[Int.BLOCK_Q] * head_dim
+        convert_rows(dout, o_offset, o_row, rows, ints[Int.VALUE_DIM], dout_strides[3] == KvCodes.BFLOAT16,
+                     dequantized, dout_start)
+        grad_out, o_offset, o_row = as_readonly(dequantized), dout_start, ints[Int.VALUE_DIM]
+    return query, q_offset, q_row, grad_out, o_offset, o_row
+
+
 @kernel
 def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_codes, v_codes, k_scale, v_scale,
                     dout, dout_strides, out, out_strides, lse, delta, dq, dk, dv, chunks, head_parts,
@@ -223,16 +243,8 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                     if not tile_is_live(ints, spans, b, i0, i0 + rows, j0, j0 + cols):
                         continue
                     # 16-bit q and dout rows converted where this key tile uses them (no float32 copy)
-                    query, q_offset, q_row = as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S]
-                    if ints[Int.Q_CODES]:
-                        convert_query_rows(q, ints, b, h, 1, i0, rows, dequantized)
-                        query, q_offset, q_row = as_readonly(dequantized), query_tile_start(ints), head_dim
-                    grad_out, o_offset, o_row = as_readonly(dout), dout_offset(dout_strides, b, h, i0), dout_strides[2]
-                    if dout_strides[3]:
-                        dout_start = query_tile_start(ints) + ints[Int.BLOCK_Q] * head_dim
-                        convert_rows(dout, o_offset, o_row, rows, value_dim, dout_strides[3] == KvCodes.BFLOAT16,
-                                     dequantized, dout_start)
-                        grad_out, o_offset, o_row = as_readonly(dequantized), dout_start, value_dim
+                    query, q_offset, q_row, grad_out, o_offset, o_row = _tile_rows(q, dout, dout_strides, ints, b, h,
+                                                                                   i0, rows, dequantized)
                     score_gradient_tile(query, q_offset, q_row, k, v, bias, mask, alibi, spans, pages, ints, reals,
                                         grad_out, o_offset, o_row, out, out_strides, lse, delta, p, dropped, ds,
                                         tanh, packed, as_readonly(dequantized), b, h, i0, rows, j0, cols)
@@ -290,7 +302,6 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_
     q_items = (q_len + block_q - 1) // block_q if bias_q > 1 else 1
     k_items = (kv_len + block_k - 1) // block_k if bias_k > 1 else 1
     ld = ints[Int.SCORE_LD]
-    head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
     while True:
         item = next_item(counter, items)
         if item >= items:
@@ -321,17 +332,8 @@ def dbias_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, k_
                         pack_key_tile(k, as_readonly(dequantized), pages, ints, b, kv_head, j0, cols, packed)
                         pack_value_tile(v, as_readonly(value_tile_rows(ints, dequantized)), pages, ints, b, kv_head,
                                         j0, cols, packed)
-                        query, q_offset, q_row = as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S]
-                        if ints[Int.Q_CODES]:
-                            convert_query_rows(q, ints, b, h, 1, i0, rows, dequantized)
-                            query, q_offset, q_row = as_readonly(dequantized), query_tile_start(ints), head_dim
-                        grad_out, o_offset, o_row = (as_readonly(dout), dout_offset(dout_strides, b, h, i0),
-                                                     dout_strides[2])
-                        if dout_strides[3]:
-                            dout_start = query_tile_start(ints) + ints[Int.BLOCK_Q] * head_dim
-                            convert_rows(dout, o_offset, o_row, rows, value_dim, dout_strides[3] == KvCodes.BFLOAT16,
-                                         dequantized, dout_start)
-                            grad_out, o_offset, o_row = as_readonly(dequantized), dout_start, value_dim
+                        query, q_offset, q_row, grad_out, o_offset, o_row = _tile_rows(q, dout, dout_strides, ints,
+                                                                                       b, h, i0, rows, dequantized)
                         score_gradient_tile(query, q_offset, q_row, k, v, bias, mask, alibi, spans, pages, ints, reals,
                                             grad_out, o_offset, o_row, out, out_strides, lse, delta, p, dropped, ds,
                                             tanh, packed, as_readonly(dequantized), b, h, i0, rows, j0, cols)
