@@ -687,6 +687,35 @@ def test_decode_products_ask_for_the_rows_a_tile_on_where_the_cores_need_it(cpu_
         assert isa.row_prefetch_pays() is asks
 
 
+@pytest.mark.parametrize("cpu_name, rows", [("znver3", 33), ("znver4", 33), ("znver5", 33), ("emeraldrapids", 16),
+                                            ("skylake-avx512", 16), ("haswell", 16)])
+def test_16_bit_values_convert_once_from_the_rows_that_pay_on_the_cores(monkeypatch, cpu_name, rows):
+    """A forward reading 16-bit values a tile at a time converts them once per tile from 16
+    query rows on Intel's cores, whose conversions share the FMA ports, and from 33 on AMD's
+    (npattn.cpu.isa.converted_value_rows): the plan's Int.CONVERTED_VALUE_ROWS, unless a
+    tuning sets it."""
+    from npattn.cpu import isa, operands
+    from npattn.cpu.operands import Int
+    from npattn.cpu.tuning import tuned
+
+    seen = []
+    real_parameters = operands._parameters
+
+    def parameters(*args, **kwargs):
+        ints, reals = real_parameters(*args, **kwargs)
+        seen.append(int(ints[Int.CONVERTED_VALUE_ROWS]))
+        return ints, reals
+
+    monkeypatch.setattr(operands, "_parameters", parameters)
+    monkeypatch.setattr(isa, "host_cpu_name", lambda: cpu_name)
+    q = np.random.default_rng(0).standard_normal((1, 2, 20, 32)).astype(np.float16)
+    npattn.runtime.plans.clear()
+    npattn.attention(q, q, q, backend="cpu")
+    with tuned(converted_value_rows=5):
+        npattn.attention(q, q, q, backend="cpu")
+    assert seen == [rows, 5]
+
+
 def _recorded_prefetch_flags(monkeypatch) -> list:
     """A list that each forward plan made from now on appends its (Int.HEAD_GROUP,
     Int.TILE_PREFETCH, Int.ROW_PREFETCH) to."""

@@ -720,11 +720,13 @@ def test_a_16_bit_chunk_on_pages_packs_its_keys_from_their_memory_with_a_copys_b
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_a_16_bit_prefill_longer_than_a_tile_reads_k_and_v_a_tile_at_a_time(dtype, monkeypatch):
+@pytest.mark.parametrize("values", ["converted", "in registers"])
+def test_a_16_bit_prefill_longer_than_a_tile_reads_k_and_v_a_tile_at_a_time(dtype, values, monkeypatch):
     """A prefill whose rows span several query tiles converts each key tile where it uses it
     (no float32 copy of k and v, which a call allocated and page-faulted in afresh), with
-    the copy's bits; bfloat16 where the CPU multiplies in bfloat16 reads k and v as they
-    lie instead (npattn.cpu.operands.bf16_products)."""
+    the copy's bits, whether P V reads a tile's values converted once or in registers
+    (Int.CONVERTED_VALUE_ROWS); bfloat16 where the CPU multiplies in bfloat16 reads k and v
+    as they lie instead (npattn.cpu.operands.bf16_products)."""
     import ml_dtypes  # noqa: F401  (registers bfloat16)
     from npattn.core.kernel_params import KvCodes
     from npattn.cpu import driver, operands, simd
@@ -735,7 +737,8 @@ def test_a_16_bit_prefill_longer_than_a_tile_reads_k_and_v_a_tile_at_a_time(dtyp
     problem_codes = []
     planned = operands.kv_codes
     monkeypatch.setattr(operands, "kv_codes", lambda *a: problem_codes.append(planned(*a)) or problem_codes[-1])
-    with tuned(forward=(32, 48)):  # 100 rows: four query tiles
+    # 100 rows: four query tiles, of 32 rows and 4 (the last one's values in registers either way)
+    with tuned(forward=(32, 48), converted_value_rows=1 if values == "converted" else 33):
         tiled = npattn.attention(q, k, v, causal=True, return_lse=True)
         pairs = dtype == "bfloat16" and simd.BF16_DOT and current().pair_products
         assert problem_codes == [KvCodes.NONE if pairs else KvCodes(

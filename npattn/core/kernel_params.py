@@ -91,6 +91,11 @@ Int = _positions("Int", (
     # as float32 words, each value converted where a score adds it (BIAS_STRIDE_* still
     # count its elements)
     "BIAS_CODES",
+    # CPU forward reading 16-bit keys and values a tile at a time (KV_CODES FLOAT16 or
+    # BFLOAT16): query tiles of at least this many rows have P V read each tile's values
+    # converted to float32 once; shorter ones read them in registers (cpu.code_products),
+    # each value row converted once per block of rows (cpu.isa.converted_value_rows)
+    "CONVERTED_VALUE_ROWS",
 ))
 
 # The values of Int.KV_CODES

@@ -34,7 +34,7 @@ from .operands import Int, KvCodes, Real
 from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_shifted_to_pairs, row_max, short_row_max
 from .code_products import code_product
 from .microkernels import pair_product, product
-from .tiles import (CONVERTED_VALUE_ROWS, accumulator_start, apply_dropout, band_keys, cache_slot_sizes,
+from .tiles import (accumulator_start, apply_dropout, band_keys, cache_slot_sizes,
                     cached_key_tile, codes_in_registers, convert_query_rows, convert_value_rows, dequantize_tile,
                     key_cache, key_segments, memory_batch,
                     memory_batches, narrow_row, pack_key_codes, pack_key_tile, pack_value_pairs, page_run, pair_rows,
@@ -238,7 +238,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                          dv, 1.0, True)
                     elif ints[Int.VECTOR_VALUES]:
                         # a 16-bit tile's values, for a tall query tile: converted once, not per block of rows
-                        converted = sixteen_bit and rows >= CONVERTED_VALUE_ROWS
+                        converted = sixteen_bit and rows >= ints[Int.CONVERTED_VALUE_ROWS]
                         if converted:
                             convert_value_rows(v_codes, pages, ints, b, kv_head, j0, cols, dequantized)
                         band = rows if full else ints[Int.EDGE_BAND]

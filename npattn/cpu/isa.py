@@ -88,6 +88,24 @@ def bf16_pairs_pay() -> bool:
     return host_cpu_name().startswith("znver")
 
 
+def converted_value_rows() -> int:
+    """The rows from which a forward that reads 16-bit keys and values a tile at a time
+    (``Int.KV_CODES`` FLOAT16 or BFLOAT16) has P V read each tile's values converted to
+    float32 once (``tiles.convert_value_rows``); shorter query tiles read them in registers
+    (``code_products.code_product``), converting each value row once per block of rows.
+    The bits are the same either way. On Intel's cores the conversions share the two FMA
+    ports: on the Emerald Rapids VM (one thread, perf), (4, 16, 1024, 64) with bfloat16
+    computed in float32 spent 48% of its time in the in-register P V against the float32
+    forward's 39%, so tiles from 16 rows convert. AMD's cores convert on other pipes than
+    their FMAs: on the 2-core Zen 4 VM (2026-11-30, float16 over float32 on the same
+    values, alternating in one process, 11 rounds), 16, 24 and 32 rows against 1024 keys
+    (1, 8, S x 1024, 64) took 0.97x, 0.97x and 1.00x float32's time in registers against
+    1.06x, 1.05x and 1.02x converted, (1, 8, 16 x 16, 64) causal 1.08x against 1.15x,
+    (1, 8, 32 x 32, 64) causal 1.02x against 1.05x, while 64 rows kept converting (1.07x
+    against 1.10x in registers); forced to AVX2 both ways were within that VM's noise."""
+    return 33 if host_cpu_name().startswith("znver") else 16
+
+
 # AMD's cores that keep a decode item's bursts (:func:`tile_prefetch_pays`) where the
 # products read codes in registers: the AVX-512 Zen cores, where the bursts were measured
 # against no requests and the rows-ahead requests were not measured

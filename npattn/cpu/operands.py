@@ -608,6 +608,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     # range: several are float32 parts merged afterwards)
     out_codes = KvCodes.BFLOAT16 if pairs else q_codes
     ints[Int.OUT_CODES] = out_codes if kind == "forward" and ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
+    ints[Int.CONVERTED_VALUE_ROWS] = tuning.value_rows_converted
     ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning) if pairs and kind == "forward" else 0
     ints[Int.CLAIM_RUN] = kv_head_items(ints) if ints[Int.KEY_CACHE_SLOTS] else 1
     ints[Int.BIAS_CODES] = bias_read  # (bias_codes)

@@ -309,13 +309,6 @@ def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head,
         c += run
 
 
-# A 16-bit tile's values: P V of a query tile of at least this many rows reads them
-# converted to float32 once (convert_value_rows), fewer read them in registers
-# (code_products.code_product), converting each value row once per block of rows. On
-# Intel's cores, where the conversions share the two FMA ports, (4, 16, 1024, 64) with
-# bfloat16 computed in float32 spent 48% of its time in the in-register P V against the
-# float32 forward's 39% (the Emerald Rapids VM, one thread, perf).
-CONVERTED_VALUE_ROWS = 16
 
 
 @helper

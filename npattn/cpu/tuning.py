@@ -90,7 +90,10 @@ class Tuning:
     the CPU can (:func:`npattn.cpu.operands.bf16_products`; False: in float32; None: where
     that is the faster, :data:`npattn.cpu.simd.BF16_PAIRS_BY_DEFAULT`);
     ``key_cache_bytes``: the most a bfloat16 forward keeps per thread of a kv head's key
-    tiles packed for its next query tile or head (0: none, each tile packed where read)."""
+    tiles packed for its next query tile or head (0: none, each tile packed where read);
+    ``converted_value_rows``: a forward reading 16-bit values a tile at a time converts
+    them once for query tiles of at least this many rows and reads them in registers for
+    shorter ones (None: as pays on this CPU, :func:`npattn.cpu.isa.converted_value_rows`)."""
 
     forward: tuple | None = None
     backward: tuple | None = None
@@ -99,6 +102,7 @@ class Tuning:
     dot_rows: int = DOT_ROWS
     bf16_products: bool | None = None
     key_cache_bytes: int = KEY_CACHE_BYTES
+    converted_value_rows: int | None = None
 
     def forward_tiles(self, visibility, q_len: int, kv_len: int, folded: bool = False) -> tuple:
         """The forward's (query rows, keys) per tile for a problem of ``q_len`` rows,
@@ -137,6 +141,15 @@ class Tuning:
 
             return BF16_PAIRS_BY_DEFAULT
         return self.bf16_products
+
+    @property
+    def value_rows_converted(self) -> int:
+        """``converted_value_rows``, None resolved for this CPU."""
+        if self.converted_value_rows is None:
+            from .isa import converted_value_rows
+
+            return converted_value_rows()
+        return self.converted_value_rows
 
     @property
     def vector_products(self) -> bool:
