@@ -3,6 +3,7 @@ give NumPy's and ml_dtypes' values exactly, in the input's memory layout; the 16
 finiteness check reads the exponent bits."""
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import ml_dtypes
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from npattn.core.arrays import all_finite
+from npattn.core.kernel_params import KvCodes
 from npattn.cpu import conversion
 
 SPECIAL = [0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 7e4, 6.1e-5, 6e-8, 1e-8, -3e-8, 2049.0, 2051.0]
@@ -441,4 +443,113 @@ def test_a_16_bit_backward_with_a_bias_gradient_reads_its_arrays_as_they_lie(mon
         assert k.shape in widened
     for mine, theirs in zip(in_place, copied):
         assert mine.dtype == theirs.dtype == np.dtype(dtype) and mine.shape == theirs.shape
+        np.testing.assert_array_equal(mine.view(np.uint16), theirs.view(np.uint16))
+
+
+def _backward_plans(monkeypatch, rounded_after=False) -> list:
+    """A list that every backward plan made from now on appends itself to; with
+    ``rounded_after``, plans whose kernel would round dk and dv leave them float32 for the
+    pass afterwards instead (as a plan that may not round them takes them), planned afresh."""
+    from npattn.cpu import driver
+
+    made = []
+    real_init = driver.BackwardPlan.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        if rounded_after:
+            self.gradient_codes = KvCodes.NONE
+        made.append(self)
+
+    monkeypatch.setattr(driver, "_BACKWARD_PLANS", type(driver._BACKWARD_PLANS)())
+
+    monkeypatch.setattr(driver.BackwardPlan, "__init__", init)
+    return made
+
+
+@pytest.mark.skipif(not conversion.MICROKERNELS, reason="the kernel rounds whole vectors on AVX2 or AVX-512")
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("case", ["chunk", "key chunks", "gqa window"])
+def test_a_16_bit_backward_rounds_dk_and_dv_as_it_writes_them(monkeypatch, dtype, case):
+    """A 16-bit backward's kernel rounds each key tile's dK and dV rows into 16-bit dk and
+    dv as it writes them (BackwardPlan.gradient_codes; no float32 dk and dv, nor a pass
+    over them afterwards): the bits of rounding the float32 ones afterwards (a small call's
+    block of gradients, or a GQA group cut into head parts, still takes that path; here
+    forced for the same call), with key chunks (each with its dQ), lengths, a window,
+    dropout and GQA heads summed into one dK."""
+    import npattn
+    from npattn.runtime import plans
+
+    rng = np.random.default_rng(21)
+    shapes = {"chunk": ((1, 4, 16, 64), (1, 4, 900, 64), {}),
+              "key chunks": ((1, 2, 40, 64), (1, 1, 700, 64), dict(causal=True, kv_lengths=np.array([650]))),
+              "gqa window": ((2, 4, 120, 32), (2, 2, 300, 32), dict(causal=True, window=(50, 0), dropout_p=0.2,
+                                                                    seed=5))}
+    q_shape, kv_shape, options = shapes[case]
+    q, dout = (rng.standard_normal(q_shape).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal(kv_shape).astype(dtype) for _ in range(2))
+
+    def gradients():
+        plans.clear()
+        _, vjp = npattn.attention_vjp(q, k, v, backend="cpu", **options)
+        return vjp(dout)
+
+    made = _backward_plans(monkeypatch)
+    with npattn.cpu.tile_sizes(32, 64) if case != "chunk" else contextlib.nullcontext():
+        rounded_in_kernel = gradients()
+        assert [plan.gradient_codes for plan in made] == [
+            KvCodes.BFLOAT16 if dtype is ml_dtypes.bfloat16 else KvCodes.FLOAT16]
+        assert case != "key chunks" or made[0].chunks > 1
+        made = _backward_plans(monkeypatch, rounded_after=True)
+        rounded_after = gradients()
+        assert [plan.gradient_codes for plan in made] == [KvCodes.NONE]
+    for mine, theirs in zip(rounded_in_kernel, rounded_after):
+        assert mine.dtype == theirs.dtype == np.dtype(dtype) and mine.shape == theirs.shape
+        np.testing.assert_array_equal(mine.view(np.uint16), theirs.view(np.uint16))
+
+
+@pytest.mark.reference_may_answer
+@pytest.mark.skipif(not conversion.MICROKERNELS, reason="the kernel rounds whole vectors on AVX2 or AVX-512")
+@pytest.mark.parametrize("overflow", ["dk", "dv"])
+def test_a_float16_dk_or_dv_that_rounds_past_65504_is_answered_as_the_rounding_afterwards_answers(monkeypatch,
+                                                                                                 overflow):
+    """Finite float32 gradients can round to float16's infinity (from 65520 on): the kernel
+    that rounds dk and dv says so as it rounds (counter[NON_FINITE]), so a planned call's
+    backward hands the call to the full path, which the float64 reference answers, as it
+    answered where the rounding came afterwards: the same bits either way."""
+    import npattn
+    from npattn.cpu import driver
+    from npattn.runtime import plans
+
+    rng = np.random.default_rng(8)
+    k, v = rng.standard_normal((1, 2, 900, 64)), rng.standard_normal((1, 2, 900, 64))
+    if overflow == "dk":  # dK = scale dS^T Q: one large q row 16 times, dS of ~180 from a large dout
+        q, k, dout = np.full((1, 2, 16, 64), 200.0), k / 200, np.full((1, 2, 16, 64), 20000.0)
+    else:  # dV = P^T dO: key 7 takes every row's weight, and 16 rows of dout 30000 sum past 65504
+        q, dout = np.ones((1, 2, 16, 64)), np.full((1, 2, 16, 64), 30000.0)
+        k = k / 10
+        k[:, :, 7] = 3.0
+    q, k, v, dout = (x.astype(np.float16) for x in (q, k, v, dout))
+    assert all(np.isfinite(x).all() for x in (q, k, v, dout))
+
+    answers = []  # what each backward plan's run gave: None sends the call to the full path
+
+    def gradients():
+        plans.clear()
+        _, vjp = npattn.plan(q, k, v, backend="cpu").vjp(q, k, v)
+        return vjp(dout)
+
+    made = _backward_plans(monkeypatch)
+    real_call = driver.BackwardPlan.__call__
+    monkeypatch.setattr(driver.BackwardPlan, "__call__", lambda self, *args, **kwargs: answers.append(
+        real_call(self, *args, **kwargs)) or answers[-1])
+    in_kernel = gradients()
+    assert made[0].gradient_codes == KvCodes.FLOAT16
+    assert answers[0] is None  # (the kernel said so: checked, the call answered by the reference)
+    named = dict(zip(("dq", "dk", "dv"), in_kernel))
+    assert np.isinf(named[overflow]).any()  # (what the test is about: a rounding past 65504)
+    made = _backward_plans(monkeypatch, rounded_after=True)
+    after = gradients()
+    assert [plan.gradient_codes for plan in made] == [KvCodes.NONE]
+    for mine, theirs in zip(in_kernel, after):
         np.testing.assert_array_equal(mine.view(np.uint16), theirs.view(np.uint16))

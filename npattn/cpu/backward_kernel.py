@@ -27,7 +27,8 @@ from numba import njit
 from .blas import gemm
 from .jit import FASTMATH, HELPER_OPTIONS, helper, kernel
 from .signatures import as_offset, as_readonly, larger, smaller
-from .threads import next_item
+from .threads import NON_FINITE, next_item
+from .conversion import narrow_run
 from .operands import Int, KvCodes, Real, Span
 from .rowmath import exp_shifted, row_max
 from .microkernels import padded_width, product
@@ -189,7 +190,11 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
     this thread's :func:`~npattn.cpu.scratch.backward_scratch_specs`. ``dout_strides``:
     dout's batch, head and row strides, then how it is stored (a KvCodes: with Q_CODES a
     16-bit dout is its memory seen as float32 words, strides in bytes, each (head, query
-    tile)'s rows converted where a key tile uses them, as q's are; NONE: the compute dtype).
+    tile)'s rows converted where a key tile uses them, as q's are; NONE: the compute dtype),
+    then how dk and dv are stored (a KvCodes: FLOAT16 or BFLOAT16, one head part and whole
+    vectors: their 16-bit memory seen as float32 words, each key tile's rows rounded into
+    it as they are written, ``counter[NON_FINITE]`` set where a rounded value is not
+    finite; NONE: the compute dtype).
 
     The key tile's body is written here, not in a helper: each level of calls costs the
     first call's compile a pass of Numba's optimizer and code emitter over everything
@@ -204,6 +209,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
     tiles_per_chunk = (key_tiles + chunks - 1) // chunks
     heads_per_part = (group + head_parts - 1) // head_parts
     gradient_part = memory_batches(ints) * kv_heads * kv_len  # (rows of one part of dk and dv)
+    gradient_codes = dout_strides[4]
     while True:
         item = next_item(counter, items)
         if item >= items:
@@ -279,6 +285,12 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                              ds, ld, 1.0, dq[dq_offset:], head_dim)
             row = part * gradient_part + (memory_batch(ints, b) * kv_heads + kv_head) * kv_len + j0
             dk_start, dv_start = as_offset(row * head_dim), as_offset(row * value_dim)
+            if gradient_codes:  # 16-bit dk and dv: the tile's rows rounded into them, checked as they round
+                brain = gradient_codes == KvCodes.BFLOAT16
+                if (narrow_run(dk_tile, 0, cols * head_dim, dk.view(np.int8), dk_start, brain)
+                        | narrow_run(dv_tile, 0, cols * value_dim, dv.view(np.int8), dv_start, brain)):
+                    counter[NON_FINITE] = 1
+                continue
             for x in range(as_offset(cols * head_dim)):  # not slice copies: their shape checks compile str()
                 dk[dk_start + x] = dk_tile[x]
             for x in range(as_offset(cols * value_dim)):

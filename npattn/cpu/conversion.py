@@ -22,7 +22,10 @@ from typing import Callable
 
 import numpy as np
 
-from .jit import inlined_helper, kernel
+from numba import types
+from numba.extending import overload
+
+from .jit import OPTIONS, kernel
 from .simd import (MICROKERNELS, VECTOR_BYTES, fill, horizontal_max, horizontal_sum, load, load_float16_bits, maximum,
                    multiply, multiply_add, store, store_float16_bits)
 from .threads import direct_entry
@@ -62,41 +65,52 @@ _FLOAT16_PAST = np.float32(65520.0)
 _BFLOAT16_PAST = np.frombuffer(np.uint32(0x7F7F8000).tobytes(), np.float32)[0]
 
 
-@inlined_helper
-def _narrow(source, out, brain, limit):
-    """The whole vectors of float32 ``source`` rounded into ``out``'s 16-bit words;
-    whether any of those results is not finite: from a NaN or an infinity in ``source``,
-    or a value of magnitude ``limit`` or more, which rounds to an infinity. Checked in
-    the registers the values are rounded from (a second pass over ``source`` doubled a
-    small array's time): the largest magnitude, and a sum of ``x * 0``, which is 0 for
-    every finite x and NaN for the others (an FMA: no fast-math flag lets it be
-    assumed finite)."""
-    whole = source.size - source.size % _LANES
-    zero, negate = fill(0.0, source), fill(-1.0, source)
-    largest, nan_or_inf = zero, zero
-    for i in range(0, whole, _LANES):
-        value = load(source, i)
-        if brain:  # (the rounding is a compile-time choice: a literal in each branch)
-            store_float16_bits(out, 2 * i, value, True)
-        else:
-            store_float16_bits(out, 2 * i, value, False)
-        largest = maximum(maximum(value, multiply(value, negate)), largest)
-        nan_or_inf = multiply_add(value, zero, nan_or_inf)
-    return not (horizontal_sum(nan_or_inf) == 0.0 and horizontal_max(largest) < limit)
+def narrow_run(source, start, count, out, out_at, brain):
+    """``source[start : start + count]`` (float32, whole vectors) rounded to nearest even
+    into ``out``'s 16-bit elements ``out_at`` on (``out``: bytes; bfloat16 with ``brain``,
+    else float16): the bits of :func:`converted`; whether any of those results is not
+    finite: from a NaN or an infinity in ``source``, or a value that rounds to an
+    infinity. Checked in the registers the values are rounded from (a second pass over
+    ``source`` doubled a small array's time): the largest magnitude, and a sum of
+    ``x * 0``, which is 0 for every finite x and NaN for the others (an FMA: no fast-math
+    flag lets it be assumed finite). A float64 ``source`` (a kernel's other dtype, never
+    asked) does nothing. Jitted code only."""
+    raise NotImplementedError
+
+
+@overload(narrow_run, jit_options=OPTIONS)
+def _narrow_run_overload(source, start, count, out, out_at, brain):
+    if source.dtype != types.float32:  # (never asked of other kernels: nothing to compile)
+        return lambda source, start, count, out, out_at, brain: False
+
+    def implementation(source, start, count, out, out_at, brain):
+        zero, negate = fill(0.0, source), fill(-1.0, source)
+        largest, nan_or_inf = zero, zero
+        for i in range(0, count, _LANES):
+            value = load(source, start + i)
+            if brain:  # (the rounding is a compile-time choice: a literal in each branch)
+                store_float16_bits(out, 2 * (out_at + i), value, True)
+            else:
+                store_float16_bits(out, 2 * (out_at + i), value, False)
+            largest = maximum(maximum(value, multiply(value, negate)), largest)
+            nan_or_inf = multiply_add(value, zero, nan_or_inf)
+        limit = _BFLOAT16_PAST if brain else _FLOAT16_PAST
+        return not (horizontal_sum(nan_or_inf) == 0.0 and horizontal_max(largest) < limit)
+    return implementation
 
 
 @kernel
 def _to_float16(source, out):
     """The bytes ``out[2i : 2i + 2]`` = ``source[i]`` rounded to float16, whole vectors;
     returns whether any of them is not finite (NaN, or inf: from 65520 on values round there)."""
-    return _narrow(source, out, False, _FLOAT16_PAST)
+    return narrow_run(source, 0, source.size - source.size % _LANES, out, 0, False)
 
 
 @kernel
 def _to_bfloat16(source, out):
     """The bytes ``out[2i : 2i + 2]`` = ``source[i]`` rounded to bfloat16, whole vectors;
     returns whether any of them is not finite."""
-    return _narrow(source, out, True, _BFLOAT16_PAST)
+    return narrow_run(source, 0, source.size - source.size % _LANES, out, 0, True)
 
 
 # the 16-bit dtypes a float32 array converts to here, by name, and their kernels

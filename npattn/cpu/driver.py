@@ -452,12 +452,23 @@ class BackwardPlan:
         if chunks == 1 and head_parts == 1 and sum(sizes) * np.dtype(dtype).itemsize <= _GRADIENT_BLOCK_BYTES:
             starts = np.cumsum([0, *sizes]).tolist()
             self._block = (starts[-1], tuple(map(slice, starts, starts[1:])), tuple(shape[1:] for shape in shapes))
-        # a 16-bit problem's gradients rounded, and checked, by the conversion's entry points
+        # a 16-bit problem's dk and dv rounded by the kernel as it writes each key tile's rows,
+        # and checked as they round (one head part: parts are summed afterwards; whole
+        # vectors; not a small call's block, which one pass rounds): no float32 dk and dv,
+        # nor a pass over them (which had taken (1, 8, 16 x 1024, 64)'s float16 backward
+        # 0.11 of 0.66 ms, and its float32 dk and dv 4 MB of fresh memory): a KvCodes
+        self.gradient_codes = KvCodes.NONE
+        if (self.narrow is not None and dtype == np.float32 and self._block is None and head_parts == 1
+                and ints[Int.VECTOR_KEYS] and ints[Int.VECTOR_VALUES]):
+            self.gradient_codes = KvCodes.BFLOAT16 if np.dtype(self.narrow).name == "bfloat16" else KvCodes.FLOAT16
+        # the other 16-bit gradients rounded, and checked, by the conversion's entry points
         # (no dispatcher: 1.5-2 us of each of a small call's three), the block's in one call
         # (a (1, 8, 16 x 16, 64) float16 call: 6.1 us for its three arrays, 4.0 for their block)
         self._narrowings = tuple(None if self.narrow is None or self._block is not None
+                                 or (self.gradient_codes and index > 0)
                                  else conversion_entry(dtype, self.narrow, int(np.prod(shape)))
-                                 for shape in (self.dq_shape[1:], self.dk_shape[1:], self.dv_shape[1:]))
+                                 for index, shape in enumerate((self.dq_shape[1:], self.dk_shape[1:],
+                                                                self.dv_shape[1:])))
         self._block_narrowing = (None if self.narrow is None or self._block is None
                                  else conversion_entry(dtype, self.narrow, self._block[0]))
         # and delta and float32 or float64 gradients checked by a jitted pass's entry point
@@ -519,7 +530,7 @@ class BackwardPlan:
             if pairs:  # the products' bfloat16 words of dout (the values they rounded it to anyway)
                 dout = np.ascontiguousarray(dout, dtype=q.dtype)
                 dout_flat, dout_strides = pair_words(dout), (*(n // 2 for n in row_view_strides(dout, q.dtype)),
-                                                            KvCodes.NONE)
+                                                            KvCodes.NONE, self.gradient_codes)
         delta_flat = delta.reshape(-1)  # (C-contiguous, as the kernels and the check read it)
         if checked and not self._finite(delta_flat):
             return None
@@ -531,9 +542,13 @@ class BackwardPlan:
             flat_dq, flat_dk, flat_dv = block[parts[0]], block[parts[1]], block[parts[2]]
         else:
             dq = np.zeros(self.dq_shape, dtype)
-            dk = np.zeros(self.dk_shape, dtype)
-            dv = np.zeros(self.dv_shape, dtype)
-            flat_dq, flat_dk, flat_dv = dq.reshape(-1), dk.reshape(-1), dv.reshape(-1)
+            if self.gradient_codes:  # (whole vectors of 16-bit elements: an even count, whole words)
+                dk, dv = np.zeros(self.dk_shape, self.narrow), np.zeros(self.dv_shape, self.narrow)
+                flat_dk, flat_dv = dk.reshape(-1).view(WORDS), dv.reshape(-1).view(WORDS)
+            else:
+                dk, dv = np.zeros(self.dk_shape, dtype), np.zeros(self.dv_shape, dtype)
+                flat_dk, flat_dv = dk.reshape(-1), dv.reshape(-1)
+            flat_dq = dq.reshape(-1)
         # lse as one type whatever the caller's (writable or not, a slice of a longer one): each
         # distinct array type would compile the backward kernels once more (5-10 s each)
         lse_flat = read_only(np.ascontiguousarray(lse, dtype).reshape(-1))
@@ -553,11 +568,12 @@ class BackwardPlan:
             try:
                 if entry is not None and entry[1] is not None:  # one inline call of the machine code
                     configured_threads()  # (a bad NPATTN_NUM_THREADS fails every call)
-                    entry[1](*arguments, *self._own_scratch(), new_counter(1), self.items)
+                    status = new_counter(1)
+                    entry[1](*arguments, *self._own_scratch(), status, self.items)
                 else:
-                    run_items(backward_kernel, arguments, self.items,
-                              lambda: with_dropout_copy(scratch_set(self.scratch_specs)), self.inline,
-                              self.pool_inline)
+                    status = run_items(backward_kernel, arguments, self.items,
+                                       lambda: with_dropout_copy(scratch_set(self.scratch_specs)), self.inline,
+                                       self.pool_inline)
                     if direct and entry is None:  # typed once per alignment, on the plan's own scratch (None:
                         # those types were never compiled, and every such call keeps the path above)
                         self._entry = (aligned, direct_entry(backward_kernel, (*arguments, *self._own_scratch(),
@@ -587,6 +603,10 @@ class BackwardPlan:
             else:
                 finite = not checked or self._finite(block)
             dq, dk, dv = (block[part].reshape(shape) for part, shape in zip(parts, shapes))
+        elif self.gradient_codes:  # dk and dv rounded by the kernel (and checked: the status); dq here
+            dq, dk, dv = self._summed(dq, dk, dv)
+            dq, dq_finite = _narrowed(dq, self.narrow, self._narrowings[0])
+            finite = dq_finite and not status[NON_FINITE]
         elif self.narrow is not None:  # the gradients in q's dtype, on the vector units
             dq, dk, dv = self._summed(dq, dk, dv)
             (dq, dq_finite), (dk, dk_finite), (dv, dv_finite) = (
@@ -611,7 +631,8 @@ class BackwardPlan:
 
     def _rows(self, array, dtype, code=None) -> tuple:
         """``(flat, strides)`` of :func:`~npattn.cpu.operands.row_strides`, the strides as the
-        kernel's int64 array (with ``code`` appended where given: dout's), kept per layout
+        kernel's int64 array (with ``code`` appended where given: dout's, then the gradients'
+        :attr:`gradient_codes`), kept per layout
         that needs no copy: dout and out of a layout seen before cost a view (their stride
         arithmetic and arrays had taken 3 us of a small call each)."""
         key = (array.shape, array.strides, array.dtype, code)
@@ -619,7 +640,7 @@ class BackwardPlan:
         if kept is not None:
             return flat_memory(array, kept[0]), kept[1]
         flat, strides = row_strides(array, dtype)
-        strides = np.array(strides if code is None else (*strides, code), np.int64)
+        strides = np.array(strides if code is None else (*strides, code, self.gradient_codes), np.int64)
         order = row_order(array, dtype)
         if order is not None and len(self._layouts) < _KEPT_LAYOUTS:
             self._layouts[key] = (order, strides)
@@ -637,8 +658,9 @@ class BackwardPlan:
         if row_order(dout, dout.dtype) is not None:
             elements = row_view_strides(dout, dout.dtype)
             # (with pairs, bfloat16 words the products read as they lie: strides in words)
-            strides = np.array((*(n // 2 for n in elements), KvCodes.NONE) if self.operands.pairs
-                               else (*(2 * n for n in elements), self.operands.q_codes), np.int64)
+            strides = np.array((*(n // 2 for n in elements), KvCodes.NONE, self.gradient_codes) if self.operands.pairs
+                               else (*(2 * n for n in elements), self.operands.q_codes, self.gradient_codes),
+                               np.int64)
         if len(self._layouts) < _KEPT_LAYOUTS:
             self._layouts[key] = strides
         return strides
