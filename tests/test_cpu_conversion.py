@@ -462,7 +462,6 @@ def _backward_plans(monkeypatch, rounded_after=False) -> list:
         made.append(self)
 
     monkeypatch.setattr(driver, "_BACKWARD_PLANS", type(driver._BACKWARD_PLANS)())
-
     monkeypatch.setattr(driver.BackwardPlan, "__init__", init)
     return made
 

@@ -737,7 +737,7 @@ def test_a_16_bit_prefill_longer_than_a_tile_reads_k_and_v_a_tile_at_a_time(dtyp
     problem_codes = []
     planned = operands.kv_codes
     monkeypatch.setattr(operands, "kv_codes", lambda *a: problem_codes.append(planned(*a)) or problem_codes[-1])
-    # 100 rows: four query tiles, of 32 rows and 4 (the last one's values in registers either way)
+    # 100 rows: four query tiles (32, 32, 32 and 4 rows), every one's values converted, or every one's in registers
     with tuned(forward=(32, 48), converted_value_rows=1 if values == "converted" else 33):
         tiled = npattn.attention(q, k, v, causal=True, return_lse=True)
         pairs = dtype == "bfloat16" and simd.BF16_DOT and current().pair_products

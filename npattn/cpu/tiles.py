@@ -309,8 +309,6 @@ def dequantize_tile(k_codes, v_codes, k_scale, v_scale, pages, ints, b, kv_head,
         c += run
 
 
-
-
 @helper
 def convert_value_rows(v_codes, pages, ints, b, kv_head, j0, cols, dequantized):
     """The values of keys ``[j0, j0 + cols)`` of ``kv_head`` (16-bit codes, KV_CODES
