@@ -493,7 +493,9 @@ def test_planned_backwards_run_the_kernels_machine_code_with_the_first_calls_bit
     """From its second plain vjp on, a small plan's backward calls the backward kernel's
     compiled entry point directly, with the first call's bits: for every dtype, with a
     dout whose strides it has seen (kept) and of another layout, and with a dout at an
-    address off its alignment (another Numba type: through the dispatcher, once typed)."""
+    address off its alignment (another Numba type: through the dispatcher, once typed, on
+    read-only q, k and v as every call the dispatcher types: the entry's own views of them
+    are writable, and typing those would compile the kernel once more)."""
     from npattn.cpu import driver
 
     kernels = []
@@ -517,6 +519,7 @@ def test_planned_backwards_run_the_kernels_machine_code_with_the_first_calls_bit
                   plan.vjp(q, k, v)[1](unaligned), plan.vjp(q, k, v)[1](dout)):
         for a, b in zip(first, other):
             np.testing.assert_array_equal(a, b)
+    assert all(not any(operand.mutable for operand in types[:3]) for types in driver.backward_kernel.overloads)
 
 
 def test_a_structure_that_never_repeats_is_never_planned():
