@@ -63,8 +63,18 @@ NAMES = ("block_sum", "warp_sum", "copy_then_wait", "divergent_barrier")
 
 
 @pytest.fixture(scope="module")
-def library(request):
-    return gpu_emulation.build_source(request.config.cache.mkdir("npattn-gpu-emulation-tests"), KERNELS, NAMES)
+def build_directory(request, tmp_path_factory):
+    """Where these kernels are built: pytest's cache (kept between runs), or a directory of
+    this run's where the cache is off (``-p no:cacheprovider``, as the offloaded child runs)."""
+    cache = getattr(request.config, "cache", None)
+    if cache is None:
+        return tmp_path_factory.mktemp("npattn-gpu-emulation-tests")
+    return cache.mkdir("npattn-gpu-emulation-tests")
+
+
+@pytest.fixture(scope="module")
+def library(build_directory):
+    return gpu_emulation.build_source(build_directory, KERNELS, NAMES)
 
 
 @pytest.mark.parametrize("threads, blocks", [(1, 1), (32, 3), (128, 5), (256, 2)])
@@ -91,15 +101,14 @@ def test_a_cp_async_copy_lands_only_at_its_wait(library):
     np.testing.assert_array_equal(out[threads:], values[::4])
 
 
-def test_a_barrier_that_cannot_open_stops_the_process_with_a_message(library, request):
+def test_a_barrier_that_cannot_open_stops_the_process_with_a_message(library, build_directory, request):
     # in a child: the emulation aborts the process it runs in
-    directory = request.config.cache.mkdir("npattn-gpu-emulation-tests")
     script = textwrap.dedent(f"""
         import sys, numpy as np
         sys.path.insert(0, {str(request.path.parent)!r})
         import gpu_emulation
         from test_gpu_emulation import KERNELS, NAMES
-        library = gpu_emulation.build_source(__import__("pathlib").Path({str(directory)!r}), KERNELS, NAMES)
+        library = gpu_emulation.build_source(__import__("pathlib").Path({str(build_directory)!r}), KERNELS, NAMES)
         gpu_emulation.run_kernel(*library, "divergent_barrier", 1, 64, 0, (np.zeros(64, np.float32),))
         print("returned")
     """)
