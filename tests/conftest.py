@@ -158,32 +158,57 @@ def combine_kernels() -> tuple[str, ...]:
                  for bound in (128, sources.MAX_HEAD_DIM))
 
 
-def checked_names() -> tuple[str, ...]:
+def checked_names(architecture: str | None = None) -> tuple[str, ...]:
     """``sources.MACHINE_CODE_CHECKED`` where sources names the kernels to hold to the
-    fast-kernel check, else every tensor-core instantiation."""
+    fast-kernel check, else every tensor-core instantiation; for ``architecture``, those
+    :func:`read_on` it."""
     from npattn.gpu import sources
 
     if hasattr(sources, "MACHINE_CODE_CHECKED"):
-        return tuple(sources.MACHINE_CODE_CHECKED)
-    return tuple(name for name in sources.name_expressions() if "_tc_kernel" in name)
+        names = tuple(sources.MACHINE_CODE_CHECKED)
+    else:
+        names = tuple(name for name in sources.name_expressions() if "_tc_kernel" in name)
+    return tuple(name for name in names if read_on(architecture, name))
 
 
-def machine_code_names() -> tuple[str, ...]:
-    """The kernels whose machine code the checks read, on every architecture: the checked
-    ones, the SIMT kernel and the combine."""
-    return tuple(dict.fromkeys((*checked_names(), SIMT_KERNEL, *combine_kernels())))
+# The storage dtype whose tensor-core kernels CI reads on every architecture; the others'
+# only on sources.EVERY_INSTANTIATION_ARCHITECTURE (sm_90). A bfloat16 instantiation is
+# its float16 twin with another mma type and other conversions: at sm_80 (CUDA 13.0's
+# ptxas, 2026-12-01) 25 of the 28 twins of machine_code_names() took the same registers
+# and stack, the other three 1 to 4 registers apart, none spilling. sm_80's NVVM and ptxas
+# took 51.8 s of a core for the 57 kernels with them, 23.3 s for these 29 (the Zen 4 VM).
+EVERY_ARCHITECTURE_STORAGE = "float16"
+
+
+def read_on(architecture: str | None, name: str) -> bool:
+    """Whether CI reads kernel ``name``'s machine code for ``architecture`` (None: for
+    any): on sources.EVERY_INSTANTIATION_ARCHITECTURE every kernel; elsewhere those of
+    :data:`EVERY_ARCHITECTURE_STORAGE` and those of no tensor-core storage dtype."""
+    from npattn.gpu import sources
+
+    if architecture is None or architecture == getattr(sources, "EVERY_INSTANTIATION_ARCHITECTURE", architecture):
+        return True
+    others = {sources.STORAGE[dtype][0] for dtype in sources.TENSOR_CORE_STORAGE if dtype != EVERY_ARCHITECTURE_STORAGE}
+    return not any(name.partition("<")[2].startswith(f"{storage},") for storage in others)
+
+
+def machine_code_names(architecture: str | None = None) -> tuple[str, ...]:
+    """The kernels whose machine code the checks read (on ``architecture``; None: on
+    any): the checked ones, the SIMT kernel and the combine."""
+    return tuple(name for name in dict.fromkeys((*checked_names(), SIMT_KERNEL, *combine_kernels()))
+                 if read_on(architecture, name))
 
 
 def compiled_names(architecture: str) -> tuple[str, ...]:
     """What CI compiles to machine code for ``architecture``: the kernels whose machine
-    code the checks read, and for ``sources.EVERY_INSTANTIATION_ARCHITECTURE`` the decode
-    tiles that keep their codes in registers and those that merge their own splits (read
-    there only)."""
+    code the checks read there, and for ``sources.EVERY_INSTANTIATION_ARCHITECTURE`` the
+    decode tiles that keep their codes in registers and those that merge their own splits
+    (read there only)."""
     from npattn.gpu import sources
 
     if architecture != getattr(sources, "EVERY_INSTANTIATION_ARCHITECTURE", architecture):
-        return machine_code_names()
-    return tuple(dict.fromkeys((*machine_code_names(), *getattr(sources, "REGISTER_CODE_KERNELS", ()),
+        return machine_code_names(architecture)
+    return tuple(dict.fromkeys((*machine_code_names(architecture), *getattr(sources, "REGISTER_CODE_KERNELS", ()),
                                 *getattr(sources, "MERGING_DECODE_KERNELS", ()))))
 
 

@@ -45,11 +45,24 @@ def test_every_kernel_instantiation_compiles_for_every_architecture(machine_code
     assert sources.EVERY_INSTANTIATION_ARCHITECTURE in sources.ARCHITECTURES
     for architecture, (cubin, lowered) in machine_code.items():
         assert cubin, architecture
-        assert set(machine_code_names()) <= set(lowered), architecture
+        assert set(machine_code_names(architecture)) <= set(lowered), architecture
         assert len(set(lowered.values())) == len(lowered), f"{architecture}: two instantiations share a symbol"
     every = {**machine_code[sources.EVERY_INSTANTIATION_ARCHITECTURE][1], **ptx_symbols}
     assert set(sources.name_expressions()) <= set(every)
     assert len(set(every.values())) == len(every), "two instantiations share a symbol"
+
+
+def test_ci_reads_the_bfloat16_twins_machine_code_on_sm_90_only():
+    """conftest.read_on: every checked kind of kernel is read on every architecture, in
+    float16 at least; the bfloat16 twins on sm_90 alone."""
+    from conftest import machine_code_names
+
+    every = machine_code_names()
+    on_sm_80, on_sm_90 = machine_code_names("sm_80"), machine_code_names("sm_90")
+    assert on_sm_90 == every
+    assert set(on_sm_80) == {name for name in every if not name.partition("<")[2].startswith("bf16_bits,")}
+    assert any(name.partition("<")[2].startswith("half_bits,") for name in on_sm_80)
+    assert {name.partition("<")[0] for name in on_sm_80} == {name.partition("<")[0] for name in every}
 
 
 def test_the_source_has_no_code_that_depends_on_the_architecture():
