@@ -6,6 +6,7 @@ skip and multi-tile online-softmax rescale happen on small problems, with the ti
 products on both paths: the vector micro-kernels and BLAS.
 """
 import dataclasses
+import os
 import threading
 import time
 
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npattn
+from npattn.cpu.isa import FORCE_VARIABLE
 from strategies import Case, Dims, cases, dims, layouts
 from tolerances import assert_close, gradient_bound_terms
 from test_backend_equivalence import check_backward, check_forward
@@ -61,8 +63,15 @@ def vector_dims(draw):
     return dataclasses.replace(d, head_dim=draw(widths), value_dim=draw(widths))
 
 
+# Where AVX2 is forced on an AVX-512 CPU (the child of tests/test_cpu_isa.py), float32
+# alone: float64's AVX2 vector paths are held there by the micro-kernel and row tests, and
+# compiling its whole kernels for AVX2 as well took the child (alone, the Zen 4 VM) 102 s
+# of CPU against 65 s. On an AVX2-only CPU nothing is forced: the suite runs both there.
+VECTOR_WIDTH_DTYPES = ("float32",) if os.environ.get(FORCE_VARIABLE) else ("float32", "float64")
+
+
 @settings(max_examples=40)
-@given(case=cases(dtypes=("float32", "float64"), dims_strategy=vector_dims()), layout=layouts,
+@given(case=cases(dtypes=VECTOR_WIDTH_DTYPES, dims_strategy=vector_dims()), layout=layouts,
        tile=st.tuples(st.integers(1, 20), st.integers(1, 70), st.integers(1, 13)), kind=products)
 def test_vector_products_match_the_reference_at_vector_widths(case, layout, tile, kind):
     """Also cuts tiles that the causal or window edge crosses into bands of 1 to 13 rows."""
