@@ -378,8 +378,10 @@ def pytest_collection_modifyitems(session, config, items):
     if "machine_code" in fixtures:
         from npattn.gpu import nvrtc
 
-        if nvrtc.nvrtc_library_path() is not None:
-            started("machine_code", _compile_machine_code)
+        if nvrtc.nvrtc_library_path() is not None:  # at the tests' priority: its chain (NVVM, then
+            # ptxas for sm_90) is the run's longest, and at the builds' it got a core only late
+            # (the main process, done with its other tests, waited 106 s for it at the end)
+            started("machine_code", _compile_machine_code, background=False)
     for item in items:  # the forced-AVX2 child: its own process, compiling kernels of its own
         if item.name == "test_forced_avx2_kernels_pass_the_vector_width_properties":
             started("avx2-child", item.module.forced_avx2_child)
