@@ -68,9 +68,12 @@ def tools_or_skip():
         pytest.skip(f"no {' or '.join(missing)} wheel for this platform")
 
 
-def read(cubin: bytes, lowered: dict[str, str]) -> dict[str, tuple[sass.Usage, collections.Counter]]:
-    """Each named kernel's resources and opcode counts."""
-    usage, code = sass.resource_usage(cubin), sass.disassemble(cubin, lowered.values())
+def read(cubin: bytes, lowered: dict[str, str], code: dict[str, str] | None = None,
+         ) -> dict[str, tuple[sass.Usage, collections.Counter]]:
+    """Each named kernel's resources and opcode counts (from ``code``, their SASS by
+    symbol, where the caller disassembled them already)."""
+    usage = sass.resource_usage(cubin)
+    code = sass.disassemble(cubin, lowered.values()) if code is None else code
     return {name: (usage[symbol], sass.opcodes(code[symbol])) for name, symbol in lowered.items()}
 
 
@@ -127,8 +130,8 @@ def test_the_quantized_decode_tiles_keep_their_codes_in_registers_without_spilli
     assert sources.REGISTER_CODE_KERNELS, "no REGISTER_CODES kernel is named"
     architecture = sources.EVERY_INSTANTIATION_ARCHITECTURE
     cubin, lowered = machine_code[architecture]
-    inspected = read(cubin, {name: lowered[name] for name in sources.REGISTER_CODE_KERNELS})
     code = sass.disassemble(cubin, [lowered[name] for name in sources.REGISTER_CODE_KERNELS])
+    inspected = read(cubin, {name: lowered[name] for name in sources.REGISTER_CODE_KERNELS}, code)
     failures = []
     for name in sources.REGISTER_CODE_KERNELS:
         usage, counter = inspected[name]
