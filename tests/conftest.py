@@ -173,7 +173,7 @@ def checked_names(architecture: str | None = None) -> tuple[str, ...]:
 
 # The storage dtype whose tensor-core kernels CI reads on every architecture; the others'
 # only on sources.EVERY_INSTANTIATION_ARCHITECTURE (sm_90). A bfloat16 instantiation is
-# its float16 twin with another mma type and other conversions: at sm_80 (CUDA 13.0's
+# its float16 twin with another mma type and other conversions: at sm_80 (CUDA 12.9's
 # ptxas, 2026-12-01) 25 of the 28 twins of machine_code_names() took the same registers
 # and stack, the other three 1 to 4 registers apart, none spilling. sm_80's NVVM and ptxas
 # took 51.8 s of a core for the 57 kernels with them, 23.3 s for these 29 (the Zen 4 VM).
