@@ -1,6 +1,7 @@
 """``python -m npattn info`` and ``demo`` run and report what they claim."""
 import importlib.util
 import io
+import os
 import pathlib
 import re
 import shutil
@@ -24,9 +25,11 @@ def test_info_lists_versions_and_every_backend():
     for word in ("npattn", "numpy", "reference", "cpu", "gpu", "NUMBA_NUM_THREADS", "NPATTN_NUM_THREADS",
                  "NPATTN_CPU_ISA", "NPATTN_CACHE_DIR", "device"):
         assert word in text
-    from npattn.cpu import isa
+    from npattn.cpu import isa, simd  # (simd: the ISA the kernels compile for, the switch applied)
 
-    assert f"cpu isa    {isa.compiled_isa()}\n" in text
+    forced = os.environ.get(isa.FORCE_VARIABLE)  # (a run of the suite under the switch says so)
+    note = f" (forced by {isa.FORCE_VARIABLE}={forced})" if forced else ""
+    assert f"cpu isa    {simd.ISA}{note}\n" in text
 
 
 def test_version_prints_the_packages_version(capsys):
