@@ -412,8 +412,8 @@ def pytest_collection_modifyitems(session, config, items):
                               _STARTED.get("cpu-kernels"), one_thread_environment())
     later = set(waiting) | set(offloaded)
     # the tests that read the NVRTC compile's results (minutes of a core, started at
-    # collection, at the builds' priority): after the main process's other tests, which
-    # had waited behind them for it (test_gpu.py's first test: 182 s on the 2-core Zen 4 VM)
+    # collection): after the main process's other tests, which had waited behind them for
+    # it (test_gpu.py's first test: 182 s on the 2-core Zen 4 VM)
     compiled = [item for item in items
                 if item not in later and {"machine_code", "ptx_symbols"} & set(getattr(item, "fixturenames", ()))]
     later |= set(compiled)

@@ -65,7 +65,7 @@ NAMES = ("block_sum", "warp_sum", "copy_then_wait", "divergent_barrier")
 @pytest.fixture(scope="module")
 def build_directory(request, tmp_path_factory):
     """Where these kernels are built: pytest's cache (kept between runs), or a directory of
-    this run's where the cache is off (``-p no:cacheprovider``, as the offloaded child runs)."""
+    this run's where the cache is off (``-p no:cacheprovider``, as the suite's child runs use)."""
     cache = getattr(request.config, "cache", None)
     if cache is None:
         return tmp_path_factory.mktemp("npattn-gpu-emulation-tests")

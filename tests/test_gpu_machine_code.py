@@ -68,8 +68,8 @@ def tools_or_skip():
         pytest.skip(f"no {' or '.join(missing)} wheel for this platform")
 
 
-def read(cubin: bytes, lowered: dict[str, str], code: dict[str, str] | None = None,
-         ) -> dict[str, tuple[sass.Usage, collections.Counter]]:
+def read(cubin: bytes, lowered: dict[str, str],
+         code: dict[str, str] | None = None) -> dict[str, tuple[sass.Usage, collections.Counter]]:
     """Each named kernel's resources and opcode counts (from ``code``, their SASS by
     symbol, where the caller disassembled them already)."""
     usage = sass.resource_usage(cubin)
