@@ -57,8 +57,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> Outpu
     every backend (see :mod:`npattn.runtime.nonfinite`); ``check_finite=True`` rejects them
     instead. Raises ValueError or
     TypeError naming the argument before any kernel runs, and MemoryError when the
-    weights (or the reference backend's score arrays) cannot fit in the free memory
-    (:mod:`npattn.runtime.limits`). Inputs are never modified.
+    weights (or the reference backend's score arrays), 16 MiB or more, cannot fit in the
+    free memory (:mod:`npattn.runtime.limits`). Inputs are never modified.
 
     Arrays of other kinds that speak DLPack (torch tensors, JAX arrays) run on the
     backend of their memory (host: cpu, CUDA: gpu) and the outputs come back in q's
@@ -181,8 +181,9 @@ class Plan:
     @classmethod
     def cached(cls, problem: AttentionProblem, implementation: Any) -> "Plan | None":
         """The plan :func:`attention` keeps for a structure it saw twice (a call of plain
-        option values: :mod:`npattn.runtime.plans`); None for a backend without plans of its own."""
-        if not hasattr(implementation, "forward_plan"):
+        option values: :mod:`npattn.runtime.plans`); None for a backend without plans of its own,
+        and for a structure whose weights' size makes every call check the free memory."""
+        if not hasattr(implementation, "forward_plan") or _limits.checks_memory(problem, implementation.NAME):
             return None
         return cls(owned(problem), implementation)  # (its option arrays: the call's, copied)
 

@@ -220,11 +220,12 @@ def test_options_with_arrays_or_per_call_work_are_not_planned():
     q, k, v = _arrays()
     for options in ({"mask": np.ones((4, 4), bool)}, {"bias": np.zeros((4, 4), np.float32)},
                     {"kv_lengths": [3]}, {"sink_logits": np.zeros(2, np.float32)},
-                    {"dropout_p": 0.1}, {"check_finite": True}, {"return_weights": True},
+                    {"dropout_p": 0.1}, {"check_finite": True},
                     {"window": [2, 1]}, {"scale": np.float32(0.5)},
                     {"alibi_slopes": np.zeros(plans.KEYED_ENTRIES + 1, np.float32)}):
         assert plans.call_key(q, k, v, options) is None, options
-    for options in ({"dropout_p": 0.0}, {"check_finite": False}, {"return_weights": False}, {"window": (None, 2)},
+    for options in ({"dropout_p": 0.0}, {"check_finite": False}, {"return_weights": False}, {"return_weights": True},
+                    {"window": (None, 2)},
                     {"kv_lengths": np.array([3])}, {"q_offset": np.array([1])}, {"alibi_slopes": np.ones(2)}):
         assert plans.call_key(q, k, v, options) is not None, options
 

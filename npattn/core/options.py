@@ -284,7 +284,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("return_weights", False, "output",
            "bool: also return the weights (B, H, Sq, Sk).",
            lambda value, call: checks.check_bool("return_weights", value),
-           field="return_weights", repeatable=lambda value: not value,  # on: checks the free memory
+           field="return_weights",  # (on, a structure whose weights the free memory must hold is not planned)
            refused_by=((VARLEN, "its weights would be (total, total) per head; call attention on a sequence for "
                                 "its own"), (RING, "they are S_local x S per rank"))),
     Option("check_finite", False, "checking",

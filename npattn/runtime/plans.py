@@ -17,8 +17,9 @@ A structure is only cached when every check of the call depends on nothing else
 small options whose checks read their values (lengths, starts and offsets per batch
 entry, ALiBi slopes, page tables: :attr:`~npattn.core.options.Option.keyed`), keyed by
 their bytes, of which the plan keeps its own copies. Masks and biases (read where they
-lie), sink logits (a gradient), dropout (a fresh seed), ``check_finite=True`` (reads
-every value) and ``return_weights=True`` (checks the free memory) take the full path.
+lie), sink logits (a gradient), dropout (a fresh seed) and ``check_finite=True`` (reads
+every value) take the full path, and so do calls whose weights are large enough that
+each call checks the free memory for them (:data:`npattn.runtime.limits.CHECKED_FROM_BYTES`).
 
 :class:`PlanCache` is the bounded, thread-safe dictionary the API and the CPU backend
 keep their plans in; :func:`clear` empties every one (tests that change a module's
