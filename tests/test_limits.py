@@ -37,7 +37,8 @@ def test_the_bound_is_the_weights_bytes(monkeypatch, free, fails):
     monkeypatch.setattr(limits, "free_bytes", lambda array: free)
     q = np.ones((1, 1, 2048, 2), np.float32)  # float32 weights of 2048 x 2048: 16 MiB, the least checked
     if fails:
-        with pytest.raises(MemoryError, match=r"return_weights=True needs 16\.0 MiB .* and 16\.0 MiB of memory is free"):
+        with pytest.raises(MemoryError,
+                           match=r"return_weights=True needs 16\.0 MiB .* and 16\.0 MiB of memory is free"):
             npattn.attention(q, q, q, return_weights=True, backend="cpu")
     else:
         _, weights = npattn.attention(q, q, q, return_weights=True, backend="cpu")

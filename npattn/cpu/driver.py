@@ -114,9 +114,11 @@ class ForwardPlan:
         # calls whose whole work is one inline kernel call (no BLAS to pin, no key ranges
         # to merge, no weights) run, from the second plain call on, the forward kernel's
         # entry point (threads.direct_entry, typed after the first) on the plan's own
-        # scratch: no dispatcher, item runner or arena. The entry, and the alignment of
-        # q, k and v it was typed for:
-        self._entry, self._entry_aligned = None, None
+        # scratch: no dispatcher, item runner or arena. The entries by the kind of run each
+        # was typed for, (a plain call, the alignment of q, k and v): a plain call's operands
+        # and a kept run's need not be of one type, and the first runs of a structure that
+        # npattn.attention plans are the full path's (kept runs), its later ones plain calls
+        self._entries: dict = {}
         # (the runs of one problem: a weak reference to it, and its option operands)
         self._kept_options = None
         self._alone = not self.blas and self.splits == 1 and not self.weights and self.inline
@@ -155,7 +157,7 @@ class ForwardPlan:
         # entry was typed for
         direct = self._alone and (arrays is None or owner is not None)
         entry = None
-        if direct and self._entry is not None:
+        if direct and self._entries:
             if arrays is None:
                 ops = self.operands.entry_operands(q, k, v)
             else:
@@ -164,8 +166,8 @@ class ForwardPlan:
                 if kept is not None and kept[0]() is owner:
                     ops = (self.operands.scale_run_operands(q, k, v, run, kept[1]) if run is not None
                            else self.operands.kept_operands(q, k, v, kept[1]))
-            if ops is not None and (arrays is None, _alignment(ops, run)) == self._entry_aligned:
-                entry = self._entry
+            if ops is not None:
+                entry = self._entries.get((arrays is None, _alignment(ops, run)))
         if entry is None:
             if self.group > 1 and arrays is not None:
                 arrays = folding.FoldedArrays.of(arrays, self.group)
@@ -208,10 +210,11 @@ class ForwardPlan:
                 arguments = (*ops, flat_out, self.out_strides, lse_parts.reshape(-1))
                 status = run_items(forward_kernel, arguments, self.items, lambda: scratch_set(self.scratch_specs),
                                    self.inline, self.pool_inline)
-                if direct and self._entry is None:
-                    self._entry = direct_entry(forward_kernel, (*arguments, *scratch_set(self.scratch_specs),
-                                                                status, self.items))
-                    self._entry_aligned = (arrays is None, _alignment(ops, run))
+                if direct:
+                    kind = (arrays is None, _alignment(ops, run))
+                    if kind not in self._entries:  # (None: never compiled for those types; kept so)
+                        typed = (*arguments, *scratch_set(self.scratch_specs), status, self.items)
+                        self._entries[kind] = direct_entry(forward_kernel, typed)
                 if self.bshd:
                     out = out.transpose(0, 2, 1, 3)
                 if self.splits > 1:
