@@ -99,6 +99,7 @@ class ForwardPlan:
         self.weights_codes, self.weights_size = KvCodes.NONE, int(np.prod(self.weights_shape))
         if self.narrow is not None:
             self.weights_codes = KvCodes.BFLOAT16 if self.narrow.name == "bfloat16" else KvCodes.FLOAT16
+        self._weights_code = np.int64(self.weights_codes)  # (the weights kernel's argument)
         # each key range's rows go to their own (out, lse) slice, merged after the kernel
         self.parts_shape = (self.splits, batch, heads, q_len, value_dim)
         # element strides of out's batch, head and row, and of a key range's slice
@@ -112,16 +113,18 @@ class ForwardPlan:
             strides[0] = 0
         self.out_strides = read_only(np.array(strides, np.int64))
         # calls whose whole work is one inline kernel call (no BLAS to pin, no key ranges
-        # to merge, no weights) run, from the second plain call on, the forward kernel's
-        # entry point (threads.direct_entry, typed after the first) on the plan's own
-        # scratch: no dispatcher, item runner or arena. The entries by the kind of run each
-        # was typed for, (a plain call, the alignment of q, k and v): a plain call's operands
-        # and a kept run's need not be of one type, and the first runs of a structure that
-        # npattn.attention plans are the full path's (kept runs), its later ones plain calls
+        # to merge), and the weights kernel's after it where asked, run, from the second
+        # plain call on, the kernels' entry points (threads.direct_entry, typed after the
+        # first) on the plan's own scratch: no dispatcher, item runner or arena. The entries
+        # (forward's, weights' or None) by the kind of run they were typed for, (a plain call,
+        # the alignment of q, k and v): a plain call's operands and a kept run's need not be
+        # of one type, and the first runs of a structure that npattn.attention plans are the
+        # full path's (kept runs), its later ones plain calls; None where a kernel was never
+        # compiled for those types
         self._entries: dict = {}
         # (the runs of one problem: a weak reference to it, and its option operands)
         self._kept_options = None
-        self._alone = not self.blas and self.splits == 1 and not self.weights and self.inline
+        self._alone = not self.blas and self.splits == 1 and self.inline
         # and a 16-bit out's conversion on that path: the conversion's entry point, into a
         # fresh array of out's memory shape (2.3 us of converted() become 0.7)
         self._narrow_out = (conversion_entry(dtype, self.narrow, int(np.prod(self.out_shape)))
@@ -191,10 +194,18 @@ class ForwardPlan:
         if self.out_codes:
             out = out.view(self.narrow)
         if entry is not None:
-            # one inline kernel call on the plan's own scratch: no reuse arena, no item runner
+            # one inline kernel call (two with weights) on the plan's own scratch: no reuse arena,
+            # no item runner
+            forward_entry, weights_entry = entry
             configured_threads()  # (a bad NPATTN_NUM_THREADS fails every call)
             status = new_counter(1)
-            entry(*ops, flat_out, self.out_strides, lse.reshape(-1), *self._own_scratch(), status, self.items)
+            flat_lse = lse.reshape(-1)
+            forward_entry(*ops, flat_out, self.out_strides, flat_lse, *self._own_scratch(), status, self.items)
+            weights = None
+            if weights_entry is not None:
+                weights, memory = self._new_weights()
+                weights_entry(*ops, flat_lse, memory, self._weights_code, *self._own_scratch(True), new_counter(1),
+                              self.items)
             narrow = None
             if self._narrow_out is not None:
                 narrow = np.empty(self.out_shape, self.narrow)
@@ -202,7 +213,7 @@ class ForwardPlan:
             if self.bshd:
                 out = out.transpose(0, 2, 1, 3)
                 narrow = None if narrow is None else narrow.transpose(0, 2, 1, 3)
-            return self._result(out, lse, None, status, narrow)
+            return self._result(out, lse, weights, status, narrow)
         pin = single_threaded_blas() if self.blas else _NO_PIN
         with pin:
             begin_reuse()
@@ -210,20 +221,19 @@ class ForwardPlan:
                 arguments = (*ops, flat_out, self.out_strides, lse_parts.reshape(-1))
                 status = run_items(forward_kernel, arguments, self.items, lambda: scratch_set(self.scratch_specs),
                                    self.inline, self.pool_inline)
-                if direct:
-                    kind = (arrays is None, _alignment(ops, run))
-                    if kind not in self._entries:  # (None: never compiled for those types; kept so)
-                        typed = (*arguments, *scratch_set(self.scratch_specs), status, self.items)
-                        self._entries[kind] = direct_entry(forward_kernel, typed)
+                kind = (arrays is None, _alignment(ops, run)) if direct else None
                 if self.bshd:
                     out = out.transpose(0, 2, 1, 3)
                 if self.splits > 1:
                     splitting.merge(out_parts, lse_parts, out, lse, self._sink_rows(arrays))
-                weights = None
+                weights, weights_arguments = None, None
                 if self.weights:
                     weights, memory = self._new_weights()
-                    run_items(weights_kernel, (*ops, lse.reshape(-1), memory, np.int64(self.weights_codes)),
-                              self.items, lambda: scratch_set(self.weights_specs), self.inline, self.pool_inline)
+                    weights_arguments = (*ops, lse.reshape(-1), memory, self._weights_code)
+                    run_items(weights_kernel, weights_arguments, self.items, lambda: scratch_set(self.weights_specs),
+                              self.inline, self.pool_inline)
+                if kind is not None and kind not in self._entries:
+                    self._entries[kind] = self._typed_entries(arguments, weights_arguments, status)
             finally:
                 end_reuse()
         return self._result(out, lse, weights, status)
@@ -289,12 +299,24 @@ class ForwardPlan:
         # (positional: keywords cost a small call 0.2 us)
         return ForwardResult(out if shown is None else shown, lse, weights, (out, lse), finite)
 
-    def _own_scratch(self) -> tuple:
-        """This plan's scratch set for the calling thread (a plan may run on several threads
-        at once; each call on one thread is done with it before the next starts)."""
-        scratch = getattr(self._scratch, "set", None)
+    def _typed_entries(self, arguments, weights_arguments, counter) -> tuple | None:
+        """``(forward's, weights' or None)`` entry points for kernel arguments of these types
+        (:func:`~npattn.cpu.threads.direct_entry`), or None where one was never compiled."""
+        forward = direct_entry(forward_kernel, (*arguments, *self._own_scratch(), counter, self.items))
+        if weights_arguments is None:
+            return None if forward is None else (forward, None)
+        weights = direct_entry(weights_kernel, (*weights_arguments, *self._own_scratch(True), counter, self.items))
+        return None if forward is None or weights is None else (forward, weights)
+
+    def _own_scratch(self, weights: bool = False) -> tuple:
+        """This plan's scratch set for the calling thread, the forward kernel's or (``weights``)
+        the weights kernel's (a plan may run on several threads at once; each call on one
+        thread is done with it before the next starts)."""
+        name = "weights_set" if weights else "set"
+        scratch = getattr(self._scratch, name, None)
         if scratch is None:
-            scratch = self._scratch.set = fresh_set(self.scratch_specs)
+            scratch = fresh_set(self.weights_specs if weights else self.scratch_specs)
+            setattr(self._scratch, name, scratch)
         return scratch
 
 
