@@ -411,23 +411,26 @@ def test_plain_planned_calls_run_the_kernels_machine_code_with_the_first_calls_b
         assert not direct_calls
 
 
+@pytest.mark.parametrize("layout, kv_heads", [("bhsd", 8), ("bshd", 8), ("bhsd", 2)])
 @pytest.mark.parametrize("weights", [False, True], ids=["out", "weights"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
-def test_repeated_attention_calls_reach_the_kernels_machine_code(monkeypatch, dtype, weights):
+def test_repeated_attention_calls_reach_the_kernels_machine_code(monkeypatch, dtype, weights, layout, kv_heads):
     """npattn.attention's own plan of a repeated structure calls the forward kernel's entry
     point too, from the fourth call on (the third, its plan's first, types it), though its
     first two calls (the full path's) ran the backend's plan with the problem's operands: an
     entry typed for those alone had kept every plain call on the dispatcher (a
     (1, 8, 16 x 16, 64) causal float32 call took 25.4 us, now 21). With the weights, the
     weights kernel's entry point runs after it (16-bit weights written by the kernel in
-    their own dtype), with the bits of the full path's weights."""
+    their own dtype), with the bits of the full path's weights; in both layouts, and with
+    GQA rows folded."""
     plans.clear()
     direct_calls = count_direct_entries(monkeypatch)
     rng = np.random.default_rng(6)
-    q, k, v = (rng.standard_normal((1, 8, 16, 32)).astype(dtype) for _ in range(3))
-    results = [npattn.attention(q, k, v, causal=True, return_weights=weights) for _ in range(3)]
+    q, k, v = (_small_heads(rng, layout, heads, dtype) for heads in (8, kv_heads, kv_heads))
+    options = dict(causal=True, return_weights=weights, layout=layout)
+    results = [npattn.attention(q, k, v, **options) for _ in range(3)]
     assert not direct_calls  # (the first two: the full path; the second plans)
-    results.append(npattn.attention(q, k, v, causal=True, return_weights=weights))
+    results.append(npattn.attention(q, k, v, **options))
     assert len(direct_calls) == (2 if weights else 1), "a planned plain call did not run the entry points"
     for result in results[1:]:
         for got, expected in zip(result if weights else [result], results[0] if weights else [results[0]]):
