@@ -4,6 +4,8 @@ own error against the float cache (a bound derived from the scales), and the saf
 rules (every check before the first write; a failing call changes no byte)."""
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -811,6 +813,68 @@ def test_16_bit_queries_read_as_they_lie_give_the_bits_of_a_widened_copy(dtype, 
         assert parameters[-1][0][Int.OUT_CODES] == KvCodes.NONE
     for mine, theirs in zip(in_place, widened):
         np.testing.assert_array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [36, 40])
+@pytest.mark.parametrize("case", ["prefill", "gqa bshd weights", "decode interleaved", "decode paged"])
+def test_16_bit_head_dims_off_whole_vectors_read_by_tiles_give_the_bits_of_copies(dtype, head_dim, case,
+                                                                                 monkeypatch):
+    """A forward whose head dim is even but not whole vectors (36: on either ISA; 40: with
+    AVX-512's 16 lanes) reads 16-bit q, k and v a tile at a time too, and writes out in its
+    own dtype: each key tile's rows converted into float32 rows, their last vector read and
+    written masked (npattn.cpu.tiles.whole_vector_rows), as a quantized cache's are
+    dequantized; the bits of float32 copies of q, k and v and of a float32 out narrowed
+    afterwards, prefills, GQA rows, the weights and decode steps (contiguous and paged)."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    from npattn.core.kernel_params import KvCodes
+    from npattn.cpu import driver, operands
+    from npattn.cpu.tuning import tuned
+
+    rng = np.random.default_rng(12)
+    normal = lambda *shape: rng.normal(size=shape).astype(dtype)  # noqa: E731
+    if case == "prefill":  # four query tiles, causal
+        call = partial(npattn.attention, normal(1, 2, 100, head_dim), normal(1, 2, 100, head_dim),
+                       normal(1, 2, 100, head_dim), causal=True, return_lse=True)
+    elif case == "gqa bshd weights":  # query heads of a group folded into rows, and the weights kernel
+        call = partial(npattn.attention, normal(2, 70, 6, head_dim), normal(2, 90, 2, head_dim),
+                       normal(2, 90, 2, head_dim), layout="bshd", causal=True, return_weights=True)
+    elif case == "decode interleaved":  # key rows holding every head, ALiBi spreading the weights
+        call = partial(npattn.attention_with_kvcache, normal(2, 1, 4, head_dim), normal(2, 300, 4, head_dim),
+                       normal(2, 300, 4, head_dim), cache_seqlens=np.array([300, 171]),
+                       alibi_slopes=np.full(4, 0.01), return_lse=True)
+    else:
+        call = partial(npattn.attention_with_kvcache, normal(2, 1, 4, head_dim), normal(12, 16, 2, head_dim),
+                       normal(12, 16, 2, head_dim), block_table=rng.permutation(12)[:10].reshape(2, 5),
+                       cache_seqlens=np.array([77, 21]), causal=True, return_lse=True)
+    planned, read = operands.kv_codes, []
+    monkeypatch.setattr(operands, "kv_codes", lambda *a: read.append(planned(*a)) or read[-1])
+    codes = KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16
+    with tuned(forward=(32, 48), bf16_products=False):  # (bfloat16: not as pairs)
+        tiled = call()
+        assert read and set(read) == {codes}
+        monkeypatch.setattr(operands, "kv_codes", lambda *a: KvCodes.NONE)
+        monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())  # plans made afresh, by the copies
+        monkeypatch.setattr(driver, "_FORWARD_PLANS", type(driver._FORWARD_PLANS)())
+        copied = call()
+    for mine, theirs in zip(tiled, copied):
+        assert mine.dtype == theirs.dtype
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_a_16_bit_forward_of_an_odd_head_dim_reads_copies():
+    """An odd head dim's rows are not whole float32 words of q and out: its 16-bit forward
+    converts copies (kv_codes NONE), as before."""
+    from npattn.core.kernel_params import KvCodes
+    from npattn.cpu import operands
+    from npattn.cpu.tuning import current
+    from npattn.core.validation import build_problem
+
+    q = np.ones((1, 2, 8, 33), np.float16)
+    assert operands.kv_codes(build_problem(q, q, q), "forward", current()) == KvCodes.NONE
+    even = np.ones((1, 2, 8, 34), np.float16)
+    assert operands.kv_codes(build_problem(even, even, even), "forward", current()) == KvCodes.FLOAT16
+    assert operands.kv_codes(build_problem(even, even, even), "backward", current()) == KvCodes.NONE
 
 
 @pytest.fixture

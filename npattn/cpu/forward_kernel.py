@@ -28,6 +28,7 @@ from numba import njit
 
 from .blas import gemm
 from .jit import helper, kernel
+from .simd import lanes_in
 from .signatures import as_offset, as_readonly, larger, smaller
 from .threads import NON_FINITE, claim_items, next_item
 from .operands import Int, KvCodes, Real
@@ -39,7 +40,7 @@ from .tiles import (accumulator_start, apply_dropout, band_keys, cache_slot_size
                     key_cache, key_segments, memory_batch,
                     memory_batches, narrow_row, pack_key_codes, pack_key_tile, pack_value_pairs, page_run, pair_rows,
                     pair_tiles, prefetch_key_rows, query_rows, row_head, score_tile, span,
-                    store_weights_row, v_row, v_scale_row, value_tile_rows)
+                    store_weights_row, v_row, v_scale_row, value_tile_rows, whole_vector_rows)
 from .operands import Span
 
 
@@ -111,8 +112,11 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     quantized, bf16 = ints[Int.KV_CODES], ints[Int.BF16_PRODUCTS]
     in_registers = codes_in_registers(ints, s)  # (a decode tile's codes not dequantized: code_products)
     # 16-bit keys and values: packed from their own memory (pack_key_codes), and P V reads the
-    # values in registers (code_product), as a decode step does: no float32 staging
-    sixteen_bit = quantized == KvCodes.FLOAT16 or quantized == KvCodes.BFLOAT16
+    # values in registers (code_product), as a decode step does: no float32 staging. Head dims
+    # that are not whole vectors: each tile's rows converted (dequantize_tile), as a quantized
+    # cache's are dequantized, and the products read those
+    sixteen_bit = ((quantized == KvCodes.FLOAT16 or quantized == KvCodes.BFLOAT16)
+                   and whole_vector_rows(ints, lanes_in(s)))
     tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
     p_pairs, v_pairs = pair_tiles(ints, dequantized)
     half_ld = (ld + 1) // 2
@@ -268,10 +272,14 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                 c0 += run
                     else:  # column-major: O^T (dv x rows) += V^T (dv x cols) . P^T (cols x rows)
                         c0 = 0
-                        while c0 < cols:
+                        while c0 < cols:  # (a 16-bit tile of a Dv that is not whole vectors: its converted rows)
                             run = page_run(ints, j0 + c0, cols - c0)
-                            gemm(False, False, dv, rows, run, 1.0, v[v_row(ints, pages, b, kv_head, j0 + c0):],
-                                 v_row_stride, s[c0:], ld, 1.0, sums_array[out_offset:], out_row_stride)
+                            if quantized:
+                                gemm(False, False, dv, rows, run, 1.0, values[c0 * dv:], dv, s[c0:], ld, 1.0,
+                                     sums_array[out_offset:], out_row_stride)
+                            else:
+                                gemm(False, False, dv, rows, run, 1.0, v[v_row(ints, pages, b, kv_head, j0 + c0):],
+                                     v_row_stride, s[c0:], ld, 1.0, sums_array[out_offset:], out_row_stride)
                             c0 += run
         for g in range(group):
             h = h0 + g

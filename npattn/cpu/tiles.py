@@ -226,8 +226,8 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 def codes_in_registers(ints, scores):
     """Whether a tile's products read a cache's codes (int8 or float8 e4m3 with scales,
     float16 or bfloat16) in registers (:mod:`npattn.cpu.code_products`), with no
-    :func:`dequantize_tile`: a decode tile (a few rows, DOT_SCORES) whose values are whole
-    vectors, its sums in float32 (``scores``' dtype; a float64 kernel answers False when
+    :func:`dequantize_tile`: a decode tile (a few rows, DOT_SCORES) whose keys and values are
+    whole vectors (:func:`whole_vector_rows`), its sums in float32 (``scores``' dtype; a float64 kernel answers False when
     compiled, so its code is not compiled there)."""
     raise NotImplementedError
 
@@ -236,8 +236,19 @@ def codes_in_registers(ints, scores):
 def _codes_in_registers_overload(ints, scores):
     if scores.dtype != types.float32:
         return lambda ints, scores: False
+    lanes = VECTOR_BYTES // (scores.dtype.bitwidth // 8)
     return lambda ints, scores: (ints[Int.KV_CODES] != KvCodes.NONE and ints[Int.DOT_SCORES]
-                                 and ints[Int.VECTOR_VALUES])
+                                 and ints[Int.VECTOR_VALUES] and whole_vector_rows(ints, lanes))
+
+
+@njit(inline="always")
+def whole_vector_rows(ints, lanes):
+    """Whether the head dim and Dv are whole vectors of ``lanes``: what the products that
+    read 16-bit codes in registers, and the square transposes that pack their keys, take.
+    A 16-bit forward of other head dims (even ones: :func:`~npattn.cpu.operands.kv_codes`)
+    converts each key tile's rows into float32 rows (:func:`dequantize_tile`), whose last
+    vector is read masked, and takes the quantized caches' path from there."""
+    return ints[Int.HEAD_DIM] % lanes == 0 and ints[Int.VALUE_DIM] % lanes == 0
 
 
 @njit(inline="always")
@@ -424,11 +435,18 @@ _E4M3_UNBIAS = np.float32(2.0 ** 120)
 @njit(inline="always")
 def _converted_row(codes, offset, out, out_offset, width, brain):
     """``out[out_offset + x]`` = the 16-bit float whose bytes start at ``codes[offset + 2x]``
-    (bfloat16 with ``brain``, else float16), for x < width (whole vectors; out float32)."""
+    (bfloat16 with ``brain``, else float16), for x < width (out float32): whole vectors, and
+    a last, partial one read and written masked (a head dim that is not whole vectors: the
+    next bytes are another row's, in codes and in out)."""
     like = fill(0.0, out)
     lanes = lanes_in(out)
-    for x in range(0, width, lanes):
+    whole = width - width % lanes
+    for x in range(0, whole, lanes):
         store(out, out_offset + x, load_float16_bits(codes, offset + 2 * x, like, brain))
+    if whole < width:
+        rest = width - whole
+        store_first(out, out_offset + whole, load_float16_bits_first(codes, offset + 2 * whole, rest, like, brain),
+                    rest)
 
 
 @helper
@@ -501,7 +519,7 @@ def convert_query_rows(q, ints, b, h0, heads, i0, rows, dequantized):
 
 
 def narrow_row(sums, offset, out, out_at, width, brain):
-    """OUT_CODES: ``sums[offset : offset + width]`` (float32, whole vectors) rounded to nearest
+    """OUT_CODES: ``sums[offset : offset + width]`` (float32) rounded to nearest
     even into out's 16-bit row at element ``out_at`` (out: 16-bit memory seen as float32
     words; bfloat16 with ``brain``, else float16): the bits of converting a float32 out
     afterwards (:func:`~npattn.cpu.conversion.converted`). Jitted code only."""
@@ -516,11 +534,19 @@ def _narrow_row_overload(sums, offset, out, out_at, width, brain):
     def implementation(sums, offset, out, out_at, width, brain):
         target = out.view(np.int8)
         lanes = lanes_in(sums)
-        for x in range(0, width, lanes):
+        whole = width - width % lanes
+        for x in range(0, whole, lanes):
             if brain:
                 store_float16_bits(target, 2 * (out_at + x), load(sums, offset + x), True)
             else:
                 store_float16_bits(target, 2 * (out_at + x), load(sums, offset + x), False)
+        if whole < width:  # a Dv that is not whole vectors: the last lanes read and written masked
+            rest = width - whole
+            last = load_first(sums, offset + whole, rest, 0.0)
+            if brain:
+                store_float16_bits_first(target, 2 * (out_at + whole), last, rest, True)
+            else:
+                store_float16_bits_first(target, 2 * (out_at + whole), last, rest, False)
     return implementation
 
 
