@@ -309,6 +309,24 @@ def test_inputs_are_not_modified():
     np.testing.assert_array_equal(grad, np.ones((3, 4)))
 
 
+@pytest.mark.parametrize("bias_dtype", [np.float32, np.float64])
+def test_linear_adds_its_bias_as_numpy_would(bias_dtype):
+    """linear adds the bias into the product's own array where that keeps NumPy's result
+    dtype (no second array of out's size), and makes a new one where the bias promotes:
+    the values and dtype of ``x @ w.T + b`` either way, the inputs untouched."""
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal((2, 3, 4), dtype=np.float32), rng.standard_normal((5, 4), dtype=np.float32)
+    b = rng.standard_normal(5).astype(bias_dtype)
+    copies = [array.copy() for array in (x, w, b)]
+    with ag.no_grad():
+        out = ag.linear(Tensor(x), Tensor(w), Tensor(b)).data
+    expected = x @ w.T + b
+    assert out.dtype == expected.dtype
+    np.testing.assert_array_equal(out, expected)
+    for array, copy in zip((x, w, b), copies):
+        np.testing.assert_array_equal(array, copy)
+
+
 def test_function_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"linear: weight must be \(out_features, 4\)"):
         ag.linear(tensor(2, 4), tensor(3, 5))

@@ -25,7 +25,12 @@ class _Linear(Function):
     def forward(self, x, weight, bias=None):
         self.save_for_backward(x, weight)
         out = _matmul_rows(x, weight.T)
-        return out if bias is None else out + bias
+        if bias is None:
+            return out
+        if array_module(out).result_type(out, bias) != out.dtype:  # (a bias that promotes: a new array)
+            return out + bias
+        out += bias  # (out is the product's own fresh array: no second one of its size, nor its pages)
+        return out
 
     def backward(self, grad):
         x, weight = self.saved
