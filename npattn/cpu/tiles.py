@@ -227,8 +227,8 @@ def codes_in_registers(ints, scores):
     """Whether a tile's products read a cache's codes (int8 or float8 e4m3 with scales,
     float16 or bfloat16) in registers (:mod:`npattn.cpu.code_products`), with no
     :func:`dequantize_tile`: a decode tile (a few rows, DOT_SCORES) whose keys and values are
-    whole vectors (:func:`whole_vector_rows`), its sums in float32 (``scores``' dtype; a float64 kernel answers False when
-    compiled, so its code is not compiled there)."""
+    whole vectors (:func:`whole_vector_rows`), its sums in float32 (``scores``' dtype; a
+    float64 kernel answers False when compiled, so its code is not compiled there)."""
     raise NotImplementedError
 
 
@@ -453,7 +453,7 @@ def _converted_row(codes, offset, out, out_offset, width, brain):
 def _converted_rows(codes, at, row_bytes, rows, width, brain, out, out_at):
     """``rows`` rows of ``width`` 16-bit floats (bfloat16 with ``brain``, else float16),
     the first at byte ``at`` of ``codes`` (int8), the next ``row_bytes`` on, as contiguous
-    float32 rows from ``out[out_at]`` (width whole vectors): one loop of whole vectors a row,
+    float32 rows from ``out[out_at]`` (a last, partial vector masked): one loop a row,
     with none of the per-row scale and decoder choices of the one-byte codes. (Measured on
     the 2-core Zen 4 VM against those, five alternating processes: small float16 calls
     (1, 8, 16 x 16, 64) and (4, 8, 32 x 32, 64) 1-3% faster, larger ones within the noise.)"""
@@ -496,7 +496,7 @@ def accumulator_start(ints):
 def convert_rows(words, at, row_bytes, rows, width, brain, out, out_at):
     """``rows`` rows of ``width`` 16-bit floats (bfloat16 with ``brain``, else float16) from
     ``words`` (16-bit memory seen as float32 words), the first at byte ``at``, the next
-    ``row_bytes`` on, as contiguous float32 rows from ``out[out_at]`` (width whole vectors)."""
+    ``row_bytes`` on, as contiguous float32 rows from ``out[out_at]`` (:func:`_converted_row`)."""
     source = words.view(np.int8)
     for r in range(rows):
         if brain:

@@ -26,8 +26,8 @@ from ..core.arrays import is_cupy
 REFERENCE_SCORE_ARRAYS = 3
 
 # Bounds of fewer bytes than this are not checked. Reading the free memory takes 17 us on
-# the 2-core Zen 4 VM (/proc/meminfo), where a (1, 8, 16 x 16, 64) call with its weights
-# takes about 25 us in all, and a 16 MiB array is written in a few milliseconds: the
+# the 2-core Zen 4 VM (/proc/meminfo), where a planned (1, 8, 16 x 16, 64) call with its
+# weights takes 32-40 us in all, and a 16 MiB array is written in a few milliseconds: the
 # check is for requests that would compute for seconds before failing. An allocation this
 # small that cannot be met means the machine is out of memory whatever the call asks.
 CHECKED_FROM_BYTES = 16 << 20
