@@ -97,7 +97,7 @@ def attention_vjp(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> t
     if key is not None:
         planned = _plans.lookup(key)
         has_plans = planned is not None and planned.backward_plan(q, k, v) is not None
-        result = planned.planned_forward(q, k, v) if has_plans else None
+        result = planned.planned_forward(q, k, v, for_gradients=True) if has_plans else None
         if result is not None:
             return _planned_vjp(planned, result, q, k, v, options)
     problem, implementation, result = _checked_forward(q, k, v, options, key, backward=True)
@@ -238,7 +238,7 @@ class Plan:
         """:func:`attention_vjp`'s ``(outputs, vjp)`` for ``q``, ``k``, ``v``."""
         self._check(q, k, v)
         _forward_only(self._problem)
-        result, used, seeded, problem = self._forward(q, k, v)
+        result, used, seeded, problem = self._forward(q, k, v, for_gradients=True)
 
         def gradients(dout: Any) -> Gradients:
             if problem is None:  # the forward ran on the backend's plan: so may the backward
@@ -268,28 +268,36 @@ class Plan:
         form = self._form
         return with_arrays(seeded, q=_to_bhsd(form, q), k=_to_bhsd(form, k), v=_to_bhsd(form, v))
 
-    def _forward(self, q: Any, k: Any, v: Any) -> tuple[ForwardResult, Any, AttentionProblem, Any]:
+    def _forward(self, q: Any, k: Any, v: Any, for_gradients: bool = False
+                 ) -> tuple[ForwardResult, Any, AttentionProblem, Any]:
         """(result, the backend that gave it, the plan's problem with the run's seed, the
         run's problem where one was built, else None): the backend's plan, else its
-        forward; the reference where the result is not finite (:mod:`npattn.runtime.nonfinite`)."""
+        forward; the reference where the result is not finite (:mod:`npattn.runtime.nonfinite`).
+        ``for_gradients``: a backward follows (:meth:`planned_forward`)."""
         seeded = self._seeded()
-        result = self.planned_forward(q, k, v, seeded)
+        result = self.planned_forward(q, k, v, seeded, for_gradients)
         if result is not None:
             return result, self._implementation, seeded, None
         problem = self._problem_of(q, k, v, seeded)
-        result, used = _nonfinite.forward(problem, self._implementation)
+        result, used = _nonfinite.forward(problem, self._implementation, for_gradients)
         return result, used, seeded, problem
 
-    def planned_forward(self, q: Any, k: Any, v: Any, seeded: AttentionProblem | None = None) -> ForwardResult | None:
+    def planned_forward(self, q: Any, k: Any, v: Any, seeded: AttentionProblem | None = None,
+                        for_gradients: bool = False) -> ForwardResult | None:
         """The forward's result from the backend's plan, for arrays of the plan's structure
         in the user's layout (unchecked: the caller knows them to be), or None where the
         full path must answer (no backend plan, a result that is not all finite, plans made
-        under another tuning)."""
-        if self._forward_plan is None:
+        under another tuning). ``for_gradients``: a backward follows, from the backend
+        plan's ``for_gradients()`` where it has one (the CPU's: a 16-bit out's float32
+        product saved, which its backward's exact gradients need)."""
+        plan = self._forward_plan
+        if plan is None:
             return None
+        if for_gradients and hasattr(plan, "for_gradients"):
+            plan = plan.for_gradients()
         form = self._form
         arrays = (seeded or self._problem) if self._reads_problem else None
-        result = self._forward_plan(_to_bhsd(form, q), _to_bhsd(form, k), _to_bhsd(form, v), arrays)
+        result = plan(_to_bhsd(form, q), _to_bhsd(form, k), _to_bhsd(form, v), arrays)
         if result is None or not out_is_finite(result):
             return None
         return result
@@ -432,7 +440,7 @@ def run_problem(problem: AttentionProblem, implementation: Any, with_vjp: bool =
     if with_vjp:
         _forward_only(problem)
     _limits.check_memory(problem, implementation.NAME)
-    result, used = _nonfinite.forward(problem, implementation)
+    result, used = _nonfinite.forward(problem, implementation, with_vjp)
     if with_vjp:
         return _outputs_and_vjp(problem, used, result)
     return _public_outputs(OutputForm.of(problem), result)
@@ -447,7 +455,7 @@ def _checked_forward(q: Any, k: Any, v: Any, options: dict, key: tuple | None,
     if backward:
         _forward_only(problem)
     _limits.check_memory(problem, implementation.NAME)
-    result, used = _nonfinite.forward(problem, implementation)
+    result, used = _nonfinite.forward(problem, implementation, backward)
     if key is not None and used is implementation:
         _plans.remember(key, lambda: Plan.cached(problem, implementation))
     return problem, used, result

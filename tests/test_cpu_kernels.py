@@ -939,3 +939,29 @@ def test_cached_parameters_equal_fresh_ones(case, layout, kind, tile):
         assert np.array_equal(getattr(ops, name), getattr(fresh, name)), name
         assert getattr(ops, name) is getattr(again, name) or name == "spans"
     assert all(not array.flags.writeable for array in ops)  # one compiled kernel for all
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 64])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_16_bit_one_hot_row_with_dropout_has_an_exact_zero_dq_on_the_cpu(dtype, head_dim):
+    """One key at scale 1e4 with dropout: its row is one-hot, so dq is exactly 0. The
+    backward subtracts O from the kept key's z v for that gradient, exact only for the
+    forward's float32 product: the CPU forward of a vjp keeps it, where a plain call writes
+    its 16-bit out directly (a rounded O had left dq = 0.41 k; found by hypothesis at head
+    dim 8, whose 16-bit forward reads its arrays by tiles and writes out in float16)."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    import npattn
+    from npattn.cpu import driver
+
+    rng = np.random.default_rng(7)
+    q, k = (rng.standard_normal((1, 1, 1, head_dim)).astype(dtype) for _ in range(2))
+    v = rng.standard_normal((1, 1, 1, 2)).astype(dtype)
+    options = dict(dropout_p=0.1, seed=0, scale=1e4, backend="cpu")
+    dout = np.array([[[[0.5, -1.0]]]]).astype(dtype)
+    for _ in range(3):  # the full path twice, then the plan
+        out, vjp = npattn.attention_vjp(q, k, v, **options)
+        dq, dk, dv = vjp(dout)
+        assert not np.asarray(dq, np.float64).any() and not np.asarray(dk, np.float64).any()
+        np.testing.assert_array_equal(out, npattn.attention(q, k, v, **options))
+    plan = next(iter(driver._FORWARD_PLANS._plans.values()))
+    assert plan.for_gradients().out_codes is False

@@ -87,6 +87,14 @@ def forward(problem):
     return run(problem)
 
 
+def gradient_forward(problem):
+    """:func:`forward` for a call whose backward follows: a 16-bit problem's saved out in
+    float32, the product the backward's exact gradients need
+    (:meth:`npattn.cpu.driver.ForwardPlan.for_gradients`)."""
+    from .driver import forward as run
+    return run(problem, for_gradients=True)
+
+
 def forward_plan(problem):
     """A callable ``(q, k, v) -> ForwardResult | None`` running the forward of any problem
     of ``problem``'s signature without option arrays (see :mod:`npattn.runtime.plans`)."""

@@ -29,10 +29,15 @@ from .operands import (WORDS, Int, KvCodes, flat_memory, memory_order, pair_word
 from .tuning import Tuning, current
 
 
-def forward(problem) -> ForwardResult:
+def forward(problem, for_gradients: bool = False) -> ForwardResult:
     """out (B, H, Sq, Dv) as a bhsd view of an array in the user's layout, lse (B, H, Sq),
-    and weights when asked; ``saved`` keeps (out, lse) for the backward."""
-    return forward_plan(problem, current())(problem.q, problem.k, problem.v, problem)
+    and weights when asked; ``saved`` keeps (out, lse) for the backward (``for_gradients``:
+    a forward whose backward follows, whose saved out is in the compute dtype:
+    :meth:`ForwardPlan.for_gradients`)."""
+    plan = forward_plan(problem, current())
+    if for_gradients:
+        plan = plan.for_gradients()
+    return plan(problem.q, problem.k, problem.v, problem)
 
 
 def forward_plan(problem, tuning: Tuning) -> "ForwardPlan":
@@ -52,8 +57,9 @@ class ForwardPlan:
     call (:meth:`__call__`) then only views its arrays, allocates the outputs and runs the
     kernels: a small call's cost is the kernel's, not Python's."""
 
-    def __init__(self, problem, tuning: Tuning):
+    def __init__(self, problem, tuning: Tuning, float_out: bool = False):
         self.tuning = tuning
+        given = problem
         self.dtype = dtype = np.dtype(problem.accumulate_dtype)
         # out's 16-bit dtype, or None (the dtype asked once here: 0.5 us of a small call)
         self.narrow = _narrow_dtype(problem)
@@ -64,6 +70,8 @@ class ForwardPlan:
             self.fold_shape = folding.fold_shape(problem)
             problem = folding.fold(problem)
         self.operands = operand_plan(problem, "forward", tuning, self.group)
+        if float_out:
+            self.operands = self.operands.with_float_out()
         ints = self.operands.ints
         self.items = int(forward_items(ints))
         self.splits = int(ints[Int.KEY_SPLITS])
@@ -130,6 +138,19 @@ class ForwardPlan:
         self._narrow_out = (conversion_entry(dtype, self.narrow, int(np.prod(self.out_shape)))
                             if self.narrow is not None and self._alone and not self.out_codes else None)
         self._scratch = threading.local()
+        # the plan of forwards whose backward follows (for_gradients)
+        self._for_gradients = ForwardPlan(given, tuning, float_out=True) if self.out_codes else self
+
+    def for_gradients(self) -> "ForwardPlan":
+        """The plan of this signature's forwards whose backward follows: this one, or where
+        it writes a 16-bit out (OUT_CODES), one that writes out in float32 and rounds it
+        afterwards, whose saved out is that float32 product. The backward's gradient of a
+        row's dominant key subtracts O from the key's value (``dO . (z v - O)``:
+        :func:`~npattn.cpu.backward_kernel.dominant_key_gradient`), exact only for the
+        forward's own product: a rounded O left its rounding, times the scale and |q| or
+        |k|, in dq and dk of nearly one-hot rows (a float16 dq of 0.8 where the exact
+        one is 0, at scale 1e4 with dropout)."""
+        return self._for_gradients
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
         """The forward of bhsd ``q``, ``k``, ``v`` (this plan's shapes, strides and dtypes)

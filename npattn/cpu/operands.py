@@ -10,6 +10,7 @@ stride along the head dimension.
 """
 from __future__ import annotations
 
+import copy
 import functools
 from collections import namedtuple
 
@@ -259,6 +260,21 @@ class OperandPlan:
         # and of a small 16-bit call's (entry_operands): those between q and the key bytes, and after them
         self.coded_middle = (placeholder, placeholder, *self.plain_rest[:8])
         self.coded_tail = (self.scale_placeholder, self.scale_placeholder)
+
+    def with_float_out(self) -> "OperandPlan":
+        """This plan with out in the compute dtype (no OUT_CODES): a 16-bit forward whose out
+        the backward reads, which its dominant keys' gradients need as the float32 product
+        the forward computed (:func:`npattn.cpu.backward_kernel.dominant_key_gradient`);
+        itself where out is not 16-bit."""
+        if not self.ints[Int.OUT_CODES]:
+            return self
+        plan = copy.copy(self)
+        ints = self.ints.copy()
+        ints[Int.OUT_CODES] = KvCodes.NONE
+        plan.ints = _frozen(ints)
+        plan.plain_rest = (*self.plain_rest[:6], plan.ints, *self.plain_rest[7:])
+        plan.coded_middle = (*self.coded_middle[:2], *plan.plain_rest[:8])
+        return plan
 
     def _keys_dtype(self, problem):
         """The dtype the kernels read k and v in: their own where they are codes (int8, e4m3 or 16-bit floats

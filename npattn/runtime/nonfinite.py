@@ -34,11 +34,14 @@ from ..core.arrays import all_finite, all_finite_arrays
 from ..core.results import out_is_finite
 
 
-def forward(problem, implementation):
+def forward(problem, implementation, for_gradients: bool = False):
     """``(result, implementation)``: ``implementation``'s forward of ``problem``, or the
     reference's where the inputs or the result are not all finite (then the reference
-    also runs the backward)."""
-    result = implementation.forward(problem)
+    also runs the backward). ``for_gradients``: a backward follows (a backend's
+    ``gradient_forward`` where it has one: its saved outputs as its backward needs them)."""
+    run = getattr(implementation, "gradient_forward", implementation.forward) if for_gradients else (
+        implementation.forward)
+    result = run(problem)
     if implementation is reference or out_is_finite(result):
         return result, implementation
     limits.check_memory(problem, reference.NAME, because=_WHY_REFERENCE)
