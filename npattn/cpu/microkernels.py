@@ -27,8 +27,8 @@ from numba.extending import overload
 from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
 from .simd import (BF16_DOT, VECTOR_BYTES, always_inline, as_bits, as_float, fill, horizontal_sum, lanes_in, load,
-                   load_like, multiply_add, never_inline, repeat, splat_fma_rows, splat_pair_dot_rows, store_scaled_rows,
-                   transpose_square)
+                   load_first, load_like, multiply_add, never_inline, repeat, splat_fma_rows, splat_pair_dot_rows,
+                   store_scaled_rows, transpose_square)
 
 _BLOCK_ROWS = 6
 # B's share of L1 (48 KiB on the project's machine; 32 KiB is common)
@@ -221,7 +221,8 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
 def dot_products(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, cols, depth, alpha):
     """``C[r, j] = alpha * sum_x A[r, x] B[j, x]`` for r < rows, j < cols, where
     ``A[r, x] = a[a_offset + r * a_row + x]``, ``B[j, x] = b[b_offset + j * b_row + x]`` and
-    ``C[r, j] = c[c_offset + r * c_row + j]``; ``depth`` a multiple of the vector's lanes.
+    ``C[r, j] = c[c_offset + r * c_row + j]``; a ``depth`` that is not whole vectors ends in a
+    vector read masked (a head dim such as 40 with AVX-512's 16 lanes).
 
     The scores of a tile of few query rows (a decode step) straight from the key rows:
     :func:`pack_transposed` would copy each key once for a handful of products with it,
@@ -234,16 +235,20 @@ def dot_products(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, row
 @helper
 def _dot_products(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, rows, cols, depth, alpha):
     """8 keys at a time (8 independent FMA chains: enough to cover the FMA latency), each
-    row of A against them while their rows sit in L1; then the keys left one by one."""
+    row of A against them while their rows sit in L1; then the keys left one by one. The
+    last lanes of a depth that is not whole vectors are read masked (zeros past it, which
+    add nothing), not past the row: the next bytes are another row's, or none."""
     never_inline()
     lanes = lanes_in(c)
+    whole = depth - depth % lanes
+    rest = depth - whole
     j = 0
     while j + 8 <= cols:
         k = b_offset + j * b_row
         for r in range(rows):
             q = a_offset + r * a_row
             s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = fill(0.0, c)
-            for x in range(0, depth, lanes):
+            for x in range(0, whole, lanes):
                 row = load(a, q + x)
                 s0 = multiply_add(row, load(b, k + x), s0)
                 s1 = multiply_add(row, load(b, k + b_row + x), s1)
@@ -253,6 +258,16 @@ def _dot_products(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, ro
                 s5 = multiply_add(row, load(b, k + 5 * b_row + x), s5)
                 s6 = multiply_add(row, load(b, k + 6 * b_row + x), s6)
                 s7 = multiply_add(row, load(b, k + 7 * b_row + x), s7)
+            if rest:
+                row = load_first(a, q + whole, rest, 0.0)
+                s0 = multiply_add(row, load_first(b, k + whole, rest, 0.0), s0)
+                s1 = multiply_add(row, load_first(b, k + b_row + whole, rest, 0.0), s1)
+                s2 = multiply_add(row, load_first(b, k + 2 * b_row + whole, rest, 0.0), s2)
+                s3 = multiply_add(row, load_first(b, k + 3 * b_row + whole, rest, 0.0), s3)
+                s4 = multiply_add(row, load_first(b, k + 4 * b_row + whole, rest, 0.0), s4)
+                s5 = multiply_add(row, load_first(b, k + 5 * b_row + whole, rest, 0.0), s5)
+                s6 = multiply_add(row, load_first(b, k + 6 * b_row + whole, rest, 0.0), s6)
+                s7 = multiply_add(row, load_first(b, k + 7 * b_row + whole, rest, 0.0), s7)
             out = c_offset + r * c_row + j
             c[out] = alpha * horizontal_sum(s0)
             c[out + 1] = alpha * horizontal_sum(s1)
@@ -268,8 +283,10 @@ def _dot_products(a, a_offset, a_row, b, b_offset, b_row, c, c_offset, c_row, ro
         for r in range(rows):
             q = a_offset + r * a_row
             s0 = fill(0.0, c)
-            for x in range(0, depth, lanes):
+            for x in range(0, whole, lanes):
                 s0 = multiply_add(load(a, q + x), load(b, k + x), s0)
+            if rest:
+                s0 = multiply_add(load_first(a, q + whole, rest, 0.0), load_first(b, k + whole, rest, 0.0), s0)
             c[c_offset + r * c_row + j] = alpha * horizontal_sum(s0)
         j += 1
 

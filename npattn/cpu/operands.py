@@ -551,8 +551,10 @@ def row_prefetch(problem, ints, codes, tiles) -> int:
     codes in registers (:func:`npattn.cpu.tiles.codes_in_registers`), where that pays
     (:func:`npattn.cpu.isa.row_prefetch_pays`); 0 elsewhere (paged caches too: a tile on
     may lie in another page)."""
+    lanes = vector_lanes(problem.accumulate_dtype)
     in_registers = (codes != KvCodes.NONE and ints[Int.DOT_SCORES] and ints[Int.VECTOR_VALUES]
-                    and np.dtype(problem.accumulate_dtype) == np.float32)
+                    and np.dtype(problem.accumulate_dtype) == np.float32
+                    and problem.head_dim % lanes == 0 and problem.value_dim % lanes == 0)  # (tiles.whole_vector_rows)
     if ints[Int.HEAD_GROUP] > 1 and in_registers and problem.block_table is None and row_prefetch_pays():
         return int(tiles[1])
     return 0
@@ -587,7 +589,8 @@ def _product_paths(problem, kind, tuning) -> tuple:
     vector_values, vector_keys = vector and problem.value_dim % lanes == 0, vector and problem.head_dim % lanes == 0
     # rows counted as Sq x group both folded (Sq * group rows, group 1) and not (Sq rows
     # per head): the same problem takes the same path, so folding keeps the bits
-    dot_scores = kind == "forward" and vector_keys and problem.q_len * problem.group_size <= tuning.dot_rows
+    # (any head dim: the dot products read a last partial vector masked)
+    dot_scores = kind == "forward" and vector and problem.q_len * problem.group_size <= tuning.dot_rows
     return vector, vector_values, vector_keys, dot_scores
 
 
