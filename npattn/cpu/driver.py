@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import threading
 import weakref
@@ -57,9 +58,8 @@ class ForwardPlan:
     call (:meth:`__call__`) then only views its arrays, allocates the outputs and runs the
     kernels: a small call's cost is the kernel's, not Python's."""
 
-    def __init__(self, problem, tuning: Tuning, float_out: bool = False):
+    def __init__(self, problem, tuning: Tuning):
         self.tuning = tuning
-        given = problem
         self.dtype = dtype = np.dtype(problem.accumulate_dtype)
         # out's 16-bit dtype, or None (the dtype asked once here: 0.5 us of a small call)
         self.narrow = _narrow_dtype(problem)
@@ -70,8 +70,6 @@ class ForwardPlan:
             self.fold_shape = folding.fold_shape(problem)
             problem = folding.fold(problem)
         self.operands = operand_plan(problem, "forward", tuning, self.group)
-        if float_out:
-            self.operands = self.operands.with_float_out()
         ints = self.operands.ints
         self.items = int(forward_items(ints))
         self.splits = int(ints[Int.KEY_SPLITS])
@@ -79,26 +77,12 @@ class ForwardPlan:
         flops = _forward_flops(problem)
         self.inline = runs_inline(flops, self.items)
         self.pool_inline = runs_inline(flops, self.items, pool=True)
-        self.scratch_specs = forward_scratch_specs(ints, dtype)
-        self.weights_specs = weights_scratch_specs(ints, dtype)
         self.weights = problem.return_weights
         self.bshd = problem.layout == "bshd"
         heads, q_len, value_dim = problem.heads, problem.q_len, problem.value_dim
         batch = _memory_batches(problem)
         self.out_shape = (batch, q_len, heads, value_dim) if self.bshd else (batch, heads, q_len, value_dim)
-        # out straight in its 16-bit dtype (OUT_CODES: the kernel rounds each row it sums),
-        # else in the compute dtype
-        self.out_codes = bool(ints[Int.OUT_CODES])
-        # which is made as the float32 words the kernel takes (half as many a row: OUT_CODES
-        # has Dv whole vectors, or even for bfloat16 pairs) and handed back viewed as its
-        # dtype: a view to the smaller item costs 0.2 us, where the kernel's view of a 16-bit
-        # array as words cost a small call 1 us
-        made_shape = (*self.out_shape[:-1], self.out_shape[-1] // 2) if self.out_codes else self.out_shape
-        made_dtype = WORDS if self.out_codes else dtype
-        self.out_zeros = zeros_maker(made_shape, made_dtype)
         self.lse_shape = (batch, heads, q_len)
-        # (a call whose rows are all live: the kernel writes both whole)
-        self.out_empty = zeros_maker(made_shape, made_dtype, zeroed=False)
         self.lse_empty = functools.partial(np.empty, self.lse_shape, dtype)
         self.packed_rows = problem.packed_rows
         self.weights_shape = (batch, heads, q_len, problem.kv_len)
@@ -120,6 +104,28 @@ class ForwardPlan:
         if problem.packed_rows:  # every entry writes its own rows of the one batch
             strides[0] = 0
         self.out_strides = read_only(np.array(strides, np.int64))
+        self._alone = not self.blas and self.splits == 1 and self.inline
+        self._for_out(ints)
+        self._gradient_plan = None  # (for_gradients', made on first use)
+
+    def _for_out(self, ints) -> None:
+        """What depends on how the kernel writes out (``Int.OUT_CODES`` of ``ints``, this
+        plan's operands' parameters): the scratch, out's allocation, the kernels' typed entry
+        points and a 16-bit out's conversion."""
+        dtype = self.dtype
+        self.scratch_specs = forward_scratch_specs(ints, dtype)
+        self.weights_specs = weights_scratch_specs(ints, dtype)
+        # out straight in its 16-bit dtype (OUT_CODES: the kernel rounds each row it sums),
+        # else in the compute dtype
+        self.out_codes = bool(ints[Int.OUT_CODES])
+        # which is made as the float32 words the kernel takes (half as many a row: OUT_CODES
+        # has an even Dv) and handed back viewed as its dtype: a view to the smaller item
+        # costs 0.2 us, where the kernel's view of a 16-bit array as words cost a small call 1 us
+        made_shape = (*self.out_shape[:-1], self.out_shape[-1] // 2) if self.out_codes else self.out_shape
+        made_dtype = WORDS if self.out_codes else dtype
+        self.out_zeros = zeros_maker(made_shape, made_dtype)
+        # (a call whose rows are all live: the kernel writes both whole)
+        self.out_empty = zeros_maker(made_shape, made_dtype, zeroed=False)
         # calls whose whole work is one inline kernel call (no BLAS to pin, no key ranges
         # to merge), and the weights kernel's after it where asked, run, from the second
         # plain call on, the kernels' entry points (threads.direct_entry, typed after the
@@ -132,14 +138,11 @@ class ForwardPlan:
         self._entries: dict = {}
         # (the runs of one problem: a weak reference to it, and its option operands)
         self._kept_options = None
-        self._alone = not self.blas and self.splits == 1 and self.inline
         # and a 16-bit out's conversion on that path: the conversion's entry point, into a
         # fresh array of out's memory shape (2.3 us of converted() become 0.7)
         self._narrow_out = (conversion_entry(dtype, self.narrow, int(np.prod(self.out_shape)))
                             if self.narrow is not None and self._alone and not self.out_codes else None)
         self._scratch = threading.local()
-        # the plan of forwards whose backward follows (for_gradients)
-        self._for_gradients = ForwardPlan(given, tuning, float_out=True) if self.out_codes else self
 
     def for_gradients(self) -> "ForwardPlan":
         """The plan of this signature's forwards whose backward follows: this one, or where
@@ -149,8 +152,17 @@ class ForwardPlan:
         :func:`~npattn.cpu.backward_kernel.dominant_key_gradient`), exact only for the
         forward's own product: a rounded O left its rounding, times the scale and |q| or
         |k|, in dq and dk of nearly one-hot rows (a float16 dq of 0.8 where the exact
-        one is 0, at scale 1e4 with dropout)."""
-        return self._for_gradients
+        one is 0, at scale 1e4 with dropout). Made from this plan on first use (a decode
+        loop whose key count grows makes a plan a step, and most never run a backward)."""
+        if not self.out_codes:
+            return self
+        plan = self._gradient_plan
+        if plan is None:  # (two threads may both make one: either serves)
+            plan = copy.copy(self)
+            plan.operands = self.operands.with_float_out()
+            plan._for_out(plan.operands.ints)
+            self._gradient_plan = plan
+        return plan
 
     def __call__(self, q, k, v, arrays=None) -> ForwardResult | None:
         """The forward of bhsd ``q``, ``k``, ``v`` (this plan's shapes, strides and dtypes)
