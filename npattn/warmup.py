@@ -78,20 +78,22 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
 
 def _sixteen_bit_calls(dtype: Any, backward: bool) -> None:
     """float16 and bfloat16 where the head dim is whole vectors: read as they lie, with
-    the kernels that convert them and that sum the backward's delta from a 16-bit out,
-    given a dout of the dtype and a float32 one (as mixed precision passes it); and where
-    it is not, a call over the 1024 values from which the widened copies are converted on
-    the vector units (npattn.cpu.conversion; the tiny calls' copies are NumPy's)."""
+    the kernels that convert them and that sum the backward's delta from out, given a
+    dout of the dtype and a float32 one (as mixed precision passes it); where it is not,
+    the backward's widened copies, and an odd head dim's forward's: calls over the 1024
+    values from which the copies are converted on the vector units (npattn.cpu.conversion;
+    the tiny calls' copies are NumPy's)."""
     from .api import attention, attention_vjp
 
-    q = np.zeros((1, 1, 2, 64), dtype)
-    _, vjp = attention_vjp(q, q, q, backend="cpu")
-    if backward:  # (out has q's shape)
-        vjp(np.ones(q.shape, dtype))
-        vjp(np.ones(q.shape, np.float32))
-    # (36: not whole vectors of float32 at any ISA; 40 was whole at AVX2's 8 lanes, and an
-    # AVX2 CPU's first call that widened a copy compiled the conversion after the warmup)
-    q = np.zeros((1, 1, 32, 36), dtype)
+    for head_dim, size in ((64, 2), (36, 32)):
+        # (36: not whole vectors of float32 at any ISA; 40 was whole at AVX2's 8 lanes, and an
+        # AVX2 CPU's first call that widened a copy compiled the conversion after the warmup)
+        q = np.zeros((1, 1, size, head_dim), dtype)
+        _, vjp = attention_vjp(q, q, q, backend="cpu")
+        if backward:  # (out has q's shape)
+            vjp(np.ones(q.shape, dtype))
+            vjp(np.ones(q.shape, np.float32))
+    q = np.zeros((1, 1, 32, 35), dtype)
     attention(q, q, q, backend="cpu")
 
 
