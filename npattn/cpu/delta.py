@@ -1,7 +1,8 @@
 """delta = rowsum(dout * out), the softmax backward's row term, for a 16-bit problem.
 
-A float16 or bfloat16 backward gets the forward's out (16-bit where the forward wrote it
-so) and a dout, of q's dtype or float32. Its kernels read out in float32 (the gradient of
+A float16 or bfloat16 backward gets the forward's out (float32 from a vjp's forward, which
+keeps it for the dominant keys' gradients; 16-bit where a caller of attention_backward
+passes the rounded one) and a dout, of q's dtype or float32. Its kernels read out in float32 (the gradient of
 a dominant key subtracts it), and delta is a dot product of each dout row with its out
 row. One jitted pass reads them as they lie (dout copied into out's memory order where
 the two differ), widens a 16-bit out into the thread's kept float32 array and sums each

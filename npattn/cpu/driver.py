@@ -322,10 +322,10 @@ class ForwardPlan:
             if narrow is not None:
                 narrow = folding.in_layout(folding.unfold_rows(narrow, self.fold_shape), self.layout)
             lse = folding.unfold_rows(lse, self.fold_shape)
-        if self.out_codes:  # (the backward then widens this out where float32's was kept)
+        if self.out_codes:  # (a plain call's: a vjp's forward runs for_gradients', without OUT_CODES)
             narrow = out
         # a 16-bit out converted here, on the vector units (the backward keeps float32's; with
-        # OUT_CODES the kernel wrote the 16-bit one, which is the backward's)
+        # OUT_CODES the kernel wrote the 16-bit one, and there is no float32 one)
         shown = narrow if narrow is not None or self.narrow is None else converted(out, self.narrow)
         # the kernel saw every out row it wrote; merged key ranges are new rows it did not see
         finite = not status[NON_FINITE] if self.splits == 1 else None
@@ -565,8 +565,9 @@ class BackwardPlan:
         kept = self._entry
         viewed = self._alone and arrays is None and kept is not None and kept[1] is not None
         ops = self.operands.entry_operands(q, k, v) if viewed else self.operands.operands(q, k, v, arrays)
-        # out is the forward's float32, or its 16-bit out (OUT_CODES) widened into an array this
-        # thread keeps for the next call
+        # out is the forward's float32 (a vjp's forward keeps it: ForwardPlan.for_gradients), or
+        # a 16-bit out (attention_backward given one) widened into an array this thread keeps
+        # for the next call
         codes = self.operands.q_codes
         pairs = self.operands.pairs
         dout_strides = self._sixteen_bit_strides(dout) if (codes or pairs) and dout.dtype == q.dtype else None
