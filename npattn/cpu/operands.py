@@ -451,8 +451,7 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     if (kind not in ("forward", "backward") or name not in ("float16", "bfloat16") or problem.v.dtype != problem.k.dtype
             or problem.accumulate_dtype != np.float32 or not tuning.vector_products):
         return KvCodes.NONE
-    lanes = vector_lanes(problem.accumulate_dtype)
-    whole = problem.head_dim % lanes == 0 and problem.value_dim % lanes == 0
+    whole = whole_vector_dims(problem)
     # a forward takes any even head dims (tiles.whole_vector_rows: the others' tiles are
     # converted into float32 rows, their last vector masked); the backward's tiles, whole
     # vectors; odd ones are copied (rows that are not whole float32 words of q and out)
@@ -462,6 +461,13 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
             or row_order(problem.k, problem.k.dtype) is None or row_order(problem.v, problem.v.dtype) is None):
         return KvCodes.NONE
     return KvCodes.FLOAT16 if name == "float16" else KvCodes.BFLOAT16
+
+
+def whole_vector_dims(problem) -> bool:
+    """Whether the head dim and Dv are whole vectors of the compute dtype's lanes: the
+    planning side of :func:`npattn.cpu.tiles.whole_vector_rows`, which the kernels ask."""
+    lanes = vector_lanes(problem.accumulate_dtype)
+    return problem.head_dim % lanes == 0 and problem.value_dim % lanes == 0
 
 
 def query_codes(problem, kind: str, codes) -> KvCodes:
@@ -551,10 +557,8 @@ def row_prefetch(problem, ints, codes, tiles) -> int:
     codes in registers (:func:`npattn.cpu.tiles.codes_in_registers`), where that pays
     (:func:`npattn.cpu.isa.row_prefetch_pays`); 0 elsewhere (paged caches too: a tile on
     may lie in another page)."""
-    lanes = vector_lanes(problem.accumulate_dtype)
     in_registers = (codes != KvCodes.NONE and ints[Int.DOT_SCORES] and ints[Int.VECTOR_VALUES]
-                    and np.dtype(problem.accumulate_dtype) == np.float32
-                    and problem.head_dim % lanes == 0 and problem.value_dim % lanes == 0)  # (tiles.whole_vector_rows)
+                    and np.dtype(problem.accumulate_dtype) == np.float32 and whole_vector_dims(problem))
     if ints[Int.HEAD_GROUP] > 1 and in_registers and problem.block_table is None and row_prefetch_pays():
         return int(tiles[1])
     return 0
