@@ -316,13 +316,14 @@ class Plan:
     def saved_gradients(self, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any) -> Gradients | None:
         """:meth:`gradients` from the user's ``out``, ``lse`` and ``dout`` (as
         :func:`attention_backward` takes them), or None where the full path must answer:
-        any of them not a NumPy array of the shape and dtype the structure's forward gives."""
+        any of them not a NumPy array of the shape and dtype the structure's forward gives
+        (out: also the compute dtype, :func:`attention_for_backward`'s)."""
         form = self._form
         out_shape = (*q.shape[:-1], v.shape[-1])
         lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if form.layout == "bshd" else q.shape[:3]
-        for array, shape, dtype in ((out, out_shape, form.dtype), (dout, out_shape, form.dtype),
-                                    (lse, lse_shape, form.lse_dtype)):
-            if type(array) is not np.ndarray or array.shape != shape or array.dtype != dtype:
+        for array, shape, dtypes in ((out, out_shape, (form.dtype, form.lse_dtype)), (dout, out_shape, (form.dtype,)),
+                                     (lse, lse_shape, (form.lse_dtype,))):
+            if type(array) is not np.ndarray or array.shape != shape or array.dtype not in dtypes:
                 return None
         compute = form.lse_dtype
         saved = (_to_bhsd(form, out).astype(compute, copy=False), lse)
@@ -517,8 +518,10 @@ def attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
     With ``dropout_p > 0``, ``seed`` must be the forward's (an int): the backward
     regenerates its mask. ``return_lse`` and ``return_weights`` are ignored.
 
-    The kernels' backward reads out in the compute dtype; out given in float16 or
-    bfloat16 is widened, so gradients may differ from the vjp's by out's rounding.
+    ``out`` may be given in q's dtype or in the compute dtype (lse's). The kernels'
+    backward reads it in the compute dtype: a float16 or bfloat16 out is widened, and the
+    gradients may then differ from the vjp's by out's rounding (a row one key dominates:
+    see :func:`attention_for_backward`, whose ``out_for_backward`` gives the vjp's).
     """
     options = {name: value for name, value in options.items() if name not in ("return_lse", "return_weights")}
     key = _plans.call_key(q, k, v, options)
@@ -550,8 +553,49 @@ def attention_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
     return _public_gradients(form, grads, dtypes)
 
 
+def attention_for_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> tuple[Outputs, Array]:
+    """``(outputs, out_for_backward)``: what ``attention(q, k, v, **options)`` returns,
+    and out as :func:`attention_backward` should be given it, for frameworks that keep
+    arrays between the passes (:mod:`npattn.torch`, :mod:`npattn.jax`).
+
+    ``out_for_backward`` has out's shape and layout in the compute dtype (lse's): for
+    float32 and float64 inputs it is out itself; for float16 and bfloat16 inputs on the
+    cpu backend it is the kernel's float32 out before rounding (B x H x Sq x Dv x 4 bytes
+    more to keep), so that ``attention_backward`` gives the gradients
+    :func:`attention_vjp` gives, bit for bit. A rounded out would move them by out's
+    rounding: where one key holds a row's weight, dq is the difference of two nearly
+    equal terms, and a float16 out leaves it about 2**-11 of the inputs' size instead of
+    near zero. (The gpu backend's backward reads a 16-bit out, as FlashAttention's does;
+    its ``out_for_backward`` is that out widened.) With dropout, give an int ``seed``:
+    the backward regenerates the mask from it.
+
+    Args:
+{arguments}
+    """
+    key = _plans.call_key(q, k, v, options)
+    if key is not None:
+        planned = _plans.lookup(key)
+        result = None if planned is None else planned.planned_forward(q, k, v, for_gradients=True)
+        if result is not None:
+            return _with_out_for_backward(planned.form, result, _public_outputs(planned.form, result, finite=True))
+    problem, _, result = _checked_forward(q, k, v, options, key, backward=True)
+    form = OutputForm.of(problem)
+    return _with_out_for_backward(form, result, _public_outputs(form, result))
+
+
+def _with_out_for_backward(form: "OutputForm", result: ForwardResult, outputs: Outputs) -> tuple[Outputs, Array]:
+    """``(outputs, out_for_backward)``: the out the backend saved for its own backward
+    (the CPU's float32 out of a 16-bit call; else out, or the reference's float64 one) in
+    the user's layout and the compute dtype; the public out itself where that is the same."""
+    saved = result.saved[0] if isinstance(result.saved, tuple) else result.out
+    out = outputs[0] if isinstance(outputs, tuple) else outputs
+    if saved.dtype == form.dtype == form.lse_dtype:
+        return outputs, out
+    return outputs, _user_array(form, saved, form.lse_dtype)
+
+
 # One list of options, from the table: the signatures help() and IDEs show, and the docs.
-for _function in (attention, attention_vjp, plan):
+for _function in (attention, attention_vjp, attention_for_backward, plan):
     setattr(_function, "__signature__", _options.signature())
     if _function.__doc__:  # None under python -OO
         _function.__doc__ = _function.__doc__.format(arguments=_options.argument_docs(" " * 8),

@@ -582,6 +582,29 @@ def test_a_repeated_attention_backward_answers_as_a_first_one(case, layout):
     assert plans.lookup(plans.call_key(q, k, v, options)).backward_plan is not None
 
 
+@settings(max_examples=30)
+@given(case=cases(dtypes=("float16", "bfloat16", "float32", "float64"),
+                  dims_strategy=dims(max_group=4, max_len=20, max_dim=16)),
+       layout=layouts)
+def test_attention_backward_from_attention_for_backward_gives_the_vjps_gradients(case, layout):
+    """A framework's two passes (attention_for_backward, then attention_backward from the
+    arrays it kept) give attention_vjp's outputs and gradients bit for bit, on the full
+    path and then the planned one; a 16-bit call keeps its float32 out for them."""
+    q, k, v = (to_layout(a, layout) for a in (case.q, case.k, case.v))
+    options = {**case.options, "layout": layout, "return_lse": True}
+    outputs, vjp = npattn.attention_vjp(q, k, v, **options)
+    dout = np.random.default_rng(3).standard_normal(outputs[0].shape).astype(case.dtype)
+    expected = vjp(dout)
+    plans.clear()
+    for _ in range(3):  # the full path, then the plan's
+        (out, lse), out_for_backward = npattn.attention_for_backward(q, k, v, **options)
+        _same((out, lse), outputs)
+        assert out_for_backward.shape == out.shape and out_for_backward.dtype == lse.dtype
+        if case.dtype == lse.dtype:
+            assert out_for_backward is out
+        _same(npattn.attention_backward(q, k, v, out_for_backward, lse, dout, **options), expected)
+
+
 def test_attention_backward_checks_out_lse_and_dout_after_a_planned_call():
     q, k, v = _arrays()
     out, lse = npattn.attention(q, k, v, return_lse=True)

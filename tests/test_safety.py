@@ -321,7 +321,7 @@ def test_fake_and_real_torch_ops_agree_on_permuted_views():
     arrays = [None] * len(adapter.ARRAY_OPTIONS)
     torch.library.opcheck(torch.ops.npattn.attention_forward.default, (q, k, v, *arrays, settings),
                           test_utils=("test_schema", "test_faketensor"))
-    out, lse, _ = torch.ops.npattn.attention_forward(q, k, v, *arrays, settings)
+    out, lse, _, _ = torch.ops.npattn.attention_forward(q, k, v, *arrays, settings)
     dout = torch.randn_like(out).permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
     torch.library.opcheck(torch.ops.npattn.attention_backward.default, (dout, q, k, v, out, lse, *arrays, settings),
                           test_utils=("test_schema", "test_faketensor"))

@@ -4,8 +4,10 @@ A ``jax.custom_vjp`` whose forward and backward are ``jax.pure_callback`` calls 
 npattn on the host (the cpu backend): usable under ``jit``, ``grad`` and ``vmap``
 (``vmap`` runs the callback once per mapped element). The backward is npattn's fused
 backward (:func:`npattn.attention_backward`) from the forward's out and lse, which JAX
-keeps as residuals. Gradients flow to q, k, v, ``bias`` and ``sink_logits``; the other
-option arrays (mask, lengths, ALiBi slopes) are constants to it (zero cotangents).
+keeps as residuals (a float16 or bfloat16 call's out in float32, as
+:func:`npattn.attention_for_backward` gives it: the gradients are attention_vjp's).
+Gradients flow to q, k, v, ``bias`` and ``sink_logits``; the other option arrays (mask,
+lengths, ALiBi slopes) are constants to it (zero cotangents).
 
 Imported only when used (``import npattn.jax``, or npattn.attention given JAX tracers);
 it imports JAX.
@@ -119,6 +121,17 @@ def _host_forward(static: _Static, q, k, v, *arrays):
     return out, lse, weights
 
 
+def _host_forward_for_backward(static: _Static, q, k, v, *arrays):
+    """:func:`_host_forward`'s outputs and out as the backward reads it
+    (:func:`npattn.attention_for_backward`: a 16-bit out's float32 product)."""
+    options = {**static.options, **dict(zip(static[0], (np.asarray(a) for a in arrays)))}
+    results, float_out = _api.attention_for_backward(np.asarray(q), np.asarray(k), np.asarray(v), return_lse=True,
+                                                     return_weights=static[1], **options)
+    out, lse = results[:2]
+    weights = results[2] if static[1] else np.zeros((0,), out.dtype)
+    return out, lse, weights, float_out
+
+
 def _host_backward(static: _Static, q, k, v, out, lse, dout, *arrays):
     """npattn.attention_backward on the host: (dq, dk, dv, d<option> for each differentiable given)."""
     options = {**static.options, **dict(zip(static[0], (np.asarray(a) for a in arrays)))}
@@ -132,8 +145,16 @@ def _attention(static, q, k, v, *arrays):
 
 
 def _attention_forward(static, q, k, v, *arrays):
-    outputs = _attention(static, q, k, v, *arrays)
-    return outputs, (q, k, v, outputs[0], outputs[1], arrays)
+    """The forward under differentiation: a 16-bit call keeps its float32 out as the
+    residual its backward reads (the primal call, :func:`_attention`, does not)."""
+    shapes = _shapes(static, q, k, v)
+    if q.dtype not in (jnp.float16, jnp.bfloat16):
+        outputs = _attention(static, q, k, v, *arrays)
+        return outputs, (q, k, v, outputs[0], outputs[1], arrays)
+    *outputs, float_out = jax.pure_callback(
+        functools.partial(_host_forward_for_backward, static),
+        (*shapes, jax.ShapeDtypeStruct(shapes[0].shape, jnp.float32)), q, k, v, *arrays, vmap_method="sequential")
+    return tuple(outputs), (q, k, v, float_out, outputs[1], arrays)
 
 
 def _attention_backward(static, residuals, cotangents):
@@ -144,7 +165,7 @@ def _attention_backward(static, residuals, cotangents):
     shapes = (*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v)),
               *(jax.ShapeDtypeStruct(option_arrays[name].shape, option_arrays[name].dtype) for name in given))
     grads = jax.pure_callback(functools.partial(_host_backward, static), shapes, q, k, v, out, lse,
-                              dout.astype(out.dtype), *arrays, vmap_method="sequential")
+                              dout.astype(q.dtype), *arrays, vmap_method="sequential")
     dq, dk, dv, *option_grads = grads
     by_name = dict(zip(given, option_grads))
     return (dq, dk, dv, *(by_name[name] if name in by_name else _zero_cotangent(array)

@@ -3,7 +3,9 @@
 Two ``torch.library`` custom ops, ``npattn::attention_forward`` and
 ``npattn::attention_backward``, joined by a registered autograd formula, so torch
 differentiates through npattn's fused, deterministic backward (not through a
-recomputed forward). Each has a fake implementation (shapes and dtypes only), so the
+recomputed forward). A float16 or bfloat16 forward whose gradients are needed keeps its
+float32 out for the backward (the op's fourth output, empty otherwise;
+:func:`npattn.attention_for_backward`), so the gradients are attention_vjp's. Each has a fake implementation (shapes and dtypes only), so the
 op traces under ``torch.compile`` and ``torch.export`` as one opaque call.
 
 Tensors cross to npattn without a copy (DLPack, :mod:`npattn.adapters.arrays`): CPU
@@ -54,11 +56,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any)
     wanted = [bool(options.pop(flag, False)) for flag in _OUTPUT_FLAGS]
     if _options.dropout_requested(options) and options.get("seed") is None:
         options["seed"] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-    settings = repr({name: _plain(name, value) for name, value in {**options, "return_weights": wanted[1]}.items()})
+    # a 16-bit forward whose backward may follow keeps its float32 out for it
+    # (npattn.attention_for_backward); one under no_grad, or of inputs that need no
+    # gradient, does not pay for it
+    keeps = q.dtype in _ROUNDED and takes((q, k, v, *arrays))
+    settings = repr({name: _plain(name, value) for name, value in
+                     {**options, "return_weights": wanted[1], _KEEPS_FLOAT_OUT: keeps}.items()})
     if torch.compiler.is_compiling():  # one opaque op in the graph, its fake shapes for tracing
-        out, lse, weights = torch.ops.npattn.attention_forward(q, k, v, *arrays, settings)
+        out, lse, weights, _ = torch.ops.npattn.attention_forward(q, k, v, *arrays, settings)
     else:  # eager: the same functions, without the dispatcher's two round trips
-        out, lse, weights = _EagerAttention.apply(q, k, v, *arrays, settings)
+        out, lse, weights, _ = _EagerAttention.apply(q, k, v, *arrays, settings)
     extras = [array for array, want in zip((lse, weights), wanted) if want]
     return (out, *extras) if extras else out
 
@@ -116,12 +123,16 @@ def _back(array: Any) -> torch.Tensor:
 
 
 _SHARED_DTYPES = frozenset(np.dtype(name) for name in ("float16", "float32", "float64"))
+_ROUNDED = (torch.float16, torch.bfloat16)  # dtypes whose out rounds the kernels' float32 one
+_KEEPS_FLOAT_OUT = "keeps_float_out"  # the forward op's setting (not an npattn option)
 
 
 def _native_call(arrays: list, settings: str) -> dict:
-    """npattn's keyword options from the op's inputs: native views of the arrays, then the settings."""
+    """npattn's keyword options from the op's inputs: native views of the arrays, then the
+    settings (less the forward's own ``keeps_float_out``)."""
     options = {name: _native(name, array) for name, array in zip(ARRAY_OPTIONS, arrays) if array is not None}
     options.update(_settings(settings))
+    options.pop(_KEEPS_FLOAT_OUT, None)
     return options
 
 
@@ -130,20 +141,28 @@ def _native_call(arrays: list, settings: str) -> dict:
 # in the inputs).
 _ARRAY_PARAMETERS = ", ".join(f"Tensor? {name}" for name in ARRAY_OPTIONS)
 torch.library.define("npattn::attention_forward",
-                     f"(Tensor q, Tensor k, Tensor v, {_ARRAY_PARAMETERS}, str settings) -> (Tensor, Tensor, Tensor)")
+                     f"(Tensor q, Tensor k, Tensor v, {_ARRAY_PARAMETERS}, str settings) "
+                     "-> (Tensor, Tensor, Tensor, Tensor)")
 torch.library.define("npattn::attention_backward",
                      f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_ARRAY_PARAMETERS}, "
                      "str settings) -> Tensor[]")
 
 
 def _forward(q, k, v, *arrays_and_settings):
-    """(out, lse, weights): weights is empty unless the settings ask for them."""
+    """(out, lse, weights, float_out): weights is empty unless the settings ask for them;
+    float_out, the float32 out a 16-bit forward keeps for its backward
+    (:func:`npattn.attention_for_backward`), is empty unless they say ``keeps_float_out``."""
     *arrays, settings = arrays_and_settings
     options = _native_call(arrays, settings)
-    results = _api.attention(_native("q", q), _native("k", k), _native("v", v), return_lse=True, **options)
+    native = (_native("q", q), _native("k", k), _native("v", v))
+    if _settings(settings).get(_KEEPS_FLOAT_OUT):
+        results, float_out = _api.attention_for_backward(*native, return_lse=True, **options)
+        float_out = _back(float_out).contiguous()
+    else:
+        results, float_out = _api.attention(*native, return_lse=True, **options), q.new_empty(0, dtype=torch.float32)
     out, lse = _back(results[0]).contiguous(), _back(results[1]).contiguous()  # as the fake says
     weights = _back(results[2]).contiguous() if options["return_weights"] else q.new_empty(0)
-    return out, lse, weights
+    return out, lse, weights, float_out
 
 
 @torch.library.register_fake("npattn::attention_forward")
@@ -155,7 +174,8 @@ def _forward_shapes(q, k, v, *arrays_and_settings):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty((batch, heads, q_len), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     weights = q.new_empty((batch, heads, q_len, kv_len) if settings["return_weights"] else (0,))
-    return out, lse, weights
+    float_out = out.new_empty(out.shape if settings.get(_KEEPS_FLOAT_OUT) else (0,), dtype=torch.float32)
+    return out, lse, weights, float_out
 
 
 def _backward(dout, q, k, v, out, lse, *arrays_and_settings):
@@ -184,17 +204,18 @@ torch.library.impl("npattn::attention_backward", "CompositeExplicitAutograd", fu
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *arrays, settings = inputs
-    out, lse, _ = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    out, lse, _, float_out = output
+    # the backward reads the float32 out where the forward kept one (16-bit inputs)
+    ctx.save_for_backward(q, k, v, float_out if float_out.numel() else out, lse)
     ctx.arrays, ctx.settings = arrays, settings
 
 
-def _backward_formula(ctx, dout, dlse, dweights, backward=torch.ops.npattn.attention_backward):
+def _backward_formula(ctx, dout, dlse, dweights, dfloat_out, backward=torch.ops.npattn.attention_backward):
     """The gradients of the op's inputs: ``backward``'s (the backward op, or in eager mode
     its function) for q, k, v, bias and sink_logits; None for the rest."""
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:  # only lse or weights were used: no gradient flows through them
-        dout = torch.zeros_like(out)
+        dout = out.new_zeros(out.shape, dtype=q.dtype)  # (out may be the kept float32 one)
     grads = iter(backward(dout.contiguous(), q, k, v, out, lse, *ctx.arrays, ctx.settings))
     dq, dk, dv = next(grads), next(grads), next(grads)
     given = dict(zip(ARRAY_OPTIONS, ctx.arrays))
@@ -211,14 +232,14 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, *arrays_and_settings):
-        out, lse, weights = _forward(q, k, v, *arrays_and_settings)
-        _setup_context(ctx, (q, k, v, *arrays_and_settings), (out, lse, weights))
-        ctx.mark_non_differentiable(lse, weights)
-        return out, lse, weights
+        outputs = _forward(q, k, v, *arrays_and_settings)
+        _setup_context(ctx, (q, k, v, *arrays_and_settings), outputs)
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
 
     @staticmethod
-    def backward(ctx, dout, dlse, dweights):
-        return _backward_formula(ctx, dout, dlse, dweights, backward=_backward)
+    def backward(ctx, dout, dlse, dweights, dfloat_out):
+        return _backward_formula(ctx, dout, dlse, dweights, dfloat_out, backward=_backward)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any,
