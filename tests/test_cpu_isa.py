@@ -63,6 +63,46 @@ def test_micro_kernel_products_match_numpy(rows, depth, vectors, dtype):
     assert_close(c, exact, dtype, depth, float(np.abs(a).max() * np.abs(b).max()), what="product")
 
 
+@njit  # not cached, as above
+def _strided_product(a, b, c, rows, depth, width, b_row, c_row, accumulate):
+    microkernels.product(a, 0, depth, 1, b, 0, b_row, c, 0, c_row, rows, depth, width, 1.0, accumulate)
+
+
+# (rows, depth, width in vectors): widths a few lanes short of whole vectors (a decode
+# tile's values of a head dim such as 40 with AVX-512), alone, after whole vectors of a
+# chunk's tail, after whole chunks, and after a single row's wide chunks; depths past the
+# L1 slice; both with rows two at a time and one left
+@pytest.mark.parametrize("rows, depth, vectors", [(1, 1, 1), (1, 5, 3), (2, 33, 3), (3, 600, 5), (1, 70, 10),
+                                                  (5, 40, 9)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_micro_kernel_products_of_a_partial_last_vector_read_and_write_only_their_columns(rows, depth, vectors,
+                                                                                          dtype):
+    """B's rows hold NaN past the width and C's rows hold a sentinel past it: a read of B's
+    lanes would show as NaN, a write of C's as a changed sentinel. Each column has the bits
+    of the same product over whole vectors (B zero-padded): the same chain per column."""
+    rng = np.random.default_rng(rows * depth + vectors)
+    lanes = simd.lanes_of(np.dtype(dtype))
+    width = vectors * lanes - 3
+    a = rng.standard_normal((rows, depth)).astype(dtype)
+    b = np.full((depth, width + 3), np.nan, dtype)
+    b[:, :width] = rng.standard_normal((depth, width))
+    start = rng.standard_normal((rows, width + 2)).astype(dtype)
+    start[:, width:] = 7.0
+    for accumulate in (False, True):
+        c = start.copy()
+        _strided_product(a.ravel(), b.ravel(), c.ravel(), rows, depth, width, width + 3, width + 2, accumulate)
+        np.testing.assert_array_equal(c[:, width:], 7.0)
+        exact = a.astype(np.float64) @ b[:, :width].astype(np.float64) + (start[:, :width] if accumulate else 0)
+        assert_close(c[:, :width], exact, dtype, depth + 1, float(np.abs(a).max() * np.abs(b[:, :width]).max()) + 1,
+                     what="product")
+        whole = np.zeros((rows, width + 3), dtype)
+        whole[:, :width] = start[:, :width]
+        padded = np.nan_to_num(b, nan=0.0)
+        _strided_product(a.ravel(), padded.ravel(), whole.ravel(), rows, depth, width + 3, width + 3, width + 3,
+                         accumulate)
+        np.testing.assert_array_equal(c[:, :width], whole[:, :width])
+
+
 # (rows, keys, depth in vectors): 8-key blocks and the keys left after them, one-vector
 # depths, and key rows farther apart than the depth (a bhsd head's rows inside a wider row);
 # depths a few lanes past whole vectors too (a head dim of 40 with AVX-512), whose last
@@ -179,17 +219,21 @@ def test_products_on_codes_match_numpy(rows, cols, vectors, decode):
         np.testing.assert_array_equal(p, before)
 
 
+@pytest.mark.parametrize("partial", [0, 6], ids=["whole", "partial"])
 @pytest.mark.parametrize("decode", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows, cols, vectors", [(1, 300, 4), (1, 200, 9), (1, 130, 8), (4, 300, 8), (3, 129, 5)])
-def test_products_on_16_bit_values_give_the_bits_of_their_float32_rows(rows, cols, vectors, decode):
+@pytest.mark.parametrize("rows, cols, vectors", [(1, 300, 4), (1, 200, 9), (1, 130, 8), (4, 300, 8), (3, 129, 5),
+                                                 (5, 40, 3)])
+def test_products_on_16_bit_values_give_the_bits_of_their_float32_rows(rows, cols, vectors, decode, partial):
     """16-bit values read in registers give exactly what the micro-kernels give on their
     float32 rows (what a float32 cache of the same values gives): each score the same one
     chain, and P V summed in the pieces microkernels.product sums in (a single row's wide
     chunks over every key, other columns over slices of DEPTH_BLOCK keys: more keys than
-    one slice here, head dims past and short of a wide chunk)."""
+    one slice here, head dims past and short of a wide chunk). A head dim a few values
+    short of whole vectors reads its last vector masked, scores and P V (C's rows are
+    adjacent here: a write past a row's end would be the next row's start)."""
     dtype = np.float32
     rng = np.random.default_rng(rows * 1000 + cols + vectors)
-    depth = vectors * simd.lanes_of(np.dtype(dtype))
+    depth = vectors * simd.lanes_of(np.dtype(dtype)) - partial
     codes, values = _coded_rows(rng, decode, cols, depth + 3)
     rows32 = values.astype(dtype)
     scales = np.full(1, np.nan, dtype)

@@ -34,9 +34,9 @@ from ..core.kernel_params import KvCodes
 from .jit import OPTIONS, helper, inlined_helper
 from .microkernels import DEPTH_BLOCK, WIDE_ROWS, WIDE_VECTORS
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
-from .simd import (VECTOR_BYTES, add, always_inline, fill, horizontal_sum, lanes_in, load, load_code,
-                   line_elements, load_float16_bits, load_strided, multiply, multiply_add, never_inline,
-                   prefetch_to_l2, store, store_key_sums)
+from .simd import (VECTOR_BYTES, add, always_inline, fill, horizontal_sum, lanes_in, load, load_code, load_first,
+                   line_elements, load_float16_bits, load_float16_bits_first, load_strided, multiply, multiply_add,
+                   never_inline, prefetch_to_l2, store, store_first, store_key_sums)
 
 
 # Query rows per register block, on both ISAs: each key's codes are converted once for a
@@ -87,8 +87,10 @@ def code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_
     ``A[r, x] = a[a_offset + r * a_row + x]`` (floats), ``B[j, x]`` value x of the row of
     codes whose bytes start at ``codes[b_offset + j * b_row]`` (read by ``decode``),
     ``scale_j = scales[scale_offset + j * scale_step]`` (1 for 16-bit values, ``scales``
-    unread) and ``C[r, j] = c[c_offset + r * c_row + j]``; ``depth`` a multiple of the
-    vector's lanes. With ``ahead`` > 0, asks L2 for the rows (and scales) of the keys
+    unread) and ``C[r, j] = c[c_offset + r * c_row + j]``; a 16-bit ``depth`` that is not
+    whole vectors ends in a vector read masked, as :func:`~npattn.cpu.microkernels.dot_products`
+    reads float32 rows (one-byte codes' head dims are whole vectors:
+    :data:`npattn.core.quantization.HEAD_DIM_MULTIPLE`). With ``ahead`` > 0, asks L2 for the rows (and scales) of the keys
     ``ahead`` rows on as it goes (:func:`_ask_for_keys`). float32 only (see
     :func:`~npattn.cpu.tiles.codes_in_registers`): elsewhere a stub that does nothing."""
     raise NotImplementedError
@@ -179,6 +181,29 @@ def _values(codes, row, x, like, decode):
 
 
 @helper
+def _values_first(codes, row, x, count, like, decode):
+    """:func:`_values` of the first ``count`` values only, the other lanes 0 (a masked load:
+    a row's last, partial vector). 16-bit values only: a one-byte decode gives the whole
+    vector (its rows are whole vectors, so no caller asks it for fewer)."""
+    always_inline()
+    if decode == _FLOAT16:
+        return load_float16_bits_first(codes, row + 2 * x, count, like, False)
+    if decode == _BFLOAT16:
+        return load_float16_bits_first(codes, row + 2 * x, count, like, True)
+    return load_code(codes, row + x, like, decode == _FLOAT8)
+
+
+@helper
+def _partial_lanes(size, lanes, decode):
+    """The lanes of ``size``'s last, partial vector (0 where it is whole vectors): 0 for
+    one-byte codes, whose head dims are whole vectors (a constant: their masked code folds away)."""
+    always_inline()
+    if decode == _FLOAT16 or decode == _BFLOAT16:
+        return size % lanes
+    return 0
+
+
+@helper
 def _scale(scales, at, decode):
     """Key ``at``'s scale; 1 for 16-bit values, which have none (a constant: the multiplies
     by it fold away)."""
@@ -199,6 +224,8 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
     always_inline()
     lanes = lanes_in(c)
     ahead_bytes, row_bytes = ahead * b_row, depth * code_bytes(decode)
+    rest = _partial_lanes(depth, lanes, decode)  # (a last vector read masked)
+    depth -= rest
     j = 0
     if rows < ROW_BLOCK:  # each row alone anyway: WIDE_KEYS chains in flight, not KEY_BLOCK
         while j + WIDE_KEYS <= cols:
@@ -209,7 +236,7 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
             high = _four_factors(scales, scale_offset + (j + 4) * scale_step, scale_step, alpha, decode)
             for r in range(rows):
                 _wide_key_block(a, a_offset + r * a_row, codes, k, b_row, c, c_offset + r * c_row + j, low, high,
-                                depth, lanes, decode)
+                                depth, rest, lanes, decode)
             j += WIDE_KEYS
     while j + KEY_BLOCK <= cols:
         k = b_offset + j * b_row
@@ -219,11 +246,11 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
         r = 0
         while r + ROW_BLOCK <= rows:
             _key_block(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
-                       factors, ROW_BLOCK, depth, lanes, decode)
+                       factors, ROW_BLOCK, depth, rest, lanes, decode)
             r += ROW_BLOCK
         while r < rows:
             _key_block(a, a_offset + r * a_row, a_row, codes, k, b_row, c, c_offset + r * c_row + j, c_row,
-                       factors, 1, depth, lanes, decode)
+                       factors, 1, depth, rest, lanes, decode)
             r += 1
         j += KEY_BLOCK
     zero = fill(0.0, c)
@@ -235,6 +262,9 @@ def _dot_products_of(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_o
             s0 = zero
             for x in range(0, depth, lanes):
                 s0 = multiply_add(load(a, q0 + x), _values(codes, k, x, zero, decode), s0)
+            if rest:
+                s0 = multiply_add(load_first(a, q0 + depth, rest, 0.0), _values_first(codes, k, depth, rest, zero,
+                                                                                       decode), s0)
             c[as_offset(c_offset + r * c_row + j)] = factor * horizontal_sum(s0)
         j += 1
 
@@ -281,11 +311,11 @@ def _four_factors(scales, at, step, alpha, decode):
 
 
 @helper
-def _wide_key_block(a, q_at, codes, k, b_row, c, c_at, low, high, depth, lanes, decode):
+def _wide_key_block(a, q_at, codes, k, b_row, c, c_at, low, high, depth, rest, lanes, decode):
     """The scores of :data:`WIDE_KEYS` keys for one query row (``low`` and ``high``: the
     factors of the first and last 4): 8 FMA chains, one per key, as many as
     :func:`~npattn.cpu.microkernels.dot_products` keeps, where a block of KEY_BLOCK keys
-    waited on the FMAs' latency."""
+    waited on the FMAs' latency. ``depth`` whole vectors, then ``rest`` values masked."""
     always_inline()
     zero = fill(0.0, c)
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
@@ -299,39 +329,33 @@ def _wide_key_block(a, q_at, codes, k, b_row, c, c_at, low, high, depth, lanes, 
         s5 = multiply_add(row, _values(codes, k + 5 * b_row, x, zero, decode), s5)
         s6 = multiply_add(row, _values(codes, k + 6 * b_row, x, zero, decode), s6)
         s7 = multiply_add(row, _values(codes, k + 7 * b_row, x, zero, decode), s7)
+    if rest:
+        row = load_first(a, q_at + depth, rest, 0.0)
+        s0 = multiply_add(row, _values_first(codes, k, depth, rest, zero, decode), s0)
+        s1 = multiply_add(row, _values_first(codes, k + b_row, depth, rest, zero, decode), s1)
+        s2 = multiply_add(row, _values_first(codes, k + 2 * b_row, depth, rest, zero, decode), s2)
+        s3 = multiply_add(row, _values_first(codes, k + 3 * b_row, depth, rest, zero, decode), s3)
+        s4 = multiply_add(row, _values_first(codes, k + 4 * b_row, depth, rest, zero, decode), s4)
+        s5 = multiply_add(row, _values_first(codes, k + 5 * b_row, depth, rest, zero, decode), s5)
+        s6 = multiply_add(row, _values_first(codes, k + 6 * b_row, depth, rest, zero, decode), s6)
+        s7 = multiply_add(row, _values_first(codes, k + 7 * b_row, depth, rest, zero, decode), s7)
     store_key_sums(c, c_at, 0, (s0, s1, s2, s3), low)
     store_key_sums(c, c_at + 4, 0, (s4, s5, s6, s7), high)
 
 
 @helper
-def _key_block(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, depth, lanes, decode):
+def _key_block(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, depth, rest, lanes, decode):
     """The scores of :data:`KEY_BLOCK` keys for ``rows`` (1 or :data:`ROW_BLOCK`, a
     constant) query rows of :func:`_dot_products_of`: the accumulators of query row r are
-    s, t, u, w, numbered by key."""
+    s, t, u, w, numbered by key. ``depth`` whole vectors, then ``rest`` values masked."""
     always_inline()
     zero = fill(0.0, c)
-    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b2 = b3 = zero
+    sums = (zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)
     for x in range(0, depth, lanes):
-        b0, b1 = _values(codes, k, x, zero, decode), _values(codes, k + b_row, x, zero, decode)
-        if KEY_BLOCK == 4:
-            b2, b3 = _values(codes, k + 2 * b_row, x, zero, decode), _values(codes, k + 3 * b_row, x, zero, decode)
-        row = load(a, q_at + x)
-        s0, s1 = multiply_add(row, b0, s0), multiply_add(row, b1, s1)
-        if KEY_BLOCK == 4:
-            s2, s3 = multiply_add(row, b2, s2), multiply_add(row, b3, s3)
-        if rows == 4:
-            row = load(a, q_at + a_row + x)
-            t0, t1 = multiply_add(row, b0, t0), multiply_add(row, b1, t1)
-            if KEY_BLOCK == 4:
-                t2, t3 = multiply_add(row, b2, t2), multiply_add(row, b3, t3)
-            row = load(a, q_at + 2 * a_row + x)
-            u0, u1 = multiply_add(row, b0, u0), multiply_add(row, b1, u1)
-            if KEY_BLOCK == 4:
-                u2, u3 = multiply_add(row, b2, u2), multiply_add(row, b3, u3)
-            row = load(a, q_at + 3 * a_row + x)
-            w0, w1 = multiply_add(row, b0, w0), multiply_add(row, b1, w1)
-            if KEY_BLOCK == 4:
-                w2, w3 = multiply_add(row, b2, w2), multiply_add(row, b3, w3)
+        sums = _key_step(a, q_at, a_row, codes, k, b_row, x, 0, rows, sums, zero, decode)
+    if rest:
+        sums = _key_step(a, q_at, a_row, codes, k, b_row, depth, rest, rows, sums, zero, decode)
+    s0, s1, s2, s3, t0, t1, t2, t3, u0, u1, u2, u3, w0, w1, w2, w3 = sums
     if rows == 4 and KEY_BLOCK == 4:
         store_key_sums(c, c_at, c_row, (s0, s1, s2, s3, t0, t1, t2, t3, u0, u1, u2, u3, w0, w1, w2, w3), factors)
     elif rows == 4:
@@ -342,14 +366,65 @@ def _key_block(a, q_at, a_row, codes, k, b_row, c, c_at, c_row, factors, rows, d
         store_key_sums(c, c_at, c_row, (s0, s1), factors)
 
 
+@helper
+def _key_step(a, q_at, a_row, codes, k, b_row, x, count, rows, sums, zero, decode):
+    """One step of :func:`_key_block` through the depth: ``sums`` (s0..s3, t0..t3, u0..u3,
+    w0..w3) after values ``x, x + 1, ...`` of its keys and rows, a whole vector (``count``
+    0: a constant where the whole vectors' loop calls it) or its first ``count`` lanes."""
+    always_inline()
+    s0, s1, s2, s3, t0, t1, t2, t3, u0, u1, u2, u3, w0, w1, w2, w3 = sums
+    b0, b1 = _key_values(codes, k, x, count, zero, decode), _key_values(codes, k + b_row, x, count, zero, decode)
+    b2 = b3 = zero
+    if KEY_BLOCK == 4:
+        b2 = _key_values(codes, k + 2 * b_row, x, count, zero, decode)
+        b3 = _key_values(codes, k + 3 * b_row, x, count, zero, decode)
+    row = _query_values(a, q_at + x, count)
+    s0, s1 = multiply_add(row, b0, s0), multiply_add(row, b1, s1)
+    if KEY_BLOCK == 4:
+        s2, s3 = multiply_add(row, b2, s2), multiply_add(row, b3, s3)
+    if rows == 4:
+        row = _query_values(a, q_at + a_row + x, count)
+        t0, t1 = multiply_add(row, b0, t0), multiply_add(row, b1, t1)
+        if KEY_BLOCK == 4:
+            t2, t3 = multiply_add(row, b2, t2), multiply_add(row, b3, t3)
+        row = _query_values(a, q_at + 2 * a_row + x, count)
+        u0, u1 = multiply_add(row, b0, u0), multiply_add(row, b1, u1)
+        if KEY_BLOCK == 4:
+            u2, u3 = multiply_add(row, b2, u2), multiply_add(row, b3, u3)
+        row = _query_values(a, q_at + 3 * a_row + x, count)
+        w0, w1 = multiply_add(row, b0, w0), multiply_add(row, b1, w1)
+        if KEY_BLOCK == 4:
+            w2, w3 = multiply_add(row, b2, w2), multiply_add(row, b3, w3)
+    return s0, s1, s2, s3, t0, t1, t2, t3, u0, u1, u2, u3, w0, w1, w2, w3
+
+
+@helper
+def _key_values(codes, row, x, count, like, decode):
+    """:func:`_values` (``count`` 0) or :func:`_values_first` of ``count`` lanes."""
+    always_inline()
+    if count:
+        return _values_first(codes, row, x, count, like, decode)
+    return _values(codes, row, x, like, decode)
+
+
+@helper
+def _query_values(a, at, count):
+    """The vector of ``a`` at ``at`` (``count`` 0), or its first ``count`` lanes (masked)."""
+    always_inline()
+    if count:
+        return load_first(a, at, count, 0.0)
+    return load(a, at)
+
+
 def code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offset, scale_step, c, c_offset, c_row,
                  rows, cols, width, decode, ahead=0):
     """``C[r, x] += sum_j (P[r, j] * scale_j) * B[j, x]`` for r < rows, j < cols,
     x < width, where ``P[r, j] = p[p_offset + r * p_row + j]`` (floats), ``B[j, x]`` value
     x of the row of codes whose bytes start at ``codes[b_offset + j * b_row]`` (read by
     ``decode``), ``scale_j`` as in :func:`code_dot_products` and
-    ``C[r, x] = c[c_offset + r * c_row + x]``; ``width`` a multiple of the vector's lanes.
-    Leaves each ``P[r, j]`` times its scale (times :data:`E4M3_UNIT` for e4m3) in ``p`` for
+    ``C[r, x] = c[c_offset + r * c_row + x]``; a 16-bit ``width`` that is not whole vectors
+    ends in a vector of B and C read and written masked, as
+    :func:`~npattn.cpu.microkernels.product` does (one-byte codes' are whole). Leaves each ``P[r, j]`` times its scale (times :data:`E4M3_UNIT` for e4m3) in ``p`` for
     one-byte codes: the forward is done with the probabilities by then. With ``ahead`` > 0,
     asks L2 for the value rows (and scales) ``ahead`` rows on as it goes, as
     :func:`code_dot_products` does. float32 only, as :func:`code_dot_products`."""
@@ -475,11 +550,16 @@ def _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, 
                           c_row, 1, cols, lanes, ask_bytes if r == 0 else 0, decode)
             r += 1
         x0 += VECTOR_BLOCK * lanes
-    while x0 < x_stop:
-        for r in range(rows):
-            _one_vector(p, p_offset + r * p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0, cols,
-                        decode)
-        x0 += lanes
+    if x0 < x_stop:  # the columns left together, a last partial vector (16-bit values) masked
+        vectors, count = (x_stop - x0) // lanes, _partial_lanes(x_stop - x0, lanes, decode)
+        r = 0
+        while r + 2 <= rows:
+            _tail_vectors(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
+                          c_row, 2, cols, vectors, count, decode)
+            r += 2
+        if r < rows:
+            _tail_vectors(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
+                          c_row, 1, cols, vectors, count, decode)
 
 
 @helper
@@ -560,15 +640,56 @@ def _weight(p, at, c):
 
 
 @helper
-def _one_vector(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, decode):
-    """One vector of columns (from ``x0``) of one row of :func:`_product_of` (not asked
-    for: at most a few columns)."""
-    always_inline()
+def _tail_vectors(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, cols, vectors, count, decode):
+    """The columns from ``x0`` left after :func:`_product_of`'s blocks, for ``rows`` (1 or
+    2, a constant) rows: ``vectors`` whole vectors (fewer than a block's), then the first
+    ``count`` columns of one more, its codes and C read and C written masked. Each vector
+    of each row its own FMA chain, s and t numbered by vector (3 the partial one): one
+    vector at a time, a row's one chain waited on the FMA's latency at every key. Not asked
+    for (a few columns). The same chains per column as a block's, so the same bits."""
+    never_inline()
+    lanes = lanes_in(c)
     zero = fill(0.0, c)
-    s0 = zero
+    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = zero
     for j in range(cols):
-        s0 = multiply_add(_weight(p, p_at + j, c), _values(codes, b_at + j * b_row, x0, zero, decode), s0)
-    _add_into(c, c_at, s0)
+        at = b_at + j * b_row
+        w = _weight(p, p_at + j, c)
+        v = _weight(p, p_at + p_row + j, c) if rows == 2 else w
+        if vectors > 0:
+            b0 = _values(codes, at, x0, zero, decode)
+            s0 = multiply_add(w, b0, s0)
+            if rows == 2:
+                t0 = multiply_add(v, b0, t0)
+        if vectors > 1:
+            b1 = _values(codes, at, x0 + lanes, zero, decode)
+            s1 = multiply_add(w, b1, s1)
+            if rows == 2:
+                t1 = multiply_add(v, b1, t1)
+        if vectors > 2:
+            b2 = _values(codes, at, x0 + 2 * lanes, zero, decode)
+            s2 = multiply_add(w, b2, s2)
+            if rows == 2:
+                t2 = multiply_add(v, b2, t2)
+        if count:
+            b3 = _values_first(codes, at, x0 + vectors * lanes, count, zero, decode)
+            s3 = multiply_add(w, b3, s3)
+            if rows == 2:
+                t3 = multiply_add(v, b3, t3)
+    _add_tail(c, c_at, (s0, s1, s2), s3, vectors, count)
+    if rows == 2:
+        _add_tail(c, c_at + c_row, (t0, t1, t2), t3, vectors, count)
+
+
+@helper
+def _add_tail(c, at, sums, partial, vectors, count):
+    """A row's tail sums added into C from ``at``: ``vectors`` whole vectors of ``sums``,
+    then the first ``count`` lanes of ``partial``, masked."""
+    always_inline()
+    lanes = lanes_in(c)
+    for n in range(vectors):
+        _add_into(c, at + n * lanes, sums[n])
+    if count:
+        store_first(c, at + vectors * lanes, add(load_first(c, at + vectors * lanes, count, 0.0), partial), count)
 
 
 @helper

@@ -26,9 +26,9 @@ from numba.extending import overload
 
 from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
-from .simd import (BF16_DOT, VECTOR_BYTES, always_inline, as_bits, as_float, fill, horizontal_sum, lanes_in, load,
-                   load_first, load_like, multiply_add, never_inline, repeat, splat_fma_rows, splat_pair_dot_rows,
-                   store_scaled_rows, transpose_square)
+from .simd import (BF16_DOT, VECTOR_BYTES, add, always_inline, as_bits, as_float, fill, horizontal_sum, lanes_in,
+                   load, load_first, load_like, multiply, multiply_add, never_inline, repeat, splat_fma_rows,
+                   splat_pair_dot_rows, store, store_first, store_scaled_rows, transpose_square)
 
 _BLOCK_ROWS = 6
 # B's share of L1 (48 KiB on the project's machine; 32 KiB is common)
@@ -120,9 +120,10 @@ def product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, r
             alpha, accumulate):
     """``C[r, x] = [C[r, x] +] alpha * sum_j A[r, j] B[j, x]`` for r < rows, x < width, where
     ``A[r, j] = a[a_offset + r * a_row + j * a_col]``, ``B[j, x] = b[b_offset + j * b_row + x]``
-    and ``C[r, x] = c[c_offset + r * c_row + x]`` (flat arrays of one float dtype).
-    ``width`` must be a multiple of the vector's lanes (:func:`npattn.cpu.simd.lanes_of`); indices
-    are not checked."""
+    and ``C[r, x] = c[c_offset + r * c_row + x]`` (flat arrays of one float dtype). A
+    ``width`` that is not whole vectors (:func:`npattn.cpu.simd.lanes_of`) ends in a vector of
+    B and C read and written masked (a decode tile's values of a head dim such as 40 with
+    AVX-512's 16 lanes); indices are not checked."""
     _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(a_col),
              as_readonly(b), plain_int(b_offset), plain_int(b_row),
              c, plain_int(c_offset), plain_int(c_row),
@@ -212,9 +213,90 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
                     c, c_offset + x, c_row, rows, j_count, alpha, accumulate or j0 > 0)
             if whole:
                 _columns(*args, repeat(fill(0.0, c), VECTORS_PER_CHUNK), pairs)
-            else:  # the last columns, one vector at a time
+            elif pairs is None:  # the last columns together, a last partial vector masked
+                _tail_columns(*args, (width - x) // lanes, (width - x) % lanes)
+            else:  # (pair products: whole vectors, one at a time)
                 _columns(*args, repeat(fill(0.0, c), 1), pairs)
-        x += chunk if whole else lanes
+        x += chunk if whole or pairs is None else lanes
+
+
+@helper
+def _tail_columns(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
+                  accumulate, vectors, count):
+    """The columns left after the whole chunks: ``vectors`` whole vectors (fewer than a
+    chunk's), then ``count`` columns (0 <= count < lanes) of a vector whose B and C lanes
+    past them are neither read nor written (a decode tile's values of a head dim such as
+    40). Rows two at a time, each vector of each row its own FMA chain (up to 8 in
+    flight: one vector at a time, a row's one chain waited on the FMA's latency at every
+    key). Each column is the chain a whole chunk's block makes (``fma(A[r, j], B[j, x],
+    s)`` over j from zero, then ``[C +] alpha * s``): the same bits."""
+    never_inline()
+    r = 0
+    while r + 2 <= rows:
+        _tail_rows(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, 2,
+                   depth, alpha, accumulate, vectors, count)
+        r += 2
+    if r < rows:
+        _tail_rows(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, 1,
+                   depth, alpha, accumulate, vectors, count)
+
+
+@helper
+def _tail_rows(a, a_at, a_row, a_col, b, b_at, b_row, c, c_at, c_row, rows, depth, alpha, accumulate, vectors,
+               count):
+    """:func:`_tail_columns` of ``rows`` (1 or 2, a constant) rows: s and t are their
+    accumulators, numbered by vector (the last, 3, the partial one)."""
+    always_inline()
+    lanes = lanes_in(c)
+    zero = fill(0.0, c)
+    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = zero
+    last = vectors * lanes
+    for j in range(depth):
+        row = b_at + j * b_row
+        w = fill(scalar_like(a[as_offset(a_at + j * a_col)], c), c)
+        v = fill(scalar_like(a[as_offset(a_at + a_row + j * a_col)], c), c) if rows == 2 else w
+        if vectors > 0:
+            b0 = load(b, row)
+            s0 = multiply_add(w, b0, s0)
+            if rows == 2:
+                t0 = multiply_add(v, b0, t0)
+        if vectors > 1:
+            b1 = load(b, row + lanes)
+            s1 = multiply_add(w, b1, s1)
+            if rows == 2:
+                t1 = multiply_add(v, b1, t1)
+        if vectors > 2:
+            b2 = load(b, row + 2 * lanes)
+            s2 = multiply_add(w, b2, s2)
+            if rows == 2:
+                t2 = multiply_add(v, b2, t2)
+        if count:
+            b3 = load_first(b, row + last, count, 0.0)
+            s3 = multiply_add(w, b3, s3)
+            if rows == 2:
+                t3 = multiply_add(v, b3, t3)
+    scale = fill(alpha, c)
+    _store_tail(c, c_at, (s0, s1, s2), s3, scale, accumulate, vectors, count)
+    if rows == 2:
+        _store_tail(c, c_at + c_row, (t0, t1, t2), t3, scale, accumulate, vectors, count)
+
+
+@helper
+def _store_tail(c, at, sums, partial, scale, accumulate, vectors, count):
+    """A row's tail sums into C from ``at``: ``[C +] scale * sum``, ``vectors`` whole
+    vectors of ``sums``, then the first ``count`` lanes of ``partial``, masked."""
+    always_inline()
+    lanes = lanes_in(c)
+    for n in range(vectors):
+        value = multiply(sums[n], scale)
+        if accumulate:
+            value = add(value, load(c, at + n * lanes))
+        store(c, at + n * lanes, value)
+    if count:
+        value = multiply(partial, scale)
+        if accumulate:
+            value = add(value, load_first(c, at + vectors * lanes, count, 0.0))
+        store_first(c, at + vectors * lanes, value, count)
 
 
 @njit(inline="always")

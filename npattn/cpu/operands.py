@@ -427,7 +427,8 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     micro-kernels over whole vectors (a forward: any even head dims, whose tiles other than
     whole vectors are converted into float32 rows, :func:`~npattn.cpu.tiles.whole_vector_rows`;
     (1, 8, 1024, 40) causal float16 1.07x -> 0.90x float32's time, a float16 cache's decode step
-    at (4, 8, 1 x 1024, 40) 2.64x -> 1.04x) and k and v lie in a known memory order (a bfloat16
+    at (4, 8, 1 x 1024, 40) 2.64x -> 1.04x, then 0.90x once decode tiles read such rows in
+    registers too, :func:`~npattn.cpu.tiles.codes_in_registers`) and k and v lie in a known memory order (a bfloat16
     forward that multiplies in bfloat16 reads them as they lie instead,
     :func:`bf16_products`: short queries and small calls too, where the tiles had been
     kept for them; measured on the 2-core Zen 4 VM, planned calls, bfloat16 over float32
@@ -590,11 +591,15 @@ def _product_paths(problem, kind, tuning) -> tuple:
     # BLAS (its head dims are whole vectors: core.quantization.HEAD_DIM_MULTIPLE)
     vector = tuning.vector_products or problem.quantized
     lanes = vector_lanes(problem.accumulate_dtype)
-    vector_values, vector_keys = vector and problem.value_dim % lanes == 0, vector and problem.head_dim % lanes == 0
     # rows counted as Sq x group both folded (Sq * group rows, group 1) and not (Sq rows
     # per head): the same problem takes the same path, so folding keeps the bits
     # (any head dim: the dot products read a last partial vector masked)
     dot_scores = kind == "forward" and vector and problem.q_len * problem.group_size <= tuning.dot_rows
+    # a decode tile's P V runs on the micro-kernels for any Dv too, its last vector read and
+    # written masked (microkernels.product, code_products.code_product): through BLAS, a
+    # tile of a few rows paid a call per tile
+    vector_values = vector and (problem.value_dim % lanes == 0 or dot_scores)
+    vector_keys = vector and problem.head_dim % lanes == 0
     return vector, vector_values, vector_keys, dot_scores
 
 

@@ -226,9 +226,11 @@ def _apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, keep_scale):
 def codes_in_registers(ints, scores):
     """Whether a tile's products read a cache's codes (int8 or float8 e4m3 with scales,
     float16 or bfloat16) in registers (:mod:`npattn.cpu.code_products`), with no
-    :func:`dequantize_tile`: a decode tile (a few rows, DOT_SCORES) whose keys and values are
-    whole vectors (:func:`whole_vector_rows`), its sums in float32 (``scores``' dtype; a
-    float64 kernel answers False when compiled, so its code is not compiled there)."""
+    :func:`dequantize_tile`: a decode tile (a few rows, DOT_SCORES, whose P V runs on the
+    micro-kernels for any Dv: VECTOR_VALUES), its sums in float32 (``scores``' dtype; a
+    float64 kernel answers False when compiled, so its code is not compiled there). Head
+    dims that are not whole vectors (16-bit ones: a one-byte cache's are) read their last
+    vector masked (since 2026-12-01: their tiles had been converted into float32 rows)."""
     raise NotImplementedError
 
 
@@ -236,18 +238,19 @@ def codes_in_registers(ints, scores):
 def _codes_in_registers_overload(ints, scores):
     if scores.dtype != types.float32:
         return lambda ints, scores: False
-    lanes = VECTOR_BYTES // (scores.dtype.bitwidth // 8)
     return lambda ints, scores: (ints[Int.KV_CODES] != KvCodes.NONE and ints[Int.DOT_SCORES]
-                                 and ints[Int.VECTOR_VALUES] and whole_vector_rows(ints, lanes))
+                                 and ints[Int.VECTOR_VALUES])
 
 
 @njit(inline="always")
 def whole_vector_rows(ints, lanes):
-    """Whether the head dim and Dv are whole vectors of ``lanes``: what the products that
-    read 16-bit codes in registers, and the square transposes that pack their keys, take.
-    A 16-bit forward of other head dims (even ones: :func:`~npattn.cpu.operands.kv_codes`)
-    converts each key tile's rows into float32 rows (:func:`dequantize_tile`), whose last
-    vector is read masked, and takes the quantized caches' path from there."""
+    """Whether the head dim and Dv are whole vectors of ``lanes``: what a prefill tile's
+    products that read 16-bit codes in registers, and the square transposes that pack
+    their keys, take. A 16-bit prefill of other head dims (even ones:
+    :func:`~npattn.cpu.operands.kv_codes`) converts each key tile's rows into float32 rows
+    (:func:`dequantize_tile`), whose last vector is read masked, and takes the quantized
+    caches' path from there; a decode tile reads them in registers all the same
+    (:func:`codes_in_registers`)."""
     return ints[Int.HEAD_DIM] % lanes == 0 and ints[Int.VALUE_DIM] % lanes == 0
 
 
