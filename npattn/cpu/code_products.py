@@ -553,7 +553,11 @@ def _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, 
     if x0 < x_stop:  # the columns left together, a last partial vector (16-bit values) masked
         vectors, count = (x_stop - x0) // lanes, _partial_lanes(x_stop - x0, lanes, decode)
         r = 0
-        while r + 2 <= rows:
+        while r + ROW_BLOCK <= rows:
+            _tail_vectors(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
+                          c_row, ROW_BLOCK, cols, vectors, count, decode)
+            r += ROW_BLOCK
+        if rows - r >= 2:
             _tail_vectors(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
                           c_row, 2, cols, vectors, count, decode)
             r += 2
@@ -641,55 +645,63 @@ def _weight(p, at, c):
 
 @helper
 def _tail_vectors(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, cols, vectors, count, decode):
-    """The columns from ``x0`` left after :func:`_product_of`'s blocks, for ``rows`` (1 or
-    2, a constant) rows: ``vectors`` whole vectors (fewer than a block's), then the first
-    ``count`` columns of one more, its codes and C read and C written masked. Each vector
-    of each row its own FMA chain, s and t numbered by vector (3 the partial one): one
-    vector at a time, a row's one chain waited on the FMA's latency at every key. Not asked
-    for (a few columns). The same chains per column as a block's, so the same bits."""
+    """The columns from ``x0`` left after :func:`_product_of`'s blocks, for ``rows`` (1, 2
+    or :data:`ROW_BLOCK`, a constant) rows: ``vectors`` whole vectors (fewer than a
+    block's), then the first ``count`` columns of one more, its codes and C read and C
+    written masked. Each vector of each row its own FMA chain, s, t, u and w by row (one
+    vector at a time, a row's one chain waited on the FMA's latency at every key). Not
+    asked for (a few columns). The same chains per column as a block's, so the same bits."""
     never_inline()
     lanes = lanes_in(c)
     zero = fill(0.0, c)
-    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = zero
+    s = t = u = w = (zero, zero, zero, zero)
     for j in range(cols):
         at = b_at + j * b_row
-        w = _weight(p, p_at + j, c)
-        v = _weight(p, p_at + p_row + j, c) if rows == 2 else w
-        if vectors > 0:
-            b0 = _values(codes, at, x0, zero, decode)
-            s0 = multiply_add(w, b0, s0)
-            if rows == 2:
-                t0 = multiply_add(v, b0, t0)
-        if vectors > 1:
-            b1 = _values(codes, at, x0 + lanes, zero, decode)
-            s1 = multiply_add(w, b1, s1)
-            if rows == 2:
-                t1 = multiply_add(v, b1, t1)
-        if vectors > 2:
-            b2 = _values(codes, at, x0 + 2 * lanes, zero, decode)
-            s2 = multiply_add(w, b2, s2)
-            if rows == 2:
-                t2 = multiply_add(v, b2, t2)
-        if count:
-            b3 = _values_first(codes, at, x0 + vectors * lanes, count, zero, decode)
-            s3 = multiply_add(w, b3, s3)
-            if rows == 2:
-                t3 = multiply_add(v, b3, t3)
-    _add_tail(c, c_at, (s0, s1, s2), s3, vectors, count)
-    if rows == 2:
-        _add_tail(c, c_at + c_row, (t0, t1, t2), t3, vectors, count)
+        values = (_values(codes, at, x0, zero, decode) if vectors > 0 else zero,
+                  _values(codes, at, x0 + lanes, zero, decode) if vectors > 1 else zero,
+                  _values(codes, at, x0 + 2 * lanes, zero, decode) if vectors > 2 else zero,
+                  _values_first(codes, at, x0 + vectors * lanes, count, zero, decode) if count else zero)
+        s = _tail_step(_weight(p, p_at + j, c), values, s, vectors, count)
+        if rows >= 2:
+            t = _tail_step(_weight(p, p_at + p_row + j, c), values, t, vectors, count)
+        if rows == 4:
+            u = _tail_step(_weight(p, p_at + 2 * p_row + j, c), values, u, vectors, count)
+            w = _tail_step(_weight(p, p_at + 3 * p_row + j, c), values, w, vectors, count)
+    _add_tail(c, c_at, s, vectors, count)
+    if rows >= 2:
+        _add_tail(c, c_at + c_row, t, vectors, count)
+    if rows == 4:
+        _add_tail(c, c_at + 2 * c_row, u, vectors, count)
+        _add_tail(c, c_at + 3 * c_row, w, vectors, count)
 
 
 @helper
-def _add_tail(c, at, sums, partial, vectors, count):
+def _tail_step(weight, values, sums, vectors, count):
+    """One row's tail accumulators ``sums`` after one key: ``weight`` times each vector of
+    ``values`` added by a FMA, for the vectors that exist."""
+    always_inline()
+    s0, s1, s2, s3 = sums
+    if vectors > 0:
+        s0 = multiply_add(weight, values[0], s0)
+    if vectors > 1:
+        s1 = multiply_add(weight, values[1], s1)
+    if vectors > 2:
+        s2 = multiply_add(weight, values[2], s2)
+    if count:
+        s3 = multiply_add(weight, values[3], s3)
+    return s0, s1, s2, s3
+
+
+@helper
+def _add_tail(c, at, sums, vectors, count):
     """A row's tail sums added into C from ``at``: ``vectors`` whole vectors of ``sums``,
-    then the first ``count`` lanes of ``partial``, masked."""
+    then the first ``count`` lanes of its last, masked."""
     always_inline()
     lanes = lanes_in(c)
     for n in range(vectors):
         _add_into(c, at + n * lanes, sums[n])
     if count:
-        store_first(c, at + vectors * lanes, add(load_first(c, at + vectors * lanes, count, 0.0), partial), count)
+        store_first(c, at + vectors * lanes, add(load_first(c, at + vectors * lanes, count, 0.0), sums[3]), count)
 
 
 @helper

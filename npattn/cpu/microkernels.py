@@ -225,14 +225,20 @@ def _tail_columns(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_
                   accumulate, vectors, count):
     """The columns left after the whole chunks: ``vectors`` whole vectors (fewer than a
     chunk's), then ``count`` columns (0 <= count < lanes) of a vector whose B and C lanes
-    past them are neither read nor written (a decode tile's values of a head dim such as
-    40). Rows two at a time, each vector of each row its own FMA chain (up to 8 in
-    flight: one vector at a time, a row's one chain waited on the FMA's latency at every
-    key). Each column is the chain a whole chunk's block makes (``fma(A[r, j], B[j, x],
-    s)`` over j from zero, then ``[C +] alpha * s``): the same bits."""
+    past them are neither read nor written (the values of a head dim such as 40 with
+    AVX-512's 16 lanes). Rows four at a time, then two, then one, each vector of each row
+    its own FMA chain (one vector at a time, a row's one chain waited on the FMA's
+    latency at every key; two rows at a time, a 64-row tile re-read B from L1 32 times:
+    (1, 8/2, 16 x 4096, 40) took 651 us where BLAS took 605). Each column is the chain a
+    whole chunk's block makes (``fma(A[r, j], B[j, x], s)`` over j from zero, then
+    ``[C +] alpha * s``): the same bits."""
     never_inline()
     r = 0
-    while r + 2 <= rows:
+    while r + 4 <= rows:
+        _tail_rows(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, 4,
+                   depth, alpha, accumulate, vectors, count)
+        r += 4
+    if rows - r >= 2:
         _tail_rows(a, a_offset + r * a_row, a_row, a_col, b, b_offset, b_row, c, c_offset + r * c_row, c_row, 2,
                    depth, alpha, accumulate, vectors, count)
         r += 2
@@ -244,47 +250,56 @@ def _tail_columns(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_
 @helper
 def _tail_rows(a, a_at, a_row, a_col, b, b_at, b_row, c, c_at, c_row, rows, depth, alpha, accumulate, vectors,
                count):
-    """:func:`_tail_columns` of ``rows`` (1 or 2, a constant) rows: s and t are their
-    accumulators, numbered by vector (the last, 3, the partial one)."""
+    """:func:`_tail_columns` of ``rows`` (1, 2 or 4, a constant) rows: s, t, u and w are
+    their accumulators, each four vectors (the last the partial one)."""
     always_inline()
     lanes = lanes_in(c)
     zero = fill(0.0, c)
-    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = zero
+    s = t = u = w = (zero, zero, zero, zero)
     last = vectors * lanes
     for j in range(depth):
         row = b_at + j * b_row
-        w = fill(scalar_like(a[as_offset(a_at + j * a_col)], c), c)
-        v = fill(scalar_like(a[as_offset(a_at + a_row + j * a_col)], c), c) if rows == 2 else w
-        if vectors > 0:
-            b0 = load(b, row)
-            s0 = multiply_add(w, b0, s0)
-            if rows == 2:
-                t0 = multiply_add(v, b0, t0)
-        if vectors > 1:
-            b1 = load(b, row + lanes)
-            s1 = multiply_add(w, b1, s1)
-            if rows == 2:
-                t1 = multiply_add(v, b1, t1)
-        if vectors > 2:
-            b2 = load(b, row + 2 * lanes)
-            s2 = multiply_add(w, b2, s2)
-            if rows == 2:
-                t2 = multiply_add(v, b2, t2)
-        if count:
-            b3 = load_first(b, row + last, count, 0.0)
-            s3 = multiply_add(w, b3, s3)
-            if rows == 2:
-                t3 = multiply_add(v, b3, t3)
+        values = (load(b, row) if vectors > 0 else zero, load(b, row + lanes) if vectors > 1 else zero,
+                  load(b, row + 2 * lanes) if vectors > 2 else zero,
+                  load_first(b, row + last, count, 0.0) if count else zero)
+        at = a_at + j * a_col
+        s = _tail_step(a, at, c, values, s, vectors, count)
+        if rows >= 2:
+            t = _tail_step(a, at + a_row, c, values, t, vectors, count)
+        if rows == 4:
+            u = _tail_step(a, at + 2 * a_row, c, values, u, vectors, count)
+            w = _tail_step(a, at + 3 * a_row, c, values, w, vectors, count)
     scale = fill(alpha, c)
-    _store_tail(c, c_at, (s0, s1, s2), s3, scale, accumulate, vectors, count)
-    if rows == 2:
-        _store_tail(c, c_at + c_row, (t0, t1, t2), t3, scale, accumulate, vectors, count)
+    _store_tail(c, c_at, s, scale, accumulate, vectors, count)
+    if rows >= 2:
+        _store_tail(c, c_at + c_row, t, scale, accumulate, vectors, count)
+    if rows == 4:
+        _store_tail(c, c_at + 2 * c_row, u, scale, accumulate, vectors, count)
+        _store_tail(c, c_at + 3 * c_row, w, scale, accumulate, vectors, count)
 
 
 @helper
-def _store_tail(c, at, sums, partial, scale, accumulate, vectors, count):
+def _tail_step(a, at, c, values, sums, vectors, count):
+    """One row's tail accumulators ``sums`` after one key: ``a[at]`` times each vector of
+    ``values`` added by a FMA, for the vectors that exist."""
+    always_inline()
+    weight = fill(scalar_like(a[as_offset(at)], c), c)
+    s0, s1, s2, s3 = sums
+    if vectors > 0:
+        s0 = multiply_add(weight, values[0], s0)
+    if vectors > 1:
+        s1 = multiply_add(weight, values[1], s1)
+    if vectors > 2:
+        s2 = multiply_add(weight, values[2], s2)
+    if count:
+        s3 = multiply_add(weight, values[3], s3)
+    return s0, s1, s2, s3
+
+
+@helper
+def _store_tail(c, at, sums, scale, accumulate, vectors, count):
     """A row's tail sums into C from ``at``: ``[C +] scale * sum``, ``vectors`` whole
-    vectors of ``sums``, then the first ``count`` lanes of ``partial``, masked."""
+    vectors of ``sums``, then the first ``count`` lanes of its last, masked."""
     always_inline()
     lanes = lanes_in(c)
     for n in range(vectors):
@@ -293,7 +308,7 @@ def _store_tail(c, at, sums, partial, scale, accumulate, vectors, count):
             value = add(value, load(c, at + n * lanes))
         store(c, at + n * lanes, value)
     if count:
-        value = multiply(partial, scale)
+        value = multiply(sums[3], scale)
         if accumulate:
             value = add(value, load_first(c, at + vectors * lanes, count, 0.0))
         store_first(c, at + vectors * lanes, value, count)

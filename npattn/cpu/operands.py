@@ -517,7 +517,11 @@ def bf16_products(problem, kind: str, tuning: Tuning, codes=KvCodes.NONE) -> boo
     vector, vector_values, vector_keys, dot_scores = _product_paths(problem, kind, tuning)
     if kind == "backward" and not vector_keys:  # (dK and dQ need whole vectors)
         return False
-    return (vector and vector_values and not dot_scores and problem.head_dim % 2 == 0 and problem.value_dim % 2 == 0
+    # (pair products take whole vectors of values: a forward's VECTOR_VALUES alone also
+    # holds for a Dv that is not, whose last vector microkernels.product masks)
+    whole_values = problem.value_dim % vector_lanes(problem.accumulate_dtype) == 0
+    return (vector and vector_values and whole_values and not dot_scores and problem.head_dim % 2 == 0
+            and problem.value_dim % 2 == 0
             and all(x.dtype.name == "bfloat16" and row_order(x, x.dtype) is not None
                     for x in (problem.q, problem.k, problem.v)))
 
@@ -598,6 +602,8 @@ def _product_paths(problem, kind, tuning) -> tuple:
     # a decode tile's P V runs on the micro-kernels for any Dv too, its last vector read and
     # written masked (microkernels.product, code_products.code_product): through BLAS, a
     # tile of a few rows paid a call per tile
+    # (a prefill's too was 4-9% faster at (1, 8, 1024, 40) and (1, 8, 512, 72) causal, float32,
+    # but 7-15% slower at (1, 8/2, 16 x 4096, 40), its 64 folded rows: left to BLAS)
     vector_values = vector and (problem.value_dim % lanes == 0 or dot_scores)
     vector_keys = vector and problem.head_dim % lanes == 0
     return vector, vector_values, vector_keys, dot_scores
