@@ -77,12 +77,12 @@ def warmup(dtypes: str | Iterable[Any] = ("float32",), backward: bool = True,
 
 
 def _sixteen_bit_calls(dtype: Any, backward: bool) -> None:
-    """float16 and bfloat16 where the head dim is whole vectors: read as they lie, with
-    the kernels that convert them and that sum the backward's delta from out, given a
-    dout of the dtype and a float32 one (as mixed precision passes it); where it is not,
-    the backward's widened copies, and an odd head dim's forward's: calls over the 1024
-    values from which the copies are converted on the vector units (npattn.cpu.conversion;
-    the tiny calls' copies are NumPy's)."""
+    """float16 and bfloat16 where the head dim is whole vectors and where it is not (read
+    as they lie, a tile at a time), with the kernels that convert them and that sum the
+    backward's delta from out, given a dout of the dtype and a float32 one (as mixed
+    precision passes it); and an odd head dim's forward's widened copies: calls over the
+    1024 values from which the copies are converted on the vector units
+    (npattn.cpu.conversion; the tiny calls' copies are NumPy's)."""
     from .api import attention, attention_vjp
 
     for head_dim, size in ((64, 2), (36, 32)):

@@ -862,9 +862,48 @@ def test_16_bit_head_dims_off_whole_vectors_read_by_tiles_give_the_bits_of_copie
         np.testing.assert_array_equal(mine, theirs)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [36, 40])
+@pytest.mark.parametrize("case", ["causal", "gqa dropout", "bias gradient"])
+def test_16_bit_backward_of_head_dims_off_whole_vectors_reads_tiles_with_the_bits_of_copies(dtype, head_dim, case,
+                                                                                          monkeypatch):
+    """A backward whose head dim is even but not whole vectors reads 16-bit q, k, v and dout
+    a tile at a time too (each key tile's rows converted into float32 rows, their last
+    vector masked, which its BLAS products read; q's and dout's rows where a tile uses
+    them): out and every gradient, the bias's included, have the bits of float32 copies."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16)
+    from npattn.core.kernel_params import KvCodes
+    from npattn.cpu import driver, operands
+
+    rng = np.random.default_rng(13)
+    normal = lambda *shape: rng.normal(size=shape).astype(dtype)  # noqa: E731
+    heads, kv_heads = (6, 2) if case == "gqa dropout" else (4, 4)
+    q, dout = normal(2, heads, 70, head_dim), normal(2, heads, 70, head_dim)
+    k, v = normal(2, kv_heads, 90, head_dim), normal(2, kv_heads, 90, head_dim)
+    options = {"causal": {"causal": True}, "gqa dropout": {"dropout_p": 0.2, "seed": 5, "causal": True},
+               "bias gradient": {"bias": rng.normal(size=(1, heads, 70, 90)).astype(np.float32)}}[case]
+
+    def gradients():
+        monkeypatch.setattr(operands, "_PLANS", type(operands._PLANS)())  # plans made afresh
+        monkeypatch.setattr(driver, "_FORWARD_PLANS", type(driver._FORWARD_PLANS)())
+        plans.clear()
+        out, vjp = npattn.attention_vjp(q, k, v, backend="cpu", **options)
+        return (out, *vjp(dout))
+    planned, read = operands.kv_codes, []
+    monkeypatch.setattr(operands, "kv_codes", lambda *a: read.append((a[1], planned(*a))) or read[-1][1])
+    tiled = gradients()
+    codes = KvCodes.FLOAT16 if dtype == "float16" else KvCodes.BFLOAT16
+    assert ("backward", codes) in read
+    monkeypatch.setattr(operands, "kv_codes", lambda *a: KvCodes.NONE)
+    copied = gradients()
+    for name, mine, theirs in zip(("out", "dq", "dk", "dv", "dbias"), tiled, copied):
+        assert mine.dtype == theirs.dtype, name
+        np.testing.assert_array_equal(mine, theirs, err_msg=name)
+
+
 def test_a_16_bit_forward_of_an_odd_head_dim_reads_copies():
     """An odd head dim's rows are not whole float32 words of q and out: its 16-bit forward
-    converts copies (kv_codes NONE), as before."""
+    and backward convert copies (kv_codes NONE), as before; an even one reads tiles."""
     from npattn.core.kernel_params import KvCodes
     from npattn.cpu import operands
     from npattn.cpu.tuning import current
@@ -874,7 +913,7 @@ def test_a_16_bit_forward_of_an_odd_head_dim_reads_copies():
     assert operands.kv_codes(build_problem(q, q, q), "forward", current()) == KvCodes.NONE
     even = np.ones((1, 2, 8, 34), np.float16)
     assert operands.kv_codes(build_problem(even, even, even), "forward", current()) == KvCodes.FLOAT16
-    assert operands.kv_codes(build_problem(even, even, even), "backward", current()) == KvCodes.NONE
+    assert operands.kv_codes(build_problem(even, even, even), "backward", current()) == KvCodes.FLOAT16
 
 
 @pytest.fixture

@@ -281,7 +281,7 @@ def backward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals,
                     else:  # column-major: dK^T = Q^T (D x rows) . dS (rows x cols); dQ^T = K^T . dS^T
                         gemm(False, True, head_dim, cols, rows, scale, query[q_offset:], q_row,
                              ds, ld, 1.0, dk_tile, head_dim)
-                        gemm(False, False, head_dim, rows, cols, scale, k[k_offset:], ints[Int.K_STRIDE_S],
+                        gemm(False, False, head_dim, rows, cols, scale, keys[k_offset:], k_row_stride,
                              ds, ld, 1.0, dq[dq_offset:], head_dim)
             row = part * gradient_part + (memory_batch(ints, b) * kv_heads + kv_head) * kv_len + j0
             dk_start, dv_start = as_offset(row * head_dim), as_offset(row * value_dim)

@@ -423,12 +423,14 @@ def row_order(array, dtype):
 
 def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     """How the forward and backward read ``problem``'s k and v: int8 codes with scales (a
-    quantized cache); float16 or bfloat16 converted a tile at a time, where the products run on the
-    micro-kernels over whole vectors (a forward: any even head dims, whose tiles other than
-    whole vectors are converted into float32 rows, :func:`~npattn.cpu.tiles.whole_vector_rows`;
+    quantized cache); float16 or bfloat16 converted a tile at a time, where the head dims are
+    even (tiles other than whole vectors are converted into float32 rows,
+    :func:`~npattn.cpu.tiles.whole_vector_rows`, which a backward's BLAS products read too;
     (1, 8, 1024, 40) causal float16 1.07x -> 0.90x float32's time, a float16 cache's decode step
     at (4, 8, 1 x 1024, 40) 2.64x -> 1.04x, then 0.90x once decode tiles read such rows in
-    registers too, :func:`~npattn.cpu.tiles.codes_in_registers`) and k and v lie in a known memory order (a bfloat16
+    registers too, :func:`~npattn.cpu.tiles.codes_in_registers`; a forward and backward at
+    (4, 8, 128, 40) causal 1.15-1.20x -> 1.07-1.13x once the backward read them so) and k and v
+    lie in a known memory order (a bfloat16
     forward that multiplies in bfloat16 reads them as they lie instead,
     :func:`bf16_products`: short queries and small calls too, where the tiles had been
     kept for them; measured on the 2-core Zen 4 VM, planned calls, bfloat16 over float32
@@ -452,12 +454,12 @@ def kv_codes(problem, kind: str, tuning: Tuning) -> KvCodes:
     if (kind not in ("forward", "backward") or name not in ("float16", "bfloat16") or problem.v.dtype != problem.k.dtype
             or problem.accumulate_dtype != np.float32 or not tuning.vector_products):
         return KvCodes.NONE
-    whole = whole_vector_dims(problem)
-    # a forward takes any even head dims (tiles.whole_vector_rows: the others' tiles are
-    # converted into float32 rows, their last vector masked); the backward's tiles, whole
-    # vectors; odd ones are copied (rows that are not whole float32 words of q and out)
+    # any even head dims: tiles that are not whole vectors are converted into float32 rows,
+    # their last vector masked (tiles.whole_vector_rows), which the forward's products and
+    # the backward's (BLAS for such dims) read; odd ones are copied (rows that are not whole
+    # float32 words of q and out)
     even = problem.head_dim % 2 == 0 and problem.value_dim % 2 == 0
-    if (not (whole or (kind == "forward" and even))
+    if (not even
             or bf16_products(problem, kind, tuning)
             or row_order(problem.k, problem.k.dtype) is None or row_order(problem.v, problem.v.dtype) is None):
         return KvCodes.NONE
