@@ -558,15 +558,15 @@ def attention_for_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: 
     and out as :func:`attention_backward` should be given it, for frameworks that keep
     arrays between the passes (:mod:`npattn.torch`, :mod:`npattn.jax`).
 
-    ``out_for_backward`` has out's shape and layout in the compute dtype (lse's): for
-    float32 and float64 inputs it is out itself; for float16 and bfloat16 inputs on the
-    cpu backend it is the kernel's float32 out before rounding (B x H x Sq x Dv x 4 bytes
+    ``out_for_backward`` has out's shape and layout: for float32 and float64 inputs it is
+    out itself; for float16 and bfloat16 inputs on the cpu backend it is the kernel's
+    float32 out before rounding (B x H x Sq x Dv x 4 bytes
     more to keep), so that ``attention_backward`` gives the gradients
     :func:`attention_vjp` gives, bit for bit. A rounded out would move them by out's
     rounding: where one key holds a row's weight, dq is the difference of two nearly
     equal terms, and a float16 out leaves it about 2**-11 of the inputs' size instead of
     near zero. (The gpu backend's backward reads a 16-bit out, as FlashAttention's does;
-    its ``out_for_backward`` is that out widened.) With dropout, give an int ``seed``:
+    its ``out_for_backward`` is out itself.) With dropout, give an int ``seed``:
     the backward regenerates the mask from it.
 
     Args:
@@ -589,7 +589,7 @@ def _with_out_for_backward(form: "OutputForm", result: ForwardResult, outputs: O
     the user's layout and the compute dtype; the public out itself where that is the same."""
     saved = result.saved[0] if isinstance(result.saved, tuple) else result.out
     out = outputs[0] if isinstance(outputs, tuple) else outputs
-    if saved.dtype == form.dtype == form.lse_dtype:
+    if saved.dtype == form.dtype:  # nothing wider than out (float32 and float64, the GPU's 16-bit out)
         return outputs, out
     return outputs, _user_array(form, saved, form.lse_dtype)
 

@@ -59,7 +59,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any)
     # a 16-bit forward whose backward may follow keeps its float32 out for it
     # (npattn.attention_for_backward); one under no_grad, or of inputs that need no
     # gradient, does not pay for it
-    keeps = q.dtype in _ROUNDED and takes((q, k, v, *arrays))
+    # (CUDA tensors run the gpu backend, whose backward reads the 16-bit out: nothing to keep)
+    keeps = q.dtype in _ROUNDED and q.device.type == "cpu" and takes((q, k, v, *arrays))
     settings = repr({name: _plain(name, value) for name, value in
                      {**options, "return_weights": wanted[1], _KEEPS_FLOAT_OUT: keeps}.items()})
     if torch.compiler.is_compiling():  # one opaque op in the graph, its fake shapes for tracing
