@@ -560,9 +560,9 @@ def attention_for_backward(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: 
 
     ``out_for_backward`` has out's shape and layout: for float32 and float64 inputs it is
     out itself; for float16 and bfloat16 inputs on the cpu backend it is the kernel's
-    float32 out before rounding (B x H x Sq x Dv x 4 bytes
-    more to keep), so that ``attention_backward`` gives the gradients
-    :func:`attention_vjp` gives, bit for bit. A rounded out would move them by out's
+    float32 out before rounding (B x H x Sq x Dv x 4 bytes more to keep), so that
+    ``attention_backward`` gives the gradients :func:`attention_vjp` gives, bit for
+    bit. A rounded out would move them by out's
     rounding: where one key holds a row's weight, dq is the difference of two nearly
     equal terms, and a float16 out leaves it about 2**-11 of the inputs' size instead of
     near zero. (The gpu backend's backward reads a 16-bit out, as FlashAttention's does;
