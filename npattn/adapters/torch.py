@@ -3,10 +3,11 @@
 Two ``torch.library`` custom ops, ``npattn::attention_forward`` and
 ``npattn::attention_backward``, joined by a registered autograd formula, so torch
 differentiates through npattn's fused, deterministic backward (not through a
-recomputed forward). A float16 or bfloat16 forward whose gradients are needed keeps its
-float32 out for the backward (the op's fourth output, empty otherwise;
-:func:`npattn.attention_for_backward`), so the gradients are attention_vjp's. Each has a fake implementation (shapes and dtypes only), so the
-op traces under ``torch.compile`` and ``torch.export`` as one opaque call.
+recomputed forward). A float16 or bfloat16 forward of CPU tensors whose gradients are
+needed keeps its float32 out for the backward (the op's fourth output, empty otherwise;
+:func:`npattn.attention_for_backward`), so the gradients are attention_vjp's. Each op has
+a fake implementation (shapes and dtypes only), so it traces under ``torch.compile`` and
+``torch.export`` as one opaque call.
 
 Tensors cross to npattn without a copy (DLPack, :mod:`npattn.adapters.arrays`): CPU
 tensors run on the cpu backend, CUDA tensors on the gpu backend (CuPy needed). An

@@ -32,7 +32,7 @@ from numba.extending import overload
 
 from ..core.kernel_params import KvCodes
 from .jit import OPTIONS, helper, inlined_helper
-from .microkernels import DEPTH_BLOCK, WIDE_ROWS, WIDE_VECTORS
+from .microkernels import DEPTH_BLOCK, WIDE_ROWS, WIDE_VECTORS, broadcast_element, tail_step
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
 from .simd import (VECTOR_BYTES, add, always_inline, fill, horizontal_sum, lanes_in, load, load_code, load_first,
                    line_elements, load_float16_bits, load_float16_bits_first, load_strided, multiply, multiply_add,
@@ -90,8 +90,8 @@ def code_dot_products(a, a_offset, a_row, codes, b_offset, b_row, scales, scale_
     unread) and ``C[r, j] = c[c_offset + r * c_row + j]``; a 16-bit ``depth`` that is not
     whole vectors ends in a vector read masked, as :func:`~npattn.cpu.microkernels.dot_products`
     reads float32 rows (one-byte codes' head dims are whole vectors:
-    :data:`npattn.core.quantization.HEAD_DIM_MULTIPLE`). With ``ahead`` > 0, asks L2 for the rows (and scales) of the keys
-    ``ahead`` rows on as it goes (:func:`_ask_for_keys`). float32 only (see
+    :data:`npattn.core.quantization.HEAD_DIM_MULTIPLE`). With ``ahead`` > 0, asks L2 for
+    the rows (and scales) of the keys ``ahead`` rows on as it goes (:func:`_ask_for_keys`). float32 only (see
     :func:`~npattn.cpu.tiles.codes_in_registers`): elsewhere a stub that does nothing."""
     raise NotImplementedError
 
@@ -424,9 +424,10 @@ def code_product(p, p_offset, p_row, codes, b_offset, b_row, scales, scale_offse
     ``decode``), ``scale_j`` as in :func:`code_dot_products` and
     ``C[r, x] = c[c_offset + r * c_row + x]``; a 16-bit ``width`` that is not whole vectors
     ends in a vector of B and C read and written masked, as
-    :func:`~npattn.cpu.microkernels.product` does (one-byte codes' are whole). Leaves each ``P[r, j]`` times its scale (times :data:`E4M3_UNIT` for e4m3) in ``p`` for
-    one-byte codes: the forward is done with the probabilities by then. With ``ahead`` > 0,
-    asks L2 for the value rows (and scales) ``ahead`` rows on as it goes, as
+    :func:`~npattn.cpu.microkernels.product` does (one-byte codes' are whole). Leaves each
+    ``P[r, j]`` times its scale (times :data:`E4M3_UNIT` for e4m3) in ``p`` for one-byte
+    codes: the forward is done with the probabilities by then. With ``ahead`` > 0, asks L2
+    for the value rows (and scales) ``ahead`` rows on as it goes, as
     :func:`code_dot_products` does. float32 only, as :func:`code_dot_products`."""
     raise NotImplementedError
 
@@ -580,20 +581,20 @@ def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, 
         b0, b1 = _values(codes, at, x0, zero, decode), _values(codes, at, x0 + lanes, zero, decode)
         if VECTOR_BLOCK == 4:
             b2, b3 = _values(codes, at, x0 + 2 * lanes, zero, decode), _values(codes, at, x0 + 3 * lanes, zero, decode)
-        weight = _weight(p, p_at + j, c)
+        weight = broadcast_element(p, p_at + j, c)
         s0, s1 = multiply_add(weight, b0, s0), multiply_add(weight, b1, s1)
         if VECTOR_BLOCK == 4:
             s2, s3 = multiply_add(weight, b2, s2), multiply_add(weight, b3, s3)
         if rows == 4:
-            weight = _weight(p, p_at + p_row + j, c)
+            weight = broadcast_element(p, p_at + p_row + j, c)
             t0, t1 = multiply_add(weight, b0, t0), multiply_add(weight, b1, t1)
             if VECTOR_BLOCK == 4:
                 t2, t3 = multiply_add(weight, b2, t2), multiply_add(weight, b3, t3)
-            weight = _weight(p, p_at + 2 * p_row + j, c)
+            weight = broadcast_element(p, p_at + 2 * p_row + j, c)
             u0, u1 = multiply_add(weight, b0, u0), multiply_add(weight, b1, u1)
             if VECTOR_BLOCK == 4:
                 u2, u3 = multiply_add(weight, b2, u2), multiply_add(weight, b3, u3)
-            weight = _weight(p, p_at + 3 * p_row + j, c)
+            weight = broadcast_element(p, p_at + 3 * p_row + j, c)
             w0, w1 = multiply_add(weight, b0, w0), multiply_add(weight, b1, w1)
             if VECTOR_BLOCK == 4:
                 w2, w3 = multiply_add(weight, b2, w2), multiply_add(weight, b3, w3)
@@ -613,7 +614,7 @@ def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, lanes, as
     zero = fill(0.0, c)
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
     for j in range(cols):
-        weight = _weight(p, p_at + j, c)
+        weight = broadcast_element(p, p_at + j, c)
         at = b_at + j * b_row
         _ask_for_block(codes, at + x0 * code_bytes(decode), WIDE_VECTORS * lanes * code_bytes(decode), ask_bytes)
         s0 = multiply_add(weight, _values(codes, at, x0, zero, decode), s0)
@@ -637,13 +638,6 @@ def _wide_vector_block(p, p_at, codes, b_at, x0, b_row, c, c_at, cols, lanes, as
 
 
 @helper
-def _weight(p, at, c):
-    """The vector of ``p[at]`` in every lane (a broadcast the FMAs take from memory)."""
-    always_inline()
-    return fill(scalar_like(p[as_offset(at)], c), c)
-
-
-@helper
 def _tail_vectors(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, cols, vectors, count, decode):
     """The columns from ``x0`` left after :func:`_product_of`'s blocks, for ``rows`` (1, 2
     or :data:`ROW_BLOCK`, a constant) rows: ``vectors`` whole vectors (fewer than a
@@ -661,35 +655,18 @@ def _tail_vectors(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, 
                   _values(codes, at, x0 + lanes, zero, decode) if vectors > 1 else zero,
                   _values(codes, at, x0 + 2 * lanes, zero, decode) if vectors > 2 else zero,
                   _values_first(codes, at, x0 + vectors * lanes, count, zero, decode) if count else zero)
-        s = _tail_step(_weight(p, p_at + j, c), values, s, vectors, count)
+        s = tail_step(broadcast_element(p, p_at + j, c), values, s, vectors, count)
         if rows >= 2:
-            t = _tail_step(_weight(p, p_at + p_row + j, c), values, t, vectors, count)
+            t = tail_step(broadcast_element(p, p_at + p_row + j, c), values, t, vectors, count)
         if rows == 4:
-            u = _tail_step(_weight(p, p_at + 2 * p_row + j, c), values, u, vectors, count)
-            w = _tail_step(_weight(p, p_at + 3 * p_row + j, c), values, w, vectors, count)
+            u = tail_step(broadcast_element(p, p_at + 2 * p_row + j, c), values, u, vectors, count)
+            w = tail_step(broadcast_element(p, p_at + 3 * p_row + j, c), values, w, vectors, count)
     _add_tail(c, c_at, s, vectors, count)
     if rows >= 2:
         _add_tail(c, c_at + c_row, t, vectors, count)
     if rows == 4:
         _add_tail(c, c_at + 2 * c_row, u, vectors, count)
         _add_tail(c, c_at + 3 * c_row, w, vectors, count)
-
-
-@helper
-def _tail_step(weight, values, sums, vectors, count):
-    """One row's tail accumulators ``sums`` after one key: ``weight`` times each vector of
-    ``values`` added by a FMA, for the vectors that exist."""
-    always_inline()
-    s0, s1, s2, s3 = sums
-    if vectors > 0:
-        s0 = multiply_add(weight, values[0], s0)
-    if vectors > 1:
-        s1 = multiply_add(weight, values[1], s1)
-    if vectors > 2:
-        s2 = multiply_add(weight, values[2], s2)
-    if count:
-        s3 = multiply_add(weight, values[3], s3)
-    return s0, s1, s2, s3
 
 
 @helper

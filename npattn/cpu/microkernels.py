@@ -263,12 +263,12 @@ def _tail_rows(a, a_at, a_row, a_col, b, b_at, b_row, c, c_at, c_row, rows, dept
                   load(b, row + 2 * lanes) if vectors > 2 else zero,
                   load_first(b, row + last, count, 0.0) if count else zero)
         at = a_at + j * a_col
-        s = _tail_step(a, at, c, values, s, vectors, count)
+        s = tail_step(broadcast_element(a, at, c), values, s, vectors, count)
         if rows >= 2:
-            t = _tail_step(a, at + a_row, c, values, t, vectors, count)
+            t = tail_step(broadcast_element(a, at + a_row, c), values, t, vectors, count)
         if rows == 4:
-            u = _tail_step(a, at + 2 * a_row, c, values, u, vectors, count)
-            w = _tail_step(a, at + 3 * a_row, c, values, w, vectors, count)
+            u = tail_step(broadcast_element(a, at + 2 * a_row, c), values, u, vectors, count)
+            w = tail_step(broadcast_element(a, at + 3 * a_row, c), values, w, vectors, count)
     scale = fill(alpha, c)
     _store_tail(c, c_at, s, scale, accumulate, vectors, count)
     if rows >= 2:
@@ -279,11 +279,19 @@ def _tail_rows(a, a_at, a_row, a_col, b, b_at, b_row, c, c_at, c_row, rows, dept
 
 
 @helper
-def _tail_step(a, at, c, values, sums, vectors, count):
-    """One row's tail accumulators ``sums`` after one key: ``a[at]`` times each vector of
-    ``values`` added by a FMA, for the vectors that exist."""
+def broadcast_element(a, at, c):
+    """``a[at]`` in every lane of a vector of ``c``'s type (a broadcast the FMAs take from
+    memory): a weight of the tails here and of code_products' blocks."""
     always_inline()
-    weight = fill(scalar_like(a[as_offset(at)], c), c)
+    return fill(scalar_like(a[as_offset(at)], c), c)
+
+
+@helper
+def tail_step(weight, values, sums, vectors, count):
+    """One row's tail accumulators ``sums`` (four vectors) after one depth step: ``weight``
+    (a vector) times each vector of ``values`` added by a FMA, for the ``vectors`` whole
+    ones and, where ``count``, the partial last. Also code_products' tails."""
+    always_inline()
     s0, s1, s2, s3 = sums
     if vectors > 0:
         s0 = multiply_add(weight, values[0], s0)
