@@ -93,8 +93,9 @@ def test_micro_kernel_products_of_a_partial_last_vector_read_and_write_only_thei
         _strided_product(a.ravel(), b.ravel(), c.ravel(), rows, depth, width, width + 3, width + 2, accumulate)
         np.testing.assert_array_equal(c[:, width:], 7.0)
         exact = a.astype(np.float64) @ b[:, :width].astype(np.float64) + (start[:, :width] if accumulate else 0)
-        assert_close(c[:, :width], exact, dtype, depth + 1, float(np.abs(a).max() * np.abs(b[:, :width]).max()) + 1,
-                     what="product")
+        # the size of each term: a product of A and B, or C's start
+        magnitude = max(float(np.abs(a).max() * np.abs(b[:, :width]).max()), float(np.abs(start[:, :width]).max()))
+        assert_close(c[:, :width], exact, dtype, depth + 1, magnitude, what="product")
         whole = np.zeros((rows, width + 3), dtype)
         whole[:, :width] = start[:, :width]
         padded = np.nan_to_num(b, nan=0.0)
