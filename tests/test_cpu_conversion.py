@@ -4,6 +4,7 @@ finiteness check reads the exponent bits."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from unittest import mock
 
 import ml_dtypes
@@ -171,6 +172,42 @@ def test_a_narrowing_says_whether_any_rounded_value_is_not_finite(narrow, vector
     flag = conversion.conversion_entry(np.float32, narrow, size)(single, narrowed.view(np.int8))
     np.testing.assert_array_equal(narrowed.view(np.uint16), expected.view(np.uint16))
     assert flag == (not np.isfinite(expected.astype(np.float32)).all())
+
+
+@functools.lru_cache(maxsize=None)
+def _narrow_run():
+    """conversion.narrow_run called from jitted code (it has no Python body)."""
+    from numba import njit
+
+    @njit
+    def narrow(source, start, count, out, out_at, brain):
+        return conversion.narrow_run(source, start, count, out, out_at, brain)
+    return narrow
+
+
+@pytest.mark.skipif(not conversion.MICROKERNELS, reason="the vector conversions need AVX2 or AVX-512")
+@pytest.mark.parametrize("narrow", [np.float16, ml_dtypes.bfloat16])
+@given(size=st.integers(1, 90), start=st.integers(0, 20), out_at=st.integers(0, 20), seed=st.integers(0, 2**32 - 1),
+       plant=st.sampled_from([None, np.nan, np.inf, "edge"]), plant_at=st.integers(0, 10**6))
+def test_a_run_of_any_length_rounds_into_its_place_and_says_whether_it_stayed_finite(narrow, size, start, out_at,
+                                                                                    seed, plant, plant_at):
+    """narrow_run (the backward's rounding of a key tile's dK and dV rows) takes a run of
+    any length: its last, partial vector is read and written masked, so the elements
+    before ``out_at`` and after the run keep their bytes; each value is astype's; and a
+    NaN, an infinity or a value past the 16-bit range anywhere in the run, the partial
+    vector's lanes included, is reported (what lies outside the run is not)."""
+    rng = np.random.default_rng(seed)
+    source = (rng.normal(size=start + size + 20) * 10.0 ** rng.integers(-6, 3)).astype(np.float32)
+    source[start + size:] = np.inf  # (past the run: never read)
+    if plant is not None:
+        source[start + plant_at % size] = _EDGES[np.dtype(narrow)][2] if plant == "edge" else plant
+    out = np.full(out_at + size + 20, 7.0, narrow)
+    flag = _narrow_run()(source, start, size, out.view(np.int8), out_at, narrow is ml_dtypes.bfloat16)
+    with np.errstate(over="ignore"):
+        expected = source[start:start + size].astype(narrow)
+    np.testing.assert_array_equal(out[out_at:out_at + size].view(np.uint16), expected.view(np.uint16))
+    assert (out[:out_at] == 7.0).all() and (out[out_at + size:] == 7.0).all()
+    assert flag == (plant is not None)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
@@ -466,14 +503,15 @@ def _backward_plans(monkeypatch, rounded_after=False) -> list:
 
 @pytest.mark.skipif(not conversion.MICROKERNELS, reason="the kernel rounds whole vectors on AVX2 or AVX-512")
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
-@pytest.mark.parametrize("case", ["chunk", "key chunks", "gqa window"])
+@pytest.mark.parametrize("case", ["chunk", "key chunks", "gqa window", "head dim 40", "head dim 36 gqa"])
 def test_a_16_bit_backward_rounds_dk_and_dv_as_it_writes_them(monkeypatch, dtype, case):
     """A 16-bit backward's kernel rounds each key tile's dK and dV rows into 16-bit dk and
     dv as it writes them (BackwardPlan.gradient_codes; no float32 dk and dv, nor a pass
     over them afterwards): the bits of rounding the float32 ones afterwards (a small call's
     block of gradients, or a GQA group cut into head parts, still takes that path; here
     forced for the same call), with key chunks (each with its dQ), lengths, a window,
-    dropout and GQA heads summed into one dK."""
+    dropout and GQA heads summed into one dK; and at head dims that are not whole vectors,
+    where a tile of an odd key count ends its rows' run in a partial vector."""
     import npattn
     from npattn.runtime import plans
 
@@ -481,7 +519,9 @@ def test_a_16_bit_backward_rounds_dk_and_dv_as_it_writes_them(monkeypatch, dtype
     shapes = {"chunk": ((1, 4, 16, 64), (1, 4, 900, 64), {}),
               "key chunks": ((1, 2, 40, 64), (1, 1, 700, 64), dict(causal=True, kv_lengths=np.array([650]))),
               "gqa window": ((2, 4, 120, 32), (2, 2, 300, 32), dict(causal=True, window=(50, 0), dropout_p=0.2,
-                                                                    seed=5))}
+                                                                    seed=5)),
+              "head dim 40": ((1, 2, 40, 40), (1, 1, 701, 40), dict(causal=True)),
+              "head dim 36 gqa": ((2, 4, 50, 36), (2, 2, 333, 36), dict(dropout_p=0.2, seed=3))}
     q_shape, kv_shape, options = shapes[case]
     q, dout = (rng.standard_normal(q_shape).astype(dtype) for _ in range(2))
     k, v = (rng.standard_normal(kv_shape).astype(dtype) for _ in range(2))

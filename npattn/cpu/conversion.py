@@ -26,8 +26,9 @@ from numba import types
 from numba.extending import overload
 
 from .jit import OPTIONS, kernel
-from .simd import (MICROKERNELS, VECTOR_BYTES, fill, horizontal_max, horizontal_sum, load, load_float16_bits, maximum,
-                   multiply, multiply_add, store, store_float16_bits)
+from .simd import (MICROKERNELS, VECTOR_BYTES, fill, horizontal_max, horizontal_sum, load, load_first,
+                   load_float16_bits, maximum, multiply, multiply_add, store, store_float16_bits,
+                   store_float16_bits_first)
 from .threads import direct_entry
 
 _LANES = VECTOR_BYTES // 4  # float32 lanes of a vector
@@ -66,15 +67,16 @@ _BFLOAT16_PAST = np.frombuffer(np.uint32(0x7F7F8000).tobytes(), np.float32)[0]
 
 
 def narrow_run(source, start, count, out, out_at, brain):
-    """``source[start : start + count]`` (float32, whole vectors) rounded to nearest even
+    """``source[start : start + count]`` (float32) rounded to nearest even
     into ``out``'s 16-bit elements ``out_at`` on (``out``: bytes; bfloat16 with ``brain``,
     else float16): the bits of :func:`converted`; whether any of those results is not
     finite: from a NaN or an infinity in ``source``, or a value that rounds to an
     infinity. Checked in the registers the values are rounded from (a second pass over
     ``source`` doubled a small array's time): the largest magnitude, and a sum of
     ``x * 0``, which is 0 for every finite x and NaN for the others (an FMA: no fast-math
-    flag lets it be assumed finite). A float64 ``source`` (a kernel's other dtype, never
-    asked) does nothing. Jitted code only."""
+    flag lets it be assumed finite). A count that is not whole vectors ends in a vector
+    read and written masked (a key tile's gradient rows of head dim 40, say). A float64
+    ``source`` (a kernel's other dtype, never asked) does nothing. Jitted code only."""
     raise NotImplementedError
 
 
@@ -86,12 +88,21 @@ def _narrow_run_overload(source, start, count, out, out_at, brain):
     def implementation(source, start, count, out, out_at, brain):
         zero, negate = fill(0.0, source), fill(-1.0, source)
         largest, nan_or_inf = zero, zero
-        for i in range(0, count, _LANES):
+        whole = count - count % _LANES
+        for i in range(0, whole, _LANES):
             value = load(source, start + i)
             if brain:  # (the rounding is a compile-time choice: a literal in each branch)
                 store_float16_bits(out, 2 * (out_at + i), value, True)
             else:
                 store_float16_bits(out, 2 * (out_at + i), value, False)
+            largest = maximum(maximum(value, multiply(value, negate)), largest)
+            nan_or_inf = multiply_add(value, zero, nan_or_inf)
+        if whole < count:  # (zeros in the lanes past the end: finite, and no larger)
+            value = load_first(source, start + whole, count - whole, 0.0)
+            if brain:
+                store_float16_bits_first(out, 2 * (out_at + whole), value, count - whole, True)
+            else:
+                store_float16_bits_first(out, 2 * (out_at + whole), value, count - whole, False)
             largest = maximum(maximum(value, multiply(value, negate)), largest)
             nan_or_inf = multiply_add(value, zero, nan_or_inf)
         limit = _BFLOAT16_PAST if brain else _FLOAT16_PAST

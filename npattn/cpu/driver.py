@@ -511,13 +511,15 @@ class BackwardPlan:
             starts = np.cumsum([0, *sizes]).tolist()
             self._block = (starts[-1], tuple(map(slice, starts, starts[1:])), tuple(shape[1:] for shape in shapes))
         # a 16-bit problem's dk and dv rounded by the kernel as it writes each key tile's rows,
-        # and checked as they round (one head part: parts are summed afterwards; whole
-        # vectors; not a small call's block, which one pass rounds): no float32 dk and dv,
+        # and checked as they round (one head part: parts are summed afterwards; not a small
+        # call's block, which one pass rounds; even head dims, so that the 16-bit arrays are
+        # whole float32 words: a tile's rows are one run, its last vector masked where the
+        # run is not whole vectors): no float32 dk and dv,
         # nor a pass over them (which had taken (1, 8, 16 x 1024, 64)'s float16 backward
         # 0.11 of 0.66 ms, and its float32 dk and dv 4 MB of fresh memory): a KvCodes
         self.gradient_codes = KvCodes.NONE
         if (self.narrow is not None and dtype == np.float32 and self._block is None and head_parts == 1
-                and ints[Int.VECTOR_KEYS] and ints[Int.VECTOR_VALUES]):
+                and head_dim % 2 == 0 and value_dim % 2 == 0):
             self.gradient_codes = KvCodes.BFLOAT16 if np.dtype(self.narrow).name == "bfloat16" else KvCodes.FLOAT16
         # the other 16-bit gradients rounded, and checked, by the conversion's entry points
         # (no dispatcher: 1.5-2 us of each of a small call's three), the block's in one call
