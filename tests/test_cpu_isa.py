@@ -68,6 +68,31 @@ def _strided_product(a, b, c, rows, depth, width, b_row, c_row, accumulate):
     microkernels.product(a, 0, depth, 1, b, 0, b_row, c, 0, c_row, rows, depth, width, 1.0, accumulate)
 
 
+# (rows, depth, width in vectors): the whole vectors short of a chunk that take blocks of
+# one or two vectors (1, 2 and 3 on AVX-512; 1 on AVX2), alone and after a whole chunk,
+# with 6-row blocks and the rows left, depths past the L1 slice
+@pytest.mark.parametrize("rows, depth, vectors", [(16, 64, 1), (9, 33, 2), (7, 600, 3), (13, 64, 5), (6, 5, 6)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_micro_kernel_columns_have_the_same_bits_in_any_block_width(rows, depth, vectors, dtype):
+    """Each column of C is one chain over the depth whichever block computes it: a product
+    narrower than a chunk (its columns in blocks of one or two vectors) gives the bits of
+    the same columns inside a wider product (a whole chunk's block)."""
+    rng = np.random.default_rng(rows + depth + vectors)
+    lanes = simd.lanes_of(np.dtype(dtype))
+    chunk = microkernels.chunk_columns(dtype)
+    width = vectors * lanes
+    wide = -(-width // chunk) * chunk + chunk  # whole chunks past the width
+    a = rng.standard_normal((rows, depth)).astype(dtype)
+    b = rng.standard_normal((depth, wide)).astype(dtype)
+    start = rng.standard_normal((rows, wide)).astype(dtype)
+    for accumulate in (False, True):
+        narrow, whole = start.copy(), start.copy()
+        _strided_product(a.ravel(), b.ravel(), narrow.ravel(), rows, depth, width, wide, wide, accumulate)
+        _strided_product(a.ravel(), b.ravel(), whole.ravel(), rows, depth, wide, wide, wide, accumulate)
+        np.testing.assert_array_equal(narrow[:, :width], whole[:, :width])
+        np.testing.assert_array_equal(narrow[:, width:], start[:, width:])
+
+
 # (rows, depth, width in vectors): widths a few lanes short of whole vectors (a decode
 # tile's values of a head dim such as 40 with AVX-512), alone, after whole vectors of a
 # chunk's tail, after whole chunks, and after a single row's wide chunks; depths past the
@@ -286,6 +311,7 @@ def test_packed_transposes_are_exact_and_zero_padded(dtype):
 # What the forced-AVX2 child runs: the micro-kernel tests above, the short-row softmax steps
 # and the kernels' property test at vector widths, and the check that the switch took
 _CHILD_TESTS = ("tests/test_cpu_isa.py::test_micro_kernel_products_match_numpy",
+                "tests/test_cpu_isa.py::test_micro_kernel_columns_have_the_same_bits_in_any_block_width",
                 "tests/test_cpu_isa.py::test_packed_transposes_are_exact_and_zero_padded",
                 "tests/test_cpu_isa.py::test_dot_products_match_numpy_and_each_score_is_one_fixed_sum",
                 "tests/test_cpu_isa.py::test_products_on_codes_match_numpy",

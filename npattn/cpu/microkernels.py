@@ -187,6 +187,9 @@ def _bfloat16_bits(value):
     return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
 
 
+_CHUNK, _TAIL, _TWO_VECTORS, _ONE_VECTOR = 0, 1, 2, 3  # (_product's passes over columns)
+
+
 @helper
 def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, width,
              alpha, accumulate, pairs):
@@ -206,25 +209,46 @@ def _product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, 
                      alpha, accumulate, repeat(fill(0.0, c), WIDE_VECTORS), pairs)
             x += wide
     while x < width:
-        whole = x + chunk <= width
+        # the columns this pass takes: a whole chunk; else (fewer columns left) those
+        # columns together, a last partial vector masked; else whole vectors, two at a
+        # time where a chunk holds more (AVX-512), else one (pair products: always one).
+        # Whole vectors short of a chunk (a tile of 16 or 32 keys, a head dim of 32 or
+        # 48; 8 or 24 on AVX2) so take 6-row blocks as a chunk does, 6 or 12 FMA chains
+        # with no branch in the depth loop, where the masked tail's 4-row blocks ran 4
+        # to 12 chains through a branch per FMA. Each column is the same chain either
+        # way (the same bits). One core of the 2-core Zen 4 VM, GFLOP/s (rows x depth x
+        # width, best of 7): 16 x 64 x 16 42 -> 84, 16 x 64 x 32 76 -> 99, 192 x 384 x
+        # 32 80 -> 106; forced to AVX2, 16 x 64 x 8 15 -> 55, 192 x 384 x 24 59 -> 88
+        vectors, count = (width - x) // lanes, (width - x) % lanes
+        if x + chunk <= width:
+            step, kind = chunk, _CHUNK
+        elif pairs is None and count:
+            step, kind = width - x, _TAIL
+        elif pairs is None and VECTORS_PER_CHUNK > 2 and vectors >= 2:
+            step, kind = 2 * lanes, _TWO_VECTORS
+        else:
+            step, kind = lanes, _ONE_VECTOR
         for j0 in range(0, depth, DEPTH_BLOCK):
             j_count = smaller(DEPTH_BLOCK, depth - j0)
             args = (a, a_offset + j0 * a_col, a_row, a_col, b, b_offset + j0 * b_row + x, b_row,
                     c, c_offset + x, c_row, rows, j_count, alpha, accumulate or j0 > 0)
-            if whole:
+            if kind == _CHUNK:
                 _columns(*args, repeat(fill(0.0, c), VECTORS_PER_CHUNK), pairs)
-            elif pairs is None:  # the last columns together, a last partial vector masked
-                _tail_columns(*args, (width - x) // lanes, (width - x) % lanes)
-            else:  # (pair products: whole vectors, one at a time)
+            elif kind == _TAIL:
+                _tail_columns(*args, vectors, count)
+            elif kind == _TWO_VECTORS:
+                _columns(*args, repeat(fill(0.0, c), 2), pairs)
+            else:
                 _columns(*args, repeat(fill(0.0, c), 1), pairs)
-        x += chunk if whole or pairs is None else lanes
+        x += step
 
 
 @helper
 def _tail_columns(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, depth, alpha,
                   accumulate, vectors, count):
-    """The columns left after the whole chunks: ``vectors`` whole vectors (fewer than a
-    chunk's), then ``count`` columns (0 <= count < lanes) of a vector whose B and C lanes
+    """The columns left after the whole chunks where they end in a partial vector:
+    ``vectors`` whole vectors (fewer than a chunk's), then ``count`` columns (0 < count
+    < lanes) of a vector whose B and C lanes
     past them are neither read nor written (the values of a head dim such as 40 with
     AVX-512's 16 lanes). Rows four at a time, then two, then one, each vector of each row
     its own FMA chain (one vector at a time, a row's one chain waited on the FMA's
