@@ -248,9 +248,9 @@ def _tail_columns(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_
                   accumulate, vectors, count):
     """The columns left after the whole chunks where they end in a partial vector:
     ``vectors`` whole vectors (fewer than a chunk's), then ``count`` columns (0 < count
-    < lanes) of a vector whose B and C lanes
-    past them are neither read nor written (the values of a head dim such as 40 with
-    AVX-512's 16 lanes). Rows four at a time, then two, then one, each vector of each row
+    < lanes) of a vector whose B and C lanes past them are neither read nor written
+    (the values of a head dim such as 40 with AVX-512's 16 lanes). Rows four at a time,
+    then two, then one, each vector of each row
     its own FMA chain (one vector at a time, a row's one chain waited on the FMA's
     latency at every key; two rows at a time, a 64-row tile re-read B from L1 32 times:
     (1, 8/2, 16 x 4096, 40) took 651 us where BLAS took 605). Each column is the chain a
