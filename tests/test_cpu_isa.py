@@ -248,7 +248,7 @@ def test_products_on_codes_match_numpy(rows, cols, vectors, decode):
 @pytest.mark.parametrize("partial", [0, 6], ids=["whole", "partial"])
 @pytest.mark.parametrize("decode", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows, cols, vectors", [(1, 300, 4), (1, 200, 9), (1, 130, 8), (4, 300, 8), (3, 129, 5),
-                                                 (5, 40, 3)])
+                                                 (5, 40, 3), (4, 40, 2), (8, 33, 6)])
 def test_products_on_16_bit_values_give_the_bits_of_their_float32_rows(rows, cols, vectors, decode, partial):
     """16-bit values read in registers give exactly what the micro-kernels give on their
     float32 rows (what a float32 cache of the same values gives): each score the same one

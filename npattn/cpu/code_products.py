@@ -544,65 +544,94 @@ def _product_of(p, p_offset, p_row, codes, b_offset, b_row, c, c_offset, c_row, 
         r = 0
         while r + ROW_BLOCK <= rows:
             _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
-                          c_row, ROW_BLOCK, cols, lanes, ask_bytes if r == 0 else 0, decode)
+                          c_row, ROW_BLOCK, cols, lanes, ask_bytes if r == 0 else 0, VECTOR_BLOCK, decode)
             r += ROW_BLOCK
         while r < rows:
             _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
-                          c_row, 1, cols, lanes, ask_bytes if r == 0 else 0, decode)
+                          c_row, 1, cols, lanes, ask_bytes if r == 0 else 0, VECTOR_BLOCK, decode)
             r += 1
         x0 += VECTOR_BLOCK * lanes
-    if x0 < x_stop:  # the columns left together, a last partial vector (16-bit values) masked
-        vectors, count = (x_stop - x0) // lanes, _partial_lanes(x_stop - x0, lanes, decode)
+    # two whole vectors short of a block (AVX-512's head dims 32 and 48, 16-bit values: every
+    # 16-bit prefill's P V) in 4-row blocks of their own: _tail_vectors, whose counts and
+    # decode are not constants, branches at every FMA (one core, 32 x 32 keys x 32 columns:
+    # 668 -> 330 ns, float32's product 337). Rows left, single vectors and one-byte codes
+    # stay with it: each block here compiles into every forward kernel once per decode
+    if VECTOR_BLOCK > 2 and (decode == _FLOAT16 or decode == _BFLOAT16) and x0 + 2 * lanes <= x_stop and rows >= 4:
         r = 0
         while r + ROW_BLOCK <= rows:
-            _tail_vectors(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
-                          c_row, ROW_BLOCK, cols, vectors, count, decode)
+            _vector_block(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
+                          c_row, ROW_BLOCK, cols, lanes, ask_bytes if r == 0 else 0, 2, decode)
             r += ROW_BLOCK
-        if rows - r >= 2:
-            _tail_vectors(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
-                          c_row, 2, cols, vectors, count, decode)
-            r += 2
-        if r < rows:
-            _tail_vectors(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0,
-                          c_row, 1, cols, vectors, count, decode)
+        _tail_rows(p, p_offset, p_row, codes, b_offset, x0, b_row, c, c_offset, c_row, r, rows, cols, 2, 0, decode)
+        x0 += 2 * lanes
+    if x0 < x_stop:  # the columns left together, a last partial vector (16-bit values) masked
+        _tail_rows(p, p_offset, p_row, codes, b_offset, x0, b_row, c, c_offset, c_row, 0, rows, cols,
+                   (x_stop - x0) // lanes, _partial_lanes(x_stop - x0, lanes, decode), decode)
 
 
 @helper
-def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, cols, lanes, ask_bytes, decode):
-    """:data:`VECTOR_BLOCK` vectors of columns from ``x0`` of ``rows`` (1 or
-    :data:`ROW_BLOCK`, a constant) rows of :func:`_product_of`: the accumulators of row r
-    are s, t, u, w, numbered by vector."""
+def _tail_rows(p, p_offset, p_row, codes, b_offset, x0, b_row, c, c_offset, c_row, first, rows, cols, vectors, count,
+               decode):
+    """Rows ``first`` to ``rows`` of :func:`_tail_vectors`' columns from ``x0``: blocks of
+    :data:`ROW_BLOCK`, then of 2 and 1."""
+    always_inline()
+    r = first
+    while r + ROW_BLOCK <= rows:
+        _tail_vectors(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0, c_row,
+                      ROW_BLOCK, cols, vectors, count, decode)
+        r += ROW_BLOCK
+    if rows - r >= 2:
+        _tail_vectors(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0, c_row,
+                      2, cols, vectors, count, decode)
+        r += 2
+    if r < rows:
+        _tail_vectors(p, p_offset + r * p_row, p_row, codes, b_offset, x0, b_row, c, c_offset + r * c_row + x0, c_row,
+                      1, cols, vectors, count, decode)
+
+
+@helper
+def _vector_block(p, p_at, p_row, codes, b_at, x0, b_row, c, c_at, c_row, rows, cols, lanes, ask_bytes, vectors,
+                  decode):
+    """``vectors`` (:data:`VECTOR_BLOCK` or 2) vectors of columns from ``x0`` of ``rows``
+    (1 or :data:`ROW_BLOCK`) rows of :func:`_product_of`, both constants where inlined:
+    the accumulators of row r are s, t, u, w, numbered by vector."""
     always_inline()
     zero = fill(0.0, c)
-    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b2 = b3 = zero
+    s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = w0 = w1 = w2 = w3 = b1 = b2 = b3 = zero
     for j in range(cols):
         at = b_at + j * b_row
-        _ask_for_block(codes, at + x0 * code_bytes(decode), VECTOR_BLOCK * lanes * code_bytes(decode), ask_bytes)
-        b0, b1 = _values(codes, at, x0, zero, decode), _values(codes, at, x0 + lanes, zero, decode)
-        if VECTOR_BLOCK == 4:
+        _ask_for_block(codes, at + x0 * code_bytes(decode), vectors * lanes * code_bytes(decode), ask_bytes)
+        b0 = _values(codes, at, x0, zero, decode)
+        if vectors >= 2:
+            b1 = _values(codes, at, x0 + lanes, zero, decode)
+        if vectors == 4:
             b2, b3 = _values(codes, at, x0 + 2 * lanes, zero, decode), _values(codes, at, x0 + 3 * lanes, zero, decode)
-        weight = broadcast_element(p, p_at + j, c)
-        s0, s1 = multiply_add(weight, b0, s0), multiply_add(weight, b1, s1)
-        if VECTOR_BLOCK == 4:
-            s2, s3 = multiply_add(weight, b2, s2), multiply_add(weight, b3, s3)
+        s0, s1, s2, s3 = _block_step(broadcast_element(p, p_at + j, c), b0, b1, b2, b3, s0, s1, s2, s3, vectors)
         if rows == 4:
-            weight = broadcast_element(p, p_at + p_row + j, c)
-            t0, t1 = multiply_add(weight, b0, t0), multiply_add(weight, b1, t1)
-            if VECTOR_BLOCK == 4:
-                t2, t3 = multiply_add(weight, b2, t2), multiply_add(weight, b3, t3)
-            weight = broadcast_element(p, p_at + 2 * p_row + j, c)
-            u0, u1 = multiply_add(weight, b0, u0), multiply_add(weight, b1, u1)
-            if VECTOR_BLOCK == 4:
-                u2, u3 = multiply_add(weight, b2, u2), multiply_add(weight, b3, u3)
-            weight = broadcast_element(p, p_at + 3 * p_row + j, c)
-            w0, w1 = multiply_add(weight, b0, w0), multiply_add(weight, b1, w1)
-            if VECTOR_BLOCK == 4:
-                w2, w3 = multiply_add(weight, b2, w2), multiply_add(weight, b3, w3)
-    _add_block(c, c_at, lanes, s0, s1, s2, s3)
+            t0, t1, t2, t3 = _block_step(broadcast_element(p, p_at + p_row + j, c), b0, b1, b2, b3, t0, t1, t2, t3,
+                                         vectors)
+            u0, u1, u2, u3 = _block_step(broadcast_element(p, p_at + 2 * p_row + j, c), b0, b1, b2, b3, u0, u1, u2,
+                                         u3, vectors)
+            w0, w1, w2, w3 = _block_step(broadcast_element(p, p_at + 3 * p_row + j, c), b0, b1, b2, b3, w0, w1, w2,
+                                         w3, vectors)
+    _add_block(c, c_at, lanes, s0, s1, s2, s3, vectors)
     if rows == 4:
-        _add_block(c, c_at + c_row, lanes, t0, t1, t2, t3)
-        _add_block(c, c_at + 2 * c_row, lanes, u0, u1, u2, u3)
-        _add_block(c, c_at + 3 * c_row, lanes, w0, w1, w2, w3)
+        _add_block(c, c_at + c_row, lanes, t0, t1, t2, t3, vectors)
+        _add_block(c, c_at + 2 * c_row, lanes, u0, u1, u2, u3, vectors)
+        _add_block(c, c_at + 3 * c_row, lanes, w0, w1, w2, w3, vectors)
+
+
+@helper
+def _block_step(weight, b0, b1, b2, b3, s0, s1, s2, s3, vectors):
+    """One row's first ``vectors`` accumulators of a block after one key: ``weight`` times
+    each of the key's values added by a FMA."""
+    always_inline()
+    s0 = multiply_add(weight, b0, s0)
+    if vectors >= 2:
+        s1 = multiply_add(weight, b1, s1)
+    if vectors == 4:
+        s2, s3 = multiply_add(weight, b2, s2), multiply_add(weight, b3, s3)
+    return s0, s1, s2, s3
 
 
 @helper
@@ -682,12 +711,13 @@ def _add_tail(c, at, sums, vectors, count):
 
 
 @helper
-def _add_block(c, at, lanes, s0, s1, s2, s3):
-    """A row's :data:`VECTOR_BLOCK` accumulators added into ``c`` from ``at``."""
+def _add_block(c, at, lanes, s0, s1, s2, s3, vectors):
+    """A row's first ``vectors`` accumulators of a block added into ``c`` from ``at``."""
     always_inline()
     _add_into(c, at, s0)
-    _add_into(c, at + lanes, s1)
-    if VECTOR_BLOCK == 4:
+    if vectors >= 2:
+        _add_into(c, at + lanes, s1)
+    if vectors == 4:
         _add_into(c, at + 2 * lanes, s2)
         _add_into(c, at + 3 * lanes, s3)
 
