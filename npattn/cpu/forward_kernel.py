@@ -12,8 +12,8 @@ the scores (micro-kernel or BLAS, see :mod:`npattn.cpu.microkernels`), the runni
 max ``m`` and sum ``l`` updated per row, the accumulated output rescaled by
 ``exp(m_old - m_new)``, then ``out += P @ V`` straight into the output rows. Extra
 memory is one (block_q x block_k) score tile and one packed key tile per thread
-(:mod:`npattn.cpu.scratch`; a bfloat16 forward keeps its kv head's key tiles packed, up
-to 1 MiB, for the next query tile or head: :func:`~npattn.cpu.tiles.cached_key_tile`):
+(:mod:`npattn.cpu.scratch`; a prefill keeps its kv head's key tiles packed, up to 1 MiB,
+for the next query tile or head: :func:`~npattn.cpu.tiles.cached_key_tile`):
 no Sq x Sk array is ever formed.
 
 Every kernel takes the flat operands of :class:`~npattn.cpu.operands.Operands` first,
@@ -135,7 +135,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     # (KEY_CACHE_SLOTS) the key tiles this thread keeps packed: the first ``cached`` tiles
     # of entry and kv head ``cache_owner``
     key_cache_tiles, value_cache_tiles = key_cache(ints, dequantized)
-    cache_key_size, cache_value_size = cache_slot_sizes(ints[Int.HEAD_DIM], dv, block_k, ld)
+    cache_key_size, cache_value_size = cache_slot_sizes(ints[Int.HEAD_DIM], dv, block_k, ld, bf16 != 0)
     cache_owner, cached = -1, 0
     item, claimed_stop = -1, 0  # the items [item, claimed_stop) this thread claimed
     while True:
@@ -196,9 +196,10 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                             from_cache = True
                             if slot == cached:
                                 pack_key_tile(k, tile, pages, ints, b, kv_head, j0, slot_keys, key_tile)
-                                pack_value_pairs(v, pages, ints, b, kv_head, j0, slot_keys, value_pairs)
+                                if bf16:  # (float values: read where they lie)
+                                    pack_value_pairs(v, pages, ints, b, kv_head, j0, slot_keys, value_pairs)
                                 cached += 1
-                    if sixteen_bit:  # (never kept: the kept tiles are bfloat16 pairs')
+                    if sixteen_bit:  # (never kept: 16-bit keys are codes, KEY_CACHE_SLOTS 0)
                         pack_key_codes(k_codes, dequantized, pages, ints, b, kv_head, j0, cols, key_tile)
                     elif not from_cache:
                         pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, key_tile)

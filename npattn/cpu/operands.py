@@ -653,7 +653,9 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     out_codes = KvCodes.BFLOAT16 if pairs else q_codes
     ints[Int.OUT_CODES] = out_codes if kind == "forward" and ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
     ints[Int.CONVERTED_VALUE_ROWS] = tuning.value_rows_converted
-    ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning) if pairs and kind == "forward" else 0
+    # (K^T packed from k itself: bfloat16 pairs, or float keys whose scores take the packed tile)
+    packs_keys = pairs or (not codes and not q_codes and vector and not dot_scores)
+    ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning, pairs) if packs_keys and kind == "forward" else 0
     ints[Int.CLAIM_RUN] = kv_head_items(ints) if ints[Int.KEY_CACHE_SLOTS] else 1
     ints[Int.BIAS_CODES] = bias_read  # (bias_codes)
     if problem.quantized:
@@ -662,14 +664,15 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     return _frozen(np.array(ints, np.int64)), _frozen(problem_reals(problem, dtype))
 
 
-def _key_cache_slots(problem, ints, tuning: Tuning) -> int:
-    """How many key tiles a bfloat16 forward keeps packed per thread (:func:`npattn.cpu.
-    tiles.cached_key_tile`; from the first, at most ``tuning.key_cache_bytes`` of them): 0
-    where no tile is read twice (one query tile per kv head)."""
+def _key_cache_slots(problem, ints, tuning: Tuning, pairs: bool) -> int:
+    """How many key tiles a forward keeps packed per thread (:func:`npattn.cpu.tiles.
+    cached_key_tile`; from the first, at most ``tuning.key_cache_bytes`` of them; ``pairs``:
+    bfloat16 pairs'): 0 where no tile is read twice (one query tile per kv head)."""
     block_q, block_k, ld = int(ints[Int.BLOCK_Q]), int(ints[Int.BLOCK_K]), int(ints[Int.SCORE_LD])
     if -(-problem.q_len // block_q) * problem.group_size < 2:
         return 0
-    slot_bytes = 4 * sum(cache_slot_words(problem.head_dim, problem.value_dim, block_k, ld))
+    element = 4 if pairs else np.dtype(problem.accumulate_dtype).itemsize
+    slot_bytes = element * sum(cache_slot_words(problem.head_dim, problem.value_dim, block_k, ld, pairs))
     return min(-(-problem.kv_len // block_k), tuning.key_cache_bytes // slot_bytes)
 
 
@@ -680,12 +683,16 @@ def kv_head_items(ints) -> int:
     return int(max(1, heads_per_item) * -(-ints[Int.Q_LEN] // ints[Int.BLOCK_Q]) * ints[Int.KEY_SPLITS])
 
 
-def cache_slot_words(head_dim, value_dim, keys, ld):
-    """The float32 words of one slot of :func:`npattn.cpu.tiles.key_cache`: a key tile
-    packed in pairs as :func:`~npattn.cpu.tiles.pack_key_tile` packs it (D / 2 x
-    SCORE_LD), and its values as :func:`~npattn.cpu.tiles.pack_value_pairs` packs them
-    (BLOCK_K / 2 x Dv). Plain Python: the kernels compile it too."""
-    return head_dim // 2 * ld, (keys + 1) // 2 * value_dim
+def cache_slot_words(head_dim, value_dim, keys, ld, pairs):
+    """The elements (float32 words with ``pairs``) of one slot of
+    :func:`npattn.cpu.tiles.key_cache`, its key tile and its values: with ``pairs``
+    (BF16_PRODUCTS) K^T in pairs as :func:`~npattn.cpu.tiles.pack_key_tile` packs it (D / 2
+    x SCORE_LD) and the values as :func:`~npattn.cpu.tiles.pack_value_pairs` packs them
+    (BLOCK_K / 2 x Dv); else K^T (D x SCORE_LD) and no values (P V reads v where it lies).
+    Plain Python: the kernels compile it too."""
+    if pairs:
+        return head_dim // 2 * ld, (keys + 1) // 2 * value_dim
+    return head_dim * ld, 0
 
 
 # Plans by (kind, tuning, rows per position, problem signature without the seed)

@@ -148,12 +148,12 @@ def weights_scratch_specs(ints, dtype) -> tuple:
 def dequantized_tile_spec(ints, dtype) -> tuple:
     """A key tile read from codes (KV_CODES) as float rows, keys then values (BLOCK_K x
     (D + Dv), :func:`npattn.cpu.tiles.dequantize_tile`); with BF16_PRODUCTS the bfloat16
-    pair tiles instead (:func:`npattn.cpu.tiles.pair_tiles`); 1 element otherwise. With
+    pair tiles instead (:func:`npattn.cpu.tiles.pair_tiles`); nothing otherwise. With
     Q_CODES, a work item's queries as float rows after them (HEAD_GROUP x BLOCK_Q x D,
     :func:`npattn.cpu.tiles.convert_query_rows`), and with OUT_CODES its out rows' sums
-    (HEAD_GROUP x BLOCK_Q x Dv); last, with KEY_CACHE_SLOTS, the key tiles a bfloat16
-    forward keeps packed (:func:`npattn.cpu.tiles.key_cache`, at most
-    ``Tuning.key_cache_bytes``)."""
+    (HEAD_GROUP x BLOCK_Q x Dv); last, with KEY_CACHE_SLOTS, the key tiles a forward
+    keeps packed (:func:`npattn.cpu.tiles.key_cache`, at most ``Tuning.key_cache_bytes``);
+    at least 1 element."""
     rows, keys, head_dim, value_dim = (int(ints[name]) for name in (Int.BLOCK_Q, Int.BLOCK_K, Int.HEAD_DIM,
                                                                      Int.VALUE_DIM))
     # (with OUT_CODES the float32 sums of an item's out rows last: forward_kernel._sums_rows)
@@ -162,10 +162,12 @@ def dequantized_tile_spec(ints, dtype) -> tuple:
         from .tiles import pair_tile_sizes  # (its Python function: one formula for the kernel and here)
 
         ld = int(ints[Int.SCORE_LD])
-        cache = int(ints[Int.KEY_CACHE_SLOTS]) * sum(cache_slot_words(head_dim, value_dim, keys, ld))
+        cache = int(ints[Int.KEY_CACHE_SLOTS]) * sum(cache_slot_words(head_dim, value_dim, keys, ld, True))
         return sum(pair_tile_sizes.py_func(rows, keys, value_dim, ld)) + sums + cache, dtype
-    if not ints[Int.KV_CODES]:
-        return 1, dtype
+    if not ints[Int.KV_CODES]:  # float keys: the kept key tiles alone (tiles.key_cache)
+        ld = int(ints[Int.SCORE_LD])
+        return max(1, int(ints[Int.KEY_CACHE_SLOTS]) * sum(cache_slot_words(head_dim, value_dim, keys, ld,
+                                                                               False))), dtype
     # (and with Q_CODES an item's queries, HEAD_GROUP x BLOCK_Q rows: tiles.convert_query_rows)
     queries = rows * int(ints[Int.HEAD_GROUP]) * head_dim if ints[Int.Q_CODES] else 0
     return keys * (head_dim + value_dim) + queries + sums, dtype

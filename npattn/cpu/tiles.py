@@ -783,15 +783,19 @@ cache_slot_sizes = njit(inline="always")(cache_slot_words)
 
 @njit(inline="always")
 def key_cache(ints, scratch):
-    """KEY_CACHE_SLOTS: ``(keys, values)``, the packed key tiles and value pairs a thread
-    keeps (:func:`cached_key_tile`), carved from its :func:`dequantize_tile` scratch after
-    the pair tiles and the out rows' sums: slot n's tiles at n times
-    :func:`~npattn.cpu.operands.cache_slot_words`."""
-    start = accumulator_start(ints)
-    if ints[Int.OUT_CODES]:
-        start += ints[Int.HEAD_GROUP] * ints[Int.BLOCK_Q] * ints[Int.VALUE_DIM]
+    """KEY_CACHE_SLOTS: ``(keys, values)``, the packed key tiles (and with BF16_PRODUCTS
+    value pairs; else none) a thread keeps (:func:`cached_key_tile`), carved from its
+    :func:`dequantize_tile` scratch, after the pair tiles and the out rows' sums (bfloat16
+    pairs) or from its start (float keys, which need nothing else there): slot n's tiles
+    at n times :func:`~npattn.cpu.operands.cache_slot_words`."""
+    pairs = ints[Int.BF16_PRODUCTS]
+    start = 0
+    if pairs:
+        start = accumulator_start(ints)
+        if ints[Int.OUT_CODES]:
+            start += ints[Int.HEAD_GROUP] * ints[Int.BLOCK_Q] * ints[Int.VALUE_DIM]
     key_size, value_size = cache_slot_sizes(ints[Int.HEAD_DIM], ints[Int.VALUE_DIM], ints[Int.BLOCK_K],
-                                            ints[Int.SCORE_LD])
+                                            ints[Int.SCORE_LD], pairs != 0)
     keys_end = start + ints[Int.KEY_CACHE_SLOTS] * key_size
     return scratch[start:keys_end], scratch[keys_end:keys_end + ints[Int.KEY_CACHE_SLOTS] * value_size]
 

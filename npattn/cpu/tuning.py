@@ -71,9 +71,10 @@ WINDOWED_FORWARD_ROWS = 128
 # 8 rows 64 -> 57, 12 rows 62 -> 61, 16 rows 81 -> 89.
 DOT_ROWS = 8
 # The most a thread keeps of a kv head's key tiles packed (npattn.cpu.tiles.key_cache):
-# a bfloat16 forward packs each key tile it reads (K^T in pairs, and its values in pairs
-# of keys), and every query tile of a head and every head of a kv group reads the same
-# tiles. Packing took 5% of a (4, 16, 1024, 64) causal forward on the 2-core Zen 4 VM.
+# a forward packs each key tile it reads (K^T; a bfloat16 one's in pairs, with its values
+# in pairs of keys), and every query tile of a head and every head of a kv group reads the
+# same tiles. Packing took 5% of a (4, 16, 1024, 64) causal forward on the 2-core Zen 4 VM
+# (bfloat16), K^T 5.5% of a float32 one on the Zen 5 VM (npattn/cpu/TUNING.md).
 KEY_CACHE_BYTES = 1 << 20
 
 
@@ -89,8 +90,9 @@ class Tuning:
     key tile (0: never); ``bf16_products``: a bfloat16 forward multiplies in bfloat16 where
     the CPU can (:func:`npattn.cpu.operands.bf16_products`; False: in float32; None: where
     that is the faster, :data:`npattn.cpu.simd.BF16_PAIRS_BY_DEFAULT`);
-    ``key_cache_bytes``: the most a bfloat16 forward keeps per thread of a kv head's key
-    tiles packed for its next query tile or head (0: none, each tile packed where read);
+    ``key_cache_bytes``: the most a forward keeps per thread of a kv head's key tiles
+    packed (K^T; bfloat16 pairs with their values) for its next query tile or head (0:
+    none, each tile packed where read);
     ``converted_value_rows``: a forward reading 16-bit values a tile at a time converts
     them once for query tiles of at least this many rows and reads them in registers for
     shorter ones (None: as pays on this CPU, :func:`npattn.cpu.isa.converted_value_rows`)."""
