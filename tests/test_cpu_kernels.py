@@ -684,10 +684,10 @@ def test_decode_items_ask_for_the_next_tile_where_the_cores_need_it(cpu_name, sl
 
 
 @pytest.mark.parametrize("cpu_name, asks", [("znver3", True), ("znver2", True), ("znver4", False),
-                                            ("znver5", False), ("emeraldrapids", True), ("skylake-avx512", True)])
+                                            ("znver5", True), ("emeraldrapids", True), ("skylake-avx512", True)])
 def test_decode_products_ask_for_the_rows_a_tile_on_where_the_cores_need_it(cpu_name, asks):
-    """Intel's cores and the AVX2 Zen cores ask for the rows a tile on as the products go;
-    Zen 4 and later keep the bursts (npattn.cpu.isa.row_prefetch_pays)."""
+    """Intel's cores, the AVX2 Zen cores and Zen 5 ask for the rows a tile on as the
+    products go; Zen 4 keeps the bursts (npattn.cpu.isa.row_prefetch_pays)."""
     from unittest import mock
 
     from npattn.cpu import isa

@@ -107,9 +107,9 @@ def converted_value_rows() -> int:
 
 
 # AMD's cores that keep a decode item's bursts (:func:`tile_prefetch_pays`) where the
-# products read codes in registers: the AVX-512 Zen cores, where the bursts were measured
-# against no requests and the rows-ahead requests were not measured
-_BURSTING_CORES = ("znver4", "znver5")
+# products read codes in registers: Zen 4, where the bursts were measured against no
+# requests and the rows-ahead requests were not measured (Zen 5 measured them: they pay)
+_BURSTING_CORES = ("znver4",)
 
 
 def row_prefetch_pays() -> bool:
@@ -123,8 +123,11 @@ def row_prefetch_pays() -> bool:
     (16, 32/8, 2048, 128) 6.7-7.0 -> 5.1-5.4 ms. On the AVX2 Zen 3 VM (2026-11-29), two
     alternating processes each way: int8 11.4-13.5 -> 8.9-9.4 ms and 19.3-21.2 ->
     13.6-15.5 ms, e4m3 13.2-20.0 -> 11.0-11.2 and 21.9-29.1 -> 17.2-19.3 ms, float16 within
-    the VM's noise (13.6-20.2 against 15.3-16.0 ms). Zen 4 and later keep the bursts
-    (:data:`_BURSTING_CORES`: not measured this way)."""
+    the VM's noise (13.6-20.2 against 15.3-16.0 ms). On a 2-core Zen 5 VM (2026-12-02,
+    one process, 7 alternating rounds of 5 steps, two runs; rows ahead over bursts): int8
+    (16, 32/8, 2048, 128) 0.75x and 0.82x the time, (1, 32/8, 16384, 128) 1.01x and 0.97x;
+    float16 0.99x and 0.99x, 0.91x and 0.90x; e4m3 0.83x and 0.98x, 1.03x and 0.96x. Zen 4
+    keeps the bursts (:data:`_BURSTING_CORES`: not measured this way)."""
     return host_cpu_name() not in _BURSTING_CORES
 
 
