@@ -124,3 +124,16 @@ def test_a_prefill_keeps_its_key_tiles_packed_where_a_tile_is_read_twice(dtype):
         assert slots_and_run(40, 200) == (5, 3)  # 7 tiles, 5 within the budget
         assert slots_and_run(16, 100) == (0, 1)  # one query tile per head: each key tile read once
         assert slots_and_run(16, 100, heads=4, kv_heads=2) == (4, 2)  # GQA: read by each head of a group
+
+
+def test_coded_keys_keep_no_packed_tiles():
+    """float16 keys (and a quantized cache's codes) are packed through their staging rows at
+    the scratch's start, where float keys' kept tiles would lie (tiles.key_cache): their
+    plans keep none, whatever the budget."""
+    from npattn.cpu.driver import forward_plan
+    from npattn.core.validation import build_problem
+
+    x = np.zeros((1, 2, 40, 64), np.float16)
+    with npattn.cpu.tile_sizes(16, 32):
+        ints = forward_plan(build_problem(x, x, x), current()).operands.ints
+    assert int(ints[Int.KV_CODES]) and int(ints[Int.KEY_CACHE_SLOTS]) == 0

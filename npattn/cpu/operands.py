@@ -654,8 +654,8 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.OUT_CODES] = out_codes if kind == "forward" and ints[Int.KEY_SPLITS] == 1 else KvCodes.NONE
     ints[Int.CONVERTED_VALUE_ROWS] = tuning.value_rows_converted
     # (K^T packed from k itself: bfloat16 pairs, or float keys whose scores take the packed tile)
-    packs_keys = pairs or (not codes and not q_codes and vector and not dot_scores)
-    ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning, pairs) if packs_keys and kind == "forward" else 0
+    packs_keys = kind == "forward" and (pairs or (not codes and not q_codes and vector and not dot_scores))
+    ints[Int.KEY_CACHE_SLOTS] = _key_cache_slots(problem, ints, tuning, pairs) if packs_keys else 0
     ints[Int.CLAIM_RUN] = kv_head_items(ints) if ints[Int.KEY_CACHE_SLOTS] else 1
     ints[Int.BIAS_CODES] = bias_read  # (bias_codes)
     if problem.quantized:
