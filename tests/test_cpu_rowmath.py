@@ -117,6 +117,18 @@ def test_float32_exp_is_within_its_derived_bound_of_float64(brief, data, start, 
         assert total == np.inf, "a float32 sum past float32's range is +inf"
 
 
+def test_the_brief_exp_gives_0_below_the_least_normal_and_no_subnormal_past_half_a_step_above():
+    # (a subnormal result costs Intel's cores a microcode assist each: masked scores, -inf,
+    # and scores far below their row's max must give 0 without making one)
+    exponents = np.linspace(-140.0, -120.0, 4001)
+    row = (exponents / np.log2(np.e)).astype(np.float32)
+    _exp_shifted(row, 0, row.size, np.float32(0.0), True)
+    exponent = (exponents / np.log2(np.e)).astype(np.float32).astype(np.float64) * np.log2(np.e)
+    assert np.all(row[exponent < -126.001] == 0.0)
+    assert np.all(row[exponent > -125.499] >= np.finfo(np.float32).tiny)
+    assert np.all((row == 0.0) | (row >= np.finfo(np.float32).smallest_subnormal))
+
+
 @njit  # not cached (as above): each value alone, in a partial vector
 def _exp_one_by_one(row, start, n, shift, brief):
     for c in range(start, start + n):

@@ -15,8 +15,10 @@ before P V: there :func:`exp_shifted` takes ``brief``, a degree-4 polynomial fit
 the least relative error on [-1/2, 1/2] (2.7e-6 at most, a thousandth of bfloat16's
 rounding) with ``(x - shift) * log2(e)`` as one FMA, and on AVX-512 ``n`` rounded by
 ``vrndscaleps`` and ``2**n * 2**f`` made by ``vscalefps``: 9 instructions per vector
-where the exact one takes 17 (results below 2**-126 are then subnormal, not 0, down to
-2**-152; masked scores still give exactly 0).
+where the exact one takes 17, and 2 more that make every result below 2**-126 exactly 0
+(masked scores among them) without computing it: a subnormal result costs Intel's
+cores a microcode assist each (AMD's none), and a causal bfloat16 forward's masked
+scores made them by the million (below).
 
 Measured on one core of the project's machine, per element of a 192 x 384 score
 tile: the polynomial as a plain loop left to LLVM's vectorizer took 0.87 ns with its
@@ -53,12 +55,17 @@ _BRIEF_C = (0.9999992613205271, 0.6931218144108566, 0.2402474520466758, 0.055917
 # 2**-127 has exponent field 0: exactly 0; 2**128 has field 255: +inf
 _LOWEST, _HIGHEST = -127.0, 128.0
 _ROUNDING_SHIFT = 1.5 * 2.0 ** 23
-# brief on AVX-512, where vscalefps makes p * 2**n: below 2**-152 even p's largest (1.42)
-# rounds to 0, so a masked score gives exactly 0; past 2**128 it is +inf by itself. No
-# upper clamp: it only turned an argument of +inf (a score of +inf) into +inf instead of
-# inf - inf = NaN, and such a score's row is NaN anyway, as the reference's is (its max is
-# +inf); the clamp took 1-2% of a bfloat16 forward.
-_SCALED_LOWEST = -152.0
+# brief on AVX-512, where vscalefps makes p * 2**n: below 2**-126 (float32's least normal)
+# the result is 0, and scalef is handed 0 there instead (only arguments within half a
+# step of it still make a subnormal: p is 2**f, f in [-1/2, 1/2]). With the result
+# subnormal or 0 by underflow, every such lane took an Intel core's microcode assist (on
+# the Sapphire Rapids VM, 2026-12-02, one thread, a (4, 16, 1024, 64) causal bfloat16
+# forward's exp to pairs took 41 ms against 12 for the full problem's, twice the scores). Values that small are nothing beside the row's
+# largest (1), and bfloat16 products read subnormals as 0 anyway. Past 2**128 the result
+# is +inf by itself. No upper clamp: it only turned an argument of +inf (a score of +inf)
+# into +inf instead of inf - inf = NaN, and such a score's row is NaN anyway, as the
+# reference's is (its max is +inf); the clamp took 1-2% of a bfloat16 forward.
+_SCALED_LOWEST = -126.0
 
 
 @intrinsic
@@ -114,7 +121,9 @@ def _exp_code(builder, x, shift, brief, fused_scalars=False):
     else:
         exponent = builder.fmul(builder.fsub(x, shift), floating(LOG2E))
     if brief and lanes == 16:  # AVX-512: vrndscaleps, then vscalefps makes p * 2**n
-        exponent = clamp(exponent, ">", floating(_SCALED_LOWEST))
+        # (ordered: a NaN is not low, and stays NaN)
+        low = builder.fcmp_ordered("<", exponent, floating(_SCALED_LOWEST))
+        exponent = builder.select(low, floating(0.0), exponent)
         whole = call_llvm_intrinsic(builder, "roundeven", exponent)
         fraction = builder.fsub(exponent, whole)
         polynomial = floating(coefficients[-1])
@@ -123,8 +132,9 @@ def _exp_code(builder, x, shift, brief, fused_scalars=False):
         scalef = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
             value_type, [value_type, value_type, value_type, ir.IntType(16), ir.IntType(32)]),
             "llvm.x86.avx512.mask.scalef.ps.512")
-        return builder.call(scalef, [polynomial, whole, ir.Constant(value_type, None),
-                                     ir.Constant(ir.IntType(16), -1), ir.Constant(ir.IntType(32), 4)])
+        scaled = builder.call(scalef, [polynomial, whole, ir.Constant(value_type, None),
+                                       ir.Constant(ir.IntType(16), -1), ir.Constant(ir.IntType(32), 4)])
+        return builder.select(low, floating(0.0), scaled)
     exponent = clamp(clamp(exponent, ">", floating(_LOWEST)), "<", floating(_HIGHEST))
     # round to nearest by adding 1.5 * 2**23: the sum's low mantissa bits then hold the
     # integer, so 2**n's exponent field is those bits shifted (no round or convert)
