@@ -369,8 +369,15 @@ def test_forcing_avx2_after_numba_compiled_is_an_error(tmp_path):
 def test_the_avx2_feature_string_switches_off_every_wider_extension():
     features = {"avx2": True, "fma": True, "avx512f": True, "avx512vl": True, "amx-tile": True,
                 "evex512": True, "avx10.1-512": True, "sse4.2": True, "sha": False}
-    assert isa._without_avx512(features).split(",") == [
+    assert isa._without(features, isa._SWITCHED_OFF["avx2"]).split(",") == [
         "-amx-tile", "-avx10.1-512", "+avx2", "-avx512f", "-avx512vl", "-evex512", "+fma", "-sha", "+sse4.2"]
+
+
+def test_the_avx512_feature_string_switches_off_amx_alone():
+    features = {"avx2": True, "avx512f": True, "avx512bf16": True, "amx-tile": True, "amx-bf16": True,
+                "amx-int8": False}
+    assert isa._without(features, isa._SWITCHED_OFF["avx512"]).split(",") == [
+        "-amx-bf16", "-amx-int8", "-amx-tile", "+avx2", "+avx512bf16", "+avx512f"]
 
 
 @pytest.mark.parametrize("features, expected", [("+avx2,+fma,+avx512f", "avx512"), ("+avx2,+fma,-avx512f", "avx2"),

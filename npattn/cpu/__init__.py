@@ -144,8 +144,9 @@ def bfloat16_products(enabled: bool | None):
     bfloat16 (``True``: AVX512_BF16's vdpbf16ps pair products, P rounded to bfloat16, and
     in the backward dS too, where the CPU has the instruction), in float32 (``False``: the
     values converted as they are read), or as this CPU does by default (``None``: pairs on
-    AMD's cores, float32 on Intel's, where vdpbf16ps makes half the products per cycle of
-    FMAs; :func:`.isa.bf16_pairs_pay`). Both paths keep bfloat16's error bound (the
+    AMD's cores and on Intel's with AMX, whose tiles take them (:mod:`.amx`), float32 on
+    Intel's without, where vdpbf16ps makes half the products per cycle of FMAs;
+    :func:`.isa.bf16_pairs_pay`). Both paths keep bfloat16's error bound (the
     backward's gradients on pairs carry about 1.4x the rms error of float32's products,
     within torch's own bfloat16 backward's). It applies to calls from this thread (or
     asyncio task) only: see :mod:`.tuning`."""

@@ -32,7 +32,7 @@ except ImportError:  # (not on Windows: saves are not locked there)
 
 from numba.core import caching
 
-from .isa import apply_forced_isa
+from .isa import apply_forced_isa, apply_tile_permission
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -162,5 +162,7 @@ if isinstance(_LOCATORS, list) and PackageStampedLocator not in _LOCATORS:
     _LOCATORS.insert(0, PackageStampedLocator)
 
 
-# Numba fixes its target CPU at its first compilation: a forced ISA must come before it.
+# Numba fixes its target CPU at its first compilation: a forced ISA, and AMX's tiles
+# where Linux refuses them, must come before it.
 apply_forced_isa()
+apply_tile_permission()

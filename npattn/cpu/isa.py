@@ -8,10 +8,15 @@ micro-kernels are shaped for its widest vectors:
 - ``"avx2"``: 256-bit vectors with FMA, 16 registers (AMD Zen 1-3, Intel Haswell on);
 - ``"baseline"``: neither; the tile products fall back to SciPy's BLAS.
 
+Where the host has AMX (Intel Sapphire Rapids on), bfloat16 pair products run on its
+tiles (:mod:`npattn.cpu.amx`), once Linux has granted the process their register state
+(:func:`apply_tile_permission`).
+
 ``NPATTN_CPU_ISA=avx2`` in the environment, set before the process compiles any Numba
 code, makes Numba target the host CPU with its AVX-512 features switched off, so a
 developer on an AVX-512 machine measures exactly what an AVX2-only CPU would run (the
-benchmark compares it with ``ATEN_CPU_CAPABILITY=avx2`` torch). It changes Numba's
+benchmark compares it with ``ATEN_CPU_CAPABILITY=avx2`` torch); ``NPATTN_CPU_ISA=avx512``
+switches off AMX alone (what an AVX-512 CPU without tiles runs). It changes Numba's
 target for the whole process, which is why it is an environment variable and not a
 per-call option. Importing this module does not import Numba.
 """
@@ -21,7 +26,9 @@ import functools
 import os
 
 FORCE_VARIABLE = "NPATTN_CPU_ISA"
-FORCEABLE = ("avx2",)
+FORCEABLE = ("avx2", "avx512")
+# Each forceable ISA's LLVM features switched off (by prefix)
+_SWITCHED_OFF = {"avx2": ("avx512", "avx10", "amx", "evex512"), "avx512": ("amx",)}
 
 
 def _host_features() -> dict[str, bool]:
@@ -30,11 +37,19 @@ def _host_features() -> dict[str, bool]:
     return dict(llvm.get_host_cpu_features())
 
 
-def _without_avx512(features: dict[str, bool]) -> str:
-    """LLVM's feature string for ``features`` with every AVX-512 (and wider) extension off."""
-    wide = ("avx512", "avx10", "amx", "evex512")
-    return ",".join(("+" if on and not name.startswith(wide) else "-") + name
+def _without(features: dict[str, bool], prefixes: tuple[str, ...]) -> str:
+    """LLVM's feature string for ``features`` with every extension named by ``prefixes`` off."""
+    return ",".join(("+" if on and not name.startswith(prefixes) else "-") + name
                     for name, on in sorted(features.items()))
+
+
+def _set_numba_features(features: str) -> None:
+    # Numba re-reads its configuration from the environment before each compilation,
+    # and fixes its target machine at the first one.
+    os.environ["NUMBA_CPU_FEATURES"] = features
+    from numba.core import config
+
+    config.CPU_FEATURES = features
 
 
 def apply_forced_isa() -> None:
@@ -45,16 +60,49 @@ def apply_forced_isa() -> None:
         return
     if forced not in FORCEABLE:
         raise ValueError(f"{FORCE_VARIABLE} must be one of {', '.join(FORCEABLE)} (or unset), got {forced!r}")
-    features = _without_avx512(_host_features())
-    # Numba re-reads its configuration from the environment before each compilation,
-    # and fixes its target machine at the first one.
-    os.environ["NUMBA_CPU_FEATURES"] = features
-    from numba.core import config
-
-    config.CPU_FEATURES = features
+    _set_numba_features(_without(_host_features(), _SWITCHED_OFF[forced]))
     if compiled_isa() != forced:
         raise RuntimeError(f"{FORCE_VARIABLE}={forced} came too late: Numba already compiled code for "
                            f"{compiled_isa()} in this process; set it before the process starts")
+
+
+# Linux's arch_prctl: its syscall number on x86-64, the request for a permission, and
+# the state component of AMX's tile data
+_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+def _request_tile_data() -> bool:
+    """Ask Linux for AMX's tile state in this process (every thread, those to come
+    too); False where it refuses (a kernel before 5.16, a signal stack too small for the
+    state) or this is not x86-64 Linux."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def apply_tile_permission() -> None:
+    """Before the package's first ``@njit``: where Numba's target has AMX's tiles, ask
+    Linux for their state, and where it refuses, switch them off in Numba's target (so
+    no kernel compiles to instructions that would fault, and the cache keeps their
+    machine code apart)."""
+    from numba.core import config
+
+    configured = getattr(config, "CPU_FEATURES", None) or os.environ.get("NUMBA_CPU_FEATURES")
+    if configured:
+        has_tiles = "+amx-tile" in configured.split(",")
+    else:
+        has_tiles = bool(_host_features().get("amx-tile"))
+    if has_tiles and not _request_tile_data():
+        features = ({item[1:]: item[0] == "+" for item in configured.split(",") if item}
+                    if configured else _host_features())
+        _set_numba_features(_without(features, ("amx",)))
 
 
 def target_features() -> str:
@@ -84,7 +132,9 @@ def bf16_pairs_pay() -> bool:
     second cycle: on the Emerald Rapids VM, 12 independent chains of each took 0.742 ns per
     vdpbf16ps against 0.182 ns per FMA, and a (1, 8, 2048, 64) causal bfloat16 forward
     took 34.2 ms as pairs against 21.5 ms converted to float32 (float32 itself: 19.0 ms).
-    ``npattn.cpu.bfloat16_products`` overrides it per call."""
+    ``npattn.cpu.bfloat16_products`` overrides it per call. Where the pairs run on AMX
+    tiles (:mod:`npattn.cpu.amx`) they pay on Intel's cores too: that is
+    :data:`npattn.cpu.simd.BF16_PAIRS_BY_DEFAULT`'s other half."""
     return host_cpu_name().startswith("znver")
 
 

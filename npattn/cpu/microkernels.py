@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from .amx import TILES, tile_pair_product
 from .jit import OPTIONS, helper
 from .signatures import as_offset, as_readonly, plain_int, scalar_like, smaller
 from .simd import (BF16_DOT, VECTOR_BYTES, add, always_inline, as_bits, as_float, fill, horizontal_sum, lanes_in,
@@ -136,7 +137,11 @@ def pair_product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_r
     see :func:`pair_bits`): ``C[r, x] = [C[r, x] +] alpha * sum_p (A[r, p].lo B[p, x].lo +
     A[r, p].hi B[p, x].hi)`` for p < ``pairs``, with ``A[r, p] = a[a_offset + r * a_row + p * a_col]``
     and ``B[p, x] = b[b_offset + p * b_row + x]``: each step two depths, one vdpbf16ps a
-    vector on AVX512_BF16 (:func:`npattn.cpu.simd.splat_pair_dot_rows`).
+    vector on AVX512_BF16 (:func:`npattn.cpu.simd.splat_pair_dot_rows`). Where the CPU has
+    AMX (:data:`npattn.cpu.amx.TILES`), products whose A has rows of pairs (``a_col`` 1),
+    whole tiles of columns (``width`` a multiple of 16) and no scale on a sum they add to
+    run on its tiles instead (:func:`npattn.cpu.amx.tile_pair_product`), 256 pair products
+    an instruction.
 
     Compiled only where it can run (float32 operands on a CPU with AVX512_BF16, where
     :func:`npattn.cpu.operands.bf16_products` turns it on); elsewhere a stub that does
@@ -158,7 +163,21 @@ def _pair_product_overload(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_o
                  as_readonly(b), plain_int(b_offset), plain_int(b_row),
                  c, plain_int(c_offset), plain_int(c_row),
                  plain_int(rows), plain_int(pairs), plain_int(width), scalar_like(alpha, c), bool(accumulate), True)
-    return implementation
+
+    def on_tiles(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
+                 accumulate):
+        if a_col == 1 and width % 16 == 0 and (alpha == 1 or not accumulate):
+            tile_pair_product(as_readonly(a), plain_int(a_offset), plain_int(a_row), as_readonly(b),
+                              plain_int(b_offset), plain_int(b_row), c, plain_int(c_offset), plain_int(c_row),
+                              plain_int(rows), plain_int(pairs), plain_int(width), scalar_like(alpha, c),
+                              bool(accumulate))
+        else:
+            _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(a_col),
+                     as_readonly(b), plain_int(b_offset), plain_int(b_row),
+                     c, plain_int(c_offset), plain_int(c_row),
+                     plain_int(rows), plain_int(pairs), plain_int(width), scalar_like(alpha, c), bool(accumulate),
+                     True)
+    return on_tiles if TILES else implementation
 
 
 def _splat(a, index, a_row, row, block, pairs):

@@ -620,8 +620,10 @@ def splat_fma_rows(typingctx, a, index, a_row, row, block):
 # Sapphire Rapids and later); elsewhere :func:`splat_pair_dot_rows` is two FMAs per pair.
 BF16_DOT = VECTOR_BYTES == 64 and "+avx512bf16" in target_features().split(",")
 # Whether bfloat16 forwards take those pair products unless told otherwise: where they are
-# faster than float32's FMAs (AMD's cores, not Intel's: :func:`npattn.cpu.isa.bf16_pairs_pay`)
-BF16_PAIRS_BY_DEFAULT = BF16_DOT and bf16_pairs_pay()
+# faster than float32's FMAs (AMD's cores, not Intel's vdpbf16ps: :func:`npattn.cpu.isa.bf16_pairs_pay`;
+# on Intel's AMX tiles, :mod:`npattn.cpu.amx`)
+BF16_PAIRS_BY_DEFAULT = BF16_DOT and (bf16_pairs_pay() or {"+amx-tile", "+amx-bf16"} <= set(
+    target_features().split(",")))
 
 
 class _BFloat(ir.types.Type):

@@ -220,9 +220,12 @@ def _npattn_isa() -> str:
     from ..cpu.simd import ISA
     from ..cpu.tuning import current
 
+    from ..cpu.amx import TILES
+
     names = {"avx512": "AVX-512", "avx2": "AVX2", "baseline": "SSE"}
     products = "micro-kernels" if current().vector_products else "SciPy's BLAS"
-    return f"{names[ISA]} {products}"
+    tiles = " (bfloat16 on AMX tiles)" if TILES and current().pair_products else ""
+    return f"{names[ISA]} {products}{tiles}"
 
 
 _PEAK_SIZE = 2048  # the matmul of "% peak": n x n times n x n, float32

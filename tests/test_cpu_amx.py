@@ -1,0 +1,113 @@
+"""bfloat16 pair products on AMX tiles (npattn.cpu.amx) against float64 products of the same
+bfloat16 values, and the switch that keeps them out of processes Linux refuses the tiles.
+
+The products run only on a CPU with AMX (Intel Sapphire Rapids on); elsewhere
+``pair_product`` never reaches them (their tests are skipped there, the switch's run
+everywhere). The whole forward on tiles is tested by tests/test_cpu_bf16.py, whose
+bfloat16 forwards take them by default where the CPU has them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+from numba import njit
+
+from npattn.cpu import amx, isa
+from npattn.cpu.microkernels import pair_product
+
+needs_tiles = pytest.mark.skipif(not amx.TILES, reason="this CPU (or this process) has no AMX tiles")
+
+
+@njit  # not cached: a cache stamped with this file alone would outlive edits to amx.py
+def _pair_product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
+                  accumulate):
+    pair_product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
+                 accumulate)
+
+
+def _bfloat16_bits(x):
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _widened(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@needs_tiles
+@given(rows=st.integers(1, 70), pairs=st.integers(1, 70), tiles=st.integers(1, 5),
+       a_pad=st.integers(0, 4), b_pad=st.integers(0, 2), c_pad=st.integers(0, 9), offset=st.integers(0, 5),
+       alpha=st.sampled_from([1.0, 0.125, -3.0]), accumulate=st.booleans(), seed=st.integers(0, 2 ** 32 - 1))
+def test_tile_products_are_float64_products_of_the_bfloat16_values_to_float32_rounding(
+        rows, pairs, tiles, a_pad, b_pad, c_pad, offset, alpha, accumulate, seed):
+    accumulate = accumulate and alpha == 1.0  # (pair_product's other products take scaled sums)
+    width = 16 * tiles
+    a_row, b_row, c_row = pairs + a_pad, width + 16 * b_pad, width + c_pad
+    rng = np.random.default_rng(seed)
+    a_bits = _bfloat16_bits(rng.standard_normal((rows, 2 * a_row)))
+    b_bits = _bfloat16_bits(rng.standard_normal((pairs, b_row, 2)))
+    a = np.concatenate([np.zeros(offset, np.float32), a_bits.reshape(-1).view(np.float32)])
+    b = np.concatenate([np.zeros(offset, np.float32), b_bits.reshape(-1).view(np.float32)])
+    before = rng.standard_normal(offset + rows * c_row + 7).astype(np.float32)
+    c = before.copy()
+    a_before, b_before = a.copy(), b.copy()
+
+    _pair_product(a, offset, a_row, 1, b, offset, b_row, c, offset, c_row, rows, pairs, width, alpha, accumulate)
+
+    a_values = _widened(a_bits).reshape(rows, a_row, 2)[:, :pairs].reshape(rows, 2 * pairs)
+    # (the pairs as the products pair them: depth 2p low half, 2p + 1 high half)
+    b_values = _widened(b_bits)[:, :width, :].transpose(0, 2, 1).reshape(2 * pairs, width)
+    want = alpha * (a_values @ b_values)
+    region = c[offset:offset + rows * c_row].reshape(rows, c_row)
+    start = before[offset:offset + rows * c_row].reshape(rows, c_row)
+    if accumulate:
+        want = want + start[:, :width]
+    # products of bfloat16 values are exact in float32; each of the 2 * pairs sums rounds
+    # once (and the scale, and the start's sum, once more)
+    bound = (2 * pairs + 2) * np.finfo(np.float32).eps * (
+        abs(alpha) * (np.abs(a_values) @ np.abs(b_values)) + (np.abs(start[:, :width]) if accumulate else 0.0))
+    assert np.all(np.abs(region[:, :width] - want) <= bound + np.finfo(np.float32).tiny)
+    np.testing.assert_array_equal(region[:, width:], start[:, width:], err_msg="past width C is untouched")
+    np.testing.assert_array_equal(c[:offset], before[:offset], err_msg="before C is untouched")
+    np.testing.assert_array_equal(c[offset + rows * c_row:], before[offset + rows * c_row:],
+                                  err_msg="after C is untouched")
+    np.testing.assert_array_equal(a, a_before)
+    np.testing.assert_array_equal(b, b_before)
+
+
+@needs_tiles
+def test_tile_products_treat_subnormal_inputs_as_zero_as_the_vector_path_does():
+    a = np.zeros(16, np.float32)
+    a_bits = np.zeros(32, np.uint16)
+    a_bits[0] = 0x0001  # the least bfloat16 subnormal
+    a[:] = a_bits.view(np.float32)
+    b = np.full(16 * 16, np.float32(np.uint32(0x3F803F80).view(np.float32)))  # pairs of 1.0
+    c = np.full(16, np.float32(7.0))
+    _pair_product(a, 0, 16, 1, b, 0, 16, c, 0, 16, 1, 16, 16, 1.0, False)
+    assert np.all(c == 0.0)
+
+
+def test_a_process_linux_refuses_the_tiles_compiles_without_them(monkeypatch):
+    from numba.core import config
+
+    applied = []
+    monkeypatch.setattr(isa, "_request_tile_data", lambda: False)
+    monkeypatch.setattr(isa, "_set_numba_features", applied.append)
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx512f,+amx-tile,+amx-bf16,+avx512bf16")
+    isa.apply_tile_permission()
+    assert applied == ["-amx-bf16,-amx-tile,+avx512bf16,+avx512f"]
+
+
+def test_a_process_granted_the_tiles_or_without_them_keeps_its_target(monkeypatch):
+    from numba.core import config
+
+    applied = []
+    monkeypatch.setattr(isa, "_set_numba_features", applied.append)
+    monkeypatch.setattr(isa, "_request_tile_data", lambda: True)
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx512f,+amx-tile,+amx-bf16")
+    isa.apply_tile_permission()
+    monkeypatch.setattr(isa, "_request_tile_data", lambda: pytest.fail("asked for tiles the target lacks"))
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx512f,-amx-tile")
+    isa.apply_tile_permission()
+    assert applied == []
