@@ -68,6 +68,20 @@ def _tile(literal) -> ir.Constant:
     return _I8(literal.literal_value)
 
 
+def _load_configuration(builder, shape):
+    """``ldtilecfg`` of palette 1 with ``shape``: tile -> (rows, bytes per row) as LLVM
+    integers (tiles not named: unused, neither rows nor bytes)."""
+    config = cgutils.alloca_once(builder, ir.ArrayType(_I8, 64))
+    base = builder.bitcast(config, _BYTES)
+    builder.store(ir.Constant(ir.ArrayType(_I8, 64), None), config)
+    builder.store(_I8(1), base)  # palette 1
+    for tile, (tile_rows, tile_bytes) in shape.items():
+        width = builder.bitcast(builder.gep(base, [_I64(16 + 2 * tile)]), ir.PointerType(_I16))
+        builder.store(builder.trunc(tile_bytes, _I16) if tile_bytes.type != _I16 else tile_bytes, width)
+        builder.store(builder.trunc(tile_rows, _I8), builder.gep(base, [_I64(48 + tile)]))
+    builder.call(_declared(builder, "llvm.x86.ldtilecfg", [_BYTES]), [base])
+
+
 @intrinsic
 def _configure(typingctx, rows, tail_pairs):
     """Load the tile configuration for blocks of ``rows`` rows (at most 16) and a last step
@@ -75,10 +89,6 @@ def _configure(typingctx, rows, tail_pairs):
     def codegen(context, builder, signature, arguments):
         rows, tail = (context.cast(builder, value, kind, types.int64)
                       for value, kind in zip(arguments, signature.args))
-        config = cgutils.alloca_once(builder, ir.ArrayType(_I8, 64))
-        base = builder.bitcast(config, _BYTES)
-        builder.store(ir.Constant(ir.ArrayType(_I8, 64), None), config)
-        builder.store(_I8(1), base)  # palette 1
         row_bytes = _I16(4 * PAIRS)
         # (a tile not used is configured with no rows and no bytes: one without the other
         # is an invalid configuration, a fault)
@@ -86,17 +96,12 @@ def _configure(typingctx, rows, tail_pairs):
         tail_rows = builder.select(has_tail, rows, _I64(0))
         tail_bytes = builder.trunc(builder.mul(tail, _I64(4)), _I16)
         tail_row_bytes = builder.select(has_tail, row_bytes, _I16(0))
-        shape = {  # tile: (rows, bytes per row)
+        _load_configuration(builder, {
             _C_LEFT: (rows, row_bytes), _C_RIGHT: (rows, row_bytes),
             _A: (rows, row_bytes), _A_TAIL: (tail_rows, tail_bytes),
             _B_LEFT: (_I64(PAIRS), row_bytes), _B_RIGHT: (_I64(PAIRS), row_bytes),
             _B_TAIL_LEFT: (tail, tail_row_bytes), _B_TAIL_RIGHT: (tail, tail_row_bytes),
-        }
-        for tile, (tile_rows, tile_bytes) in shape.items():
-            width = builder.bitcast(builder.gep(base, [_I64(16 + 2 * tile)]), ir.PointerType(_I16))
-            builder.store(tile_bytes, width)
-            builder.store(builder.trunc(tile_rows, _I8), builder.gep(base, [_I64(48 + tile)]))
-        builder.call(_declared(builder, "llvm.x86.ldtilecfg", [_BYTES]), [base])
+        })
         return context.get_dummy_value()
     return types.void(rows, tail_pairs), codegen
 
@@ -105,15 +110,7 @@ def _configure(typingctx, rows, tail_pairs):
 def _configure_quad(typingctx):
     """Load the tile configuration of whole steps: eight tiles of 16 rows x 64 bytes."""
     def codegen(context, builder, signature, arguments):
-        config = cgutils.alloca_once(builder, ir.ArrayType(_I8, 64))
-        base = builder.bitcast(config, _BYTES)
-        builder.store(ir.Constant(ir.ArrayType(_I8, 64), None), config)
-        builder.store(_I8(1), base)  # palette 1
-        for tile in range(8):
-            builder.store(_I16(4 * PAIRS), builder.bitcast(builder.gep(base, [_I64(16 + 2 * tile)]),
-                                                          ir.PointerType(_I16)))
-            builder.store(_I8(ROWS), builder.gep(base, [_I64(48 + tile)]))
-        builder.call(_declared(builder, "llvm.x86.ldtilecfg", [_BYTES]), [base])
+        _load_configuration(builder, {tile: (_I64(ROWS), _I16(4 * PAIRS)) for tile in range(8)})
         return context.get_dummy_value()
     return types.void(), codegen
 
