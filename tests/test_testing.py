@@ -69,6 +69,11 @@ def test_a_correct_kernel_passes(dtype):
 
 @pytest.mark.parametrize("bug", BUGS)
 def test_each_classic_bug_fails_the_property(bug):
+    # Hypothesis's default count of examples (100), which a user's test has, not the ci
+    # profile's 50: at 50, 3 of 20 seeds missed the GQA mapping or the window bug (at 100,
+    # none of 20 missed any); the derandomized examples differed between a clean clone, which
+    # missed no_max_subtraction, and the working checkout, which missed gqa_mapping
+    @settings(max_examples=100)
     @given(nt.attention_problems(dtypes=("float32",), **PROBLEMS))
     def property_test(problem):
         nt.assert_attention_close(run_kernel(problem, bug), problem)
