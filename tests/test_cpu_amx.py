@@ -15,6 +15,7 @@ from numba import njit
 
 from npattn.cpu import amx, isa
 from npattn.cpu.microkernels import pair_product
+from npattn.cpu.tiles import lower_pair_exponents
 
 needs_tiles = pytest.mark.skipif(not amx.TILES, reason="this CPU (or this process) has no AMX tiles")
 
@@ -32,7 +33,8 @@ def _bfloat16_bits(x):
 
 
 def _widened(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    with np.errstate(invalid="ignore"):  # (signaling NaNs among random bits)
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 @needs_tiles
@@ -111,3 +113,53 @@ def test_a_process_granted_the_tiles_or_without_them_keeps_its_target(monkeypatc
     monkeypatch.setattr(config, "CPU_FEATURES", "+avx512f,-amx-tile")
     isa.apply_tile_permission()
     assert applied == []
+
+
+@njit  # not cached (as above)
+def _lower_pair_exponents(packed, ld, rows, width, shift):
+    lower_pair_exponents(packed, ld, rows, width, shift)
+
+
+@given(shift=st.integers(1, 30), seed=st.integers(0, 2 ** 32 - 1))
+def test_lowered_pair_exponents_are_the_values_times_the_power_of_two(shift, seed):
+    rng = np.random.default_rng(seed)
+    rows, width, ld = 3, 20, 24
+    halves = rng.integers(0, 2 ** 16, size=(rows, ld, 2), dtype=np.uint64).astype(np.uint16)
+    special = np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0x0080, 0x8080, 0x0001, 0x3F80, 0x0F00,
+                        0x1000 + (shift << 7), 0x0080 + (shift << 7)], np.uint16)
+    halves.reshape(-1)[:special.size] = special
+    packed = halves.reshape(-1).view(np.float32).copy()
+    _lower_pair_exponents(packed, ld, rows, width, shift)
+    got = _widened(packed.view(np.uint16)).reshape(rows, ld, 2)
+    values = _widened(halves.reshape(-1)).reshape(rows, ld, 2)
+    with np.errstate(invalid="ignore"):
+        want = values * 2.0 ** -shift
+    # below bfloat16's least normal the tile products read 0: the lowered value is 0 there
+    want = np.where(np.abs(want) < 2.0 ** -126, np.copysign(0.0, values), want)
+    inside = (slice(None), slice(0, width))
+    assert np.array_equal(got[inside], want[inside], equal_nan=True)
+    assert np.array_equal(np.signbit(got[inside]), np.signbit(want[inside]))
+    assert np.array_equal(packed.view(np.uint16).reshape(rows, ld, 2)[:, width:], halves[:, width:]), \
+        "past width the words are untouched"
+
+
+@needs_tiles
+@pytest.mark.parametrize("causal", [False, True])
+def test_keys_that_carry_the_scale_give_the_scaled_products_bits(monkeypatch, causal):
+    import ml_dtypes
+
+    import npattn
+    import npattn.cpu.operands as operands
+    import npattn.runtime.plans as plans
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 200, 64)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    assert operands.key_scale_shift(type("P", (), {"scale": 0.125})(), np.float32) == 3
+    assert operands.key_scale_shift(type("P", (), {"scale": 128 ** -0.5})(), np.float32) == 0
+    plans.clear()
+    carried = npattn.attention(q, k, v, causal=causal)
+    monkeypatch.setattr(operands, "key_scale_shift", lambda problem, dtype: 0)
+    plans.clear()
+    scaled = npattn.attention(q, k, v, causal=causal)
+    plans.clear()
+    np.testing.assert_array_equal(carried.view(np.uint16), scaled.view(np.uint16))

@@ -96,6 +96,10 @@ Int = _positions("Int", (
     # converted to float32 once; shorter ones read them in registers (cpu.code_products),
     # each value row converted once per block of rows (cpu.isa.converted_value_rows)
     "CONVERTED_VALUE_ROWS",
+    # CPU forward with BF16_PRODUCTS on AMX tiles, where the scale is 2**-KEY_SCALE_SHIFT: the
+    # packed keys carry it (each bfloat16's exponent lowered: exact), and the score products
+    # take none (cpu.tiles.pack_key_tile; 0: the products scale their sums)
+    "KEY_SCALE_SHIFT",
 ))
 
 # The values of Int.KV_CODES

@@ -17,7 +17,7 @@ from .code_products import code_bytes, code_dot_products
 from .jit import OPTIONS, helper
 from .rowmath import soft_capped
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
-from .simd import (VECTOR_BYTES, add, as_float, fill, horizontal_sum, lanes_in, line_elements, load, load_first,
+from .simd import (VECTOR_BYTES, add, as_bits, as_float, fill, horizontal_sum, lanes_in, line_elements, load, load_first,
                    load_float16_bits, load_float16_bits_first, prefetch, prefetch_to_l2, store, store_bfloat16,
                    store_first, store_float16_bits, store_float16_bits_first, store_interleaved_pairs,
                    transpose_converted_square)
@@ -669,6 +669,40 @@ def pack_key_tile(k, dequantized, pages, ints, b, kv_head, j0, cols, packed):
         pack_transposed(k, k_row(ints, pages, b, kv_head, j0 + c0), ints[Int.K_STRIDE_S], run, key_words(ints),
                         packed[c0:], ints[Int.SCORE_LD], width - c0 if c0 + run == cols else run)
         c0 += run
+    if ints[Int.KEY_SCALE_SHIFT]:
+        lower_pair_exponents(packed, ints[Int.SCORE_LD], key_words(ints), width, ints[Int.KEY_SCALE_SHIFT])
+
+
+def lower_pair_exponents(packed, ld, rows, width, shift):
+    """Each bfloat16 of ``packed``'s words ``[r * ld, r * ld + width)``, r < ``rows``, times
+    ``2**-shift``, exactly, on its bits: the exponent lowered by ``shift``; infinities and
+    NaNs kept; a result below bfloat16's least normal 0 (of the value's sign), as the tile
+    products read a subnormal (KEY_SCALE_SHIFT: the scores' scale carried by the keys).
+    Compiled for float32 words (bfloat16 pairs) alone; a no-op for other dtypes' kernels."""
+    raise NotImplementedError
+
+
+@overload(lower_pair_exponents, jit_options=OPTIONS)
+def _lower_pair_exponents_overload(packed, ld, rows, width, shift):
+    if packed.dtype != types.float32:
+        return lambda packed, ld, rows, width, shift: None
+
+    def implementation(packed, ld, rows, width, shift):
+        lowered = np.uint32(shift) << np.uint32(7)
+        for r in range(rows):
+            for x in range(as_offset(r * ld), as_offset(r * ld + width)):
+                bits = as_bits(packed[x])
+                packed[x] = as_float(_lowered_half(bits & np.uint32(0xFFFF), lowered)
+                                     | (_lowered_half(bits >> np.uint32(16), lowered) << np.uint32(16)))
+    return implementation
+
+
+@njit(inline="always")
+def _lowered_half(half, lowered):
+    field = half & np.uint32(0x7F80)
+    if field == np.uint32(0x7F80):
+        return half
+    return half - lowered if field > lowered else half & np.uint32(0x8000)
 
 
 @helper
@@ -896,8 +930,10 @@ def score_tile(q, q_offset, q_row, k, dequantized, k_codes, k_scale, bias, mask,
             else:
                 width = padded_width(width, s)
                 if width > 0 and ints[Int.BF16_PRODUCTS]:  # q's rows of pairs as they lie
+                    # (KEY_SCALE_SHIFT: the packed keys carry the scale)
+                    scale = 1.0 if ints[Int.KEY_SCALE_SHIFT] else reals[Real.SCALE]
                     pair_product(q, q_offset + r0 * q_row, q_row, 1, packed, 0, ld, s, r0 * ld, ld, band_rows,
-                                 key_words(ints), width, reals[Real.SCALE], False)
+                                 key_words(ints), width, scale, False)
                 elif width > 0:
                     product(q, q_offset + r0 * q_row, q_row, 1, packed, 0, ld, s, r0 * ld, ld, band_rows,
                             head_dim, width, reals[Real.SCALE], False)
