@@ -226,7 +226,7 @@ def _fused_and_later():
         for r in range(2):
             fused_sums[r] = exp_shifted_to_pairs(fused, 3 + r * row, n, shift, fused_pairs, r * pair_row)
             later_sums[r] = exp_shifted(later, 3 + r * row, n, shift, True)
-        pair_rows(later, 3, row, 2, n, later_pairs, pair_row)
+        pair_rows(later, 3, row, 2, n, later_pairs, pair_row, 1.0)
         return fused_sums, later_sums, fused_pairs, later_pairs
     return both
 

@@ -231,7 +231,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     # (value rows run by run of one page: page_run)
                     if ints[Int.VECTOR_VALUES] and bf16:  # P rounded to bfloat16, V in pairs of keys
                         if not pair_ld:
-                            pair_rows(s, 0, ld, rows, cols, p_pairs, half_ld)
+                            pair_rows(s, 0, ld, rows, cols, p_pairs, half_ld, 1.0)
                         if not from_cache:
                             pack_value_pairs(v, pages, ints, b, kv_head, j0, cols, value_pairs)
                         band = rows if full else ints[Int.EDGE_BAND]

@@ -29,10 +29,12 @@ from numba import njit, types
 from numba.extending import overload
 
 from .jit import OPTIONS, helper
-from .microkernels import padded_width, pair_product
+from .amx import TILES
+from .microkernels import pack_transposed, padded_width, pair_product
 from .operands import Int
 from .signatures import as_readonly
-from .simd import BF16_DOT, VECTOR_BYTES, as_bits, as_float, fill, load, store_interleaved_pairs, store_rounded_pairs
+from .simd import (BF16_DOT, VECTOR_BYTES, as_bits, as_float, fill, load, multiply, store_interleaved_pairs,
+                   store_rounded_pairs)
 from .tiles import pack_row_pairs, pair_rows
 
 
@@ -67,23 +69,26 @@ def backward_pair_tiles(ints, scratch):
 
 
 @helper
-def pair_consecutive_rows(x, offset, row_stride, rows, width, out, out_row):
-    """Rows ``[0, rows)`` of float32 ``x`` (``x[offset + r * row_stride + c]``) rounded to
-    bfloat16 in pairs of consecutive rows: ``out[p * out_row + c]`` = pair (x[2p, c],
-    x[2p + 1, c]), 0 for the high half of an odd count's last pair, for c below ``width``
-    rounded up to whole vectors (the caller's rows must be that long)."""
+def pair_consecutive_rows(x, offset, row_stride, rows, width, out, out_row, scale):
+    """Rows ``[0, rows)`` of float32 ``x`` (``x[offset + r * row_stride + c]``) times
+    ``scale``, rounded to bfloat16 in pairs of consecutive rows: ``out[p * out_row + c]`` =
+    pair (scale x[2p, c], scale x[2p + 1, c]), 0 for the high half of an odd count's last
+    pair, for c below ``width`` rounded up to whole vectors (the caller's rows must be that
+    long)."""
     lanes = VECTOR_BYTES // 4
     zero = fill(0.0, x)
+    factor = fill(scale, x)
     for p in range((rows + 1) // 2):
         first = offset + 2 * p * row_stride
         second = first + row_stride
         target = p * out_row
         if 2 * p + 1 < rows:
             for c in range(0, width, lanes):
-                store_rounded_pairs(out, target + c, load(x, first + c), load(x, second + c))
+                store_rounded_pairs(out, target + c, multiply(load(x, first + c), factor),
+                                    multiply(load(x, second + c), factor))
         else:
             for c in range(0, width, lanes):
-                store_rounded_pairs(out, target + c, load(x, first + c), zero)
+                store_rounded_pairs(out, target + c, multiply(load(x, first + c), factor), zero)
 
 
 @helper
@@ -165,22 +170,35 @@ def _pair_gradients_overload(query, q_offset, q_row, dout, o_offset, o_row, drop
         head_dim, value_dim = ints[Int.HEAD_DIM], ints[Int.VALUE_DIM]
         row_pairs, ds_pairs, dout_row_pairs, query_row_pairs, key_pairs = backward_pair_tiles(ints, scratch)
         half = (rows + 1) // 2
+        # (scale dS rounded to bfloat16, not dS: the products then add unscaled sums, which
+        # AMX tiles take; as exact a rounding)
         # dV (cols x Dv) += P~^T (cols x rows) dO (rows x Dv): P~'s row pairs read down a column
-        pair_consecutive_rows(dropped, 0, ld, rows, cols, row_pairs, ld)
+        pair_consecutive_rows(dropped, 0, ld, rows, cols, row_pairs, ld, 1.0)
         pair_consecutive_word_rows(dout, o_offset, o_row, rows, value_dim, dout_row_pairs, value_dim)
-        pair_product(row_pairs, 0, 1, ld, dout_row_pairs, 0, value_dim, dv_tile, 0, value_dim, cols, half,
-                     value_dim, 1.0, True)
+        _transposed_product(row_pairs, ld, half, cols, dout_row_pairs, value_dim, dv_tile, ds_pairs)
         # dK (cols x D) += scale dS^T (cols x rows) Q (rows x D), the same way
-        pair_consecutive_rows(ds, 0, ld, rows, cols, row_pairs, ld)
+        pair_consecutive_rows(ds, 0, ld, rows, cols, row_pairs, ld, scale)
         pair_consecutive_word_rows(query, q_offset, q_row, rows, head_dim, query_row_pairs, head_dim)
-        pair_product(row_pairs, 0, 1, ld, query_row_pairs, 0, head_dim, dk_tile, 0, head_dim, cols, half,
-                     head_dim, scale, True)
+        _transposed_product(row_pairs, ld, half, cols, query_row_pairs, head_dim, dk_tile, ds_pairs)
         # dQ (rows x D) += scale dS (rows x cols) K (cols x D): dS in pairs along its rows
         half_ld = (ld + 1) // 2
-        pair_rows(ds, 0, ld, rows, cols, ds_pairs, half_ld)
+        pair_rows(ds, 0, ld, rows, cols, ds_pairs, half_ld, scale)
         pair_product(ds_pairs, 0, half_ld, 1, key_pairs, 0, head_dim, dq, dq_offset, head_dim, rows,
-                     (cols + 1) // 2, head_dim, scale, True)
+                     (cols + 1) // 2, head_dim, 1.0, True)
     return implementation
+
+
+@njit(inline="always")
+def _transposed_product(row_pairs, ld, half, cols, b, width, c, spare):
+    """``C (cols x width) += A B`` for ``A[key, p] = row_pairs[p * ld + key]`` (pairs of
+    consecutive query rows, read down a column) and B's rows of ``width`` words. On AMX
+    tiles, whose A must hold its pairs along its rows, A is first transposed into
+    ``spare`` (the dS pairs' tile, free until dQ's product) where it fits."""
+    if TILES and cols * half <= spare.size:
+        pack_transposed(row_pairs, 0, ld, half, cols, spare, half, half)
+        pair_product(spare, 0, half, 1, b, 0, width, c, 0, width, cols, half, width, 1.0, True)
+    else:
+        pair_product(row_pairs, 0, 1, ld, b, 0, width, c, 0, width, cols, half, width, 1.0, True)
 
 
 @njit(inline="always")

@@ -18,7 +18,7 @@ from .jit import OPTIONS, helper
 from .rowmath import soft_capped
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
 from .simd import (VECTOR_BYTES, add, as_bits, as_float, fill, horizontal_sum, lanes_in, line_elements, load, load_first,
-                   load_float16_bits, load_float16_bits_first, prefetch, prefetch_to_l2, store, store_bfloat16,
+                   load_float16_bits, load_float16_bits_first, multiply, prefetch, prefetch_to_l2, store, store_bfloat16,
                    store_first, store_float16_bits, store_float16_bits_first, store_interleaved_pairs,
                    transpose_converted_square)
 from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span, cache_slot_words
@@ -744,21 +744,24 @@ def pack_key_codes(k_codes, dequantized, pages, ints, b, kv_head, j0, cols, pack
 
 
 @helper
-def pair_rows(x, offset, row_stride, rows, cols, out, out_row):
+def pair_rows(x, offset, row_stride, rows, cols, out, out_row, scale):
     """BF16_PRODUCTS: rows ``[0, rows)`` of ``x`` (``x[offset + r * row_stride + c]``, c <
-    ``cols``) as bfloat16 pairs along the row, ``out[r * out_row + p]`` = pair (x[r, 2p],
-    x[r, 2p + 1]) (0 past ``cols``): a row rounded to bfloat16 in order, a vector at a time."""
+    ``cols``) times ``scale`` as bfloat16 pairs along the row, ``out[r * out_row + p]`` =
+    pair (scale x[r, 2p], scale x[r, 2p + 1]) (0 past ``cols``): a row rounded to bfloat16
+    in order, a vector at a time."""
     lanes = VECTOR_BYTES // 4
     half = (cols + 1) // 2
+    factor = fill(scale, x)
+    scale = scalar_like(scale, x)
     for r in range(rows):
         source, target = offset + r * row_stride, r * out_row
         c = 0
         while c + lanes <= cols:
-            store_bfloat16(out, target + c // 2, load(x, source + c))
+            store_bfloat16(out, target + c // 2, multiply(load(x, source + c), factor))
             c += lanes
         for p in range(c // 2, half):  # the last values, fewer than a vector
-            high = x[source + 2 * p + 1] if 2 * p + 1 < cols else 0.0
-            out[target + p] = pair_bits(x[source + 2 * p], high)
+            high = scale * x[source + 2 * p + 1] if 2 * p + 1 < cols else 0.0
+            out[target + p] = pair_bits(scale * x[source + 2 * p], high)
 
 
 @njit(inline="always")
