@@ -1,4 +1,4 @@
-"""The bfloat16 backward's products as bfloat16 pairs (AVX512_BF16's ``vdpbf16ps``).
+"""The bfloat16 backward's products as bfloat16 pairs (AVX512_BF16's ``vdpbf16ps``, or AMX tiles).
 
 Where a bfloat16 backward multiplies in bfloat16 (:func:`npattn.cpu.operands.bf16_products`),
 q, k and v are read as they lie, as float32 words of two bfloat16 each (pairs along a
@@ -9,9 +9,14 @@ sums, with the operands the GPU kernels round:
 - ``S = Q K^T``: q's rows as they lie, K^T packed in pairs (as the forward packs it);
 - ``dP = dO V^T``: dout's rows as they lie (bfloat16 words too), V^T packed in pairs;
 - ``dV += P~^T dO``: P~ (the probabilities after dropout) rounded to bfloat16, and dO, in
-  pairs of consecutive query rows, P~'s read down its columns;
-- ``dK += scale dS^T Q``: dS rounded to bfloat16 and q, in pairs of query rows likewise;
-- ``dQ += scale dS K``: dS in pairs along its row, k in pairs of consecutive keys.
+  pairs of consecutive query rows, P~'s read down its columns (on AMX tiles, transposed
+  first: a tile's A holds its pairs along its rows);
+- ``dK += (scale dS)^T Q``: scale dS rounded to bfloat16 and q, in pairs of query rows
+  likewise;
+- ``dQ += (scale dS) K``: scale dS in pairs along its row, k in pairs of consecutive keys.
+
+(scale dS, not dS, is rounded: as exact a rounding, and the products then add unscaled
+sums, which AMX tiles can: :mod:`npattn.cpu.amx`.)
 
 The softmax's own arithmetic (P, dP - delta, the dominant key's gradient) stays float32,
 from the float32 sums, and so do the dK, dV and dQ sums. The pair layouts are those
