@@ -163,3 +163,30 @@ def test_keys_that_carry_the_scale_give_the_scaled_products_bits(monkeypatch, ca
     scaled = npattn.attention(q, k, v, causal=causal)
     plans.clear()
     np.testing.assert_array_equal(carried.view(np.uint16), scaled.view(np.uint16))
+
+
+@needs_tiles
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_scale_left_to_the_softmax_gives_the_scaled_products_result(monkeypatch, causal):
+    # 1/sqrt(128) is no power of two: the softmax applies it (exp's own multiply), against
+    # the products scaling each score; exp's argument rounds differently, by about a float32
+    # ulp of the scaled score, so the probabilities agree to well within bfloat16's rounding
+    import ml_dtypes
+
+    import npattn
+    import npattn.cpu.operands as operands
+    import npattn.runtime.plans as plans
+
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 2, 150, 128)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    sink = rng.standard_normal(2).astype(np.float32)
+    plans.clear()
+    left = npattn.attention(q, k, v, causal=causal, sink_logits=sink, return_lse=True)
+    monkeypatch.setattr(operands, "softmax_takes_scale", lambda problem, ints: False)
+    plans.clear()
+    scaled = npattn.attention(q, k, v, causal=causal, sink_logits=sink, return_lse=True)
+    plans.clear()
+    out_left, out_scaled = (x[0].astype(np.float64) for x in (left, scaled))
+    step = float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps)
+    assert np.all(np.abs(out_left - out_scaled) <= step * (np.abs(out_scaled) + 0.05))
+    np.testing.assert_allclose(left[1], scaled[1], rtol=1e-5, atol=1e-5)

@@ -224,7 +224,7 @@ def _fused_and_later():
         fused_pairs, later_pairs = np.full(2 * pair_row, np.float32(7.0)), np.full(2 * pair_row, np.float32(7.0))
         fused_sums, later_sums = np.empty(2, np.float32), np.empty(2, np.float32)
         for r in range(2):
-            fused_sums[r] = exp_shifted_to_pairs(fused, 3 + r * row, n, shift, fused_pairs, r * pair_row)
+            fused_sums[r] = exp_shifted_to_pairs(fused, 3 + r * row, n, shift, fused_pairs, r * pair_row, 1.0)
             later_sums[r] = exp_shifted(later, 3 + r * row, n, shift, True)
         pair_rows(later, 3, row, 2, n, later_pairs, pair_row, 1.0)
         return fused_sums, later_sums, fused_pairs, later_pairs

@@ -100,6 +100,10 @@ Int = _positions("Int", (
     # packed keys carry it (each bfloat16's exponent lowered: exact), and the score products
     # take none (cpu.tiles.pack_key_tile; 0: the products scale their sums)
     "KEY_SCALE_SHIFT",
+    # CPU forward with BF16_PRODUCTS on AMX tiles, with a scale that is not a power of two and
+    # no softcap, bias, ALiBi or dropout: the score products leave the scale out and the
+    # softmax applies it (its max pass and exp's own multiply: cpu.rowmath.exp_shifted_to_pairs)
+    "SOFTMAX_SCALE",
 ))
 
 # The values of Int.KV_CODES

@@ -29,7 +29,7 @@ from numba import njit
 from .blas import gemm
 from .jit import helper, kernel
 from .simd import lanes_in
-from .signatures import as_offset, as_readonly, larger, smaller
+from .signatures import as_offset, as_readonly, larger, scalar_like, smaller
 from .threads import NON_FINITE, claim_items, next_item
 from .operands import Int, KvCodes, Real
 from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_shifted_to_pairs, row_max, short_row_max
@@ -120,6 +120,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
     tile, values = as_readonly(dequantized), as_readonly(value_tile_rows(ints, dequantized))
     p_pairs, v_pairs = pair_tiles(ints, dequantized)
     half_ld = (ld + 1) // 2
+    # (SOFTMAX_SCALE: the score products leave the scale to exp's own multiply)
+    softmax_scale = reals[Real.SCALE] if ints[Int.SOFTMAX_SCALE] else scalar_like(1.0, reals)
     group, block_q = ints[Int.HEAD_GROUP], ints[Int.BLOCK_Q]
     share = -(-block_k // group)  # the next tile's keys each head's pass asks memory for
     # asked in two halves, before the scores and before the value products: a burst of a
@@ -211,7 +213,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     pair_ld = half_ld if (bf16 and not ints[Int.HAS_DROPOUT]
                                           and cols * s.itemsize != SHORT_ROW_BYTES) else 0
                     outcome = _exp_with_running_max(s, ld, rows, cols, head_m, head_total, head_seen, sums, bf16,
-                                                    p_pairs, pair_ld)
+                                                    p_pairs, pair_ld, softmax_scale)
                     if outcome != _DONE:
                         if outcome == _OVERWRITTEN:
                             # a score rose more than _HEADROOM above its row's max (rare: the running
@@ -219,7 +221,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                             score_tile(query, q_offset, q_row, k, tile, k_codes, k_scale, bias, mask, alibi, spans,
                                        pages, ints, reals, s, ld, tanh, key_tile, b, h, i0, rows, j0, cols)
                         _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, sums_array,
-                                          out_offset, out_row_stride, dv, bf16, p_pairs, pair_ld)
+                                          out_offset, out_row_stride, dv, bf16, p_pairs, pair_ld, softmax_scale)
                     if ints[Int.HAS_DROPOUT]:
                         apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
                     if prefetching:  # the share's second half
@@ -318,7 +320,7 @@ _DONE, _UNTOUCHED, _OVERWRITTEN = 0, 1, 2
 
 
 @helper
-def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief, pairs, pair_ld):
+def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief, pairs, pair_ld, scale):
     """The common tile: exp against each row's running max ``m`` as it stands, with no
     max pass and no rescale of the output. Returns _DONE; or _UNTOUCHED when a row
     has seen no key yet, and _OVERWRITTEN (scores replaced) when a row's sum shows
@@ -326,16 +328,18 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief, pairs,
     :func:`_exp_with_new_max`. ``brief``: exp to bfloat16's needs (BF16_PRODUCTS,
     :func:`~npattn.cpu.rowmath.exp_shifted`); ``pair_ld`` > 0 (with ``brief``, not on
     short rows): the probabilities go to ``pairs``, row r's from ``r * pair_ld``, as
-    bfloat16 pairs (:func:`~npattn.cpu.rowmath.exp_shifted_to_pairs`), not to ``s``."""
+    bfloat16 pairs (:func:`~npattn.cpu.rowmath.exp_shifted_to_pairs`), not to ``s``.
+    ``scale``: the scores' scale where their products left it out (SOFTMAX_SCALE), else 1."""
     for r in range(rows):
         if not seen[r]:
             return _UNTOUCHED
     short = cols * s.itemsize == SHORT_ROW_BYTES  # (short rows: inlined, side by side)
+    scale = _scaled_unless_to_pairs(s, ld, rows, cols, scale, short or not pair_ld)
     for r in range(rows):
         if short:
             sums[r] = exp_short_row_shifted(s, r * ld, m[r])
         elif pair_ld:
-            sums[r] = exp_shifted_to_pairs(s, r * ld, cols, m[r], pairs, r * pair_ld)
+            sums[r] = exp_shifted_to_pairs(s, r * ld, cols, m[r], pairs, r * pair_ld, scale)
         else:
             sums[r] = exp_shifted(s, r * ld, cols, m[r], brief)
         if not sums[r] <= _REDO_ABOVE:
@@ -347,13 +351,15 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief, pairs,
 
 @helper
 def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_row_stride, dv, brief, pairs,
-                      pair_ld):
+                      pair_ld, scale):
     """The textbook online-softmax step: a max pass, exp against the new max, and the
-    running sum and output rows rescaled by exp(m_old - m_new) (``brief``, ``pairs`` and
-    ``pair_ld``: as :func:`_exp_with_running_max`'s)."""
+    running sum and output rows rescaled by exp(m_old - m_new) (``brief``, ``pairs``,
+    ``pair_ld`` and ``scale``: as :func:`_exp_with_running_max`'s)."""
     short = cols * s.itemsize == SHORT_ROW_BYTES  # (short rows: inlined, side by side)
+    scale = _scaled_unless_to_pairs(s, ld, rows, cols, scale, short or not pair_ld)
     for r in range(rows):
-        tile_max = short_row_max(s, r * ld) if short else row_max(s, r * ld, cols)
+        # (a positive scale keeps the max where it is)
+        tile_max = (short_row_max(s, r * ld) if short else row_max(s, r * ld, cols)) * scale
         m_before = m[r]
         new_max = larger(m_before, tile_max)
         if tile_max > -np.inf:
@@ -366,7 +372,7 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
         if short:
             tile_sum = exp_short_row_shifted(s, r * ld, shift)
         elif pair_ld:
-            tile_sum = exp_shifted_to_pairs(s, r * ld, cols, shift, pairs, r * pair_ld)
+            tile_sum = exp_shifted_to_pairs(s, r * ld, cols, shift, pairs, r * pair_ld, scale)
         else:
             tile_sum = exp_shifted(s, r * ld, cols, shift, brief)
         if tile_sum != tile_sum:  # a visible NaN score (row_max skips it): the row is NaN
@@ -378,6 +384,19 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
             o = out_offset + r * out_row_stride
             for x in range(as_offset(o), as_offset(o + dv)):
                 out[x] *= correction
+
+
+@njit(inline="always")
+def _scaled_unless_to_pairs(s, ld, rows, cols, scale, other_path):
+    """The scale exp should apply to the tile's scores: ``scale`` where they go to pairs
+    (:func:`~npattn.cpu.rowmath.exp_shifted_to_pairs` applies it), else 1, the scores
+    scaled here first (a short row's or a dropout tile's exp takes scaled scores)."""
+    if scale == 1.0 or not other_path:
+        return scale
+    for r in range(rows):
+        for x in range(as_offset(r * ld), as_offset(r * ld + cols)):
+            s[x] *= scale
+    return scalar_like(1.0, s)
 
 
 @kernel

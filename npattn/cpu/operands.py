@@ -660,6 +660,8 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.CLAIM_RUN] = kv_head_items(ints) if ints[Int.KEY_CACHE_SLOTS] else 1
     ints[Int.BIAS_CODES] = bias_read  # (bias_codes)
     ints[Int.KEY_SCALE_SHIFT] = key_scale_shift(problem, dtype) if kind == "forward" and pairs else 0
+    ints[Int.SOFTMAX_SCALE] = (kind == "forward" and pairs and not ints[Int.KEY_SCALE_SHIFT]
+                               and softmax_takes_scale(problem, ints))
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = flat_view_strides(problem.k_scale, SCALE_DTYPE)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = flat_view_strides(problem.v_scale, SCALE_DTYPE)
@@ -678,6 +680,18 @@ def key_scale_shift(problem, dtype) -> int:
         return 0
     mantissa, exponent = math.frexp(float(np.dtype(dtype).type(problem.scale)))
     return 1 - exponent if mantissa == 0.5 and 1 <= 1 - exponent <= 30 else 0
+
+
+def softmax_takes_scale(problem, ints) -> bool:
+    """Whether a bfloat16 forward on AMX tiles leaves the scale to its softmax: where the
+    scores need it nowhere before exp (no softcap, bias, ALiBi; dropout's exp stores
+    probabilities) and it is positive (the max pass keeps its place). The pass over each
+    score tile after the tiles' products then goes (:func:`key_scale_shift` does that
+    for powers of two, exactly)."""
+    from .amx import TILES
+
+    return bool(TILES and problem.scale > 0 and not ints[Int.HAS_SOFTCAP] and not ints[Int.HAS_BIAS]
+                and not ints[Int.HAS_ALIBI] and not ints[Int.HAS_DROPOUT])
 
 
 def _key_cache_slots(problem, ints, tuning: Tuning, pairs: bool) -> int:

@@ -60,11 +60,12 @@ _ROUNDING_SHIFT = 1.5 * 2.0 ** 23
 # step of it still make a subnormal: p is 2**f, f in [-1/2, 1/2]). With the result
 # subnormal or 0 by underflow, every such lane took an Intel core's microcode assist (on
 # the Sapphire Rapids VM, 2026-12-02, one thread, a (4, 16, 1024, 64) causal bfloat16
-# forward's exp to pairs took 41 ms against 12 for the full problem's, twice the scores). Values that small are nothing beside the row's
-# largest (1), and bfloat16 products read subnormals as 0 anyway. Past 2**128 the result
-# is +inf by itself. No upper clamp: it only turned an argument of +inf (a score of +inf)
-# into +inf instead of inf - inf = NaN, and such a score's row is NaN anyway, as the
-# reference's is (its max is +inf); the clamp took 1-2% of a bfloat16 forward.
+# forward's exp to pairs took 41 ms against 12 for the full problem's, twice the scores).
+# Values that small are nothing beside the row's largest (1), and bfloat16 products read
+# subnormals as 0 anyway. Past 2**128 the result is +inf by itself. No upper clamp: it
+# only turned an argument of +inf (a score of +inf) into +inf instead of inf - inf = NaN,
+# and such a score's row is NaN anyway, as the reference's is (its max is +inf); the
+# clamp took 1-2% of a bfloat16 forward.
 _SCALED_LOWEST = -126.0
 
 
@@ -81,6 +82,19 @@ def _exp_float32(typingctx, x, shift, brief):
     return x(x, shift, brief), codegen
 
 
+@intrinsic
+def _exp_float32_times(typingctx, x, multiplier, shift):
+    """bfloat16's brief ``exp(scale * x - shift)`` on float32 vectors, ``multiplier`` being
+    ``scale * log2(e)`` (rounded to float32: ``log2(e)``'s float32 itself where scale is 1,
+    so the bits of :func:`_exp_float32`'s brief exp then)."""
+    if not (isinstance(x, Vector) and x.dtype == types.float32 and x == multiplier == shift):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _exp_code(builder, args[0], args[2], True, multiplier=args[1])
+    return x(x, multiplier, shift), codegen
+
+
 def _float_intrinsic(builder, stem, *operands):
     """``llvm.<stem>`` on float32 or float64 scalars or vectors of one type."""
     if isinstance(operands[0].type, ir.VectorType):
@@ -92,9 +106,10 @@ def _float_intrinsic(builder, stem, *operands):
     return builder.call(function, operands)
 
 
-def _exp_code(builder, x, shift, brief, fused_scalars=False):
+def _exp_code(builder, x, shift, brief, fused_scalars=False, multiplier=None):
     """The instructions of :func:`_exp_float32` (``brief``: a Python bool). ``fused_scalars``:
-    a scalar's polynomial by FMAs too, as a vector's (the same bits in a vector's lane)."""
+    a scalar's polynomial by FMAs too, as a vector's (the same bits in a vector's lane).
+    ``multiplier`` (brief only): x's factor in place of log2(e) (:func:`_exp_float32_times`)."""
     value_type = x.type
     lanes = value_type.count if isinstance(value_type, ir.VectorType) else None
     integer_type = ir.IntType(32) if lanes is None else ir.VectorType(ir.IntType(32), lanes)
@@ -117,7 +132,8 @@ def _exp_code(builder, x, shift, brief, fused_scalars=False):
         return builder.select(builder.fcmp_unordered(compare, value, bound), value, bound)
 
     if brief:  # x log2(e) - shift log2(e), one FMA (the product hoisted out of loops)
-        exponent = fused(x, floating(LOG2E), builder.fneg(builder.fmul(shift, floating(LOG2E))))
+        exponent = fused(x, floating(LOG2E) if multiplier is None else multiplier,
+                         builder.fneg(builder.fmul(shift, floating(LOG2E))))
     else:
         exponent = builder.fmul(builder.fsub(x, shift), floating(LOG2E))
     if brief and lanes == 16:  # AVX-512: vrndscaleps, then vscalefps makes p * 2**n
@@ -242,8 +258,10 @@ def _soft_capped_overload(s, tanh, start, n, softcap):
 
 
 @njit(inline="always")
-def exp_shifted_to_pairs(x, start, n, shift, pairs, pair_start):
-    """:func:`exp_shifted` with ``brief`` (its sum), the new values going to ``pairs``
+def exp_shifted_to_pairs(x, start, n, shift, pairs, pair_start, scale):
+    """:func:`exp_shifted` with ``brief`` of ``scale * x`` (its sum; ``scale`` > 0, applied
+    in exp's own multiply: scores whose products left the scale out, SOFTMAX_SCALE; 1 for
+    scaled scores, with exp_shifted's bits), the new values going to ``pairs``
     rounded to bfloat16 pairs along the row, ``pairs[pair_start + p]`` = pair (value
     ``2p``, value ``2p + 1``), 0 past ``n`` (:func:`~npattn.cpu.tiles.pair_rows`' bits):
     a bfloat16 forward's probabilities rounded as they are made, not stored in ``x`` and
@@ -251,30 +269,32 @@ def exp_shifted_to_pairs(x, start, n, shift, pairs, pair_start):
     float32 only, where the CPU has AVX512_BF16 (elsewhere nothing calls it). Jitted
     code only."""
     return _exp_shifted_to_pairs(x, plain_int(start), plain_int(n), scalar_like(shift, x), pairs,
-                                 plain_int(pair_start))
+                                 plain_int(pair_start), scalar_like(scale, x))
 
 
-def _exp_shifted_to_pairs(x, start, n, shift, pairs, pair_start):
+def _exp_shifted_to_pairs(x, start, n, shift, pairs, pair_start, scale):
     raise NotImplementedError
 
 
 @overload(_exp_shifted_to_pairs, jit_options=OPTIONS)
-def _exp_shifted_to_pairs_overload(x, start, n, shift, pairs, pair_start):
+def _exp_shifted_to_pairs_overload(x, start, n, shift, pairs, pair_start, scale):
     if not (BF16_DOT and x.dtype == types.float32):  # (nothing to compile for other kernels)
-        return lambda x, start, n, shift, pairs, pair_start: x.dtype.type(0.0)
+        return lambda x, start, n, shift, pairs, pair_start, scale: x.dtype.type(0.0)
     lanes = VECTOR_BYTES // 4
+    log2e = np.float32(LOG2E)
 
-    def polynomial(x, start, n, shift, pairs, pair_start):
+    def polynomial(x, start, n, shift, pairs, pair_start, scale):
         full = start + n - n % lanes
         shifts = fill(shift, x)
+        multipliers = fill(scale * log2e, x)
         sums = fill(0.0, x)
         for c in range(start, full, lanes):
-            value = _exp_float32(load(x, c), shifts, True)
+            value = _exp_float32_times(load(x, c), multipliers, shifts)
             store_bfloat16(pairs, pair_start + (c - start) // 2, value)
             sums = add(sums, value)
         tail = start + n - full
         if tail:  # (exp_shifted's last, partial vector, kept in x for its pairs)
-            value = _exp_float32(load_first(x, full, tail, -np.inf), shifts, True)
+            value = _exp_float32_times(load_first(x, full, tail, -np.inf), multipliers, shifts)
             store_first(x, full, value, tail)
             sums = add(sums, value)
         total = horizontal_sum(sums)

@@ -17,9 +17,9 @@ from .code_products import code_bytes, code_dot_products
 from .jit import OPTIONS, helper
 from .rowmath import soft_capped
 from .microkernels import dot_products, pack_transposed, pair_bits, pair_product, padded_width, product
-from .simd import (VECTOR_BYTES, add, as_bits, as_float, fill, horizontal_sum, lanes_in, line_elements, load, load_first,
-                   load_float16_bits, load_float16_bits_first, multiply, prefetch, prefetch_to_l2, store, store_bfloat16,
-                   store_first, store_float16_bits, store_float16_bits_first, store_interleaved_pairs,
+from .simd import (VECTOR_BYTES, add, as_bits, as_float, fill, horizontal_sum, lanes_in, line_elements, load,
+                   load_first, load_float16_bits, load_float16_bits_first, multiply, prefetch, prefetch_to_l2, store,
+                   store_bfloat16, store_first, store_float16_bits, store_float16_bits_first, store_interleaved_pairs,
                    transpose_converted_square)
 from .operands import SPAN_FIELDS, Int, KvCodes, Real, Span, cache_slot_words
 from .signatures import as_offset, as_readonly, larger, plain_int, scalar_like, smaller
@@ -933,8 +933,8 @@ def score_tile(q, q_offset, q_row, k, dequantized, k_codes, k_scale, bias, mask,
             else:
                 width = padded_width(width, s)
                 if width > 0 and ints[Int.BF16_PRODUCTS]:  # q's rows of pairs as they lie
-                    # (KEY_SCALE_SHIFT: the packed keys carry the scale)
-                    scale = 1.0 if ints[Int.KEY_SCALE_SHIFT] else reals[Real.SCALE]
+                    # (KEY_SCALE_SHIFT: the packed keys carry the scale; SOFTMAX_SCALE: exp applies it)
+                    scale = 1.0 if ints[Int.KEY_SCALE_SHIFT] or ints[Int.SOFTMAX_SCALE] else reals[Real.SCALE]
                     pair_product(q, q_offset + r0 * q_row, q_row, 1, packed, 0, ld, s, r0 * ld, ld, band_rows,
                                  key_words(ints), width, scale, False)
                 elif width > 0:
