@@ -129,38 +129,30 @@ def _address(context, builder, array_type, array, offset, offset_type):
     return builder.bitcast(builder.gep(data, [context.cast(builder, offset, offset_type, types.intp)]), _BYTES)
 
 
-@intrinsic(prefer_literal=True)
-def _load(typingctx, tile, array, offset, row_stride):
-    """Tile ``tile`` (a literal) from ``array`` (float32 words) at ``offset``, its rows
-    ``row_stride`` words apart."""
-    if not isinstance(tile, types.IntegerLiteral):
-        return None
+def _tile_memory(name: str, llvm_name: str, doc: str):
+    """An intrinsic ``(tile, array, offset, row_stride)`` calling ``llvm_name`` (a tile's
+    load or store) on ``array``'s float32 words from ``offset``, rows ``row_stride`` words
+    apart; ``tile`` a literal."""
+    def typer(typingctx, tile, array, offset, row_stride):
+        if not isinstance(tile, types.IntegerLiteral):
+            return None
 
-    def codegen(context, builder, signature, arguments):
-        _, array, offset, stride = arguments
-        stride = builder.mul(context.cast(builder, stride, signature.args[3], types.int64), _I64(4))
-        builder.call(_declared(builder, "llvm.x86.tileloadd64", [_I8, _BYTES, _I64]),
-                     [_tile(signature.args[0]),
-                      _address(context, builder, signature.args[1], array, offset, signature.args[2]), stride])
-        return context.get_dummy_value()
-    return types.void(tile, array, offset, row_stride), codegen
+        def codegen(context, builder, signature, arguments):
+            _, array, offset, stride = arguments
+            stride = builder.mul(context.cast(builder, stride, signature.args[3], types.int64), _I64(4))
+            builder.call(_declared(builder, llvm_name, [_I8, _BYTES, _I64]),
+                         [_tile(signature.args[0]),
+                          _address(context, builder, signature.args[1], array, offset, signature.args[2]), stride])
+            return context.get_dummy_value()
+        return types.void(tile, array, offset, row_stride), codegen
+    typer.__doc__, typer.__name__, typer.__qualname__ = doc, name, name
+    return intrinsic(prefer_literal=True)(typer)
 
 
-@intrinsic(prefer_literal=True)
-def _store(typingctx, tile, array, offset, row_stride):
-    """Tile ``tile`` (a literal) into ``array`` (float32) at ``offset``, rows ``row_stride``
-    elements apart."""
-    if not isinstance(tile, types.IntegerLiteral):
-        return None
-
-    def codegen(context, builder, signature, arguments):
-        _, array, offset, stride = arguments
-        stride = builder.mul(context.cast(builder, stride, signature.args[3], types.int64), _I64(4))
-        builder.call(_declared(builder, "llvm.x86.tilestored64", [_I8, _BYTES, _I64]),
-                     [_tile(signature.args[0]),
-                      _address(context, builder, signature.args[1], array, offset, signature.args[2]), stride])
-        return context.get_dummy_value()
-    return types.void(tile, array, offset, row_stride), codegen
+_load = _tile_memory("_load", "llvm.x86.tileloadd64",
+                     "Tile ``tile`` from ``array`` (its configured rows and bytes).")
+_store = _tile_memory("_store", "llvm.x86.tilestored64",
+                      "Tile ``tile`` into ``array`` (its configured rows and bytes).")
 
 
 @intrinsic(prefer_literal=True)
