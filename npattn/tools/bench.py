@@ -215,8 +215,8 @@ def _milliseconds(ms: float) -> str:
     return f"{ms:.1f}" if ms >= 10 else f"{ms:.3g}"
 
 
-def _npattn_isa() -> str:
-    """What the CPU backend's tile products run on here."""
+def _npattn_isa(dtype: str = "float32") -> str:
+    """What the CPU backend's tile products run on here, for ``dtype``."""
     from ..cpu.simd import ISA
     from ..cpu.tuning import current
 
@@ -224,7 +224,7 @@ def _npattn_isa() -> str:
 
     names = {"avx512": "AVX-512", "avx2": "AVX2", "baseline": "SSE"}
     products = "micro-kernels" if current().vector_products else "SciPy's BLAS"
-    tiles = " (bfloat16 on AMX tiles)" if TILES and current().pair_products else ""
+    tiles = " (bfloat16 pairs on AMX tiles)" if dtype == "bfloat16" and TILES and current().pair_products else ""
     return f"{names[ISA]} {products}{tiles}"
 
 
@@ -287,7 +287,7 @@ def compare(shapes=DEFAULT_SHAPES, repeats: int = 5, backward: bool = True, out=
         torch_note = "torch not importable: no torch column"
     matmul, matmul_flops = _matmul_run(_PEAK_SIZE), 2.0 * _PEAK_SIZE ** 3
     print(f"npattn {npattn.__version__} bench, {dtype}, median of {repeats} interleaved runs; "
-          f"npattn's products: {_npattn_isa()}; {torch_note}", file=out)
+          f"npattn's products: {_npattn_isa(dtype)}; {torch_note}", file=out)
     header = (f"{'shape (B,H,S,D)':<25}{'causal':<8}{'pass':<9}{'npattn ms':>10}{'GFLOP/s':>9}"
               f"{'% peak':>8}{'torch ms':>10}{'torch/npattn':>13}{'naive ms':>10}{'matmul':>9}"
               + (f"{'f32/npattn':>11}" if dtype != "float32" else ""))
