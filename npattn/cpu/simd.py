@@ -30,6 +30,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, overload, register_model
 
+from .amx import TILES
 from .isa import bf16_pairs_pay, compiled_isa, target_features
 from .jit import OPTIONS
 
@@ -622,8 +623,7 @@ BF16_DOT = VECTOR_BYTES == 64 and "+avx512bf16" in target_features().split(",")
 # Whether bfloat16 forwards take those pair products unless told otherwise: where they are
 # faster than float32's FMAs (AMD's cores, not Intel's vdpbf16ps: :func:`npattn.cpu.isa.bf16_pairs_pay`;
 # on Intel's AMX tiles, :mod:`npattn.cpu.amx`)
-BF16_PAIRS_BY_DEFAULT = BF16_DOT and (bf16_pairs_pay() or {"+amx-tile", "+amx-bf16"} <= set(
-    target_features().split(",")))
+BF16_PAIRS_BY_DEFAULT = BF16_DOT and (bf16_pairs_pay() or TILES)
 
 
 class _BFloat(ir.types.Type):

@@ -217,10 +217,9 @@ def _milliseconds(ms: float) -> str:
 
 def _npattn_isa(dtype: str = "float32") -> str:
     """What the CPU backend's tile products run on here, for ``dtype``."""
+    from ..cpu.amx import TILES
     from ..cpu.simd import ISA
     from ..cpu.tuning import current
-
-    from ..cpu.amx import TILES
 
     names = {"avx512": "AVX-512", "avx2": "AVX2", "baseline": "SSE"}
     products = "micro-kernels" if current().vector_products else "SciPy's BLAS"
