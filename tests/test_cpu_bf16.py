@@ -195,15 +195,21 @@ def test_pair_layouts_hold_bfloat16_pairs_in_order():
 @needs_bf16
 @given(n=st.integers(1, 80), shift=st.floats(-3, 3), seed=st.integers(0, 2**32 - 1))
 def test_probabilities_rounded_to_pairs_as_exp_makes_them_are_those_of_exp_then_pairs(n, shift, seed):
-    """exp_shifted_to_pairs (a bfloat16 forward's tiles without dropout): the sums and
+    """exp_tile_to_pairs (a bfloat16 forward's tiles without dropout): the sums and
     the pair words of exp_shifted (brief) followed by pair_rows, bit for bit, whole
     vectors and the last values alike (odd counts end on a pair with a zero), on two
-    rows of a tile."""
+    rows of a tile, each with a shift of its own; and the thread's MXCSR as it was."""
     rng = np.random.default_rng(seed)
     row = n + 5  # two rows of n scores, from 3 and row + 3
     scores = (rng.normal(size=2 * row) * 4).astype(np.float32)
     scores[rng.random(2 * row) < 0.2] = -np.inf  # masked keys: exactly 0
-    fused_sums, later_sums, fused_pairs, later_pairs = _fused_and_later()(scores, n, row, np.float32(shift))
+    # and scores whose exp lands about float32's least normal, 2**-126 (ln: -87.3), where
+    # the tile's flushed subnormals must give the zeros of exp_shifted's compare
+    edge = rng.random(2 * row) < 0.3
+    scores[edge] = shift + rng.uniform(-90.0, -85.0, size=edge.sum())
+    fused_sums, later_sums, fused_pairs, later_pairs, control_before, control_after = _fused_and_later()(
+        scores, n, row, np.float32(shift))
+    assert control_after == control_before
     np.testing.assert_array_equal(fused_sums.view(np.uint32), later_sums.view(np.uint32))
     np.testing.assert_array_equal(fused_pairs.view(np.uint32), later_pairs.view(np.uint32))
 
@@ -211,10 +217,10 @@ def test_probabilities_rounded_to_pairs_as_exp_makes_them_are_those_of_exp_then_
 @functools.cache
 def _fused_and_later():
     """A jitted ``(scores, n, row, shift) -> (fused sums, later sums, fused pairs, later
-    pairs)``, compiled once (a dispatcher per example would compile per example)."""
+    pairs, MXCSR before, MXCSR after)``, compiled once (a dispatcher per example would compile per example)."""
     from numba import njit
 
-    from npattn.cpu.rowmath import exp_shifted, exp_shifted_to_pairs
+    from npattn.cpu.rowmath import exp_shifted, exp_tile_to_pairs, flushing_subnormals, restore_control
     from npattn.cpu.tiles import pair_rows
 
     @njit
@@ -223,11 +229,16 @@ def _fused_and_later():
         fused, later = scores.copy(), scores.copy()
         fused_pairs, later_pairs = np.full(2 * pair_row, np.float32(7.0)), np.full(2 * pair_row, np.float32(7.0))
         fused_sums, later_sums = np.empty(2, np.float32), np.empty(2, np.float32)
+        shifts = np.array([shift, shift - np.float32(1.5)])
+        before = flushing_subnormals()  # (and back: the control word the kernels found)
+        restore_control(before)
+        exp_tile_to_pairs(fused[3:], row, 2, n, shifts, fused_pairs, pair_row, 1.0, fused_sums)
+        after = flushing_subnormals()
+        restore_control(after)
         for r in range(2):
-            fused_sums[r] = exp_shifted_to_pairs(fused, 3 + r * row, n, shift, fused_pairs, r * pair_row, 1.0)
-            later_sums[r] = exp_shifted(later, 3 + r * row, n, shift, True)
+            later_sums[r] = exp_shifted(later, 3 + r * row, n, shifts[r], True)
         pair_rows(later, 3, row, 2, n, later_pairs, pair_row, 1.0)
-        return fused_sums, later_sums, fused_pairs, later_pairs
+        return fused_sums, later_sums, fused_pairs, later_pairs, before, after
     return both
 
 

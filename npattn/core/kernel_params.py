@@ -102,7 +102,7 @@ Int = _positions("Int", (
     "KEY_SCALE_SHIFT",
     # CPU forward with BF16_PRODUCTS on AMX tiles, with a scale that is not a power of two and
     # no softcap, bias, ALiBi or dropout: the score products leave the scale out and the
-    # softmax applies it (its max pass and exp's own multiply: cpu.rowmath.exp_shifted_to_pairs)
+    # softmax applies it (its max pass and exp's own multiply: cpu.rowmath.exp_tile_to_pairs)
     "SOFTMAX_SCALE",
 ))
 

@@ -32,7 +32,7 @@ from .simd import lanes_in
 from .signatures import as_offset, as_readonly, larger, scalar_like, smaller
 from .threads import NON_FINITE, claim_items, next_item
 from .operands import Int, KvCodes, Real
-from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_shifted_to_pairs, row_max, short_row_max
+from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_tile_to_pairs, row_max, short_row_max
 from .code_products import code_product
 from .microkernels import pair_product, product
 from .tiles import (accumulator_start, apply_dropout, band_keys, cache_slot_sizes,
@@ -220,7 +220,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                             # max is usually set by the first tile): recompute the scores
                             score_tile(query, q_offset, q_row, k, tile, k_codes, k_scale, bias, mask, alibi, spans,
                                        pages, ints, reals, s, ld, tanh, key_tile, b, h, i0, rows, j0, cols)
-                        _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, sums_array,
+                        _exp_with_new_max(s, ld, rows, cols, head_m, head_total, head_seen, sums, sums_array,
                                           out_offset, out_row_stride, dv, bf16, p_pairs, pair_ld, softmax_scale)
                     if ints[Int.HAS_DROPOUT]:
                         apply_dropout(ints, s, ld, b, h, i0, rows, j0, cols, 1.0)
@@ -328,36 +328,40 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief, pairs,
     :func:`_exp_with_new_max`. ``brief``: exp to bfloat16's needs (BF16_PRODUCTS,
     :func:`~npattn.cpu.rowmath.exp_shifted`); ``pair_ld`` > 0 (with ``brief``, not on
     short rows): the probabilities go to ``pairs``, row r's from ``r * pair_ld``, as
-    bfloat16 pairs (:func:`~npattn.cpu.rowmath.exp_shifted_to_pairs`), not to ``s``.
+    bfloat16 pairs (:func:`~npattn.cpu.rowmath.exp_tile_to_pairs`), not to ``s``.
     ``scale``: the scores' scale where their products left it out (SOFTMAX_SCALE), else 1."""
     for r in range(rows):
         if not seen[r]:
             return _UNTOUCHED
     short = cols * s.itemsize == SHORT_ROW_BYTES  # (short rows: inlined, side by side)
     scale = _scaled_unless_to_pairs(s, ld, rows, cols, scale, short or not pair_ld)
-    for r in range(rows):
-        if short:
-            sums[r] = exp_short_row_shifted(s, r * ld, m[r])
-        elif pair_ld:
-            sums[r] = exp_shifted_to_pairs(s, r * ld, cols, m[r], pairs, r * pair_ld, scale)
-        else:
-            sums[r] = exp_shifted(s, r * ld, cols, m[r], brief)
-        if not sums[r] <= _REDO_ABOVE:
-            return _OVERWRITTEN
+    if pair_ld and not short:  # (the scores stay in s: the redo computes them again all the same)
+        exp_tile_to_pairs(s, ld, rows, cols, m, pairs, pair_ld, scale, sums)
+        for r in range(rows):
+            if not sums[r] <= _REDO_ABOVE:
+                return _OVERWRITTEN
+    else:
+        for r in range(rows):
+            if short:
+                sums[r] = exp_short_row_shifted(s, r * ld, m[r])
+            else:
+                sums[r] = exp_shifted(s, r * ld, cols, m[r], brief)
+            if not sums[r] <= _REDO_ABOVE:
+                return _OVERWRITTEN
     for r in range(rows):
         total[r] += sums[r]
     return _DONE
 
 
 @helper
-def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_row_stride, dv, brief, pairs,
+def _exp_with_new_max(s, ld, rows, cols, m, total, seen, sums, out, out_offset, out_row_stride, dv, brief, pairs,
                       pair_ld, scale):
     """The textbook online-softmax step: a max pass, exp against the new max, and the
-    running sum and output rows rescaled by exp(m_old - m_new) (``brief``, ``pairs``,
-    ``pair_ld`` and ``scale``: as :func:`_exp_with_running_max`'s)."""
+    running sum and output rows rescaled by exp(m_old - m_new) (``sums``, ``brief``,
+    ``pairs``, ``pair_ld`` and ``scale``: as :func:`_exp_with_running_max`'s)."""
     short = cols * s.itemsize == SHORT_ROW_BYTES  # (short rows: inlined, side by side)
     scale = _scaled_unless_to_pairs(s, ld, rows, cols, scale, short or not pair_ld)
-    for r in range(rows):
+    for r in range(rows):  # the new maxima; each row's shift to sums[r], where exp puts its sum
         # (a positive scale keeps the max where it is)
         tile_max = (short_row_max(s, r * ld) if short else row_max(s, r * ld, cols)) * scale
         m_before = m[r]
@@ -365,31 +369,35 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, out, out_offset, out_ro
         if tile_max > -np.inf:
             seen[r] = True
         # nothing visible yet: a shift of 0 keeps every exp at 0 (not NaN)
-        shift = new_max if new_max > -np.inf else 0.0
+        sums[r] = new_max if new_max > -np.inf else 0.0
         # (exp(-inf) without a call into libm: the first tile of every row)
         correction = 1.0 if new_max == -np.inf else (0.0 if m_before == -np.inf else math.exp(m_before - new_max))
         m[r] = new_max
-        if short:
-            tile_sum = exp_short_row_shifted(s, r * ld, shift)
-        elif pair_ld:
-            tile_sum = exp_shifted_to_pairs(s, r * ld, cols, shift, pairs, r * pair_ld, scale)
-        else:
-            tile_sum = exp_shifted(s, r * ld, cols, shift, brief)
-        if tile_sum != tile_sum:  # a visible NaN score (row_max skips it): the row is NaN
-            seen[r] = True
-        total[r] = total[r] * correction + tile_sum
+        total[r] *= correction
         # a row that has seen no key yet has a zero output row: nothing to rescale (the
         # first tile of every row; a small call's only one)
         if correction != 1.0 and m_before > -np.inf:
             o = out_offset + r * out_row_stride
             for x in range(as_offset(o), as_offset(o + dv)):
                 out[x] *= correction
+    if pair_ld and not short:
+        exp_tile_to_pairs(s, ld, rows, cols, sums, pairs, pair_ld, scale, sums)
+    else:
+        for r in range(rows):
+            if short:
+                sums[r] = exp_short_row_shifted(s, r * ld, sums[r])
+            else:
+                sums[r] = exp_shifted(s, r * ld, cols, sums[r], brief)
+    for r in range(rows):
+        if sums[r] != sums[r]:  # a visible NaN score (row_max skips it): the row is NaN
+            seen[r] = True
+        total[r] += sums[r]
 
 
 @njit(inline="always")
 def _scaled_unless_to_pairs(s, ld, rows, cols, scale, other_path):
     """The scale exp should apply to the tile's scores: ``scale`` where they go to pairs
-    (:func:`~npattn.cpu.rowmath.exp_shifted_to_pairs` applies it), else 1, the scores
+    (:func:`~npattn.cpu.rowmath.exp_tile_to_pairs` applies it), else 1, the scores
     scaled here first (a short row's or a dropout tile's exp takes scaled scores)."""
     if scale == 1.0 or not other_path:
         return scale

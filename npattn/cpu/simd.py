@@ -524,6 +524,33 @@ def store_bfloat16(typingctx, out, index, value):
 
 
 @intrinsic
+def store_bfloat16_two(typingctx, out, index, first, second):
+    """:func:`store_bfloat16` of ``first`` then ``second`` (lanes L each) as the L float32
+    elements from ``out[index]``: with AVX512_BF16's 16 lanes one ``vcvtne2ps2bf16`` and
+    one 64-byte store, where two stores of their own take two conversions of two
+    micro-ops each (the same bits)."""
+    if not (_check_float_array(out) and isinstance(first, Vector) and first == second and first.dtype == out.dtype):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _wide(builder)
+        vector = args[2].type
+        if BF16_DOT and vector.count == 16:
+            function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                ir.VectorType(_BFloat(), 32), [vector, vector]), "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
+            # (its first operand's lanes go high)
+            both = builder.bitcast(builder.call(function, [args[3], args[2]]), ir.VectorType(ir.IntType(16), 32))
+        else:  # (float64 kernels compile it, and never run it)
+            low, high = _bfloat16_rounded(builder, args[2]), _bfloat16_rounded(builder, args[3])
+            both = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), 2 * low.type.count),
+                                                                 list(range(2 * low.type.count))))
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1], both.type)
+        builder.store(both, pointer, align=4)
+        return context.get_dummy_value()
+    return types.none(out, index, first, second), codegen
+
+
+@intrinsic
 def store_rounded_pairs(typingctx, out, index, first, second):
     """Store the float32 vectors ``first`` and ``second`` (lanes L; two rows' values at the
     same columns) rounded to bfloat16 and interleaved, as ``out[index + i]`` = pair
