@@ -335,19 +335,10 @@ def _exp_with_running_max(s, ld, rows, cols, m, total, seen, sums, brief, pairs,
             return _UNTOUCHED
     short = cols * s.itemsize == SHORT_ROW_BYTES  # (short rows: inlined, side by side)
     scale = _scaled_unless_to_pairs(s, ld, rows, cols, scale, short or not pair_ld)
-    if pair_ld and not short:  # (the scores stay in s: the redo computes them again all the same)
-        exp_tile_to_pairs(s, ld, rows, cols, m, pairs, pair_ld, scale, sums)
-        for r in range(rows):
-            if not sums[r] <= _REDO_ABOVE:
-                return _OVERWRITTEN
-    else:
-        for r in range(rows):
-            if short:
-                sums[r] = exp_short_row_shifted(s, r * ld, m[r])
-            else:
-                sums[r] = exp_shifted(s, r * ld, cols, m[r], brief)
-            if not sums[r] <= _REDO_ABOVE:
-                return _OVERWRITTEN
+    _exp_tile(s, ld, rows, cols, m, sums, short, brief, pairs, pair_ld, scale)
+    for r in range(rows):
+        if not sums[r] <= _REDO_ABOVE:
+            return _OVERWRITTEN
     for r in range(rows):
         total[r] += sums[r]
     return _DONE
@@ -380,18 +371,27 @@ def _exp_with_new_max(s, ld, rows, cols, m, total, seen, sums, out, out_offset, 
             o = out_offset + r * out_row_stride
             for x in range(as_offset(o), as_offset(o + dv)):
                 out[x] *= correction
-    if pair_ld and not short:
-        exp_tile_to_pairs(s, ld, rows, cols, sums, pairs, pair_ld, scale, sums)
-    else:
-        for r in range(rows):
-            if short:
-                sums[r] = exp_short_row_shifted(s, r * ld, sums[r])
-            else:
-                sums[r] = exp_shifted(s, r * ld, cols, sums[r], brief)
+    _exp_tile(s, ld, rows, cols, sums, sums, short, brief, pairs, pair_ld, scale)
     for r in range(rows):
         if sums[r] != sums[r]:  # a visible NaN score (row_max skips it): the row is NaN
             seen[r] = True
         total[r] += sums[r]
+
+
+@njit(inline="always")
+def _exp_tile(s, ld, rows, cols, shifts, sums, short, brief, pairs, pair_ld, scale):
+    """``sums[r]`` = the sum of row r's exp against ``shifts[r]`` (read first: they may be
+    one array), the values to s (short rows inlined side by side, or ``brief``'s) or with
+    ``pair_ld`` to bfloat16 pairs (the scores then stay in s, but for each row's last
+    values: a redo computes them again all the same)."""
+    if pair_ld and not short:
+        exp_tile_to_pairs(s, ld, rows, cols, shifts, pairs, pair_ld, scale, sums)
+        return
+    for r in range(rows):
+        if short:
+            sums[r] = exp_short_row_shifted(s, r * ld, shifts[r])
+        else:
+            sums[r] = exp_shifted(s, r * ld, cols, shifts[r], brief)
 
 
 @njit(inline="always")
