@@ -45,7 +45,8 @@ from .jit import HELPER_OPTIONS, OPTIONS
 from .signatures import plain_int, scalar_like
 from .microkernels import pair_bits
 from .simd import (BF16_DOT, VECTOR_BYTES, Vector, add, call_llvm_intrinsic, fill, horizontal_max, horizontal_sum,
-                   lanes_in, load, load_first, maximum, multiply, store, store_bfloat16, store_bfloat16_two, store_first)
+                   lanes_in, load, load_first, maximum, multiply, store, store_bfloat16, store_bfloat16_two,
+                   store_first)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -340,7 +341,7 @@ def _exp_tile_to_pairs(x, ld, rows, n, shifts, pairs, pair_ld, scale, sums):
 
 @overload(_exp_tile_to_pairs, jit_options=OPTIONS)
 def _exp_tile_to_pairs_overload(x, ld, rows, n, shifts, pairs, pair_ld, scale, sums):
-    if not (BF16_DOT and VECTOR_BYTES == 64 and x.dtype == types.float32):  # (nothing to compile elsewhere)
+    if not (BF16_DOT and x.dtype == types.float32):  # (nothing to compile elsewhere; BF16_DOT: AVX-512)
         return lambda x, ld, rows, n, shifts, pairs, pair_ld, scale, sums: None
     lanes = VECTOR_BYTES // 4
     log2e = np.float32(LOG2E)

@@ -20,11 +20,11 @@ the gradients in the backward) and get the kernels' results. The CPU's backward 
 check as they work: dout on delta = rowsum(dout * out) (NaN or infinite in every row
 where dout is), before the kernels run, and 16-bit gradients as they are rounded; a
 plan that finds a non-finite value returns None, and the call takes this module's
-path (every CPU backward runs as a plan here, so it pays no pass of its own). The GPU's forward checks
-on the device instead: a kernel after it recomputes, in float64 and reading only the
-keys each row sees, every row that is not finite (``npattn/gpu/repair.cu``), and the
-result says it needs no check, so no call waits for the device (calls that return the
-weights keep the host's check).
+path (every CPU backward runs as a plan here, so it pays no pass of its own). The
+GPU's forward checks on the device instead: a kernel after it recomputes, in float64
+and reading only the keys each row sees, every row that is not finite
+(``npattn/gpu/repair.cu``), and the result says it needs no check, so no call waits
+for the device (calls that return the weights keep the host's check).
 """
 from __future__ import annotations
 
