@@ -157,12 +157,10 @@ def _pair_product_overload(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_o
         return lambda a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha, \
             accumulate: None
 
-    def implementation(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
-                       accumulate):
-        _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(a_col),
-                 as_readonly(b), plain_int(b_offset), plain_int(b_row),
-                 c, plain_int(c_offset), plain_int(c_row),
-                 plain_int(rows), plain_int(pairs), plain_int(width), scalar_like(alpha, c), bool(accumulate), True)
+    def on_vectors(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
+                   accumulate):
+        _vector_pair_product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width,
+                             alpha, accumulate)
 
     def on_tiles(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
                  accumulate):
@@ -172,12 +170,19 @@ def _pair_product_overload(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_o
                               plain_int(rows), plain_int(pairs), plain_int(width), scalar_like(alpha, c),
                               bool(accumulate))
         else:
-            _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(a_col),
-                     as_readonly(b), plain_int(b_offset), plain_int(b_row),
-                     c, plain_int(c_offset), plain_int(c_row),
-                     plain_int(rows), plain_int(pairs), plain_int(width), scalar_like(alpha, c), bool(accumulate),
-                     True)
-    return on_tiles if TILES else implementation
+            _vector_pair_product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs,
+                                 width, alpha, accumulate)
+    return on_tiles if TILES else on_vectors
+
+
+@njit(inline="always")
+def _vector_pair_product(a, a_offset, a_row, a_col, b, b_offset, b_row, c, c_offset, c_row, rows, pairs, width, alpha,
+                         accumulate):
+    """:func:`pair_product` on AVX512_BF16's vectors (``vdpbf16ps``)."""
+    _product(as_readonly(a), plain_int(a_offset), plain_int(a_row), plain_int(a_col),
+             as_readonly(b), plain_int(b_offset), plain_int(b_row),
+             c, plain_int(c_offset), plain_int(c_row),
+             plain_int(rows), plain_int(pairs), plain_int(width), scalar_like(alpha, c), bool(accumulate), True)
 
 
 def _splat(a, index, a_row, row, block, pairs):
