@@ -77,6 +77,39 @@ def test_bfloat16_products_keep_the_bfloat16_bound(batch, kv_heads, group, q_len
     np.testing.assert_allclose(out.astype(np.float64), plain.astype(np.float64), rtol=0, atol=near)
 
 
+@needs_bf16
+@given(q_len=st.integers(1, 200), kv_len=st.integers(385, 800), head_dim=st.sampled_from([64, 80, 128]),
+       layout=st.sampled_from(["bhsd", "bshd"]), offset=st.sampled_from([16, 32, 48]), causal=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_bfloat16_forwards_give_the_same_bits_wherever_q_starts(q_len, kv_len, head_dim, layout, offset, causal,
+                                                                 seed):
+    """On AMX tiles a work item's query rows that start off 64-byte lines are copied onto
+    them after its first key tile, which reads them where they lie (a tile row across two
+    lines loads at about half speed: npattn.cpu.tiles.copy_query_rows); the later key tiles
+    (more than 384 keys) read the copy: the same products, so the same bits as q on lines.
+    Elsewhere nothing is copied, and the bits are the same all the same."""
+    rng = np.random.default_rng(seed)
+    heads, kv_heads = 2, 1
+    values = rng.normal(size=(1, heads, q_len, head_dim)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.normal(size=(1, kv_heads, kv_len, head_dim)).astype(ml_dtypes.bfloat16) for _ in range(2))
+
+    def q_at(line_offset):
+        """``values`` in memory that starts ``line_offset`` bytes past a 64-byte line, in
+        ``layout`` (bshd: heads interleaved in each row, head strides of D bytes x 2)."""
+        in_memory = values.transpose(0, 2, 1, 3) if layout == "bshd" else values
+        raw = np.empty(values.nbytes + 128, np.uint8)
+        start = -raw.ctypes.data % 64 + line_offset
+        placed = raw[start:start + values.nbytes].view(ml_dtypes.bfloat16).reshape(in_memory.shape)
+        placed[...] = in_memory
+        assert placed.ctypes.data % 64 == line_offset
+        return placed.transpose(0, 2, 1, 3) if layout == "bshd" else placed
+
+    on_lines = npattn.attention(q_at(0), k, v, causal=causal, return_lse=True)
+    off_lines = npattn.attention(q_at(offset), k, v, causal=causal, return_lse=True)
+    np.testing.assert_array_equal(off_lines[0].view(np.uint16), on_lines[0].view(np.uint16))
+    np.testing.assert_array_equal(off_lines[1], on_lines[1])
+
+
 def _off_boundary(array):
     """A C-contiguous copy of ``array`` whose data starts 2 bytes past a 4-byte boundary."""
     flat = np.empty(array.size + 2, array.dtype)

@@ -104,6 +104,10 @@ Int = _positions("Int", (
     # no softcap, bias, ALiBi or dropout: the score products leave the scale out and the
     # softmax applies it (its max pass and exp's own multiply: cpu.rowmath.exp_tile_to_pairs)
     "SOFTMAX_SCALE",
+    # CPU forward with BF16_PRODUCTS on AMX tiles: the row stride (float32 words, whole cache
+    # lines) of a copy of each work item's query rows, made where q's rows do not start on
+    # 64-byte lines (cpu.tiles.copy_query_rows); 0: q read where it lies
+    "QUERY_COPY_WORDS",
 ))
 
 # The values of Int.KV_CODES

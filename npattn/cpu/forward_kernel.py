@@ -36,10 +36,11 @@ from .rowmath import SHORT_ROW_BYTES, exp_short_row_shifted, exp_shifted, exp_ti
 from .code_products import code_product
 from .microkernels import pair_product, product
 from .tiles import (accumulator_start, apply_dropout, band_keys, cache_slot_sizes,
-                    cached_key_tile, codes_in_registers, convert_query_rows, convert_value_rows, dequantize_tile,
+                    cached_key_tile, codes_in_registers, convert_query_rows, convert_value_rows, copy_query_rows,
+                    dequantize_tile,
                     key_cache, key_segments, memory_batch,
                     memory_batches, narrow_row, pack_key_codes, pack_key_tile, pack_value_pairs, page_run, pair_rows,
-                    pair_tiles, prefetch_key_rows, query_rows, row_head, score_tile, span,
+                    pair_tiles, prefetch_key_rows, queries_off_lines, query_rows, row_head, score_tile, span,
                     store_weights_row, v_row, v_scale_row, value_tile_rows, whole_vector_rows)
 from .operands import Span
 
@@ -165,6 +166,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                     sums_array[x] = 0.0
         if ints[Int.Q_CODES]:  # 16-bit queries: the item's rows in float32, once
             convert_query_rows(q, ints, b, h0, group, i0, rows, dequantized)
+        # (QUERY_COPY_WORDS: rows off 64-byte lines copied onto them after the first key tile)
+        off_lines, copied = queries_off_lines(q, ints, b, h0, group, i0), False
         sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
         range_start = split * split_keys
         for segment in range(2):
@@ -205,7 +208,7 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                         pack_key_codes(k_codes, dequantized, pages, ints, b, kv_head, j0, cols, key_tile)
                     elif not from_cache:
                         pack_key_tile(k, tile, pages, ints, b, kv_head, j0, cols, key_tile)
-                    query, q_offset, q_row = query_rows(q, dequantized, ints, b, h, g, i0)
+                    query, q_offset, q_row = query_rows(q, dequantized, ints, b, h, g, i0, copied)
                     full = score_tile(query, q_offset, q_row, k, tile, k_codes, k_scale, bias, mask, alibi, spans,
                                       pages, ints, reals, s, ld, tanh, key_tile, b, h, i0, rows, j0, cols)
                     # a bfloat16 tile's probabilities go to pairs as exp makes them (not with
@@ -284,6 +287,9 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                 gemm(False, False, dv, rows, run, 1.0, v[v_row(ints, pages, b, kv_head, j0 + c0):],
                                      v_row_stride, s[c0:], ld, 1.0, sums_array[out_offset:], out_row_stride)
                             c0 += run
+                if off_lines and not copied:  # (the rows in cache now: the first tile read them)
+                    copy_query_rows(q, ints, b, h0, group, i0, rows, dequantized)
+                    copied = True
         for g in range(group):
             h = h0 + g
             out_offset, out_row_stride = _sums_rows(ints, out_strides, split, b, h, g, i0)
@@ -431,7 +437,7 @@ def weights_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
         kv_head = h // (heads // ints[Int.KV_HEADS])
         if ints[Int.Q_CODES]:  # 16-bit queries: the item's rows in float32, once (as the forward)
             convert_query_rows(q, ints, b, h, 1, i0, rows, dequantized)
-        query, q_offset, q_row = query_rows(q, dequantized, ints, b, h, 0, i0)
+        query, q_offset, q_row = query_rows(q, dequantized, ints, b, h, 0, i0, False)
         sink_start, sink_end, band_start, band_stop = key_segments(ints, spans, b, i0, i1)
         for segment in range(2):
             first, last = (sink_start, sink_end) if segment == 0 else (band_start, band_stop)

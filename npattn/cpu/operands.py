@@ -662,6 +662,7 @@ def _parameters(problem, kind, tuning, rows_per_position, strides, codes=KvCodes
     ints[Int.KEY_SCALE_SHIFT] = key_scale_shift(problem, dtype) if kind == "forward" and pairs else 0
     ints[Int.SOFTMAX_SCALE] = (kind == "forward" and pairs and not ints[Int.KEY_SCALE_SHIFT]
                                and softmax_takes_scale(problem, ints))
+    ints[Int.QUERY_COPY_WORDS] = query_copy_words(problem) if kind == "forward" and pairs else 0
     if problem.quantized:
         ints[Int.K_SCALE_STRIDE_B:Int.K_SCALE_STRIDE_S + 1] = flat_view_strides(problem.k_scale, SCALE_DTYPE)
         ints[Int.V_SCALE_STRIDE_B:Int.V_SCALE_STRIDE_S + 1] = flat_view_strides(problem.v_scale, SCALE_DTYPE)
@@ -680,6 +681,19 @@ def key_scale_shift(problem, dtype) -> int:
         return 0
     mantissa, exponent = math.frexp(float(np.dtype(dtype).type(problem.scale)))
     return 1 - exponent if mantissa == 0.5 and 1 <= 1 - exponent <= 30 else 0
+
+
+def query_copy_words(problem) -> int:
+    """``Int.QUERY_COPY_WORDS`` of a forward with bfloat16 pair products: where they run on
+    AMX tiles, the row stride (float32 words of pairs, whole 64-byte lines) of each work
+    item's query rows copied onto lines where q's are not on them (a tile row across two
+    lines loads at about half speed: :func:`npattn.cpu.tiles.queries_off_lines`); else 0."""
+    from .amx import TILES
+
+    if not TILES:
+        return 0
+    line = 16  # (float32 words)
+    return -(-(problem.head_dim // 2) // line) * line
 
 
 def softmax_takes_scale(problem, ints) -> bool:

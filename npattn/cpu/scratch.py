@@ -151,9 +151,10 @@ def dequantized_tile_spec(ints, dtype) -> tuple:
     pair tiles instead (:func:`npattn.cpu.tiles.pair_tiles`); nothing otherwise. With
     Q_CODES, a work item's queries as float rows after them (HEAD_GROUP x BLOCK_Q x D,
     :func:`npattn.cpu.tiles.convert_query_rows`), and with OUT_CODES its out rows' sums
-    (HEAD_GROUP x BLOCK_Q x Dv); last, with KEY_CACHE_SLOTS, the key tiles a forward
+    (HEAD_GROUP x BLOCK_Q x Dv); with KEY_CACHE_SLOTS, the key tiles a forward
     keeps packed (:func:`npattn.cpu.tiles.key_cache`, at most ``Tuning.key_cache_bytes``);
-    at least 1 element."""
+    last, with QUERY_COPY_WORDS, a work item's query rows copied onto cache lines
+    (:func:`npattn.cpu.tiles.copy_query_rows`); at least 1 element."""
     rows, keys, head_dim, value_dim = (int(ints[name]) for name in (Int.BLOCK_Q, Int.BLOCK_K, Int.HEAD_DIM,
                                                                      Int.VALUE_DIM))
     # (with OUT_CODES the float32 sums of an item's out rows last: forward_kernel._sums_rows)
@@ -163,7 +164,11 @@ def dequantized_tile_spec(ints, dtype) -> tuple:
 
         ld = int(ints[Int.SCORE_LD])
         cache = int(ints[Int.KEY_CACHE_SLOTS]) * sum(cache_slot_words(head_dim, value_dim, keys, ld, True))
-        return sum(pair_tile_sizes.py_func(rows, keys, value_dim, ld)) + sums + cache, dtype
+        # (and an item's query rows copied onto lines, from the first line after the rest:
+        # tiles.copy_query_rows)
+        copy = rows * int(ints[Int.HEAD_GROUP]) * int(ints[Int.QUERY_COPY_WORDS])
+        copy += _ALIGN_BYTES // 4 - 1 if copy else 0
+        return sum(pair_tile_sizes.py_func(rows, keys, value_dim, ld)) + sums + cache + copy, dtype
     if not ints[Int.KV_CODES]:  # float keys: the kept key tiles alone (tiles.key_cache)
         ld = int(ints[Int.SCORE_LD])
         return max(1, int(ints[Int.KEY_CACHE_SLOTS]) * sum(cache_slot_words(head_dim, value_dim, keys, ld,

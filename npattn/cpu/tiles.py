@@ -631,14 +631,54 @@ def _add_bias_codes_overload(s, offset, bias, at, step, cols, brain):
 
 
 @njit(inline="always")
-def query_rows(q, dequantized, ints, b, h, g, i0):
+def query_rows(q, dequantized, ints, b, h, g, i0, copied):
     """``(array, offset, row stride)`` of row ``i0`` of head ``h`` (the item's ``g``-th) as
     :func:`score_tile` reads it: q itself, or with Q_CODES the item's converted rows
-    (:func:`convert_query_rows`)."""
+    (:func:`convert_query_rows`), or where ``copied`` its copied rows (:func:`copy_query_rows`)."""
     if ints[Int.Q_CODES]:
         head_dim = ints[Int.HEAD_DIM]
         return (as_readonly(dequantized), query_tile_start(ints) + g * ints[Int.BLOCK_Q] * head_dim, head_dim)
+    if copied:
+        words = ints[Int.QUERY_COPY_WORDS]
+        return as_readonly(dequantized), query_copy_start(ints) + g * ints[Int.BLOCK_Q] * words, words
     return as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S]
+
+
+@njit(inline="always")
+def queries_off_lines(q, ints, b, h0, heads, i0):
+    """With QUERY_COPY_WORDS: whether some row of heads ``[h0, h0 + heads)`` from ``i0`` on
+    starts off a 64-byte line, so that :func:`copy_query_rows` pays (q: bfloat16 pairs,
+    strides in words). A tile row that straddles two lines loads at about half speed: on
+    the AMX VM a 192 x 384 score tile at D = 128 took 45-46 thousand cycles with q 16 bytes
+    off a line against 37 thousand on lines (npattn/cpu/TUNING.md)."""
+    if not ints[Int.QUERY_COPY_WORDS]:
+        return False
+    line = 64
+    start = q.ctypes.data + q.itemsize * query_offset(ints, b, h0, i0)
+    row_bytes, head_bytes = q.itemsize * ints[Int.Q_STRIDE_S], q.itemsize * ints[Int.Q_STRIDE_H]
+    return start % line != 0 or row_bytes % line != 0 or (heads > 1 and head_bytes % line != 0)
+
+
+@njit(inline="always")
+def copy_query_rows(q, ints, b, h0, heads, i0, rows, dequantized):
+    """Rows ``[i0, i0 + rows)`` of heads ``[h0, h0 + heads)`` of entry ``b`` (bfloat16 pairs,
+    key_words words a row) copied to the dequantized scratch on 64-byte lines, head g's row
+    r at ``query_copy_start + (g * BLOCK_Q + r) * QUERY_COPY_WORDS``: once per work item,
+    after its first key tile, which brings the rows into cache (a copy first waited for them
+    from memory), for its other key tiles to read (:func:`query_rows`)."""
+    words, stride = key_words(ints), ints[Int.QUERY_COPY_WORDS]
+    start, block_q, row_stride = query_copy_start(ints), ints[Int.BLOCK_Q], ints[Int.Q_STRIDE_S]
+    lanes = lanes_in(dequantized)
+    whole = words - words % lanes
+    for g in range(heads):
+        source = query_offset(ints, b, h0 + g, i0)
+        target = start + g * block_q * stride
+        for r in range(rows):
+            at, to = source + r * row_stride, target + r * stride
+            for x in range(0, whole, lanes):
+                store(dequantized, to + x, load(q, at + x))
+            if whole < words:
+                store_first(dequantized, to + whole, load_first(q, at + whole, words - whole, 0.0), words - whole)
 
 
 @njit(inline="always")
@@ -825,6 +865,13 @@ def key_cache(ints, scratch):
     :func:`dequantize_tile` scratch, after the pair tiles and the out rows' sums (bfloat16
     pairs) or from its start (float keys, which need nothing else there): slot n's tiles
     at n times :func:`~npattn.cpu.operands.cache_slot_words`."""
+    start, keys_end, values_end = _key_cache_bounds(ints)
+    return scratch[start:keys_end], scratch[keys_end:values_end]
+
+
+@njit(inline="always")
+def _key_cache_bounds(ints):
+    """Where :func:`key_cache`'s keys start, end and its values end in the scratch."""
     pairs = ints[Int.BF16_PRODUCTS]
     start = 0
     if pairs:
@@ -834,7 +881,16 @@ def key_cache(ints, scratch):
     key_size, value_size = cache_slot_sizes(ints[Int.HEAD_DIM], ints[Int.VALUE_DIM], ints[Int.BLOCK_K],
                                             ints[Int.SCORE_LD], pairs != 0)
     keys_end = start + ints[Int.KEY_CACHE_SLOTS] * key_size
-    return scratch[start:keys_end], scratch[keys_end:keys_end + ints[Int.KEY_CACHE_SLOTS] * value_size]
+    return start, keys_end, keys_end + ints[Int.KEY_CACHE_SLOTS] * value_size
+
+
+@njit(inline="always")
+def query_copy_start(ints):
+    """Where :func:`copy_query_rows` puts a work item's query rows in the dequantized
+    scratch (BF16_PRODUCTS): on the first 64-byte line after the kept key tiles
+    (:func:`key_cache`); the scratch starts on one (:func:`npattn.cpu.scratch.scratch_set`)."""
+    line = 16  # (float32 words)
+    return -(-_key_cache_bounds(ints)[2] // line) * line
 
 
 @njit(inline="always")
