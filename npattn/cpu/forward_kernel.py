@@ -287,7 +287,8 @@ def forward_kernel(q, k, v, bias, mask, alibi, sink, spans, pages, ints, reals, 
                                 gemm(False, False, dv, rows, run, 1.0, v[v_row(ints, pages, b, kv_head, j0 + c0):],
                                      v_row_stride, s[c0:], ld, 1.0, sums_array[out_offset:], out_row_stride)
                             c0 += run
-                if off_lines and not copied:  # (the rows in cache now: the first tile read them)
+                # (the rows in cache now: the first tile read them; none copied for no tile after it)
+                if off_lines and not copied and j0 + block_k < last:
                     copy_query_rows(q, ints, b, h0, group, i0, rows, dequantized)
                     copied = True
         for g in range(group):

@@ -640,7 +640,7 @@ def query_rows(q, dequantized, ints, b, h, g, i0, copied):
         return (as_readonly(dequantized), query_tile_start(ints) + g * ints[Int.BLOCK_Q] * head_dim, head_dim)
     if copied:
         words = ints[Int.QUERY_COPY_WORDS]
-        return as_readonly(dequantized), query_copy_start(ints) + g * ints[Int.BLOCK_Q] * words, words
+        return as_readonly(dequantized), query_copy_start(ints, dequantized) + g * ints[Int.BLOCK_Q] * words, words
     return as_readonly(q), query_offset(ints, b, h, i0), ints[Int.Q_STRIDE_S]
 
 
@@ -649,11 +649,11 @@ def queries_off_lines(q, ints, b, h0, heads, i0):
     """With QUERY_COPY_WORDS: whether some row of heads ``[h0, h0 + heads)`` from ``i0`` on
     starts off a 64-byte line, so that :func:`copy_query_rows` pays (q: bfloat16 pairs,
     strides in words). A tile row that straddles two lines loads at about half speed: on
-    the AMX VM a 192 x 384 score tile at D = 128 took 45-46 thousand cycles with q 16 bytes
-    off a line against 37 thousand on lines (npattn/cpu/TUNING.md)."""
+    the AMX VM a 192 x 384 score tile at D = 128 took 41-46 thousand cycles with q 16 or 48
+    bytes off a line against 35-39 thousand on lines (npattn/cpu/TUNING.md)."""
     if not ints[Int.QUERY_COPY_WORDS]:
         return False
-    line = 64
+    line = q.itemsize * line_elements(q)
     start = q.ctypes.data + q.itemsize * query_offset(ints, b, h0, i0)
     row_bytes, head_bytes = q.itemsize * ints[Int.Q_STRIDE_S], q.itemsize * ints[Int.Q_STRIDE_H]
     return start % line != 0 or row_bytes % line != 0 or (heads > 1 and head_bytes % line != 0)
@@ -667,7 +667,7 @@ def copy_query_rows(q, ints, b, h0, heads, i0, rows, dequantized):
     after its first key tile, which brings the rows into cache (a copy first waited for them
     from memory), for its other key tiles to read (:func:`query_rows`)."""
     words, stride = key_words(ints), ints[Int.QUERY_COPY_WORDS]
-    start, block_q, row_stride = query_copy_start(ints), ints[Int.BLOCK_Q], ints[Int.Q_STRIDE_S]
+    start, block_q, row_stride = query_copy_start(ints, dequantized), ints[Int.BLOCK_Q], ints[Int.Q_STRIDE_S]
     lanes = lanes_in(dequantized)
     whole = words - words % lanes
     for g in range(heads):
@@ -885,11 +885,11 @@ def _key_cache_bounds(ints):
 
 
 @njit(inline="always")
-def query_copy_start(ints):
+def query_copy_start(ints, scratch):
     """Where :func:`copy_query_rows` puts a work item's query rows in the dequantized
-    scratch (BF16_PRODUCTS): on the first 64-byte line after the kept key tiles
+    ``scratch`` (BF16_PRODUCTS): on the first 64-byte line after the kept key tiles
     (:func:`key_cache`); the scratch starts on one (:func:`npattn.cpu.scratch.scratch_set`)."""
-    line = 16  # (float32 words)
+    line = line_elements(scratch)
     return -(-_key_cache_bounds(ints)[2] // line) * line
 
 
